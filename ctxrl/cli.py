@@ -1,0 +1,223 @@
+"""``ctxrl`` command line: demo, train, eval, envs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ctxrl.config import Config, ConfigError, load_config
+
+DEMO_STEPS_HINT = "the demo's settings are the defaults, also written out in examples/calculator_tiny.toml"
+
+
+def _default_run_dir(config: Config) -> Path:
+    return Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False) -> dict[str, Any]:
+    """Warm start (if enabled), evaluate, RL, evaluate again; write the run directory."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ctxrl.report.plots import plot_run
+    from ctxrl.train.loop import Run
+
+    console = Console(stderr=True, quiet=quiet or not config.run.progress)
+    started = time.perf_counter()
+    run = Run(config, run_dir, log=console.print)
+    console.print(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {run.device} | "
+                  f"env {config.env.name}")
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[info]}")]
+    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    with Progress(*columns, console=console, transient=False) as progress:
+        if config.sft.enabled:
+            bar = progress.add_task("warm start (SFT)", total=None, info="")
+
+            def on_sft(step: int, total: int, loss: float) -> None:
+                progress.update(bar, completed=step, total=total, info=f"loss {loss:.3f}")
+
+            sft = run.warm_start(on_step=on_sft)
+            summary["sft_loss_last"] = sft["sft_loss_last"]
+        before = run.evaluate(0)
+        progress.console.print(f"after warm start: heldout {before['heldout']['success']:.2f}  "
+                               f"ood {before['ood']['success']:.2f}")
+        learner = run.make_learner()
+        steps = config.train.steps
+        bar = progress.add_task("GRPO", total=steps, info="")
+        history = []
+        for step in range(steps):
+            row = run.rl_step(learner, step)
+            history.append(row)
+            info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
+                    f"{row['time_step']:.1f}s/step")
+            if config.train.eval_every and (step + 1) % config.train.eval_every == 0 and step + 1 < steps:
+                mid = run.evaluate(step + 1, splits=("heldout",))
+                info += f" | heldout {mid['heldout']['success']:.2f}"
+            if config.train.checkpoint_every and (step + 1) % config.train.checkpoint_every == 0:
+                run.save_checkpoint(f"step-{step + 1:06d}")
+            progress.update(bar, advance=1, info=info)
+        after = run.evaluate(steps) if steps else before
+    checkpoint = run.save_checkpoint("final")
+    run.writer.close()
+    plots = plot_run(run_dir)
+    summary.update({
+        "heldout_success_before": before["heldout"]["success"],
+        "heldout_success_after": after["heldout"]["success"],
+        "ood_success_before": before["ood"]["success"],
+        "ood_success_after": after["ood"]["success"],
+        "tool_calls_before": before["heldout"]["tool_calls"],
+        "tool_calls_after": after["heldout"]["tool_calls"],
+        "steps": steps,
+        "skipped_updates": learner.skipped_updates,
+        "checkpoint": str(checkpoint),
+        "plots": [str(p) for p in plots],
+        "device": run.device,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    })
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="held-out success, before vs after RL (greedy)")
+    table.add_column("split")
+    table.add_column("after warm start", justify="right")
+    table.add_column("after GRPO", justify="right")
+    table.add_column("change", justify="right")
+    for split in ("heldout", "ood"):
+        b, a = summary[f"{split}_success_before"], summary[f"{split}_success_after"]
+        table.add_row(split, f"{b:.2f}", f"{a:.2f}", f"{a - b:+.2f}")
+    table.add_row("tool calls / episode (heldout)", f"{summary['tool_calls_before']:.2f}",
+                  f"{summary['tool_calls_after']:.2f}", "")
+    console = Console()
+    console.print(table)
+    console.print(f"run directory: {summary['run_dir']}  ({summary['steps']} steps, {summary['wall_seconds']}s)")
+
+
+def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    return load_config(path, overrides)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    config = _config_from_args(None, args)
+    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
+    summary = run_pipeline(config, run_dir, quiet=args.json and not sys.stderr.isatty())
+    print_table(summary)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    config = _config_from_args(args.config, args)
+    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
+    summary = run_pipeline(config, run_dir)
+    print_table(summary)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ctxrl.train.loop import Run
+
+    overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false"]
+    config = load_config(args.config, overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
+        f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    run = Run(config, run_dir)
+    splits = (args.split,) if args.split else ("heldout", "ood")
+    results = run.evaluate(0, splits=splits)
+    run.writer.close()
+    table = Table(title=f"evaluation of {args.checkpoint}")
+    for column in ("split", "success", "reward", "tool calls/ep", "turns/ep"):
+        table.add_column(column)
+    for split, r in results.items():
+        table.add_row(split, f"{r['success']:.3f}", f"{r['reward']:.3f}", f"{r['tool_calls']:.2f}", f"{r['turns']:.2f}")
+    Console().print(table)
+    if args.json:
+        print(json.dumps({"checkpoint": str(args.checkpoint), **{k: v for k, v in results.items()}}))
+    return 0
+
+
+def cmd_envs(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ctxrl.envs.registry import get_env_class, list_envs
+
+    table = Table(title="environments")
+    for column in ("name", "tools", "context", "train range", "ood range", "meaning"):
+        table.add_column(column)
+    for name in list_envs():
+        cls = get_env_class(name)
+        env = cls()
+        tools = ", ".join(t.name for t in env.tools)
+        env.close()
+        for i, p in enumerate(cls.context_space.describe()):
+            if "choices" in p:
+                train, ood = ", ".join(map(str, p["choices"])), "-"
+            else:
+                train, ood = "{}..{}".format(*p["train"]), "{}..{}".format(*p["ood"])
+            table.add_row(name if i == 0 else "", tools if i == 0 else "", p["name"], train, ood, p["description"])
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctxrl", description="Multi-turn RL for LLM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--run-dir", help="run directory (default runs/<name>-<time>)")
+        p.add_argument("--steps", type=int, help="RL steps (same as train.steps=N)")
+        p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+        p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+
+    demo = sub.add_parser("demo", help="train the tiny model on the calculator env and show it improve")
+    common(demo)
+    demo.set_defaults(fn=cmd_demo)
+    train = sub.add_parser("train", help="train from a TOML config")
+    train.add_argument("config")
+    common(train)
+    train.set_defaults(fn=cmd_train)
+    ev = sub.add_parser("eval", help="evaluate a checkpoint")
+    ev.add_argument("config")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint directory (e.g. RUN/checkpoints/final)")
+    ev.add_argument("--split", choices=("heldout", "ood", "train"))
+    ev.add_argument("--run-dir")
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("overrides", nargs="*")
+    ev.set_defaults(fn=cmd_eval)
+    envs = sub.add_parser("envs", help="list environments and their context spaces")
+    envs.set_defaults(fn=cmd_envs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"ctxrl: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ctxrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""Run configuration: flat, typed dataclasses with a docstring per field, loaded from TOML.
+
+A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[sft]``,
+``[algo]``, ``[train]``, ``[eval]``, ``[run]``); the command line overrides any field as
+``section.field=value`` (the value is read as a TOML literal, or as a string if it is not one).
+An unknown section or field, or a value of the wrong type or out of range, is a ``ConfigError``
+that names the key and suggests the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """HF hub name or local checkpoint directory of the policy, or ``tiny`` (built locally)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``."""
+    chat_template: str = ""
+    """Optional Jinja file (or template text) replacing the tokenizer's chat template."""
+
+
+@dataclass
+class EnvConfig:
+    name: str = "calculator"
+    """Registered environment name, or ``package.module:Class``."""
+    max_turns: int = 4
+    """Assistant turns per episode before it is truncated (``max_turns``)."""
+
+
+@dataclass
+class RolloutConfig:
+    tasks_per_step: int = 8
+    """Distinct training tasks per RL step."""
+    group_size: int = 8
+    """Episodes sampled per task (the GRPO group)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (the learner uses the same one)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = 48
+    """Tokens one assistant turn may sample before it is cut off (``max_new_tokens``)."""
+    max_total_tokens: int = 512
+    """Tokens of a whole episode (prompt, turns, observations) (``max_total_tokens``)."""
+    max_batch_size: int = 128
+    """Largest batch of concurrent requests the engine decodes together."""
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = True
+    """Warm-start with supervised fine-tuning on the environment's scripted solutions."""
+    demos: int = 1200
+    """Number of demonstration episodes."""
+    shortcut_fraction: float = 0.5
+    """Fraction of demos that answer without the tool (the env's ``shortcut``): imperfect on purpose."""
+    epochs: int = 4
+    """Passes over the demonstrations."""
+    batch_size: int = 32
+    """Episodes per optimiser step."""
+    lr: float = 3e-3
+    """AdamW learning rate (linear warm-up over 5% of steps, then cosine decay)."""
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = "grpo"
+    """Advantage estimator: ``grpo`` (std-normalised) or ``dr_grpo`` (centred only)."""
+    clip_low: float = 0.2
+    """PPO lower clip: ratios below 1 - clip_low stop the gradient of negative advantages."""
+    clip_high: float = 0.2
+    """PPO upper clip (DAPO's clip-higher raises it, e.g. 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the KL(policy || reference) term in the loss (0 = no reference model)."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (0 = off)."""
+    agg: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    """RL steps (each: rollout, advantages, updates)."""
+    lr: float = 5e-4
+    """AdamW learning rate for RL."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 2
+    """Optimiser steps per pass (the batch is split into this many mini-batches)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    eval_every: int = 10
+    """Evaluate on held-out tasks every N steps (0 = only at the end)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+
+
+@dataclass
+class EvalConfig:
+    tasks: int = 100
+    """Tasks per split for evaluation."""
+    temperature: float = 0.0
+    """Evaluation sampling temperature (0 = greedy)."""
+    seed: int = 1234
+    """Seed of the evaluation task sample (fixed so before/after compare the same tasks)."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name; the run directory defaults to ``runs/<name>-<timestamp>``."""
+    seed: int = 0
+    """Seed for tasks, sampling and initialisation."""
+    progress: bool = True
+    """Show a live progress bar."""
+    samples_per_step: int = 4
+    """Decoded episodes written to samples.jsonl per step."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# -- validation --------------------------------------------------------------------------------
+_POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "rollout.max_new_tokens",
+             "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
+             "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks"}
+_NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
+                 "algo.entropy_coef", "train.steps", "train.weight_decay", "train.eval_every",
+                 "train.checkpoint_every", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
+_CHOICES = {"algo.advantage": ("grpo", "dr_grpo"), "algo.kl_kind": ("k1", "k2", "k3"),
+            "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+            "model.dtype": ("float32", "bfloat16", "float16")}
+
+
+def validate(config: Config) -> None:
+    for section in dataclasses.fields(config):
+        obj = getattr(config, section.name)
+        for f in dataclasses.fields(obj):
+            key, value = f"{section.name}.{f.name}", getattr(obj, f.name)
+            if key in _POSITIVE and value <= 0:
+                raise ConfigError(f"{key} must be > 0, got {value!r}")
+            if key in _NON_NEGATIVE and value < 0:
+                raise ConfigError(f"{key} must be >= 0, got {value!r}")
+            if key in _CHOICES and value not in _CHOICES[key]:
+                raise ConfigError(f"{key} must be one of {', '.join(_CHOICES[key])}; got {value!r}")
+    if not 0.0 < config.rollout.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
+    if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
+        raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
+    if config.rollout.group_size < 2 and config.train.steps > 0:
+        raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
+                          "episodes per task")
+
+
+# -- loading -----------------------------------------------------------------------------------
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid: {', '.join(sorted(options))}"
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    expected = {"str": str, "int": int, "float": float, "bool": bool}[annotation if isinstance(annotation, str)
+                                                                      else annotation.__name__]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if not isinstance(value, expected):
+        raise ConfigError(f"{key} must be a {expected.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build a ``Config`` from nested dicts, rejecting unknown or ill-typed keys."""
+    sections = _section_types()
+    built = {}
+    for name, values in data.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section [{name}]{_nearest(name, list(sections))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of fields, got {values!r}")
+        cls = sections[name]
+        hints = typing.get_type_hints(cls)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(f"unknown config key {name}.{key}"
+                                  f"{_nearest(f'{name}.{key}', [f'{name}.{f}' for f in fields])}")
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        built[name] = cls(**kwargs)
+    return Config(**built)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.field=value`` -> (section, field, value); the value is a TOML literal or a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"override {text!r} must look like section.field=value, e.g. train.steps=10")
+    section, _, name = key.strip().partition(".")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, name, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML file (or start from defaults) and apply ``section.field=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: malformed TOML: {exc}") from exc
+    for text in overrides:
+        section, name, value = parse_override(text)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"cannot override {section}.{name}: [{section}] is not a table")
+        data[section][name] = value
+    return from_dict(data)
+
+
+def to_toml(config: Config) -> str:
+    """The resolved configuration as TOML (round-trips through ``load_config``)."""
+    lines = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def describe_fields() -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, docstring) of every field, from the docstrings under each field."""
+    import ast
+    import inspect
+
+    out = []
+    for section, cls in _section_types().items():
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        docs = {}
+        for prev, node in zip(body, body[1:]):
+            if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                docs[prev.target.id] = node.value.value
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out.append((f"{section}.{f.name}", hints[f.name].__name__, f.default, docs.get(f.name, "")))
+    return out
+
+
+def fields_markdown() -> str:
+    """The configuration reference as Markdown (docs/configuration.md is generated from it)."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, type_name, default, doc in describe_fields():
+        lines.append(f"| `{key}` | {type_name} | `{_toml_value(default)}` | {' '.join(doc.split())} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(fields_markdown())

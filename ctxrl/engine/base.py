@@ -1,0 +1,52 @@
+"""The ``Engine`` protocol: prompt ids in, sampled ids with their log-probabilities out.
+
+Anything that satisfies it can drive rollouts: the in-process ``HFEngine`` today; a remote
+OpenAI-compatible server (vLLM, SGLang) later. Plain data in and out, so it can cross a
+process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    ``temperature <= 0`` means greedy. ``top_k = 0`` and ``top_p = 1.0`` disable truncation.
+    Generation stops after a token in ``stop_ids`` (which is kept in the output, as the model
+    sampled it) or after ``max_new_tokens``.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    """Sampled ids, their behaviour log-probs, why sampling stopped, and the policy version."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop id was sampled) or "length"
+    policy_version: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    version: int
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...

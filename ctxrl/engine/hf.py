@@ -1,0 +1,208 @@
+"""``HFEngine``: batched sampling from a HF causal LM, in-process, on CPU or CUDA.
+
+Many episodes call ``await engine.generate(prompt_ids, params)`` concurrently. A single worker
+collects the requests that are waiting, left-pads them into one batch, runs one prefill and a
+token-by-token decode loop over a KV cache, and resolves each request with its sampled ids and
+their log-probabilities. The forward passes run in a worker thread so the event loop keeps
+serving tools and timers meanwhile.
+
+What it is: static batching (a batch runs until its last row stops; requests that arrive
+meanwhile form the next batch). What it is not: continuous batching or paged attention — for
+those, serve the policy with vLLM/SGLang behind the same ``Engine`` protocol.
+
+Log-probabilities are those of the temperature-scaled distribution *before* top-k / top-p
+truncation (``log_softmax(logits / T)``, with T = 1 for greedy decoding), the quantity the
+learner recomputes. Weights reach the engine without a disk round trip: pass the learner's own
+module (shared, zero-copy) or call ``load_weights`` with a state dict (in-memory copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ctxrl.engine.base import Completion, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future = field(repr=False)
+
+
+class HFEngine:
+    """Batched in-process generation; see the module docstring."""
+
+    def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 64, seed: int = 0,
+                 max_total_tokens: int | None = None) -> None:
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.max_batch_size = max_batch_size
+        self.max_total_tokens = max_total_tokens or int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.version = 0
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._pending: list[_Request] = []
+        self._worker: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.stats = {"batches": 0, "requests": 0, "forward_passes": 0, "generate_seconds": 0.0}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- weights -----------------------------------------------------------------------------
+    def load_weights(self, state_dict: dict[str, torch.Tensor], *, version: int | None = None) -> None:
+        """Copy new weights into the engine's model in memory and bump the policy version."""
+        own = dict(self.model.named_parameters())
+        own.update(dict(self.model.named_buffers()))
+        missing = [k for k in own if k not in state_dict and not k.endswith("rotary_emb.inv_freq")]
+        if missing:
+            raise KeyError(f"load_weights: state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                if name in state_dict:
+                    tensor.copy_(state_dict[name].to(tensor.device, tensor.dtype))
+        self.version = self.version + 1 if version is None else version
+
+    def set_version(self, version: int) -> None:
+        """For an engine that shares the learner's module: the weights changed in place."""
+        self.version = version
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        if not prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        if len(prompt_ids) >= self.max_total_tokens:
+            return Completion([], [], "length", self.version)
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._wakeup = asyncio.Event()
+            self._pending = []
+            self._worker = loop.create_task(self._serve())
+        future = loop.create_future()
+        self._pending.append(_Request(list(prompt_ids), params, future))
+        self._wakeup.set()
+        return await future
+
+    async def _serve(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            # Let every episode that is about to ask join this batch.
+            seen = -1
+            while seen != len(self._pending):
+                seen = len(self._pending)
+                for _ in range(3):
+                    await asyncio.sleep(0)
+            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size:]
+            if not self._pending:
+                self._wakeup.clear()
+            batch = [r for r in batch if not r.future.cancelled()]
+            if not batch:
+                continue
+            try:
+                results = await asyncio.to_thread(self._generate_batch, [(r.prompt_ids, r.params) for r in batch])
+            except Exception as exc:  # noqa: BLE001 - delivered to every waiting episode
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            for r, completion in zip(batch, results):
+                if not r.future.done():
+                    r.future.set_result(completion)
+
+    # -- the batched decode loop ------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
+        start = time.perf_counter()
+        model, device = self.model, self.device
+        was_training = model.training
+        model.eval()
+        try:
+            out = self._decode(requests, model, device)
+        finally:
+            model.train(was_training)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(requests)
+        self.stats["generate_seconds"] += time.perf_counter() - start
+        return out
+
+    def _decode(self, requests, model, device) -> list[Completion]:
+        batch = len(requests)
+        lengths = [len(p) for p, _ in requests]
+        width = max(lengths)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for row, (prompt, _) in enumerate(requests):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention[row, width - len(prompt):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+        params = [p for _, p in requests]
+        budgets = [min(p.max_new_tokens, self.max_total_tokens - n) for p, n in zip(params, lengths)]
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                   device=device).unsqueeze(-1)
+        greedy = torch.tensor([p.temperature <= 0 for p in params], device=device)
+        top_k = [p.top_k for p in params]
+        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(-1)
+        stops = [set(p.stop_ids) for p in params]
+
+        sampled: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        finish: list[str | None] = [None if b > 0 else "length" for b in budgets]
+
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                       logits_to_keep=1, **kwargs).logits[:, -1, :].float()
+        self.stats["forward_passes"] += 1
+        next_pos = positions[:, -1:] + 1
+        for step in range(max(budgets)):
+            scaled = logits / temperature
+            step_logprobs = torch.log_softmax(scaled, dim=-1)
+            filtered = _filter_logits(scaled, top_k, top_p)
+            probs = torch.softmax(filtered, dim=-1)
+            choice = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            choice = torch.where(greedy, scaled.argmax(-1), choice)
+            chosen_lp = step_logprobs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+            ids, lps = choice.tolist(), chosen_lp.tolist()
+            for row in range(batch):
+                if finish[row] is not None:
+                    continue
+                sampled[row].append(ids[row])
+                logprobs[row].append(lps[row])
+                if ids[row] in stops[row]:
+                    finish[row] = "stop"
+                elif len(sampled[row]) >= budgets[row]:
+                    finish[row] = "length"
+            if all(f is not None for f in finish):
+                break
+            attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], -1)
+            logits = model(input_ids=choice.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
+                           **kwargs).logits[:, -1, :].float()
+            self.stats["forward_passes"] += 1
+            next_pos = next_pos + 1
+        return [Completion(sampled[r], logprobs[r], finish[r] or "length", self.version) for r in range(batch)]
+
+
+def _filter_logits(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p); rows with k=0, p=1 are untouched."""
+    if all(k <= 0 for k in top_k) and bool((top_p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=logits.device).unsqueeze(-1)
+    remove = rank >= k
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token once the mass *before* it already reaches top_p (the top token always stays).
+    remove |= (probs.cumsum(-1) - probs) >= top_p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -1,0 +1,60 @@
+"""The environment protocol.
+
+An environment is one small class, not a tower of base classes (STYLE lesson 6): it draws
+tasks from its context space, starts an episode with ``reset``, answers each assistant
+message with ``step``, and knows a scripted gold solution (``solve``) used both for SFT
+warm-start data and by ``check_env``, which requires that solution to score 1.0.
+
+Conventions every environment follows (``check_env`` tests them):
+
+- the class can be constructed with no arguments (one instance runs one episode at a time;
+  the rollout makes one instance per concurrent episode);
+- ``reset`` returns ``[system, user]`` messages and is deterministic for a given task and seed;
+- ``step`` is async (tools may wait on I/O), never raises because of what the model wrote,
+  and raises ``EnvError`` only for misuse, e.g. stepping a finished episode;
+- ``sample_tasks`` and ``solve`` are classmethods, so task sets and demos need no instance.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol, runtime_checkable
+
+from ctxrl.contexts.space import ContextSpace
+from ctxrl.tools.base import Tool
+from ctxrl.types import Message, StepResult, Task
+
+
+class EnvError(RuntimeError):
+    """Misuse of an environment by the caller (not a model error, which is an observation)."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    """What the rollout needs from an environment; see the module docstring for conventions."""
+
+    name: ClassVar[str]
+    context_space: ClassVar[ContextSpace]
+    system_prompt: ClassVar[str]
+    tools: list[Tool]
+
+    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
+        """Start an episode on ``task``; return the ``[system, user]`` messages."""
+        ...
+
+    async def step(self, message: Message) -> StepResult:
+        """Answer one parsed assistant message with observations and a reward."""
+        ...
+
+    def close(self) -> None:
+        """Release resources; safe to call more than once."""
+        ...
+
+    @classmethod
+    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
+        """``n`` tasks of ``split`` (``train``, ``heldout`` or ``ood``), reproducible from ``seed``."""
+        ...
+
+    @classmethod
+    def solve(cls, task: Task) -> list[str]:
+        """The gold assistant turns, exactly as a model should write them."""
+        ...

@@ -1,0 +1,114 @@
+"""The agent loop: one token-faithful episode, and many of them at once.
+
+Per turn: the engine samples an assistant turn from the current ids; those ids go into the
+episode with loss mask 1 and their behaviour log-probs; the text is parsed for tool calls and
+handed to ``env.step``; the environment's reply is rendered *alone* and appended with loss
+mask 0. The loss mask is therefore decided where tokens are born and never rebuilt from text.
+
+Limits end an episode and are recorded in ``Episode.truncation``: ``max_turns``,
+``max_new_tokens`` (a turn was cut off before its end-of-turn token), ``max_total_tokens``. An
+exception from the environment or engine ends that episode with truncation ``error`` (the
+message is kept in ``info["error"]``); the other episodes go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ctxrl.chat.render import ChatRenderer
+from ctxrl.chat.toolcalls import parse_assistant
+from ctxrl.engine.base import Engine, SamplingParams
+from ctxrl.types import Episode, Task, Turn
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """Sampling settings and the limits of one episode."""
+
+    max_turns: int = 4
+    max_new_tokens: int = 64
+    max_total_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRenderer, limits: RolloutLimits,
+                      *, seed: int | None = None, group_id: int = 0) -> Episode:
+    """Play one episode of ``env`` on ``task`` with ``engine``; always returns an ``Episode``."""
+    episode = Episode(task=task, group_id=group_id, policy_version=getattr(engine, "version", 0))
+    started = time.perf_counter()
+    try:
+        await _play(env, task, engine, renderer, limits, seed, episode)
+    except Exception as exc:  # noqa: BLE001 - an errored episode is data, not a crash
+        episode.truncation = "error"
+        episode.info["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        env.close()
+    episode.info["seconds"] = time.perf_counter() - started
+    return episode
+
+
+async def _play(env, task, engine, renderer, limits, seed, episode: Episode) -> None:
+    messages = env.reset(task, seed=seed)
+    tools = [tool.schema() for tool in env.tools] or None
+    episode.messages = list(messages)
+    episode.append(renderer.prompt_ids(messages, tools), sampled=False, turn=-1)
+    for turn in range(limits.max_turns):
+        room = limits.max_total_tokens - len(episode.input_ids)
+        if room <= 0:
+            episode.truncation = "max_total_tokens"
+            return
+        params = SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
+                                max_new_tokens=min(limits.max_new_tokens, room), stop_ids=(renderer.eos_id,))
+        prompt_tokens = len(episode.input_ids)
+        completion = await engine.generate(list(episode.input_ids), params)
+        episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
+        closed = completion.finish_reason == "stop"
+        text = renderer.decode(completion.token_ids[:-1] if closed else completion.token_ids)
+        message = parse_assistant(text)
+        episode.messages.append(message)
+        record = Turn(index=turn, prompt_tokens=prompt_tokens, sampled_tokens=len(completion.token_ids),
+                      finish_reason=completion.finish_reason, text=text)
+        episode.turns.append(record)
+        if not closed:
+            hit_total = len(episode.input_ids) >= limits.max_total_tokens
+            episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"
+            return
+        result = await env.step(message)
+        record.reward = float(result.reward)
+        record.tool_calls = int(result.info.get("tool_calls", 0))
+        record.tool_errors = int(result.info.get("tool_errors", 0))
+        episode.reward += float(result.reward)
+        if "success" in result.info:
+            episode.success = bool(result.info["success"])
+        elif "correct" in result.info:
+            episode.success = bool(result.info["correct"])
+        if result.terminated:
+            return
+        if result.truncated:
+            episode.truncation = "env"
+            return
+        if turn == limits.max_turns - 1:
+            episode.truncation = "max_turns"
+            return
+        delta = renderer.continuation_ids(episode.messages, result.messages, tools)
+        if len(episode.input_ids) + len(delta) >= limits.max_total_tokens:
+            episode.truncation = "max_total_tokens"
+            return
+        episode.append(delta, sampled=False, turn=turn)
+        episode.messages.extend(result.messages)
+
+
+async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
+                       limits: RolloutLimits, *, group_size: int = 1, seed: int = 0) -> list[Episode]:
+    """Play ``group_size`` episodes per task concurrently; episode ``k`` of task ``i`` has group ``i``."""
+    jobs = []
+    for group_id, task in enumerate(tasks):
+        for k in range(group_size):
+            jobs.append(run_episode(make_env(), task, engine, renderer, limits,
+                                    seed=seed * 1_000_003 + group_id * 1009 + k, group_id=group_id))
+    return list(await asyncio.gather(*jobs))

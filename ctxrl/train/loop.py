@@ -1,0 +1,166 @@
+"""The RL run: warm start, then GRPO steps of rollout -> advantages -> PPO updates, with evals.
+
+One RL step:
+  1. sample ``tasks_per_step`` fresh training tasks and play ``group_size`` episodes of each with
+     the current policy (all concurrently, batched by the engine);
+  2. group-relative advantages from the episodes' final rewards (``grpo`` or ``dr_grpo``);
+     errored episodes are left out of the loss and of the group statistics;
+  3. ``ppo_epochs`` x ``mini_batches`` PPO-clip updates with exact token normalisation;
+  4. the engine shares the learner's module, so the new weights serve the next rollout at once;
+     only its ``version`` is bumped.
+
+What this "GRPO" is: group-normalised outcome advantages (Bessel std), a PPO-clip surrogate
+with the behaviour log-probs as the old policy, token-mean aggregation by default, optional
+k1/k2/k3 KL to the warm-start policy in the loss (off by default), no value function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ctxrl.algo.advantages import grpo_advantages
+from ctxrl.chat.render import ChatRenderer
+from ctxrl.config import Config, to_toml
+from ctxrl.engine.hf import HFEngine
+from ctxrl.envs.registry import get_env_class
+from ctxrl.eval.evaluate import evaluate_split, summarize
+from ctxrl.models.loader import load_model, load_tokenizer
+from ctxrl.report.writer import RunWriter
+from ctxrl.rollout.agent import RolloutLimits, run_episodes
+from ctxrl.train.learner import Learner, PPOSettings
+from ctxrl.train.sft import build_demos, sft_train
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={name!r} but CUDA is not available; use model.device=cpu")
+    return name
+
+
+class Run:
+    """Everything a run holds: model, tokenizer, renderer, engine, env class, writer."""
+
+    def __init__(self, config: Config, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.log = log
+        seed_everything(config.run.seed)
+        self.device = pick_device(config.model.device)
+        self.env_cls = get_env_class(config.env.name)
+        self.tokenizer = load_tokenizer(config.model.name, chat_template=config.model.chat_template or None)
+        self.renderer = ChatRenderer(self.tokenizer, template_name=config.model.name)
+        self.renderer.verify_prefix_preserving()
+        self.model = load_model(config.model.name, dtype=config.model.dtype, device=self.device)
+        self.engine = HFEngine(self.model, pad_token_id=self.tokenizer.pad_token_id,
+                               max_batch_size=config.rollout.max_batch_size, seed=config.run.seed)
+        self.writer = RunWriter(run_dir)
+        self.writer.write_config(to_toml(config))
+        r = config.rollout
+        self.train_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
+                                          max_total_tokens=r.max_total_tokens, temperature=r.temperature,
+                                          top_p=r.top_p, top_k=r.top_k)
+        self.eval_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
+                                         max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.renderer.decode(ids)
+
+    # -- phases ----------------------------------------------------------------------------------
+    def warm_start(self, on_step=None) -> dict[str, Any]:
+        c = self.config.sft
+        t0 = time.perf_counter()
+        demos = asyncio.run(build_demos(self.env_cls, self.renderer, c.demos, shortcut_fraction=c.shortcut_fraction,
+                                        seed=self.config.run.seed + 77))
+        losses = sft_train(self.model, demos, pad_token_id=self.tokenizer.pad_token_id, epochs=c.epochs,
+                           batch_size=c.batch_size, lr=c.lr, seed=self.config.run.seed, on_step=on_step)
+        row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
+               "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0}
+        self.writer.log_metrics(row)
+        self.writer.log_samples(0, demos[:2], self.decode, phase="sft")
+        return row
+
+    def evaluate(self, step: int, splits=("heldout", "ood")) -> dict[str, dict[str, float]]:
+        results = {}
+        for split in splits:
+            t0 = time.perf_counter()
+            summary, episodes = asyncio.run(evaluate_split(
+                self.env_cls, split, self.config.eval.tasks, self.engine, self.renderer, self.eval_limits,
+                seed=self.config.eval.seed))
+            summary["seconds"] = time.perf_counter() - t0
+            self.writer.log_metrics({"phase": "eval", "step": step, "split": split, **summary})
+            self.writer.log_samples(step, episodes[:2], self.decode, phase=f"eval-{split}")
+            results[split] = summary
+        return results
+
+    def make_learner(self) -> Learner:
+        a, t, r = self.config.algo, self.config.train, self.config.rollout
+        ref = None
+        if a.kl_coef > 0:
+            ref = copy.deepcopy(self.model).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                      betas=(0.9, 0.99))
+        settings = PPOSettings(clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
+                               entropy_coef=a.entropy_coef, agg=a.agg,
+                               temperature=r.temperature if r.temperature > 0 else 1.0,
+                               max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+                               micro_batch_size=t.micro_batch_size)
+        return Learner(self.model, optimizer, settings, pad_token_id=self.tokenizer.pad_token_id, ref_model=ref,
+                       seed=self.config.run.seed)
+
+    def rl_step(self, learner: Learner, step: int) -> dict[str, Any]:
+        c = self.config
+        t0 = time.perf_counter()
+        tasks = self.env_cls.sample_tasks("train", c.rollout.tasks_per_step, c.run.seed * 100_003 + step)
+        episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, self.train_limits,
+                                            group_size=c.rollout.group_size, seed=c.run.seed * 7919 + step))
+        t_rollout = time.perf_counter() - t0
+        valid = [e for e in episodes if e.truncation != "error" and any(e.loss_mask)]
+        rewards = torch.tensor([e.reward for e in valid], dtype=torch.float32)
+        groups = torch.tensor([e.group_id for e in valid], dtype=torch.long)
+        advantages = grpo_advantages(rewards, groups, std_normalize=c.algo.advantage == "grpo") if valid \
+            else torch.zeros(0)
+        t1 = time.perf_counter()
+        update = learner.update(valid, advantages.tolist()) if valid else {}
+        t_update = time.perf_counter() - t1
+        self.engine.set_version(step + 1)
+        stats = summarize(episodes)
+        row = {"phase": "rl", "step": step + 1, **stats,
+               "advantage_abs_mean": float(advantages.abs().mean()) if len(advantages) else 0.0,
+               "zero_variance_groups": _zero_variance_groups(valid),
+               **update,
+               "tokens": sum(len(e.input_ids) for e in episodes),
+               "time_rollout": t_rollout, "time_update": t_update, "time_step": time.perf_counter() - t0}
+        self.writer.log_metrics(row)
+        if c.run.samples_per_step:
+            self.writer.log_samples(step + 1, episodes[: c.run.samples_per_step], self.decode, phase="rl")
+        return row
+
+    def save_checkpoint(self, name: str) -> Path:
+        path = self.writer.dir / "checkpoints" / name
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+
+def _zero_variance_groups(episodes) -> int:
+    by_group: dict[int, set[float]] = {}
+    for e in episodes:
+        by_group.setdefault(e.group_id, set()).add(e.reward)
+    return sum(1 for rewards in by_group.values() if len(rewards) == 1)
