@@ -208,7 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options (`eval CONFIG --checkpoint X train.steps=3`); argparse leaves
+    # those unparsed once the positional list has been filled, so collect them here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        if not hasattr(args, "overrides"):
+            parser.error(f"{args.command} takes no overrides: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -71,15 +71,15 @@ class RolloutConfig:
 class SFTConfig:
     enabled: bool = True
     """Warm-start with supervised fine-tuning on the environment's scripted solutions."""
-    demos: int = 1200
+    demos: int = 2400
     """Number of demonstration episodes."""
     shortcut_fraction: float = 0.5
     """Fraction of demos that answer without the tool (the env's ``shortcut``): imperfect on purpose."""
-    epochs: int = 4
+    epochs: int = 2
     """Passes over the demonstrations."""
     batch_size: int = 32
     """Episodes per optimiser step."""
-    lr: float = 3e-3
+    lr: float = 1e-3
     """AdamW learning rate (linear warm-up over 5% of steps, then cosine decay)."""
 
 
@@ -103,7 +103,7 @@ class AlgoConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
+    steps: int = 40
     """RL steps (each: rollout, advantages, updates)."""
     lr: float = 5e-4
     """AdamW learning rate for RL."""

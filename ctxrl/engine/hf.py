@@ -61,7 +61,11 @@ class HFEngine:
         """Copy new weights into the engine's model in memory and bump the policy version."""
         own = dict(self.model.named_parameters())
         own.update(dict(self.model.named_buffers()))
-        missing = [k for k in own if k not in state_dict and not k.endswith("rotary_emb.inv_freq")]
+        # Require what state_dict() holds (non-persistent buffers such as rotary frequencies are
+        # not in it), less aliases of tensors already given (tied embeddings: lm_head == embed).
+        given = {id(t) for name, t in own.items() if name in state_dict}
+        missing = [k for k, t in self.model.state_dict(keep_vars=True).items()
+                   if k not in state_dict and id(t) not in given]
         if missing:
             raise KeyError(f"load_weights: state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
         with torch.no_grad():

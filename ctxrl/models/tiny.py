@@ -29,7 +29,7 @@ from pathlib import Path
 from ctxrl.chat.template import CHATML_TOOLS_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS
 
 # Bump when the corpus, template or build recipe changes, so old caches are not reused.
-TINY_RECIPE_VERSION = 5
+TINY_RECIPE_VERSION = 6
 
 QWEN2_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -49,7 +49,7 @@ class TinySpec:
     max_position_embeddings: int = 2048
     seed: int = 0
     pretrain_steps: int = 600
-    """Language-model steps on environment transcripts (0 = leave the weights random)."""
+    """Language-model steps on plain-text environment transcripts (0 = leave the weights random)."""
     pretrain_batch_size: int = 64
     pretrain_lr: float = 3e-3
 
@@ -113,9 +113,9 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
 
     from ctxrl.chat.toolcalls import format_tool_call
 
-    texts = tokenizer_corpus(spec.seed)
+    corpus = tokenizer_corpus(spec.seed)
     # The template's own text, so that its fixed phrases become few tokens.
-    texts += [CHATML_TOOLS_TEMPLATE, format_tool_call("calculator", {"expression": "1 + 2"})] * 50
+    texts = corpus + [CHATML_TOOLS_TEMPLATE, format_tool_call("calculator", {"expression": "1 + 2"})] * 50
     raw = _train_tokenizer(texts, spec.vocab_size - len(TOOL_TOKENS))
     raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
@@ -147,7 +147,7 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
     )
     model = Qwen2ForCausalLM(config)
     if spec.pretrain_steps:
-        pretrain(model, tokenizer, pretraining_sequences(tokenizer, spec.seed), spec)
+        pretrain(model, tokenizer, pretraining_sequences(tokenizer, corpus), spec)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
@@ -165,30 +165,13 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
     return path
 
 
-def pretraining_sequences(tokenizer, seed: int, per_env: int = 4000) -> list[list[int]]:
-    """Dialogue transcripts of solved train tasks of every built-in env, without the system turn.
+def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of the multi-line corpus texts (whole solved-task transcripts), each ending in pad.
 
-    Each is rendered through the chat template (gold ``solve()`` played through the real agent
-    loop) and cut to start at the first user turn: short sequences that teach the dialogue
-    format and copying cheaply, while the system prompt with its tool list is left to the
-    warm start.
+    Plain text, no chat format: short sequences teach copying cheaply; the chat format and the
+    system prompt with its tool list are left to the warm start.
     """
-    import asyncio
-
-    from ctxrl.chat.render import ChatRenderer
-    from ctxrl.envs.registry import get_env_class, list_envs
-    from ctxrl.train.sft import build_demos
-
-    renderer = ChatRenderer(tokenizer, template_name="tiny")
-    user_start = tokenizer.encode("<|im_start|>user", add_special_tokens=False)
-    sequences = []
-    for name in list_envs():
-        demos = asyncio.run(build_demos(get_env_class(name), renderer, per_env, seed=seed + 101))
-        for ep in demos:
-            ids = ep.input_ids
-            start = next((i for i in range(len(ids)) if ids[i:i + len(user_start)] == user_start), 0)
-            sequences.append(ids[start:])
-    return sequences
+    return [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.pad_token_id] for t in texts if "\n" in t]
 
 
 def pretrain(model, tokenizer, encoded: list[list[int]], spec: TinySpec) -> list[float]:

@@ -74,5 +74,5 @@ def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int,
             scheduler.step()
             losses.append(loss.item())
             if on_step is not None:
-                on_step(len(losses), total, float(loss))
+                on_step(len(losses), total, losses[-1])
     return losses

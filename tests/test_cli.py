@@ -1,0 +1,63 @@
+"""Smoke tests of the command line, in subprocesses, on the random-init tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SMALL = ["model.name=tiny:pretrain_steps=0", "sft.demos=8", "sft.epochs=1", "sft.batch_size=4", "eval.tasks=3",
+         "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "run.progress=false"]
+
+
+def ctxrl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "ctxrl.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_demo_json_smoke(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = ctxrl("demo", "--json", "--steps", "2", "--run-dir", str(run_dir), *SMALL, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("heldout_success_before", "heldout_success_after", "ood_success_before", "ood_success_after",
+                "steps", "run_dir", "wall_seconds"):
+        assert key in summary
+    assert summary["steps"] == 2
+    assert Path(summary["run_dir"]) == run_dir
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    for key in ("reward", "success", "approx_kl", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm",
+                "tokens", "tool_calls", "tool_errors", "time_rollout", "time_update"):
+        assert key in rl[0], key
+    assert {r["split"] for r in rows if r["phase"] == "eval"} == {"heldout", "ood"}
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all({s["mask"] for s in samples[0]["spans"]} <= {0, 1} for _ in [0])
+    assert (run_dir / "config.toml").read_text().count("[") >= 8
+    assert (run_dir / "checkpoints" / "final" / "model.safetensors").exists()
+    assert (run_dir / "plots" / "reward.png").stat().st_size > 0
+    assert (run_dir / "plots" / "success.png").stat().st_size > 0
+
+    # The checkpoint evaluates through the same loader.
+    proc = ctxrl("eval", str(Path(__file__).parents[1] / "examples" / "calculator_tiny.toml"), "--checkpoint",
+                 str(run_dir / "checkpoints" / "final"), "--split", "heldout", "--json", "--run-dir",
+                 str(tmp_path / "eval"), "eval.tasks=3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "heldout" in json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_unknown_config_key_is_a_clear_error(tmp_path: Path) -> None:
+    proc = ctxrl("demo", "train.stepz=3", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "unknown config key train.stepz" in proc.stderr
+    assert "'train.steps'" in proc.stderr
+
+
+def test_envs_lists_calculator(tmp_path: Path) -> None:
+    proc = ctxrl("envs", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "calculator" in proc.stdout and "digits" in proc.stdout

@@ -1,0 +1,179 @@
+"""TOML config loading, overrides, validation and round-tripping."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ctxrl.config import Config, ConfigError, describe_fields, load_config, parse_override, to_toml
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "calculator_tiny.toml"
+
+
+def test_defaults():
+    config = load_config()
+    assert config == Config()
+    assert config.model.name == "tiny"
+    assert config.env.name == "calculator"
+    assert config.rollout.group_size == 8
+    assert config.train.steps == 40
+    assert config.algo.agg == "token-mean"
+    assert config.eval.temperature == 0.0
+
+
+def test_example_file_matches_demo_defaults():
+    assert EXAMPLE.exists()
+    assert load_config(EXAMPLE) == Config()
+
+
+def test_example_file_lists_every_field():
+    import tomllib
+
+    data = tomllib.loads(EXAMPLE.read_text())
+    expected = {section: set(values) for section, values in Config().to_dict().items()}
+    assert {section: set(values) for section, values in data.items()} == expected
+
+
+def test_unknown_key_suggests_nearest():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["train.stepz=3"])
+    message = str(info.value)
+    assert "train.stepz" in message
+    assert "train.steps" in message
+
+
+def test_unknown_section_suggests_nearest():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["trian.steps=3"])
+    assert "trian" in str(info.value) and "'train'" in str(info.value)
+    with pytest.raises(ConfigError, match="rollout"):
+        load_config(overrides=["rolout.group_size=4"])
+
+
+@pytest.mark.parametrize("override", ['train.steps="ten"', "train.steps=1.5", "train.steps=true",
+                                      "run.progress=1", "model.name=3"])
+def test_ill_typed_values_name_the_key(override):
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert key in str(info.value)
+
+
+def test_ill_typed_value_in_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("rollout.group_size=0", "rollout.group_size"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("algo.kl_kind=k9", "algo.kl_kind"),
+    ('algo.agg="mean"', "algo.agg"),
+    ("train.lr=-1.0", "train.lr"),
+    ("env.max_turns=0", "env.max_turns"),
+    ("sft.shortcut_fraction=1.5", "sft.shortcut_fraction"),
+    ("model.dtype=float64", "model.dtype"),
+])
+def test_out_of_range_raises(override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert key in str(info.value)
+
+
+def test_group_size_one_allowed_without_training():
+    config = load_config(overrides=["rollout.group_size=1", "train.steps=0"])
+    assert config.rollout.group_size == 1
+
+
+def test_malformed_toml_names_the_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[train\nsteps = \n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert "malformed TOML" in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError):
+        load_config(overrides=["steps=3"])
+    with pytest.raises(ConfigError):
+        load_config(overrides=["train.steps"])
+
+
+def test_override_literals():
+    assert parse_override("train.steps=10") == ("train", "steps", 10)
+    assert parse_override("train.lr=1e-4") == ("train", "lr", 1e-4)
+    assert parse_override("run.progress=false") == ("run", "progress", False)
+    assert parse_override('run.name="my run"') == ("run", "name", "my run")
+    assert parse_override("model.name=Qwen/Qwen2.5-0.5B-Instruct") == ("model", "name", "Qwen/Qwen2.5-0.5B-Instruct")
+    assert parse_override(" algo.agg = seq-mean-token-mean ") == ("algo", "agg", "seq-mean-token-mean")
+    config = load_config(overrides=["train.steps=10", "train.lr=1e-4", "run.progress=false", 'run.name="my run"',
+                                    "model.name=Qwen/Qwen2.5-0.5B-Instruct", "rollout.temperature=1",
+                                    "algo.clip_high=0.28"])
+    assert config.train.steps == 10 and isinstance(config.train.steps, int)
+    assert config.train.lr == 1e-4
+    assert config.run.progress is False
+    assert config.run.name == "my run"
+    assert config.model.name == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert config.rollout.temperature == 1.0 and isinstance(config.rollout.temperature, float)
+    assert config.algo.clip_high == 0.28
+
+
+def test_overrides_apply_on_top_of_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nsteps = 5\nlr = 0.01\n")
+    config = load_config(path, ["train.steps=7"])
+    assert config.train.steps == 7 and config.train.lr == 0.01
+
+
+def test_to_toml_round_trips(tmp_path):
+    config = load_config(overrides=[
+        "train.steps=3", "train.lr=1e-05", "run.progress=false", "algo.agg=seq-mean-token-sum-norm",
+        "rollout.top_p=0.95", "sft.enabled=false", "algo.kl_coef=1e-10",
+    ])
+    config.model.chat_template = 'a "quoted" \\ back\nslash'
+    config.run.name = "ünï cödé"
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(config))
+    again = load_config(path)
+    assert again == config
+    assert to_toml(Config()) and load_config(_write(tmp_path / "d.toml", to_toml(Config()))) == Config()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_describe_fields_documents_every_field():
+    rows = describe_fields()
+    keys = {f"{s}.{f.name}" for s, v in Config().to_dict().items()
+            for f in dataclasses.fields(getattr(Config(), s))}
+    assert {row[0] for row in rows} == keys
+    assert len(rows) == len(keys)
+    for key, type_name, default, doc in rows:
+        assert type_name in {"str", "int", "float", "bool"}, key
+        assert isinstance(doc, str) and doc.strip(), f"{key} has no docstring"
+    by_key = {row[0]: row for row in rows}
+    assert by_key["train.steps"][1:3] == ("int", 40)
+
+
+def test_configuration_doc_is_generated_from_the_code() -> None:
+    from pathlib import Path
+
+    from ctxrl.config import fields_markdown
+
+    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    assert fields_markdown() in doc, "regenerate docs/configuration.md with `python -m ctxrl.config`"

@@ -1,0 +1,201 @@
+"""The learner: collate alignment, exact gradient accumulation, and skipping non-finite updates."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from ctxrl.algo import AGG_MODES, policy_loss
+from ctxrl.train.learner import Learner, PPOSettings, collate, token_logprobs
+from ctxrl.types import Episode, Task
+
+LENGTHS = [12, 31, 7, 45, 20, 9, 26, 16]
+PROMPTS = [5, 10, 3, 20, 20, 4, 11, 6]  # episode 4 is all prompt: no mask-1 token at all
+
+
+def _episodes(model, vocab: int, seed: int = 0, noise: float = 0.3) -> tuple[list[Episode], list[float]]:
+    g = torch.Generator().manual_seed(seed)
+    episodes = []
+    for i, (n, p) in enumerate(zip(LENGTHS, PROMPTS)):
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        mask = [0] * p + [1] * (n - p)
+        if n - p > 8:  # an observation island in the middle of the sampled tokens
+            mask[p + 4:p + 7] = [0, 0, 0]
+        with torch.no_grad():
+            t = torch.tensor([ids])
+            own = token_logprobs(model, t, torch.ones_like(t))[0].tolist()
+        behaviour = [0.0] + [lp + noise * float(torch.randn((), generator=g)) for lp in own]
+        behaviour = [b if m else 0.0 for b, m in zip(behaviour, mask)]
+        episodes.append(Episode(task=Task(id=f"t{i}", prompt="p", answer="a"), input_ids=ids, loss_mask=mask,
+                                behavior_logprobs=behaviour, turn_index=[0] * n))
+    advantages = (torch.randn(len(episodes), generator=g) * 1.5).tolist()
+    return episodes, advantages
+
+
+@pytest.fixture(scope="module")
+def data(model, tokenizer):
+    return _episodes(model, len(tokenizer))
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(policy, settings, episodes, advantages, ref=None):
+    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), settings, pad_token_id=0, ref_model=ref)
+    policy.zero_grad(set_to_none=True)
+    metrics = learner.mini_batch_loss(episodes, advantages)
+    return metrics, _grads(policy)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_gradient_accumulation_is_exact(model, data, agg):
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    policy.train()
+    results = {}
+    for micro in (8, 1, 3):
+        settings = PPOSettings(agg=agg, micro_batch_size=micro, clip_low=0.2, clip_high=0.28)
+        results[micro] = _run(policy, settings, episodes, advantages)
+    loss8, grads8 = results[8][0]["loss"], results[8][1]
+    assert math.isfinite(loss8) and loss8 != 0.0
+    # the noisy behaviour log-probs make both clip branches active, so clipping is covered too
+    assert results[8][0]["clip_frac_low"] > 0 and results[8][0]["clip_frac_high"] > 0
+    assert len(grads8) == len(list(policy.parameters()))
+    assert sum(float(g.abs().sum()) for g in grads8.values()) > 0
+    for micro in (1, 3):
+        metrics, grads = results[micro]
+        assert metrics["loss"] == pytest.approx(loss8, abs=1e-5)
+        assert grads.keys() == grads8.keys()
+        for name in grads8:
+            torch.testing.assert_close(grads[name], grads8[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"):
+            assert metrics[key] == pytest.approx(results[8][0][key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_mini_batch_loss_equals_direct_loss(model, data, agg):
+    """One micro-batch of everything equals the plain policy loss of the collated batch."""
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    metrics, _ = _run(policy, PPOSettings(agg=agg, micro_batch_size=8), episodes, advantages)
+    batch = collate(episodes, 0, "cpu", advantages)
+    with torch.no_grad():
+        logprobs = token_logprobs(policy, batch.input_ids, batch.attention_mask)
+    norm = max(sum(e.loss_mask) for e in episodes)
+    direct, _ = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, agg=agg,
+                            norm_length=norm)
+    assert metrics["loss"] == pytest.approx(float(direct), abs=1e-5)
+
+
+def test_gradient_accumulation_with_entropy_and_kl(model, data):
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    with torch.no_grad():  # make the policy differ from the reference so the KL term is non-zero
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = {}
+    for micro in (8, 3):
+        settings = PPOSettings(agg="seq-mean-token-mean", micro_batch_size=micro, entropy_coef=0.01, kl_coef=0.1,
+                               temperature=0.7)
+        out[micro] = _run(policy, settings, episodes, advantages, ref=model)
+    assert out[8][0]["kl"] > 0
+    assert out[3][0]["loss"] == pytest.approx(out[8][0]["loss"], abs=1e-5)
+    assert out[3][0]["kl"] == pytest.approx(out[8][0]["kl"], abs=1e-6)
+    for name, g in out[8][1].items():
+        torch.testing.assert_close(out[3][1][name], g, atol=1e-5, rtol=0)
+
+
+def _snapshot(policy, optimizer):
+    params = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+             for p, s in optimizer.state.items()}
+    return params, state
+
+
+def test_non_finite_loss_skips_update(model, data):
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    learner = Learner(policy, optimizer, PPOSettings(micro_batch_size=3), pad_token_id=0)
+    ok = learner.mini_batch_step(episodes, advantages)  # a real step, so the optimiser has state
+    assert ok["skipped"] == 0.0 and learner.skipped_updates == 0 and math.isfinite(ok["grad_norm"])
+    assert any(not torch.equal(p, q) for p, q in zip(policy.parameters(), model.parameters()))
+    params, state = _snapshot(policy, optimizer)
+    assert state
+
+    bad = list(advantages)
+    bad[1] = float("nan")
+    metrics = learner.mini_batch_step(episodes, bad)
+    assert metrics["skipped"] == 1.0
+    assert learner.skipped_updates == 1
+    assert not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"])
+    after_params, after_state = _snapshot(policy, optimizer)
+    for name, p in params.items():
+        assert torch.equal(after_params[name], p), name
+    assert after_state.keys() == state.keys()
+    for key, s in state.items():
+        for k, v in s.items():
+            assert torch.equal(after_state[key][k], v) if torch.is_tensor(v) else after_state[key][k] == v
+    assert all(p.grad is None for p in policy.parameters())
+
+    # an infinite behaviour log-prob on a sampled token is skipped as well
+    broken = copy.deepcopy(episodes)
+    i = broken[0].loss_mask.index(1)
+    broken[0].behavior_logprobs[i] = float("-inf")
+    metrics = learner.mini_batch_step(broken, [abs(a) + 1 for a in advantages])
+    assert metrics["skipped"] == 1.0 and learner.skipped_updates == 2
+    for name, p in policy.named_parameters():
+        assert torch.equal(p.detach(), params[name]), name
+
+    # and training goes on afterwards
+    assert learner.mini_batch_step(episodes, advantages)["skipped"] == 0.0
+
+
+def test_update_runs_mini_batches(model, data):
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
+    learner = Learner(policy, optimizer, PPOSettings(mini_batches=2, ppo_epochs=2, micro_batch_size=4), pad_token_id=0)
+    metrics = learner.update(episodes, advantages)
+    assert metrics["skipped"] == 0.0
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert any(not torch.equal(p, q) for p, q in zip(policy.parameters(), model.parameters()))
+
+
+def _ep(ids, mask, lps):
+    return Episode(task=Task(id="x", prompt="", answer=""), input_ids=ids, loss_mask=mask, behavior_logprobs=lps,
+                   turn_index=[0] * len(ids))
+
+
+def test_collate_alignment():
+    a = _ep([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -0.5, -0.25])
+    b = _ep([9, 10, 11, 12, 13, 14], [0, 1, 1, 0, 1, 1], [0.0, -1.0, -2.0, 0.0, -3.0, -4.0])
+    batch = collate([a, b], pad_token_id=99, advantages=[2.0, -1.0])
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 99, 99], [9, 10, 11, 12, 13, 14]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert torch.equal(batch.targets, batch.input_ids[:, 1:])
+    assert batch.targets.tolist() == [[6, 7, 8, 99, 99], [10, 11, 12, 13, 14]]
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 0], [1, 1, 0, 1, 1]]
+    assert batch.old_logprobs.tolist() == [[0.0, -0.5, -0.25, 0.0, 0.0], [-1.0, -2.0, 0.0, -3.0, -4.0]]
+    assert batch.advantages.tolist() == [[0.0, 2.0, 2.0, 0.0, 0.0], [-1.0, -1.0, 0.0, -1.0, -1.0]]
+    assert batch.loss_mask.dtype == torch.float32
+    # without advantages: zeros
+    assert torch.equal(collate([a, b], 0).advantages, torch.zeros(2, 5))
+
+
+def test_token_logprobs_alignment(model):
+    ids = torch.tensor([[7, 8, 9, 10, 11]])
+    lp, logits = token_logprobs(model, ids, torch.ones_like(ids), return_logits=True)
+    assert lp.shape == (1, 4) and logits.shape[:2] == (1, 4)
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    expected = torch.stack([full[t, ids[0, t + 1]] for t in range(4)])
+    torch.testing.assert_close(lp[0].detach(), expected, atol=1e-5, rtol=0)
+    hot = token_logprobs(model, ids, torch.ones_like(ids), temperature=0.5)
+    expected = torch.stack([torch.log_softmax(model(input_ids=ids).logits[0, t].float() / 0.5, -1)[ids[0, t + 1]]
+                            for t in range(4)])
+    torch.testing.assert_close(hot[0].detach(), expected.detach(), atol=1e-5, rtol=0)
