@@ -11,9 +11,6 @@ from typing import Any
 
 from ctxrl.config import Config, ConfigError, load_config
 
-DEMO_STEPS_HINT = "the demo's settings are the defaults, also written out in examples/calculator_tiny.toml"
-
-
 def _default_run_dir(config: Config) -> Path:
     return Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -28,7 +25,7 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False) -> dict[
 
     console = Console(stderr=True, quiet=quiet or not config.run.progress)
     started = time.perf_counter()
-    run = Run(config, run_dir, log=console.print)
+    run = Run(config, run_dir)
     console.print(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {run.device} | "
                   f"env {config.env.name}")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

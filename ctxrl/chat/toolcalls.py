@@ -36,7 +36,9 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """Return ``(calls, errors)`` found in ``text``; errors describe malformed blocks."""
     calls: list[ToolCall] = []
     errors: list[str] = []
+    last_end = 0
     for match in _BLOCK.finditer(text):
+        last_end = match.end()
         body = match.group(1).strip()
         try:
             obj = json.loads(body)
@@ -58,17 +60,9 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
             continue
         calls.append(ToolCall(name=obj["name"], arguments=arguments))
     # An opening tag with no closing tag after the last complete block.
-    tail = text[match.end():] if (match := _last_match(text)) else text
-    if TOOL_CALL_OPEN in tail:
+    if TOOL_CALL_OPEN in text[last_end:]:
         errors.append("malformed tool call: <tool_call> was not closed with </tool_call>")
     return calls, errors
-
-
-def _last_match(text: str) -> re.Match | None:
-    last = None
-    for last in _BLOCK.finditer(text):
-        pass
-    return last
 
 
 def content_without_tool_calls(text: str) -> str:

@@ -180,6 +180,8 @@ def pretrain(model, tokenizer, encoded: list[list[int]], spec: TinySpec) -> list
 
     import torch
 
+    from ctxrl.train.learner import token_logprobs
+
     rng = random.Random(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.pretrain_lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, spec.pretrain_steps // 20)
@@ -194,9 +196,8 @@ def pretrain(model, tokenizer, encoded: list[list[int]], spec: TinySpec) -> list
         for row, x in enumerate(batch):
             ids[row, : len(x)] = torch.tensor(x)
             mask[row, : len(x)] = 1
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        logprobs = token_logprobs(model, ids, mask)
         target_mask = mask[:, 1:].float()
-        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -(logprobs * target_mask).sum() / target_mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -21,7 +21,7 @@ import copy
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,9 +56,8 @@ def pick_device(name: str) -> str:
 class Run:
     """Everything a run holds: model, tokenizer, renderer, engine, env class, writer."""
 
-    def __init__(self, config: Config, run_dir: str | Path, *, log: Callable[[str], None] = print) -> None:
+    def __init__(self, config: Config, run_dir: str | Path) -> None:
         self.config = config
-        self.log = log
         seed_everything(config.run.seed)
         self.device = pick_device(config.model.device)
         self.env_cls = get_env_class(config.env.name)
