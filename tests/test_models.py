@@ -12,17 +12,61 @@ from ctxrl.models.loader import ModelLoadError, load_model, load_tokenizer, pars
 from ctxrl.models.tiny import TinySpec
 
 
-def test_tiny_loads_as_qwen2(tiny_path, tokenizer, model):
-    from transformers import Qwen2ForCausalLM
+def test_tiny_loads_as_llama(tiny_path, tokenizer, model):
+    from transformers import LlamaForCausalLM
 
     assert Path(tiny_path, "config.json").exists()
-    assert isinstance(model, Qwen2ForCausalLM)
+    assert isinstance(model, LlamaForCausalLM)
     assert model.config.vocab_size == len(tokenizer)
     assert model.config.hidden_size == TinySpec().hidden_size
     assert tokenizer.chat_template
     assert tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.pad_token_id is not None
     assert model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_tiny_tokenizer_keeps_three_digit_numbers_whole(tokenizer):
+    """Loaded back through AutoTokenizer, numbers below 1000 are single tokens (Llama 3 style)."""
+    pieces = [tokenizer.decode([i]) for i in tokenizer.encode("37 + 580 * 4 = 380240", add_special_tokens=False)]
+    assert "".join(pieces) == "37 + 580 * 4 = 380240"
+    assert [p for p in pieces if p.strip().isdigit()] == ["37", "580", "4", "380", "240"]
+    for n in (0, 7, 42, 100, 999):
+        assert len(tokenizer.encode(str(n), add_special_tokens=False)) == 1, n
+
+
+def test_tiny_qwen2_arch_splits_digits():
+    """``arch=qwen2`` builds a Qwen2 model whose tokenizer (as transformers enforces) splits digits."""
+    from transformers import Qwen2ForCausalLM
+
+    path = resolve("tiny:arch=qwen2,pretrain_steps=0")
+    tok, model = load_tokenizer(path), load_model(path)
+    assert isinstance(model, Qwen2ForCausalLM)
+    assert [tok.decode([i]) for i in tok.encode("580", add_special_tokens=False)] == ["5", "8", "0"]
+    assert model.config.vocab_size == len(tok)
+
+
+def test_tiny_bad_arch():
+    with pytest.raises(ModelLoadError, match="arch must be one of llama, qwen2"):
+        parse_tiny("tiny:arch=gpt2")
+
+
+def test_pretraining_batches_alternate_plain_and_chat(tokenizer):
+    from ctxrl.models.tiny import pretraining_batches
+
+    spec = TinySpec(pretrain_steps=4, pretrain_batch_size=3)
+    batches = pretraining_batches(tokenizer, spec)
+    assert len(batches) == 12
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for step in range(4):
+        chat = [im_start in seq for seq in batches[step * 3:(step + 1) * 3]]
+        assert chat == [step % 2 == 1] * 3, step
+    for seq in batches:
+        assert seq[-1] == tokenizer.pad_token_id
+        assert tokenizer.pad_token_id not in seq[:-1]
+        text = tokenizer.decode(seq)
+        assert "<tool_call>" in text and "<answer>" in text and "<tool_response>" in text
+        assert "# Tools" not in text  # chat batches have no system block
+    assert len({tuple(seq) for seq in batches}) == 12  # fresh tasks, no repeats
 
 
 def test_resolve_is_cached(tiny_path):
@@ -71,13 +115,11 @@ def test_tokenizer_without_chat_template(tiny_path, tokenizer, tmp_path):
     assert tok2.chat_template == CHATML_TOOLS_TEMPLATE
 
 
-def test_digits_split_one_per_token(tokenizer):
+def test_digits_grouped_in_threes(tokenizer):
     ids = tokenizer.encode("12345", add_special_tokens=False)
-    assert len(ids) == 5
-    assert [tokenizer.decode([i]) for i in ids] == list("12345")
+    assert [tokenizer.decode([i]) for i in ids] == ["123", "45"]
     ids = tokenizer.encode("x = 9081726354", add_special_tokens=False)
-    digit_tokens = [tokenizer.decode([i]) for i in ids][-10:]
-    assert digit_tokens == list("9081726354")
+    assert [tokenizer.decode([i]) for i in ids][-4:] == ["908", "172", "635", "4"]
 
 
 @pytest.mark.parametrize("token", ["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>",

@@ -35,7 +35,10 @@ def parse_tiny(name: str) -> TinySpec | None:
         except ValueError:
             raise ModelLoadError(f"tiny-model field {key!r} in {name!r} must be a "
                                  f"{type(fields[key]).__name__}, got {value!r}") from None
-    return TinySpec(**kwargs)
+    try:
+        return TinySpec(**kwargs)
+    except ValueError as exc:
+        raise ModelLoadError(f"bad tiny-model spec {name!r}: {exc}") from None
 
 
 def resolve(name_or_path: str) -> str:

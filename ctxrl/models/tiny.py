@@ -1,14 +1,24 @@
-"""A tiny, real HF model for CPU work and tests: random-init Qwen2 + a locally trained BPE.
+"""A tiny, real HF model for CPU work and tests: a random-init Llama or Qwen2 + a locally trained BPE.
 
 ``build_tiny(spec)`` trains a byte-level BPE tokenizer with ``tokenizers`` on text from the
 built-in environments, attaches the ChatML-with-tools template, initialises a small
-``Qwen2ForCausalLM`` from a seed, pre-trains it briefly (a few hundred language-model steps on
+``LlamaForCausalLM`` (``arch="llama"``, the default) or ``Qwen2ForCausalLM`` (``arch="qwen2"``)
+from a seed, pre-trains it briefly (a few hundred language-model steps on freshly drawn
 plain-text transcripts of solved environment tasks, no chat format), and saves both with
 ``save_pretrained``. The pre-training stands in for what every real base model brings: the
 ability to copy a number from its context. Without it a 1M-parameter model needs thousands of
-supervised steps before induction ("copy") heads form, far beyond a CPU demo's budget. The result is an
-ordinary HF checkpoint directory; ``ctxrl.models.loader`` loads it exactly like a Qwen or Llama
-checkpoint, so the tiny model exercises the production code path.
+supervised steps before induction ("copy") heads form, far beyond a CPU demo's budget. The
+result is an ordinary HF checkpoint directory; ``ctxrl.models.loader`` loads it exactly like a
+Qwen or Llama checkpoint, so the tiny model exercises the production code path.
+
+Why Llama by default: the two architectures pre-tokenize numbers differently, and
+transformers enforces each one's rule on load (for ``model_type == "qwen2"`` it rebuilds the
+tokenizer as ``Qwen2Tokenizer``, which splits every digit). A Llama-3-style tokenizer
+(``tokenizer_class`` ``PreTrainedTokenizerFast``, byte-level BPE, digits grouped in runs of up
+to three) makes every number below 1000 one token, so copying a number is copying one token.
+At the same 600 pre-training steps that took held-out transcription ("What is 37 plus 58?" ->
+``37 + 58``) from 0.65 (Qwen2, one digit per token) to 0.92 (see
+``benchmarks/tiny_skills.py``).
 
 Built models are cached under ``$CTXRL_CACHE`` (default ``~/.cache/ctxrl``) in a directory
 named after a hash of the spec, written to a temporary directory and renamed into place so a
@@ -29,29 +39,38 @@ from pathlib import Path
 from ctxrl.chat.template import CHATML_TOOLS_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS
 
 # Bump when the corpus, template or build recipe changes, so old caches are not reused.
-TINY_RECIPE_VERSION = 6
+TINY_RECIPE_VERSION = 8
 
+# Qwen2's pre-tokenizer splits digits one by one; Llama 3's groups them in runs of up to three.
 QWEN2_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+LLAMA3_PRETOKENIZE_REGEX = QWEN2_PRETOKENIZE_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+ARCHITECTURES = ("llama", "qwen2")
 
 
 @dataclass(frozen=True)
 class TinySpec:
     """Shape of the tiny model. Defaults train in minutes on 2 CPU cores."""
 
+    arch: str = "llama"
+    """``llama`` (Llama-3-style tokenizer: numbers below 1000 are one token) or ``qwen2`` (one digit per token)."""
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 384
-    vocab_size: int = 1024
+    vocab_size: int = 2048
     max_position_embeddings: int = 2048
     seed: int = 0
     pretrain_steps: int = 600
-    """Language-model steps on plain-text environment transcripts (0 = leave the weights random)."""
+    """Language-model steps on fresh plain-text environment transcripts (0 = leave the weights random)."""
     pretrain_batch_size: int = 64
     pretrain_lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"tiny arch must be one of {', '.join(ARCHITECTURES)}, not {self.arch!r}")
 
     def key(self) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "recipe": TINY_RECIPE_VERSION}, sort_keys=True)
@@ -71,8 +90,8 @@ def tiny_path(spec: TinySpec | None = None, *, build: bool = True) -> Path:
     return path
 
 
-def tokenizer_corpus(seed: int = 0) -> list[str]:
-    """Text the tokenizer learns from: every built-in environment's prompts and dialogue."""
+def tokenizer_corpus(seed: int = 0, n: int = 2000) -> list[str]:
+    """Text the tokenizer learns from (and the model pre-trains on): built-in environments' transcripts."""
     from ctxrl.envs.registry import get_env_class, list_envs
 
     texts: list[str] = []
@@ -80,18 +99,23 @@ def tokenizer_corpus(seed: int = 0) -> list[str]:
         env_cls = get_env_class(name)
         corpus = getattr(env_cls, "corpus", None)
         if corpus is not None:
-            texts.extend(corpus(2000, seed))
+            texts.extend(corpus(n, seed))
     return texts
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int):
+def number_texts() -> list[str]:
+    """Every number 0-999 (and zero-padded 000-099, 00-09) once, so each becomes a BPE token."""
+    return [" ".join(str(i) for i in range(1000)), " ".join(f"{i:03d}" for i in range(100)),
+            " ".join(f"{i:02d}" for i in range(10))]
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int, arch: str = "llama"):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    # Qwen2's pre-tokenizer: it splits digits one by one (numbers of any length stay copyable
-    # token by token), and transformers' Qwen2 tokenizer class re-applies it on load anyway.
+    regex = LLAMA3_PRETOKENIZE_REGEX if arch == "llama" else QWEN2_PRETOKENIZE_REGEX
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -109,14 +133,16 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
     """Build and save the tiny tokenizer + model at ``path`` (atomically)."""
     import torch
     from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     from ctxrl.chat.toolcalls import format_tool_call
 
     corpus = tokenizer_corpus(spec.seed)
-    # The template's own text, so that its fixed phrases become few tokens.
+    # The template's own text, so that its fixed phrases become few tokens; numbers 0-999 (as
+    # whole tokens with the Llama pre-tokenizer: they are frequent enough to be merged).
     texts = corpus + [CHATML_TOOLS_TEMPLATE, format_tool_call("calculator", {"expression": "1 + 2"})] * 50
-    raw = _train_tokenizer(texts, spec.vocab_size - len(TOOL_TOKENS))
+    texts += number_texts() * 5
+    raw = _train_tokenizer(texts, spec.vocab_size - len(TOOL_TOKENS), spec.arch)
     raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw,
@@ -131,7 +157,9 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
     tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
 
     torch.manual_seed(spec.seed)
-    config = Qwen2Config(
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if spec.arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    extra = {"use_sliding_window": False} if spec.arch == "qwen2" else {}
+    config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -143,16 +171,18 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
-        use_sliding_window=False,
+        **extra,
     )
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     if spec.pretrain_steps:
-        pretrain(model, tokenizer, pretraining_sequences(tokenizer, corpus), spec)
+        pretrain(model, tokenizer, pretraining_batches(tokenizer, spec), spec)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         tokenizer.save_pretrained(tmp)
+        if spec.arch == "llama":  # as in Llama 3 checkpoints: keep tokenizer.json's own pre-tokenizer
+            _set_tokenizer_class(tmp, "PreTrainedTokenizerFast")
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / "ctxrl_tiny.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
         try:
@@ -165,31 +195,87 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
     return path
 
 
-def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of the multi-line corpus texts (whole solved-task transcripts), each ending in pad.
+def _set_tokenizer_class(path: Path, name: str) -> None:
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = name
+    config_path.write_text(json.dumps(config, indent=2))
 
-    Plain text, no chat format: short sequences teach copying cheaply; the chat format and the
-    system prompt with its tool list are left to the warm start.
-    """
+
+def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of the multi-line corpus texts (whole solved-task transcripts), each ending in pad."""
     return [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.pad_token_id] for t in texts if "\n" in t]
 
 
+def chat_sequences(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """``n`` solved train tasks per environment, rendered with the chat template, without system block.
+
+    The scripted solutions are played through the real agent loop (as SFT demos are), so tool
+    responses are exactly what the environment returns.
+    """
+    import asyncio
+
+    from ctxrl.chat.render import ChatRenderer
+    from ctxrl.envs.registry import get_env_class, list_envs
+    from ctxrl.train.sft import build_demos
+
+    renderer = ChatRenderer(tokenizer, template_name="tiny")
+    sequences: list[list[int]] = []
+    for name in list_envs():
+        env_cls = get_env_class(name)
+        if getattr(env_cls, "solve", None) is None:
+            continue
+        for episode in asyncio.run(build_demos(env_cls, renderer, n, seed=seed)):
+            messages = [m for m in episode.messages if m.role != "system"]
+            text = renderer.text(messages, None, add_generation_prompt=False)
+            sequences.append(renderer.encode(text) + [tokenizer.pad_token_id])
+    return sequences
+
+
+def pretraining_batches(tokenizer, spec: TinySpec) -> list[list[int]]:
+    """``pretrain_steps x pretrain_batch_size`` sequences of fresh train tasks, batch by batch.
+
+    Even batches are plain-text transcripts (short, so copying is learnt cheaply), odd batches
+    the same kind of transcript in the chat format without the system block, so the chat
+    tokens are familiar before the warm start. Each batch holds one format only: mixing a
+    70-token chat sequence into a batch of 50-token plain ones would pad the whole batch.
+    Fresh tasks everywhere: a small fixed corpus is memorised instead of copied.
+    """
+    size = spec.pretrain_batch_size
+    n_chat = (spec.pretrain_steps // 2) * size
+    n_plain = spec.pretrain_steps * size - n_chat
+    plain = pretraining_sequences(tokenizer, tokenizer_corpus(spec.seed + 1, n_plain))
+    chat = chat_sequences(tokenizer, n_chat, spec.seed + 2) if n_chat else []
+    batches: list[list[int]] = []
+    for step in range(spec.pretrain_steps):
+        source = chat if step % 2 else plain
+        batches.extend(source[(step // 2) * size:(step // 2 + 1) * size])
+    return batches
+
+
 def pretrain(model, tokenizer, encoded: list[list[int]], spec: TinySpec) -> list[float]:
-    """Causal-LM loss on every token of ``encoded`` (random batches, seeded); returns the losses."""
-    import random
+    """Causal-LM loss on every token of ``encoded``; returns the losses.
+
+    Batches walk through ``encoded`` in order (one pass if it holds ``steps x batch`` sequences,
+    wrapping around otherwise); linear warm-up then cosine decay to zero.
+    """
+    import math
 
     import torch
 
     from ctxrl.train.learner import token_logprobs
 
-    rng = random.Random(spec.seed)
+    if not encoded:
+        raise ValueError("pre-training needs at least one sequence")
+    steps, size = spec.pretrain_steps, spec.pretrain_batch_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.pretrain_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, spec.pretrain_steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    warmup = max(1, steps // 20)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * s / steps)))
     losses = []
     model.train()
-    for _ in range(spec.pretrain_steps):
-        batch = rng.sample(encoded, min(spec.pretrain_batch_size, len(encoded)))
+    for step in range(steps):
+        batch = [encoded[(step * size + i) % len(encoded)] for i in range(size)]
         width = max(len(x) for x in batch)
         ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
