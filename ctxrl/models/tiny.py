@@ -64,7 +64,7 @@ class TinySpec:
     max_position_embeddings: int = 2048
     seed: int = 0
     pretrain_steps: int = 600
-    """Language-model steps on fresh plain-text environment transcripts (0 = leave the weights random)."""
+    """Language-model steps on fresh solved-task transcripts, plain and chat batches alternating (0 = random weights)."""
     pretrain_batch_size: int = 64
     pretrain_lr: float = 3e-3
 
