@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ctxrl.engine.base import Completion, SamplingParams
-from ctxrl.engine.hf import HFEngine, _filter_logits
+from ctxrl.engine.hf import HFEngine
 from ctxrl.train.learner import token_logprobs
 
 
@@ -192,48 +192,6 @@ def test_tiny_top_p_equals_greedy(model, tokenizer):
     assert [c.token_ids for c in nucleus] == [c.token_ids for c in greedy]
 
 
-def test_filter_logits_top_k():
-    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [3.0, 0.0, 1.0, 2.0]])
-    out = _filter_logits(logits, [2, 0], torch.tensor([[1.0], [1.0]]))
-    inf = float("-inf")
-    assert out.tolist() == [[inf, 2.0, inf, 1.0], [3.0, 0.0, 1.0, 2.0]]
-    out = _filter_logits(logits, [1, 3], torch.tensor([[1.0], [1.0]]))
-    assert out.tolist() == [[inf, 2.0, inf, inf], [3.0, inf, 1.0, 2.0]]
-    # all disabled: unchanged
-    assert torch.equal(_filter_logits(logits, [0, 0], torch.tensor([[1.0], [1.0]])), logits)
-
-
-def test_filter_logits_top_p():
-    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]])
-    p = torch.softmax(logits, -1)[0].tolist()  # sorted order: idx 1, 3, 0, 2
-    # p = [0.1478, 0.6095, 0.0304, 0.2242]; cumulative mass before each sorted token: 0, .6095, .8337, .9696
-    assert p[1] > 0.6 and 0.83 < p[1] + p[3] < 0.84 and p[1] + p[3] + p[0] > 0.96
-    inf = float("-inf")
-
-    def keep(top_p, k=0):
-        out = _filter_logits(logits, [k], torch.tensor([[top_p]]))[0]
-        return [i for i, v in enumerate(out.tolist()) if v != inf]
-
-    assert keep(0.5) == [1]  # mass before idx 3 is p[1] >= 0.5
-    assert keep(0.6) == [1]
-    assert keep(0.7) == [1, 3]
-    assert keep(0.83) == [1, 3]
-    assert keep(0.9) == [0, 1, 3]  # mass before idx 0 is .8337 < 0.9; before idx 2 it is .9696
-    assert keep(0.99) == [0, 1, 2, 3]
-    assert keep(1e-9) == [1]  # the top token always stays
-    assert keep(0.9, k=2) == [1, 3]  # k and p combine
-    assert keep(0.5, k=3) == [1]
-    kept = _filter_logits(logits, [0], torch.tensor([[0.9]]))[0]
-    assert kept[[0, 1, 3]].tolist() == logits[0, [0, 1, 3]].tolist()  # kept values unchanged
-
-
-def test_filter_logits_per_row():
-    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [0.5, 2.0, -1.0, 1.0]])
-    out = _filter_logits(logits, [0, 0], torch.tensor([[0.5], [1.0]]))
-    assert torch.isinf(out[0]).tolist() == [True, False, True, True]
-    assert torch.equal(out[1], logits[1])
-
-
 def test_load_weights_changes_outputs_and_version(model, tokenizer):
     engine_model = copy.deepcopy(model)
     engine = _engine(engine_model, tokenizer)
@@ -293,3 +251,38 @@ def test_load_weights_accepts_state_dict(model, tokenizer):
     assert engine.version == 1
     for (name, a), b in zip(engine.model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_batches_run_in_one_long_lived_worker_thread(model, tokenizer):
+    import threading
+
+    engine = _engine(model, tokenizer)
+    names = []
+    original = engine._decode
+
+    def spy(*args):
+        names.append(threading.current_thread().name)
+        return original(*args)
+
+    engine._decode = spy
+    prompts = _prompts(len(tokenizer), n=2)
+    _gather(engine, prompts, SamplingParams(max_new_tokens=2))
+    _gather(engine, prompts, SamplingParams(max_new_tokens=2))  # a new event loop, the same thread
+    assert len(names) == 2 and names[0] == names[1] and names[0].startswith("ctxrl-engine")
+    assert names[0] != threading.current_thread().name
+    engine.close()
+    assert engine._executor is None
+    assert len(_gather(engine, prompts, SamplingParams(max_new_tokens=2))) == 2  # usable after close
+    engine.close()
+
+
+def test_decode_attention_keeps_cuda_off_cudnn():
+    from ctxrl.engine.hf import _decode_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with _decode_attention(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with _decode_attention(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -17,7 +17,9 @@ class SamplingParams:
 
     ``temperature <= 0`` means greedy. ``top_k = 0`` and ``top_p = 1.0`` disable truncation.
     Generation stops after a token in ``stop_ids`` (which is kept in the output, as the model
-    sampled it) or after ``max_new_tokens``.
+    sampled it) or after ``max_new_tokens``. ``seed`` fixes the random draws of this one
+    completion, whatever else the engine is serving at the time; ``None`` lets the engine pick
+    one from its own seeded stream (reproducible only if requests arrive in the same order).
     """
 
     temperature: float = 1.0
@@ -25,6 +27,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 128
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.top_p <= 1.0:

@@ -3,8 +3,15 @@
 Many episodes call ``await engine.generate(prompt_ids, params)`` concurrently. A single worker
 collects the requests that are waiting, left-pads them into one batch, runs one prefill and a
 token-by-token decode loop over a KV cache, and resolves each request with its sampled ids and
-their log-probabilities. The forward passes run in a worker thread so the event loop keeps
-serving tools and timers meanwhile.
+their log-probabilities. The forward passes run in the engine's own worker thread (one, for
+the engine's lifetime) so the event loop keeps serving tools and timers meanwhile.
+
+Two measured GPU pitfalls shape this (``benchmarks/engine_throughput.py``, H200, Qwen2-0.5B
+shape, bf16): PyTorch's cuDNN attention backend builds an execution plan per new tensor shape
+and per thread, about 2 ms per attention call, and a decode loop has a new key length every
+step; and a fresh thread per batch (what ``asyncio.to_thread`` gives under a new event loop)
+loses every per-thread cache. Decoding on CUDA therefore runs with the flash / memory-efficient
+/ math attention backends only, in one long-lived thread.
 
 What it is: static batching (a batch runs until its last row stops; requests that arrive
 meanwhile form the next batch). What it is not: continuous batching or paged attention — for
@@ -19,13 +26,18 @@ module (shared, zero-copy) or call ``load_weights`` with a state dict (in-memory
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import inspect
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from ctxrl.engine.base import Completion, SamplingParams
+from ctxrl.engine.sampling import SEED_MODULUS, filter_logits, sample_inverse_cdf, uniforms
 
 
 @dataclass
@@ -45,11 +57,12 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens or int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.version = 0
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seeds = random.Random(seed)  # request seeds for requests that bring none
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._executor: ThreadPoolExecutor | None = None
         self.stats = {"batches": 0, "requests": 0, "forward_passes": 0, "generate_seconds": 0.0}
 
     @property
@@ -89,6 +102,8 @@ class HFEngine:
             self._wakeup = asyncio.Event()
             self._pending = []
             self._worker = loop.create_task(self._serve())
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._seeds.randrange(SEED_MODULUS))
         future = loop.create_future()
         self._pending.append(_Request(list(prompt_ids), params, future))
         self._wakeup.set()
@@ -110,7 +125,10 @@ class HFEngine:
             if not batch:
                 continue
             try:
-                results = await asyncio.to_thread(self._generate_batch, [(r.prompt_ids, r.params) for r in batch])
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxrl-engine")
+                results = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._generate_batch, [(r.prompt_ids, r.params) for r in batch])
             except Exception as exc:  # noqa: BLE001 - delivered to every waiting episode
                 for r in batch:
                     if not r.future.done():
@@ -120,6 +138,12 @@ class HFEngine:
                 if not r.future.done():
                     r.future.set_result(completion)
 
+    def close(self) -> None:
+        """Stop the worker thread (a later ``generate`` starts a new one)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
     # -- the batched decode loop ------------------------------------------------------------------
     @torch.no_grad()
     def _generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
@@ -128,7 +152,8 @@ class HFEngine:
         was_training = model.training
         model.eval()
         try:
-            out = self._decode(requests, model, device)
+            with _decode_attention(device):
+                out = self._decode(requests, model, device)
         finally:
             model.train(was_training)
         self.stats["batches"] += 1
@@ -156,6 +181,7 @@ class HFEngine:
         top_k = [p.top_k for p in params]
         top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(-1)
         stops = [set(p.stop_ids) for p in params]
+        seeds = torch.tensor([p.seed % SEED_MODULUS for p in params], dtype=torch.long)
 
         sampled: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
@@ -172,9 +198,8 @@ class HFEngine:
         for step in range(max(budgets)):
             scaled = logits / temperature
             step_logprobs = torch.log_softmax(scaled, dim=-1)
-            filtered = _filter_logits(scaled, top_k, top_p)
-            probs = torch.softmax(filtered, dim=-1)
-            choice = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
+            choice = sample_inverse_cdf(probs, uniforms(seeds, step))
             choice = torch.where(greedy, scaled.argmax(-1), choice)
             chosen_lp = step_logprobs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
             ids, lps = choice.tolist(), chosen_lp.tolist()
@@ -197,16 +222,15 @@ class HFEngine:
         return [Completion(sampled[r], logprobs[r], finish[r] or "length", self.version) for r in range(batch)]
 
 
-def _filter_logits(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p); rows with k=0, p=1 are untouched."""
-    if all(k <= 0 for k in top_k) and bool((top_p >= 1.0).all()):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-    k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=logits.device).unsqueeze(-1)
-    remove = rank >= k
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token once the mass *before* it already reaches top_p (the top token always stays).
-    remove |= (probs.cumsum(-1) - probs) >= top_p
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+def _decode_attention(device: torch.device):
+    """On CUDA, keep scaled-dot-product attention off the cuDNN backend while decoding.
+
+    cuDNN plans are built per shape (and per thread); a decode step has a shape never seen
+    before, so each attention call paid about 2 ms for planning. Flash and memory-efficient
+    attention need no plan; the math backend stays as the fallback for any mask or dtype.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

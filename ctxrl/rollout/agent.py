@@ -9,6 +9,9 @@ Limits end an episode and are recorded in ``Episode.truncation``: ``max_turns``,
 ``max_new_tokens`` (a turn was cut off before its end-of-turn token), ``max_total_tokens``. An
 exception from the environment or engine ends that episode with truncation ``error`` (the
 message is kept in ``info["error"]``); the other episodes go on.
+
+A seeded episode seeds each turn's sampling (``derive_seed(seed, turn)``), so it samples the
+same tokens however the engine happens to batch it with other episodes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Callable
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.chat.toolcalls import parse_assistant
 from ctxrl.engine.base import Engine, SamplingParams
+from ctxrl.engine.sampling import derive_seed
 from ctxrl.types import Episode, Task, Turn
 
 
@@ -63,7 +67,8 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode) -> 
             episode.truncation = "max_total_tokens"
             return
         params = SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
-                                max_new_tokens=min(limits.max_new_tokens, room), stop_ids=(renderer.eos_id,))
+                                max_new_tokens=min(limits.max_new_tokens, room), stop_ids=(renderer.eos_id,),
+                                seed=None if seed is None else derive_seed(seed, turn))
         prompt_tokens = len(episode.input_ids)
         completion = await engine.generate(list(episode.input_ids), params)
         episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)

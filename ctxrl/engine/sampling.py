@@ -1,0 +1,72 @@
+"""Sampling maths for the engine: top-k / top-p filtering and batch-independent random draws.
+
+Why counter-based draws: episodes reach the engine in an order that depends on thread timing
+(a tool call that finishes a little sooner lets its episode join an earlier batch). With one
+shared ``torch.Generator``, which random numbers a request gets would depend on who else is in
+its batch, and a seeded run would not repeat. Here the uniform number for token ``t`` of a
+request is a pure function of ``(request seed, t)``: a request samples the same tokens alone
+or in any batch, in any order. Sampling is by inverse CDF (one uniform per row and step), which
+draws exactly from the filtered distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+SEED_MODULUS = 1 << 63
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding values < 2**32.
+
+    Both multipliers are below 2**31, so no product overflows int64 on any device.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One float64 in (0, 1) per seed, a pure function of (seed, step); 53 random bits each."""
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    h = mix32(mix32(mix32(torch.full_like(seeds, step & MASK32)) ^ hi) ^ lo)
+    h2 = mix32(h ^ 0x5BD1E995)
+    bits = (h << 21) | (h2 >> 11)  # 32 + 21 = 53 bits
+    return (bits.double() + 0.5) / float(1 << 53)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index ``i`` per row with ``cdf[i-1] <= u * total < cdf[i]``; never a zero-probability index."""
+    cdf = probs.double().cumsum(-1)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    choice = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    # u * total can round up to total itself; fall back to the most likely token then.
+    zero = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1) <= 0
+    return torch.where(zero, probs.argmax(-1), choice)
+
+
+def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p); rows with k=0, p=1 are untouched."""
+    if all(k <= 0 for k in top_k) and bool((top_p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=logits.device).unsqueeze(-1)
+    remove = rank >= k
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token once the mass *before* it already reaches top_p (the top token always stays).
+    remove |= (probs.cumsum(-1) - probs) >= top_p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def derive_seed(seed: int, *salt: int) -> int:
+    """A seed for a sub-stream (for example an episode's turn) that differs for every salt."""
+    value = seed % SEED_MODULUS
+    for s in salt:
+        value = (value * 0x9E3779B97F4A7C15 + (s + 1) * 0xBF58476D1CE4E5B9) % SEED_MODULUS
+        value ^= value >> 29
+    return value

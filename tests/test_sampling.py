@@ -1,0 +1,163 @@
+"""Sampling maths: counter-based uniforms, inverse-CDF draws, top-k / top-p filtering, and the
+engine's batch-independent seeded sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import torch
+
+from ctxrl.engine.base import SamplingParams
+from ctxrl.engine.hf import HFEngine
+from ctxrl.engine.sampling import derive_seed, filter_logits, mix32, sample_inverse_cdf, uniforms
+
+
+def test_mix32_stays_in_32_bits_and_is_a_function():
+    x = torch.tensor([0, 1, 2, 0xFFFFFFFF, 123456789], dtype=torch.long)
+    h = mix32(x)
+    assert bool(((h >= 0) & (h <= 0xFFFFFFFF)).all())
+    assert torch.equal(h, mix32(x.clone()))
+    assert len(set(h.tolist())) == 5
+
+
+def test_uniforms_depend_only_on_seed_and_step():
+    seeds = torch.tensor([5, 7, 5, (1 << 62) + 5], dtype=torch.long)
+    u = uniforms(seeds, 3)
+    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert u[0] == u[2]  # same seed, same step
+    assert u[0] != u[1] and u[0] != u[3]  # the high 32 bits of a seed count too
+    assert u[0] != uniforms(seeds, 4)[0]
+    assert uniforms(seeds[1:2], 3)[0] == u[1]  # one row alone equals the same row in a batch
+
+
+def test_uniforms_are_uniform():
+    u = uniforms(torch.arange(200_000, dtype=torch.long), 0)
+    assert abs(float(u.mean()) - 0.5) < 0.003
+    assert abs(float(u.var()) - 1 / 12) < 0.002
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert float(counts.min()) > 19_000 and float(counts.max()) < 21_000
+    # consecutive steps of one seed are not correlated
+    a, b = uniforms(torch.arange(50_000, dtype=torch.long), 1), uniforms(torch.arange(50_000, dtype=torch.long), 2)
+    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.02
+
+
+def test_inverse_cdf_picks_the_interval_u_falls_in():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]] * 5)
+    u = torch.tensor([0.05, 0.1, 0.5, 0.75, 0.999], dtype=torch.float64)
+    # cdf = [0.1, 0.1, 0.7, 1.0]; u = 0.1 sits at the end of token 0's interval -> the next
+    # token with mass, never the zero-probability token 1
+    assert sample_inverse_cdf(probs, u).tolist() == [0, 2, 2, 3, 3]
+    # unnormalised rows (masked softmax output) are scaled by their total
+    assert sample_inverse_cdf(probs * 0.5, u).tolist() == [0, 2, 2, 3, 3]
+    # u * total rounding up to the total falls back to the most likely token, not the last index
+    edge = torch.tensor([[0.5, 0.5, 0.0]])
+    assert sample_inverse_cdf(edge, torch.tensor([1.0], dtype=torch.float64)).tolist() == [0]
+
+
+def test_inverse_cdf_matches_the_distribution():
+    probs = torch.tensor([0.05, 0.5, 0.0, 0.15, 0.3])
+    n = 40_000
+    u = uniforms(torch.arange(n, dtype=torch.long) * 31 + 9, 0)
+    draws = sample_inverse_cdf(probs.expand(n, -1), u)
+    freq = torch.bincount(draws, minlength=5).double() / n
+    assert freq[2] == 0
+    for f, p in zip(freq.tolist(), probs.tolist()):
+        assert abs(f - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-9
+
+
+def test_derive_seed_differs_per_salt_and_is_stable():
+    s = [derive_seed(17, t) for t in range(100)]
+    assert len(set(s)) == 100 and all(0 <= x < 1 << 63 for x in s)
+    assert derive_seed(17, 3) == derive_seed(17, 3) != derive_seed(18, 3)
+    assert derive_seed(-4, 0) >= 0  # negative seeds are reduced, not rejected
+
+
+def test_seeded_request_samples_the_same_alone_or_in_any_batch(model, tokenizer):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tokenizer), (4 + 3 * i,), generator=g).tolist() for i in range(5)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=1000 + i) for i in range(5)]
+
+    def run(order, engine_seed):
+        engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, seed=engine_seed)
+
+        async def go():
+            return await asyncio.gather(*(engine.generate(prompts[i], params[i]) for i in order))
+        return dict(zip(order, asyncio.run(go())))
+
+    together = run([0, 1, 2, 3, 4], engine_seed=0)
+    shuffled = run([3, 0, 4, 2, 1], engine_seed=99)
+    alone = {i: run([i], engine_seed=i)[i] for i in (0, 4)}
+    for i in range(5):
+        assert shuffled[i].token_ids == together[i].token_ids
+    for i, c in alone.items():
+        assert c.token_ids == together[i].token_ids
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(together[i].logprobs), atol=1e-4, rtol=0)
+    # different seeds give different samples (8 tokens from a ~2k vocab at T=1)
+    other = run([0], engine_seed=0)
+    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id)
+    reseeded = asyncio.run(engine.generate(prompts[0], SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)))
+    assert other[0].token_ids == together[0].token_ids != reseeded.token_ids
+
+
+def testfilter_logits_top_k():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [3.0, 0.0, 1.0, 2.0]])
+    out = filter_logits(logits, [2, 0], torch.tensor([[1.0], [1.0]]))
+    inf = float("-inf")
+    assert out.tolist() == [[inf, 2.0, inf, 1.0], [3.0, 0.0, 1.0, 2.0]]
+    out = filter_logits(logits, [1, 3], torch.tensor([[1.0], [1.0]]))
+    assert out.tolist() == [[inf, 2.0, inf, inf], [3.0, inf, 1.0, 2.0]]
+    # all disabled: unchanged
+    assert torch.equal(filter_logits(logits, [0, 0], torch.tensor([[1.0], [1.0]])), logits)
+
+
+def testfilter_logits_top_p():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]])
+    p = torch.softmax(logits, -1)[0].tolist()  # sorted order: idx 1, 3, 0, 2
+    # p = [0.1478, 0.6095, 0.0304, 0.2242]; cumulative mass before each sorted token: 0, .6095, .8337, .9696
+    assert p[1] > 0.6 and 0.83 < p[1] + p[3] < 0.84 and p[1] + p[3] + p[0] > 0.96
+    inf = float("-inf")
+
+    def keep(top_p, k=0):
+        out = filter_logits(logits, [k], torch.tensor([[top_p]]))[0]
+        return [i for i, v in enumerate(out.tolist()) if v != inf]
+
+    assert keep(0.5) == [1]  # mass before idx 3 is p[1] >= 0.5
+    assert keep(0.6) == [1]
+    assert keep(0.7) == [1, 3]
+    assert keep(0.83) == [1, 3]
+    assert keep(0.9) == [0, 1, 3]  # mass before idx 0 is .8337 < 0.9; before idx 2 it is .9696
+    assert keep(0.99) == [0, 1, 2, 3]
+    assert keep(1e-9) == [1]  # the top token always stays
+    assert keep(0.9, k=2) == [1, 3]  # k and p combine
+    assert keep(0.5, k=3) == [1]
+    kept = filter_logits(logits, [0], torch.tensor([[0.9]]))[0]
+    assert kept[[0, 1, 3]].tolist() == logits[0, [0, 1, 3]].tolist()  # kept values unchanged
+
+
+def testfilter_logits_per_row():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [0.5, 2.0, -1.0, 1.0]])
+    out = filter_logits(logits, [0, 0], torch.tensor([[0.5], [1.0]]))
+    assert torch.isinf(out[0]).tolist() == [True, False, True, True]
+    assert torch.equal(out[1], logits[1])
+
+
+
+
+def test_seeded_episodes_repeat_whatever_the_batching(model, tokenizer, renderer):
+    from ctxrl.envs.calculator import CalculatorEnv
+    from ctxrl.rollout.agent import RolloutLimits, run_episodes
+
+    tasks = CalculatorEnv.sample_tasks("train", 3, seed=4)
+    limits = RolloutLimits(max_turns=2, max_new_tokens=12, max_total_tokens=512, temperature=1.0)
+
+    def play(max_batch_size, engine_seed):
+        engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=max_batch_size,
+                          seed=engine_seed)
+        return asyncio.run(run_episodes(CalculatorEnv, tasks, engine, renderer, limits, group_size=2, seed=11))
+
+    one_batch, small_batches = play(64, 0), play(2, 5)
+    assert [e.input_ids for e in one_batch] == [e.input_ids for e in small_batches]
+    assert [e.loss_mask for e in one_batch] == [e.loss_mask for e in small_batches]
+    # the two episodes of a group are different samples
+    assert any(one_batch[2 * i].input_ids != one_batch[2 * i + 1].input_ids for i in range(3))
