@@ -45,7 +45,7 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False) -> dict[
                                f"ood {before['ood']['success']:.2f}")
         learner = run.make_learner()
         steps = config.train.steps
-        bar = progress.add_task("GRPO", total=steps, info="")
+        bar = progress.add_task(f"RL ({config.algo.advantage}, {config.algo.loss})", total=steps, info="")
         history = []
         for step in range(steps):
             row = run.rl_step(learner, step)

@@ -88,7 +88,15 @@ class SFTConfig:
 @dataclass
 class AlgoConfig:
     advantage: str = "grpo"
-    """Advantage estimator: ``grpo`` (std-normalised) or ``dr_grpo`` (centred only)."""
+    """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
+    ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
+    batch) or ``turn_grpo`` (group-normalised per-turn returns); see docs/algorithms.md."""
+    gamma: float = 1.0
+    """Discount per sampled token (``reinforce_pp``) or per turn (``turn_grpo``)."""
+    loss: str = "ppo_clip"
+    """Policy loss: ``ppo_clip`` (token ratios) or ``gspo`` (sequence ratios; use clip bounds near 3e-4 / 4e-4)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c * A (0 = off; ppo_clip only)."""
     clip_low: float = 0.2
     """PPO lower clip: ratios below 1 - clip_low stop the gradient of negative advantages."""
     clip_high: float = 0.2
@@ -101,6 +109,35 @@ class AlgoConfig:
     """Entropy bonus weight (0 = off)."""
     agg: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: leave out groups whose rewards all agree and sample more tasks to refill."""
+    dynamic_sampling_rounds: int = 3
+    """Most extra rollout rounds per step that dynamic sampling may spend refilling the batch."""
+    void_turn_filter: bool = False
+    """SimpleTIR: leave trajectories with a void turn (no tool call, no answer) out of the update."""
+    old_logprobs: str = "behaviour"
+    """The PPO "old" policy: ``behaviour`` (the sampler's log-probs, exact in fp32) or ``recompute``
+    (one extra learner pass before the update; logs the sampler/learner mismatch)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight each token by min(learner_old / behaviour, cap) (0 = off;
+    needs ``old_logprobs = "recompute"``; e.g. 2.0 for bf16 rollouts)."""
+
+
+@dataclass
+class RewardConfig:
+    outcome: float = 1.0
+    """Weight of the environment's own reward (its correctness signal)."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: tokens before ``rollout.max_total_tokens`` where a linear penalty starts (0 = off)."""
+    overlong_weight: float = 1.0
+    """Weight of the overlong penalty (which runs from 0 to -1)."""
+    otc_weight: float = 0.0
+    """Weight of OTC's tool-efficiency reward (correctness scaled by closeness to the group's fewest
+    successful tool calls; 0 = off). Pure OTC-GRPO: ``reward.outcome=0 reward.otc_weight=1``."""
+    otc_c: float = 1.0
+    """OTC's smoothing constant c (used when no episode of the group succeeded with a known count)."""
+    format_weight: float = 0.0
+    """Weight of the format reward: 1 when no turn made a malformed or failing tool call (0 = off)."""
 
 
 @dataclass
@@ -155,6 +192,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -169,11 +207,13 @@ class Config:
 # -- validation --------------------------------------------------------------------------------
 _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "rollout.max_new_tokens",
              "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
-             "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks"}
+             "algo.dynamic_sampling_rounds", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
-                 "algo.entropy_coef", "train.steps", "train.weight_decay", "train.eval_every",
+                 "algo.entropy_coef", "algo.gamma", "algo.dual_clip", "algo.tis_cap", "reward.overlong_buffer", "reward.otc_c",
+                 "train.steps", "train.weight_decay", "train.eval_every",
                  "train.checkpoint_every", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
-_CHOICES = {"algo.advantage": ("grpo", "dr_grpo"), "algo.kl_kind": ("k1", "k2", "k3"),
+_CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo"),
+            "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16")}
 
@@ -189,6 +229,15 @@ def validate(config: Config) -> None:
                 raise ConfigError(f"{key} must be >= 0, got {value!r}")
             if key in _CHOICES and value not in _CHOICES[key]:
                 raise ConfigError(f"{key} must be one of {', '.join(_CHOICES[key])}; got {value!r}")
+    if 0.0 < config.algo.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {config.algo.dual_clip!r}")
+    if config.algo.dual_clip and config.algo.loss != "ppo_clip":
+        raise ConfigError("algo.dual_clip applies to algo.loss=ppo_clip only; set algo.dual_clip=0 for gspo")
+    if config.algo.tis_cap and config.algo.old_logprobs != "recompute":
+        raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
+    if config.reward.overlong_buffer > config.rollout.max_total_tokens:
+        raise ConfigError(f"reward.overlong_buffer ({config.reward.overlong_buffer}) must not exceed "
+                          f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
     if not 0.0 < config.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:

@@ -97,6 +97,9 @@ class Turn:
     text: str
     tool_calls: int = 0
     tool_errors: int = 0
+    malformed_calls: int = 0
+    answered: bool | None = None
+    """Whether the environment took this turn as a final answer (its ``info["answered"]``); None if it did not say."""
     reward: float = 0.0
 
 

@@ -218,3 +218,60 @@ def test_entropy_uniform_and_one_hot():
     assert out[0].item() == pytest.approx(math.log(8))
     assert out[1].item() == pytest.approx(math.log(8))
     assert out[2].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_rloo_hand_example():
+    from ctxrl.algo.advantages import rloo_advantages
+
+    # group 0: [1, 0, 0, 1]: A_0 = 1 - mean(0, 0, 1) = 2/3; group 1: [3, 1]: A = +-2; group 2 alone: 0
+    rewards = torch.tensor([1.0, 3.0, 0.0, 0.0, 1.0, 1.0, 7.0])
+    groups = torch.tensor([0, 1, 0, 0, 0, 1, 2])
+    adv = rloo_advantages(rewards, groups)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, 2.0, -2 / 3, -2 / 3, 2 / 3, -2.0, 0.0]))
+    # leave-one-out by definition, on random rewards
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(6, generator=g)
+    loo = torch.stack([r[i] - torch.cat([r[:i], r[i + 1:]]).mean() for i in range(6)])
+    torch.testing.assert_close(rloo_advantages(r, torch.zeros(6, dtype=torch.long)), loo)
+    with pytest.raises(ValueError):
+        rloo_advantages(torch.zeros(3), torch.zeros(2))
+
+
+def test_gspo_hand_example_and_gradient():
+    from ctxrl.algo.losses import gspo_loss
+
+    lp = torch.tensor([[-1.0, -2.0, -5.0]], requires_grad=True)
+    old = torch.tensor([[-1.2, -1.6, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv = torch.ones(1, 3)
+    loss, m = gspo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    s = math.exp(-0.1)  # mean of (0.2, -0.4): the masked token never counts
+    assert loss.item() == pytest.approx(-s, rel=1e-6)
+    assert m["ratio_mean"] == pytest.approx(s, rel=1e-6)
+    loss.backward()
+    # d/dlp_t of -s over a 2-token mean: -s / 2 per sampled token, 0 on the masked one
+    torch.testing.assert_close(lp.grad, torch.tensor([[-s / 2, -s / 2, 0.0]]))
+    # the paper's clip (3e-4 / 4e-4): s = 0.905 < 1 - 3e-4; with A < 0 the clipped term binds
+    lp.grad = None
+    loss, m = gspo_loss(lp, old, -adv, mask)
+    assert loss.item() == pytest.approx(1 - 3e-4, rel=1e-6)
+    assert m["clip_frac_low"] == 1.0
+    loss.backward()
+    assert lp.grad.abs().sum() == 0
+
+
+def test_gspo_gradient_is_the_sequence_ratio_gradient():
+    from ctxrl.algo.losses import gspo_loss
+
+    g = torch.Generator().manual_seed(3)
+    lp = (torch.randn(4, 7, generator=g) * 0.05 - 1).requires_grad_()
+    old = lp.detach() + torch.randn(4, 7, generator=g) * 0.05
+    mask = (torch.rand(4, 7, generator=g) < 0.7).float()
+    adv = torch.randn(4, generator=g).unsqueeze(1).expand(4, 7)
+    loss, _ = gspo_loss(lp, old, adv, mask, clip_low=10.0, clip_high=10.0)  # no clipping
+    loss.backward()
+    ours = lp.grad.clone()
+    lp.grad = None
+    seq = torch.exp(((lp - old) * mask).sum(-1) / mask.sum(-1))
+    (-(adv[:, 0] * seq).mean()).backward()
+    torch.testing.assert_close(ours, lp.grad)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ctxrl.algo import AGG_MODES, policy_loss
+from ctxrl.algo.losses import aggregate
 from ctxrl.train.learner import Learner, PPOSettings, collate, token_logprobs
 from ctxrl.types import Episode, Task
 
@@ -199,3 +200,104 @@ def test_token_logprobs_alignment(model):
     expected = torch.stack([torch.log_softmax(model(input_ids=ids).logits[0, t].float() / 0.5, -1)[ids[0, t + 1]]
                             for t in range(4)])
     torch.testing.assert_close(hot[0].detach(), expected.detach(), atol=1e-5, rtol=0)
+
+
+def _token_advantages(episodes, seed: int = 5) -> list[list[float]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[float(torch.randn((), generator=g)) if m else 0.0 for m in e.loss_mask] for e in episodes]
+
+
+@pytest.mark.parametrize("loss,agg", [("gspo", "seq-mean-token-mean"), ("gspo", "token-mean"),
+                                      ("ppo_clip", "seq-mean-token-sum")])
+def test_gradient_accumulation_exact_for_gspo_dual_clip_and_token_advantages(model, data, loss, agg):
+    episodes, _ = data
+    advantages = _token_advantages(episodes)
+    policy = copy.deepcopy(model)
+    policy.train()
+    out = {}
+    for micro in (8, 3, 1):
+        settings = PPOSettings(agg=agg, micro_batch_size=micro, loss=loss, clip_low=0.2, clip_high=0.28,
+                               dual_clip=3.0 if loss == "ppo_clip" else None)
+        out[micro] = _run(policy, settings, episodes, advantages)
+    assert math.isfinite(out[8][0]["loss"]) and out[8][0]["loss"] != 0.0
+    for micro in (3, 1):
+        assert out[micro][0]["loss"] == pytest.approx(out[8][0]["loss"], abs=1e-5)
+        for name, g in out[8][1].items():
+            torch.testing.assert_close(out[micro][1][name], g, atol=1e-5, rtol=0)
+
+
+def test_collate_token_level_advantages():
+    a = _ep([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -0.5, -0.25])
+    batch = collate([a], pad_token_id=0, advantages=[[9.0, 9.0, 0.5, -1.5]])
+    assert batch.advantages.tolist() == [[0.0, 0.5, -1.5]]  # shifted; mask-0 positions zeroed
+    with pytest.raises(ValueError, match="4 tokens but 3 advantages"):
+        collate([a], 0, advantages=[[1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match="2 advantages for 1 episodes"):
+        collate([a], 0, advantages=[1.0, 2.0])
+
+
+def test_unknown_loss_name():
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
+        PPOSettings(loss="ppo")
+
+
+def test_recomputed_old_logprobs_make_the_ratio_one(model, data):
+    """With recomputed old log-probs (and no update yet) every ratio is 1: PPO loss = -agg(A)."""
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0),
+                      PPOSettings(micro_batch_size=3, old_logprobs="recompute"), pad_token_id=0)
+    diag = learner.recompute_old_logprobs(episodes)
+    metrics = learner.mini_batch_loss(episodes, advantages)
+    batch = collate(episodes, 0, "cpu", advantages)
+    expected = -aggregate(batch.advantages, batch.loss_mask, "token-mean")
+    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert metrics["clip_frac_low"] == 0.0 and metrics["clip_frac_high"] == 0.0
+    # the behaviour log-probs are the model's own plus N(0, 0.3) noise: the mismatch is that noise
+    with torch.no_grad():
+        own = token_logprobs(policy, batch.input_ids, batch.attention_mask)
+    noise = ((own - batch.old_logprobs).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()
+    assert diag["mismatch_abs_before_update"] == pytest.approx(float(noise), abs=1e-5)
+    assert diag["mismatch_kl_before_update"] > 0
+
+
+def test_truncated_importance_sampling_weights(model, data):
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    cap = 1.5
+    out = {}
+    for micro in (8, 3):
+        learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0),
+                          PPOSettings(micro_batch_size=micro, old_logprobs="recompute", tis_cap=cap), pad_token_id=0)
+        learner.recompute_old_logprobs(episodes)
+        policy.zero_grad(set_to_none=True)
+        out[micro] = (learner.mini_batch_loss(episodes, advantages), _grads(policy))
+    batch = collate(episodes, 0, "cpu", advantages)
+    with torch.no_grad():
+        own = token_logprobs(policy, batch.input_ids, batch.attention_mask)
+    raw = torch.exp(own - batch.old_logprobs) * batch.loss_mask
+    w = raw.clamp(max=cap)
+    # ratio 1 again, so the loss is -agg(w * A)
+    expected = -aggregate(w * batch.advantages, batch.loss_mask, "token-mean")
+    metrics = out[8][0]
+    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
+    n = float(batch.loss_mask.sum())
+    assert metrics["tis_weight"] == pytest.approx(float(w.sum()) / n, abs=1e-5)
+    assert 0 < metrics["tis_truncated"] == pytest.approx(float((raw > cap).sum()) / n, abs=1e-6)
+    assert out[3][0]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
+    for name, g in out[8][1].items():
+        torch.testing.assert_close(out[3][1][name], g, atol=1e-5, rtol=0)
+
+
+def test_update_with_recompute_reports_mismatch(model, data):
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=1e-3),
+                      PPOSettings(mini_batches=2, micro_batch_size=4, old_logprobs="recompute", tis_cap=2.0),
+                      pad_token_id=0)
+    metrics = learner.update(episodes, advantages)
+    assert metrics["mismatch_abs_before_update"] > 0 and metrics["skipped"] == 0.0
+    with pytest.raises(ValueError, match="old_logprobs='recompute'"):
+        PPOSettings(tis_cap=2.0)
+    with pytest.raises(RuntimeError, match="recompute_old_logprobs"):
+        learner.mini_batch_loss(episodes, advantages)  # update() cleared its recomputed log-probs

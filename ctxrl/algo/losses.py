@@ -50,12 +50,15 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip: float | None = None, agg: str = "token-mean", norm_length: float | None = None,
-                denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                denominator: float | None = None, token_weights: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss (Schulman et al. 2017) with clip-higher (DAPO) and dual clip (Ye et al. 2020).
 
     ``ratio = exp(logprobs - old_logprobs)``; per token
     ``loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``; with ``dual_clip = c``
     (> 1) the loss of negative-advantage tokens is further capped at ``-c * A``.
+    ``token_weights`` (no gradient) multiply each token's loss before aggregation, e.g. truncated
+    importance weights between the learner's and the sampler's old policy.
 
     logprobs, old_logprobs, advantages, mask: [B,T]  ->  (scalar loss, metrics)
     """
@@ -68,6 +71,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         capped = torch.minimum(per_token, -advantages * dual_clip)
         per_token = torch.where(advantages < 0, capped, per_token)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, mask, agg, norm_length=norm_length, denominator=denominator)
     with torch.no_grad():
         m = mask.float()
@@ -82,6 +87,46 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         }
     return loss, metrics
 
+
+
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              *, clip_low: float = 3e-4, clip_high: float = 4e-4, agg: str = "seq-mean-token-mean",
+              norm_length: float | None = None, denominator: float | None = None,
+              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: sequence-level importance ratios (Zheng et al. 2025, "Group Sequence Policy Optimization").
+
+    ``s_i = exp(mean_t (logprobs - old_logprobs))`` over sequence ``i``'s mask-1 tokens (the
+    length-normalised sequence ratio), clipped at ``[1 - clip_low, 1 + clip_high]`` (the paper
+    uses 3e-4 / 4e-4). Written in the token form ``s_{i,t} = sg(s_i) * p_t / sg(p_t)``, whose value
+    is ``s_i`` at every token and whose gradient, averaged over the sequence's tokens, is the
+    gradient of ``s_i``; so with ``agg="seq-mean-token-mean"`` this is the paper's objective, and
+    token-varying advantages give GSPO-token. The log sequence ratio is capped at 10 before
+    ``exp``, as in verl's ``compute_policy_loss_gspo``.
+
+    logprobs, old_logprobs, advantages, mask: [B,T]  ->  (scalar loss, metrics)
+    """
+    m = mask.to(logprobs.dtype)
+    delta = (logprobs - old_logprobs) * m
+    seq_log_ratio = delta.sum(-1) / m.sum(-1).clamp(min=1.0)
+    log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(log_ratio.clamp(max=10.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
+    loss = aggregate(per_token, mask, agg, norm_length=norm_length, denominator=denominator)
+    with torch.no_grad():
+        n = m.sum().clamp(min=1.0)
+        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(m.dtype)
+        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(m.dtype)
+        metrics = {
+            "clip_frac_low": float((low * m).sum() / n),
+            "clip_frac_high": float((high * m).sum() / n),
+            "approx_kl": float((0.5 * (logprobs - old_logprobs) ** 2 * m).sum() / n),
+            "ratio_mean": float((ratio * m).sum() / n),
+        }
+    return loss, metrics
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimators of KL(policy || reference) from sampled-token log-probs (Schulman 2020).

@@ -87,6 +87,9 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode) -> 
         record.reward = float(result.reward)
         record.tool_calls = int(result.info.get("tool_calls", 0))
         record.tool_errors = int(result.info.get("tool_errors", 0))
+        record.malformed_calls = int(result.info.get("malformed_tool_calls", 0))
+        if "answered" in result.info:
+            record.answered = bool(result.info["answered"])
         episode.reward += float(result.reward)
         if "success" in result.info:
             episode.success = bool(result.info["success"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxrl.algo.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss
+from ctxrl.algo.losses import aggregate, entropy_from_logits, gspo_loss, kl_penalty, policy_loss
 from ctxrl.types import Episode
 
 
@@ -34,7 +34,9 @@ class Batch:
 
 
 def collate(episodes: list[Episode], pad_token_id: int, device: torch.device | str = "cpu",
-            advantages: list[float] | None = None) -> Batch:
+            advantages: list[float] | list[list[float]] | None = None) -> Batch:
+    """Pad and shift ``episodes``; ``advantages`` is one float per episode (broadcast over its
+    sampled tokens) or one list per episode aligned with its ``input_ids``."""
     width = max(len(e.input_ids) for e in episodes)
     n = len(episodes)
     ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -49,7 +51,15 @@ def collate(episodes: list[Episode], pad_token_id: int, device: torch.device | s
         old[row, :length] = torch.tensor(ep.behavior_logprobs, dtype=torch.float32)
     adv = torch.zeros((n, width))
     if advantages is not None:
-        adv = torch.tensor(advantages, dtype=torch.float32).unsqueeze(-1).expand(n, width).clone()
+        if len(advantages) != n:
+            raise ValueError(f"collate: {len(advantages)} advantages for {n} episodes")
+        for row, (ep, a) in enumerate(zip(episodes, advantages)):
+            if isinstance(a, (int, float)):
+                adv[row] = float(a)
+            elif len(a) != len(ep.input_ids):
+                raise ValueError(f"collate: episode {row} has {len(ep.input_ids)} tokens but {len(a)} advantages")
+            else:
+                adv[row, : len(a)] = torch.tensor(a, dtype=torch.float32)
     adv = adv * mask
     return Batch(ids.to(device), attn.to(device), ids[:, 1:].to(device), mask[:, 1:].to(device),
                  old[:, 1:].to(device), adv[:, 1:].to(device))
@@ -79,6 +89,19 @@ class PPOSettings:
     ppo_epochs: int = 1
     mini_batches: int = 1
     micro_batch_size: int = 32
+    loss: str = "ppo_clip"
+    dual_clip: float | None = None
+    old_logprobs: str = "behaviour"
+    tis_cap: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("ppo_clip", "gspo"):
+            raise ValueError(f"unknown policy loss {self.loss!r}; choose ppo_clip or gspo")
+        if self.old_logprobs not in ("behaviour", "recompute"):
+            raise ValueError(f"old_logprobs must be behaviour or recompute, not {self.old_logprobs!r}")
+        if self.tis_cap and self.old_logprobs != "recompute":
+            raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
+                             "set old_logprobs='recompute'")
 
 
 class Learner:
@@ -93,17 +116,19 @@ class Learner:
         self.ref_model = ref_model
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped_updates = 0
+        self._recomputed: dict[int, list[float]] = {}
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def update(self, episodes: list[Episode], advantages: list[float]) -> dict[str, float]:
+    def update(self, episodes: list[Episode], advantages: list[float] | list[list[float]]) -> dict[str, float]:
         """PPO epochs over ``episodes`` in mini-batches; returns metrics averaged over mini-batches."""
         s = self.settings
         self.model.train()
         totals: dict[str, float] = {}
         count = 0
+        before = self.recompute_old_logprobs(episodes) if s.old_logprobs == "recompute" else {}
         for _ in range(s.ppo_epochs):
             order = torch.randperm(len(episodes), generator=self.generator).tolist()
             chunk = math.ceil(len(order) / s.mini_batches)
@@ -113,9 +138,37 @@ class Learner:
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
-        return {k: v / max(count, 1) for k, v in totals.items()}
+        self._recomputed = {}
+        return {**before, **{k: v / max(count, 1) for k, v in totals.items()}}
 
-    def mini_batch_loss(self, episodes: list[Episode], advantages: list[float]) -> dict[str, float]:
+    @torch.no_grad()
+    def recompute_old_logprobs(self, episodes: list[Episode]) -> dict[str, float]:
+        """Learner log-probs of the sampled tokens before any update; returns mismatch diagnostics.
+
+        They become the PPO "old" policy. Against the behaviour log-probs they measure how far
+        the sampler's numerics are from the learner's (bf16 kernels, a different engine): mean
+        ``|delta|`` and the k3 estimate of KL(behaviour || learner) over sampled tokens.
+        """
+        s = self.settings
+        self._recomputed = {}
+        abs_sum = kl_sum = tokens = 0.0
+        for start in range(0, len(episodes), s.micro_batch_size):
+            eps = episodes[start:start + s.micro_batch_size]
+            batch = collate(eps, self.pad_token_id, self.device)
+            lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, temperature=s.temperature)
+            m = batch.loss_mask
+            delta = (lp - batch.old_logprobs) * m
+            abs_sum += float(delta.abs().sum())
+            kl_sum += float((kl_penalty(batch.old_logprobs, lp, "k3") * m).sum())
+            tokens += float(m.sum())
+            for row, e in enumerate(eps):
+                n = len(e.input_ids)
+                self._recomputed[id(e)] = [0.0] + (lp[row, : n - 1] * m[row, : n - 1]).tolist()
+        return {"mismatch_abs_before_update": abs_sum / max(tokens, 1.0),
+                "mismatch_kl_before_update": kl_sum / max(tokens, 1.0)}
+
+    def mini_batch_loss(self, episodes: list[Episode], advantages: list[float] | list[list[float]]
+                        ) -> dict[str, float]:
         """Accumulate gradients of one mini-batch over micro-batches (no optimiser step)."""
         s = self.settings
         tokens = float(sum(sum(e.loss_mask[1:]) for e in episodes))
@@ -126,11 +179,33 @@ class Learner:
         for start in range(0, len(episodes), s.micro_batch_size):
             eps = episodes[start:start + s.micro_batch_size]
             batch = collate(eps, self.pad_token_id, self.device, advantages[start:start + s.micro_batch_size])
+            weights = None
+            if s.old_logprobs == "recompute":
+                if any(id(e) not in self._recomputed for e in eps):
+                    raise RuntimeError("old_logprobs='recompute': call update(), or recompute_old_logprobs() on "
+                                       "these episodes before mini_batch_loss()")
+                recomputed = torch.zeros_like(batch.old_logprobs)
+                for row, e in enumerate(eps):
+                    recomputed[row, : len(e.input_ids) - 1] = torch.tensor(self._recomputed[id(e)][1:])
+                if s.tis_cap:
+                    # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
+                    raw = torch.exp(recomputed - batch.old_logprobs) * batch.loss_mask
+                    weights = raw.clamp(max=s.tis_cap)
+                    sums["tis_weight"] = sums.get("tis_weight", 0.0) + float(weights.sum())
+                    sums["tis_truncated"] = sums.get("tis_truncated", 0.0) + float(
+                        ((raw > s.tis_cap).float() * batch.loss_mask).sum())
+                batch.old_logprobs = recomputed
             logprobs, logits = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
                                               temperature=s.temperature, return_logits=True)
-            loss, m = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
-                                  clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg,
-                                  norm_length=norm_length, denominator=denominator)
+            if s.loss == "gspo":
+                loss, m = gspo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                                    clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg,
+                                    norm_length=norm_length, denominator=denominator, token_weights=weights)
+            else:
+                loss, m = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                                      clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip,
+                                      agg=s.agg, norm_length=norm_length, denominator=denominator,
+                                      token_weights=weights)
             picked = logits[batch.loss_mask.bool()]
             if s.entropy_coef > 0:
                 entropy_tokens = torch.zeros_like(logprobs)
@@ -155,12 +230,14 @@ class Learner:
                 for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
                     sums[key] = sums.get(key, 0.0) + m[key] * n_tok
         out = {"loss": sums["loss"]}
-        for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl"):
+        for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
+                    "tis_weight", "tis_truncated"):
             if key in sums:
                 out[key] = sums[key] / max(tokens, 1.0)
         return out
 
-    def mini_batch_step(self, episodes: list[Episode], advantages: list[float]) -> dict[str, float]:
+    def mini_batch_step(self, episodes: list[Episode], advantages: list[float] | list[list[float]]
+                        ) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.mini_batch_loss(episodes, advantages)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)

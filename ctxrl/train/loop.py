@@ -9,9 +9,10 @@ One RL step:
   4. the engine shares the learner's module, so the new weights serve the next rollout at once;
      only its ``version`` is bumped.
 
-What this "GRPO" is: group-normalised outcome advantages (Bessel std), a PPO-clip surrogate
-with the behaviour log-probs as the old policy, token-mean aggregation by default, optional
-k1/k2/k3 KL to the warm-start policy in the loss (off by default), no value function.
+What the default "GRPO" is: group-normalised outcome advantages (Bessel std), a PPO-clip
+surrogate with the behaviour log-probs as the old policy, token-mean aggregation, optional
+k1/k2/k3 KL to the warm-start policy in the loss (off by default), no value function. Other
+estimators and losses are chosen by name (``algo.advantage``, ``algo.loss``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ctxrl.algo.advantages import grpo_advantages
+from ctxrl.algo.estimators import episode_advantages
+from ctxrl.algo.filters import informative_groups, void_turn_free
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.config import Config, to_toml
 from ctxrl.engine.hf import HFEngine
@@ -36,6 +38,7 @@ from ctxrl.models.loader import load_model, load_tokenizer
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
 from ctxrl.train.learner import Learner, PPOSettings
+from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.sft import build_demos, sft_train
 
 
@@ -119,30 +122,73 @@ class Run:
                                entropy_coef=a.entropy_coef, agg=a.agg,
                                temperature=r.temperature if r.temperature > 0 else 1.0,
                                max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
-                               micro_batch_size=t.micro_batch_size)
+                               micro_batch_size=t.micro_batch_size, loss=a.loss, dual_clip=a.dual_clip or None,
+                               old_logprobs=a.old_logprobs, tis_cap=a.tis_cap)
         return Learner(self.model, optimizer, settings, pad_token_id=self.tokenizer.pad_token_id, ref_model=ref,
                        seed=self.config.run.seed)
 
+    def rollout_round(self, step: int, round_: int) -> list:
+        """One round of ``tasks_per_step`` fresh tasks x ``group_size`` episodes, rewards shaped.
+
+        Round 0 of step ``s`` always draws the same tasks and seeds; later rounds (dynamic
+        sampling) draw new ones, and their group ids follow on from the earlier rounds'.
+        """
+        c = self.config
+        n = c.rollout.tasks_per_step
+        tasks = self.env_cls.sample_tasks("train", n, c.run.seed * 100_003 + step + round_ * 7_777_777)
+        episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, self.train_limits,
+                                            group_size=c.rollout.group_size,
+                                            seed=c.run.seed * 7919 + step + round_ * 1_000_033))
+        for e in episodes:
+            e.group_id += round_ * n
+        self._shaping = shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
+        return episodes
+
     def rl_step(self, learner: Learner, step: int) -> dict[str, Any]:
         c = self.config
+        a = c.algo
         t0 = time.perf_counter()
-        tasks = self.env_cls.sample_tasks("train", c.rollout.tasks_per_step, c.run.seed * 100_003 + step)
-        episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, self.train_limits,
-                                            group_size=c.rollout.group_size, seed=c.run.seed * 7919 + step))
+        episodes, train_eps, sampling = [], [], {}
+        if not a.dynamic_sampling:
+            episodes = train_eps = self.rollout_round(step, 0)
+        else:
+            kept: list[int] = []
+            rounds = 0
+            for round_ in range(1 + a.dynamic_sampling_rounds):
+                batch = self.rollout_round(step, round_)
+                rounds += 1
+                episodes += batch
+                ok = [e for e in batch if _trainable(e)]
+                informative = informative_groups([e.reward for e in ok], [e.group_id for e in ok])
+                for g in dict.fromkeys(e.group_id for e, keep in zip(ok, informative) if keep):
+                    if len(kept) < c.rollout.tasks_per_step:
+                        kept.append(g)
+                if len(kept) >= c.rollout.tasks_per_step:
+                    break
+            chosen = set(kept)
+            train_eps = [e for e in episodes if e.group_id in chosen]
+            sampling = {"dynamic_sampling_rounds": rounds, "dynamic_sampling_groups_kept": len(kept),
+                        "dynamic_sampling_groups_dropped": rounds * c.rollout.tasks_per_step - len(kept)}
         t_rollout = time.perf_counter() - t0
-        valid = [e for e in episodes if e.truncation != "error" and any(e.loss_mask)]
-        rewards = torch.tensor([e.reward for e in valid], dtype=torch.float32)
-        groups = torch.tensor([e.group_id for e in valid], dtype=torch.long)
-        advantages = grpo_advantages(rewards, groups, std_normalize=c.algo.advantage == "grpo") if valid \
-            else torch.zeros(0)
+        valid = [e for e in train_eps if _trainable(e)]
+        advantages = episode_advantages(a.advantage, valid, gamma=a.gamma)
+        free = void_turn_free(valid)
+        sampling["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
+        if a.void_turn_filter:
+            sampling["void_turn_filtered"] = len(free) - sum(free)
+            advantages = [adv for adv, keep in zip(advantages, free) if keep]
+            valid = [e for e, keep in zip(valid, free) if keep]
+        sampled = [x for adv, e in zip(advantages, valid) for x, m in zip(adv, e.loss_mask) if m]
         t1 = time.perf_counter()
-        update = learner.update(valid, advantages.tolist()) if valid else {}
+        update = learner.update(valid, advantages) if valid else {}
         t_update = time.perf_counter() - t1
         self.engine.set_version(step + 1)
         stats = summarize(episodes)
-        row = {"phase": "rl", "step": step + 1, **stats,
-               "advantage_abs_mean": float(advantages.abs().mean()) if len(advantages) else 0.0,
-               "zero_variance_groups": _zero_variance_groups(valid),
+        row = {"phase": "rl", "step": step + 1, **stats, **self._shaping, **sampling,
+               "trained_episodes": len(valid),
+               "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
+               "advantage_std": float(np.std(sampled)) if sampled else 0.0,
+               "zero_variance_groups": _zero_variance_groups([e for e in train_eps if _trainable(e)]),
                **update,
                "tokens": sum(len(e.input_ids) for e in episodes),
                "time_rollout": t_rollout, "time_update": t_update, "time_step": time.perf_counter() - t0}
@@ -156,6 +202,10 @@ class Run:
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         return path
+
+
+def _trainable(e) -> bool:
+    return e.truncation != "error" and any(e.loss_mask)
 
 
 def _zero_variance_groups(episodes) -> int:

@@ -1,0 +1,72 @@
+"""Advantage estimators by name: episodes in, one advantage per token out.
+
+This is the one place that turns recorded episodes into the tensors the pure functions of
+``ctxrl.algo`` take, so the training loop only names an estimator (``algo.advantage``):
+
+| name | what | token advantages |
+|---|---|---|
+| ``grpo`` | group-normalised outcome (Bessel std) | the episode's, on every sampled token |
+| ``dr_grpo`` | group-centred outcome (Dr.GRPO) | the episode's, on every sampled token |
+| ``rloo`` | leave-one-out baseline | the episode's, on every sampled token |
+| ``reinforce_pp`` | discounted returns of turn rewards, whitened over the batch (REINFORCE++) | per token |
+| ``turn_grpo`` | group-normalised turn returns (MT-GRPO) | per turn |
+
+The outcome estimators use ``Episode.reward`` (the sum of its turn rewards). The turn and token
+estimators use each ``Turn.reward``, placed on the last sampled token of that turn (the
+end-of-turn token, or the last token of a cut-off turn).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctxrl.algo.advantages import grpo_advantages, rloo_advantages
+from ctxrl.algo.returns import masked_whiten, reinforce_pp_returns
+from ctxrl.algo.turns import broadcast_turn_advantages, episode_turn_tensors, turn_advantages
+from ctxrl.types import Episode
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo")
+
+
+def _padded(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss mask [N,T], turn index [N,T]) right-padded with 0 / -1."""
+    width = max(len(e.input_ids) for e in episodes)
+    mask = torch.zeros(len(episodes), width)
+    turns = torch.full((len(episodes), width), -1, dtype=torch.long)
+    for i, e in enumerate(episodes):
+        mask[i, : len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.float32)
+        turns[i, : len(e.turn_index)] = torch.tensor(e.turn_index, dtype=torch.long)
+    return mask, turns
+
+
+def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """[N,T] with each turn's reward on the last sampled token of that turn."""
+    rewards = torch.zeros_like(mask)
+    for i, e in enumerate(episodes):
+        for turn in e.turns:
+            positions = ((turns[i] == turn.index) & mask[i].bool()).nonzero()
+            if len(positions):
+                rewards[i, int(positions[-1])] += float(turn.reward)
+    return rewards
+
+
+def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0) -> list[list[float]]:
+    """Per-token advantages (one list per episode, ``len == len(input_ids)``, 0 off the loss mask)."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {', '.join(ESTIMATORS)}")
+    if not episodes:
+        return []
+    mask, turns = _padded(episodes)
+    groups = torch.tensor([e.group_id for e in episodes], dtype=torch.long)
+    if name in ("grpo", "dr_grpo", "rloo"):
+        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        per_episode = rloo_advantages(rewards, groups) if name == "rloo" else \
+            grpo_advantages(rewards, groups, std_normalize=name == "grpo")
+        tokens = per_episode.unsqueeze(1) * mask
+    elif name == "reinforce_pp":
+        returns = reinforce_pp_returns(token_turn_rewards(episodes, mask, turns), mask, gamma)
+        tokens = masked_whiten(returns, mask)
+    else:
+        turn_rewards, turn_mask = episode_turn_tensors(episodes)
+        tokens = broadcast_turn_advantages(turn_advantages(turn_rewards, turn_mask, groups, gamma=gamma), turns, mask)
+    return [tokens[i, : len(e.input_ids)].tolist() for i, e in enumerate(episodes)]

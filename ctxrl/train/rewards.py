@@ -1,0 +1,51 @@
+"""Training-time reward shaping: the environment's reward, re-weighted and joined by shaping terms.
+
+``shape_rewards`` rewrites ``Episode.reward`` (and the last turn's ``Turn.reward``, so per-turn
+estimators see the same total) with ``reward.outcome * env_reward`` plus the weighted terms of
+``ctxrl.algo.shaping``. The environment's own reward stays in ``info["env_reward"]``, and every
+term in ``info["reward_terms"]``. Evaluation never shapes: it reports the environment's success.
+"""
+
+from __future__ import annotations
+
+from ctxrl.algo.shaping import compose, format_reward, group_optimal_calls, otc_reward, overlong_penalty
+from ctxrl.config import RewardConfig
+from ctxrl.types import Episode
+
+
+def shaping_enabled(rc: RewardConfig) -> bool:
+    return rc.outcome != 1.0 or bool(rc.overlong_buffer) or rc.otc_weight != 0.0 or rc.format_weight != 0.0
+
+
+def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens: int) -> dict[str, float]:
+    """Shape the rewards of one rollout batch in place; returns the mean of each term."""
+    if not episodes or not shaping_enabled(rc):
+        return {}
+    optimal = group_optimal_calls([e.tool_calls for e in episodes], [e.success for e in episodes],
+                                  [e.group_id for e in episodes]) if rc.otc_weight else {}
+    weights = {"outcome": rc.outcome}
+    if rc.overlong_buffer:
+        weights["overlong"] = rc.overlong_weight
+    if rc.otc_weight:
+        weights["otc"] = rc.otc_weight
+    if rc.format_weight:
+        weights["format"] = rc.format_weight
+    sums: dict[str, float] = {}
+    for e in episodes:
+        terms = {"outcome": e.reward}
+        if rc.overlong_buffer:
+            terms["overlong"] = overlong_penalty(len(e.input_ids), max_total_tokens, rc.overlong_buffer)
+        if rc.otc_weight:
+            terms["otc"] = otc_reward(float(e.success), e.tool_calls, optimal[e.group_id], c=rc.otc_c)
+        if rc.format_weight:
+            terms["format"] = format_reward([t.tool_errors for t in e.turns])
+        total, logged = compose(terms, weights)
+        e.info["env_reward"] = e.reward
+        e.info["reward_terms"] = logged
+        if e.turns:
+            e.turns[-1].reward += total - e.reward
+        e.reward = total
+        for k, v in logged.items():
+            sums[k] = sums.get(k, 0.0) + v
+        sums["reward_shaped"] = sums.get("reward_shaped", 0.0) + total
+    return {k: v / len(episodes) for k, v in sums.items()}

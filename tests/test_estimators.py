@@ -1,0 +1,77 @@
+"""Advantage estimators by name: episodes in, per-token advantages out (alignment and values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctxrl.algo.estimators import ESTIMATORS, episode_advantages, token_turn_rewards
+from ctxrl.types import Episode, Task, Turn
+
+
+def _episode(group: int, turn_rewards: list[float], *, prompt: int = 3, sampled: int = 2, obs: int = 2) -> Episode:
+    """prompt, then per turn: ``sampled`` policy tokens and (except after the last) ``obs`` tool tokens."""
+    e = Episode(task=Task(id=f"t{group}", prompt="", answer=""), group_id=group)
+    e.append([5] * prompt, sampled=False, turn=-1)
+    for k, r in enumerate(turn_rewards):
+        e.append([7] * sampled, sampled=True, turn=k, logprobs=[-0.5] * sampled)
+        e.turns.append(Turn(index=k, prompt_tokens=0, sampled_tokens=sampled, finish_reason="stop", text="", reward=r))
+        if k < len(turn_rewards) - 1:
+            e.append([9] * obs, sampled=False, turn=k)
+    e.reward = sum(turn_rewards)
+    return e
+
+
+EPISODES = [_episode(0, [0.0, 1.0]), _episode(0, [0.0]), _episode(1, [0.5, 0.5, 0.0]), _episode(1, [1.0])]
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_alignment_and_mask(name):
+    out = episode_advantages(name, EPISODES, gamma=0.9)
+    assert len(out) == len(EPISODES)
+    for adv, e in zip(out, EPISODES):
+        assert len(adv) == len(e.input_ids)
+        assert all(a == 0.0 for a, m in zip(adv, e.loss_mask) if not m)
+
+
+def test_outcome_estimators_broadcast_the_episode_value():
+    grpo = episode_advantages("grpo", EPISODES)
+    # group 0 rewards [1, 0]: +-0.7071; group 1 rewards [1, 1]: 0
+    assert grpo[0][3] == pytest.approx(0.70710, abs=1e-4) and grpo[1][3] == pytest.approx(-0.70710, abs=1e-4)
+    assert set(grpo[0][i] for i, m in enumerate(EPISODES[0].loss_mask) if m) == {grpo[0][3]}
+    assert all(a == 0 for a in grpo[2] + grpo[3])
+    assert episode_advantages("dr_grpo", EPISODES)[0][3] == pytest.approx(0.5)
+    assert episode_advantages("rloo", EPISODES)[0][3] == pytest.approx(1.0)
+
+
+def test_turn_rewards_land_on_each_turns_last_sampled_token():
+    from ctxrl.algo.estimators import _padded
+
+    mask, turns = _padded(EPISODES[:1])
+    rewards = token_turn_rewards(EPISODES[:1], mask, turns)
+    # ids: 3 prompt | 2 sampled (turn 0) | 2 obs | 2 sampled (turn 1)
+    assert rewards[0].tolist() == [0, 0, 0, 0, 0.0, 0, 0, 0, 1.0]
+
+
+def test_turn_grpo_credits_turns_separately():
+    out = episode_advantages("turn_grpo", EPISODES)
+    # group 1: turn-0 returns [1.0, 1.0] -> 0; only episode 2 has turns 1 and 2 -> no baseline -> 0
+    assert all(a == 0 for a in out[2] + out[3])
+    # group 0: turn-0 returns [1, 0] -> +-0.7071; turn 1 only in episode 0 -> 0
+    sampled0 = [a for a, m in zip(out[0], EPISODES[0].loss_mask) if m]
+    assert sampled0[:2] == pytest.approx([0.7071, 0.7071], abs=1e-4) and sampled0[2:] == [0.0, 0.0]
+
+
+def test_reinforce_pp_is_whitened_returns():
+    out = episode_advantages("reinforce_pp", EPISODES, gamma=1.0)
+    sampled = torch.tensor([a for adv, e in zip(out, EPISODES) for a, m in zip(adv, e.loss_mask) if m])
+    assert abs(float(sampled.mean())) < 1e-6 and float(sampled.std()) == pytest.approx(1.0, abs=1e-4)
+    # within episode 2 (turn rewards 0.5, 0.5, 0): returns 1.0, 0.5, 0.0 -> strictly decreasing
+    e2 = [a for a, m in zip(out[2], EPISODES[2].loss_mask) if m]
+    assert e2[0] == e2[1] > e2[2] == e2[3] > e2[4] == e2[5]
+
+
+def test_unknown_estimator_and_empty():
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        episode_advantages("ppo", EPISODES)
+    assert episode_advantages("grpo", []) == []

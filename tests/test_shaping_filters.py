@@ -1,0 +1,88 @@
+"""Reward shaping (DAPO overlong, OTC, format, composition) and update filters (DAPO, SimpleTIR)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ctxrl.algo.filters import informative_groups, void_turn_free, void_turns
+from ctxrl.algo.shaping import (compose, format_reward, group_optimal_calls, otc_reward, otc_tool_reward,
+                                overlong_penalty)
+from ctxrl.types import Episode, Task, Turn
+
+
+def test_overlong_penalty_by_hand():
+    # max 100, buffer 20: free up to 80, then linear to -1 at 100, -1 beyond
+    assert overlong_penalty(50, 100, 20) == 0.0
+    assert overlong_penalty(80, 100, 20) == 0.0
+    assert overlong_penalty(90, 100, 20) == pytest.approx(-0.5)
+    assert overlong_penalty(100, 100, 20) == pytest.approx(-1.0)
+    assert overlong_penalty(130, 100, 20) == -1.0
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(10, 100, 0)
+
+
+def test_otc_tool_reward_by_hand():
+    # unknown optimum (OTC-PPO): cos(m pi / (2m + c)); c = 1: m=0 -> 1, m=1 -> cos(pi/3) = 0.5
+    assert otc_tool_reward(0, None) == pytest.approx(1.0)
+    assert otc_tool_reward(1, None) == pytest.approx(0.5)
+    assert otc_tool_reward(2, None) == pytest.approx(math.cos(2 * math.pi / 5))
+    # n = 0 known: no calls is best
+    assert otc_tool_reward(0, 0) == 1.0
+    assert otc_tool_reward(1, 0) == pytest.approx(0.5)
+    # n = 2: f = 2nm/(m+n); m = n -> sin(pi/2) = 1; m = 4 -> f = 16/6, sin(f pi / 4) = sin(2pi/3)
+    assert otc_tool_reward(2, 2) == pytest.approx(1.0)
+    assert otc_tool_reward(4, 2) == pytest.approx(math.sin(2 * math.pi / 3))
+    assert otc_tool_reward(0, 2) == pytest.approx(0.0)
+    assert otc_tool_reward(1, 2) == pytest.approx(math.sin((4 / 3) * math.pi / 4))
+    # more calls than needed: monotonically worse
+    assert otc_tool_reward(3, 1) > otc_tool_reward(5, 1) > otc_tool_reward(9, 1) > 0
+    with pytest.raises(ValueError):
+        otc_tool_reward(-1, None)
+
+
+def test_otc_reward_needs_correctness():
+    assert otc_reward(0.0, 1, 1) == 0.0
+    assert otc_reward(1.0, 1, 1, alpha=2.0) == pytest.approx(2.0)
+    assert group_optimal_calls([3, 1, 2, 0, 5], [True, True, False, False, True], [0, 0, 0, 1, 1]) == {0: 1, 1: 5}
+    assert group_optimal_calls([2], [False], [7]) == {7: None}
+
+
+def test_format_and_compose():
+    assert format_reward([0, 0]) == 1.0 and format_reward([0, 1]) == 0.0 and format_reward([]) == 1.0
+    total, terms = compose({"correct": 1.0, "format": 0.0, "otc": 0.5}, {"correct": 1.0, "otc": 0.5})
+    assert total == pytest.approx(1.25)
+    assert terms == {"reward_correct": 1.0, "reward_format": 0.0, "reward_otc": 0.5}
+    with pytest.raises(ValueError, match="unknown terms \\['speed'\\]"):
+        compose({"correct": 1.0}, {"speed": 1.0})
+
+
+def test_informative_groups():
+    keep = informative_groups([1.0, 0.0, 1.0, 1.0, 0.5, 0.5, 3.0], [0, 0, 1, 1, 2, 2, 3])
+    assert keep == [True, True, False, False, False, False, False]
+
+
+def _ep(turns: list[tuple[int, int]], truncation=None) -> Episode:
+    """turns: (tool_calls, malformed_calls) per turn."""
+    e = Episode(task=Task(id="x", prompt="", answer=""), truncation=truncation)
+    e.turns = [Turn(index=k, prompt_tokens=0, sampled_tokens=1, finish_reason="stop", text="", tool_calls=c,
+                    malformed_calls=m) for k, (c, m) in enumerate(turns)]
+    return e
+
+
+def test_void_turns():
+    assert void_turns(_ep([(1, 0), (0, 0)])) == []                      # call, then an answer
+    assert void_turns(_ep([(0, 0)])) == []                              # a direct answer
+    assert void_turns(_ep([(0, 0), (1, 0), (0, 0)])) == [0]             # chatter, then call, answer
+    assert void_turns(_ep([(1, 1), (0, 0)])) == [0]                     # only a malformed call
+    assert void_turns(_ep([(2, 1), (0, 0)])) == []                      # one of two calls parsed
+    assert void_turns(_ep([(1, 0), (1, 0)], truncation="max_turns")) == []
+    assert void_turns(_ep([(1, 0), (0, 0)], truncation="max_new_tokens")) == [1]  # cut off, no call
+    assert void_turn_free([_ep([(1, 0), (0, 0)]), _ep([(0, 0), (0, 0)])]) == [True, False]
+    # the environment's own word wins: a final turn it did not take as an answer is void
+    e = _ep([(1, 0), (0, 0)])
+    e.turns[-1].answered = False
+    assert void_turns(e) == [1]
+    e.turns[-1].answered = True
+    assert void_turns(e) == []
