@@ -90,9 +90,14 @@ class AlgoConfig:
     advantage: str = "grpo"
     """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
     ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
-    batch) or ``turn_grpo`` (group-normalised per-turn returns); see docs/algorithms.md."""
+    batch), ``turn_grpo`` (group-normalised per-turn returns) or ``gae`` (PPO with a learned
+    critic); see docs/algorithms.md."""
     gamma: float = 1.0
-    """Discount per sampled token (``reinforce_pp``) or per turn (``turn_grpo``)."""
+    """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
+    lam: float = 1.0
+    """GAE's lambda (``gae`` only)."""
+    vf_clip: float = 0.2
+    """Clip range of the critic's value loss (``gae`` only)."""
     loss: str = "ppo_clip"
     """Policy loss: ``ppo_clip`` (token ratios) or ``gspo`` (sequence ratios; use clip bounds near 3e-4 / 4e-4)."""
     dual_clip: float = 0.0
@@ -147,6 +152,8 @@ class TrainConfig:
     lr: float = 1e-4
     """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
     few rollouts earn a reward, so keep it well below the warm start's)."""
+    critic_lr: float = 1e-3
+    """AdamW learning rate of the critic (``algo.advantage = "gae"``; its value head starts at zero)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -209,10 +216,11 @@ _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "r
              "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
              "algo.dynamic_sampling_rounds", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
-                 "algo.entropy_coef", "algo.gamma", "algo.dual_clip", "algo.tis_cap", "reward.overlong_buffer", "reward.otc_c",
+                 "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
+                 "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
                  "train.steps", "train.weight_decay", "train.eval_every",
                  "train.checkpoint_every", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
-_CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo"),
+_CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16")}
@@ -242,9 +250,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
         raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
-    if config.rollout.group_size < 2 and config.train.steps > 0:
+    if config.rollout.group_size < 2 and config.train.steps > 0 and config.algo.advantage not in ("gae", "reinforce_pp"):
         raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
-                          "episodes per task")
+                          "episodes per task (or use algo.advantage=gae or reinforce_pp)")
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -301,3 +301,62 @@ def test_update_with_recompute_reports_mismatch(model, data):
         PPOSettings(tis_cap=2.0)
     with pytest.raises(RuntimeError, match="recompute_old_logprobs"):
         learner.mini_batch_loss(episodes, advantages)  # update() cleared its recomputed log-probs
+
+
+def _critic_setup(model, micro: int):
+    from ctxrl.train.critic import Critic
+
+    policy = copy.deepcopy(model)
+    critic = Critic(copy.deepcopy(model))
+    with torch.no_grad():  # a non-zero head, so values and their gradients are not trivial
+        critic.head.weight.copy_(torch.linspace(-0.05, 0.05, critic.head.weight.numel()).view_as(critic.head.weight))
+    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), PPOSettings(micro_batch_size=micro),
+                      pad_token_id=0, critic=critic, critic_optimizer=torch.optim.SGD(critic.parameters(), lr=0.0))
+    return learner, critic
+
+
+def test_critic_values_align_and_accumulate_exactly(model, data):
+    from ctxrl.train.critic import episode_values
+
+    episodes, _ = data
+    advantages = _token_advantages(episodes)
+    returns = [[float(i % 3) for i in range(len(e.input_ids))] for e in episodes]
+    grads = {}
+    for micro in (8, 3):
+        learner, critic = _critic_setup(model, micro)
+        values = episode_values(critic, episodes, 0, micro_batch_size=micro)
+        assert [len(v) for v in values] == [len(e.input_ids) for e in episodes] and all(v[0] == 0.0 for v in values)
+        # old values slightly off, so the value clip is exercised
+        old = [[x + 0.3 * ((i % 2) * 2 - 1) for i, x in enumerate(v)] for v in values]
+        learner._targets = {id(e): (r, o) for e, r, o in zip(episodes, returns, old)}
+        critic.zero_grad(set_to_none=True)
+        metrics = learner.mini_batch_loss(episodes, advantages)
+        grads[micro] = (metrics, {n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None})
+    assert grads[8][0]["vf_loss"] > 0 and 0 < grads[8][0]["vf_clip_frac"] < 1
+    assert grads[3][0]["vf_loss"] == pytest.approx(grads[8][0]["vf_loss"], abs=1e-5)
+    for name, g in grads[8][1].items():
+        torch.testing.assert_close(grads[3][1][name], g, atol=1e-5, rtol=0)
+
+
+def test_critic_learns_the_returns(model, data):
+    from ctxrl.train.critic import Critic, episode_values
+
+    episodes, _ = data
+    policy = copy.deepcopy(model)
+    critic = Critic(copy.deepcopy(model))
+    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), PPOSettings(micro_batch_size=4),
+                      pad_token_id=0, critic=critic, critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=3e-3))
+    returns = [[0.7] * len(e.input_ids) for e in episodes]
+    advantages = [[0.0] * len(e.input_ids) for e in episodes]
+    first = last = None
+    for _ in range(15):
+        values = episode_values(critic, episodes, 0)
+        metrics = learner.update(episodes, advantages, returns=returns, old_values=values)
+        first = metrics["vf_loss"] if first is None else first
+        last = metrics["vf_loss"]
+    assert first == pytest.approx(0.5 * 0.7 ** 2, rel=1e-4)  # zero-initialised head: V = 0
+    assert last < 0.2 * first
+    with pytest.raises(ValueError, match="needs returns and old_values"):
+        learner.update(episodes, advantages)
+    with pytest.raises(ValueError, match="critic_optimizer"):
+        Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), PPOSettings(), pad_token_id=0, critic=critic)

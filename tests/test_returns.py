@@ -129,3 +129,22 @@ def test_shape_errors():
         reinforce_pp_returns(torch.zeros(2, 3), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="values"):
         gae_advantages(torch.zeros(2, 3), torch.zeros(3), torch.zeros(2, 3))
+
+
+def test_value_loss_by_hand():
+    from ctxrl.algo.value import value_loss
+
+    values = torch.tensor([[1.0, 0.5, 9.0, 2.0]], requires_grad=True)
+    old = torch.tensor([[0.8, 0.5, 0.0, 1.0]])
+    returns = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 1]])
+    loss, m = value_loss(values, old, returns, mask, clip=0.1)
+    # t0: V=1 (moved 0.2 > 0.1): plain (1-1)^2 = 0, clipped (0.9-1)^2 = 0.01 -> 0.005
+    # t1: V=old=0.5: 0.25 -> 0.125; t3: plain 4, clipped (1.1)^2 = 1.21 -> max 4 -> 2; mean over 3
+    assert loss.item() == pytest.approx((0.005 + 0.125 + 2.0) / 3)
+    assert m["vf_clip_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # t0's binding term is the clipped one, which has no gradient in V (clip active); t2 is masked
+    assert values.grad[0, 0] == 0 and values.grad[0, 2] == 0
+    assert values.grad[0, 1] == pytest.approx((0.5 - 1.0) / 3)
+    assert values.grad[0, 3] == pytest.approx(2.0 / 3)

@@ -10,6 +10,7 @@ This is the one place that turns recorded episodes into the tensors the pure fun
 | ``rloo`` | leave-one-out baseline | the episode's, on every sampled token |
 | ``reinforce_pp`` | discounted returns of turn rewards, whitened over the batch (REINFORCE++) | per token |
 | ``turn_grpo`` | group-normalised turn returns (MT-GRPO) | per turn |
+| ``gae`` | GAE over sampled tokens with a learned critic, whitened over the batch (PPO) | per token |
 
 The outcome estimators use ``Episode.reward`` (the sum of its turn rewards). The turn and token
 estimators use each ``Turn.reward``, placed on the last sampled token of that turn (the
@@ -21,11 +22,11 @@ from __future__ import annotations
 import torch
 
 from ctxrl.algo.advantages import grpo_advantages, rloo_advantages
-from ctxrl.algo.returns import masked_whiten, reinforce_pp_returns
+from ctxrl.algo.returns import gae_advantages, masked_whiten, reinforce_pp_returns
 from ctxrl.algo.turns import broadcast_turn_advantages, episode_turn_tensors, turn_advantages
 from ctxrl.types import Episode
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae")
 
 
 def _padded(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +51,34 @@ def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch
     return rewards
 
 
+def _rows(x: torch.Tensor, episodes: list[Episode]) -> list[list[float]]:
+    return [x[i, : len(e.input_ids)].tolist() for i, e in enumerate(episodes)]
+
+
+def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *, gamma: float = 1.0,
+                           lam: float = 1.0) -> tuple[list[list[float]], list[list[float]]]:
+    """(advantages whitened over the batch, returns) per token, from the critic's ``values`` per token."""
+    if not episodes:
+        return [], []
+    mask, turns = _padded(episodes)
+    v = torch.zeros_like(mask)
+    for i, row in enumerate(values):
+        if len(row) != len(episodes[i].input_ids):
+            raise ValueError(f"episode {i} has {len(episodes[i].input_ids)} tokens but {len(row)} values")
+        v[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    advantages, returns = gae_advantages(token_turn_rewards(episodes, mask, turns), v, mask, gamma, lam)
+    return _rows(masked_whiten(advantages, mask), episodes), _rows(returns, episodes)
+
+
 def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0) -> list[list[float]]:
-    """Per-token advantages (one list per episode, ``len == len(input_ids)``, 0 off the loss mask)."""
+    """Per-token advantages (one list per episode, ``len == len(input_ids)``, 0 off the loss mask).
+
+    ``gae`` needs a critic: use ``gae_episode_advantages`` with its values.
+    """
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {', '.join(ESTIMATORS)}")
+    if name == "gae":
+        raise ValueError("the gae estimator needs the critic's values: call gae_episode_advantages")
     if not episodes:
         return []
     mask, turns = _padded(episodes)
@@ -69,4 +94,4 @@ def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0
     else:
         turn_rewards, turn_mask = episode_turn_tensors(episodes)
         tokens = broadcast_turn_advantages(turn_advantages(turn_rewards, turn_mask, groups, gamma=gamma), turns, mask)
-    return [tokens[i, : len(e.input_ids)].tolist() for i, e in enumerate(episodes)]
+    return _rows(tokens, episodes)

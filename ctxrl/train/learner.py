@@ -93,6 +93,7 @@ class PPOSettings:
     dual_clip: float | None = None
     old_logprobs: str = "behaviour"
     tis_cap: float = 0.0
+    vf_clip: float = 0.2
 
     def __post_init__(self) -> None:
         if self.loss not in ("ppo_clip", "gspo"):
@@ -105,10 +106,20 @@ class PPOSettings:
 
 
 class Learner:
-    """Owns the policy's optimiser (and an optional frozen reference) and runs PPO updates."""
+    """Owns the policy's optimiser (and an optional frozen reference) and runs PPO updates.
+
+    With a ``critic`` (and its ``critic_optimizer``), ``update`` also takes the GAE ``returns`` and
+    the critic's ``old_values`` per token and trains the critic on the clipped value loss in the
+    same mini-batches, with its own optimiser and gradient clipping.
+    """
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, settings: PPOSettings, *, pad_token_id: int,
-                 ref_model=None, seed: int = 0) -> None:
+                 ref_model=None, seed: int = 0, critic=None, critic_optimizer=None) -> None:
+        if (critic is None) != (critic_optimizer is None):
+            raise ValueError("a critic needs its critic_optimizer (and the other way round)")
+        self.critic = critic
+        self.critic_optimizer = critic_optimizer
+        self._targets: dict[int, tuple[list[float], list[float]]] = {}
         self.model = model
         self.optimizer = optimizer
         self.settings = settings
@@ -122,9 +133,15 @@ class Learner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def update(self, episodes: list[Episode], advantages: list[float] | list[list[float]]) -> dict[str, float]:
+    def update(self, episodes: list[Episode], advantages: list[float] | list[list[float]], *,
+               returns: list[list[float]] | None = None, old_values: list[list[float]] | None = None
+               ) -> dict[str, float]:
         """PPO epochs over ``episodes`` in mini-batches; returns metrics averaged over mini-batches."""
         s = self.settings
+        if self.critic is not None:
+            if returns is None or old_values is None:
+                raise ValueError("a learner with a critic needs returns and old_values per token (GAE)")
+            self._targets = {id(e): (r, v) for e, r, v in zip(episodes, returns, old_values)}
         self.model.train()
         totals: dict[str, float] = {}
         count = 0
@@ -139,6 +156,7 @@ class Learner:
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
         self._recomputed = {}
+        self._targets = {}
         return {**before, **{k: v / max(count, 1) for k, v in totals.items()}}
 
     @torch.no_grad()
@@ -221,6 +239,8 @@ class Learner:
                                                     denominator=denominator)
                 sums["kl"] = sums.get("kl", 0.0) + float((kl.detach() * batch.loss_mask).sum())
             loss.backward()
+            if self.critic is not None:
+                self._critic_backward(eps, batch, tokens, sums)
             n_tok = float(batch.loss_mask.sum())
             with torch.no_grad():
                 sums["loss"] = sums.get("loss", 0.0) + float(loss)
@@ -230,15 +250,42 @@ class Learner:
                 for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
                     sums[key] = sums.get(key, 0.0) + m[key] * n_tok
         out = {"loss": sums["loss"]}
+        if "vf_loss" in sums:
+            out["vf_loss"] = sums["vf_loss"]
         for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
-                    "tis_weight", "tis_truncated"):
+                    "tis_weight", "tis_truncated", "vf_clip_frac", "vf_explained_var"):
             if key in sums:
                 out[key] = sums[key] / max(tokens, 1.0)
         return out
 
+    def _critic_backward(self, episodes: list[Episode], batch: Batch, denominator: float, sums: dict) -> None:
+        """Clipped value loss of one micro-batch (token-mean over the mini-batch's tokens), backward."""
+        from ctxrl.algo.value import value_loss
+
+        if any(id(e) not in self._targets for e in episodes):
+            raise RuntimeError("critic targets missing: pass returns and old_values to update()")
+        width = batch.loss_mask.shape[1]
+        returns = torch.zeros_like(batch.loss_mask)
+        old = torch.zeros_like(batch.loss_mask)
+        for row, e in enumerate(episodes):
+            r, v = self._targets[id(e)]
+            n = len(e.input_ids) - 1
+            returns[row, :n] = torch.tensor(r[1:], dtype=torch.float32)[:width]
+            old[row, :n] = torch.tensor(v[1:], dtype=torch.float32)[:width]
+        values = self.critic(batch.input_ids, batch.attention_mask)
+        loss, m = value_loss(values, old, returns, batch.loss_mask, clip=self.settings.vf_clip,
+                             denominator=denominator)
+        loss.backward()
+        n_tok = float(batch.loss_mask.sum())
+        sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(loss.detach())
+        for key in ("vf_clip_frac", "vf_explained_var"):
+            sums[key] = sums.get(key, 0.0) + m[key] * n_tok
+
     def mini_batch_step(self, episodes: list[Episode], advantages: list[float] | list[list[float]]
                         ) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
         metrics = self.mini_batch_loss(episodes, advantages)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
         if not torch.isfinite(grad_norm) or not math.isfinite(metrics["loss"]):
@@ -250,4 +297,12 @@ class Learner:
             self.optimizer.step()
             metrics["skipped"] = 0.0
         metrics["grad_norm"] = float(grad_norm)
+        if self.critic_optimizer is not None:
+            critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.settings.max_grad_norm)
+            if torch.isfinite(critic_norm) and math.isfinite(metrics.get("vf_loss", 0.0)):
+                self.critic_optimizer.step()
+            else:
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                metrics["critic_skipped"] = 1.0
+            metrics["critic_grad_norm"] = float(critic_norm)
         return metrics

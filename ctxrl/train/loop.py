@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ctxrl.algo.estimators import episode_advantages
+from ctxrl.algo.estimators import episode_advantages, gae_episode_advantages
 from ctxrl.algo.filters import informative_groups, void_turn_free
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.config import Config, to_toml
@@ -37,6 +37,7 @@ from ctxrl.eval.evaluate import evaluate_split, summarize
 from ctxrl.models.loader import load_model, load_tokenizer
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
+from ctxrl.train.critic import Critic, episode_values
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.sft import build_demos, sft_train
@@ -118,14 +119,19 @@ class Run:
                 p.requires_grad_(False)
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                                       betas=(0.9, 0.99))
+        critic = critic_optimizer = None
+        if a.advantage == "gae":  # the critic starts as a copy of the warm-started policy
+            critic = Critic(copy.deepcopy(self.model)).train()
+            critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay,
+                                                 betas=(0.9, 0.99))
         settings = PPOSettings(clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
                                entropy_coef=a.entropy_coef, agg=a.agg,
                                temperature=r.temperature if r.temperature > 0 else 1.0,
                                max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
                                micro_batch_size=t.micro_batch_size, loss=a.loss, dual_clip=a.dual_clip or None,
-                               old_logprobs=a.old_logprobs, tis_cap=a.tis_cap)
+                               old_logprobs=a.old_logprobs, tis_cap=a.tis_cap, vf_clip=a.vf_clip)
         return Learner(self.model, optimizer, settings, pad_token_id=self.tokenizer.pad_token_id, ref_model=ref,
-                       seed=self.config.run.seed)
+                       seed=self.config.run.seed, critic=critic, critic_optimizer=critic_optimizer)
 
     def rollout_round(self, step: int, round_: int) -> list:
         """One round of ``tasks_per_step`` fresh tasks x ``group_size`` episodes, rewards shaped.
@@ -171,16 +177,24 @@ class Run:
                         "dynamic_sampling_groups_dropped": rounds * c.rollout.tasks_per_step - len(kept)}
         t_rollout = time.perf_counter() - t0
         valid = [e for e in train_eps if _trainable(e)]
-        advantages = episode_advantages(a.advantage, valid, gamma=a.gamma)
+        targets: dict[str, list] = {}
+        if a.advantage == "gae":
+            values = episode_values(learner.critic, valid, self.tokenizer.pad_token_id,
+                                    micro_batch_size=c.train.micro_batch_size)
+            advantages, returns = gae_episode_advantages(valid, values, gamma=a.gamma, lam=a.lam)
+            targets = {"returns": returns, "old_values": values}
+        else:
+            advantages = episode_advantages(a.advantage, valid, gamma=a.gamma)
         free = void_turn_free(valid)
         sampling["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
         if a.void_turn_filter:
             sampling["void_turn_filtered"] = len(free) - sum(free)
             advantages = [adv for adv, keep in zip(advantages, free) if keep]
+            targets = {k: [x for x, keep in zip(v, free) if keep] for k, v in targets.items()}
             valid = [e for e, keep in zip(valid, free) if keep]
         sampled = [x for adv, e in zip(advantages, valid) for x, m in zip(adv, e.loss_mask) if m]
         t1 = time.perf_counter()
-        update = learner.update(valid, advantages) if valid else {}
+        update = learner.update(valid, advantages, **targets) if valid else {}
         t_update = time.perf_counter() - t1
         self.engine.set_version(step + 1)
         stats = summarize(episodes)
