@@ -72,7 +72,7 @@ class RolloutConfig:
 class SFTConfig:
     enabled: bool = True
     """Warm-start with supervised fine-tuning on the environment's scripted solutions."""
-    demos: int = 4000
+    demos: int = 2000
     """Number of demonstration episodes."""
     shortcut_fraction: float = 0.65
     """Fraction of demos that answer without the tool (the env's ``shortcut``): imperfect on purpose.

@@ -53,20 +53,29 @@ def test_tiny_bad_arch():
 def test_pretraining_batches_alternate_plain_and_chat(tokenizer):
     from ctxrl.models.tiny import pretraining_batches
 
-    spec = TinySpec(pretrain_steps=4, pretrain_batch_size=3)
-    batches = pretraining_batches(tokenizer, spec)
-    assert len(batches) == 12
+    spec = TinySpec(pretrain_steps=4, pretrain_batch_size=3, pretrain_chat_batch_size=2)
+    nested = pretraining_batches(tokenizer, spec)
+    assert [len(b) for b in nested] == [3, 2, 3, 2]
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    for step in range(4):
-        chat = [im_start in seq for seq in batches[step * 3:(step + 1) * 3]]
-        assert chat == [step % 2 == 1] * 3, step
+    for step, batch in enumerate(nested):
+        assert [im_start in seq for seq in batch] == [step % 2 == 1] * len(batch), step
+    batches = [seq for batch in nested for seq in batch]
     for seq in batches:
         assert seq[-1] == tokenizer.pad_token_id
         assert tokenizer.pad_token_id not in seq[:-1]
         text = tokenizer.decode(seq)
         assert "<tool_call>" in text and "<answer>" in text and "<tool_response>" in text
-        assert "# Tools" not in text  # chat batches have no system block
-    assert len({tuple(seq) for seq in batches}) == 12  # fresh tasks, no repeats
+        assert ("# Tools" in text) == (im_start in seq)  # chat batches carry the rollout system block
+    assert len({tuple(seq) for seq in batches}) == 10  # fresh tasks, no repeats
+    # a chat sequence is exactly a demo episode's ids, as a rollout would hold them
+    import asyncio
+
+    from ctxrl.chat.render import ChatRenderer
+    from ctxrl.envs.calculator import CalculatorEnv
+    from ctxrl.train.sft import build_demos
+
+    demo = asyncio.run(build_demos(CalculatorEnv, ChatRenderer(tokenizer), 4, seed=spec.seed + 2))[0]
+    assert nested[1][0] == list(demo.input_ids) + [tokenizer.pad_token_id]
 
 
 def test_resolve_is_cached(tiny_path):
@@ -152,3 +161,18 @@ def test_parse_tiny_float_field():
 def test_bad_dtype(tiny_path):
     with pytest.raises(ModelLoadError, match="dtype"):
         load_model(tiny_path, dtype="int8")
+
+
+def test_pretrain_lowers_the_loss(tokenizer):
+    import copy
+
+    from ctxrl.models.tiny import pretrain, pretraining_batches
+
+    spec = TinySpec(pretrain_steps=2, pretrain_batch_size=4, pretrain_chat_batch_size=2, pretrain_lr=3e-3)
+    batches = pretraining_batches(tokenizer, spec)
+    model = copy.deepcopy(load_model(str(resolve("tiny:pretrain_steps=0"))))
+    losses = pretrain(model, tokenizer, batches * 10, spec)
+    assert len(losses) == 20 and losses[-1] < losses[0] - 0.5
+    assert not model.training
+    with pytest.raises(ValueError, match="at least one sequence"):
+        pretrain(model, tokenizer, [[]], spec)
