@@ -67,7 +67,7 @@ class TinySpec:
     """Language-model steps on fresh solved-task transcripts, plain and chat batches alternating (0 = random weights)."""
     pretrain_batch_size: int = 64
     """Sequences per plain-text pre-training batch."""
-    pretrain_chat_batch_size: int = 32
+    pretrain_chat_batch_size: int = 64
     """Episodes per chat pre-training batch (0 = ``pretrain_batch_size``); chat episodes are ~3x longer."""
     pretrain_lr: float = 3e-3
 
