@@ -129,18 +129,16 @@ def plot_claims(claims: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for arm in ("grpo", "grpo+void_filter"):
-        for i, r in enumerate(claims.get(arm, [])):
-            axes[0].plot(r["curve"]["grad_norm"], label=arm if i == 0 else None,
-                         color="tab:blue" if arm == "grpo" else "tab:orange", alpha=0.8)
-    axes[0].set(title="SimpleTIR: gradient norm per step", xlabel="RL step", ylabel="grad norm (pre-clip)")
-    axes[0].legend()
-    for arm in ("grpo", "otc_grpo"):
-        for i, r in enumerate(claims.get(arm, [])):
-            axes[1].plot(r["curve"]["tool_calls"], label=arm if i == 0 else None,
-                         color="tab:blue" if arm == "grpo" else "tab:green", alpha=0.8)
-    axes[1].set(title="OTC: tool calls per training episode", xlabel="RL step", ylabel="tool calls / episode")
-    axes[1].legend()
+    panels = [(axes[0], ("grpo", "grpo+void_filter"), "grad_norm", "tab:orange",
+               dict(title="SimpleTIR: gradient norm per step", xlabel="RL step", ylabel="grad norm (pre-clip)")),
+              (axes[1], ("grpo", "otc_grpo"), "tool_calls", "tab:green",
+               dict(title="OTC: tool calls per training episode", xlabel="RL step", ylabel="tool calls / episode"))]
+    for ax, (base, arm), key, color, labels in panels:
+        for name, c in ((base, "tab:blue"), (arm, color)):
+            for i, r in enumerate(claims.get(name, [])):
+                ax.plot(r["curve"][key], label=name if i == 0 else None, color=c, alpha=0.8)
+        ax.set(**labels)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -110,6 +110,9 @@ class AlgoConfig:
     """Weight of the KL(policy || reference) term in the loss (0 = no reference model)."""
     kl_kind: str = "k3"
     """KL estimator: k1, k2 or k3."""
+    kl_placement: str = "loss"
+    """Where the KL to the reference goes: ``loss`` (a term of the policy loss) or ``reward``
+    (``-kl_coef * KL`` on every sampled token's reward, before the advantages; REINFORCE++ / PPO style)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (0 = off)."""
     agg: str = "token-mean"
@@ -221,7 +224,7 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "train.steps", "train.weight_decay", "train.eval_every",
                  "train.checkpoint_every", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
-            "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"),
+            "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16")}
 

@@ -91,3 +91,20 @@ def test_gae_estimator_from_values():
         episode_advantages("gae", EPISODES)
     with pytest.raises(ValueError, match="tokens but 2 values"):
         gae_episode_advantages(EPISODES[:1], [[0.0, 0.0]])
+
+
+def test_token_rewards_reach_every_estimator():
+    # a penalty of -0.1 on each sampled token
+    penalties = [[-0.1 if m else 0.0 for m in e.loss_mask] for e in EPISODES]
+    dr = episode_advantages("dr_grpo", EPISODES, token_rewards=penalties)
+    # group 0: rewards 1 - 0.4 (4 sampled tokens) and 0 - 0.2 (2): centred +-0.4
+    assert dr[0][3] == pytest.approx(0.4) and dr[1][3] == pytest.approx(-0.4)
+    rpp = episode_advantages("reinforce_pp", EPISODES[:1], gamma=1.0, token_rewards=penalties[:1])
+    # returns over episode 0's sampled tokens: 0.6, 0.7, 0.8 (then turn 1: -0.1+1 ... ) -> distinct, whitened
+    sampled = [a for a, m in zip(rpp[0], EPISODES[0].loss_mask) if m]
+    assert sampled[0] < sampled[1] < sampled[2] < sampled[3]
+    turn = episode_advantages("turn_grpo", EPISODES, token_rewards=penalties, gamma=1.0)
+    # group 0, turn 0 returns: episode 0: 0 - 0.2 + (1 - 0.2) = 0.6; episode 1: -0.2 -> +-0.7071 (std-normalised)
+    assert turn[0][3] == pytest.approx(0.7071, abs=1e-4)
+    with pytest.raises(ValueError, match="tokens but 1 token rewards"):
+        episode_advantages("grpo", EPISODES[:1], token_rewards=[[0.0]])

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 import ctxrl.train.loop as loop
 from ctxrl.config import load_config
@@ -61,3 +62,17 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
         assert all("reward_otc" in row for row in rows)
     if config.algo.kl_coef:
         assert all(row["kl"] >= 0 for row in rows)
+
+
+def test_kl_as_a_reward_penalty(tmp_path, monkeypatch):
+    config = load_config(PRESETS[0].parent / "reinforce_pp.toml",
+                         [*SMALL, "algo.kl_coef=0.5", "algo.kl_placement=reward"])
+    run = loop.Run(config, tmp_path / "run")
+    learner = run.make_learner()
+    assert learner.settings.kl_coef == 0.0 and run.ref_model is not None  # not in the loss
+    with torch.no_grad():  # move the policy off the reference so the KL is not zero
+        for p in run.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    row = run.rl_step(learner, 0)
+    assert row["kl_reward"] > 0 and "kl" not in row
+    assert math.isfinite(row["loss"])

@@ -5,7 +5,23 @@ Shapes: ``N`` episodes; ``group_ids[N]`` says which episodes answer the same tas
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+
+def _per_group(rewards: torch.Tensor, group_ids: torch.Tensor,
+               fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Apply ``fn`` to the rewards of each group of two or more episodes; singletons get 0."""
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes")
+    rewards = rewards.float()
+    advantages = torch.zeros_like(rewards)
+    for gid in torch.unique(group_ids):
+        members = group_ids == gid
+        if int(members.sum()) >= 2:
+            advantages[members] = fn(rewards[members])
+    return advantages
 
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_normalize: bool = True,
@@ -19,18 +35,11 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_norma
 
     rewards: [N] float; group_ids: [N] int  ->  [N] float
     """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes")
-    rewards = rewards.float()
-    advantages = torch.zeros_like(rewards)
-    for gid in torch.unique(group_ids):
-        members = group_ids == gid
-        group = rewards[members]
-        if group.numel() < 2:
-            continue
+    def normalise(group: torch.Tensor) -> torch.Tensor:
         centred = group - group.mean()
-        advantages[members] = centred / (group.std(unbiased=True) + eps) if std_normalize else centred
-    return advantages
+        return centred / (group.std(unbiased=True) + eps) if std_normalize else centred
+
+    return _per_group(rewards, group_ids, normalise)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -41,15 +50,4 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
 
     rewards: [N] float; group_ids: [N] int  ->  [N] float
     """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes")
-    rewards = rewards.float()
-    advantages = torch.zeros_like(rewards)
-    for gid in torch.unique(group_ids):
-        members = group_ids == gid
-        n = int(members.sum())
-        if n < 2:
-            continue
-        group = rewards[members]
-        advantages[members] = (group - group.mean()) * (n / (n - 1))
-    return advantages
+    return _per_group(rewards, group_ids, lambda group: (group - group.mean()) * (len(group) / (len(group) - 1)))

@@ -15,6 +15,11 @@ This is the one place that turns recorded episodes into the tensors the pure fun
 The outcome estimators use ``Episode.reward`` (the sum of its turn rewards). The turn and token
 estimators use each ``Turn.reward``, placed on the last sampled token of that turn (the
 end-of-turn token, or the last token of a cut-off turn).
+
+``token_rewards`` (optional, one list per episode aligned with ``input_ids``) adds per-token
+rewards on sampled tokens, e.g. a KL penalty placed in the reward: the token estimators take
+them where they are, the turn estimator sums them into each turn's reward, and the outcome
+estimators into the episode's reward.
 """
 
 from __future__ import annotations
@@ -55,8 +60,22 @@ def _rows(x: torch.Tensor, episodes: list[Episode]) -> list[list[float]]:
     return [x[i, : len(e.input_ids)].tolist() for i, e in enumerate(episodes)]
 
 
+def _extra(episodes: list[Episode], token_rewards: list[list[float]] | None, mask: torch.Tensor) -> torch.Tensor:
+    """[N,T] of the optional per-token rewards, on sampled tokens only."""
+    extra = torch.zeros_like(mask)
+    if token_rewards is not None:
+        if len(token_rewards) != len(episodes):
+            raise ValueError(f"{len(token_rewards)} token-reward lists for {len(episodes)} episodes")
+        for i, (e, row) in enumerate(zip(episodes, token_rewards)):
+            if len(row) != len(e.input_ids):
+                raise ValueError(f"episode {i} has {len(e.input_ids)} tokens but {len(row)} token rewards")
+            extra[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return extra * mask
+
+
 def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *, gamma: float = 1.0,
-                           lam: float = 1.0) -> tuple[list[list[float]], list[list[float]]]:
+                           lam: float = 1.0, token_rewards: list[list[float]] | None = None
+                           ) -> tuple[list[list[float]], list[list[float]]]:
     """(advantages whitened over the batch, returns) per token, from the critic's ``values`` per token."""
     if not episodes:
         return [], []
@@ -66,11 +85,13 @@ def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *
         if len(row) != len(episodes[i].input_ids):
             raise ValueError(f"episode {i} has {len(episodes[i].input_ids)} tokens but {len(row)} values")
         v[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    advantages, returns = gae_advantages(token_turn_rewards(episodes, mask, turns), v, mask, gamma, lam)
+    rewards = token_turn_rewards(episodes, mask, turns) + _extra(episodes, token_rewards, mask)
+    advantages, returns = gae_advantages(rewards, v, mask, gamma, lam)
     return _rows(masked_whiten(advantages, mask), episodes), _rows(returns, episodes)
 
 
-def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0) -> list[list[float]]:
+def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0,
+                       token_rewards: list[list[float]] | None = None) -> list[list[float]]:
     """Per-token advantages (one list per episode, ``len == len(input_ids)``, 0 off the loss mask).
 
     ``gae`` needs a critic: use ``gae_episode_advantages`` with its values.
@@ -82,16 +103,19 @@ def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0
     if not episodes:
         return []
     mask, turns = _padded(episodes)
+    extra = _extra(episodes, token_rewards, mask)
     groups = torch.tensor([e.group_id for e in episodes], dtype=torch.long)
     if name in ("grpo", "dr_grpo", "rloo"):
-        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32) + extra.sum(1)
         per_episode = rloo_advantages(rewards, groups) if name == "rloo" else \
             grpo_advantages(rewards, groups, std_normalize=name == "grpo")
         tokens = per_episode.unsqueeze(1) * mask
     elif name == "reinforce_pp":
-        returns = reinforce_pp_returns(token_turn_rewards(episodes, mask, turns), mask, gamma)
+        returns = reinforce_pp_returns(token_turn_rewards(episodes, mask, turns) + extra, mask, gamma)
         tokens = masked_whiten(returns, mask)
     else:
         turn_rewards, turn_mask = episode_turn_tensors(episodes)
+        for k in range(turn_rewards.shape[1]):
+            turn_rewards[:, k] += (extra * (turns == k)).sum(1)
         tokens = broadcast_turn_advantages(turn_advantages(turn_rewards, turn_mask, groups, gamma=gamma), turns, mask)
     return _rows(tokens, episodes)

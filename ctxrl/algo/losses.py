@@ -47,6 +47,23 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     return (per_seq * live).sum() / count.clamp(min=1.0)
 
 
+
+@torch.no_grad()
+def _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low: float, clip_high: float
+                  ) -> dict[str, float]:
+    """Fractions of sampled tokens clipped below / above, approx KL (``0.5 (log r)^2``), mean ratio."""
+    m = mask.float()
+    n = m.sum().clamp(min=1.0)
+    low = ((ratio < 1.0 - clip_low) & (advantages < 0)).float()
+    high = ((ratio > 1.0 + clip_high) & (advantages > 0)).float()
+    return {
+        "clip_frac_low": float((low * m).sum() / n),
+        "clip_frac_high": float((high * m).sum() / n),
+        "approx_kl": float((0.5 * (logprobs - old_logprobs) ** 2 * m).sum() / n),
+        "ratio_mean": float((ratio * m).sum() / n),
+    }
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip: float | None = None, agg: str = "token-mean", norm_length: float | None = None,
@@ -74,18 +91,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, mask, agg, norm_length=norm_length, denominator=denominator)
-    with torch.no_grad():
-        m = mask.float()
-        n = m.sum().clamp(min=1.0)
-        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).float()
-        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).float()
-        metrics = {
-            "clip_frac_low": float((low * m).sum() / n),
-            "clip_frac_high": float((high * m).sum() / n),
-            "approx_kl": float((0.5 * (logprobs - old_logprobs) ** 2 * m).sum() / n),
-            "ratio_mean": float((ratio * m).sum() / n),
-        }
-    return loss, metrics
+    return loss, _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low, clip_high)
 
 
 
@@ -116,17 +122,8 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, mask, agg, norm_length=norm_length, denominator=denominator)
-    with torch.no_grad():
-        n = m.sum().clamp(min=1.0)
-        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(m.dtype)
-        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(m.dtype)
-        metrics = {
-            "clip_frac_low": float((low * m).sum() / n),
-            "clip_frac_high": float((high * m).sum() / n),
-            "approx_kl": float((0.5 * (logprobs - old_logprobs) ** 2 * m).sum() / n),
-            "ratio_mean": float((ratio * m).sum() / n),
-        }
-    return loss, metrics
+    return loss, _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low, clip_high)
+
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimators of KL(policy || reference) from sampled-token log-probs (Schulman 2020).

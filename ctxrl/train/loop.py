@@ -117,6 +117,7 @@ class Run:
             ref = copy.deepcopy(self.model).eval()
             for p in ref.parameters():
                 p.requires_grad_(False)
+        self.ref_model = ref
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                                       betas=(0.9, 0.99))
         critic = critic_optimizer = None
@@ -124,7 +125,8 @@ class Run:
             critic = Critic(copy.deepcopy(self.model)).train()
             critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay,
                                                  betas=(0.9, 0.99))
-        settings = PPOSettings(clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
+        settings = PPOSettings(clip_low=a.clip_low, clip_high=a.clip_high,
+                               kl_coef=a.kl_coef if a.kl_placement == "loss" else 0.0, kl_kind=a.kl_kind,
                                entropy_coef=a.entropy_coef, agg=a.agg,
                                temperature=r.temperature if r.temperature > 0 else 1.0,
                                max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
@@ -178,13 +180,19 @@ class Run:
         t_rollout = time.perf_counter() - t0
         valid = [e for e in train_eps if _trainable(e)]
         targets: dict[str, list] = {}
+        penalties = None
+        if a.kl_coef > 0 and a.kl_placement == "reward" and valid:
+            penalties, sampling["kl_reward"] = kl_reward_penalties(
+                self.ref_model, valid, self.tokenizer.pad_token_id, coef=a.kl_coef, kind=a.kl_kind,
+                temperature=learner.settings.temperature, micro_batch_size=c.train.micro_batch_size)
         if a.advantage == "gae":
             values = episode_values(learner.critic, valid, self.tokenizer.pad_token_id,
                                     micro_batch_size=c.train.micro_batch_size)
-            advantages, returns = gae_episode_advantages(valid, values, gamma=a.gamma, lam=a.lam)
+            advantages, returns = gae_episode_advantages(valid, values, gamma=a.gamma, lam=a.lam,
+                                                         token_rewards=penalties)
             targets = {"returns": returns, "old_values": values}
         else:
-            advantages = episode_advantages(a.advantage, valid, gamma=a.gamma)
+            advantages = episode_advantages(a.advantage, valid, gamma=a.gamma, token_rewards=penalties)
         free = void_turn_free(valid)
         sampling["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
         if a.void_turn_filter:
@@ -216,6 +224,28 @@ class Run:
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         return path
+
+
+@torch.no_grad()
+def kl_reward_penalties(ref_model, episodes, pad_token_id: int, *, coef: float, kind: str, temperature: float,
+                        micro_batch_size: int) -> tuple[list[list[float]], float]:
+    """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
+    mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
+    from ctxrl.algo.losses import kl_penalty
+    from ctxrl.train.learner import collate, token_logprobs
+
+    device = next(ref_model.parameters()).device
+    out, total, tokens = [], 0.0, 0.0
+    for start in range(0, len(episodes), micro_batch_size):
+        eps = episodes[start:start + micro_batch_size]
+        batch = collate(eps, pad_token_id, device)
+        ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, temperature=temperature)
+        kl = kl_penalty(batch.old_logprobs, ref, kind) * batch.loss_mask
+        total += float(kl.sum())
+        tokens += float(batch.loss_mask.sum())
+        for row, e in enumerate(eps):
+            out.append([0.0] + (-coef * kl[row, : len(e.input_ids) - 1]).cpu().tolist())
+    return out, total / max(tokens, 1.0)
 
 
 def _trainable(e) -> bool:
