@@ -96,6 +96,9 @@ class AlgoConfig:
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
     lam: float = 1.0
     """GAE's lambda (``gae`` only)."""
+    gae_level: str = "token"
+    """``gae`` steps: ``token`` (every sampled token) or ``turn`` (every assistant turn; the critic's
+    value is read at each turn's first sampled token and trained there only)."""
     vf_clip: float = 0.2
     """Clip range of the critic's value loss (``gae`` only)."""
     loss: str = "ppo_clip"
@@ -225,6 +228,7 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "train.checkpoint_every", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
+            "algo.gae_level": ("token", "turn"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16")}
 

@@ -81,7 +81,8 @@ def test_gae_estimator_from_values():
     from ctxrl.algo.estimators import gae_episode_advantages
 
     values = [[0.0] * len(e.input_ids) for e in EPISODES]
-    adv, ret = gae_episode_advantages(EPISODES, values, gamma=1.0, lam=1.0)
+    adv, ret, value_mask = gae_episode_advantages(EPISODES, values, gamma=1.0, lam=1.0)
+    assert value_mask is None  # token level: the critic trains on every sampled token
     # zero values: returns are the plain returns to go (episode 0: 1.0 on every sampled token)
     assert [r for r, m in zip(ret[0], EPISODES[0].loss_mask) if m] == [1.0, 1.0, 1.0, 1.0]
     assert all(a == 0.0 for a, m in zip(adv[0], EPISODES[0].loss_mask) if not m)
@@ -108,3 +109,20 @@ def test_token_rewards_reach_every_estimator():
     assert turn[0][3] == pytest.approx(0.7071, abs=1e-4)
     with pytest.raises(ValueError, match="tokens but 1 token rewards"):
         episode_advantages("grpo", EPISODES[:1], token_rewards=[[0.0]])
+
+
+def test_turn_level_gae_by_hand():
+    from ctxrl.algo.estimators import gae_episode_advantages
+
+    e = EPISODES[0]  # 3 prompt | 2 sampled (turn 0) | 2 obs | 2 sampled (turn 1); turn rewards 0, 1
+    values = [[0.1 * p for p in range(len(e.input_ids))]]
+    adv, ret, value_mask = gae_episode_advantages([e], values, gamma=1.0, lam=1.0, level="turn")
+    # turn values are read at each turn's first sampled token: V0 = 0.3 (pos 3), V1 = 0.7 (pos 7)
+    assert value_mask == [[0, 0, 0, 1, 0, 0, 0, 1, 0]]
+    # A1 = 1 - 0.7 = 0.3; A0 = (0 + 0.7 - 0.3) + 0.3 = 0.7; returns A + V = 1.0 at both turn starts
+    assert ret[0] == pytest.approx([0, 0, 0, 1.0, 0, 0, 0, 1.0, 0])
+    sampled = [a for a, m in zip(adv[0], e.loss_mask) if m]  # whitened [0.7, 0.7, 0.3, 0.3]
+    assert sampled[0] == sampled[1] == pytest.approx(0.866, abs=1e-3)
+    assert sampled[2] == sampled[3] == pytest.approx(-0.866, abs=1e-3)
+    with pytest.raises(ValueError, match="token or turn"):
+        gae_episode_advantages([e], values, level="episode")

@@ -328,7 +328,7 @@ def test_critic_values_align_and_accumulate_exactly(model, data):
         assert [len(v) for v in values] == [len(e.input_ids) for e in episodes] and all(v[0] == 0.0 for v in values)
         # old values slightly off, so the value clip is exercised
         old = [[x + 0.3 * ((i % 2) * 2 - 1) for i, x in enumerate(v)] for v in values]
-        learner._targets = {id(e): (r, o) for e, r, o in zip(episodes, returns, old)}
+        learner._targets = {id(e): (r, o, None) for e, r, o in zip(episodes, returns, old)}
         critic.zero_grad(set_to_none=True)
         metrics = learner.mini_batch_loss(episodes, advantages)
         grads[micro] = (metrics, {n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None})
@@ -360,3 +360,24 @@ def test_critic_learns_the_returns(model, data):
         learner.update(episodes, advantages)
     with pytest.raises(ValueError, match="critic_optimizer"):
         Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), PPOSettings(), pad_token_id=0, critic=critic)
+
+
+def test_critic_value_mask_limits_the_value_loss(model, data):
+    from ctxrl.train.critic import Critic, episode_values
+
+    episodes, _ = data
+    policy = copy.deepcopy(model)
+    critic = Critic(copy.deepcopy(model))
+    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), PPOSettings(micro_batch_size=3),
+                      pad_token_id=0, critic=critic, critic_optimizer=torch.optim.SGD(critic.parameters(), lr=0.0))
+    values = episode_values(critic, episodes, 0)  # all 0 (zero head)
+    # one value position per episode (its first sampled token), with return 2.0 there and 9.0 elsewhere
+    value_mask, returns = [], []
+    for e in episodes:
+        first = e.loss_mask.index(1) if 1 in e.loss_mask else None
+        value_mask.append([int(i == first) for i in range(len(e.input_ids))])
+        returns.append([2.0 if i == first else 9.0 for i in range(len(e.input_ids))])
+    metrics = learner.update(episodes, [[0.0] * len(e.input_ids) for e in episodes], returns=returns,
+                             old_values=values, value_mask=value_mask)
+    # value loss = mean over the value positions only of 0.5 * (0 - 2)^2 = 2 (the 9s never count)
+    assert metrics["vf_loss"] == pytest.approx(2.0, rel=1e-5)

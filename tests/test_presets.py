@@ -76,3 +76,23 @@ def test_kl_as_a_reward_penalty(tmp_path, monkeypatch):
     row = run.rl_step(learner, 0)
     assert row["kl_reward"] > 0 and "kl" not in row
     assert math.isfinite(row["loss"])
+
+
+def test_turn_level_gae(tmp_path, monkeypatch):
+    rng = random.Random(7)
+    real = loop.shape_rewards
+
+    def coin_flips(episodes, rc, **kw):
+        for e in episodes:
+            e.reward = float(rng.random() < 0.5)
+            if e.turns:
+                e.turns[-1].reward = e.reward
+        return real(episodes, rc, **kw)
+
+    monkeypatch.setattr(loop, "shape_rewards", coin_flips)
+    config = load_config(PRESETS[0].parent / "ppo.toml", [*SMALL, "algo.gae_level=turn"])
+    run = loop.Run(config, tmp_path / "run")
+    learner = run.make_learner()
+    row = run.rl_step(learner, 0)
+    assert math.isfinite(row["loss"]) and math.isfinite(row["vf_loss"]) and row["vf_loss"] > 0
+    assert 0.0 <= row["vf_clip_frac"] <= 1.0

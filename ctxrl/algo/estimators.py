@@ -74,11 +74,20 @@ def _extra(episodes: list[Episode], token_rewards: list[list[float]] | None, mas
 
 
 def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *, gamma: float = 1.0,
-                           lam: float = 1.0, token_rewards: list[list[float]] | None = None
-                           ) -> tuple[list[list[float]], list[list[float]]]:
-    """(advantages whitened over the batch, returns) per token, from the critic's ``values`` per token."""
+                           lam: float = 1.0, token_rewards: list[list[float]] | None = None, level: str = "token"
+                           ) -> tuple[list[list[float]], list[list[float]], list[list[int]] | None]:
+    """GAE from the critic's ``values`` per token: (advantages whitened over the batch, returns, value mask).
+
+    ``level="token"``: every sampled token is a step (the value mask is the loss mask, returned as
+    None). ``level="turn"``: every assistant turn is a step; its value is the critic's value at
+    the turn's first sampled token (the state the turn starts from), GAE runs over turns
+    (``gamma`` and ``lam`` per turn), each turn's advantage goes to all its sampled tokens, and
+    the critic is trained at the turn-start positions only (the returned value mask).
+    """
+    if level not in ("token", "turn"):
+        raise ValueError(f"GAE level must be token or turn, not {level!r}")
     if not episodes:
-        return [], []
+        return [], [], None
     mask, turns = _padded(episodes)
     v = torch.zeros_like(mask)
     for i, row in enumerate(values):
@@ -86,8 +95,29 @@ def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *
             raise ValueError(f"episode {i} has {len(episodes[i].input_ids)} tokens but {len(row)} values")
         v[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
     rewards = token_turn_rewards(episodes, mask, turns) + _extra(episodes, token_rewards, mask)
-    advantages, returns = gae_advantages(rewards, v, mask, gamma, lam)
-    return _rows(masked_whiten(advantages, mask), episodes), _rows(returns, episodes)
+    if level == "token":
+        advantages, returns = gae_advantages(rewards, v, mask, gamma, lam)
+        return _rows(masked_whiten(advantages, mask), episodes), _rows(returns, episodes), None
+    k_max = max(int(turns.max()) + 1, 1)
+    turn_r, turn_v, turn_live = (torch.zeros(len(episodes), k_max) for _ in range(3))
+    starts = torch.zeros_like(mask)
+    for k in range(k_max):
+        in_turn = (turns == k) & mask.bool()
+        turn_r[:, k] = (rewards * in_turn).sum(1)
+        has = in_turn.any(1)
+        first = in_turn.float().argmax(1)
+        rows = has.nonzero().squeeze(1)
+        turn_live[rows, k] = 1.0
+        turn_v[rows, k] = v[rows, first[rows]]
+        starts[rows, first[rows]] = 1.0
+    turn_adv, turn_ret = gae_advantages(turn_r, turn_v, turn_live, gamma, lam)
+    advantages = broadcast_turn_advantages(turn_adv, turns, mask)
+    returns = torch.zeros_like(mask)
+    for k in range(k_max):
+        at_start = starts.bool() & (turns == k)
+        returns = torch.where(at_start, turn_ret[:, k:k + 1].expand_as(returns), returns)
+    value_mask = [[int(x) for x in row] for row in _rows(starts, episodes)]
+    return _rows(masked_whiten(advantages, mask), episodes), _rows(returns, episodes), value_mask
 
 
 def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0,

@@ -119,7 +119,7 @@ class Learner:
             raise ValueError("a critic needs its critic_optimizer (and the other way round)")
         self.critic = critic
         self.critic_optimizer = critic_optimizer
-        self._targets: dict[int, tuple[list[float], list[float]]] = {}
+        self._targets: dict[int, tuple[list[float], list[float], list[int] | None]] = {}
         self.model = model
         self.optimizer = optimizer
         self.settings = settings
@@ -134,14 +134,15 @@ class Learner:
         return next(self.model.parameters()).device
 
     def update(self, episodes: list[Episode], advantages: list[float] | list[list[float]], *,
-               returns: list[list[float]] | None = None, old_values: list[list[float]] | None = None
-               ) -> dict[str, float]:
+               returns: list[list[float]] | None = None, old_values: list[list[float]] | None = None,
+               value_mask: list[list[int]] | None = None) -> dict[str, float]:
         """PPO epochs over ``episodes`` in mini-batches; returns metrics averaged over mini-batches."""
         s = self.settings
         if self.critic is not None:
             if returns is None or old_values is None:
                 raise ValueError("a learner with a critic needs returns and old_values per token (GAE)")
-            self._targets = {id(e): (r, v) for e, r, v in zip(episodes, returns, old_values)}
+            masks = value_mask if value_mask is not None else [None] * len(episodes)
+            self._targets = {id(e): (r, v, vm) for e, r, v, vm in zip(episodes, returns, old_values, masks)}
         self.model.train()
         totals: dict[str, float] = {}
         count = 0
@@ -240,7 +241,7 @@ class Learner:
                 sums["kl"] = sums.get("kl", 0.0) + float((kl.detach() * batch.loss_mask).sum())
             loss.backward()
             if self.critic is not None:
-                self._critic_backward(eps, batch, tokens, sums)
+                self._critic_backward(eps, batch, self._value_count(episodes, tokens), sums)
             n_tok = float(batch.loss_mask.sum())
             with torch.no_grad():
                 sums["loss"] = sums.get("loss", 0.0) + float(loss)
@@ -253,13 +254,23 @@ class Learner:
         if "vf_loss" in sums:
             out["vf_loss"] = sums["vf_loss"]
         for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
-                    "tis_weight", "tis_truncated", "vf_clip_frac", "vf_explained_var"):
+                    "tis_weight", "tis_truncated"):
             if key in sums:
                 out[key] = sums[key] / max(tokens, 1.0)
+        for key in ("vf_clip_frac", "vf_explained_var"):
+            if key in sums:
+                out[key] = sums[key] / max(sums["vf_count"], 1.0)
         return out
 
+    def _value_count(self, episodes: list[Episode], tokens: float) -> float:
+        """Positions the value loss averages over in a mini-batch: the value mask's, else the sampled tokens."""
+        masks = [self._targets[id(e)][2] for e in episodes if id(e) in self._targets]
+        if not masks or masks[0] is None:
+            return tokens
+        return float(sum(sum(vm[1:]) for vm in masks))
+
     def _critic_backward(self, episodes: list[Episode], batch: Batch, denominator: float, sums: dict) -> None:
-        """Clipped value loss of one micro-batch (token-mean over the mini-batch's tokens), backward."""
+        """Clipped value loss of one micro-batch (token-mean over the mini-batch's value positions), backward."""
         from ctxrl.algo.value import value_loss
 
         if any(id(e) not in self._targets for e in episodes):
@@ -267,17 +278,21 @@ class Learner:
         width = batch.loss_mask.shape[1]
         returns = torch.zeros_like(batch.loss_mask)
         old = torch.zeros_like(batch.loss_mask)
+        mask = batch.loss_mask.clone()
         for row, e in enumerate(episodes):
-            r, v = self._targets[id(e)]
+            r, v, vm = self._targets[id(e)]
             n = len(e.input_ids) - 1
             returns[row, :n] = torch.tensor(r[1:], dtype=torch.float32)[:width]
             old[row, :n] = torch.tensor(v[1:], dtype=torch.float32)[:width]
+            if vm is not None:
+                mask[row] = 0.0
+                mask[row, :n] = torch.tensor(vm[1:], dtype=torch.float32)[:width]
         values = self.critic(batch.input_ids, batch.attention_mask)
-        loss, m = value_loss(values, old, returns, batch.loss_mask, clip=self.settings.vf_clip,
-                             denominator=denominator)
+        loss, m = value_loss(values, old, returns, mask, clip=self.settings.vf_clip, denominator=denominator)
         loss.backward()
-        n_tok = float(batch.loss_mask.sum())
+        n_tok = float(mask.sum())
         sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(loss.detach())
+        sums["vf_count"] = sums.get("vf_count", 0.0) + n_tok
         for key in ("vf_clip_frac", "vf_explained_var"):
             sums[key] = sums.get(key, 0.0) + m[key] * n_tok
 

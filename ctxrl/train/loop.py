@@ -188,9 +188,11 @@ class Run:
         if a.advantage == "gae":
             values = episode_values(learner.critic, valid, self.tokenizer.pad_token_id,
                                     micro_batch_size=c.train.micro_batch_size)
-            advantages, returns = gae_episode_advantages(valid, values, gamma=a.gamma, lam=a.lam,
-                                                         token_rewards=penalties)
+            advantages, returns, value_mask = gae_episode_advantages(valid, values, gamma=a.gamma, lam=a.lam,
+                                                                     token_rewards=penalties, level=a.gae_level)
             targets = {"returns": returns, "old_values": values}
+            if value_mask is not None:
+                targets["value_mask"] = value_mask
         else:
             advantages = episode_advantages(a.advantage, valid, gamma=a.gamma, token_rewards=penalties)
         free = void_turn_free(valid)
