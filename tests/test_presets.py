@@ -51,6 +51,10 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
             # random text never calls the tool or answers: every trajectory has a void turn
             assert row["void_turn_rate"] == 1.0 and row["trained_episodes"] == 0
             assert row["void_turn_filtered"] == 9 and "loss" not in row
+            # the rest of the preset (its estimator and loss) still trains without the filter
+            unfiltered = loop.Run(load_config(preset, [*SMALL, "algo.void_turn_filter=false"]), tmp_path / "nf")
+            row = unfiltered.rl_step(unfiltered.make_learner(), 0)
+            assert row["trained_episodes"] == 9 and math.isfinite(row["loss"]) and row["advantage_abs_mean"] > 0
             continue
         assert row["trained_episodes"] > 0
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["skipped"] == 0.0
