@@ -86,3 +86,33 @@ def test_void_turns():
     assert void_turns(e) == [1]
     e.turns[-1].answered = True
     assert void_turns(e) == []
+
+
+def test_shape_rewards_in_place():
+    from ctxrl.config import RewardConfig
+    from ctxrl.train.rewards import shape_rewards
+
+    def ep(group, reward, success, calls, tokens, errors=0):
+        e = Episode(task=Task(id="x", prompt="", answer=""), group_id=group, reward=reward, success=success)
+        e.input_ids = [1] * tokens
+        e.turns = [Turn(index=0, prompt_tokens=0, sampled_tokens=1, finish_reason="stop", text="", tool_calls=calls,
+                        tool_errors=errors),
+                   Turn(index=1, prompt_tokens=0, sampled_tokens=1, finish_reason="stop", text="", reward=reward)]
+        return e
+
+    # defaults: no shaping at all, nothing touched
+    plain = [ep(0, 1.0, True, 1, 10)]
+    assert shape_rewards(plain, RewardConfig(), max_total_tokens=100) == {}
+    assert plain[0].reward == 1.0 and "env_reward" not in plain[0].info
+    episodes = [ep(0, 1.0, True, 2, 50), ep(0, 1.0, True, 1, 95), ep(0, 0.0, False, 0, 10, errors=1)]
+    rc = RewardConfig(outcome=0.5, overlong_buffer=10, otc_weight=1.0, format_weight=0.25)
+    means = shape_rewards(episodes, rc, max_total_tokens=100)
+    # group optimum n = 1 call: episode 0 (m=2): sin(f pi/2), f = 4/3 -> 0.866; episode 1 (m=1): 1
+    # episode 1 is 95 tokens: overlong (90 - 95) / 10 = -0.5
+    expected = [0.5 + math.sin((4 / 3) * math.pi / 2) + 0.25, 0.5 - 0.5 + 1.0 + 0.25, 0.0]
+    for e, want in zip(episodes, expected):
+        assert e.reward == pytest.approx(want)
+        assert e.turns[-1].reward == pytest.approx(want)  # the last turn carries the change
+    assert episodes[2].info["reward_terms"] == {"reward_outcome": 0.0, "reward_overlong": 0.0, "reward_otc": 0.0,
+                                               "reward_format": 0.0}
+    assert means["reward_otc"] == pytest.approx((math.sin((4 / 3) * math.pi / 2) + 1.0) / 3)

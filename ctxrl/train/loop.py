@@ -149,7 +149,7 @@ class Run:
                                             seed=c.run.seed * 7919 + step + round_ * 1_000_033))
         for e in episodes:
             e.group_id += round_ * n
-        self._shaping = shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
+        shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
         return episodes
 
     def rl_step(self, learner: Learner, step: int) -> dict[str, Any]:
@@ -208,7 +208,7 @@ class Run:
         t_update = time.perf_counter() - t1
         self.engine.set_version(step + 1)
         stats = summarize(episodes)
-        row = {"phase": "rl", "step": step + 1, **stats, **self._shaping, **sampling,
+        row = {"phase": "rl", "step": step + 1, **stats, **_mean_terms(episodes), **sampling,
                "trained_episodes": len(valid),
                "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
                "advantage_std": float(np.std(sampled)) if sampled else 0.0,
@@ -248,6 +248,15 @@ def kl_reward_penalties(ref_model, episodes, pad_token_id: int, *, coef: float, 
         for row, e in enumerate(eps):
             out.append([0.0] + (-coef * kl[row, : len(e.input_ids) - 1]).cpu().tolist())
     return out, total / max(tokens, 1.0)
+
+
+def _mean_terms(episodes) -> dict[str, float]:
+    """Mean of each shaped reward term (``info["reward_terms"]``) over all of a step's episodes."""
+    sums: dict[str, float] = {}
+    for e in episodes:
+        for k, v in e.info.get("reward_terms", {}).items():
+            sums[k] = sums.get(k, 0.0) + v
+    return {k: v / len(episodes) for k, v in sums.items()}
 
 
 def _trainable(e) -> bool:
