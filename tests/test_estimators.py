@@ -105,8 +105,15 @@ def test_token_rewards_reach_every_estimator():
     sampled = [a for a, m in zip(rpp[0], EPISODES[0].loss_mask) if m]
     assert sampled[0] < sampled[1] < sampled[2] < sampled[3]
     turn = episode_advantages("turn_grpo", EPISODES, token_rewards=penalties, gamma=1.0)
-    # group 0, turn 0 returns: episode 0: 0 - 0.2 + (1 - 0.2) = 0.6; episode 1: -0.2 -> +-0.7071 (std-normalised)
-    assert turn[0][3] == pytest.approx(0.7071, abs=1e-4)
+    # group 0, turn 0: env returns [1, 0] -> +-0.7071 (std-normalised); penalty returns [-0.4, -0.2]
+    # centred only -> -0.1 / +0.1
+    assert turn[0][3] == pytest.approx(0.7071 - 0.1, abs=1e-4)
+    assert turn[1][3] == pytest.approx(-0.7071 + 0.1, abs=1e-4)
+    grpo = episode_advantages("grpo", EPISODES, token_rewards=penalties)
+    assert grpo[0][3] == pytest.approx(0.7071 - 0.1, abs=1e-4)
+    # group 1: outcomes agree (1, 1): only the centred penalty spread remains, unscaled
+    # (episode 2 has 6 sampled tokens -> -0.6, episode 3 has 2 -> -0.2: mean -0.4)
+    assert grpo[2][3] == pytest.approx(-0.2, abs=1e-5) and grpo[3][3] == pytest.approx(0.2, abs=1e-5)
     with pytest.raises(ValueError, match="tokens but 1 token rewards"):
         episode_advantages("grpo", EPISODES[:1], token_rewards=[[0.0]])
 

@@ -381,3 +381,22 @@ def test_critic_value_mask_limits_the_value_loss(model, data):
                              old_values=values, value_mask=value_mask)
     # value loss = mean over the value positions only of 0.5 * (0 - 2)^2 = 2 (the 9s never count)
     assert metrics["vf_loss"] == pytest.approx(2.0, rel=1e-5)
+
+
+def test_dr_grpo_normaliser_is_the_configured_constant(model, data):
+    episodes, advantages = data
+    policy = copy.deepcopy(model)
+    metrics, _ = _run(policy, PPOSettings(agg="seq-mean-token-sum-norm", micro_batch_size=8, norm_length=200.0),
+                      episodes, advantages)
+    batch = collate(episodes, 0, "cpu", advantages)
+    with torch.no_grad():
+        logprobs = token_logprobs(policy, batch.input_ids, batch.attention_mask)
+    direct, _ = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                            agg="seq-mean-token-sum-norm", norm_length=200.0)
+    assert metrics["loss"] == pytest.approx(float(direct), abs=1e-6)
+    # the same episodes split in two mini-batches use the same constant, not each half's longest response
+    half, _ = _run(copy.deepcopy(model), PPOSettings(agg="seq-mean-token-sum-norm", norm_length=200.0),
+                   episodes[:4], advantages[:4])
+    direct_half, _ = policy_loss(logprobs[:4], batch.old_logprobs[:4], batch.advantages[:4], batch.loss_mask[:4],
+                                 agg="seq-mean-token-sum-norm", norm_length=200.0)
+    assert half["loss"] == pytest.approx(float(direct_half), abs=1e-6)

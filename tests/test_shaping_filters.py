@@ -112,7 +112,20 @@ def test_shape_rewards_in_place():
     expected = [0.5 + math.sin((4 / 3) * math.pi / 2) + 0.25, 0.5 - 0.5 + 1.0 + 0.25, 0.0]
     for e, want in zip(episodes, expected):
         assert e.reward == pytest.approx(want)
-        assert e.turns[-1].reward == pytest.approx(want)  # the last turn carries the change
+        assert sum(t.reward for t in e.turns) == pytest.approx(want)  # the turns add up to the episode
     assert episodes[2].info["reward_terms"] == {"reward_outcome": 0.0, "reward_overlong": 0.0, "reward_otc": 0.0,
                                                "reward_format": 0.0}
     assert means["reward_otc"] == pytest.approx((math.sin((4 / 3) * math.pi / 2) + 1.0) / 3)
+
+
+def test_shape_rewards_reweights_every_turn():
+    """With outcome weight 0, an earlier turn's env reward must not survive in the turn rewards."""
+    from ctxrl.config import RewardConfig
+    from ctxrl.train.rewards import shape_rewards
+
+    e = Episode(task=Task(id="x", prompt="", answer=""), reward=1.5, success=True)
+    e.input_ids = [1] * 10
+    e.turns = [Turn(index=0, prompt_tokens=0, sampled_tokens=1, finish_reason="stop", text="", reward=0.5),
+               Turn(index=1, prompt_tokens=0, sampled_tokens=1, finish_reason="stop", text="", reward=1.0)]
+    shape_rewards([e], RewardConfig(outcome=0.0, format_weight=1.0), max_total_tokens=100)
+    assert [t.reward for t in e.turns] == [0.0, 1.0] and e.reward == 1.0

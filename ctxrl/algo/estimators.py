@@ -18,8 +18,10 @@ end-of-turn token, or the last token of a cut-off turn).
 
 ``token_rewards`` (optional, one list per episode aligned with ``input_ids``) adds per-token
 rewards on sampled tokens, e.g. a KL penalty placed in the reward: the token estimators take
-them where they are, the turn estimator sums them into each turn's reward, and the outcome
-estimators into the episode's reward.
+them where they are; the outcome estimators sum them per episode and the turn estimator per
+turn. ``grpo`` and ``turn_grpo`` centre these sums within the group but do not divide them by
+the outcome's std (which would blow a small KL spread up to unit size in a group whose
+outcomes all agree); ``dr_grpo`` and ``rloo`` treat them as part of the reward.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *
     if not episodes:
         return [], [], None
     mask, turns = _padded(episodes)
+    if len(values) != len(episodes):
+        raise ValueError(f"{len(values)} value lists for {len(episodes)} episodes")
     v = torch.zeros_like(mask)
     for i, row in enumerate(values):
         if len(row) != len(episodes[i].input_ids):
@@ -136,16 +140,24 @@ def episode_advantages(name: str, episodes: list[Episode], *, gamma: float = 1.0
     extra = _extra(episodes, token_rewards, mask)
     groups = torch.tensor([e.group_id for e in episodes], dtype=torch.long)
     if name in ("grpo", "dr_grpo", "rloo"):
-        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32) + extra.sum(1)
-        per_episode = rloo_advantages(rewards, groups) if name == "rloo" else \
-            grpo_advantages(rewards, groups, std_normalize=name == "grpo")
+        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        if name == "rloo":
+            per_episode = rloo_advantages(rewards + extra.sum(1), groups)
+        else:
+            # the token rewards are centred but never std-normalised: in a group whose outcomes all
+            # agree, a small KL spread must stay small, not be blown up to unit size
+            per_episode = grpo_advantages(rewards, groups, std_normalize=name == "grpo") + \
+                grpo_advantages(extra.sum(1), groups, std_normalize=False)
         tokens = per_episode.unsqueeze(1) * mask
     elif name == "reinforce_pp":
         returns = reinforce_pp_returns(token_turn_rewards(episodes, mask, turns) + extra, mask, gamma)
         tokens = masked_whiten(returns, mask)
     else:
         turn_rewards, turn_mask = episode_turn_tensors(episodes)
+        turn_extra = torch.zeros_like(turn_rewards)
         for k in range(turn_rewards.shape[1]):
-            turn_rewards[:, k] += (extra * (turns == k)).sum(1)
-        tokens = broadcast_turn_advantages(turn_advantages(turn_rewards, turn_mask, groups, gamma=gamma), turns, mask)
+            turn_extra[:, k] = (extra * (turns == k)).sum(1)
+        turn_adv = turn_advantages(turn_rewards, turn_mask, groups, gamma=gamma) + \
+            turn_advantages(turn_extra, turn_mask, groups, gamma=gamma, std_normalize=False)
+        tokens = broadcast_turn_advantages(turn_adv, turns, mask)
     return _rows(tokens, episodes)

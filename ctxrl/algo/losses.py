@@ -18,8 +18,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     - ``token-mean``: sum over all mask-1 tokens / their count (DAPO's token-level loss);
     - ``seq-mean-token-sum``: per sequence sum, mean over sequences;
     - ``seq-mean-token-mean``: per sequence mean, mean over sequences (original GRPO);
-    - ``seq-mean-token-sum-norm``: per sequence sum / ``norm_length`` (a constant, e.g. the max
-      response length), mean over sequences (Dr.GRPO).
+    - ``seq-mean-token-sum-norm``: per sequence sum / ``norm_length`` (a constant: the most
+      tokens a response can have), mean over sequences (Dr.GRPO).
 
     Sequences with no mask-1 token never enter a denominator; an all-masked input gives 0.
     ``denominator`` replaces the count in the outer mean (tokens for ``token-mean``, sequences

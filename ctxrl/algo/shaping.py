@@ -17,7 +17,10 @@ from typing import Mapping
 def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     """0 up to ``max_length - buffer`` tokens, then linearly down to -1 at ``max_length``; -1 beyond.
 
-    ``length`` counts the response (sampled) tokens. ``buffer`` is DAPO's L_cache.
+    ``length`` is what counts against ``max_length``: DAPO uses the response length and its
+    generation limit; ctxrl's training loop uses the whole episode (prompt, turns, tool output)
+    against ``rollout.max_total_tokens``, the budget whose overflow truncates an episode.
+    ``buffer`` is DAPO's L_cache.
     """
     if buffer <= 0 or buffer > max_length:
         raise ValueError(f"overlong buffer must be in (0, max_length={max_length}], got {buffer}")

@@ -1,4 +1,4 @@
-"""Turn-level credit for multi-turn episodes (MT-GRPO, Zeng et al. 2025; MR-Search-style turn returns).
+"""Turn-level credit for multi-turn episodes (MT-GRPO-style, after Zeng et al. 2025; turn returns).
 
 An episode of ``K`` assistant turns gets one reward per turn (``Turn.reward``: tool feedback,
 format, the final outcome on the last turn). Instead of one advantage for every token of the

@@ -3,8 +3,8 @@
 ``Critic(lm)`` reads the last hidden state of ``lm``'s backbone (``lm.base_model``, so the
 vocabulary projection is never computed) and maps it to one value per position. Alignment is
 the learner's: the value of token ``x[t+1]`` comes from position ``t``, so ``values[:, t]`` lines
-up with the shifted loss mask, exactly like the log-probs. The head starts at zero, so the first
-advantages are the plain discounted returns.
+up with the shifted loss mask, exactly like the log-probs. The head starts at zero, so with
+lambda = 1 the first advantages are the plain discounted returns to go.
 
 The usual initialisation is a copy of the warm-started policy (``Critic(copy.deepcopy(policy))``):
 a trunk that already reads the task. It is trained by its own optimiser on the clipped value loss

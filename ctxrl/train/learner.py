@@ -94,6 +94,9 @@ class PPOSettings:
     old_logprobs: str = "behaviour"
     tis_cap: float = 0.0
     vf_clip: float = 0.2
+    norm_length: float | None = None
+    """The constant of ``seq-mean-token-sum-norm`` (Dr.GRPO): the most sampled tokens an episode can
+    have. None falls back to the longest response in each mini-batch (not a constant)."""
 
     def __post_init__(self) -> None:
         if self.loss not in ("ppo_clip", "gspo"):
@@ -193,7 +196,7 @@ class Learner:
         tokens = float(sum(sum(e.loss_mask[1:]) for e in episodes))
         live = float(sum(1 for e in episodes if any(e.loss_mask[1:])))
         denominator = tokens if s.agg == "token-mean" else live
-        norm_length = max((sum(e.loss_mask) for e in episodes), default=1)
+        norm_length = s.norm_length or max((sum(e.loss_mask) for e in episodes), default=1)
         sums: dict[str, float] = {}
         for start in range(0, len(episodes), s.micro_batch_size):
             eps = episodes[start:start + s.micro_batch_size]

@@ -11,8 +11,8 @@ One RL step:
 
 What the default "GRPO" is: group-normalised outcome advantages (Bessel std), a PPO-clip
 surrogate with the behaviour log-probs as the old policy, token-mean aggregation, optional
-k1/k2/k3 KL to the warm-start policy in the loss (off by default), no value function. Other
-estimators and losses are chosen by name (``algo.advantage``, ``algo.loss``).
+k1/k2/k3 KL to the warm-start policy (off by default), no value function. Other estimators,
+losses, filters and shaping are chosen by name (``[algo]``, ``[reward]``; docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ class Run:
                                temperature=r.temperature if r.temperature > 0 else 1.0,
                                max_grad_norm=t.max_grad_norm, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
                                micro_batch_size=t.micro_batch_size, loss=a.loss, dual_clip=a.dual_clip or None,
-                               old_logprobs=a.old_logprobs, tis_cap=a.tis_cap, vf_clip=a.vf_clip)
+                               old_logprobs=a.old_logprobs, tis_cap=a.tis_cap, vf_clip=a.vf_clip,
+                               norm_length=min(self.config.env.max_turns * r.max_new_tokens, r.max_total_tokens))
         return Learner(self.model, optimizer, settings, pad_token_id=self.tokenizer.pad_token_id, ref_model=ref,
                        seed=self.config.run.seed, critic=critic, critic_optimizer=critic_optimizer)
 

@@ -1,8 +1,9 @@
 """Training-time reward shaping: the environment's reward, re-weighted and joined by shaping terms.
 
-``shape_rewards`` rewrites ``Episode.reward`` (and the last turn's ``Turn.reward``, so per-turn
-estimators see the same total) with ``reward.outcome * env_reward`` plus the weighted terms of
-``ctxrl.algo.shaping``. The environment's own reward stays in ``info["env_reward"]``, and every
+``shape_rewards`` rewrites ``Episode.reward`` with ``reward.outcome * env_reward`` plus the weighted
+terms of ``ctxrl.algo.shaping``, and the turns to match: every ``Turn.reward`` is multiplied by
+``reward.outcome`` and the episode-level terms are added to the last turn, so per-turn estimators
+see the same total. The environment's own reward stays in ``info["env_reward"]``, and every
 term in ``info["reward_terms"]``. Evaluation never shapes: it reports the environment's success.
 """
 
@@ -42,8 +43,11 @@ def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens
         total, logged = compose(terms, weights)
         e.info["env_reward"] = e.reward
         e.info["reward_terms"] = logged
+        # every turn's own reward is re-weighted; the episode-level terms go on the last turn
+        for turn in e.turns:
+            turn.reward *= rc.outcome
         if e.turns:
-            e.turns[-1].reward += total - e.reward
+            e.turns[-1].reward += total - rc.outcome * e.reward
         e.reward = total
         for k, v in logged.items():
             sums[k] = sums.get(k, 0.0) + v
