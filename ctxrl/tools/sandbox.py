@@ -1,0 +1,429 @@
+"""Run untrusted Python (model-written code) in a throw-away, resource-limited process.
+
+``run_python(code)`` (or ``await run_python_async(code)``, or a ``SandboxPool`` for many at once)
+writes ``code`` to a fresh temporary directory and runs it with the same interpreter, in a new
+process and process group, and returns a ``SandboxResult``.
+
+What it does, in the child before the code starts (a small launcher, then ``execve``):
+
+- **Resources**: rlimits on address space (``memory_mb``), CPU seconds, number of processes
+  (fork bombs fail to fork), file size, open files; no core dumps. Python's ``MemoryError`` is
+  reported as ``memory_exceeded``.
+- **Time**: one wall-clock deadline for the whole run; at the deadline, or as soon as the main
+  process exits, every process the run started is killed (by its dedicated uid when running as
+  root, otherwise by process group and session), and the call waits until none is left.
+- **Network**: a new network namespace with no interfaces up, when the kernel allows it (as root,
+  or through an unprivileged user namespace); otherwise ``socket`` is replaced before the code
+  runs, which only stops Python code that does not reach for ``_socket`` or ctypes. The mode in
+  force is in ``SandboxResult.network``: ``namespace`` or ``python-socket-block``.
+- **Files**: the working directory is fresh and removed afterwards. As root the code runs as an
+  unprivileged uid of its own, in a private mount namespace whose world-writable directories
+  (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``) are empty tmpfs mounts that vanish with
+  it: writes outside the working directory either fail (no permission) or do not persist.
+  ``SandboxResult.files`` says which: ``private`` or ``host`` (not root: the code can write
+  wherever the calling user can). As root the code therefore runs with an interpreter that such
+  a uid can read (``sandbox_python()``; ``$CTXRL_SANDBOX_PYTHON`` chooses it).
+- **Environment**: a scrubbed environment (``PATH``, ``HOME`` = the work dir, ``LANG``, thread
+  caps); nothing of the parent's variables (secrets) is passed; stdin is closed (``/dev/null``).
+- **Output**: stdout and stderr are read as they come and kept up to ``max_output_bytes`` each
+  (a marker says what was cut), so a gigabyte of printing costs the parent no memory.
+
+What it does not protect against: kernel exploits; reading world-readable host files (the code
+sees the host filesystem, read-only where it matters); CPU and memory contention with the
+host; anything when the kernel refuses namespaces and the process is not root (then it is a
+resource-limited subprocess, not a security boundary). For hostile code at scale, run the
+sandbox itself inside a container or VM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MEMORY_EXIT = 86  # the exit code the child uses to say "MemoryError"
+TRUNCATION_MARKER = "\n[ctxrl sandbox: output truncated after {n} bytes]\n"
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+UID_RANGE = (200_000, 260_000)
+
+
+@dataclass
+class SandboxResult:
+    """What a sandboxed run did."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """The process's exit status; negative for a signal (-9: killed); None if it never started."""
+    timed_out: bool
+    memory_exceeded: bool
+    truncated: bool
+    duration_s: float
+    network: str = ""
+    """``namespace`` or ``python-socket-block``."""
+    files: str = ""
+    """``private`` (writes outside the work dir cannot persist) or ``host``."""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.memory_exceeded
+
+
+# The launcher runs first in the child: it isolates and limits itself, then execs the interpreter.
+_LAUNCHER = r'''
+import ctypes, json, os, resource, sys
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
+def unshare(flags):
+    return libc.unshare(flags) == 0
+network, files = "python-socket-block", "host"
+uid, gid = os.getuid(), os.getgid()
+if uid == 0:
+    if unshare(CLONE_NEWNET):
+        network = "namespace"
+    if unshare(CLONE_NEWNS) and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+        ok = True
+        for d in cfg["world_writable"]:
+            if os.path.isdir(d):
+                ok &= libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64m,mode=1777") == 0
+        files = "private" if ok else "host"
+elif unshare(CLONE_NEWUSER | CLONE_NEWNET):
+    network = "namespace"
+    try:
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"{gid} {gid} 1")
+    except OSError:
+        pass
+mb = 1024 * 1024
+limits = [(resource.RLIMIT_AS, cfg["memory_mb"] * mb), (resource.RLIMIT_CPU, cfg["cpu_s"]),
+          (resource.RLIMIT_NPROC, cfg["max_processes"]), (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb),
+          (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)]
+for what, value in limits:
+    try:
+        resource.setrlimit(what, (value, value))
+    except (ValueError, OSError):
+        pass
+if uid == 0:
+    os.setgroups([])
+    os.setgid(cfg["uid"])
+    os.setuid(cfg["uid"])
+    if files == "host":
+        files = "unprivileged-uid"
+os.chdir(cfg["workdir"])
+os.write(cfg["mode_fd"], (network + " " + files).encode())
+os.close(cfg["mode_fd"])
+os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["bootstrap"], network], cfg["env"])
+'''
+
+# The bootstrap runs in the exec'd interpreter, as the code's own process.
+_BOOTSTRAP = r'''
+import os, runpy, sys
+if sys.argv[1] != "namespace":
+    import socket
+    def _blocked(*args, **kwargs):
+        raise PermissionError("network access is disabled in the ctxrl sandbox")
+    class _NoSocket(socket.socket):
+        def __init__(self, *args, **kwargs):
+            _blocked()
+    socket.socket = _NoSocket
+    socket.create_connection = _blocked
+    socket.getaddrinfo = _blocked
+sys.argv = ["main.py"]
+sys.path.insert(0, os.getcwd())
+try:
+    runpy.run_path("main.py", run_name="__main__")
+except MemoryError:
+    os.write(2, b"MemoryError: the sandbox memory limit was reached\n")
+    os._exit(%d)
+except SystemExit:
+    raise
+except BaseException as exc:
+    # the traceback of the user's code only, without the sandbox's own frames
+    import traceback
+    te = traceback.TracebackException.from_exception(exc)
+    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename == "main.py"])
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    sys.stderr.write("".join(te.format()))
+    sys.stderr.flush()
+    os._exit(1)
+''' % MEMORY_EXIT
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot run here (not the code's fault); the message says how to fix it."""
+
+
+_python_for_uid: str | None = None
+
+
+def sandbox_python() -> str:
+    """The interpreter the code runs with.
+
+    Not root: this interpreter. Root: the code runs as an unprivileged uid, which must be able to
+    read and run the interpreter; the first of ``$CTXRL_SANDBOX_PYTHON``, this interpreter (or its
+    real path) and ``/usr/bin/python3`` that a trial run as such a uid can start. Packages the code
+    imports come from that interpreter's own site-packages.
+    """
+    global _python_for_uid
+    if os.getuid() != 0:
+        return sys.executable
+    if _python_for_uid is None:
+        explicit = os.environ.get("CTXRL_SANDBOX_PYTHON")
+        candidates = [explicit] if explicit else [sys.executable, os.path.realpath(sys.executable),
+                                                  "/usr/bin/python3", "/usr/local/bin/python3"]
+        for candidate in candidates:
+            if candidate and os.path.exists(candidate) and _runs_unprivileged(candidate):
+                _python_for_uid = candidate
+                break
+        else:
+            raise SandboxError(
+                f"no Python interpreter is usable by an unprivileged user (tried {', '.join(c for c in candidates if c)}); "
+                "as root the sandbox drops to such a user, so the interpreter and every directory above it must "
+                "be world-readable and -executable. Set CTXRL_SANDBOX_PYTHON to one that is (e.g. /usr/bin/python3).")
+    return _python_for_uid
+
+
+def _runs_unprivileged(python: str) -> bool:
+    import subprocess
+
+    uid = UID_RANGE[1] - 1
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+    try:
+        done = subprocess.run([python, "-I", "-c", "import runpy, json; print('ok')"], preexec_fn=drop,
+                              capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and done.stdout.strip() == "ok"
+
+
+_used_uids: set[int] = set()
+_uid_lock = threading.Lock()
+
+
+def _take_uid() -> int:
+    with _uid_lock:
+        while True:
+            uid = random.randrange(*UID_RANGE)
+            if uid not in _used_uids:
+                _used_uids.add(uid)
+                return uid
+
+
+def _release_uid(uid: int) -> None:
+    with _uid_lock:
+        _used_uids.discard(uid)
+
+
+def _workdir_base() -> Path:
+    """Where work dirs go. As root: a root-owned, traversable directory outside the world-writable
+    ones (which the child replaces with tmpfs), so ``..`` from a work dir is not writable either.
+    ``$CTXRL_SANDBOX_DIR`` overrides it."""
+    if os.getuid() != 0:
+        return Path(os.environ.get("CTXRL_SANDBOX_DIR", tempfile.gettempdir()))
+    base = Path(os.environ.get("CTXRL_SANDBOX_DIR", "/var/lib/ctxrl/sandbox"))
+    base.mkdir(parents=True, exist_ok=True)
+    for d in (base, base.parent):
+        if d.stat().st_uid == 0 and d != Path("/var/lib"):
+            os.chmod(d, 0o711)
+    return base
+
+
+def _processes(uid: int | None, session: int) -> list[int]:
+    """PIDs that belong to a run: owned by its uid (as root) or in its session."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if uid is not None:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("Uid:"):
+                            if int(line.split()[1]) == uid:
+                                pids.append(pid)
+                            break
+            elif os.getsid(pid) == session:
+                pids.append(pid)
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _kill_all(uid: int | None, session: int, pgid: int) -> None:
+    """Kill every process of the run and wait (up to 5 s) until none is left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        left = [p for p in _processes(uid, session) if p != os.getpid()]
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+
+
+class _Capped:
+    """Keeps the first ``limit`` bytes of a stream and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.data, self.seen = limit, bytearray(), 0
+
+    def feed(self, chunk: bytes) -> None:
+        room = self.limit - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+        self.seen += len(chunk)
+
+    @property
+    def truncated(self) -> bool:
+        return self.seen > self.limit
+
+    def text(self) -> str:
+        out = self.data.decode("utf-8", errors="replace")
+        return out + TRUNCATION_MARKER.format(n=self.limit) if self.truncated else out
+
+
+async def _drain(stream: asyncio.StreamReader, sink: _Capped) -> None:
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            return
+        sink.feed(chunk)
+
+
+async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512,
+                           max_output_bytes: int = 65536, max_processes: int = 64, max_file_mb: int = 64
+                           ) -> SandboxResult:
+    """Run ``code`` in a sandbox (see the module docstring); never raises because of the code."""
+    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0:
+        raise ValueError("timeout_s, memory_mb and max_output_bytes must be > 0")
+    started = time.monotonic()
+    root = os.getuid() == 0
+    python = await asyncio.to_thread(sandbox_python)
+    uid = _take_uid() if root else None
+    workdir = Path(tempfile.mkdtemp(prefix="ctxrl-sbx-", dir=_workdir_base()))
+    proc = None
+    out, err = _Capped(max_output_bytes), _Capped(max_output_bytes)
+    timed_out = False
+    mode_r, mode_w = os.pipe()
+    try:
+        (workdir / "main.py").write_text(code)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+            os.chown(workdir / "main.py", uid, uid)
+            os.chmod(workdir, 0o700)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
+               "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        cfg = {"workdir": str(workdir), "uid": uid, "memory_mb": memory_mb, "cpu_s": int(timeout_s) + 2,
+               "max_processes": max_processes, "max_file_mb": max_file_mb, "env": env,
+               "world_writable": list(WORLD_WRITABLE), "bootstrap": _BOOTSTRAP, "mode_fd": mode_w, "python": python}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-c", _LAUNCHER, json.dumps(cfg), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+            env=env, cwd=str(workdir), pass_fds=(mode_w,))
+        os.close(mode_w)
+        mode_w = -1
+        readers = asyncio.gather(_drain(proc.stdout, out), _drain(proc.stderr, err))
+        remaining = max(timeout_s - (time.monotonic() - started), 0.001)
+        try:
+            await asyncio.wait_for(proc.wait(), remaining)
+        except asyncio.TimeoutError:
+            timed_out = True
+        # the main process is done (or out of time): nothing it started may outlive the call
+        await asyncio.to_thread(_kill_all, uid, proc.pid, proc.pid)
+        await proc.wait()
+        try:
+            await asyncio.wait_for(readers, 5.0)
+        except asyncio.TimeoutError:
+            readers.cancel()
+    finally:
+        if proc is not None and proc.returncode is None:
+            await asyncio.to_thread(_kill_all, uid, proc.pid, proc.pid)
+        if mode_w >= 0:
+            os.close(mode_w)
+        mode = (_read_all(mode_r).split() + ["unknown", "unknown"])[:2]
+        os.close(mode_r)
+        shutil.rmtree(workdir, ignore_errors=True)
+        if uid is not None:
+            _release_uid(uid)
+    exit_code = proc.returncode if proc is not None else None
+    return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=exit_code, timed_out=timed_out,
+                         memory_exceeded=exit_code == MEMORY_EXIT, truncated=out.truncated or err.truncated,
+                         duration_s=time.monotonic() - started, network=mode[0], files=mode[1])
+
+
+def _read_all(fd: int) -> str:
+    """What the launcher wrote on its mode pipe (its write end is closed by now)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 256)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def run_python(code: str, **kwargs) -> SandboxResult:
+    """Blocking ``run_python_async`` (not from inside a running event loop: await the async one there)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_python_async(code, **kwargs))
+    raise RuntimeError("run_python() was called inside an event loop; use `await run_python_async(...)`")
+
+
+class SandboxPool:
+    """At most ``workers`` sandboxes at once; a hang holds one slot until its own deadline only."""
+
+    def __init__(self, workers: int = 8, **limits) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers, self.limits = workers, limits
+        self._semaphore: asyncio.Semaphore | None = None
+        self._loop = None
+
+    async def run(self, code: str, **overrides) -> SandboxResult:
+        loop = asyncio.get_running_loop()
+        if self._semaphore is None or self._loop is not loop:
+            self._semaphore, self._loop = asyncio.Semaphore(self.workers), loop
+        async with self._semaphore:
+            return await run_python_async(code, **{**self.limits, **overrides})
+
+    async def map(self, codes: list[str]) -> list[SandboxResult]:
+        """Run all of ``codes``; results in the same order."""
+        return list(await asyncio.gather(*(self.run(c) for c in codes)))

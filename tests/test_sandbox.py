@@ -1,0 +1,205 @@
+"""The Python sandbox: limits, isolation, output caps, the pool; nothing may be left behind.
+
+As root (CI here) the strong guarantees are checked: its own uid, a network namespace and private
+world-writable dirs. Each test ends by checking that no process of the run and no work directory
+survived it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from ctxrl.tools import sandbox
+from ctxrl.tools.sandbox import SandboxPool, run_python, run_python_async
+
+ROOT = os.getuid() == 0
+
+
+def _sandbox_processes() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            if sandbox.UID_RANGE[0] <= uid < sandbox.UID_RANGE[1]:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXRL_SANDBOX_DIR", str(tmp_path / "sbx")) if not ROOT else None
+    base = sandbox._workdir_base()
+    before = set(os.listdir(base))
+    yield
+    assert set(os.listdir(base)) - before == set(), "a work directory was left behind"
+    if ROOT:
+        assert _sandbox_processes() == [], "a sandboxed process outlived its run"
+
+
+def test_runs_code_and_reports_isolation():
+    r = run_python("import os, sys\nprint('hello', 6 * 7)\nprint(os.getuid())\nsys.exit(3)")
+    assert r.stdout.splitlines()[0] == "hello 42" and r.exit_code == 3 and not r.ok
+    assert not r.timed_out and not r.memory_exceeded and not r.truncated
+    if ROOT:
+        assert r.network == "namespace" and r.files == "private"
+        assert sandbox.UID_RANGE[0] <= int(r.stdout.splitlines()[1]) < sandbox.UID_RANGE[1]
+    ok = run_python("print(input())")  # stdin is closed
+    assert "EOFError" in ok.stderr
+
+
+def test_infinite_loop_is_killed_at_the_deadline():
+    r = run_python("while True:\n    pass", timeout_s=1.0)
+    assert r.timed_out and r.exit_code == -9
+    assert r.duration_s < 1.0 + 3.0
+
+
+def test_fork_bomb_is_contained():
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    r = run_python(code, timeout_s=2.0, max_processes=32)
+    assert r.timed_out
+    assert run_python("print('still fine')").stdout == "still fine\n"  # the host can still fork
+
+
+def test_background_children_do_not_outlive_the_run():
+    code = ("import os, subprocess, sys\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+            "print('parent done')")
+    r = run_python(code, timeout_s=5.0)
+    assert r.stdout == "parent done\n" and r.exit_code == 0  # the fixture checks the sleeper is gone
+
+
+def test_memory_bomb_is_reported_and_the_parent_lives():
+    r = run_python("x = bytearray(4 * 1024 ** 3)", memory_mb=256)
+    assert r.memory_exceeded and not r.ok
+    assert "memory limit" in r.stderr
+
+
+@pytest.mark.skipif(not ROOT, reason="private world-writable dirs and a separate uid need root")
+def test_writes_outside_the_work_dir_do_not_persist(tmp_path):
+    target = Path("/tmp") / f"ctxrl-escape-{os.getpid()}"
+    code = (f"import os\n"
+            f"results = []\n"
+            f"for path in ['../escape-up', '{target}', '/var/tmp/ctxrl-escape', '/root/ctxrl-escape']:\n"
+            f"    try:\n"
+            f"        open(path, 'w').write('x')\n"
+            f"        results.append('wrote ' + path)\n"
+            f"    except OSError as exc:\n"
+            f"        results.append(type(exc).__name__)\n"
+            f"os.symlink('{target}', 'link')\n"
+            f"open('link', 'w').write('through a symlink')\n"
+            f"print(results)")
+    r = run_python(code)
+    assert r.exit_code == 0, r.stderr
+    assert not target.exists() and not Path("/var/tmp/ctxrl-escape").exists()
+    assert not Path("/root/ctxrl-escape").exists()
+    assert not (sandbox._workdir_base() / "escape-up").exists()
+
+
+def test_network_is_unreachable_even_to_host_loopback_services():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept() -> None:
+        try:
+            accepted.append(server.accept())
+        except OSError:  # closed at the end of the test: nobody came
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    code = (f"import socket\n"
+            f"try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'leak')\n"
+            f"    print('CONNECTED')\n"
+            f"except OSError as exc:\n"
+            f"    print('blocked', type(exc).__name__)")
+    try:
+        r = run_python(code)
+    finally:
+        server.close()
+    assert r.stdout.startswith("blocked"), r.stdout + r.stderr
+    assert not accepted
+
+
+def test_parent_secrets_are_invisible(monkeypatch):
+    monkeypatch.setenv("CTXRL_TEST_SECRET", "hunter2")
+    code = ("import os\n"
+            "print(sorted(os.environ))\n"
+            "try:\n"
+            "    print(open(f'/proc/{os.getppid()}/environ', 'rb').read()[:50])\n"
+            "except OSError as exc:\n"
+            "    print('environ unreadable', type(exc).__name__)")
+    r = run_python(code)
+    assert "hunter2" not in r.stdout and "CTXRL_TEST_SECRET" not in r.stdout
+    if ROOT:
+        assert "environ unreadable" in r.stdout
+
+
+def test_a_gigabyte_of_output_is_truncated_without_parent_memory():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    code = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)\nprint('end')"
+    r = run_python(code, timeout_s=60, max_output_bytes=10_000)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert r.truncated and r.exit_code == 0 and not r.timed_out
+    assert r.stdout.startswith("x" * 10_000) and "output truncated after 10000 bytes" in r.stdout
+    assert len(r.stdout) < 10_200
+    assert after - before < 100 * 1024  # the parent never held the gigabyte
+
+
+def test_pool_runs_mixed_jobs_in_order_and_marks_the_hangs():
+    hangs = {7, 33, 61, 88}
+    codes = ["while True:\n    pass" if i in hangs else f"print({i} * 2)" for i in range(100)]
+    results = asyncio.run(SandboxPool(workers=12, timeout_s=1.5).map(codes))
+    assert len(results) == 100
+    for i, r in enumerate(results):
+        if i in hangs:
+            assert r.timed_out and r.stdout == ""
+        else:
+            assert r.ok and r.stdout == f"{i * 2}\n", (i, r)
+
+
+def test_misuse_is_a_clear_error():
+    with pytest.raises(ValueError, match="must be > 0"):
+        run_python("print(1)", timeout_s=0)
+
+    async def inside_a_loop():
+        with pytest.raises(RuntimeError, match="await run_python_async"):
+            run_python("print(1)")
+        return await run_python_async("print(1)")
+
+    assert asyncio.run(inside_a_loop()).stdout == "1\n"
+    with pytest.raises(ValueError, match="workers"):
+        SandboxPool(workers=0)
+
+
+def test_python_tool_observations():
+    from ctxrl.tools.base import execute_tool_calls
+    from ctxrl.tools.python import python_tool
+    from ctxrl.types import Message, ToolCall
+
+    tool = python_tool(timeout_s=1.0, max_output_bytes=200)
+    calls = [ToolCall(name="python", arguments={"code": "print(sum(range(10)))"}),
+             ToolCall(name="python", arguments={"code": "raise ValueError('bad input')"}),
+             ToolCall(name="python", arguments={"code": "while True:\n    pass"}),
+             ToolCall(name="python", arguments={"code": "x = 1"})]
+    observations, counts = asyncio.run(execute_tool_calls([tool], Message(role="assistant", content="",
+                                                                          tool_calls=calls)))
+    texts = [m.content for m in observations]
+    assert texts[0] == "45"
+    assert "ValueError: bad input" in texts[1] and texts[1].endswith("[exit code 1]")
+    assert texts[2].startswith("[timed out after")
+    assert texts[3] == "[no output]"
+    assert counts["tool_calls"] == 4
