@@ -174,6 +174,30 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_env(args: argparse.Namespace) -> int:
+    """Run the conformance suite on an environment; exit 1 listing every problem."""
+    from ctxrl.envs.base import EnvError
+    from ctxrl.envs.check import check_env
+    from ctxrl.envs.registry import get_env_class
+
+    try:
+        cls = get_env_class(args.name)
+    except EnvError as exc:
+        print(f"ctxrl: {exc}", file=sys.stderr)
+        return 2
+    problems = check_env(cls, n_tasks=args.tasks, seed=args.seed)
+    if args.json:
+        print(json.dumps({"env": args.name, "ok": not problems, "problems": problems}))
+    elif problems:
+        print(f"{args.name}: {len(problems)} problem(s)")
+        for problem in problems:
+            print(f"  - {problem}")
+    else:
+        print(f"{args.name}: OK (seeded sampling and reset, splits, tool schemas, gold solutions score 1.0 on "
+              f"every split, step after the end is an error, close twice)")
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctxrl", description="Multi-turn RL for LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(fn=cmd_eval)
     envs = sub.add_parser("envs", help="list environments and their context spaces")
     envs.set_defaults(fn=cmd_envs)
+    check = sub.add_parser("check-env", help="run the environment conformance suite")
+    check.add_argument("name", help="registered name, entry point, or package.module:Class")
+    check.add_argument("--tasks", type=int, default=8, help="tasks per split to check (default 8)")
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    check.set_defaults(fn=cmd_check_env)
     return parser
 
 

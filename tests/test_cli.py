@@ -61,3 +61,24 @@ def test_envs_lists_calculator(tmp_path: Path) -> None:
     proc = ctxrl("envs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "calculator" in proc.stdout and "digits" in proc.stdout
+
+
+def test_check_env_passes_and_fails_with_reasons(tmp_path: Path) -> None:
+    proc = ctxrl("check-env", "calculator", "--tasks", "4", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"env": "calculator", "ok": True, "problems": []}
+    # a third-party env by module:Class whose gold solution is wrong
+    (tmp_path / "badenv.py").write_text(
+        "from ctxrl.envs.calculator import CalculatorEnv\n"
+        "class WrongSolver(CalculatorEnv):\n"
+        "    name = 'wrong'\n"
+        "    @staticmethod\n"
+        "    def solve(task, **kwargs):\n"
+        "        return ['<answer>-1</answer>']\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "ctxrl.cli", "check-env", "badenv:WrongSolver", "--tasks", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "problem(s)" in proc.stdout and "gold solution" in proc.stdout and "total reward 0.0 != 1.0" in proc.stdout
+    proc = ctxrl("check-env", "calculatr", cwd=tmp_path)
+    assert proc.returncode == 2 and "did you mean 'calculator'" in proc.stderr
