@@ -40,6 +40,10 @@ from ctxrl.chat.template import CHATML_TOOLS_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKE
 
 # Bump when the corpus, template or build recipe changes, so old caches are not reused.
 TINY_RECIPE_VERSION = 9
+# The environments whose text the tokenizer learns and the model pre-trains on. A fixed list, so
+# the tiny model does not change when an environment (or a third-party package's) is added;
+# adding one here is a recipe change (bump TINY_RECIPE_VERSION).
+PRETRAIN_ENVS = ("calculator",)
 
 # Qwen2's pre-tokenizer splits digits one by one; Llama 3's groups them in runs of up to three.
 QWEN2_PRETOKENIZE_REGEX = (
@@ -95,10 +99,10 @@ def tiny_path(spec: TinySpec | None = None, *, build: bool = True) -> Path:
 
 def tokenizer_corpus(seed: int = 0, n: int = 2000) -> list[str]:
     """Text the tokenizer learns from (and the model pre-trains on): built-in environments' transcripts."""
-    from ctxrl.envs.registry import get_env_class, list_envs
+    from ctxrl.envs.registry import get_env_class
 
     texts: list[str] = []
-    for name in list_envs():
+    for name in PRETRAIN_ENVS:
         env_cls = get_env_class(name)
         corpus = getattr(env_cls, "corpus", None)
         if corpus is not None:
@@ -223,12 +227,12 @@ def chat_sequences(tokenizer, n: int, seed: int) -> list[list[int]]:
     import asyncio
 
     from ctxrl.chat.render import ChatRenderer
-    from ctxrl.envs.registry import get_env_class, list_envs
+    from ctxrl.envs.registry import get_env_class
     from ctxrl.train.sft import build_demos
 
     renderer = ChatRenderer(tokenizer, template_name="tiny")
     sequences: list[list[int]] = []
-    for name in list_envs():
+    for name in PRETRAIN_ENVS:
         env_cls = get_env_class(name)
         if getattr(env_cls, "solve", None) is None:
             continue

@@ -1,0 +1,149 @@
+"""The ``kv_chain`` environment: follow a chain of key -> key lookups to a final value.
+
+Each task hides a small key-value store. The prompt names a start key; the ``lookup`` tool
+returns, for a key, either the next key (``next K4821``) or the end of the chain
+(``value 731``). The agent must call ``lookup`` once per hop and answer ``<answer>731</answer>``.
+Distractor keys in the store point elsewhere (to other distractors or to wrong values), so
+guessing from the store's shape does not work; only following the chain does.
+
+Why it exists: the horizon is a dial. ``hops`` sets how many tool turns an episode needs, so
+the history (every call and observation) grows linearly until it outgrows a context budget:
+the long-horizon testbed of the context-management work (summarising or folding history).
+
+Context: ``hops`` (train 2-4, ood 6-8) and ``distractors`` (extra keys in the store, 0-4
+everywhere). An episode needs ``hops + 1`` turns, so set ``env.max_turns`` accordingly
+(``hops + 1`` for the largest hops of the split you run).
+
+Reward: 1 for the right final value in ``<answer>...</answer>``, else 0; the episode ends at
+the first turn without a tool call. A lookup of an unknown key is an ``Error:`` observation.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, ClassVar
+
+from ctxrl.chat.toolcalls import format_tool_call
+from ctxrl.contexts.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.envs.base import EnvError
+from ctxrl.envs.calculator import parse_answer
+from ctxrl.envs.registry import register
+from ctxrl.tools.base import Tool, execute_tool_calls
+from ctxrl.types import Message, StepResult, Task
+
+PROMPTS = ("Start at key {start} and follow the chain with the lookup tool. What is the final value?",
+           "Follow the key chain from {start} to its end. What value does it end with?")
+
+
+def _key(rng: random.Random, used: set[str]) -> str:
+    while True:
+        key = f"K{rng.randrange(1000, 10000)}"
+        if key not in used:
+            used.add(key)
+            return key
+
+
+def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    """A chain of ``hops`` lookups plus ``distractors`` keys that lead elsewhere."""
+    hops, distractors = int(context["hops"]), int(context["distractors"])
+    used: set[str] = set()
+    chain = [_key(rng, used) for _ in range(hops)]
+    value = str(rng.randrange(100, 1000))
+    store: dict[str, str] = {}
+    for here, nxt in zip(chain, chain[1:]):
+        store[here] = f"next {nxt}"
+    store[chain[-1]] = f"value {value}"
+    others = [_key(rng, used) for _ in range(distractors)]
+    for i, key in enumerate(others):
+        if i + 1 < len(others) and rng.random() < 0.5:
+            store[key] = f"next {others[i + 1]}"
+        else:
+            wrong = str(rng.randrange(100, 1000))
+            store[key] = f"value {wrong if wrong != value else str((int(value) + 1) % 900 + 100)}"
+    prompt = rng.choice(PROMPTS).format(start=chain[0])
+    return prompt, value, {"store": store, "chain": chain}
+
+
+@register("kv_chain")
+class KVChainEnv:
+    """Follow ``hops`` key lookups through the ``lookup`` tool; reward 1 for the final value."""
+
+    name: ClassVar[str] = "kv_chain"
+    system_prompt: ClassVar[str] = "Use the lookup tool to follow the chain. Reply with <answer>VALUE</answer>."
+    heldout_fraction: ClassVar[float] = 0.2
+    context_space: ClassVar[ContextSpace] = ContextSpace([
+        ContextParam("hops", "int", low=2, high=4, default=3, ood_low=6, ood_high=8,
+                     description="lookups from the start key to the final value"),
+        ContextParam("distractors", "int", low=0, high=4, default=2, ood_low=0, ood_high=4,
+                     description="extra keys in the store that lead elsewhere"),
+    ])
+
+    def __init__(self) -> None:
+        self.tools: list[Tool] = [Tool(
+            name="lookup",
+            description="Look up a key: returns the next key or the final value.",
+            parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+            fn=self._lookup,
+            timeout_s=5.0,
+        )]
+        self._task: Task | None = None
+        self._terminated = False
+
+    def _lookup(self, key: str) -> str:
+        if self._task is None:
+            raise EnvError("lookup before reset")
+        store = self._task.data["store"]
+        key = key.strip()
+        if key not in store:
+            raise KeyError(f"unknown key {key!r}")
+        return store[key]
+
+    @classmethod
+    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
+        return sample_tasks(generate, cls.context_space, split, n, seed,
+                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+
+    @classmethod
+    def solve(cls, task: Task) -> list[str]:
+        """One ``lookup`` per key of the chain, then the answer."""
+        chain = task.data.get("chain")
+        if not isinstance(chain, list) or not chain:
+            raise EnvError(f"task {task.id} has no data['chain']; kv_chain tasks need it to be solved")
+        return [format_tool_call("lookup", {"key": key}) for key in chain] + [f"<answer>{task.answer}</answer>"]
+
+    @classmethod
+    def corpus(cls, n: int, seed: int) -> list[str]:
+        """Plain-text transcripts of solved train tasks (not in the tiny model's default recipe)."""
+        texts = [cls.system_prompt, json.dumps(cls().tools[0].schema())]
+        for task in cls.sample_tasks("train", n, seed):
+            steps = [f"{format_tool_call('lookup', {'key': k})}\n{task.data['store'][k]}" for k in task.data["chain"]]
+            texts.append("\n".join([task.prompt, *steps, f"<answer>{task.answer}</answer>"]))
+        return texts
+
+    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
+        """Start an episode; the store is the task's, so ``seed`` is unused."""
+        if "store" not in task.data or "chain" not in task.data:
+            raise EnvError(f"task {task.id} lacks data['store'] / data['chain']; draw tasks with sample_tasks")
+        self._task = task
+        self._terminated = False
+        return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
+
+    async def step(self, message: Message) -> StepResult:
+        """Lookups -> observations (reward 0); a turn without a tool call ends the episode."""
+        if self._task is None:
+            raise EnvError("step() called before reset(task); start an episode with reset first")
+        if self._terminated:
+            raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
+        if message.tool_calls or message.tool_call_errors:
+            observations, counts = await execute_tool_calls(self.tools, message)
+            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
+        self._terminated = True
+        given = parse_answer(message.content)
+        correct = given is not None and given.strip() == self._task.answer
+        return StepResult(messages=[], reward=1.0 if correct else 0.0, terminated=True,
+                          info={"answered": given is not None, "correct": correct})
+
+    def close(self) -> None:
+        self._task = None
+        self._terminated = False
