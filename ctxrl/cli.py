@@ -67,6 +67,11 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False) -> dict[
         "heldout_success_after": after["heldout"]["success"],
         "ood_success_before": before["ood"]["success"],
         "ood_success_after": after["ood"]["success"],
+        "train_success_before": before["train"]["success"],
+        "train_success_after": after["train"]["success"],
+        # generalisation gap: success on training-distribution tasks minus success on the split
+        "gap_heldout_after": after["train"]["success"] - after["heldout"]["success"],
+        "gap_ood_after": after["train"]["success"] - after["ood"]["success"],
         "tool_calls_before": before["heldout"]["tool_calls"],
         "tool_calls_after": after["heldout"]["tool_calls"],
         "steps": steps,
@@ -83,14 +88,16 @@ def print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="held-out success, before vs after RL (greedy)")
+    table = Table(title="success per split, before vs after RL (greedy)")
     table.add_column("split")
     table.add_column("after warm start", justify="right")
-    table.add_column("after GRPO", justify="right")
+    table.add_column("after RL", justify="right")
     table.add_column("change", justify="right")
-    for split in ("heldout", "ood"):
+    for split in ("train", "heldout", "ood"):
         b, a = summary[f"{split}_success_before"], summary[f"{split}_success_after"]
         table.add_row(split, f"{b:.2f}", f"{a:.2f}", f"{a - b:+.2f}")
+    for split in ("heldout", "ood"):
+        table.add_row(f"generalisation gap (train - {split})", "", f"{summary[f'gap_{split}_after']:+.2f}", "")
     table.add_row("tool calls / episode (heldout)", f"{summary['tool_calls_before']:.2f}",
                   f"{summary['tool_calls_after']:.2f}", "")
     console = Console()
@@ -136,7 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
         f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     run = Run(config, run_dir)
-    splits = (args.split,) if args.split else ("heldout", "ood")
+    splits = (args.split,) if args.split else ("train", "heldout", "ood")
     results = run.evaluate(0, splits=splits)
     run.writer.close()
     table = Table(title=f"evaluation of {args.checkpoint}")
@@ -145,8 +152,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for split, r in results.items():
         table.add_row(split, f"{r['success']:.3f}", f"{r['reward']:.3f}", f"{r['tool_calls']:.2f}", f"{r['turns']:.2f}")
     Console().print(table)
+    gaps = {f"gap_{split}": results["train"]["success"] - results[split]["success"]
+            for split in ("heldout", "ood") if "train" in results and split in results}
+    if gaps:
+        Console().print("generalisation gap (train - split): " + ", ".join(f"{k[4:]} {v:+.3f}" for k, v in gaps.items()))
     if args.json:
-        print(json.dumps({"checkpoint": str(args.checkpoint), **{k: v for k, v in results.items()}}))
+        print(json.dumps({"checkpoint": str(args.checkpoint), **{k: v for k, v in results.items()}, **gaps}))
     return 0
 
 

@@ -34,7 +34,8 @@ def test_demo_json_smoke(tmp_path: Path) -> None:
     for key in ("reward", "success", "approx_kl", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm",
                 "tokens", "tool_calls", "tool_errors", "time_rollout", "time_update"):
         assert key in rl[0], key
-    assert {r["split"] for r in rows if r["phase"] == "eval"} == {"heldout", "ood"}
+    assert {r["split"] for r in rows if r["phase"] == "eval"} == {"train", "heldout", "ood"}
+    assert summary["gap_ood_after"] == summary["train_success_after"] - summary["ood_success_after"]
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all({s["mask"] for s in samples[0]["spans"]} <= {0, 1} for _ in [0])
     assert (run_dir / "config.toml").read_text().count("[") >= 8

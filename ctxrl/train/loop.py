@@ -97,7 +97,8 @@ class Run:
         self.writer.log_samples(0, demos[:2], self.decode, phase="sft")
         return row
 
-    def evaluate(self, step: int, splits=("heldout", "ood")) -> dict[str, dict[str, float]]:
+    def evaluate(self, step: int, splits=("train", "heldout", "ood")) -> dict[str, dict[str, float]]:
+        """Greedy success (and tool use) on ``eval.tasks`` tasks of each split; logged per split."""
         results = {}
         for split in splits:
             t0 = time.perf_counter()
