@@ -135,6 +135,24 @@ class AlgoConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    kind: str = "fixed"
+    """Which training tasks and turn limit per step: ``fixed`` (the env's train distribution),
+    ``horizon`` (turn cap raised in stages, ScalingInter-RL) or ``self_paced`` (prefer contexts of
+    intermediate success, SPaCE-like); see ctxrl/contexts/curriculum.py."""
+    horizon_start_turns: int = 2
+    """``horizon``: the turn cap at step 0 (it rises to ``env.max_turns``)."""
+    horizon_warmup_steps: int = 20
+    """``horizon``: the step from which the full ``env.max_turns`` applies."""
+    horizon_stages: int = 3
+    """``horizon``: how many times the cap is raised on the way."""
+    self_paced_pool: int = 4
+    """``self_paced``: candidate tasks drawn per task kept."""
+    self_paced_floor: float = 0.02
+    """``self_paced``: the smallest sampling weight, so no context drops out entirely."""
+
+
+@dataclass
 class RewardConfig:
     outcome: float = 1.0
     """Weight of the environment's own reward (its correctness signal)."""
@@ -206,6 +224,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -220,7 +239,8 @@ class Config:
 # -- validation --------------------------------------------------------------------------------
 _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "rollout.max_new_tokens",
              "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
-             "algo.dynamic_sampling_rounds", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks"}
+             "algo.dynamic_sampling_rounds", "curriculum.horizon_start_turns", "curriculum.horizon_warmup_steps",
+             "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
                  "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
@@ -229,6 +249,7 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
             "algo.gae_level": ("token", "turn"),
+            "curriculum.kind": ("fixed", "horizon", "self_paced"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16")}
 
@@ -248,6 +269,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {config.algo.dual_clip!r}")
     if config.algo.dual_clip and config.algo.loss != "ppo_clip":
         raise ConfigError("algo.dual_clip applies to algo.loss=ppo_clip only; set algo.dual_clip=0 for gspo")
+    if not 0.0 < config.curriculum.self_paced_floor <= 0.25:
+        raise ConfigError(f"curriculum.self_paced_floor must be in (0, 0.25], got {config.curriculum.self_paced_floor!r}")
     if config.algo.tis_cap and config.algo.old_logprobs != "recompute":
         raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
     if config.reward.overlong_buffer > config.rollout.max_total_tokens:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from ctxrl.algo.estimators import episode_advantages, gae_episode_advantages
 from ctxrl.algo.filters import informative_groups, void_turn_free
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.config import Config, to_toml
+from ctxrl.contexts.curriculum import make_curriculum
 from ctxrl.engine.hf import HFEngine
 from ctxrl.envs.registry import get_env_class
 from ctxrl.eval.evaluate import evaluate_split, summarize
@@ -77,6 +79,11 @@ class Run:
         self.train_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                                           max_total_tokens=r.max_total_tokens, temperature=r.temperature,
                                           top_p=r.top_p, top_k=r.top_k)
+        cc = config.curriculum
+        self.curriculum = make_curriculum(cc.kind, horizon_start_turns=cc.horizon_start_turns,
+                                          horizon_warmup_steps=cc.horizon_warmup_steps,
+                                          horizon_stages=cc.horizon_stages, self_paced_pool=cc.self_paced_pool,
+                                          self_paced_floor=cc.self_paced_floor)
         self.eval_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                                          max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature)
 
@@ -145,8 +152,10 @@ class Run:
         """
         c = self.config
         n = c.rollout.tasks_per_step
-        tasks = self.env_cls.sample_tasks("train", n, c.run.seed * 100_003 + step + round_ * 7_777_777)
-        episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, self.train_limits,
+        tasks = self.curriculum.sample_tasks(self.env_cls, n, c.run.seed * 100_003 + step + round_ * 7_777_777, step)
+        limits = dataclasses.replace(self.train_limits,
+                                     max_turns=self.curriculum.max_turns(step, self.train_limits.max_turns))
+        episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, limits,
                                             group_size=c.rollout.group_size,
                                             seed=c.run.seed * 7919 + step + round_ * 1_000_033))
         for e in episodes:
@@ -180,6 +189,8 @@ class Run:
             sampling = {"dynamic_sampling_rounds": rounds, "dynamic_sampling_groups_kept": len(kept),
                         "dynamic_sampling_groups_dropped": rounds * c.rollout.tasks_per_step - len(kept)}
         t_rollout = time.perf_counter() - t0
+        sampling.update(self.curriculum.update(episodes))
+        sampling["max_turns"] = self.curriculum.max_turns(step, self.train_limits.max_turns)
         valid = [e for e in train_eps if _trainable(e)]
         targets: dict[str, list] = {}
         penalties = None
