@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 from ctxrl.envs.base import EnvError
 
 ENTRY_POINT_GROUP = "ctxrl.envs"
-_BUILTIN_MODULES = ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit")
+_BUILTIN_MODULES = ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit", "ctxrl.envs.python_math")
 
 _REGISTRY: dict[str, type] = {}
 _builtins_loaded = False

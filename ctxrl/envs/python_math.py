@@ -1,0 +1,170 @@
+"""The ``python_math`` environment: number problems that need computation, solved with Python.
+
+ReTool / SimpleTIR style: the answer is out of reach of mental arithmetic (a sum of thousands of
+squares, a count of primes, a digit sum of a factorial, a large Fibonacci number modulo m), and
+the ``python`` tool runs the model's code in the sandbox (``ctxrl.tools.sandbox``). The episode:
+the model calls ``python`` as often as it likes (each call's printed output is the observation),
+then answers ``<answer>...</answer>``; reward 1 if the answer equals the gold value.
+
+Answers are compared as mathematics, not strings (``answers_equivalent``): numbers in any
+notation (``1,234``, ``1234.0``, ``\\boxed{1234}``, ``2468/2``) and simple expressions (``2^10``,
+``sqrt(16)``) are evaluated with sympy after a strict character check, so nothing the model
+writes is ever executed as Python.
+
+Context: ``family`` (which kind of problem) and ``scale`` (train 1-3, ood 4-5), which sets the
+size of the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from typing import Any, ClassVar
+
+from ctxrl.chat.toolcalls import format_tool_call
+from ctxrl.contexts.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.envs.base import EnvError
+from ctxrl.envs.calculator import parse_answer
+from ctxrl.envs.registry import register
+from ctxrl.tools.base import Tool, execute_tool_calls
+from ctxrl.tools.python import python_tool
+from ctxrl.types import Message, StepResult, Task
+
+FAMILIES = ("sum_squares", "count_primes", "factorial_digit_sum", "fibonacci_mod")
+_SAFE = re.compile(r"^[0-9+\-*/^().\s]*(sqrt|pi|[0-9+\-*/^().\s])*$")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def _value(text: str):
+    """A sympy number for ``text``, or None when it is not a plain mathematical expression."""
+    import sympy
+
+    text = text.strip().strip("$").replace(",", "").replace("\\cdot", "*").replace("\\times", "*")
+    boxed = _BOXED.findall(text)
+    if boxed:
+        text = boxed[-1]
+    if not text or len(text) > 200 or not _SAFE.match(text):
+        return None
+    text = text.replace("**", "^")
+    powers = re.findall(r"\^\s*\(?\s*(\d+)", text)
+    if text.count("^") > 1 or any(len(p) > 4 for p in powers):  # 9^9^9 would never finish
+        return None
+    try:
+        value = sympy.sympify(text.replace("^", "**"), rational=True)
+    except (sympy.SympifyError, SyntaxError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return value if value.is_number and value.is_finite and value.is_real else None
+
+
+def answers_equivalent(given: str, gold: str) -> bool:
+    """Whether two answers denote the same number (exact for rationals, 1e-9 relative otherwise)."""
+    a, b = _value(given), _value(gold)
+    if a is None or b is None:
+        return False
+    import sympy
+
+    if a.is_rational and b.is_rational:
+        return bool(sympy.Eq(a, b))
+    return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(b)))
+
+
+def _fib_mod(n: int, m: int) -> int:
+    """F(n) mod m by fast doubling (the reference code in the task loops; the gold answer must not)."""
+    def pair(k: int) -> tuple[int, int]:
+        if k == 0:
+            return 0, 1
+        a, b = pair(k >> 1)
+        c, d = a * ((2 * b - a) % m) % m, (a * a + b * b) % m
+        return (d, (c + d) % m) if k & 1 else (c, d)
+
+    return pair(n)[0]
+
+
+def _problem(family: str, scale: int, rng: random.Random) -> tuple[str, int, str]:
+    """(prompt, answer, Python code that computes it)."""
+    if family == "sum_squares":
+        n = rng.randrange(10 ** (scale + 1), 10 ** (scale + 2))
+        return (f"What is the sum of the squares of the integers from 1 to {n}?", n * (n + 1) * (2 * n + 1) // 6,
+                f"print(sum(i * i for i in range(1, {n} + 1)))")
+    if family == "count_primes":
+        n = rng.randrange(10 ** (scale + 1), 3 * 10 ** (scale + 1))
+        sieve = bytearray([1]) * n
+        sieve[:2] = b"\x00\x00"
+        for i in range(2, math.isqrt(n - 1) + 1):
+            if sieve[i]:
+                sieve[i * i::i] = bytearray(len(range(i * i, n, i)))
+        code = (f"n = {n}\nsieve = [True] * n\nsieve[0] = sieve[1] = False\n"
+                "for i in range(2, int(n ** 0.5) + 1):\n    if sieve[i]:\n"
+                "        sieve[i * i::i] = [False] * len(range(i * i, n, i))\nprint(sum(sieve))")
+        return f"How many prime numbers are less than {n}?", sum(sieve), code
+    if family == "factorial_digit_sum":
+        n = rng.randrange(10 * scale, 40 * scale)
+        return (f"What is the sum of the digits of {n}! ({n} factorial)?", sum(map(int, str(math.factorial(n)))),
+                f"import math\nprint(sum(int(d) for d in str(math.factorial({n}))))")
+    if family == "fibonacci_mod":
+        n = rng.randrange(10 ** (scale + 1), 10 ** (scale + 2))
+        m = rng.choice((997, 1009, 10007, 65537))
+        return (f"Let F(0) = 0, F(1) = 1 and F(k) = F(k-1) + F(k-2). What is F({n}) modulo {m}?", _fib_mod(n, m),
+                f"a, b = 0, 1\nfor _ in range({n}):\n    a, b = b, (a + b) % {m}\nprint(a)")
+    raise EnvError(f"unknown python_math family {family!r}; one of {FAMILIES}")
+
+
+def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    prompt, answer, code = _problem(str(context["family"]), int(context["scale"]), rng)
+    return prompt, str(answer), {"code": code}
+
+
+@register("python_math")
+class PythonMathEnv:
+    """Number problems solved by running Python in the sandbox; reward 1 for the right answer."""
+
+    name: ClassVar[str] = "python_math"
+    system_prompt: ClassVar[str] = "Use the python tool to compute. Reply with <answer>N</answer>."
+    heldout_fraction: ClassVar[float] = 0.2
+    context_space: ClassVar[ContextSpace] = ContextSpace([
+        ContextParam("family", "choice", choices=FAMILIES, default="sum_squares", description="kind of problem"),
+        ContextParam("scale", "int", low=1, high=3, default=2, ood_low=4, ood_high=5,
+                     description="size of the numbers (the answer is out of reach of mental arithmetic)"),
+    ])
+
+    def __init__(self) -> None:
+        self.tools: list[Tool] = [python_tool(timeout_s=10.0)]
+        self._task: Task | None = None
+        self._terminated = False
+
+    @classmethod
+    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
+        return sample_tasks(generate, cls.context_space, split, n, seed,
+                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+
+    @classmethod
+    def solve(cls, task: Task) -> list[str]:
+        """Run the reference code, then answer with the printed value."""
+        code = task.data.get("code")
+        if not isinstance(code, str):
+            raise EnvError(f"task {task.id} has no data['code']; python_math tasks need it to be solved")
+        return [format_tool_call("python", {"code": code}), f"<answer>{task.answer}</answer>"]
+
+    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
+        self._task, self._terminated = task, False
+        return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
+
+    async def step(self, message: Message) -> StepResult:
+        """Python calls -> their output (reward 0); a turn without a call ends the episode."""
+        if self._task is None:
+            raise EnvError("step() called before reset(task); start an episode with reset first")
+        if self._terminated:
+            raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
+        if message.tool_calls or message.tool_call_errors:
+            observations, counts = await execute_tool_calls(self.tools, message)
+            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
+        self._terminated = True
+        given = parse_answer(message.content)
+        correct = given is not None and answers_equivalent(given, self._task.answer)
+        return StepResult(messages=[], reward=1.0 if correct else 0.0, terminated=True,
+                          info={"answered": given is not None, "correct": correct})
+
+    def close(self) -> None:
+        self._task = None
+        self._terminated = False
