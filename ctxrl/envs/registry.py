@@ -20,7 +20,8 @@ from typing import Callable, TypeVar
 from ctxrl.envs.base import EnvError
 
 ENTRY_POINT_GROUP = "ctxrl.envs"
-_BUILTIN_MODULES = ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit", "ctxrl.envs.python_math")
+_BUILTIN_MODULES = ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit", "ctxrl.envs.python_math",
+                    "ctxrl.envs.search_qa")
 
 _REGISTRY: dict[str, type] = {}
 _builtins_loaded = False

@@ -1,0 +1,73 @@
+"""Local search (BM25 via bm25s), QA metrics, and the search_qa environment."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from ctxrl.envs import assert_env_ok, get_env_class
+from ctxrl.envs.search_qa import SearchQAEnv, kb_index, knowledge_base
+from ctxrl.rollout.agent import RolloutLimits, run_episode
+from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.tools.search import Document, SearchIndex, exact_match, normalize_answer, search_tool, token_f1
+
+
+def test_index_ranks_by_bm25_and_reads_jsonl(tmp_path):
+    docs = [Document("1", "Paris", "Paris is the capital of France."),
+            Document("2", "Rome", "Rome is the capital of Italy."),
+            Document("3", "Cats", "Cats chase mice.")]
+    index = SearchIndex(docs)
+    hits = index.search("capital of France", k=2)
+    assert [d.id for d, _ in hits] == ["1", "2"] and hits[0][1] > hits[1][1] > 0
+    assert index.search("the of a", k=3) == []  # stop words only
+    assert len(index.search("cats", k=10)) == 1  # only documents that match
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in [{"id": "a", "title": "T", "text": "zebra stripes"},
+                                                      {"text": "lions roar"}]) + "\n\n")
+    from_file = SearchIndex.from_jsonl(path)
+    assert [d.id for d in from_file.docs] == ["a", "2"] and from_file.search("zebra")[0][0].title == "T"
+    path.write_text('{"title": "no text"}\n')
+    with pytest.raises(ValueError, match="corpus.jsonl:1: each line needs a string field 'text'"):
+        SearchIndex.from_jsonl(path)
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match="corpus.jsonl:1: not JSON"):
+        SearchIndex.from_jsonl(path)
+    with pytest.raises(ValueError, match="at least one document"):
+        SearchIndex([])
+    tool_text = asyncio.run(search_tool(index, k=1)(query="Italy"))
+    assert tool_text == "[1] Rome: Rome is the capital of Italy."
+
+
+@pytest.mark.parametrize("given,gold,em,f1", [
+    ("The Eiffel Tower", "eiffel tower", True, 1.0), ("Keltra.", "keltra", True, 1.0),
+    ("new york city", "New York", False, 0.8), ("Rome", "Paris", False, 0.0), ("", "Paris", False, 0.0),
+])
+def test_qa_metrics(given, gold, em, f1):
+    assert exact_match(given, gold) is em
+    assert token_f1(given, gold) == pytest.approx(f1)
+    assert normalize_answer("  The  A-Team!! ") == "ateam"
+
+
+def test_conformance_kb_and_retrieval():
+    assert_env_ok(SearchQAEnv, n_tasks=16)
+    assert get_env_class("search_qa") is SearchQAEnv
+    kb = knowledge_base()
+    assert len(kb.people) == 120 and knowledge_base() is kb  # fixed, built once
+    for split, hops in (("train", {1, 2}), ("heldout", {1, 2}), ("ood", {3})):
+        tasks = SearchQAEnv.sample_tasks(split, 20, seed=1)
+        assert {t.context["hops"] for t in tasks} <= hops
+        for task in tasks:
+            assert len(task.data["lookups"]) == task.context["hops"]
+            for query in task.data["lookups"]:  # searching an entity's name finds its own document first
+                assert kb_index().search(query, k=1)[0][0].title == query
+
+
+def test_scripted_episode(renderer):
+    task = SearchQAEnv.sample_tasks("ood", 1, seed=3)[0]
+    limits = RolloutLimits(max_turns=4, max_new_tokens=64, max_total_tokens=4096)
+    episode = asyncio.run(run_episode(SearchQAEnv(), task, ScriptedEngine(SearchQAEnv.solve(task), renderer),
+                                      renderer, limits, seed=0))
+    assert episode.success and episode.tool_calls == 3
+    assert task.data["lookups"][1] in episode.messages[3].content  # the first result names the next hop
