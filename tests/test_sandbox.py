@@ -22,7 +22,7 @@ from ctxrl.tools.sandbox import SandboxPool, run_python, run_python_async
 ROOT = os.getuid() == 0
 
 
-def _sandbox_processes() -> list[int]:
+def _processes_of(uids: set[int]) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -31,20 +31,32 @@ def _sandbox_processes() -> list[int]:
                     uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
             except (OSError, StopIteration, ValueError):
                 continue
-            if sandbox.UID_RANGE[0] <= uid < sandbox.UID_RANGE[1]:
+            if uid in uids:
                 pids.append(int(entry))
     return pids
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind(tmp_path, monkeypatch):
-    monkeypatch.setenv("CTXRL_SANDBOX_DIR", str(tmp_path / "sbx")) if not ROOT else None
-    base = sandbox._workdir_base()
-    before = set(os.listdir(base))
+    """Each test gets its own work-dir base and records the uids its runs used, so a concurrent
+    test run on the same machine cannot confuse the check."""
+    base = Path("/var/lib/ctxrl/sandbox") / f"test-{os.getpid()}-{tmp_path.name}" if ROOT else tmp_path / "sbx"
+    monkeypatch.setenv("CTXRL_SANDBOX_DIR", str(base))
+    used: set[int] = set()
+    take = sandbox._take_uid
+
+    def recording_take() -> int:
+        uid = take()
+        used.add(uid)
+        return uid
+
+    monkeypatch.setattr(sandbox, "_take_uid", recording_take)
     yield
-    assert set(os.listdir(base)) - before == set(), "a work directory was left behind"
+    assert not base.exists() or os.listdir(base) == [], "a work directory was left behind"
     if ROOT:
-        assert _sandbox_processes() == [], "a sandboxed process outlived its run"
+        assert _processes_of(used) == [], "a sandboxed process outlived its run"
+        if base.exists():
+            base.rmdir()
 
 
 def test_runs_code_and_reports_isolation():

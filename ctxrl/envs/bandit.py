@@ -24,9 +24,10 @@ import random
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.contexts.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.contexts.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
+from ctxrl.envs.tool_answer import ToolAnswerEnv
 from ctxrl.tools.base import Tool, execute_tool_calls
 from ctxrl.types import Message, StepResult, Task
 
@@ -55,7 +56,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
 
 
 @register("bandit")
-class BanditEnv:
+class BanditEnv(ToolAnswerEnv):
     """Pull arms through the ``pull`` tool; reward 1 minus the normalised pseudo-regret."""
 
     name: ClassVar[str] = "bandit"
@@ -71,17 +72,20 @@ class BanditEnv:
                      description="a colour before each pull decides the best arm"),
     ])
 
+    required_data: ClassVar[tuple[str, ...]] = ("probs", "colours")
+    generate = staticmethod(generate)
+
     def __init__(self) -> None:
-        self.tools: list[Tool] = [Tool(
-            name="pull", description="Pull one arm; returns its reward (0 or 1).",
-            parameters={"type": "object", "properties": {"arm": {"type": "integer"}}, "required": ["arm"]},
-            fn=self._pull, timeout_s=5.0)]
-        self._task: Task | None = None
+        super().__init__()
         self._rng = random.Random(0)
-        self._terminated = False
         self._t = 0
         self._regret = self._scale = self._sampled = 0.0
         self._best_pulls = 0
+
+    def make_tools(self) -> list[Tool]:
+        return [Tool(name="pull", description="Pull one arm; returns its reward (0 or 1).",
+                     parameters={"type": "object", "properties": {"arm": {"type": "integer"}}, "required": ["arm"]},
+                     fn=self._pull, timeout_s=5.0)]
 
     # -- the arms --------------------------------------------------------------------------------
     def _row(self) -> list[float]:
@@ -111,11 +115,6 @@ class BanditEnv:
 
     # -- the protocol ----------------------------------------------------------------------------
     @classmethod
-    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        return sample_tasks(generate, cls.context_space, split, n, seed,
-                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
-
-    @classmethod
     def solve(cls, task: Task) -> list[str]:
         """The oracle: the best arm for each turn's colour (regret 0, reward 1)."""
         probs, colours = task.data.get("probs"), task.data.get("colours")
@@ -126,13 +125,11 @@ class BanditEnv:
 
     def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
         """Start an episode; ``seed`` drives the sampled rewards the agent sees."""
-        if "probs" not in task.data or "colours" not in task.data:
-            raise EnvError(f"task {task.id} lacks data['probs'] / data['colours']; draw tasks with sample_tasks")
-        self._task, self._terminated = task, False
+        messages = super().reset(task, seed=seed)  # checks the task's data
         self._rng = random.Random(f"{task.id}:{seed}")
         self._t, self._regret, self._scale, self._sampled, self._best_pulls = 0, 0.0, 0.0, 0.0, 0
-        return [Message(role="system", content=self.system_prompt),
-                Message(role="user", content=task.prompt + self._colour_line())]
+        messages[-1] = Message(role="user", content=task.prompt + self._colour_line())
+        return messages
 
     def _colour_line(self) -> str:
         colours = self._task.data["colours"] if self._task else []
@@ -166,7 +163,3 @@ class BanditEnv:
         info = {**counts, "regret": self._regret, "pulls": self._t, "best_arm_rate": self._best_pulls / self._t,
                 "sampled_reward": self._sampled / self._t, "success": reward >= 0.5, "answered": True}
         return StepResult(messages=observations, reward=reward, terminated=True, info=info)
-
-    def close(self) -> None:
-        self._task = None
-        self._terminated = False

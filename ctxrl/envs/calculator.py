@@ -31,12 +31,13 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, format_tool_call
-from ctxrl.contexts.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.contexts.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
-from ctxrl.tools.base import Tool, execute_tool_calls
+from ctxrl.envs.tool_answer import ToolAnswerEnv, parse_answer  # noqa: F401 - parse_answer is re-exported
+from ctxrl.tools.base import Tool
 from ctxrl.tools.calculator import calculate, calculator_tool
-from ctxrl.types import Message, StepResult, Task
+from ctxrl.types import Task
 
 OPERATORS = ("+", "-", "*")
 MATH_WORDS = {"+": "plus", "-": "minus", "*": "times"}
@@ -45,14 +46,7 @@ STORY_PEOPLE = (("Ann", "She", "she"), ("Ben", "He", "he"), ("Eva", "She", "she"
 STORY_ITEMS = ("coins", "apples", "cards", "stamps")
 STORY_STEPS = {"+": "gets {n} more", "-": "gives away {n}"}
 
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"^[+-]?\d+(?:\.\d+)?$")
-
-
-def parse_answer(text: str) -> str | None:
-    """The stripped content of the last ``<answer>...</answer>`` in ``text``, or None."""
-    found = _ANSWER.findall(text)
-    return found[-1].strip() if found else None
 
 
 def answers_equal(given: str, gold: str) -> bool:
@@ -103,7 +97,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
 
 
 @register("calculator")
-class CalculatorEnv:
+class CalculatorEnv(ToolAnswerEnv):
     """Arithmetic word problems; reward 1 for the right ``<answer>``, tool use expected."""
 
     name: ClassVar[str] = "calculator"
@@ -116,15 +110,13 @@ class CalculatorEnv:
                      description="number of operations (+, -, *)"),
     ])
 
-    def __init__(self) -> None:
-        self.tools: list[Tool] = [calculator_tool()]
-        self._task: Task | None = None
-        self._terminated = False
+    generate = staticmethod(generate)
 
-    @classmethod
-    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        return sample_tasks(generate, cls.context_space, split, n, seed,
-                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+    def make_tools(self) -> list[Tool]:
+        return [calculator_tool()]
+
+    def check_answer(self, given: str, task: Task) -> tuple[bool, dict]:
+        return answers_equal(given, task.answer), {}
 
     @classmethod
     def solve(cls, task: Task) -> list[str]:
@@ -155,31 +147,3 @@ class CalculatorEnv:
             call, answer = cls.solve(task)
             texts.append(f"{task.prompt}\n{call}\n{TOOL_RESPONSE_OPEN}\n{task.answer}\n{TOOL_RESPONSE_CLOSE}\n{answer}")
         return texts
-
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        """Start an episode; ``seed`` is unused because the episode is deterministic."""
-        self._task = task
-        self._terminated = False
-        return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
-
-    async def step(self, message: Message) -> StepResult:
-        """Tool calls -> observations (reward 0); otherwise the final answer ends the episode.
-
-        A message with both tool calls and an ``<answer>`` counts as a tool turn.
-        """
-        if self._task is None:
-            raise EnvError("step() called before reset(task); start an episode with reset first")
-        if self._terminated:
-            raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
-        if message.tool_calls or message.tool_call_errors:
-            observations, counts = await execute_tool_calls(self.tools, message)
-            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
-        self._terminated = True
-        given = parse_answer(message.content)
-        correct = given is not None and answers_equal(given, self._task.answer)
-        return StepResult(messages=[], reward=1.0 if correct else 0.0, terminated=True,
-                          info={"answered": given is not None, "correct": correct})
-
-    def close(self) -> None:
-        self._task = None
-        self._terminated = False

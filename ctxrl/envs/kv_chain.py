@@ -25,12 +25,12 @@ import random
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.contexts.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.contexts.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
-from ctxrl.envs.calculator import parse_answer
 from ctxrl.envs.registry import register
-from ctxrl.tools.base import Tool, execute_tool_calls
-from ctxrl.types import Message, StepResult, Task
+from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tools.base import Tool
+from ctxrl.types import Task
 
 PROMPTS = ("Start at key {start} and follow the chain with the lookup tool. What is the final value?",
            "Follow the key chain from {start} to its end. What value does it end with?")
@@ -66,7 +66,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
 
 
 @register("kv_chain")
-class KVChainEnv:
+class KVChainEnv(ToolAnswerEnv):
     """Follow ``hops`` key lookups through the ``lookup`` tool; reward 1 for the final value."""
 
     name: ClassVar[str] = "kv_chain"
@@ -79,16 +79,13 @@ class KVChainEnv:
                      description="extra keys in the store that lead elsewhere"),
     ])
 
-    def __init__(self) -> None:
-        self.tools: list[Tool] = [Tool(
-            name="lookup",
-            description="Look up a key: returns the next key or the final value.",
-            parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
-            fn=self._lookup,
-            timeout_s=5.0,
-        )]
-        self._task: Task | None = None
-        self._terminated = False
+    required_data: ClassVar[tuple[str, ...]] = ("store", "chain")
+    generate = staticmethod(generate)
+
+    def make_tools(self) -> list[Tool]:
+        return [Tool(name="lookup", description="Look up a key: returns the next key or the final value.",
+                     parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+                     fn=self._lookup, timeout_s=5.0)]
 
     def _lookup(self, key: str) -> str:
         if self._task is None:
@@ -99,10 +96,8 @@ class KVChainEnv:
             raise KeyError(f"unknown key {key!r}")
         return store[key]
 
-    @classmethod
-    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        return sample_tasks(generate, cls.context_space, split, n, seed,
-                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+    def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
+        return given.strip() == task.answer, {}
 
     @classmethod
     def solve(cls, task: Task) -> list[str]:
@@ -120,30 +115,3 @@ class KVChainEnv:
             steps = [f"{format_tool_call('lookup', {'key': k})}\n{task.data['store'][k]}" for k in task.data["chain"]]
             texts.append("\n".join([task.prompt, *steps, f"<answer>{task.answer}</answer>"]))
         return texts
-
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        """Start an episode; the store is the task's, so ``seed`` is unused."""
-        if "store" not in task.data or "chain" not in task.data:
-            raise EnvError(f"task {task.id} lacks data['store'] / data['chain']; draw tasks with sample_tasks")
-        self._task = task
-        self._terminated = False
-        return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
-
-    async def step(self, message: Message) -> StepResult:
-        """Lookups -> observations (reward 0); a turn without a tool call ends the episode."""
-        if self._task is None:
-            raise EnvError("step() called before reset(task); start an episode with reset first")
-        if self._terminated:
-            raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
-        if message.tool_calls or message.tool_call_errors:
-            observations, counts = await execute_tool_calls(self.tools, message)
-            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
-        self._terminated = True
-        given = parse_answer(message.content)
-        correct = given is not None and given.strip() == self._task.answer
-        return StepResult(messages=[], reward=1.0 if correct else 0.0, terminated=True,
-                          info={"answered": given is not None, "correct": correct})
-
-    def close(self) -> None:
-        self._task = None
-        self._terminated = False

@@ -23,13 +23,13 @@ import re
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.contexts.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.contexts.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
-from ctxrl.envs.calculator import parse_answer
 from ctxrl.envs.registry import register
-from ctxrl.tools.base import Tool, execute_tool_calls
+from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tools.base import Tool
 from ctxrl.tools.python import python_tool
-from ctxrl.types import Message, StepResult, Task
+from ctxrl.types import Task
 
 FAMILIES = ("sum_squares", "count_primes", "factorial_digit_sum", "fibonacci_mod")
 _SAFE = re.compile(r"^[0-9+\-*/^().\s]*(sqrt|pi|[0-9+\-*/^().\s])*$")
@@ -116,7 +116,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
 
 
 @register("python_math")
-class PythonMathEnv:
+class PythonMathEnv(ToolAnswerEnv):
     """Number problems solved by running Python in the sandbox; reward 1 for the right answer."""
 
     name: ClassVar[str] = "python_math"
@@ -128,15 +128,14 @@ class PythonMathEnv:
                      description="size of the numbers (the answer is out of reach of mental arithmetic)"),
     ])
 
-    def __init__(self) -> None:
-        self.tools: list[Tool] = [python_tool(timeout_s=10.0)]
-        self._task: Task | None = None
-        self._terminated = False
+    required_data: ClassVar[tuple[str, ...]] = ("code",)
+    generate = staticmethod(generate)
 
-    @classmethod
-    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        return sample_tasks(generate, cls.context_space, split, n, seed,
-                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+    def make_tools(self) -> list[Tool]:
+        return [python_tool(timeout_s=10.0)]
+
+    def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
+        return answers_equivalent(given, task.answer), {}
 
     @classmethod
     def solve(cls, task: Task) -> list[str]:
@@ -145,26 +144,3 @@ class PythonMathEnv:
         if not isinstance(code, str):
             raise EnvError(f"task {task.id} has no data['code']; python_math tasks need it to be solved")
         return [format_tool_call("python", {"code": code}), f"<answer>{task.answer}</answer>"]
-
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        self._task, self._terminated = task, False
-        return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
-
-    async def step(self, message: Message) -> StepResult:
-        """Python calls -> their output (reward 0); a turn without a call ends the episode."""
-        if self._task is None:
-            raise EnvError("step() called before reset(task); start an episode with reset first")
-        if self._terminated:
-            raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
-        if message.tool_calls or message.tool_call_errors:
-            observations, counts = await execute_tool_calls(self.tools, message)
-            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
-        self._terminated = True
-        given = parse_answer(message.content)
-        correct = given is not None and answers_equivalent(given, self._task.answer)
-        return StepResult(messages=[], reward=1.0 if correct else 0.0, terminated=True,
-                          info={"answered": given is not None, "correct": correct})
-
-    def close(self) -> None:
-        self._task = None
-        self._terminated = False

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.contexts.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.contexts.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
-from ctxrl.envs.calculator import parse_answer
 from ctxrl.envs.registry import register
-from ctxrl.tools.base import Tool, execute_tool_calls
+from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tools.base import Tool
 from ctxrl.tools.search import Document, SearchIndex, exact_match, search_tool, token_f1
-from ctxrl.types import Message, StepResult, Task
+from ctxrl.types import Task
 
 KB_SEED = 0
 N_PEOPLE, N_COMPANIES, N_CITIES, N_COUNTRIES = 120, 30, 24, 8
@@ -114,7 +114,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
 
 
 @register("search_qa")
-class SearchQAEnv:
+class SearchQAEnv(ToolAnswerEnv):
     """Multi-hop questions over a local BM25-indexed knowledge base; reward = exact match."""
 
     name: ClassVar[str] = "search_qa"
@@ -125,15 +125,14 @@ class SearchQAEnv:
                      description="facts chained by the question"),
     ])
 
-    def __init__(self) -> None:
-        self.tools: list[Tool] = [search_tool(kb_index())]
-        self._task: Task | None = None
-        self._terminated = False
+    required_data: ClassVar[tuple[str, ...]] = ("lookups",)
+    generate = staticmethod(generate)
 
-    @classmethod
-    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        return sample_tasks(generate, cls.context_space, split, n, seed,
-                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+    def make_tools(self) -> list[Tool]:
+        return [search_tool(kb_index())]
+
+    def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
+        return exact_match(given, task.answer), {"f1": token_f1(given, task.answer)}
 
     @classmethod
     def solve(cls, task: Task) -> list[str]:
@@ -142,27 +141,3 @@ class SearchQAEnv:
         if not isinstance(lookups, list) or not lookups:
             raise EnvError(f"task {task.id} has no data['lookups']; search_qa tasks need it to be solved")
         return [format_tool_call("search", {"query": q}) for q in lookups] + [f"<answer>{task.answer}</answer>"]
-
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        self._task, self._terminated = task, False
-        return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
-
-    async def step(self, message: Message) -> StepResult:
-        """Searches -> results (reward 0); a turn without a call ends the episode with EM."""
-        if self._task is None:
-            raise EnvError("step() called before reset(task); start an episode with reset first")
-        if self._terminated:
-            raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
-        if message.tool_calls or message.tool_call_errors:
-            observations, counts = await execute_tool_calls(self.tools, message)
-            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
-        self._terminated = True
-        given = parse_answer(message.content)
-        em = given is not None and exact_match(given, self._task.answer)
-        return StepResult(messages=[], reward=1.0 if em else 0.0, terminated=True,
-                          info={"answered": given is not None, "correct": em,
-                                "f1": token_f1(given or "", self._task.answer)})
-
-    def close(self) -> None:
-        self._task = None
-        self._terminated = False

@@ -1,0 +1,90 @@
+"""``ToolAnswerEnv``: the shape most tool-use tasks share, written once.
+
+An episode opens with the system prompt and the task's prompt; every assistant turn with tool
+calls gets the tools' observations (reward 0); the first turn without a call ends the episode,
+and its ``<answer>...</answer>`` is scored by ``check_answer``. A subclass gives the class
+attributes (``name``, ``system_prompt``, ``context_space``, ``heldout_fraction``), a
+``generate(context, rng) -> (prompt, answer, data)`` static method, ``make_tools()``,
+``solve(task)`` and ``check_answer(given, task) -> (correct, extra_info)``; ``required_data``
+names the ``task.data`` keys ``reset`` insists on.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from ctxrl.contexts.space import ContextSpace, sample_tasks
+from ctxrl.envs.base import EnvError
+from ctxrl.tools.base import Tool, execute_tool_calls
+from ctxrl.types import Message, StepResult, Task
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def parse_answer(text: str) -> str | None:
+    """The stripped content of the last ``<answer>...</answer>`` in ``text``, or None."""
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+class ToolAnswerEnv:
+    name: ClassVar[str]
+    system_prompt: ClassVar[str]
+    context_space: ClassVar[ContextSpace]
+    heldout_fraction: ClassVar[float] = 0.2
+    required_data: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.tools: list[Tool] = self.make_tools()
+        self._task: Task | None = None
+        self._terminated = False
+
+    # -- what a subclass provides ------------------------------------------------------------------
+    def make_tools(self) -> list[Tool]:
+        raise NotImplementedError(f"{type(self).__name__} must define make_tools()")
+
+    @staticmethod
+    def generate(context: dict[str, Any], rng) -> tuple[str, str, dict[str, Any]]:
+        raise NotImplementedError("a ToolAnswerEnv must define generate(context, rng)")
+
+    def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
+        raise NotImplementedError(f"{type(self).__name__} must define check_answer(given, task)")
+
+    # -- the protocol ----------------------------------------------------------------------------
+    @classmethod
+    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
+        return sample_tasks(cls.generate, cls.context_space, split, n, seed,
+                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+
+    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
+        """Start an episode (deterministic: ``seed`` is unused by this shape)."""
+        missing = [k for k in self.required_data if k not in task.data]
+        if missing:
+            raise EnvError(f"task {task.id} lacks data{missing}; draw {self.name} tasks with sample_tasks")
+        self._task, self._terminated = task, False
+        return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
+
+    async def step(self, message: Message) -> StepResult:
+        """Tool calls -> observations (reward 0); a turn without a call ends the episode, scored.
+
+        A message with both tool calls and an ``<answer>`` counts as a tool turn.
+        """
+        if self._task is None:
+            raise EnvError("step() called before reset(task); start an episode with reset first")
+        if self._terminated:
+            raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
+        if message.tool_calls or message.tool_call_errors:
+            observations, counts = await execute_tool_calls(self.tools, message)
+            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
+        self._terminated = True
+        given = parse_answer(message.content)
+        correct, extra = self.check_answer(given or "", self._task)
+        correct = correct and given is not None
+        return StepResult(messages=[], reward=1.0 if correct else 0.0, terminated=True,
+                          info={"answered": given is not None, "correct": correct, **extra})
+
+    def close(self) -> None:
+        self._task = None
+        self._terminated = False
