@@ -21,7 +21,7 @@ from ctxrl.envs.base import EnvError
 
 ENTRY_POINT_GROUP = "ctxrl.envs"
 _BUILTIN_MODULES = ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit", "ctxrl.envs.python_math",
-                    "ctxrl.envs.search_qa", "ctxrl.envs.sokoban")
+                    "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper")
 
 _REGISTRY: dict[str, type] = {}
 _builtins_loaded = False
