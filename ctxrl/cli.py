@@ -172,6 +172,9 @@ def cmd_envs(args: argparse.Namespace) -> int:
         table.add_column(column)
     for name in list_envs():
         cls = get_env_class(name)
+        if callable(getattr(cls, "configure", None)):  # built from data: nothing to show until configured
+            table.add_row(name, "env.tools", "-", "-", "-", "tasks from env.data (JSONL), see its docs")
+            continue
         env = cls()
         tools = ", ".join(t.name for t in env.tools)
         env.close()
@@ -189,10 +192,10 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     """Run the conformance suite on an environment; exit 1 listing every problem."""
     from ctxrl.envs.base import EnvError
     from ctxrl.envs.check import check_env
-    from ctxrl.envs.registry import get_env_class
+    from ctxrl.envs.registry import configured_env_class
 
     try:
-        cls = get_env_class(args.name)
+        cls = configured_env_class(args.name, data=args.data, tools=args.tools, verifier=args.verifier)
     except EnvError as exc:
         print(f"ctxrl: {exc}", file=sys.stderr)
         return 2
@@ -241,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tasks", type=int, default=8, help="tasks per split to check (default 8)")
     check.add_argument("--seed", type=int, default=0)
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    check.add_argument("--data", default="", help="task file, for environments built from data (jsonl_tools)")
+    check.add_argument("--tools", default="", help="comma-separated built-in tools (jsonl_tools)")
+    check.add_argument("--verifier", default="exact", help="answer check (jsonl_tools): exact, numeric, contains")
     check.set_defaults(fn=cmd_check_env)
     return parser
 

@@ -45,6 +45,12 @@ class EnvConfig:
     """Registered environment name, or ``package.module:Class``."""
     max_turns: int = 4
     """Assistant turns per episode before it is truncated (``max_turns``)."""
+    data: str = ""
+    """Task file for environments built from data (``jsonl_tools``): a JSONL path."""
+    tools: str = ""
+    """Comma-separated built-in tools for ``jsonl_tools`` (``calculator``, ``python``)."""
+    verifier: str = "exact"
+    """Answer check for ``jsonl_tools``: ``exact``, ``numeric`` or ``contains``."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from ctxrl.envs.base import EnvError
 
 ENTRY_POINT_GROUP = "ctxrl.envs"
 _BUILTIN_MODULES = ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit", "ctxrl.envs.python_math",
-                    "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper")
+                    "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper", "ctxrl.envs.jsonl_tools")
 
 _REGISTRY: dict[str, type] = {}
 _builtins_loaded = False
@@ -88,3 +88,10 @@ def get_env_class(name: str) -> type:
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise EnvError(f"unknown environment {name!r}; {hint}known environments: {', '.join(known) or 'none'}. "
                    "An environment outside ctxrl can be named as 'package.module:ClassName'.")
+
+
+def configured_env_class(name: str, **options: str) -> type:
+    """``get_env_class(name)``, bound to ``options`` when the class takes them (``configure``)."""
+    cls = get_env_class(name)
+    configure = getattr(cls, "configure", None)
+    return configure(**options) if callable(configure) else cls

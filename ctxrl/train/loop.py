@@ -34,7 +34,7 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.config import Config, to_toml
 from ctxrl.contexts.curriculum import make_curriculum
 from ctxrl.engine.hf import HFEngine
-from ctxrl.envs.registry import get_env_class
+from ctxrl.envs.registry import configured_env_class
 from ctxrl.eval.evaluate import evaluate_split, summarize
 from ctxrl.models.loader import load_model, load_tokenizer
 from ctxrl.report.writer import RunWriter
@@ -66,7 +66,8 @@ class Run:
         self.config = config
         seed_everything(config.run.seed)
         self.device = pick_device(config.model.device)
-        self.env_cls = get_env_class(config.env.name)
+        self.env_cls = configured_env_class(config.env.name, data=config.env.data, tools=config.env.tools,
+                                            verifier=config.env.verifier)
         self.tokenizer = load_tokenizer(config.model.name, chat_template=config.model.chat_template or None)
         self.renderer = ChatRenderer(self.tokenizer, template_name=config.model.name)
         self.renderer.verify_prefix_preserving()
