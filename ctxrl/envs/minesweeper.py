@@ -23,8 +23,8 @@ from ctxrl.contexts.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
-from ctxrl.tools.base import Tool, execute_tool_calls
-from ctxrl.types import Message, StepResult, Task
+from ctxrl.tools.base import Tool
+from ctxrl.types import Message, Task
 
 Cell = tuple[int, int]
 
@@ -192,14 +192,7 @@ class MinesweeperEnv(ToolAnswerEnv):
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         return self.cleared, {}
 
-    async def step(self, message: Message) -> StepResult:
-        """Reveals -> the board; the episode ends on a mine (reward 0) or a cleared board (reward 1)."""
-        if self._task is not None and not self._terminated and (message.tool_calls or message.tool_call_errors):
-            observations, counts_ = await execute_tool_calls(self.tools, message)
-            if self._exploded or self.cleared:
-                self._terminated = True
-                won = self.cleared and not self._exploded
-                return StepResult(messages=observations, reward=1.0 if won else 0.0, terminated=True,
-                                  info={**counts_, "answered": True, "correct": won})
-            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts_)
-        return await super().step(message)
+    def tool_outcome(self) -> bool | None:
+        if self._exploded:
+            return False
+        return True if self.cleared else None

@@ -24,8 +24,8 @@ from ctxrl.contexts.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
-from ctxrl.tools.base import Tool, execute_tool_calls
-from ctxrl.types import Message, StepResult, Task
+from ctxrl.tools.base import Tool
+from ctxrl.types import Message, Task
 
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 Pos = tuple[int, int]
@@ -193,13 +193,5 @@ class SokobanEnv(ToolAnswerEnv):
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         return self.solved, {}
 
-    async def step(self, message: Message) -> StepResult:
-        """Moves -> the board; the episode ends (reward 1) the moment every box is on a goal."""
-        if self._task is not None and not self._terminated and (message.tool_calls or message.tool_call_errors):
-            observations, counts = await execute_tool_calls(self.tools, message)
-            if self.solved:
-                self._terminated = True
-                return StepResult(messages=observations, reward=1.0, terminated=True,
-                                  info={**counts, "answered": True, "correct": True})
-            return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
-        return await super().step(message)
+    def tool_outcome(self) -> bool | None:
+        return True if self.solved else None

@@ -6,7 +6,8 @@ and its ``<answer>...</answer>`` is scored by ``check_answer``. A subclass gives
 attributes (``name``, ``system_prompt``, ``context_space``, ``heldout_fraction``), a
 ``generate(context, rng) -> (prompt, answer, data)`` static method, ``make_tools()``,
 ``solve(task)`` and ``check_answer(given, task) -> (correct, extra_info)``; ``required_data``
-names the ``task.data`` keys ``reset`` insists on.
+names the ``task.data`` keys ``reset`` insists on; ``tool_outcome()`` lets a tool turn end the
+episode (a solved puzzle, a revealed mine).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class ToolAnswerEnv:
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         raise NotImplementedError(f"{type(self).__name__} must define check_answer(given, task)")
 
+    def tool_outcome(self) -> bool | None:
+        """After a tool turn: True (won) or False (lost) ends the episode there; None goes on.
+
+        For tasks a tool can finish (a puzzle solved by a move, a mine revealed)."""
+        return None
+
     # -- the protocol ----------------------------------------------------------------------------
     @classmethod
     def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
@@ -77,6 +84,11 @@ class ToolAnswerEnv:
             raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
         if message.tool_calls or message.tool_call_errors:
             observations, counts = await execute_tool_calls(self.tools, message)
+            outcome = self.tool_outcome()
+            if outcome is not None:
+                self._terminated = True
+                return StepResult(messages=observations, reward=1.0 if outcome else 0.0, terminated=True,
+                                  info={**counts, "answered": True, "correct": outcome})
             return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
         self._terminated = True
         given = parse_answer(message.content)
