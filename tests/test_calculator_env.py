@@ -192,3 +192,14 @@ def test_registry() -> None:
         get_env_class("ctxrl.no_such_module:Env")
     with pytest.raises(EnvError, match="already registered"):
         register("calculator")(WrongSolveEnv)
+
+
+def test_environment_docs_pages_are_in_sync():
+    from ctxrl.envs.docs import DOCS, documented_envs, env_page
+
+    names = documented_envs()
+    assert {"calculator", "kv_chain", "bandit", "python_math", "search_qa", "sokoban", "minesweeper"} <= set(names)
+    for name in names:
+        page = DOCS / f"{name}.md"
+        assert page.exists() and page.read_text() == env_page(name), \
+            f"docs/envs/{name}.md is stale: regenerate with `python -m ctxrl.envs.docs`"
