@@ -176,3 +176,18 @@ def test_pretrain_lowers_the_loss(tokenizer):
     assert not model.training
     with pytest.raises(ValueError, match="at least one sequence"):
         pretrain(model, tokenizer, [[]], spec)
+
+
+def test_tiny_spec_envs_field(tokenizer):
+    from ctxrl.models.loader import parse_tiny
+    from ctxrl.models.tiny import PRETRAIN_ENVS, pretraining_batches
+
+    # the default set leaves the cache key unchanged; another set is another model
+    assert TinySpec().key() == TinySpec(envs="+".join(PRETRAIN_ENVS)).key()
+    assert TinySpec(envs="calculator+kv_chain").key() != TinySpec().key()
+    spec = parse_tiny("tiny:envs=calculator+kv_chain,pretrain_steps=2,pretrain_batch_size=4,pretrain_chat_batch_size=6")
+    assert spec.env_names() == ("calculator", "kv_chain")
+    chat = pretraining_batches(tokenizer, spec)[1]
+    texts = [tokenizer.decode(seq) for seq in chat]
+    # both environments' episodes, mixed in one batch
+    assert any('"lookup"' in t for t in texts) and any('"calculator"' in t for t in texts)

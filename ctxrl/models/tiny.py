@@ -40,9 +40,9 @@ from ctxrl.chat.template import CHATML_TOOLS_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKE
 
 # Bump when the corpus, template or build recipe changes, so old caches are not reused.
 TINY_RECIPE_VERSION = 9
-# The environments whose text the tokenizer learns and the model pre-trains on. A fixed list, so
-# the tiny model does not change when an environment (or a third-party package's) is added;
-# adding one here is a recipe change (bump TINY_RECIPE_VERSION).
+# The environments whose text the tokenizer learns and the model pre-trains on by default. A fixed
+# list, so the tiny model does not change when an environment (or a third-party package's) is
+# added; other sets are chosen per spec (``TinySpec.envs``).
 PRETRAIN_ENVS = ("calculator",)
 
 # Qwen2's pre-tokenizer splits digits one by one; Llama 3's groups them in runs of up to three.
@@ -74,13 +74,21 @@ class TinySpec:
     pretrain_chat_batch_size: int = 64
     """Episodes per chat pre-training batch (0 = ``pretrain_batch_size``); chat episodes are ~3x longer."""
     pretrain_lr: float = 3e-3
+    envs: str = "+".join(PRETRAIN_ENVS)
+    """Environments (joined by ``+``) whose solved tasks the model pre-trains on, e.g. ``calculator+search_qa``."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"tiny arch must be one of {', '.join(ARCHITECTURES)}, not {self.arch!r}")
 
+    def env_names(self) -> tuple[str, ...]:
+        return tuple(e for e in self.envs.split("+") if e)
+
     def key(self) -> str:
-        blob = json.dumps({**dataclasses.asdict(self), "recipe": TINY_RECIPE_VERSION}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if fields["envs"] == "+".join(PRETRAIN_ENVS):
+            del fields["envs"]  # the default set keeps the key (and the caches) it had before the field
+        blob = json.dumps({**fields, "recipe": TINY_RECIPE_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -97,12 +105,12 @@ def tiny_path(spec: TinySpec | None = None, *, build: bool = True) -> Path:
     return path
 
 
-def tokenizer_corpus(seed: int = 0, n: int = 2000) -> list[str]:
+def tokenizer_corpus(seed: int = 0, n: int = 2000, envs: tuple[str, ...] = PRETRAIN_ENVS) -> list[str]:
     """Text the tokenizer learns from (and the model pre-trains on): built-in environments' transcripts."""
     from ctxrl.envs.registry import get_env_class
 
     texts: list[str] = []
-    for name in PRETRAIN_ENVS:
+    for name in envs:
         env_cls = get_env_class(name)
         corpus = getattr(env_cls, "corpus", None)
         if corpus is not None:
@@ -144,7 +152,10 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
 
     from ctxrl.chat.toolcalls import format_tool_call
 
-    corpus = tokenizer_corpus(spec.seed)
+    corpus = tokenizer_corpus(spec.seed, envs=spec.env_names())
+    if spec.env_names() != PRETRAIN_ENVS:  # environments without a plain corpus: their chat text
+
+        corpus += _solved_texts(spec.env_names(), 500, spec.seed)
     # The template's own text, so that its fixed phrases become few tokens; numbers 0-999 (as
     # whole tokens with the Llama pre-tokenizer: they are frequent enough to be merged).
     texts = corpus + [CHATML_TOOLS_TEMPLATE, format_tool_call("calculator", {"expression": "1 + 2"})] * 50
@@ -217,7 +228,33 @@ def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.pad_token_id] for t in texts if "\n" in t]
 
 
-def chat_sequences(tokenizer, n: int, seed: int) -> list[list[int]]:
+def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
+    """Prompts, solutions and tool observations of solved tasks, as text (for the tokenizer)."""
+    import asyncio
+
+    from ctxrl.chat.toolcalls import parse_assistant
+    from ctxrl.envs.registry import get_env_class
+
+    texts = []
+    for name in envs:
+        env_cls = get_env_class(name)
+        if getattr(env_cls, "corpus", None) is not None:
+            continue
+        for task in env_cls.sample_tasks("train", n, seed):
+            env = env_cls()
+            parts = [m.content for m in env.reset(task, seed=seed)]
+            for text in env_cls.solve(task):
+                parts.append(text)
+                result = asyncio.run(env.step(parse_assistant(text)))
+                parts += [m.content for m in result.messages]
+                if result.terminated:
+                    break
+            env.close()
+            texts.append("\n".join(parts))
+    return texts
+
+
+def chat_sequences(tokenizer, n: int, seed: int, envs: tuple[str, ...] = PRETRAIN_ENVS) -> list[list[int]]:
     """``n`` solved train tasks per environment, as whole chat episodes (system block and tools included).
 
     The scripted solutions are played through the real agent loop (as SFT demos are), so the
@@ -232,11 +269,12 @@ def chat_sequences(tokenizer, n: int, seed: int) -> list[list[int]]:
 
     renderer = ChatRenderer(tokenizer, template_name="tiny")
     sequences: list[list[int]] = []
-    for name in PRETRAIN_ENVS:
+    per_env = n if len(envs) == 1 else -(-n // len(envs))
+    for name in envs:
         env_cls = get_env_class(name)
         if getattr(env_cls, "solve", None) is None:
             continue
-        for episode in asyncio.run(build_demos(env_cls, renderer, n, seed=seed)):
+        for episode in asyncio.run(build_demos(env_cls, renderer, per_env, seed=seed)):
             sequences.append(list(episode.input_ids) + [tokenizer.pad_token_id])
     return sequences
 
@@ -256,8 +294,15 @@ def pretraining_batches(tokenizer, spec: TinySpec) -> list[list[list[int]]]:
     chat_size = spec.pretrain_chat_batch_size or spec.pretrain_batch_size
     n_chat_batches = spec.pretrain_steps // 2
     n_plain_batches = spec.pretrain_steps - n_chat_batches
-    plain = pretraining_sequences(tokenizer, tokenizer_corpus(spec.seed + 1, n_plain_batches * plain_size))
-    chat = chat_sequences(tokenizer, n_chat_batches * chat_size, spec.seed + 2) if n_chat_batches else []
+    plain = pretraining_sequences(tokenizer, tokenizer_corpus(spec.seed + 1, n_plain_batches * plain_size,
+                                                              envs=spec.env_names()))
+    chat = chat_sequences(tokenizer, n_chat_batches * chat_size, spec.seed + 2, spec.env_names()) \
+        if n_chat_batches else []
+    if len(spec.env_names()) > 1:  # mix the environments within every batch
+        import random
+
+        random.Random(spec.seed).shuffle(chat)
+        random.Random(spec.seed + 1).shuffle(plain)
     batches: list[list[list[int]]] = []
     for step in range(spec.pretrain_steps):
         k = step // 2
