@@ -215,3 +215,36 @@ def test_python_tool_observations():
     assert texts[2].startswith("[timed out after")
     assert texts[3] == "[no output]"
     assert counts["tool_calls"] == 4
+
+
+@pytest.mark.skipif(not ROOT or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root to start an unprivileged caller, and a system python3 it can run")
+def test_the_non_root_path_from_an_unprivileged_caller():
+    """The sandbox called by an ordinary user: a user + network namespace, no uid of its own."""
+    import subprocess
+
+    repo = str(Path(__file__).resolve().parents[1])
+    code = ("import sys, json\n"
+            f"sys.path.insert(0, {repo!r})\n"
+            "from ctxrl.tools.sandbox import run_python\n"
+            "r = run_python(\"import socket\\ntry:\\n    socket.create_connection(('127.0.0.1', 1), timeout=1)\\n"
+            "except OSError as e:\\n    print('blocked')\", timeout_s=5)\n"
+            "h = run_python('while True:\\n    pass', timeout_s=1)\n"
+            "print(json.dumps([r.network, r.files, r.stdout, h.timed_out]))")
+    uid = sandbox.UID_RANGE[1] - 2
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+    if not os.access(repo, os.R_OK | os.X_OK) or oct(os.stat(repo).st_mode)[-1] in "0246":
+        pytest.skip("the checkout is not readable by other users")
+    done = subprocess.run(["/usr/bin/python3", "-c", code], preexec_fn=drop, capture_output=True, text=True,
+                          timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": "/"})
+    if done.returncode != 0 and "No module named" in done.stderr:
+        pytest.skip(f"the system python3 cannot import ctxrl's tool modules: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    network, files, stdout, hang_timed_out = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert network in ("namespace", "python-socket-block") and files == "host"
+    assert stdout == "blocked\n" and hang_timed_out
