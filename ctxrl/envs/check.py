@@ -218,6 +218,24 @@ async def _replay_gold(env_cls: type, task: Task, seed: int) -> str | None:
         env.close()
 
 
+def play_solution(env_cls: type, task: Task, seed: int = 0) -> tuple[list[Message], float]:
+    """The episode ``solve(task)`` plays through ``reset`` and ``step``: every message (opening,
+    assistant turns, observations) and the total reward. No checks: see ``check_env`` for those."""
+    env = env_cls()
+    try:
+        messages, reward = list(env.reset(task, seed=seed)), 0.0
+        for text in env_cls.solve(task):
+            messages.append(Message(role="assistant", content=text))
+            result = _run(env.step(parse_assistant(text)))
+            messages += result.messages
+            reward += result.reward
+            if result.terminated:
+                break
+        return messages, reward
+    finally:
+        env.close()
+
+
 def _close_twice(env: Any, problems: list[str]) -> None:
     for attempt in ("first", "second"):
         try:

@@ -8,12 +8,11 @@ the environment's own gold solution (``solve``) on its first held-out task, play
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import sys
 from pathlib import Path
 
-from ctxrl.chat.toolcalls import parse_assistant
+from ctxrl.envs.check import play_solution
 from ctxrl.envs.registry import get_env_class, list_envs
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "envs"
@@ -27,23 +26,8 @@ def documented_envs() -> list[str]:
 
 def _episode(env_cls) -> list[str]:
     task = env_cls.sample_tasks("heldout", 1, seed=0)[0]
-    env = env_cls()
-    lines = []
-    try:
-        for message in env.reset(task, seed=0):
-            lines.append(f"{message.role}: {message.content}")
-        reward = 0.0
-        for text in env_cls.solve(task):
-            lines.append(f"assistant: {text}")
-            result = asyncio.run(env.step(parse_assistant(text)))
-            lines += [f"{m.role}: {m.content}" for m in result.messages]
-            reward += result.reward
-            if result.terminated:
-                break
-        lines.append(f"(episode reward {reward:g}; context {task.context})")
-    finally:
-        env.close()
-    return lines
+    messages, reward = play_solution(env_cls, task, seed=0)
+    return [f"{m.role}: {m.content}" for m in messages] + [f"(episode reward {reward:g}; context {task.context})"]
 
 
 def env_page(name: str) -> str:

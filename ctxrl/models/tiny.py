@@ -230,9 +230,7 @@ def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
 
 def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
     """Prompts, solutions and tool observations of solved tasks, as text (for the tokenizer)."""
-    import asyncio
-
-    from ctxrl.chat.toolcalls import parse_assistant
+    from ctxrl.envs.check import play_solution
     from ctxrl.envs.registry import get_env_class
 
     texts = []
@@ -241,16 +239,8 @@ def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
         if getattr(env_cls, "corpus", None) is not None:
             continue
         for task in env_cls.sample_tasks("train", n, seed):
-            env = env_cls()
-            parts = [m.content for m in env.reset(task, seed=seed)]
-            for text in env_cls.solve(task):
-                parts.append(text)
-                result = asyncio.run(env.step(parse_assistant(text)))
-                parts += [m.content for m in result.messages]
-                if result.terminated:
-                    break
-            env.close()
-            texts.append("\n".join(parts))
+            messages, _ = play_solution(env_cls, task, seed)
+            texts.append("\n".join(m.content for m in messages))
     return texts
 
 

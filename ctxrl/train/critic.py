@@ -37,14 +37,8 @@ class Critic(torch.nn.Module):
 def episode_values(critic: Critic, episodes: list[Episode], pad_token_id: int, *, micro_batch_size: int = 32
                    ) -> list[list[float]]:
     """Per episode, one value per token aligned with ``input_ids`` (index 0, the first prompt token, gets 0)."""
-    from ctxrl.train.learner import collate
+    from ctxrl.train.learner import per_token_rows
 
     device = next(critic.parameters()).device
-    out: list[list[float]] = []
-    for start in range(0, len(episodes), micro_batch_size):
-        eps = episodes[start:start + micro_batch_size]
-        batch = collate(eps, pad_token_id, device)
-        values = critic(batch.input_ids, batch.attention_mask).cpu()
-        for row, e in enumerate(eps):
-            out.append([0.0] + values[row, : len(e.input_ids) - 1].tolist())
-    return out
+    return per_token_rows(episodes, pad_token_id, device, micro_batch_size,
+                          lambda batch: critic(batch.input_ids, batch.attention_mask))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -74,6 +75,18 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     targets = input_ids[:, 1:]
     logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return (logprobs, logits) if return_logits else logprobs
+
+
+def per_token_rows(episodes: list[Episode], pad_token_id: int, device, micro_batch_size: int,
+                   fn: Callable[[Batch], torch.Tensor]) -> list[list[float]]:
+    """``fn(batch) -> [B, T-1]`` over micro-batches of collated episodes, as one list per episode
+    aligned with its ``input_ids`` (index 0, the first prompt token, gets 0)."""
+    rows: list[list[float]] = []
+    for start in range(0, len(episodes), micro_batch_size):
+        eps = episodes[start:start + micro_batch_size]
+        values = fn(collate(eps, pad_token_id, device)).detach().float().cpu()
+        rows += [[0.0] + values[row, : len(e.input_ids) - 1].tolist() for row, e in enumerate(eps)]
+    return rows
 
 
 @dataclass
@@ -172,22 +185,20 @@ class Learner:
         ``|delta|`` and the k3 estimate of KL(behaviour || learner) over sampled tokens.
         """
         s = self.settings
-        self._recomputed = {}
-        abs_sum = kl_sum = tokens = 0.0
-        for start in range(0, len(episodes), s.micro_batch_size):
-            eps = episodes[start:start + s.micro_batch_size]
-            batch = collate(eps, self.pad_token_id, self.device)
+        sums = {"abs": 0.0, "kl": 0.0, "tokens": 0.0}
+
+        def learner_logprobs(batch: Batch) -> torch.Tensor:
             lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, temperature=s.temperature)
             m = batch.loss_mask
-            delta = (lp - batch.old_logprobs) * m
-            abs_sum += float(delta.abs().sum())
-            kl_sum += float((kl_penalty(batch.old_logprobs, lp, "k3") * m).sum())
-            tokens += float(m.sum())
-            for row, e in enumerate(eps):
-                n = len(e.input_ids)
-                self._recomputed[id(e)] = [0.0] + (lp[row, : n - 1] * m[row, : n - 1]).tolist()
-        return {"mismatch_abs_before_update": abs_sum / max(tokens, 1.0),
-                "mismatch_kl_before_update": kl_sum / max(tokens, 1.0)}
+            sums["abs"] += float(((lp - batch.old_logprobs) * m).abs().sum())
+            sums["kl"] += float((kl_penalty(batch.old_logprobs, lp, "k3") * m).sum())
+            sums["tokens"] += float(m.sum())
+            return lp * m
+
+        rows = per_token_rows(episodes, self.pad_token_id, self.device, s.micro_batch_size, learner_logprobs)
+        self._recomputed = {id(e): row for e, row in zip(episodes, rows)}
+        tokens = max(sums["tokens"], 1.0)
+        return {"mismatch_abs_before_update": sums["abs"] / tokens, "mismatch_kl_before_update": sums["kl"] / tokens}
 
     def mini_batch_loss(self, episodes: list[Episode], advantages: list[float] | list[list[float]]
                         ) -> dict[str, float]:

@@ -192,7 +192,7 @@ class Run:
         t_rollout = time.perf_counter() - t0
         sampling.update(self.curriculum.update(episodes))
         sampling["max_turns"] = self.curriculum.max_turns(step, self.train_limits.max_turns)
-        valid = [e for e in train_eps if _trainable(e)]
+        trainable = valid = [e for e in train_eps if _trainable(e)]
         targets: dict[str, list] = {}
         penalties = None
         if a.kl_coef > 0 and a.kl_placement == "reward" and valid:
@@ -226,7 +226,7 @@ class Run:
                "trained_episodes": len(valid),
                "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
                "advantage_std": float(np.std(sampled)) if sampled else 0.0,
-               "zero_variance_groups": _zero_variance_groups([e for e in train_eps if _trainable(e)]),
+               "zero_variance_groups": _zero_variance_groups(trainable),
                **update,
                "tokens": sum(len(e.input_ids) for e in episodes),
                "time_rollout": t_rollout, "time_update": t_update, "time_step": time.perf_counter() - t0}
@@ -248,20 +248,19 @@ def kl_reward_penalties(ref_model, episodes, pad_token_id: int, *, coef: float, 
     """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
     mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
     from ctxrl.algo.losses import kl_penalty
-    from ctxrl.train.learner import collate, token_logprobs
+    from ctxrl.train.learner import per_token_rows, token_logprobs
 
-    device = next(ref_model.parameters()).device
-    out, total, tokens = [], 0.0, 0.0
-    for start in range(0, len(episodes), micro_batch_size):
-        eps = episodes[start:start + micro_batch_size]
-        batch = collate(eps, pad_token_id, device)
+    sums = {"kl": 0.0, "tokens": 0.0}
+
+    def penalty(batch) -> torch.Tensor:
         ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, temperature=temperature)
         kl = kl_penalty(batch.old_logprobs, ref, kind) * batch.loss_mask
-        total += float(kl.sum())
-        tokens += float(batch.loss_mask.sum())
-        for row, e in enumerate(eps):
-            out.append([0.0] + (-coef * kl[row, : len(e.input_ids) - 1]).cpu().tolist())
-    return out, total / max(tokens, 1.0)
+        sums["kl"] += float(kl.sum())
+        sums["tokens"] += float(batch.loss_mask.sum())
+        return -coef * kl
+
+    rows = per_token_rows(episodes, pad_token_id, next(ref_model.parameters()).device, micro_batch_size, penalty)
+    return rows, sums["kl"] / max(sums["tokens"], 1.0)
 
 
 def _mean_terms(episodes) -> dict[str, float]:
