@@ -54,3 +54,23 @@ def test_episode_runs_the_code_in_the_sandbox(renderer):
     texts = ['<tool_call>\n{"name": "python", "arguments": {"code": "print(1/0)"}}\n</tool_call>', "<answer>7</answer>"]
     bad = asyncio.run(run_episode(PythonMathEnv(), task, ScriptedEngine(texts, renderer), renderer, limits, seed=0))
     assert "ZeroDivisionError" in bad.messages[3].content and bad.reward == 0.0 and not bad.success
+
+
+def test_shortcut_and_replayed_pretraining_variant(renderer):
+    """The shortcut answers without the tool; the pre-training variant replays exactly the sandbox's output."""
+    from ctxrl.envs.python_math import ReplayedPythonMathEnv
+
+    assert PythonMathEnv.pretraining_variant(3) is ReplayedPythonMathEnv
+    limits = RolloutLimits(max_turns=3, max_new_tokens=256, max_total_tokens=4096)
+    tasks = PythonMathEnv.sample_tasks("train", 40, seed=4)
+    for family in FAMILIES:
+        task = next(t for t in tasks if t.context["family"] == family)
+        assert PythonMathEnv.shortcut(task) == [f"<answer>{task.answer}</answer>"]
+        runs = [asyncio.run(run_episode(cls(), task, ScriptedEngine(PythonMathEnv.solve(task), renderer), renderer,
+                                        limits, seed=0)) for cls in (PythonMathEnv, ReplayedPythonMathEnv)]
+        assert runs[0].input_ids == runs[1].input_ids and runs[0].success and runs[1].success
+    # code other than the reference still runs (in the sandbox)
+    texts = ['<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>', "<answer>42</answer>"]
+    episode = asyncio.run(run_episode(ReplayedPythonMathEnv(), tasks[0], ScriptedEngine(texts, renderer), renderer,
+                                      limits, seed=0))
+    assert episode.messages[3].content == "42"

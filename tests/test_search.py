@@ -71,3 +71,22 @@ def test_scripted_episode(renderer):
                                       renderer, limits, seed=0))
     assert episode.success and episode.tool_calls == 3
     assert task.data["lookups"][1] in episode.messages[3].content  # the first result names the next hop
+
+
+def test_pretraining_variant_is_another_world_and_shortcut_stops_after_one_search(renderer):
+    variant = SearchQAEnv.pretraining_variant(5)
+    assert issubclass(variant, SearchQAEnv) and variant.kb_seed != SearchQAEnv.kb_seed
+    own, other = knowledge_base(SearchQAEnv.kb_seed), knowledge_base(variant.kb_seed)
+    assert not set(own.people) & set(other.people)  # no fact of the training world is pre-trained on
+    task = next(t for t in variant.sample_tasks("train", 20, seed=1) if t.context["hops"] == 2)
+    assert task.data["lookups"][0] in other.people
+    limits = RolloutLimits(max_turns=4, max_new_tokens=64, max_total_tokens=4096)
+    solved = asyncio.run(run_episode(variant(), task, ScriptedEngine(variant.solve(task), renderer), renderer,
+                                     limits, seed=0))
+    assert solved.success and solved.tool_calls == 2  # the variant's tool searches its own world
+    # the shortcut: one search, then the entity it revealed, which is not the 2-hop answer
+    short = asyncio.run(run_episode(variant(), task, ScriptedEngine(variant.shortcut(task), renderer), renderer,
+                                    limits, seed=0))
+    assert short.tool_calls == 1 and not short.success
+    one_hop = next(t for t in SearchQAEnv.sample_tasks("train", 20, seed=1) if t.context["hops"] == 1)
+    assert SearchQAEnv.shortcut(one_hop) == SearchQAEnv.solve(one_hop)

@@ -17,6 +17,7 @@ size of the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -144,3 +145,36 @@ class PythonMathEnv(ToolAnswerEnv):
         if not isinstance(code, str):
             raise EnvError(f"task {task.id} has no data['code']; python_math tasks need it to be solved")
         return [format_tool_call("python", {"code": code}), f"<answer>{task.answer}</answer>"]
+
+    @classmethod
+    def shortcut(cls, task: Task) -> list[str]:
+        """The right answer without running code: material for deliberately imperfect demos.
+
+        No model can do these sums in its head, so a warm start on such demos learns to guess a
+        number; RL has to move it to the tool.
+        """
+        return [f"<answer>{task.answer}</answer>"]
+
+    @classmethod
+    def pretraining_variant(cls, seed: int) -> type[PythonMathEnv]:
+        """For pre-training text: the reference code's output is known, so it is replayed, not run.
+
+        Thousands of pre-training episodes would otherwise start thousands of sandboxes (minutes).
+        The observation is the one the sandbox gives for that code (tested); any other code runs.
+        """
+        return ReplayedPythonMathEnv
+
+
+class ReplayedPythonMathEnv(PythonMathEnv):
+    """``python_math`` whose tool answers the task's reference code from the known answer (pre-training only)."""
+
+    def make_tools(self) -> list[Tool]:
+        sandboxed = python_tool(timeout_s=10.0)
+
+        async def run(code: str) -> str:
+            task = self._task
+            if task is not None and code == task.data.get("code"):
+                return str(task.answer)  # what ``print(answer)`` shows, as format_result renders it
+            return await sandboxed.fn(code=code)
+
+        return [dataclasses.replace(sandboxed, fn=run)]

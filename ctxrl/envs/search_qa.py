@@ -29,6 +29,7 @@ from ctxrl.tools.search import Document, SearchIndex, exact_match, search_tool, 
 from ctxrl.types import Task
 
 KB_SEED = 0
+PRETRAINING_KB_SEED = 1000  # worlds the tiny model pre-trains on: never the environment's own
 N_PEOPLE, N_COMPANIES, N_CITIES, N_COUNTRIES = 120, 30, 24, 8
 _SYLLABLES = ("al", "bra", "cor", "da", "el", "fen", "gar", "hol", "ir", "ka", "lor", "mor", "nes", "or", "pra",
               "quel", "ris", "sol", "tar", "um", "vel", "wen", "xan", "yor", "zel")
@@ -104,8 +105,8 @@ def _follow(kb: KnowledgeBase, person: str, path: tuple[str, ...]) -> tuple[list
     return lookups, here
 
 
-def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dict[str, Any]]:
-    kb = knowledge_base()
+def generate(context: dict[str, Any], rng: random.Random, kb_seed: int = KB_SEED) -> tuple[str, str, dict[str, Any]]:
+    kb = knowledge_base(kb_seed)
     hops = int(context["hops"])
     _, template, path = rng.choice([q for q in QUESTIONS if q[0] == hops])
     person = rng.choice(sorted(kb.people))
@@ -126,10 +127,38 @@ class SearchQAEnv(ToolAnswerEnv):
     ])
 
     required_data: ClassVar[tuple[str, ...]] = ("lookups",)
-    generate = staticmethod(generate)
+    kb_seed: ClassVar[int] = KB_SEED
+    """Which synthetic world the questions and the index come from (``pretraining_variant`` changes it)."""
+
+    @classmethod
+    def generate(cls, context: dict[str, Any], rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        return generate(context, rng, cls.kb_seed)
 
     def make_tools(self) -> list[Tool]:
-        return [search_tool(kb_index())]
+        return [search_tool(kb_index(self.kb_seed))]
+
+    @classmethod
+    def pretraining_variant(cls, seed: int) -> type[SearchQAEnv]:
+        """The same environment over another invented world (for the tiny model's pre-training).
+
+        A base model must bring the skill (search, read, copy a name), never the facts: text from
+        the training world would let a small model memorise train answers, which is success on
+        ``train`` that says nothing about ``heldout``.
+        """
+        return type(f"{cls.__name__}World{seed}", (cls,), {"kb_seed": PRETRAINING_KB_SEED + seed})
+
+    @classmethod
+    def shortcut(cls, task: Task) -> list[str]:
+        """Answer after the first search only: right for 1-hop questions, the middle entity for longer ones.
+
+        Stopping after one lookup is the search agent's classic mistake; demos that make it are
+        an imperfect warm start that RL has to fix (search again, then answer).
+        """
+        lookups = task.data.get("lookups")
+        if not isinstance(lookups, list) or not lookups:
+            raise EnvError(f"task {task.id} has no data['lookups']; search_qa tasks need it")
+        first = lookups[1] if len(lookups) > 1 else task.answer  # what the first search reveals
+        return [format_tool_call("search", {"query": lookups[0]}), f"<answer>{first}</answer>"]
 
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         return exact_match(given, task.answer), {"f1": token_f1(given, task.answer)}
