@@ -83,6 +83,9 @@ class SFTConfig:
     shortcut_fraction: float = 0.65
     """Fraction of demos that answer without the tool (the env's ``shortcut``): imperfect on purpose.
     Above one half, the greedy warm-started policy prefers answering unaided; RL has to find the tool."""
+    other_worlds: bool = True
+    """Draw demos from the env's ``pretraining_variant`` where it has one (``search_qa``: other invented
+    worlds), so the warm start teaches the skill and not the training split's answers."""
     epochs: int = 2
     """Passes over the demonstrations."""
     batch_size: int = 32

@@ -90,3 +90,21 @@ def test_pretraining_variant_is_another_world_and_shortcut_stops_after_one_searc
     assert short.tool_calls == 1 and not short.success
     one_hop = next(t for t in SearchQAEnv.sample_tasks("train", 20, seed=1) if t.context["hops"] == 1)
     assert SearchQAEnv.shortcut(one_hop) == SearchQAEnv.solve(one_hop)
+
+
+def test_demos_from_other_worlds_never_hold_the_training_worlds_facts(renderer):
+    from ctxrl.train.sft import WORLD_EPISODES, build_demos
+
+    n = WORLD_EPISODES + 20
+    demos = asyncio.run(build_demos(SearchQAEnv, renderer, n, seed=3, shortcut_fraction=0.5, other_worlds=True))
+    assert len(demos) == n and all(d.success or d.tool_calls == 1 for d in demos)
+    own = set(knowledge_base(SearchQAEnv.kb_seed).people)
+    asked = [d.task.data["lookups"][0] for d in demos]
+    assert not own & set(asked)
+    worlds = {type_.kb_seed for type_ in (SearchQAEnv.pretraining_variant(3 * 100_003), SearchQAEnv.pretraining_variant(3 * 100_003 + 1))}
+    assert len(worlds) == 2  # two chunks, two worlds
+    assert asked[0] in knowledge_base(SearchQAEnv.pretraining_variant(3 * 100_003).kb_seed).people
+    assert asked[-1] in knowledge_base(SearchQAEnv.pretraining_variant(3 * 100_003 + 1).kb_seed).people
+    # without other_worlds the demos come from the environment's own world
+    own_demos = asyncio.run(build_demos(SearchQAEnv, renderer, 5, seed=3))
+    assert all(d.task.data["lookups"][0] in own for d in own_demos)

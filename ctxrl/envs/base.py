@@ -58,3 +58,15 @@ class Env(Protocol):
     def solve(cls, task: Task) -> list[str]:
         """The gold assistant turns, exactly as a model should write them."""
         ...
+
+
+def pretraining_env(env_cls: type, seed: int) -> type:
+    """The variant of ``env_cls`` to pre-train and warm-start on: ``env_cls.pretraining_variant(seed)`` if defined.
+
+    An environment whose tasks share fixed facts (``search_qa``'s knowledge base) gives another
+    invented world, so a base model or a warm start brings the skill (search, read, copy) and never
+    the training split's answers; one whose tool is slow may replay known outputs
+    (``python_math``). Environments without the hook are used as they are.
+    """
+    variant = getattr(env_cls, "pretraining_variant", None)
+    return variant(seed) if variant is not None else env_cls

@@ -46,8 +46,6 @@ TINY_RECIPE_VERSION = 9
 PRETRAIN_ENVS = ("calculator",)
 # Bump when pre-training on other environments changes (their key only: the default model's stays).
 OTHER_ENVS_RECIPE_VERSION = 2
-# Pre-training episodes drawn from one world (of an environment with a ``pretraining_variant``).
-WORLD_EPISODES = 100
 
 # Qwen2's pre-tokenizer splits digits one by one; Llama 3's groups them in runs of up to three.
 QWEN2_PRETOKENIZE_REGEX = (
@@ -234,20 +232,12 @@ def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.pad_token_id] for t in texts if "\n" in t]
 
 
-def pretraining_env(env_cls, seed: int):
-    """The variant of ``env_cls`` to pre-train on: its ``pretraining_variant(seed)`` if it has one.
-
-    An environment whose tasks share fixed facts (``search_qa``'s knowledge base) pre-trains on
-    another world, so the base model brings skills and never the training split's answers.
-    """
-    variant = getattr(env_cls, "pretraining_variant", None)
-    return variant(seed) if variant is not None else env_cls
-
-
 def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
     """Prompts, solutions and tool observations of solved tasks, as text (for the tokenizer)."""
     from ctxrl.envs.check import play_solution
     from ctxrl.envs.registry import get_env_class
+
+    from ctxrl.envs.base import pretraining_env
 
     texts = []
     for name in envs:
@@ -277,16 +267,13 @@ def chat_sequences(tokenizer, n: int, seed: int, envs: tuple[str, ...] = PRETRAI
     sequences: list[list[int]] = []
     per_env = n if len(envs) == 1 else -(-n // len(envs))
     for name in envs:
-        base = get_env_class(name)
-        if getattr(base, "solve", None) is None:
+        env_cls = get_env_class(name)
+        if getattr(env_cls, "solve", None) is None:
             continue
-        # Environments with a pre-training variant get a fresh one (another world) every
-        # WORLD_EPISODES episodes, so copying from observations is learnt and facts are not.
-        chunk = WORLD_EPISODES if getattr(base, "pretraining_variant", None) is not None else per_env
-        for start in range(0, per_env, chunk):
-            env_cls = pretraining_env(base, seed * 100_003 + start // chunk)
-            for episode in asyncio.run(build_demos(env_cls, renderer, min(chunk, per_env - start), seed=seed + start)):
-                sequences.append(list(episode.input_ids) + [tokenizer.pad_token_id])
+        # other_worlds: a fresh invented world every few episodes where the env has one
+        # (search_qa), so copying from observations is learnt and facts are not.
+        for episode in asyncio.run(build_demos(env_cls, renderer, per_env, seed=seed, other_worlds=True)):
+            sequences.append(list(episode.input_ids) + [tokenizer.pad_token_id])
     return sequences
 
 

@@ -96,7 +96,7 @@ class Run:
         c = self.config.sft
         t0 = time.perf_counter()
         demos = asyncio.run(build_demos(self.env_cls, self.renderer, c.demos, shortcut_fraction=c.shortcut_fraction,
-                                        seed=self.config.run.seed + 77))
+                                        seed=self.config.run.seed + 77, other_worlds=c.other_worlds))
         losses = sft_train(self.model, demos, pad_token_id=self.tokenizer.pad_token_id, epochs=c.epochs,
                            batch_size=c.batch_size, lr=c.lr, seed=self.config.run.seed, on_step=on_step)
         row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),

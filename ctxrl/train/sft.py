@@ -17,15 +17,32 @@ from typing import Callable
 import torch
 
 from ctxrl.chat.render import ChatRenderer
+from ctxrl.envs.base import pretraining_env
 from ctxrl.rollout.agent import RolloutLimits, run_episode
 from ctxrl.rollout.scripted import ScriptedEngine
 from ctxrl.train.learner import collate, token_logprobs
 from ctxrl.types import Episode
 
 
+WORLD_EPISODES = 100
+"""Demos drawn from one world before the next, when demos come from other worlds."""
+
+
 async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fraction: float = 0.0,
-                      seed: int = 0, limits: RolloutLimits | None = None) -> list[Episode]:
-    """Play ``n`` scripted episodes on training tasks; raises if a script does not fit the limits."""
+                      seed: int = 0, limits: RolloutLimits | None = None, other_worlds: bool = False) -> list[Episode]:
+    """Play ``n`` scripted episodes on training tasks; raises if a script does not fit the limits.
+
+    ``other_worlds``: for an environment with a ``pretraining_variant`` (``search_qa``), draw the
+    demos from a fresh variant every ``WORLD_EPISODES`` episodes (many invented worlds), so they
+    teach the skill (search, read, copy) and no world's facts can be memorised.
+    """
+    if other_worlds and getattr(env_cls, "pretraining_variant", None) is not None:
+        episodes: list[Episode] = []
+        for start in range(0, n, WORLD_EPISODES):
+            world = pretraining_env(env_cls, seed * 100_003 + start // WORLD_EPISODES)
+            episodes += await build_demos(world, renderer, min(WORLD_EPISODES, n - start), seed=seed + start,
+                                          shortcut_fraction=shortcut_fraction, limits=limits)
+        return episodes
     limits = limits or RolloutLimits(max_turns=16, max_new_tokens=4096, max_total_tokens=1 << 20)
     tasks = env_cls.sample_tasks("train", n, seed)
     rng = random.Random(seed)
