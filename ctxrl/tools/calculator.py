@@ -96,6 +96,17 @@ def calculate(expression: str) -> str:
     return format_number(safe_eval(expression))
 
 
+async def calculate_inline(expression: str) -> str:
+    """``calculate`` on the event loop itself, not in a worker thread.
+
+    Safe because an evaluation is bounded (256 characters, no powers, magnitudes below 1e30:
+    microseconds). It matters for exact reproducibility: a thread's finishing time decides which
+    episodes share the engine's next batch, and that changes the behaviour log-probs in their last
+    bits (the sampled tokens stay the same); inline, a seeded run repeats bit for bit.
+    """
+    return calculate(expression)
+
+
 def calculator_tool(timeout_s: float = 5.0) -> Tool:
     """The ``calculator`` tool: one required string argument ``expression``."""
     return Tool(
@@ -107,6 +118,6 @@ def calculator_tool(timeout_s: float = 5.0) -> Tool:
             "properties": {"expression": {"type": "string"}},
             "required": ["expression"],
         },
-        fn=calculate,
+        fn=calculate_inline,
         timeout_s=timeout_s,
     )
