@@ -4,19 +4,72 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ctxrl.config import Config, ConfigError, load_config
+from ctxrl.train.checkpoint import CheckpointError
 
 def _default_run_dir(config: Config) -> Path:
     return Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False) -> dict[str, Any]:
-    """Warm start (if enabled), evaluate, RL, evaluate again; write the run directory."""
+class GracefulStop:
+    """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT abandons it)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: abandon the step now
+        self.signal = signum
+        print(f"\nctxrl: {signal.Signals(signum).name} received: stopping after this step "
+              "(Ctrl-C again abandons it)", file=sys.stderr)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class RunStopped(Exception):
+    """The run stopped early on a signal, resumably; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def logged_eval(run_dir: Path, step: int) -> dict[str, dict[str, float]]:
+    """The evaluation rows of ``step`` in ``metrics.jsonl``, by split (for a resumed run's summary)."""
+    rows: dict[str, dict[str, float]] = {}
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("phase") == "eval" and row.get("step") == step:
+                rows[row["split"]] = row
+    return rows
+
+
+def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Warm start (if enabled), evaluate, RL, evaluate again; write the run directory.
+
+    ``resume``: continue from ``run_dir/checkpoints/latest`` instead (no warm start; the
+    evaluation before RL is read back from ``metrics.jsonl``). RL checkpoints are written every
+    ``train.checkpoint_every`` steps and when a signal stops the run.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -25,39 +78,65 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False) -> dict[
 
     console = Console(stderr=True, quiet=quiet or not config.run.progress)
     started = time.perf_counter()
+    if resume and not (run_dir / "checkpoints").exists():
+        raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
     run = Run(config, run_dir)
     console.print(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {run.device} | "
-                  f"env {config.env.name}")
+                  f"env {config.env.name}" + (" | resuming" if resume else ""))
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}")]
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
-    with Progress(*columns, console=console, transient=False) as progress:
-        if config.sft.enabled:
-            bar = progress.add_task("warm start (SFT)", total=None, info="")
+    every = config.train.checkpoint_every
+    with GracefulStop() as stop, Progress(*columns, console=console, transient=False) as progress:
+        if resume:
+            learner = run.make_learner()
+            first = run.resume(learner)
+            before = logged_eval(run_dir, 0)
+            if not before:
+                raise CheckpointError(f"{run_dir}/metrics.jsonl has no evaluation of step 0; the log does not "
+                                      "belong to this checkpoint")
+            progress.console.print(f"resumed from {run_dir / 'checkpoints' / 'latest'} after step {first}")
+        else:
+            if config.sft.enabled:
+                bar = progress.add_task("warm start (SFT)", total=None, info="")
 
-            def on_sft(step: int, total: int, loss: float) -> None:
-                progress.update(bar, completed=step, total=total, info=f"loss {loss:.3f}")
+                def on_sft(step: int, total: int, loss: float) -> None:
+                    progress.update(bar, completed=step, total=total, info=f"loss {loss:.3f}")
 
-            sft = run.warm_start(on_step=on_sft)
-            summary["sft_loss_last"] = sft["sft_loss_last"]
-        before = run.evaluate(0)
+                sft = run.warm_start(on_step=on_sft)
+                summary["sft_loss_last"] = sft["sft_loss_last"]
+            before = run.evaluate(0)
+            learner = run.make_learner()
+            first = 0
         progress.console.print(f"after warm start: heldout {before['heldout']['success']:.2f}  "
                                f"ood {before['ood']['success']:.2f}")
-        learner = run.make_learner()
         steps = config.train.steps
-        bar = progress.add_task(f"RL ({config.algo.advantage}, {config.algo.loss})", total=steps, info="")
-        history = []
-        for step in range(steps):
+        bar = progress.add_task(f"RL ({config.algo.advantage}, {config.algo.loss})", total=steps, completed=first,
+                                info="")
+        done = first
+        for step in range(first, steps):
+            if stop.signal is not None:
+                break
             row = run.rl_step(learner, step)
-            history.append(row)
+            done = step + 1
             info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
                     f"{row['time_step']:.1f}s/step")
-            if config.train.eval_every and (step + 1) % config.train.eval_every == 0 and step + 1 < steps:
-                mid = run.evaluate(step + 1, splits=("heldout",))
+            if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
+                mid = run.evaluate(done, splits=("heldout",))
                 info += f" | heldout {mid['heldout']['success']:.2f}"
-            if config.train.checkpoint_every and (step + 1) % config.train.checkpoint_every == 0:
-                run.save_checkpoint(f"step-{step + 1:06d}")
+            if every and done % every == 0:
+                run.save_training_checkpoint(done, learner)
             progress.update(bar, advance=1, info=info)
+        if stop.signal is not None and done < steps:
+            name = signal.Signals(stop.signal).name
+            if every:
+                if done % every:
+                    run.save_training_checkpoint(done, learner)
+                hint = f"resume with --run-dir {run_dir} --resume"
+            else:
+                hint = "no checkpoint was written (train.checkpoint_every=0), so it cannot be resumed"
+            run.writer.close()
+            raise RunStopped(f"stopped by {name} after step {done} of {steps}; {hint}", 128 + stop.signal)
         after = run.evaluate(steps) if steps else before
     checkpoint = run.save_checkpoint("final")
     run.writer.close()
@@ -75,6 +154,7 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False) -> dict[
         "tool_calls_before": before["heldout"]["tool_calls"],
         "tool_calls_after": after["heldout"]["tool_calls"],
         "steps": steps,
+        "resumed_from": first if resume else None,
         "skipped_updates": learner.skipped_updates,
         "checkpoint": str(checkpoint),
         "plots": [str(p) for p in plots],
@@ -124,8 +204,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     config = _config_from_args(args.config, args)
+    if args.resume and not args.run_dir:
+        raise CheckpointError("--resume needs --run-dir: the directory of the run to continue")
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
-    summary = run_pipeline(config, run_dir)
+    summary = run_pipeline(config, run_dir, resume=args.resume)
     print_table(summary)
     if args.json:
         print(json.dumps(summary))
@@ -227,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(fn=cmd_demo)
     train = sub.add_parser("train", help="train from a TOML config")
     train.add_argument("config")
+    train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/latest")
     common(train)
     train.set_defaults(fn=cmd_train)
     ev = sub.add_parser("eval", help="evaluate a checkpoint")
@@ -268,6 +351,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ctxrl: config error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:
+        print(f"ctxrl: checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    except RunStopped as exc:
+        print(f"ctxrl: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:
+        from ctxrl.train.loop import TrainingAborted
+
+        if isinstance(exc, TrainingAborted):
+            print(f"ctxrl: run aborted: {exc}", file=sys.stderr)
+            return 3
+        raise
     except KeyboardInterrupt:
         print("ctxrl: interrupted", file=sys.stderr)
         return 130

@@ -72,6 +72,11 @@ class RolloutConfig:
     """Tokens of a whole episode (prompt, turns, observations) (``max_total_tokens``)."""
     max_batch_size: int = 128
     """Largest batch of concurrent requests the engine decodes together."""
+    episode_timeout_s: float = 300.0
+    """Wall-clock deadline of one episode (environment set-up, model time, tool time); past it the
+    episode is marked errored (``deadline``) and left out of the loss. 0 = no deadline."""
+    max_error_rate: float = 0.5
+    """Abort the run when more than this fraction of a step's episodes errored (crash or deadline)."""
 
 
 @dataclass
@@ -200,7 +205,11 @@ class TrainConfig:
     eval_every: int = 10
     """Evaluate on held-out tasks every N steps (0 = only at the end)."""
     checkpoint_every: int = 0
-    """Save a checkpoint every N steps (0 = only at the end)."""
+    """Save a resumable checkpoint every N RL steps (0 = only the final weights, not resumable)."""
+    keep_checkpoints: int = 3
+    """Resumable step checkpoints kept (the oldest are deleted; 0 = keep all)."""
+    max_consecutive_skips: int = 5
+    """Abort after this many RL steps in a row whose every update was skipped (non-finite loss or gradient)."""
 
 
 @dataclass
@@ -249,12 +258,13 @@ class Config:
 _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "rollout.max_new_tokens",
              "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
              "algo.dynamic_sampling_rounds", "curriculum.horizon_start_turns", "curriculum.horizon_warmup_steps",
-             "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks"}
+             "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks",
+             "train.max_consecutive_skips"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
                  "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
                  "train.steps", "train.weight_decay", "train.eval_every",
-                 "train.checkpoint_every", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
+                 "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
             "algo.gae_level": ("token", "turn"),
@@ -287,6 +297,8 @@ def validate(config: Config) -> None:
                           f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
     if not 0.0 < config.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
+    if not 0.0 <= config.rollout.max_error_rate <= 1.0:
+        raise ConfigError(f"rollout.max_error_rate must be in [0, 1], got {config.rollout.max_error_rate!r}")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
         raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
     if config.rollout.group_size < 2 and config.train.steps > 0 and config.algo.advantage not in ("gae", "reinforce_pp"):

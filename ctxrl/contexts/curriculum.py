@@ -30,6 +30,10 @@ class Curriculum(Protocol):
 
     def update(self, episodes: list[Episode]) -> dict[str, float]: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 class FixedCurriculum:
     """The environment's train distribution, every step; the configured turn limit."""
@@ -42,6 +46,14 @@ class FixedCurriculum:
 
     def update(self, episodes: list[Episode]) -> dict[str, float]:
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep to continue exactly (JSON values only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but the checkpoint has {sorted(state)}")
 
 
 class HorizonCurriculum(FixedCurriculum):
@@ -99,6 +111,12 @@ class SelfPacedCurriculum(FixedCurriculum):
         rates = [self.success_rate(json.loads(k)) for k in self.counts]
         return {"curriculum_contexts": float(len(self.counts)),
                 "curriculum_mid_contexts": float(sum(0.2 <= p <= 0.8 for p in rates))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": {k: list(v) for k, v in self.counts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts = {k: [int(v[0]), int(v[1])] for k, v in state.get("counts", {}).items()}
 
 
 def make_curriculum(kind: str, *, horizon_start_turns: int = 2, horizon_warmup_steps: int = 20,

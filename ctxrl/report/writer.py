@@ -7,6 +7,7 @@ so a crash loses at most the line being written.
 from __future__ import annotations
 
 import json
+import os
 import math
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,40 @@ class RunWriter:
         for ep in episodes:
             self._samples.write(json.dumps(episode_record(ep, decode, step=step, phase=phase)) + "\n")
         self._samples.flush()
+
+    def offsets(self) -> dict[str, int]:
+        """Byte length of each log now (everything flushed): where a checkpoint's logs end."""
+        self._metrics.flush()
+        self._samples.flush()
+        return {"metrics.jsonl": self._metrics.tell(), "samples.jsonl": self._samples.tell()}
+
+    def rewind(self, offsets: dict[str, int]) -> dict[str, int]:
+        """Cut each log back to ``offsets`` (a checkpoint's); the cut lines go to ``NAME.orphaned.jsonl``.
+
+        Nothing is lost: lines written after the checkpoint (by steps the resumed run will redo)
+        are appended to the orphan file, so ``metrics.jsonl`` holds every step exactly once.
+        Returns the number of bytes moved per log.
+        """
+        moved = {}
+        for name, handle in (("metrics.jsonl", self._metrics), ("samples.jsonl", self._samples)):
+            handle.flush()
+            path = self.dir / name
+            keep = int(offsets.get(name, 0))
+            size = path.stat().st_size
+            if size < keep:
+                raise ValueError(f"{path} is {size} bytes, shorter than the checkpoint's {keep}: the log was "
+                                 "truncated or replaced since the checkpoint; restore it before resuming")
+            if size > keep:
+                with open(path, "rb") as f:
+                    f.seek(keep)
+                    tail = f.read()
+                with open(self.dir / name.replace(".jsonl", ".orphaned.jsonl"), "ab") as f:
+                    f.write(tail)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.truncate(path, keep)
+            moved[name] = size - keep
+        return moved
 
     def close(self) -> None:
         self._metrics.close()
@@ -76,5 +111,6 @@ def episode_record(episode: Episode, decode, *, step: int, phase: str) -> dict[s
         "sampled_tokens": episode.num_sampled_tokens,
         "policy_version": episode.policy_version,
         "error": episode.info.get("error"),
+        "error_kind": episode.info.get("error_kind"),
         "spans": [{"mask": m, "text": decode(episode.input_ids[a:b])} for a, b, m in mask_spans(episode)],
     }

@@ -8,7 +8,10 @@ mask 0. The loss mask is therefore decided where tokens are born and never rebui
 Limits end an episode and are recorded in ``Episode.truncation``: ``max_turns``,
 ``max_new_tokens`` (a turn was cut off before its end-of-turn token), ``max_total_tokens``. An
 exception from the environment or engine ends that episode with truncation ``error`` (the
-message is kept in ``info["error"]``); the other episodes go on.
+message is kept in ``info["error"]``, ``info["error_kind"]`` is ``exception``); so does running
+past ``RolloutLimits.timeout_s``, the episode's wall-clock deadline (``error_kind`` ``deadline``),
+which covers the environment's set-up (``reset`` then runs in a worker thread), model time and
+tool time. The other episodes go on.
 
 A seeded episode seeds each turn's sampling (``derive_seed(seed, turn)``), so it samples the
 same tokens however the engine happens to batch it with other episodes.
@@ -38,6 +41,8 @@ class RolloutLimits:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    timeout_s: float = 0.0
+    """Wall-clock deadline of the whole episode (set-up, model and tool time); 0 = none."""
 
 
 async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRenderer, limits: RolloutLimits,
@@ -46,18 +51,35 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
     episode = Episode(task=task, group_id=group_id, policy_version=getattr(engine, "version", 0))
     started = time.perf_counter()
     try:
-        await _play(env, task, engine, renderer, limits, seed, episode)
+        if limits.timeout_s > 0:
+            await asyncio.wait_for(_play(env, task, engine, renderer, limits, seed, episode), limits.timeout_s)
+        else:
+            await _play(env, task, engine, renderer, limits, seed, episode)
+    except TimeoutError as exc:
+        episode.truncation = "error"
+        if limits.timeout_s > 0 and time.perf_counter() - started >= limits.timeout_s:
+            episode.info["error"] = (f"deadline: the episode ran past rollout.episode_timeout_s={limits.timeout_s:g} s "
+                                     f"(in turn {len(episode.turns)})")
+            episode.info["error_kind"] = "deadline"
+        else:
+            episode.info["error"] = f"{type(exc).__name__}: {exc}"
+            episode.info["error_kind"] = "exception"
     except Exception as exc:  # noqa: BLE001 - an errored episode is data, not a crash
         episode.truncation = "error"
         episode.info["error"] = f"{type(exc).__name__}: {exc}"
+        episode.info["error_kind"] = "exception"
     finally:
-        env.close()
+        try:
+            env.close()
+        except Exception as exc:  # noqa: BLE001 - a failing close must not lose the episode
+            episode.info["close_error"] = f"{type(exc).__name__}: {exc}"
     episode.info["seconds"] = time.perf_counter() - started
     return episode
 
 
 async def _play(env, task, engine, renderer, limits, seed, episode: Episode) -> None:
-    messages = env.reset(task, seed=seed)
+    # In a thread: an environment whose set-up hangs is then still bound by the deadline.
+    messages = await asyncio.to_thread(env.reset, task, seed=seed) if limits.timeout_s > 0 else env.reset(task, seed=seed)
     tools = [tool.schema() for tool in env.tools] or None
     episode.messages = list(messages)
     episode.append(renderer.prompt_ids(messages, tools), sampled=False, turn=-1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 import random
 import time
 from pathlib import Path
@@ -39,10 +40,51 @@ from ctxrl.eval.evaluate import evaluate_split, summarize
 from ctxrl.models.loader import load_model, load_tokenizer
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
+from ctxrl.train.checkpoint import (CheckpointError, clean_partial, commit_checkpoint, latest_checkpoint, load_state, rng_state,
+                                   save_state, set_rng_state, step_name)
 from ctxrl.train.critic import Critic, episode_values
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.sft import build_demos, sft_train
+
+
+class TrainingAborted(RuntimeError):
+    """The run stopped itself (too many skipped updates, too many errored episodes); the message says why."""
+
+
+# Config keys that may differ between a checkpoint and the run resuming it: they change how long
+# the run goes on, what it logs or evaluates, or the warm start (already done), never a step.
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
+                     "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.")
+
+
+def config_differences(saved: Config, current: Config) -> list[str]:
+    """``key: saved -> current`` for every setting that differs and matters to a resumed step."""
+    out = []
+    a, b = saved.to_dict(), current.to_dict()
+    for section, fields in a.items():
+        for key, value in fields.items():
+            name = f"{section}.{key}"
+            if any(name == r or (r.endswith(".") and name.startswith(r)) for r in RESUMABLE_CHANGES):
+                continue
+            if b[section][key] != value:
+                out.append(f"{name}: {value!r} -> {b[section][key]!r}")
+    return out
+
+
+def load_weights(model, file: Path) -> None:
+    """Load a safetensors state dict into ``model``; tied weights (absent from the file) must share storage."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise CheckpointError(f"{file} does not fit the model: unexpected {unexpected[:5]}, missing {untied[:5]}; "
+                              "was model.name changed since the checkpoint was written?")
 
 
 def seed_everything(seed: int) -> None:
@@ -79,14 +121,17 @@ class Run:
         r = config.rollout
         self.train_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                                           max_total_tokens=r.max_total_tokens, temperature=r.temperature,
-                                          top_p=r.top_p, top_k=r.top_k)
+                                          top_p=r.top_p, top_k=r.top_k, timeout_s=r.episode_timeout_s)
         cc = config.curriculum
         self.curriculum = make_curriculum(cc.kind, horizon_start_turns=cc.horizon_start_turns,
                                           horizon_warmup_steps=cc.horizon_warmup_steps,
                                           horizon_stages=cc.horizon_stages, self_paced_pool=cc.self_paced_pool,
                                           self_paced_floor=cc.self_paced_floor)
+        self.consecutive_skips = 0
+        self.ref_model = None
         self.eval_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
-                                         max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature)
+                                         max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature,
+                                         timeout_s=r.episode_timeout_s)
 
     def decode(self, ids: list[int]) -> str:
         return self.renderer.decode(ids)
@@ -192,7 +237,25 @@ class Run:
         t_rollout = time.perf_counter() - t0
         sampling.update(self.curriculum.update(episodes))
         sampling["max_turns"] = self.curriculum.max_turns(step, self.train_limits.max_turns)
+        errored = [e for e in episodes if e.truncation == "error"]
+        if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
+            self.writer.log_samples(step + 1, errored, self.decode, phase="rl-errored")
+        error_rate = len(errored) / max(len(episodes), 1)
+        if error_rate > c.rollout.max_error_rate:
+            raise TrainingAborted(
+                f"step {step + 1}: {len(errored)} of {len(episodes)} episodes errored (rate {error_rate:.2f} > "
+                f"rollout.max_error_rate={c.rollout.max_error_rate}); first error: {errored[0].info.get('error')}. "
+                f"The episodes are in {self.writer.dir / 'samples.jsonl'} (phase rl-errored)."
+                + self._resume_hint())
         trainable = valid = [e for e in train_eps if _trainable(e)]
+        dropped_groups = 0
+        if a.advantage not in ("gae", "reinforce_pp"):  # group statistics need two valid episodes
+            trainable, dropped_groups = drop_small_groups(valid)
+            valid = trainable
+        sampling["errored_episodes"] = len(errored)
+        sampling["deadline_episodes"] = sum(e.info.get("error_kind") == "deadline" for e in errored)
+        sampling["error_rate"] = error_rate
+        sampling["episodes_dropped_small_groups"] = dropped_groups
         targets: dict[str, list] = {}
         penalties = None
         if a.kl_coef > 0 and a.kl_placement == "reward" and valid:
@@ -219,6 +282,11 @@ class Run:
         sampled = [x for adv, e in zip(advantages, valid) for x, m in zip(adv, e.loss_mask) if m]
         t1 = time.perf_counter()
         update = learner.update(valid, advantages, **targets) if valid else {}
+        if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
+            self.consecutive_skips += 1
+        elif update:
+            self.consecutive_skips = 0
+        update["skipped_updates_total"] = float(learner.skipped_updates)
         t_update = time.perf_counter() - t1
         self.engine.set_version(step + 1)
         stats = summarize(episodes)
@@ -233,7 +301,84 @@ class Run:
         self.writer.log_metrics(row)
         if c.run.samples_per_step:
             self.writer.log_samples(step + 1, episodes[: c.run.samples_per_step], self.decode, phase="rl")
+        if self.consecutive_skips >= c.train.max_consecutive_skips:
+            raise TrainingAborted(
+                f"{self.consecutive_skips} RL steps in a row had every update skipped (non-finite loss or gradient "
+                f"norm; train.max_consecutive_skips={c.train.max_consecutive_skips}). The weights were not touched "
+                "by those steps." + self._resume_hint())
         return row
+
+    def _resume_hint(self) -> str:
+        try:
+            last = latest_checkpoint(self.writer.dir / "checkpoints")
+        except CheckpointError:
+            return " No resumable checkpoint was written (train.checkpoint_every=0)."
+        return f" The last good checkpoint is {last}; fix the cause and resume with --resume."
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_training_checkpoint(self, step: int, learner: Learner) -> Path:
+        """A resumable checkpoint after RL step ``step`` (atomic; ``latest`` updated; old ones pruned)."""
+        from safetensors.torch import save_model
+
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            save_state(learner.optimizer.state_dict(), tmp, "optimizer")
+            if learner.critic is not None:
+                save_model(learner.critic, str(tmp / "critic.safetensors"))
+                save_state(learner.critic_optimizer.state_dict(), tmp, "critic_optimizer")
+            if self.ref_model is not None:
+                save_model(self.ref_model, str(tmp / "reference.safetensors"))
+            save_state(rng_state({"learner": learner.generator}), tmp, "rng")
+            state = {"format": 1, "step": step, "policy_version": self.engine.version,
+                     "skipped_updates": learner.skipped_updates, "consecutive_skips": self.consecutive_skips,
+                     "curriculum": self.curriculum.state_dict(), "logs": self.writer.offsets(),
+                     "critic": learner.critic is not None, "reference": self.ref_model is not None}
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+            (tmp / "config.toml").write_text(to_toml(self.config))
+
+        return commit_checkpoint(self.writer.dir / "checkpoints", step_name(step), write,
+                                 keep=self.config.train.keep_checkpoints)
+
+    def resume(self, learner: Learner) -> int:
+        """Restore the state of ``checkpoints/latest`` into this run; returns the step it ends after.
+
+        Every piece is required; a missing file or a config change that matters is an error that
+        names it. The logs are rewound to the checkpoint (lines written after it move to
+        ``*.orphaned.jsonl``), so after the resumed run every step appears exactly once.
+        """
+        from safetensors.torch import load_model
+
+        from ctxrl.config import load_config
+
+        clean_partial(self.writer.dir / "checkpoints")  # temporaries of a save that was killed
+        path = latest_checkpoint(self.writer.dir / "checkpoints")
+        differences = config_differences(load_config(path / "config.toml"), self.config)
+        if differences:
+            raise CheckpointError(f"cannot resume from {path}: the config changed in ways that matter: "
+                                  + "; ".join(differences) + ". Undo these changes, or start a new run directory.")
+        state = json.loads((path / "state.json").read_text())
+        if state.get("format") != 1:
+            raise CheckpointError(f"{path}/state.json has format {state.get('format')!r}; this ctxrl reads format 1")
+        for flag, have, what in (("critic", learner.critic is not None, "a critic (algo.advantage=gae)"),
+                                 ("reference", self.ref_model is not None, "a reference model (algo.kl_coef > 0)")):
+            if bool(state.get(flag)) != have:
+                raise CheckpointError(f"{path}: the checkpoint {'has' if state.get(flag) else 'lacks'} {what}, "
+                                      "the run does not match it")
+        load_weights(self.model, path / "model.safetensors")
+        learner.optimizer.load_state_dict(load_state(path, "optimizer"))
+        if learner.critic is not None:
+            load_model(learner.critic, str(path / "critic.safetensors"))
+            learner.critic_optimizer.load_state_dict(load_state(path, "critic_optimizer"))
+        if self.ref_model is not None:
+            load_model(self.ref_model, str(path / "reference.safetensors"))
+        set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
+        self.engine.set_version(int(state["policy_version"]))
+        learner.skipped_updates = int(state["skipped_updates"])
+        self.consecutive_skips = int(state["consecutive_skips"])
+        self.curriculum.load_state_dict(state["curriculum"])
+        self.writer.rewind(state["logs"])
+        return int(state["step"])
 
     def save_checkpoint(self, name: str) -> Path:
         path = self.writer.dir / "checkpoints" / name
@@ -270,6 +415,18 @@ def _mean_terms(episodes) -> dict[str, float]:
         for k, v in e.info.get("reward_terms", {}).items():
             sums[k] = sums.get(k, 0.0) + v
     return {k: v / len(episodes) for k, v in sums.items()}
+
+
+def drop_small_groups(episodes: list) -> tuple[list, int]:
+    """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
+
+    Used after errored episodes are removed: a group left with one valid episode has no baseline.
+    """
+    counts: dict[int, int] = {}
+    for e in episodes:
+        counts[e.group_id] = counts.get(e.group_id, 0) + 1
+    kept = [e for e in episodes if counts[e.group_id] >= 2]
+    return kept, len(episodes) - len(kept)
 
 
 def _trainable(e) -> bool:

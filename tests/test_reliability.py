@@ -1,0 +1,333 @@
+"""Reliability guarantees (docs/reliability.md): exact resume, atomic checkpoints, NaN guards,
+deadlines and errored episodes, graceful stop, and clear errors for bad input.
+
+All on the random-init tiny model on CPU in fp32 with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ctxrl.cli import run_pipeline
+from ctxrl.config import ConfigError, load_config
+from ctxrl.envs.calculator import CalculatorEnv
+from ctxrl.envs.registry import register
+from ctxrl.train import checkpoint as ckpt
+from ctxrl.train.checkpoint import CheckpointError
+from ctxrl.train.loop import Run, TrainingAborted
+
+ROOT = Path(__file__).parents[1]
+SMALL = ["model.name=tiny:pretrain_steps=0", "sft.demos=8", "sft.epochs=1", "sft.batch_size=4", "eval.tasks=2",
+         "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12", "run.progress=false",
+         "train.eval_every=0", "run.samples_per_step=1", "train.checkpoint_every=1"]
+VOLATILE = {"time_rollout", "time_update", "time_step", "seconds"}
+
+
+def config(*extra: str):
+    return load_config(None, [*SMALL, *extra])
+
+
+def rl_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows if r["phase"] == "rl"]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+
+
+# -- (a) exact resume ---------------------------------------------------------------------------
+def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path):
+    full = tmp_path / "full"
+    run_pipeline(config("train.steps=4"), full, quiet=True)
+    split = tmp_path / "split"
+    run_pipeline(config("train.steps=2"), split, quiet=True)
+    assert (split / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    summary = run_pipeline(config("train.steps=4"), split, quiet=True, resume=True)
+    assert summary["resumed_from"] == 2
+    a, b = rl_rows(full), rl_rows(split)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # every step exactly once
+    for ra, rb in zip(a, b):
+        for key in ("loss", "reward", "success", "tokens", "grad_norm", "approx_kl", "entropy"):
+            assert ra[key] == rb[key], (ra["step"], key)
+    wa, wb = final_weights(full), final_weights(split)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the first part's final evaluation was moved aside, not lost
+    orphaned = [json.loads(x) for x in (split / "metrics.orphaned.jsonl").read_text().splitlines()]
+    assert orphaned and all(r["phase"] == "eval" and r["step"] == 2 for r in orphaned)
+    evals = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in evals if r["phase"] == "eval") == [0, 0, 0, 4, 4, 4]
+    assert len(list((split / "checkpoints").glob("step-*"))) == 3  # keep_checkpoints
+
+
+def test_checkpoint_holds_every_piece(tmp_path):
+    run_pipeline(config("train.steps=1", "curriculum.kind=self_paced"), tmp_path, quiet=True)
+    path = ckpt.latest_checkpoint(tmp_path / "checkpoints")
+    for name in ckpt.REQUIRED + ("config.json", "tokenizer.json"):
+        assert (path / name).exists(), name
+    state = json.loads((path / "state.json").read_text())
+    assert state["step"] == 1 and state["policy_version"] == 1
+    assert state["curriculum"]["counts"]  # the self-paced success counts travel with the run
+    assert state["logs"]["metrics.jsonl"] > 0
+    optimizer = ckpt.load_state(path, "optimizer")
+    assert optimizer["state"] and all("exp_avg" in s for s in optimizer["state"].values())
+    rng = ckpt.load_state(path, "rng")
+    assert {"python", "numpy", "torch", "gen:learner"} <= set(rng)
+
+
+def test_rng_state_round_trips():
+    import random
+
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(3)
+    state = ckpt.rng_state({"g": gen})
+    first = (random.random(), float(np.random.rand()), float(torch.rand(1)), float(torch.rand(1, generator=gen)))
+    ckpt.set_rng_state(state, {"g": gen})
+    again = (random.random(), float(np.random.rand()), float(torch.rand(1)), float(torch.rand(1, generator=gen)))
+    assert first == again
+
+
+# -- (b) SIGKILL mid-run, (graceful stop) -------------------------------------------------------
+def ctxrl(*args: str, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ctxrl.cli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.stderr.read()[-3000:]}")
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and any(json.loads(x).get("step") == step and json.loads(x)["phase"] == "rl"
+                                    for x in metrics.read_text().splitlines() if x.strip()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never logged")
+
+
+def test_sigkill_mid_step_resumes_and_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", str(ROOT / "examples" / "calculator_tiny.toml"), "--run-dir", str(run_dir), "--json",
+            "train.steps=4", *SMALL]
+    proc = ctxrl(*args, cwd=tmp_path)
+    wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGKILL)  # somewhere in step 3 (or saving step 2)
+    proc.wait()
+    resumed = ctxrl(*args, "--resume", cwd=tmp_path)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["resumed_from"] in (1, 2) and summary["steps"] == 4
+    assert [r["step"] for r in rl_rows(run_dir)] == [1, 2, 3, 4]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]  # no partial saves left
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", str(ROOT / "examples" / "calculator_tiny.toml"), "--run-dir", str(run_dir), "train.steps=50",
+            *SMALL[:-1], "train.checkpoint_every=1000"]
+    proc = ctxrl(*args, cwd=tmp_path)
+    wait_for_step(run_dir, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM after step" in err and "--resume" in err
+    done = max(r["step"] for r in rl_rows(run_dir))
+    assert done < 50
+    latest = ckpt.latest_checkpoint(run_dir / "checkpoints")  # written on the stop, although not due
+    assert json.loads((latest / "state.json").read_text())["step"] == done
+
+
+# -- (c) crash mid-save ---------------------------------------------------------------------------
+def test_crash_mid_save_leaves_latest_at_the_previous_checkpoint(tmp_path, monkeypatch):
+    run = Run(config("train.steps=2"), tmp_path)
+    learner = run.make_learner()
+    run.rl_step(learner, 0)
+    run.save_training_checkpoint(1, learner)
+    run.rl_step(learner, 1)
+    real = ckpt.save_state
+
+    def crash(state, directory, name):
+        real(state, directory, name)
+        if name == "optimizer":
+            raise OSError("disk full (injected)")
+
+    monkeypatch.setattr("ctxrl.train.loop.save_state", crash)
+    with pytest.raises(OSError, match="injected"):
+        run.save_training_checkpoint(2, learner)
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-000001"
+    assert not (root / "step-000002").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+    ckpt.latest_checkpoint(root)  # complete
+
+
+def test_killed_save_leaves_only_a_hidden_temporary_that_resume_removes(tmp_path):
+    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+    root = tmp_path / "checkpoints"
+    (root / ".step-000002-abcd").mkdir()  # what a SIGKILL during a save leaves behind
+    (root / ".step-000002-abcd" / "model.safetensors").write_bytes(b"partial")
+    run_pipeline(config("train.steps=2"), tmp_path, quiet=True, resume=True)
+    assert not (root / ".step-000002-abcd").exists()
+    assert (root / "latest").read_text().strip() == "step-000002"
+
+
+# -- (d) NaN guards -------------------------------------------------------------------------------
+def test_nan_skips_the_update_with_weights_and_optimizer_untouched(tmp_path):
+    run = Run(config("train.steps=2"), tmp_path)
+    learner = run.make_learner()
+    run.rl_step(learner, 0)  # the optimiser now has state
+    params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
+    opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
+    episodes = run.rollout_round(1, 0)
+    metrics = learner.update(episodes, [float("nan")] * len(episodes))
+    assert metrics["skipped"] == 1.0 and learner.skipped_updates == 2  # 2 mini-batches
+    assert all(torch.equal(params[k], v) for k, v in run.model.named_parameters())
+    after = learner.optimizer.state_dict()["state"]
+    assert all(torch.equal(opt[k][n], after[k][n]) for k in opt for n in opt[k])
+
+
+def test_consecutive_skips_abort_and_point_at_the_checkpoint(tmp_path, monkeypatch):
+    def nan_advantages(kind, episodes, **kw):
+        return [[float("nan")] * len(e.input_ids) for e in episodes]
+
+    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+    monkeypatch.setattr("ctxrl.train.loop.episode_advantages", nan_advantages)
+    with pytest.raises(TrainingAborted) as info:
+        run_pipeline(config("train.steps=10", "train.max_consecutive_skips=2"), tmp_path, quiet=True, resume=True)
+    message = str(info.value)
+    assert "2 RL steps in a row" in message and "step-000002" in message and "--resume" in message
+    rows = rl_rows(tmp_path)
+    assert [r["skipped"] for r in rows[1:]] == [1.0, 1.0] and rows[-1]["skipped_updates_total"] == 4.0
+
+
+# -- (e) hanging and crashing environments -------------------------------------------------------
+@register("flaky_calculator")
+class FlakyCalculatorEnv(CalculatorEnv):
+    """Calculator tasks whose set-up crashes for one task and hangs for another."""
+
+    name = "flaky_calculator"
+
+    def reset(self, task, *, seed=None):
+        if task.prompt == self.crash_prompt():
+            raise RuntimeError("environment crashed (injected)")
+        if task.prompt == self.hang_prompt():
+            time.sleep(4)  # a set-up that hangs: bound by the episode deadline (2 s here)
+        return super().reset(task, seed=seed)
+
+    @classmethod
+    def crash_prompt(cls):
+        return cls.sample_tasks("train", 1, 7)[0].prompt
+
+    @classmethod
+    def hang_prompt(cls):
+        return cls.sample_tasks("train", 2, 7)[1].prompt
+
+    @classmethod
+    def sample_tasks(cls, split, n, seed):
+        if split == "train":
+            return CalculatorEnv.sample_tasks("train", 4, 7)[:n] if n <= 4 else CalculatorEnv.sample_tasks(split, n, seed)
+        return CalculatorEnv.sample_tasks(split, n, seed)
+
+
+def test_crashing_env_and_hanging_episode_are_errored_excluded_and_counted(tmp_path):
+    cfg = config("env.name=flaky_calculator", "rollout.tasks_per_step=4", "rollout.episode_timeout_s=2",
+                 "rollout.max_error_rate=0.6", "sft.enabled=false")
+    run = Run(cfg, tmp_path)
+    learner = run.make_learner()
+    started = time.monotonic()
+    row = run.rl_step(learner, 0)
+    assert time.monotonic() - started < 30  # the hang was cut at its deadline
+    assert row["errored_episodes"] == 4 and row["deadline_episodes"] == 2
+    assert row["episodes_dropped_small_groups"] == 0 and row["trained_episodes"] == 4  # two whole groups errored
+    run.writer.close()
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    errored = [s for s in samples if s["phase"] == "rl-errored"]
+    assert len(errored) == 4
+    assert sorted(s["error_kind"] for s in errored) == ["deadline", "deadline", "exception", "exception"]
+    assert sorted(s["error"].split(":")[0] for s in errored) == ["RuntimeError", "RuntimeError", "deadline", "deadline"]
+
+
+def test_error_rate_threshold_aborts(tmp_path):
+    cfg = config("env.name=flaky_calculator", "rollout.tasks_per_step=4", "rollout.episode_timeout_s=2",
+                 "rollout.max_error_rate=0.25", "sft.enabled=false")
+    run = Run(cfg, tmp_path)
+    with pytest.raises(TrainingAborted, match="4 of 8 episodes errored"):
+        run.rl_step(run.make_learner(), 0)
+
+
+def test_a_group_left_with_one_valid_episode_is_dropped():
+    from ctxrl.train.loop import drop_small_groups
+    from ctxrl.types import Episode, Task
+
+    task = Task(id="t", prompt="p", answer="a")
+    eps = [Episode(task=task, group_id=g) for g in (0, 0, 1, 1, 2)]
+    kept, dropped = drop_small_groups(eps[:3] + eps[4:])
+    assert [e.group_id for e in kept] == [0, 0] and dropped == 2  # one episode each of groups 1 and 2
+
+
+# -- (f) bad input ---------------------------------------------------------------------------------
+def test_bad_input_messages(tmp_path, tiny_path):
+    from ctxrl.envs.jsonl_tools import load_tasks
+    from ctxrl.models.loader import ModelLoadError, resolve
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="train.stepz; did you mean 'train.steps'"):
+        load_config(None, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="rollout.max_error_rate must be in"):
+        load_config(None, ["rollout.max_error_rate=2"])
+    with pytest.raises(ConfigError, match="train.max_consecutive_skips must be > 0"):
+        load_config(None, ["train.max_consecutive_skips=0"])
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"}\n')
+    with pytest.raises(Exception, match=r"tasks.jsonl:2: each task needs"):
+        load_tasks(str(data))
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="weights"):
+        resolve(str(empty))
+
+
+# -- (g) missing pieces, config changes; (h) no pickle ---------------------------------------------
+def test_resume_with_missing_optimizer_or_changed_config_raises(tmp_path):
+    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+    with pytest.raises(CheckpointError, match=r"algo.clip_low: 0.2 -> 0.3"):
+        run_pipeline(config("train.steps=2", "algo.clip_low=0.3"), tmp_path, quiet=True, resume=True)
+    (tmp_path / "checkpoints" / "step-000001" / "optimizer.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="optimizer.safetensors missing"):
+        run_pipeline(config("train.steps=2"), tmp_path, quiet=True, resume=True)
+    with pytest.raises(CheckpointError, match="holds no run"):
+        run_pipeline(config("train.steps=2"), tmp_path / "fresh", quiet=True, resume=True)
+
+
+def test_resume_never_unpickles(tmp_path, monkeypatch):
+    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a checkpoint load called pickle")
+
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "Unpickler", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    summary = run_pipeline(config("train.steps=2"), tmp_path, quiet=True, resume=True)
+    assert summary["resumed_from"] == 1
