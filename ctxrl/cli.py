@@ -129,7 +129,9 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: 
             progress.update(bar, advance=1, info=info)
         if stop.signal is not None and done < steps:
             name = signal.Signals(stop.signal).name
-            if every:
+            if done == 0:
+                hint = "no RL step had run, so there is nothing to resume: start the run again"
+            elif every:
                 if done % every:
                     run.save_training_checkpoint(done, learner)
                 hint = f"resume with --run-dir {run_dir} --resume"
