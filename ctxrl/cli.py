@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -36,8 +37,9 @@ class GracefulStop:
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: abandon the step now
         self.signal = signum
-        print(f"\nctxrl: {signal.Signals(signum).name} received: stopping after this step "
-              "(Ctrl-C again abandons it)", file=sys.stderr)
+        # os.write, not print: a handler that prints can hit a print already in progress
+        os.write(2, f"\nctxrl: {signal.Signals(signum).name} received: stopping after this step "
+                    "(Ctrl-C again abandons it)\n".encode())
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -80,6 +82,10 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: 
     started = time.perf_counter()
     if resume and not (run_dir / "checkpoints").exists():
         raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
+    metrics = run_dir / "metrics.jsonl"
+    if not resume and metrics.exists() and metrics.stat().st_size > 0:
+        raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with --resume, "
+                              "or choose another --run-dir: a new run would mix its logs with the old one's")
     run = Run(config, run_dir)
     console.print(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {run.device} | "
                   f"env {config.env.name}" + (" | resuming" if resume else ""))
@@ -95,6 +101,9 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: 
             if not before:
                 raise CheckpointError(f"{run_dir}/metrics.jsonl has no evaluation of step 0; the log does not "
                                       "belong to this checkpoint")
+            if first > config.train.steps:
+                raise CheckpointError(f"the checkpoint is after step {first}, beyond train.steps={config.train.steps}; "
+                                      f"set train.steps >= {first}")
             progress.console.print(f"resumed from {run_dir / 'checkpoints' / 'latest'} after step {first}")
         else:
             if config.sft.enabled:
@@ -108,6 +117,8 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: 
             before = run.evaluate(0)
             learner = run.make_learner()
             first = 0
+            if every:  # the warm start is expensive: resumable from here on
+                run.save_training_checkpoint(0, learner)
         progress.console.print(f"after warm start: heldout {before['heldout']['success']:.2f}  "
                                f"ood {before['ood']['success']:.2f}")
         steps = config.train.steps
@@ -129,10 +140,8 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: 
             progress.update(bar, advance=1, info=info)
         if stop.signal is not None and done < steps:
             name = signal.Signals(stop.signal).name
-            if done == 0:
-                hint = "no RL step had run, so there is nothing to resume: start the run again"
-            elif every:
-                if done % every:
+            if every:
+                if done % every and done > first:  # (done == first: latest already holds this state)
                     run.save_training_checkpoint(done, learner)
                 hint = f"resume with --run-dir {run_dir} --resume"
             else:

@@ -21,6 +21,10 @@ def _clean(value: Any) -> Any:
     return value
 
 
+class LogRewindError(RuntimeError):
+    """A log is shorter than a checkpoint says it was: it was truncated or replaced since."""
+
+
 class RunWriter:
     def __init__(self, run_dir: str | Path) -> None:
         self.dir = Path(run_dir)
@@ -44,9 +48,12 @@ class RunWriter:
 
     def offsets(self) -> dict[str, int]:
         """Byte length of each log now (everything flushed): where a checkpoint's logs end."""
-        self._metrics.flush()
-        self._samples.flush()
-        return {"metrics.jsonl": self._metrics.tell(), "samples.jsonl": self._samples.tell()}
+        out = {}
+        for name, handle in (("metrics.jsonl", self._metrics), ("samples.jsonl", self._samples)):
+            handle.flush()
+            os.fsync(handle.fileno())  # a checkpoint must never count bytes an OS crash could take back
+            out[name] = os.fstat(handle.fileno()).st_size  # not tell(): wrong after a rewind
+        return out
 
     def rewind(self, offsets: dict[str, int]) -> dict[str, int]:
         """Cut each log back to ``offsets`` (a checkpoint's); the cut lines go to ``NAME.orphaned.jsonl``.
@@ -62,17 +69,24 @@ class RunWriter:
             keep = int(offsets.get(name, 0))
             size = path.stat().st_size
             if size < keep:
-                raise ValueError(f"{path} is {size} bytes, shorter than the checkpoint's {keep}: the log was "
+                raise LogRewindError(f"{path} is {size} bytes, shorter than the checkpoint's {keep}: the log was "
                                  "truncated or replaced since the checkpoint; restore it before resuming")
             if size > keep:
                 with open(path, "rb") as f:
                     f.seek(keep)
                     tail = f.read()
+                if not tail.endswith(b"\n"):  # a line cut by the kill: keep it, on a line of its own
+                    tail += b"\n"
                 with open(self.dir / name.replace(".jsonl", ".orphaned.jsonl"), "ab") as f:
                     f.write(tail)
                     f.flush()
                     os.fsync(f.fileno())
                 os.truncate(path, keep)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             moved[name] = size - keep
         return moved
 

@@ -11,7 +11,8 @@ exception from the environment or engine ends that episode with truncation ``err
 message is kept in ``info["error"]``, ``info["error_kind"]`` is ``exception``); so does running
 past ``RolloutLimits.timeout_s``, the episode's wall-clock deadline (``error_kind`` ``deadline``),
 which covers the environment's set-up (``reset`` then runs in a worker thread), model time and
-tool time. The other episodes go on.
+tool time. The other episodes go on. ``run_episodes`` resets every environment before the first
+generation, so how long each reset took never changes which episodes share an engine batch.
 
 A seeded episode seeds each turn's sampling (``derive_seed(seed, turn)``), so it samples the
 same tokens however the engine happens to batch it with other episodes.
@@ -20,6 +21,7 @@ same tokens however the engine happens to batch it with other episodes.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -46,28 +48,30 @@ class RolloutLimits:
 
 
 async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRenderer, limits: RolloutLimits,
-                      *, seed: int | None = None, group_id: int = 0) -> Episode:
-    """Play one episode of ``env`` on ``task`` with ``engine``; always returns an ``Episode``."""
+                      *, seed: int | None = None, group_id: int = 0, opening: list | None = None,
+                      spent_s: float = 0.0) -> Episode:
+    """Play one episode of ``env`` on ``task`` with ``engine``; always returns an ``Episode``.
+
+    ``opening``: the messages ``env.reset`` already returned (``run_episodes`` resets every
+    environment before any generation, so that reset times never decide the engine's batches);
+    ``spent_s`` is the deadline time that reset used.
+    """
     episode = Episode(task=task, group_id=group_id, policy_version=getattr(engine, "version", 0))
-    started = time.perf_counter()
+    started = time.perf_counter() - spent_s
+
+    async def body() -> None:
+        messages = opening if opening is not None else await reset_env(env, task, seed, limits.timeout_s)
+        await _play(env, task, engine, renderer, limits, seed, episode, messages)
+
     try:
         if limits.timeout_s > 0:
-            await asyncio.wait_for(_play(env, task, engine, renderer, limits, seed, episode), limits.timeout_s)
+            await asyncio.wait_for(body(), max(limits.timeout_s - spent_s, 1e-3))
         else:
-            await _play(env, task, engine, renderer, limits, seed, episode)
-    except TimeoutError as exc:
-        episode.truncation = "error"
-        if limits.timeout_s > 0 and time.perf_counter() - started >= limits.timeout_s:
-            episode.info["error"] = (f"deadline: the episode ran past rollout.episode_timeout_s={limits.timeout_s:g} s "
-                                     f"(in turn {len(episode.turns)})")
-            episode.info["error_kind"] = "deadline"
-        else:
-            episode.info["error"] = f"{type(exc).__name__}: {exc}"
-            episode.info["error_kind"] = "exception"
+            await body()
+    except (TimeoutError, asyncio.TimeoutError) as exc:
+        _record_error(episode, exc, limits, time.perf_counter() - started)
     except Exception as exc:  # noqa: BLE001 - an errored episode is data, not a crash
-        episode.truncation = "error"
-        episode.info["error"] = f"{type(exc).__name__}: {exc}"
-        episode.info["error_kind"] = "exception"
+        _record_error(episode, exc, limits, time.perf_counter() - started)
     finally:
         try:
             env.close()
@@ -77,9 +81,50 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
     return episode
 
 
-async def _play(env, task, engine, renderer, limits, seed, episode: Episode) -> None:
-    # In a thread: an environment whose set-up hangs is then still bound by the deadline.
-    messages = await asyncio.to_thread(env.reset, task, seed=seed) if limits.timeout_s > 0 else env.reset(task, seed=seed)
+def _record_error(episode: Episode, exc: BaseException, limits: RolloutLimits, elapsed: float) -> None:
+    episode.truncation = "error"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and limits.timeout_s > 0 and elapsed >= limits.timeout_s:
+        episode.info["error"] = (f"deadline: the episode ran past rollout.episode_timeout_s={limits.timeout_s:g} s "
+                                 f"(in turn {len(episode.turns)})")
+        episode.info["error_kind"] = "deadline"
+    else:
+        episode.info["error"] = f"{type(exc).__name__}: {exc}"
+        episode.info["error_kind"] = "exception"
+
+
+async def reset_env(env: Any, task: Task, seed: int | None, timeout_s: float) -> list:
+    """``env.reset(task, seed=seed)``; with a deadline, in a daemon thread so a hung set-up is abandoned.
+
+    A daemon thread (not the event loop's executor): ``asyncio.run`` waits for its executor's
+    threads at exit, and an abandoned reset must never hold up the step or the process.
+    """
+    if timeout_s <= 0:
+        return env.reset(task, seed=seed)
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def target() -> None:
+        try:
+            result, error = env.reset(task, seed=seed), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the episode
+            result, error = None, exc
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    threading.Thread(target=target, name="ctxrl-env-reset", daemon=True).start()
+    return await asyncio.wait_for(future, timeout_s)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def _play(env, task, engine, renderer, limits, seed, episode: Episode, messages) -> None:
     tools = [tool.schema() for tool in env.tools] or None
     episode.messages = list(messages)
     episode.append(renderer.prompt_ids(messages, tools), sampled=False, turn=-1)
@@ -135,10 +180,48 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode) -> 
 
 async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
                        limits: RolloutLimits, *, group_size: int = 1, seed: int = 0) -> list[Episode]:
-    """Play ``group_size`` episodes per task concurrently; episode ``k`` of task ``i`` has group ``i``."""
+    """Play ``group_size`` episodes per task concurrently; episode ``k`` of task ``i`` has group ``i``.
+
+    Every environment is built and reset first, all of them before any generation: the engine's
+    first batch then holds every episode whatever each reset took, so seeded runs repeat exactly.
+    A constructor or reset that raises (or passes the deadline) gives an errored episode.
+    """
     jobs = []
     for group_id, task in enumerate(tasks):
         for k in range(group_size):
-            jobs.append(run_episode(make_env(), task, engine, renderer, limits,
-                                    seed=seed * 1_000_003 + group_id * 1009 + k, group_id=group_id))
-    return list(await asyncio.gather(*jobs))
+            jobs.append((task, group_id, seed * 1_000_003 + group_id * 1009 + k))
+
+    async def prepare(task: Task, episode_seed: int):
+        t0 = time.perf_counter()
+        try:
+            env = make_env()
+        except Exception as exc:  # noqa: BLE001 - an errored episode, not a crashed step
+            return None, exc, time.perf_counter() - t0
+        try:
+            return env, await reset_env(env, task, episode_seed, limits.timeout_s), time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001
+                pass
+            return None, exc, time.perf_counter() - t0
+
+    prepared = await asyncio.gather(*(prepare(task, s) for task, _, s in jobs))
+    runs = []
+    for (task, group_id, episode_seed), (env, opening, spent) in zip(jobs, prepared):
+        if env is None:
+            runs.append(_errored(task, group_id, engine, opening, limits, spent))
+        else:
+            runs.append(run_episode(env, task, engine, renderer, limits, seed=episode_seed, group_id=group_id,
+                                    opening=opening, spent_s=spent))
+    return list(await asyncio.gather(*runs))
+
+
+async def _errored(task: Task, group_id: int, engine: Engine, exc: BaseException, limits: RolloutLimits,
+                   spent: float) -> Episode:
+    episode = Episode(task=task, group_id=group_id, policy_version=getattr(engine, "version", 0))
+    _record_error(episode, exc, limits, spent)
+    episode.info["seconds"] = spent
+    return episode

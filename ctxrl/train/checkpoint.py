@@ -154,6 +154,7 @@ def write_atomic_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so that a reader sees the old or the new content, never a mix."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -173,18 +174,25 @@ def commit_checkpoint(root: Path, name: str, write, *, keep: int = 0) -> Path:
     """
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a checkpoint is read by others (eval jobs)
+    final = root / name
+    displaced = None
     try:
         write(tmp)
         _fsync_tree(tmp)
-        final = root / name
-        if final.exists():  # a checkpoint of the same step from an abandoned attempt: replace it
-            shutil.rmtree(final)
+        if final.exists():  # the same step from an abandoned attempt: move it aside, never delete it first
+            displaced = Path(tempfile.mkdtemp(prefix=f".{name}-old-", dir=root))
+            os.rename(final, displaced / name)
         os.rename(tmp, final)
         _fsync_dir(root)
     except BaseException:
+        if displaced is not None and not final.exists():
+            os.rename(displaced / name, final)  # put the old one back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_atomic_text(root / LATEST, name + "\n")
+    if displaced is not None:
+        shutil.rmtree(displaced, ignore_errors=True)
     if keep > 0:
         steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
         for old in steps[:-keep]:
@@ -215,7 +223,10 @@ def clean_partial(root: Path) -> list[Path]:
     removed = []
     if root.exists():
         for p in root.iterdir():
-            if p.is_dir() and p.name.startswith("."):
-                shutil.rmtree(p, ignore_errors=True)
+            if p.name.startswith("."):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
                 removed.append(p)
     return removed

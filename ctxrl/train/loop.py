@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import inspect
 import json
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,10 @@ from ctxrl.engine.hf import HFEngine
 from ctxrl.envs.registry import configured_env_class
 from ctxrl.eval.evaluate import evaluate_split, summarize
 from ctxrl.models.loader import load_model, load_tokenizer
-from ctxrl.report.writer import RunWriter
+from ctxrl.report.writer import LogRewindError, RunWriter
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
-from ctxrl.train.checkpoint import (CheckpointError, clean_partial, commit_checkpoint, latest_checkpoint, load_state, rng_state,
+from ctxrl.train.checkpoint import (STEP_PREFIX, CheckpointError, clean_partial, commit_checkpoint, latest_checkpoint,
+                                   load_state, rng_state,
                                    save_state, set_rng_state, step_name)
 from ctxrl.train.critic import Critic, episode_values
 from ctxrl.train.learner import Learner, PPOSettings
@@ -235,7 +238,7 @@ class Run:
             sampling = {"dynamic_sampling_rounds": rounds, "dynamic_sampling_groups_kept": len(kept),
                         "dynamic_sampling_groups_dropped": rounds * c.rollout.tasks_per_step - len(kept)}
         t_rollout = time.perf_counter() - t0
-        sampling.update(self.curriculum.update(episodes))
+        sampling.update(self.curriculum.update([e for e in episodes if e.truncation != "error"]))
         sampling["max_turns"] = self.curriculum.max_turns(step, self.train_limits.max_turns)
         errored = [e for e in episodes if e.truncation == "error"]
         if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
@@ -309,11 +312,23 @@ class Run:
         return row
 
     def _resume_hint(self) -> str:
-        try:
-            last = latest_checkpoint(self.writer.dir / "checkpoints")
-        except CheckpointError:
-            return " No resumable checkpoint was written (train.checkpoint_every=0)."
-        return f" The last good checkpoint is {last}; fix the cause and resume with --resume."
+        """Where to resume from: the newest checkpoint written before any skipped update streak."""
+        root = self.writer.dir / "checkpoints"
+        good = []
+        for path in sorted(root.glob(f"{STEP_PREFIX}*")):
+            try:
+                state = json.loads((path / "state.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if state.get("consecutive_skips", 0) == 0:
+                good.append(path)
+        if not good:
+            why = ("train.checkpoint_every=0" if not self.config.train.checkpoint_every
+                   else "none was written before the problem began")
+            return f" No checkpoint from before the problem is available ({why})."
+        return (f" The last good checkpoint is {good[-1]}: point {root / 'latest'} at it (its name on one line), "
+                f"fix the cause and resume with --resume (settings that may change: {', '.join(RESUMABLE_CHANGES)}; "
+                "any other change needs a new run).")
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_training_checkpoint(self, step: int, learner: Learner) -> Path:
@@ -321,7 +336,12 @@ class Run:
         from safetensors.torch import save_model
 
         def write(tmp: Path) -> None:
-            self.model.save_pretrained(tmp, safe_serialization=True)
+            # One file, with the model's own parameter names (what load_weights reads back): no
+            # sharding, and no conversion to a hub layout (transformers 5 converts some families).
+            options: dict[str, Any] = {"max_shard_size": "100000GB"}
+            if "save_original_format" in inspect.signature(self.model.save_pretrained).parameters:
+                options["save_original_format"] = False
+            self.model.save_pretrained(tmp, safe_serialization=True, **options)
             self.tokenizer.save_pretrained(tmp)
             save_state(learner.optimizer.state_dict(), tmp, "optimizer")
             if learner.critic is not None:
@@ -333,7 +353,8 @@ class Run:
             state = {"format": 1, "step": step, "policy_version": self.engine.version,
                      "skipped_updates": learner.skipped_updates, "consecutive_skips": self.consecutive_skips,
                      "curriculum": self.curriculum.state_dict(), "logs": self.writer.offsets(),
-                     "critic": learner.critic is not None, "reference": self.ref_model is not None}
+                     "critic": learner.critic is not None, "reference": self.ref_model is not None,
+                     "device": self.device, "dtype": self.config.model.dtype}
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
             (tmp / "config.toml").write_text(to_toml(self.config))
 
@@ -360,11 +381,20 @@ class Run:
         state = json.loads((path / "state.json").read_text())
         if state.get("format") != 1:
             raise CheckpointError(f"{path}/state.json has format {state.get('format')!r}; this ctxrl reads format 1")
-        for flag, have, what in (("critic", learner.critic is not None, "a critic (algo.advantage=gae)"),
-                                 ("reference", self.ref_model is not None, "a reference model (algo.kl_coef > 0)")):
+        for flag, have, what, files in (
+                ("critic", learner.critic is not None, "a critic (algo.advantage=gae)",
+                 ("critic.safetensors", "critic_optimizer.safetensors", "critic_optimizer.json")),
+                ("reference", self.ref_model is not None, "a reference model (algo.kl_coef > 0)",
+                 ("reference.safetensors",))):
             if bool(state.get(flag)) != have:
                 raise CheckpointError(f"{path}: the checkpoint {'has' if state.get(flag) else 'lacks'} {what}, "
                                       "the run does not match it")
+            missing = [f for f in files if have and not (path / f).exists()]
+            if missing:
+                raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
+        if state.get("device", self.device).split(":")[0] != self.device.split(":")[0]:
+            warnings.warn(f"resuming on {self.device} a run checkpointed on {state['device']}: it continues "
+                          "correctly, but not with the numbers an uninterrupted run would have given", stacklevel=2)
         load_weights(self.model, path / "model.safetensors")
         learner.optimizer.load_state_dict(load_state(path, "optimizer"))
         if learner.critic is not None:
@@ -377,7 +407,10 @@ class Run:
         learner.skipped_updates = int(state["skipped_updates"])
         self.consecutive_skips = int(state["consecutive_skips"])
         self.curriculum.load_state_dict(state["curriculum"])
-        self.writer.rewind(state["logs"])
+        try:
+            self.writer.rewind(state["logs"])
+        except LogRewindError as exc:
+            raise CheckpointError(str(exc)) from None
         return int(state["step"])
 
     def save_checkpoint(self, name: str) -> Path:
