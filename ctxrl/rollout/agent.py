@@ -108,8 +108,10 @@ async def reset_env(env: Any, task: Task, seed: int | None, timeout_s: float) ->
             result, error = env.reset(task, seed=seed), None
         except BaseException as exc:  # noqa: BLE001 - handed to the episode
             result, error = None, exc
-        if not loop.is_closed():
+        try:
             loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop is gone: the episode was abandoned long ago
+            pass
 
     threading.Thread(target=target, name="ctxrl-env-reset", daemon=True).start()
     return await asyncio.wait_for(future, timeout_s)
