@@ -23,6 +23,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+from ctxrl.rollout.context import SUMMARY_INSTRUCTION
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and how to fix it."""
 
@@ -77,6 +79,26 @@ class RolloutConfig:
     episode is marked errored (``deadline``) and left out of the loss. 0 = no deadline."""
     max_error_rate: float = 0.5
     """Abort the run when more than this fraction of a step's episodes errored (crash or deadline)."""
+
+
+@dataclass
+class ContextConfig:
+    manager: str = "full"
+    """What the model sees as an episode grows: ``full`` (everything) or ``summarize`` (SUPO / ReSum:
+    the policy summarises its history when the next turn would not fit, and goes on from the summary)."""
+    max_context_tokens: int = 0
+    """Working-context budget in tokens for ``summarize`` (0 = unlimited; must not exceed rollout.max_total_tokens)."""
+    max_summaries: int = 2
+    """Summaries an episode may write in training; past them an over-budget episode ends (``max_context``)."""
+    eval_max_summaries: int = 2
+    """Summaries allowed at evaluation (test-time scaling: may exceed max_summaries)."""
+    summary_max_tokens: int = 64
+    """Tokens one summary may take."""
+    summary_instruction: str = SUMMARY_INSTRUCTION
+    """The user message that asks for a summary."""
+    segment_weight: str = "episode"
+    """Under seq-mean aggregations: ``episode`` (an episode's segments together weigh as one sequence)
+    or ``segment`` (each segment weighs as a sequence, so long episodes count more)."""
 
 
 @dataclass
@@ -239,6 +261,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -259,18 +282,20 @@ _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "r
              "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
              "algo.dynamic_sampling_rounds", "curriculum.horizon_start_turns", "curriculum.horizon_warmup_steps",
              "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks",
-             "train.max_consecutive_skips"}
+             "train.max_consecutive_skips", "context.summary_max_tokens"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
                  "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
-                 "train.steps", "train.weight_decay", "train.eval_every",
+                 "train.steps", "train.weight_decay", "train.eval_every", "context.max_context_tokens",
+                 "context.max_summaries", "context.eval_max_summaries",
                  "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
             "algo.gae_level": ("token", "turn"),
             "curriculum.kind": ("fixed", "horizon", "self_paced"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-            "model.dtype": ("float32", "bfloat16", "float16")}
+            "model.dtype": ("float32", "bfloat16", "float16"),
+            "context.manager": ("full", "summarize"), "context.segment_weight": ("episode", "segment")}
 
 
 def validate(config: Config) -> None:
@@ -297,6 +322,16 @@ def validate(config: Config) -> None:
                           f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
     if not 0.0 < config.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
+    ctx = config.context
+    if ctx.manager == "summarize":
+        if ctx.max_context_tokens <= 0:
+            raise ConfigError("context.manager=summarize needs context.max_context_tokens > 0 (the working budget)")
+        if ctx.max_context_tokens > config.rollout.max_total_tokens:
+            raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must not exceed "
+                              f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
+        if config.algo.advantage not in ("grpo", "dr_grpo", "rloo"):
+            raise ConfigError(f"context.manager=summarize broadcasts one advantage per episode to its segments: use "
+                              f"algo.advantage grpo, dr_grpo or rloo (not {config.algo.advantage!r})")
     if not 0.0 <= config.rollout.max_error_rate <= 1.0:
         raise ConfigError(f"rollout.max_error_rate must be in [0, 1], got {config.rollout.max_error_rate!r}")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:

@@ -104,6 +104,22 @@ class Turn:
 
 
 @dataclass
+class Segment:
+    """One closed, token-faithful sequence of an episode whose context was rewritten (e.g. summarised).
+
+    Same invariants as ``Episode``'s own arrays; ``messages`` is the conversation it rendered, and
+    ``ended_by`` says what closed it (``summary``).
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    turn_index: list[int]
+    messages: list[Message] = field(default_factory=list)
+    ended_by: str = "summary"
+
+
+@dataclass
 class Episode:
     """One token-faithful episode.
 
@@ -127,6 +143,21 @@ class Episode:
     policy_version: int = 0
     group_id: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    segments: list[Segment] = field(default_factory=list)
+    """Earlier, closed sequences (oldest first); ``input_ids`` etc. hold the live, last one."""
+
+    def start_segment(self, prompt_ids: list[int], messages: list[Message], *, ended_by: str = "summary") -> None:
+        """Close the live sequence (kept in ``segments``) and start a new one from ``prompt_ids`` (mask 0)."""
+        self.segments.append(Segment(self.input_ids, self.loss_mask, self.behavior_logprobs, self.turn_index,
+                                     list(self.messages), ended_by))
+        self.input_ids, self.loss_mask, self.behavior_logprobs, self.turn_index = [], [], [], []
+        self.messages = list(messages)
+        self.append(prompt_ids, sampled=False, turn=-1)
+
+    def sequences(self) -> list[Segment]:
+        """Every sequence the learner trains on: the closed segments, then the live one."""
+        live = Segment(self.input_ids, self.loss_mask, self.behavior_logprobs, self.turn_index, self.messages, "end")
+        return [*self.segments, live]
 
     def append(self, ids: list[int], *, sampled: bool, turn: int, logprobs: list[float] | None = None) -> None:
         """Append ids; sampled ids carry their behaviour log-probs, others get 0."""
@@ -142,7 +173,7 @@ class Episode:
 
     @property
     def num_sampled_tokens(self) -> int:
-        return sum(self.loss_mask)
+        return sum(self.loss_mask) + sum(sum(s.loss_mask) for s in self.segments)
 
     @property
     def tool_calls(self) -> int:

@@ -30,7 +30,10 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.chat.toolcalls import parse_assistant
 from ctxrl.engine.base import Engine, SamplingParams
 from ctxrl.engine.sampling import derive_seed
-from ctxrl.types import Episode, Task, Turn
+from ctxrl.rollout.context import ContextPolicy, restart_messages
+from ctxrl.types import Episode, Message, Task, Turn
+
+SUMMARY_SEED_OFFSET = 1_000_000  # summary k samples with derive_seed(seed, SUMMARY_SEED_OFFSET + k)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class RolloutLimits:
     top_k: int = 0
     timeout_s: float = 0.0
     """Wall-clock deadline of the whole episode (set-up, model and tool time); 0 = none."""
+    context: ContextPolicy = ContextPolicy()
+    """The context manager (``full``, or ``summarize`` with its budget and summary limit)."""
 
 
 async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRenderer, limits: RolloutLimits,
@@ -128,6 +133,7 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 async def _play(env, task, engine, renderer, limits, seed, episode: Episode, messages) -> None:
     tools = [tool.schema() for tool in env.tools] or None
+    opening = list(messages)
     episode.messages = list(messages)
     episode.append(renderer.prompt_ids(messages, tools), sampled=False, turn=-1)
     for turn in range(limits.max_turns):
@@ -173,11 +179,52 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode, mes
             episode.truncation = "max_turns"
             return
         delta = renderer.continuation_ids(episode.messages, result.messages, tools)
+        if limits.context.over_budget(len(episode.input_ids) + len(delta), limits.max_new_tokens):
+            if not await _summarize(episode, result.messages, opening, tools, engine, renderer, limits, seed, turn):
+                return
+            continue
         if len(episode.input_ids) + len(delta) >= limits.max_total_tokens:
             episode.truncation = "max_total_tokens"
             return
         episode.append(delta, sampled=False, turn=turn)
         episode.messages.extend(result.messages)
+
+
+async def _summarize(episode: Episode, observations: list, opening: list, tools, engine, renderer,
+                     limits: RolloutLimits, seed: int | None, turn: int) -> bool:
+    """Show the observations and the summary instruction, sample a summary, restart from it.
+
+    Returns False when the episode ends here (summary limit reached, or the summary did not fit).
+    """
+    policy = limits.context
+    done = episode.info.get("summaries", 0)
+    if done >= policy.max_summaries:
+        episode.truncation = "max_context"
+        return False
+    instruction = Message(role="user", content=policy.instruction)
+    delta = renderer.continuation_ids(episode.messages, [*observations, instruction], tools)
+    room = limits.max_total_tokens - len(episode.input_ids) - len(delta)
+    if room <= 0:
+        episode.truncation = "max_total_tokens"
+        return False
+    episode.append(delta, sampled=False, turn=turn)
+    episode.messages.extend([*observations, instruction])
+    params = SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
+                            max_new_tokens=min(policy.summary_max_tokens, room), stop_ids=(renderer.eos_id,),
+                            seed=None if seed is None else derive_seed(seed, SUMMARY_SEED_OFFSET + done))
+    completion = await engine.generate(list(episode.input_ids), params)
+    episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
+    closed = completion.finish_reason == "stop"
+    summary = renderer.decode(completion.token_ids[:-1] if closed else completion.token_ids)
+    episode.messages.append(Message(role="assistant", content=summary))
+    episode.info["summaries"] = done + 1
+    episode.info["summary_tokens"] = episode.info.get("summary_tokens", 0) + len(completion.token_ids)
+    if not closed:
+        episode.truncation = "max_new_tokens"
+        return False
+    messages = restart_messages(opening, summary)
+    episode.start_segment(renderer.prompt_ids(messages, tools), messages)
+    return True
 
 
 async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,

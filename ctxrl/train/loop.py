@@ -42,12 +42,14 @@ from ctxrl.eval.evaluate import evaluate_split, summarize
 from ctxrl.models.loader import load_model, load_tokenizer
 from ctxrl.report.writer import LogRewindError, RunWriter
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
+from ctxrl.rollout.context import ContextPolicy
 from ctxrl.train.checkpoint import (STEP_PREFIX, CheckpointError, clean_partial, commit_checkpoint, latest_checkpoint,
                                    load_state, rng_state,
                                    save_state, set_rng_state, step_name)
 from ctxrl.train.critic import Critic, episode_values
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.rewards import shape_rewards
+from ctxrl.train.segments import context_stats, expand_segments
 from ctxrl.train.sft import build_demos, sft_train
 
 
@@ -124,7 +126,8 @@ class Run:
         r = config.rollout
         self.train_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                                           max_total_tokens=r.max_total_tokens, temperature=r.temperature,
-                                          top_p=r.top_p, top_k=r.top_k, timeout_s=r.episode_timeout_s)
+                                          top_p=r.top_p, top_k=r.top_k, timeout_s=r.episode_timeout_s,
+                                          context=self.context_policy(config.context.max_summaries))
         cc = config.curriculum
         self.curriculum = make_curriculum(cc.kind, horizon_start_turns=cc.horizon_start_turns,
                                           horizon_warmup_steps=cc.horizon_warmup_steps,
@@ -134,7 +137,13 @@ class Run:
         self.ref_model = None
         self.eval_limits = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                                          max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature,
-                                         timeout_s=r.episode_timeout_s)
+                                         timeout_s=r.episode_timeout_s,
+                                         context=self.context_policy(config.context.eval_max_summaries))
+
+    def context_policy(self, max_summaries: int) -> ContextPolicy:
+        c = self.config.context
+        return ContextPolicy(manager=c.manager, max_context_tokens=c.max_context_tokens, max_summaries=max_summaries,
+                             summary_max_tokens=c.summary_max_tokens, instruction=c.summary_instruction)
 
     def decode(self, ids: list[int]) -> str:
         return self.renderer.decode(ids)
@@ -282,6 +291,9 @@ class Run:
             advantages = [adv for adv, keep in zip(advantages, free) if keep]
             targets = {k: [x for x, keep in zip(v, free) if keep] for k, v in targets.items()}
             valid = [e for e, keep in zip(valid, free) if keep]
+        trained_episodes = len(valid)
+        if any(e.segments for e in valid):  # one sequence per segment, each with its episode's advantage
+            valid, advantages = expand_segments(valid, advantages, agg=a.agg, weight=c.context.segment_weight)
         sampled = [x for adv, e in zip(advantages, valid) for x, m in zip(adv, e.loss_mask) if m]
         t1 = time.perf_counter()
         update = learner.update(valid, advantages, **targets) if valid else {}
@@ -294,7 +306,8 @@ class Run:
         self.engine.set_version(step + 1)
         stats = summarize(episodes)
         row = {"phase": "rl", "step": step + 1, **stats, **_mean_terms(episodes), **sampling,
-               "trained_episodes": len(valid),
+               **(context_stats(episodes) if c.context.manager != "full" else {}),
+               "trained_episodes": trained_episodes, "trained_sequences": len(valid),
                "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
                "advantage_std": float(np.std(sampled)) if sampled else 0.0,
                "zero_variance_groups": _zero_variance_groups(trainable),

@@ -1,0 +1,205 @@
+"""The summarize context manager: token-faithful segments, trained summaries, broadcast advantages."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+from ctxrl.algo.estimators import episode_advantages
+from ctxrl.chat.toolcalls import format_tool_call
+from ctxrl.config import ConfigError, load_config
+from ctxrl.engine.base import Completion
+from ctxrl.envs.kv_chain import KVChainEnv
+from ctxrl.rollout.agent import RolloutLimits, run_episode
+from ctxrl.rollout.context import ContextPolicy, restart_messages
+from ctxrl.train.segments import context_stats, expand_segments
+from ctxrl.types import Episode, Task
+
+
+class OracleEngine:
+    """A scripted kv_chain policy that reads its prompt: look up the latest key, answer the value,
+    and summarise (``next KEY``) whenever the prompt ends with the summary instruction."""
+
+    version = 0
+
+    def __init__(self, renderer, instruction: str, logprob: float = -0.25) -> None:
+        self.renderer, self.instruction, self.logprob = renderer, instruction, logprob
+        self.prompts: list[list[int]] = []
+        self.summaries: list[str] = []
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def _latest(self, text: str) -> tuple[str, str]:
+        found = [(m.start(), "key", m.group(1)) for m in re.finditer(r"(?:next|key|from) (K\d{4})", text)]
+        found += [(m.start(), "value", m.group(1)) for m in re.finditer(r"value (\d+)", text)]
+        _, kind, what = max(found)
+        return kind, what
+
+    async def generate(self, prompt_ids, params) -> Completion:
+        self.prompts.append(list(prompt_ids))
+        text = self.renderer.decode(prompt_ids)
+        kind, what = self._latest(text)
+        if text.rstrip().endswith("assistant") and self.instruction in text[-400:]:
+            out = f"summary {len(self.summaries)}: " + (f"next {what}" if kind == "key" else f"value {what}")
+            self.summaries.append(out)
+        elif kind == "value":
+            out = f"<answer>{what}</answer>"
+        else:
+            out = format_tool_call("lookup", {"key": what})
+        ids = self.renderer.assistant_ids(out)[: params.max_new_tokens]
+        return Completion(ids, [self.logprob] * len(ids), "stop" if ids[-1] == self.renderer.eos_id else "length")
+
+
+def _episode(renderer, max_summaries: int, slack: int = 120):
+    task = KVChainEnv.sample_tasks("ood", 1, seed=5)[0]
+    env = KVChainEnv()
+    opening = env.reset(task)
+    tools = [t.schema() for t in env.tools]
+    budget = len(renderer.prompt_ids(opening, tools)) + slack
+    policy = ContextPolicy(manager="summarize", max_context_tokens=budget, max_summaries=max_summaries,
+                           summary_max_tokens=48)
+    limits = RolloutLimits(max_turns=task.context["hops"] + 1, max_new_tokens=64, max_total_tokens=4096,
+                           context=policy)
+    engine = OracleEngine(renderer, policy.instruction)
+    episode = asyncio.run(run_episode(KVChainEnv(), task, engine, renderer, limits, seed=0))
+    return task, opening, tools, engine, episode
+
+
+def test_segments_are_token_faithful_and_restart_from_system_task_and_summary(renderer):
+    task, opening, tools, engine, episode = _episode(renderer, max_summaries=10)
+    assert episode.success and episode.truncation is None
+    assert len(episode.segments) >= 2 and episode.info["summaries"] == len(episode.segments)
+    sequences = episode.sequences()
+    for seq in sequences:
+        n = len(seq.input_ids)
+        assert len(seq.loss_mask) == len(seq.behavior_logprobs) == len(seq.turn_index) == n
+        assert all(lp == 0.0 for lp, m in zip(seq.behavior_logprobs, seq.loss_mask) if not m)
+    # every generation's prompt is a prefix of the sequence it was sampled in (prefix property)
+    for prompt in engine.prompts:
+        assert any(seq.input_ids[: len(prompt)] == prompt for seq in sequences)
+    # segment 0 starts with the opening; segment k with exactly system + task + summary k-1, as rendered
+    assert sequences[0].input_ids[: len(renderer.prompt_ids(opening, tools))] == renderer.prompt_ids(opening, tools)
+    for k, summary in enumerate(engine.summaries):
+        restart = renderer.prompt_ids(restart_messages(opening, summary), tools)
+        nxt = sequences[k + 1]
+        assert nxt.input_ids[: len(restart)] == restart and not any(nxt.loss_mask[: len(restart)])
+        # the summary ends segment k as sampled tokens (mask 1, behaviour log-probs kept)
+        ids = renderer.assistant_ids(summary)
+        seg = sequences[k]
+        assert seg.input_ids[-len(ids):] == ids and all(seg.loss_mask[-len(ids):])
+        assert all(lp == -0.25 for lp in seg.behavior_logprobs[-len(ids):])
+        assert seg.ended_by == "summary"
+    # the working context stayed near the budget, unlike the full history
+    stats = context_stats([episode])
+    assert stats["summaries_per_episode"] == len(episode.segments) and stats["context_tokens_saved"] > 0
+
+
+def test_summary_limit_ends_the_episode(renderer):
+    _, _, _, _, capped = _episode(renderer, max_summaries=1)
+    assert capped.truncation == "max_context" and capped.info["summaries"] == 1 and len(capped.segments) == 1
+    _, _, _, _, none = _episode(renderer, max_summaries=0)
+    assert none.truncation == "max_context" and not none.segments
+
+
+def test_summary_logprobs_match_the_learner(model, tokenizer, renderer):
+    """Summary tokens sampled by the real engine carry the learner's log-probs (mask 1)."""
+    from ctxrl.engine.hf import HFEngine
+    from ctxrl.train.learner import token_logprobs
+
+    hf = HFEngine(model, pad_token_id=tokenizer.pad_token_id, seed=0)
+
+    class Hybrid(OracleEngine):
+        async def generate(self, prompt_ids, params):
+            if self.instruction in self.renderer.decode(prompt_ids[-120:]):
+                self.prompts.append(list(prompt_ids))
+                return await hf.generate(prompt_ids, params)
+            return await super().generate(prompt_ids, params)
+
+    task = KVChainEnv.sample_tasks("ood", 1, seed=5)[0]
+    opening = KVChainEnv().reset(task)
+    tools = [t.schema() for t in KVChainEnv().tools]
+    policy = ContextPolicy(manager="summarize", max_context_tokens=len(renderer.prompt_ids(opening, tools)) + 120,
+                           max_summaries=1, summary_max_tokens=12)
+    limits = RolloutLimits(max_turns=6, max_new_tokens=64, max_total_tokens=4096, temperature=1.0, context=policy)
+    engine = Hybrid(renderer, policy.instruction)
+    episode = asyncio.run(run_episode(KVChainEnv(), task, engine, renderer, limits, seed=3))
+    assert episode.info["summaries"] == 1
+    seq = episode.sequences()[-1] if not episode.segments else episode.segments[0]
+    positions = [i for i in range(len(seq.input_ids)) if seq.loss_mask[i] and seq.behavior_logprobs[i] != -0.25]
+    assert len(positions) >= 1  # the summary's sampled tokens
+    ids = torch.tensor([seq.input_ids])
+    with torch.no_grad():
+        learner = token_logprobs(model, ids, torch.ones_like(ids))[0]  # log p(token t+1 | <= t)
+    for i in positions:
+        assert abs(learner[i - 1].item() - seq.behavior_logprobs[i]) < 1e-4
+
+
+def _ep(group: int, reward: float, segments: int) -> Episode:
+    e = Episode(task=Task(id="t", prompt="p", answer="a"), group_id=group, reward=reward)
+    for k in range(segments):
+        e.append([1, 2], sampled=False, turn=-1)
+        e.append([3, 4, 5], sampled=True, turn=0, logprobs=[-1.0] * 3)
+        if k < segments - 1:
+            e.start_segment([9], [])
+    return e
+
+
+def test_advantages_are_per_episode_and_broadcast_to_every_segment():
+    eps = [_ep(0, 1.0, segments=3), _ep(0, 0.0, segments=1)]
+    adv = episode_advantages("grpo", eps)
+    # group statistics over the 2 episodes (not 4 sequences): +-1/sqrt(2) with the Bessel std
+    expected = 2 ** -0.5
+    assert abs(adv[0][-1] - expected) < 1e-5 and abs(adv[1][-1] + expected) < 1e-5
+    seqs, seq_adv = expand_segments(eps, adv, agg="token-mean")
+    assert len(seqs) == 4 and all(not s.segments for s in seqs)
+    for s, a in zip(seqs[:3], seq_adv[:3]):
+        assert len(a) == len(s.input_ids)
+        assert all(abs(x - expected) < 1e-5 for x, m in zip(a, s.loss_mask) if m)
+        assert all(x == 0.0 for x, m in zip(a, s.loss_mask) if not m)
+    # under seq-mean aggregation an episode's 3 segments weigh as one sequence, unless asked otherwise
+    _, per_episode = expand_segments(eps, adv, agg="seq-mean-token-mean")
+    assert abs(per_episode[0][-1] - expected / 3) < 1e-5 and abs(per_episode[3][-1] + expected) < 1e-5
+    _, per_segment = expand_segments(eps, adv, agg="seq-mean-token-mean", weight="segment")
+    assert abs(per_segment[0][-1] - expected) < 1e-5
+
+
+def test_eval_summary_limit_overrides_training_and_config_checks(tmp_path):
+    from ctxrl.train.loop import Run
+
+    cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
+                             "context.max_context_tokens=300", "context.max_summaries=1",
+                             "context.eval_max_summaries=4", "rollout.max_total_tokens=512", "run.progress=false"])
+    run = Run(cfg, tmp_path)
+    assert run.train_limits.context.max_summaries == 1 and run.eval_limits.context.max_summaries == 4
+    assert run.train_limits.context.max_context_tokens == 300
+    with pytest.raises(ConfigError, match="needs context.max_context_tokens > 0"):
+        load_config(None, ["context.manager=summarize"])
+    with pytest.raises(ConfigError, match="must not exceed rollout.max_total_tokens"):
+        load_config(None, ["context.manager=summarize", "context.max_context_tokens=4096"])
+    with pytest.raises(ConfigError, match="grpo, dr_grpo or rloo"):
+        load_config(None, ["context.manager=summarize", "context.max_context_tokens=300", "algo.advantage=gae"])
+
+
+def test_rl_step_trains_on_segments(tmp_path, renderer):
+    """One RL step with summaries: sequences = segments, metrics reported, the update runs."""
+    from ctxrl.train.loop import Run
+
+    cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
+                             "context.max_context_tokens=330", "context.max_summaries=6", "env.max_turns=8",
+                             "rollout.max_total_tokens=1024", "rollout.max_new_tokens=64", "rollout.tasks_per_step=2",
+                             "rollout.group_size=2", "run.progress=false", "sft.enabled=false"])
+    run = Run(cfg, tmp_path)
+    learner = run.make_learner()
+
+    run.engine = OracleEngine(renderer, cfg.context.summary_instruction)
+    row = run.rl_step(learner, 0)
+    assert row["summaries_per_episode"] > 0 and row["trained_sequences"] > row["trained_episodes"]
+    # generations fit the budget; the summary step may pass it by one observation + instruction + summary
+    instruction = len(renderer.encode(cfg.context.summary_instruction)) + 8
+    assert row["context_peak_tokens_max"] <= 330 + 30 + instruction + cfg.context.summary_max_tokens
+    assert row["success"] == 1.0 and row["context_tokens_saved"] > 0
+    assert "loss" in row
