@@ -84,10 +84,11 @@ class RolloutConfig:
 @dataclass
 class ContextConfig:
     manager: str = "full"
-    """What the model sees as an episode grows: ``full`` (everything) or ``summarize`` (SUPO / ReSum:
-    the policy summarises its history when the next turn would not fit, and goes on from the summary)."""
+    """What the model sees as an episode grows: ``full`` (everything), ``window`` (drop the oldest whole
+    turns when the next turn would not fit) or ``summarize`` (SUPO / ReSum: the policy summarises its
+    history when the next turn would not fit, and goes on from the summary)."""
     max_context_tokens: int = 0
-    """Working-context budget in tokens for ``summarize`` (0 = unlimited; must not exceed rollout.max_total_tokens)."""
+    """Working-context budget in tokens for ``window`` and ``summarize`` (must not exceed rollout.max_total_tokens)."""
     max_summaries: int = 2
     """Summaries an episode may write in training; past them an over-budget episode ends (``max_context``)."""
     eval_max_summaries: int = 2
@@ -96,6 +97,11 @@ class ContextConfig:
     """Tokens one summary may take."""
     summary_instruction: str = SUMMARY_INSTRUCTION
     """The user message that asks for a summary."""
+    budget_start_tokens: int = 0
+    """Budget curriculum (BACM-style): start training at this budget and shrink linearly to
+    max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""
+    budget_steps: int = 20
+    """RL steps over which the budget shrinks from budget_start_tokens to max_context_tokens."""
     segment_weight: str = "episode"
     """Under seq-mean aggregations: ``episode`` (an episode's segments together weigh as one sequence)
     or ``segment`` (each segment weighs as a sequence, so long episodes count more)."""
@@ -287,7 +293,8 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
                  "train.steps", "train.weight_decay", "train.eval_every", "context.max_context_tokens",
-                 "context.max_summaries", "context.eval_max_summaries",
+                 "context.max_summaries", "context.eval_max_summaries", "context.budget_start_tokens",
+                 "context.budget_steps",
                  "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
@@ -295,7 +302,7 @@ _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_
             "curriculum.kind": ("fixed", "horizon", "self_paced"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16"),
-            "context.manager": ("full", "summarize"), "context.segment_weight": ("episode", "segment")}
+            "context.manager": ("full", "window", "summarize"), "context.segment_weight": ("episode", "segment")}
 
 
 def validate(config: Config) -> None:
@@ -323,14 +330,18 @@ def validate(config: Config) -> None:
     if not 0.0 < config.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
     ctx = config.context
-    if ctx.manager == "summarize":
+    if ctx.manager != "full":
         if ctx.max_context_tokens <= 0:
-            raise ConfigError("context.manager=summarize needs context.max_context_tokens > 0 (the working budget)")
+            raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 (the working budget)")
         if ctx.max_context_tokens > config.rollout.max_total_tokens:
             raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must not exceed "
                               f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
+        if ctx.budget_start_tokens and not ctx.max_context_tokens <= ctx.budget_start_tokens <= config.rollout.max_total_tokens:
+            raise ConfigError(f"context.budget_start_tokens ({ctx.budget_start_tokens}) must lie between "
+                              f"context.max_context_tokens ({ctx.max_context_tokens}) and rollout.max_total_tokens "
+                              f"({config.rollout.max_total_tokens}): the budget shrinks from it")
         if config.algo.advantage not in ("grpo", "dr_grpo", "rloo"):
-            raise ConfigError(f"context.manager=summarize broadcasts one advantage per episode to its segments: use "
+            raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
                               f"algo.advantage grpo, dr_grpo or rloo (not {config.algo.advantage!r})")
     if not 0.0 <= config.rollout.max_error_rate <= 1.0:
         raise ConfigError(f"rollout.max_error_rate must be in [0, 1], got {config.rollout.max_error_rate!r}")

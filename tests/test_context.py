@@ -54,13 +54,13 @@ class OracleEngine:
         return Completion(ids, [self.logprob] * len(ids), "stop" if ids[-1] == self.renderer.eos_id else "length")
 
 
-def _episode(renderer, max_summaries: int, slack: int = 120):
+def _episode(renderer, max_summaries: int, slack: int = 120, manager: str = "summarize"):
     task = KVChainEnv.sample_tasks("ood", 1, seed=5)[0]
     env = KVChainEnv()
     opening = env.reset(task)
     tools = [t.schema() for t in env.tools]
     budget = len(renderer.prompt_ids(opening, tools)) + slack
-    policy = ContextPolicy(manager="summarize", max_context_tokens=budget, max_summaries=max_summaries,
+    policy = ContextPolicy(manager=manager, max_context_tokens=budget, max_summaries=max_summaries,
                            summary_max_tokens=48)
     limits = RolloutLimits(max_turns=task.context["hops"] + 1, max_new_tokens=64, max_total_tokens=4096,
                            context=policy)
@@ -189,7 +189,8 @@ def test_rl_step_trains_on_segments(tmp_path, renderer):
     from ctxrl.train.loop import Run
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
-                             "context.max_context_tokens=330", "context.max_summaries=6", "env.max_turns=8",
+                             "context.max_context_tokens=300", "context.max_summaries=6", "env.max_turns=8",
+                             "context.budget_start_tokens=330", "context.budget_steps=10",
                              "rollout.max_total_tokens=1024", "rollout.max_new_tokens=64", "rollout.tasks_per_step=2",
                              "rollout.group_size=2", "run.progress=false", "sft.enabled=false"])
     run = Run(cfg, tmp_path)
@@ -197,9 +198,46 @@ def test_rl_step_trains_on_segments(tmp_path, renderer):
 
     run.engine = OracleEngine(renderer, cfg.context.summary_instruction)
     row = run.rl_step(learner, 0)
+    assert row["context_budget"] == 330  # step 0 of the shrinking-budget curriculum (330 -> 300 over 10 steps)
     assert row["summaries_per_episode"] > 0 and row["trained_sequences"] > row["trained_episodes"]
     # generations fit the budget; the summary step may pass it by one observation + instruction + summary
     instruction = len(renderer.encode(cfg.context.summary_instruction)) + 8
     assert row["context_peak_tokens_max"] <= 330 + 30 + instruction + cfg.context.summary_max_tokens
     assert row["success"] == 1.0 and row["context_tokens_saved"] > 0
     assert "loss" in row
+
+
+def test_window_drops_whole_turns_and_keeps_the_budget(renderer):
+    from ctxrl.rollout.context import split_turns
+
+    task, opening, tools, engine, episode = _episode(renderer, max_summaries=0, slack=200, manager="window")
+    assert episode.success and episode.info["windows"] == len(episode.segments) >= 1
+    assert not engine.summaries and all(s.ended_by == "window" for s in episode.segments)
+    budget = len(renderer.prompt_ids(opening, tools)) + 200
+    sequences = episode.sequences()
+    for seq in sequences:
+        assert len(seq.input_ids) <= budget  # every sequence stays within the working budget
+        head, turns = split_turns(seq.messages)
+        assert head == opening and all(t[0].role == "assistant" for t in turns)  # whole turns only
+    for prev, nxt in zip(sequences, sequences[1:]):
+        first_sampled = nxt.loss_mask.index(1)
+        prompt = nxt.input_ids[:first_sampled]
+        # the new segment's prompt is a fresh rendering of the opening + the newest whole turns
+        j = next(j for j in range(1, len(nxt.messages) + 1) if renderer.prompt_ids(nxt.messages[:j], tools) == prompt)
+        kept = nxt.messages[len(opening):j]
+        _, prev_turns = split_turns(prev.messages)
+        assert kept and kept[0].role == "assistant" and kept[0] in prev.messages  # an old turn kept whole
+        assert prev_turns[0][0] not in nxt.messages  # the oldest turn was dropped
+    # too small a budget for even the opening and one turn: the episode ends
+    _, _, _, _, cut = _episode(renderer, max_summaries=0, slack=30, manager="window")
+    assert cut.truncation == "max_context"
+
+
+def test_budget_curriculum_shrinks_linearly_to_the_final_budget():
+    from ctxrl.rollout.context import scheduled_budget
+
+    assert [scheduled_budget(s, final=300, start=700, steps=4) for s in range(6)] == [700, 600, 500, 400, 300, 300]
+    assert scheduled_budget(0, final=300) == 300 and scheduled_budget(3, final=300, start=700, steps=0) == 300
+    with pytest.raises(ConfigError, match="budget_start_tokens"):
+        load_config(None, ["context.manager=summarize", "context.max_context_tokens=300",
+                           "context.budget_start_tokens=200"])

@@ -30,7 +30,7 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.chat.toolcalls import parse_assistant
 from ctxrl.engine.base import Engine, SamplingParams
 from ctxrl.engine.sampling import derive_seed
-from ctxrl.rollout.context import ContextPolicy, restart_messages
+from ctxrl.rollout.context import ContextPolicy, restart_messages, window_messages
 from ctxrl.types import Episode, Message, Task, Turn
 
 SUMMARY_SEED_OFFSET = 1_000_000  # summary k samples with derive_seed(seed, SUMMARY_SEED_OFFSET + k)
@@ -180,7 +180,10 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode, mes
             return
         delta = renderer.continuation_ids(episode.messages, result.messages, tools)
         if limits.context.over_budget(len(episode.input_ids) + len(delta), limits.max_new_tokens):
-            if not await _summarize(episode, result.messages, opening, tools, engine, renderer, limits, seed, turn):
+            if limits.context.manager == "window":
+                if not _window(episode, result.messages, tools, renderer, limits):
+                    return
+            elif not await _summarize(episode, result.messages, opening, tools, engine, renderer, limits, seed, turn):
                 return
             continue
         if len(episode.input_ids) + len(delta) >= limits.max_total_tokens:
@@ -188,6 +191,22 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode, mes
             return
         episode.append(delta, sampled=False, turn=turn)
         episode.messages.extend(result.messages)
+
+
+def _window(episode: Episode, observations: list, tools, renderer, limits: RolloutLimits) -> bool:
+    """Drop the oldest whole turns so the next turn fits; a new segment from the rest. False: nothing fits."""
+    budget = limits.context.max_context_tokens
+
+    def fits(messages: list) -> bool:
+        return len(renderer.prompt_ids(messages, tools)) + limits.max_new_tokens <= budget
+
+    kept = window_messages([*episode.messages, *observations], fits)
+    if kept is None:
+        episode.truncation = "max_context"
+        return False
+    episode.start_segment(renderer.prompt_ids(kept, tools), kept, ended_by="window")
+    episode.info["windows"] = episode.info.get("windows", 0) + 1
+    return True
 
 
 async def _summarize(episode: Episode, observations: list, opening: list, tools, engine, renderer,

@@ -1,6 +1,10 @@
 """Context managers: what the model sees before each generation when an episode outgrows its budget.
 
 - ``full`` (default): the whole history, always (the baseline; ``max_total_tokens`` still caps it).
+- ``window``: when the next generation would not fit in ``max_context_tokens``, the oldest whole
+  turns (an assistant message with the observations that answered it) are dropped: a new segment
+  starts from the opening messages and the most recent turns that fit, rendered as a fresh
+  prompt. Nothing is sampled to make it (the baseline ``summarize`` must beat).
 - ``summarize`` (SUPO / ReSum): at the end of a turn, if the next generation would not fit in
   ``max_context_tokens``, the environment's reply is followed by a summary instruction and the
   policy writes a summary (sampled, loss mask 1: trained end to end). The episode then continues
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 from ctxrl.types import Message
 
-MANAGERS = ("full", "summarize")
+MANAGERS = ("full", "window", "summarize")
 SUMMARY_INSTRUCTION = ("Your context is nearly full. Write a short summary of what you have found and what is "
                        "left to do; you will continue from it.")
 SUMMARY_HEADER = "\n\nYour summary of the work so far:\n"
@@ -44,12 +48,12 @@ class ContextPolicy:
     def __post_init__(self) -> None:
         if self.manager not in MANAGERS:
             raise ValueError(f"context manager must be one of {', '.join(MANAGERS)}, not {self.manager!r}")
-        if self.manager == "summarize" and self.max_context_tokens <= 0:
-            raise ValueError("the summarize context manager needs max_context_tokens > 0")
+        if self.manager != "full" and self.max_context_tokens <= 0:
+            raise ValueError(f"the {self.manager} context manager needs max_context_tokens > 0")
 
     def over_budget(self, context_tokens: int, next_turn_tokens: int) -> bool:
         """Whether a context of ``context_tokens`` leaves no room for a turn of ``next_turn_tokens``."""
-        return self.manager == "summarize" and context_tokens + next_turn_tokens > self.max_context_tokens
+        return self.manager != "full" and context_tokens + next_turn_tokens > self.max_context_tokens
 
 
 def restart_messages(opening: list[Message], summary: str) -> list[Message]:
@@ -59,3 +63,42 @@ def restart_messages(opening: list[Message], summary: str) -> list[Message]:
     if task is None:
         raise ValueError("the episode's opening messages have no user message (the task) to restart from")
     return [*system[:1], Message(role="user", content=task.content + SUMMARY_HEADER + summary.strip())]
+
+
+def split_turns(messages: list[Message]) -> tuple[list[Message], list[list[Message]]]:
+    """(the opening: up to the first user message, the turns after it: each an assistant message + replies)."""
+    first_user = next((i for i, m in enumerate(messages) if m.role == "user"), None)
+    if first_user is None:
+        raise ValueError("a conversation to window needs a user message (the task)")
+    head, turns = messages[: first_user + 1], []
+    for m in messages[first_user + 1:]:
+        if m.role == "assistant" or not turns:
+            turns.append([m])
+        else:
+            turns[-1].append(m)
+    return head, turns
+
+
+def window_messages(messages: list[Message], fits) -> list[Message] | None:
+    """The opening plus the longest suffix of whole turns, at least one turn shorter, for which ``fits`` holds.
+
+    ``fits(candidate)`` says whether a prompt of these messages leaves room for the next turn.
+    None when even the opening alone does not fit.
+    """
+    head, turns = split_turns(messages)
+    for start in range(1, len(turns) + 1):
+        candidate = head + [m for turn in turns[start:] for m in turn]
+        if not candidate[-1].role == "assistant" and fits(candidate):
+            return candidate
+    return None
+
+
+def scheduled_budget(step: int, *, final: int, start: int = 0, steps: int = 0) -> int:
+    """The context budget at RL ``step`` under a shrinking-budget curriculum (BACM-style).
+
+    Linear from ``start`` at step 0 to ``final`` at step ``steps``, then ``final``; ``start`` of 0
+    (or ``steps`` of 0) means no curriculum: always ``final``.
+    """
+    if start <= 0 or steps <= 0 or step >= steps:
+        return final
+    return round(start + (final - start) * step / steps)

@@ -42,7 +42,7 @@ from ctxrl.eval.evaluate import evaluate_split, summarize
 from ctxrl.models.loader import load_model, load_tokenizer
 from ctxrl.report.writer import LogRewindError, RunWriter
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
-from ctxrl.rollout.context import ContextPolicy
+from ctxrl.rollout.context import ContextPolicy, scheduled_budget
 from ctxrl.train.checkpoint import (STEP_PREFIX, CheckpointError, clean_partial, commit_checkpoint, latest_checkpoint,
                                    load_state, rng_state,
                                    save_state, set_rng_state, step_name)
@@ -211,8 +211,11 @@ class Run:
         c = self.config
         n = c.rollout.tasks_per_step
         tasks = self.curriculum.sample_tasks(self.env_cls, n, c.run.seed * 100_003 + step + round_ * 7_777_777, step)
+        cc = c.context
+        budget = scheduled_budget(step, final=cc.max_context_tokens, start=cc.budget_start_tokens, steps=cc.budget_steps)
         limits = dataclasses.replace(self.train_limits,
-                                     max_turns=self.curriculum.max_turns(step, self.train_limits.max_turns))
+                                     max_turns=self.curriculum.max_turns(step, self.train_limits.max_turns),
+                                     context=dataclasses.replace(self.train_limits.context, max_context_tokens=budget))
         episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, limits,
                                             group_size=c.rollout.group_size,
                                             seed=c.run.seed * 7919 + step + round_ * 1_000_033))
@@ -249,6 +252,10 @@ class Run:
         t_rollout = time.perf_counter() - t0
         sampling.update(self.curriculum.update([e for e in episodes if e.truncation != "error"]))
         sampling["max_turns"] = self.curriculum.max_turns(step, self.train_limits.max_turns)
+        if c.context.manager != "full":
+            sampling["context_budget"] = scheduled_budget(step, final=c.context.max_context_tokens,
+                                                          start=c.context.budget_start_tokens,
+                                                          steps=c.context.budget_steps)
         errored = [e for e in episodes if e.truncation == "error"]
         if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
             self.writer.log_samples(step + 1, errored, self.decode, phase="rl-errored")
