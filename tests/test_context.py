@@ -241,3 +241,22 @@ def test_budget_curriculum_shrinks_linearly_to_the_final_budget():
     with pytest.raises(ConfigError, match="budget_start_tokens"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=300",
                            "context.budget_start_tokens=200"])
+
+
+def test_context_experiment_runs_end_to_end(tmp_path):
+    """experiments/context.py on the random-init model: every manager trains, the summary sweep evaluates."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "experiments" / "context.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", "tiny:pretrain_steps=0", "--steps", "1",
+                           "--budget", "300", "--eval-summaries", "0,2", "--out", str(tmp_path), "sft.demos=4",
+                           "sft.epochs=1", "sft.batch_size=4", "eval.tasks=2", "rollout.tasks_per_step=2",
+                           "rollout.group_size=2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "summary.json").read_text())
+    assert set(results) == {"full", "window", "summarize"}
+    assert set(results["summarize"]["heldout_by_eval_summaries"]) == {"0", "2"}
+    assert results["window"]["peak_context"] is not None and results["full"]["peak_context"] is None

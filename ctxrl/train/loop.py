@@ -171,6 +171,8 @@ class Run:
                 self.env_cls, split, self.config.eval.tasks, self.engine, self.renderer, self.eval_limits,
                 seed=self.config.eval.seed))
             summary["seconds"] = time.perf_counter() - t0
+            if self.config.context.manager != "full":
+                summary.update(context_stats(episodes))
             self.writer.log_metrics({"phase": "eval", "step": step, "split": split, **summary})
             self.writer.log_samples(step, episodes[:2], self.decode, phase=f"eval-{split}")
             results[split] = summary

@@ -1,0 +1,89 @@
+"""Context management on kv_chain: full vs window vs summarize at one working-context budget.
+
+For each manager the script trains the same warm-started model with the demo's pipeline on
+``kv_chain`` chains longer than the budget holds in full (``full`` gets an unlimited budget: the
+reference), then reports held-out success, the peak working context and summaries per episode.
+For ``summarize`` it also evaluates the final checkpoint with growing evaluation-time summary
+limits (SUPO's test-time scaling). Results go to ``--out/summary.json`` and a table on stdout.
+
+    python experiments/context.py --steps 40                       # tiny model, CPU
+    python experiments/context.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 100 model.dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+MODEL = "tiny:envs=calculator+kv_chain"
+COMMON = ["env.name=kv_chain", "env.max_turns=10", "rollout.max_new_tokens=48", "rollout.max_total_tokens=2048",
+          "run.progress=false", "train.eval_every=0"]
+
+
+def manager_overrides(manager: str, budget: int, max_summaries: int) -> list[str]:
+    if manager == "full":
+        return ["context.manager=full"]
+    return [f"context.manager={manager}", f"context.max_context_tokens={budget}",
+            f"context.max_summaries={max_summaries}", f"context.eval_max_summaries={max_summaries}"]
+
+
+def main() -> None:
+    from ctxrl.cli import run_pipeline
+    from ctxrl.config import load_config
+    from ctxrl.train.loop import Run
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--budget", type=int, default=384, help="context.max_context_tokens for window / summarize")
+    parser.add_argument("--max-summaries", type=int, default=2, help="summaries per episode in training")
+    parser.add_argument("--eval-summaries", default="0,1,2,4,8", help="evaluation-time summary limits to sweep")
+    parser.add_argument("--managers", default="full,window,summarize")
+    parser.add_argument("--out", default="runs/experiment-context")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run, section.key=value")
+    args = parser.parse_args()
+    out = Path(args.out)
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    for manager in args.managers.split(","):
+        config = load_config(None, [f"model.name={args.model}", f"train.steps={args.steps}", f"run.name={manager}",
+                                    *COMMON, *manager_overrides(manager, args.budget, args.max_summaries),
+                                    *args.overrides])
+        summary = run_pipeline(config, out / manager, quiet=True)
+        rows = [json.loads(x) for x in (out / manager / "metrics.jsonl").read_text().splitlines()]
+        final = next(r for r in reversed(rows) if r["phase"] == "eval" and r["split"] == "heldout")
+        results[manager] = {"heldout_before": summary["heldout_success_before"],
+                            "heldout_after": summary["heldout_success_after"],
+                            "ood_after": summary["ood_success_after"],
+                            "peak_context": final.get("context_peak_tokens_max"),
+                            "summaries_per_episode": final.get("summaries_per_episode"),
+                            "truncated_max_context": final.get("truncated_max_context", 0.0)}
+        if manager == "summarize":
+            scaling = {}
+            for k in (int(x) for x in args.eval_summaries.split(",")):
+                cfg = load_config(None, [f"model.name={summary['checkpoint']}", f"run.name=eval-{k}", *COMMON,
+                                         *manager_overrides(manager, args.budget, args.max_summaries),
+                                         f"context.eval_max_summaries={k}", "train.steps=0", *args.overrides])
+                run = Run(cfg, out / f"summarize-eval-{k}")
+                scaling[k] = run.evaluate(args.steps, splits=("heldout",))["heldout"]["success"]
+                run.writer.close()
+            results[manager]["heldout_by_eval_summaries"] = scaling
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(results, indent=2))
+    print(f"model {args.model}, {args.steps} RL steps, budget {args.budget} tokens, "
+          f"{time.perf_counter() - started:.0f}s")
+    print(f"{'manager':10s} {'heldout':>14s} {'ood':>6s} {'peak ctx':>9s} {'summ/ep':>8s} {'cut':>6s}")
+    for manager, r in results.items():
+        peak = "-" if r["peak_context"] is None else f"{r['peak_context']:.0f}"
+        summ = "-" if r["summaries_per_episode"] is None else f"{r['summaries_per_episode']:.2f}"
+        print(f"{manager:10s} {r['heldout_before']:.2f} -> {r['heldout_after']:.2f} {r['ood_after']:6.2f} "
+              f"{peak:>9s} {summ:>8s} {r['truncated_max_context']:6.2f}")
+        if "heldout_by_eval_summaries" in r:
+            print("  summarize, heldout by eval-time summary limit: "
+                  + ", ".join(f"{k}: {v:.2f}" for k, v in r["heldout_by_eval_summaries"].items()))
+
+
+if __name__ == "__main__":
+    main()
