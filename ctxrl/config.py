@@ -85,8 +85,9 @@ class RolloutConfig:
 class ContextConfig:
     manager: str = "full"
     """What the model sees as an episode grows: ``full`` (everything), ``window`` (drop the oldest whole
-    turns when the next turn would not fit) or ``summarize`` (SUPO / ReSum: the policy summarises its
-    history when the next turn would not fit, and goes on from the summary)."""
+    turns when the next turn would not fit), ``summarize`` (SUPO / ReSum: the policy summarises its
+    history when the next turn would not fit, and goes on from the summary) or ``fold``
+    (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent)."""
     max_context_tokens: int = 0
     """Working-context budget in tokens for ``window`` and ``summarize`` (must not exceed rollout.max_total_tokens)."""
     max_summaries: int = 2
@@ -97,6 +98,8 @@ class ContextConfig:
     """Tokens one summary may take."""
     summary_instruction: str = SUMMARY_INSTRUCTION
     """The user message that asks for a summary."""
+    max_branches: int = 4
+    """Branches an episode may open with ``fold``."""
     budget_start_tokens: int = 0
     """Budget curriculum (BACM-style): start training at this budget and shrink linearly to
     max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""
@@ -294,7 +297,7 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
                  "train.steps", "train.weight_decay", "train.eval_every", "context.max_context_tokens",
                  "context.max_summaries", "context.eval_max_summaries", "context.budget_start_tokens",
-                 "context.budget_steps",
+                 "context.budget_steps", "context.max_branches",
                  "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
@@ -302,7 +305,7 @@ _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_
             "curriculum.kind": ("fixed", "horizon", "self_paced"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16"),
-            "context.manager": ("full", "window", "summarize"), "context.segment_weight": ("episode", "segment")}
+            "context.manager": ("full", "window", "summarize", "fold"), "context.segment_weight": ("episode", "segment")}
 
 
 def validate(config: Config) -> None:
@@ -330,7 +333,7 @@ def validate(config: Config) -> None:
     if not 0.0 < config.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
     ctx = config.context
-    if ctx.manager != "full":
+    if ctx.manager in ("window", "summarize"):
         if ctx.max_context_tokens <= 0:
             raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 (the working budget)")
         if ctx.max_context_tokens > config.rollout.max_total_tokens:
@@ -340,6 +343,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"context.budget_start_tokens ({ctx.budget_start_tokens}) must lie between "
                               f"context.max_context_tokens ({ctx.max_context_tokens}) and rollout.max_total_tokens "
                               f"({config.rollout.max_total_tokens}): the budget shrinks from it")
+    if ctx.manager != "full":
         if config.algo.advantage not in ("grpo", "dr_grpo", "rloo"):
             raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
                               f"algo.advantage grpo, dr_grpo or rloo (not {config.algo.advantage!r})")

@@ -260,3 +260,88 @@ def test_context_experiment_runs_end_to_end(tmp_path):
     assert set(results) == {"full", "window", "summarize"}
     assert set(results["summarize"]["heldout_by_eval_summaries"]) == {"0", "2"}
     assert results["window"]["peak_context"] is not None and results["full"]["peak_context"] is None
+
+
+class FoldOracle(OracleEngine):
+    """Parent: branch into 'follow the chain', then answer the branch's result. Branch: look up, then return."""
+
+    def __init__(self, renderer, misuse: bool = False) -> None:
+        super().__init__(renderer, instruction="\x00")
+        self.misuse = misuse
+
+    async def generate(self, prompt_ids, params) -> Completion:
+        from ctxrl.rollout.context import BRANCH_HEADER
+
+        self.prompts.append(list(prompt_ids))
+        text = self.renderer.decode(prompt_ids)
+        if BRANCH_HEADER.strip() in text:  # inside the branch
+            kind, what = self._latest(text)
+            if self.misuse and "Error: a branch cannot" not in text:
+                out = format_tool_call("branch", {"goal": "nested"})
+            else:
+                out = format_tool_call("return", {"result": what}) if kind == "value" else \
+                    format_tool_call("lookup", {"key": what})
+        elif "<tool_response>" in text:  # the branch came back (or a misuse was answered)
+            if self.misuse and "Error: return is only" not in text:
+                out = format_tool_call("return", {"result": "too early"})
+            elif "Error: return is only" in text.rsplit("<tool_response>", 1)[1]:
+                _, start = self._latest(text.split("<tool_response>")[0])
+                out = format_tool_call("branch", {"goal": f"follow the chain from {start} to its value"})
+            else:
+                out = f"<answer>{text.rsplit('<tool_response>', 1)[1].split('</tool_response>')[0].strip()}</answer>"
+        else:
+            _, start = self._latest(text)
+            out = format_tool_call("branch", {"goal": f"follow the chain from {start} to its value"})
+        ids = self.renderer.assistant_ids(out)[: params.max_new_tokens]
+        return Completion(ids, [self.logprob] * len(ids), "stop" if ids[-1] == self.renderer.eos_id else "length")
+
+
+def _fold_episode(renderer, misuse: bool = False):
+    task = KVChainEnv.sample_tasks("ood", 1, seed=5)[0]
+    limits = RolloutLimits(max_turns=task.context["hops"] + 6, max_new_tokens=64, max_total_tokens=4096,
+                           context=ContextPolicy(manager="fold"))
+    engine = FoldOracle(renderer, misuse)
+    return task, engine, asyncio.run(run_episode(KVChainEnv(), task, engine, renderer, limits, seed=0))
+
+
+def test_fold_branch_tokens_never_enter_the_parent(renderer):
+    from ctxrl.rollout.context import FOLD_TOOL_SCHEMAS, branch_messages
+
+    task, engine, episode = _fold_episode(renderer)
+    assert episode.success and episode.truncation is None and episode.info["branches"] == 1
+    (branch,), parent = episode.segments, episode.sequences()[-1]
+    assert branch.ended_by == "fold"
+    opening = KVChainEnv().reset(task)
+    tools = [t.schema() for t in KVChainEnv().tools] + FOLD_TOOL_SCHEMAS
+    goal = next(c.arguments["goal"] for m in parent.messages if m.role == "assistant" for c in m.tool_calls)
+    start = renderer.prompt_ids(branch_messages(opening, goal), tools)
+    assert branch.input_ids[: len(start)] == start  # the branch starts from the short context, exactly
+    # nothing the branch saw or sampled is in the parent: only the branch call, its result, the answer
+    assert [m.role for m in parent.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert parent.messages[3].content == task.answer and parent.messages[3].name == "branch"
+    child_calls = [renderer.encode(m.content) for m in branch.messages if m.role == "assistant"]
+    joined = ",".join(map(str, parent.input_ids))
+    assert all(",".join(map(str, ids)) not in joined for ids in child_calls)
+    assert "next K" not in renderer.decode(parent.input_ids)
+    # both sequences train: sampled tokens carry their behaviour log-probs
+    assert sum(branch.loss_mask) > 0 and sum(parent.loss_mask) > 0
+    assert context_stats([episode])["branches_per_episode"] == 1
+
+
+def test_fold_misuse_is_an_error_observation(renderer):
+    from ctxrl.rollout.scripted import ScriptedEngine
+
+    task = KVChainEnv.sample_tasks("ood", 1, seed=5)[0]
+    *lookups, answer = KVChainEnv.solve(task)
+    texts = [format_tool_call("return", {"result": "too early"}),          # return outside a branch
+             format_tool_call("branch", {"goal": "follow the chain"}),
+             format_tool_call("branch", {"goal": "nested"}),                # a branch inside a branch
+             *lookups, format_tool_call("return", {"result": task.answer}), answer]
+    limits = RolloutLimits(max_turns=len(texts), max_new_tokens=64, max_total_tokens=4096,
+                           context=ContextPolicy(manager="fold", max_branches=1))
+    episode = asyncio.run(run_episode(KVChainEnv(), task, ScriptedEngine(texts, renderer), renderer, limits, seed=0))
+    assert episode.success and episode.info["branches"] == 1
+    tool_texts = [m.content for s in episode.sequences() for m in s.messages if m.role == "tool"]
+    assert any("return is only for ending a branch" in t for t in tool_texts)
+    assert any("a branch cannot open another branch" in t for t in tool_texts)
+    assert [t.tool_errors for t in episode.turns[:3]] == [1, 0, 1]

@@ -30,8 +30,8 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.chat.toolcalls import parse_assistant
 from ctxrl.engine.base import Engine, SamplingParams
 from ctxrl.engine.sampling import derive_seed
-from ctxrl.rollout.context import ContextPolicy, restart_messages, window_messages
-from ctxrl.types import Episode, Message, Task, Turn
+from ctxrl.rollout.context import FOLD_TOOL_SCHEMAS, ContextPolicy, branch_messages, restart_messages, window_messages
+from ctxrl.types import Episode, Message, Segment, Task, Turn
 
 SUMMARY_SEED_OFFSET = 1_000_000  # summary k samples with derive_seed(seed, SUMMARY_SEED_OFFSET + k)
 
@@ -132,7 +132,18 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 async def _play(env, task, engine, renderer, limits, seed, episode: Episode, messages) -> None:
+    fold = _Fold(episode, limits.context) if limits.context.manager == "fold" else None
+    try:
+        await _turns(env, engine, renderer, limits, seed, episode, messages, fold)
+    finally:
+        if fold is not None:
+            fold.finish()  # a branch still open at the end is closed, and the parent is the live sequence
+
+
+async def _turns(env, engine, renderer, limits, seed, episode: Episode, messages, fold) -> None:
     tools = [tool.schema() for tool in env.tools] or None
+    if fold is not None:
+        tools = [*(tools or []), *FOLD_TOOL_SCHEMAS]
     opening = list(messages)
     episode.messages = list(messages)
     episode.append(renderer.prompt_ids(messages, tools), sampled=False, turn=-1)
@@ -158,6 +169,14 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode, mes
             hit_total = len(episode.input_ids) >= limits.max_total_tokens
             episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"
             return
+        if fold is not None:
+            handled = fold.handle(message, opening, tools, renderer, turn)
+            if handled is not None:  # a branch opened or returned, or a misuse answered with an error
+                record.tool_calls, record.tool_errors = 1, int(handled)
+                if turn == limits.max_turns - 1:
+                    episode.truncation = "max_turns"
+                    return
+                continue
         result = await env.step(message)
         record.reward = float(result.reward)
         record.tool_calls = int(result.info.get("tool_calls", 0))
@@ -191,6 +210,70 @@ async def _play(env, task, engine, renderer, limits, seed, episode: Episode, mes
             return
         episode.append(delta, sampled=False, turn=turn)
         episode.messages.extend(result.messages)
+
+
+class _Fold:
+    """The ``fold`` manager's state: at most one open branch, and the parent sequence it paused."""
+
+    def __init__(self, episode: Episode, policy: ContextPolicy) -> None:
+        self.episode, self.policy = episode, policy
+        self.parent: tuple | None = None  # (input_ids, loss_mask, behavior_logprobs, turn_index, messages)
+
+    def handle(self, message: Message, opening: list, tools, renderer, turn: int) -> bool | None:
+        """Act on a branch / return call: None = not ours (the environment steps); else whether it was an error."""
+        names = [c.name for c in message.tool_calls]
+        mine = [c for c in message.tool_calls if c.name in ("branch", "return")]
+        if not mine:
+            if self.parent is not None and not message.tool_calls and not message.tool_call_errors:
+                self._return(message.content, renderer, tools, turn)  # a plain reply ends the branch as its result
+                return False
+            return None
+        e = self.episode
+        error = None
+        if len(names) > 1 or message.tool_call_errors:
+            error = "branch and return must be the only call of their turn"
+        elif mine[0].name == "branch" and self.parent is not None:
+            error = "a branch cannot open another branch: finish this one with return(result)"
+        elif mine[0].name == "return" and self.parent is None:
+            error = "return is only for ending a branch; answer the main task directly"
+        elif mine[0].name == "branch" and e.info.get("branches", 0) >= self.policy.max_branches:
+            error = f"no branches left (at most {self.policy.max_branches} per episode)"
+        key = "goal" if mine[0].name == "branch" else "result"
+        value = mine[0].arguments.get(key)
+        if error is None and not isinstance(value, str):
+            error = f"{mine[0].name} needs a string argument {key!r}"
+        if error is not None:
+            observation = Message(role="tool", content=f"Error: {error}", name=mine[0].name)
+            e.append(renderer.continuation_ids(e.messages, [observation], tools), sampled=False, turn=turn)
+            e.messages.append(observation)
+            return True
+        if mine[0].name == "return":
+            self._return(value, renderer, tools, turn)
+            return False
+        self.parent = (e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, e.messages)
+        child = branch_messages(opening, value)
+        e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, e.messages = [], [], [], [], list(child)
+        e.append(renderer.prompt_ids(child, tools), sampled=False, turn=-1)
+        e.info["branches"] = e.info.get("branches", 0) + 1
+        return False
+
+    def _return(self, result: str, renderer, tools, turn: int) -> None:
+        e = self.episode
+        self._close_branch("fold")
+        observation = Message(role="tool", content=result, name="branch")
+        e.append(renderer.continuation_ids(e.messages, [observation], tools), sampled=False, turn=turn)
+        e.messages.append(observation)
+
+    def _close_branch(self, ended_by: str) -> None:
+        e = self.episode
+        e.segments.append(Segment(e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, e.messages, ended_by))
+        e.info["branch_tokens"] = e.info.get("branch_tokens", 0) + len(e.input_ids)
+        e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, e.messages = self.parent
+        self.parent = None
+
+    def finish(self) -> None:
+        if self.parent is not None:
+            self._close_branch("fold-unfinished")
 
 
 def _window(episode: Episode, observations: list, tools, renderer, limits: RolloutLimits) -> bool:

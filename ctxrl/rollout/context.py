@@ -5,6 +5,11 @@
   turns (an assistant message with the observations that answered it) are dropped: a new segment
   starts from the opening messages and the most recent turns that fit, rendered as a fresh
   prompt. Nothing is sampled to make it (the baseline ``summarize`` must beat).
+- ``fold`` (Context-Folding): two more tools, ``branch(goal)`` and ``return(result)``. A branch
+  runs as its own segment from a short context (the opening system message and the task, with
+  the goal appended); on ``return`` only the result comes back to the parent, as the branch
+  call's tool response, and the parent goes on. The branch's tokens never enter the parent's
+  context. One level of branching; ``max_branches`` per episode.
 - ``summarize`` (SUPO / ReSum): at the end of a turn, if the next generation would not fit in
   ``max_context_tokens``, the environment's reply is followed by a summary instruction and the
   policy writes a summary (sampled, loss mask 1: trained end to end). The episode then continues
@@ -26,7 +31,16 @@ from dataclasses import dataclass
 
 from ctxrl.types import Message
 
-MANAGERS = ("full", "window", "summarize")
+MANAGERS = ("full", "window", "summarize", "fold")
+BRANCH_HEADER = "\n\nYour sub-task (work on it, then call return with its result):\n"
+FOLD_TOOL_SCHEMAS = [
+    {"type": "function", "function": {
+        "name": "branch", "description": "Work on a sub-task in a fresh context; you get back only its result.",
+        "parameters": {"type": "object", "properties": {"goal": {"type": "string"}}, "required": ["goal"]}}},
+    {"type": "function", "function": {
+        "name": "return", "description": "End the current sub-task and hand its result to the main task.",
+        "parameters": {"type": "object", "properties": {"result": {"type": "string"}}, "required": ["result"]}}},
+]
 SUMMARY_INSTRUCTION = ("Your context is nearly full. Write a short summary of what you have found and what is "
                        "left to do; you will continue from it.")
 SUMMARY_HEADER = "\n\nYour summary of the work so far:\n"
@@ -44,16 +58,19 @@ class ContextPolicy:
     summary_max_tokens: int = 64
     """Tokens one summary may take."""
     instruction: str = SUMMARY_INSTRUCTION
+    max_branches: int = 4
+    """Branches an episode may open (``fold``)."""
 
     def __post_init__(self) -> None:
         if self.manager not in MANAGERS:
             raise ValueError(f"context manager must be one of {', '.join(MANAGERS)}, not {self.manager!r}")
-        if self.manager != "full" and self.max_context_tokens <= 0:
+        if self.manager in ("window", "summarize") and self.max_context_tokens <= 0:
             raise ValueError(f"the {self.manager} context manager needs max_context_tokens > 0")
 
     def over_budget(self, context_tokens: int, next_turn_tokens: int) -> bool:
         """Whether a context of ``context_tokens`` leaves no room for a turn of ``next_turn_tokens``."""
-        return self.manager != "full" and context_tokens + next_turn_tokens > self.max_context_tokens
+        return (self.manager in ("window", "summarize")
+                and context_tokens + next_turn_tokens > self.max_context_tokens)
 
 
 def restart_messages(opening: list[Message], summary: str) -> list[Message]:
@@ -102,3 +119,12 @@ def scheduled_budget(step: int, *, final: int, start: int = 0, steps: int = 0) -
     if start <= 0 or steps <= 0 or step >= steps:
         return final
     return round(start + (final - start) * step / steps)
+
+
+def branch_messages(opening: list[Message], goal: str) -> list[Message]:
+    """The short context a branch starts from: the opening system message, the task + the goal."""
+    system = [m for m in opening if m.role == "system"]
+    task = next((m for m in opening if m.role == "user"), None)
+    if task is None:
+        raise ValueError("the episode's opening messages have no user message (the task) to branch from")
+    return [*system[:1], Message(role="user", content=task.content + BRANCH_HEADER + goal.strip())]

@@ -143,7 +143,8 @@ class Run:
     def context_policy(self, max_summaries: int) -> ContextPolicy:
         c = self.config.context
         return ContextPolicy(manager=c.manager, max_context_tokens=c.max_context_tokens, max_summaries=max_summaries,
-                             summary_max_tokens=c.summary_max_tokens, instruction=c.summary_instruction)
+                             summary_max_tokens=c.summary_max_tokens, instruction=c.summary_instruction,
+                             max_branches=c.max_branches)
 
     def decode(self, ids: list[int]) -> str:
         return self.renderer.decode(ids)

@@ -62,6 +62,7 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
         "context_peak_tokens_max": float(max(peaks)),
         "summaries_per_episode": sum(summaries) / n,
         "windows_per_episode": sum(e.info.get("windows", 0) for e in episodes) / n,
+        "branches_per_episode": sum(e.info.get("branches", 0) for e in episodes) / n,
         "summary_tokens_mean": total_summary_tokens / max(sum(summaries), 1),
         "context_tokens_saved": (sum(full) - sum(peaks)) / n,
         "success_with_summary": _rate([e.success for e, k in zip(episodes, summaries) if k]),
