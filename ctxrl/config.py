@@ -105,9 +105,6 @@ class ContextConfig:
     max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""
     budget_steps: int = 20
     """RL steps over which the budget shrinks from budget_start_tokens to max_context_tokens."""
-    segment_weight: str = "episode"
-    """Under seq-mean aggregations: ``episode`` (an episode's segments together weigh as one sequence)
-    or ``segment`` (each segment weighs as a sequence, so long episodes count more)."""
 
 
 @dataclass
@@ -305,7 +302,7 @@ _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_
             "curriculum.kind": ("fixed", "horizon", "self_paced"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16"),
-            "context.manager": ("full", "window", "summarize", "fold"), "context.segment_weight": ("episode", "segment")}
+            "context.manager": ("full", "window", "summarize", "fold")}
 
 
 def validate(config: Config) -> None:
@@ -343,7 +340,22 @@ def validate(config: Config) -> None:
             raise ConfigError(f"context.budget_start_tokens ({ctx.budget_start_tokens}) must lie between "
                               f"context.max_context_tokens ({ctx.max_context_tokens}) and rollout.max_total_tokens "
                               f"({config.rollout.max_total_tokens}): the budget shrinks from it")
+    if ctx.budget_start_tokens and ctx.manager not in ("window", "summarize"):
+        raise ConfigError(f"context.budget_start_tokens applies to context.manager window or summarize, not "
+                          f"{ctx.manager!r}; set it to 0")
+    if ctx.budget_start_tokens and ctx.budget_steps <= 0:
+        raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
+    if ctx.manager in ("window", "summarize") and ctx.max_context_tokens <= config.rollout.max_new_tokens:
+        raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must exceed rollout.max_new_tokens "
+                          f"({config.rollout.max_new_tokens}): no turn would ever fit")
     if ctx.manager != "full":
+        if config.algo.agg != "token-mean":
+            raise ConfigError(f"context.manager={ctx.manager} trains one sequence per segment; use algo.agg=token-mean, "
+                              "where cutting an episode into segments leaves every token's weight unchanged (a "
+                              f"seq-mean aggregation would count segments, so long episodes would weigh more)")
+        if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
+            raise ConfigError(f"context.manager={ctx.manager} with algo.kl_placement=reward is not supported (the "
+                              "penalty would miss closed segments); use algo.kl_placement=loss")
         if config.algo.advantage not in ("grpo", "dr_grpo", "rloo"):
             raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
                               f"algo.advantage grpo, dr_grpo or rloo (not {config.algo.advantage!r})")

@@ -149,22 +149,29 @@ def _ep(group: int, reward: float, segments: int) -> Episode:
 
 
 def test_advantages_are_per_episode_and_broadcast_to_every_segment():
-    eps = [_ep(0, 1.0, segments=3), _ep(0, 0.0, segments=1)]
-    adv = episode_advantages("grpo", eps)
-    # group statistics over the 2 episodes (not 4 sequences): +-1/sqrt(2) with the Bessel std
+    from ctxrl.train.segments import episode_outcome_advantages
+
+    eps = [_ep(0, 1.0, segments=3), _ep(0, 0.0, segments=1), _ep(1, 1.0, segments=2), _ep(1, 1.0, segments=1)]
+    scalars = episode_outcome_advantages("grpo", eps)
+    # group statistics over the episodes (2 per group), never over the 7 sequences: +-1/sqrt(2), then 0, 0
     expected = 2 ** -0.5
-    assert abs(adv[0][-1] - expected) < 1e-5 and abs(adv[1][-1] + expected) < 1e-5
-    seqs, seq_adv = expand_segments(eps, adv, agg="token-mean")
-    assert len(seqs) == 4 and all(not s.segments for s in seqs)
+    assert [round(x, 4) for x in scalars] == [round(expected, 4), round(-expected, 4), 0.0, 0.0]
+    # the same values the token-level estimator gives an unsegmented episode
+    plain = [_ep(0, 1.0, 1), _ep(0, 0.0, 1)]
+    tokens = episode_advantages("grpo", plain)
+    assert abs(tokens[0][-1] - episode_outcome_advantages("grpo", plain)[0]) < 1e-6
+    seqs, seq_adv = expand_segments(eps, scalars)
+    assert len(seqs) == 7 and all(not s.segments for s in seqs)
     for s, a in zip(seqs[:3], seq_adv[:3]):
         assert len(a) == len(s.input_ids)
         assert all(abs(x - expected) < 1e-5 for x, m in zip(a, s.loss_mask) if m)
         assert all(x == 0.0 for x, m in zip(a, s.loss_mask) if not m)
-    # under seq-mean aggregation an episode's 3 segments weigh as one sequence, unless asked otherwise
-    _, per_episode = expand_segments(eps, adv, agg="seq-mean-token-mean")
-    assert abs(per_episode[0][-1] - expected / 3) < 1e-5 and abs(per_episode[3][-1] + expected) < 1e-5
-    _, per_segment = expand_segments(eps, adv, agg="seq-mean-token-mean", weight="segment")
-    assert abs(per_segment[0][-1] - expected) < 1e-5
+    # a segment without sampled tokens is not trained
+    empty = _ep(0, 1.0, segments=2)
+    empty.start_segment([7, 7], [])
+    assert len(expand_segments([empty], [1.0])[0]) == 2
+    with pytest.raises(ValueError, match="outcome estimator"):
+        episode_outcome_advantages("reinforce_pp", eps)
 
 
 def test_eval_summary_limit_overrides_training_and_config_checks(tmp_path):
@@ -182,6 +189,14 @@ def test_eval_summary_limit_overrides_training_and_config_checks(tmp_path):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=4096"])
     with pytest.raises(ConfigError, match="grpo, dr_grpo or rloo"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=300", "algo.advantage=gae"])
+    with pytest.raises(ConfigError, match="algo.agg=token-mean"):
+        load_config(None, ["context.manager=fold", "algo.agg=seq-mean-token-mean"])
+    with pytest.raises(ConfigError, match="kl_placement=loss"):
+        load_config(None, ["context.manager=fold", "algo.kl_coef=0.1", "algo.kl_placement=reward"])
+    with pytest.raises(ConfigError, match="must exceed rollout.max_new_tokens"):
+        load_config(None, ["context.manager=window", "context.max_context_tokens=40"])
+    with pytest.raises(ConfigError, match="applies to context.manager window or summarize"):
+        load_config(None, ["context.manager=fold", "context.budget_start_tokens=300"])
 
 
 def test_rl_step_trains_on_segments(tmp_path, renderer):
@@ -226,8 +241,12 @@ def test_window_drops_whole_turns_and_keeps_the_budget(renderer):
         j = next(j for j in range(1, len(nxt.messages) + 1) if renderer.prompt_ids(nxt.messages[:j], tools) == prompt)
         kept = nxt.messages[len(opening):j]
         _, prev_turns = split_turns(prev.messages)
-        assert kept and kept[0].role == "assistant" and kept[0] in prev.messages  # an old turn kept whole
-        assert prev_turns[0][0] not in nxt.messages  # the oldest turn was dropped
+        contents = [m.content for m in prev.messages]
+        assert kept and kept[0].role == "assistant" and kept[0].content in contents  # an old turn kept whole
+        assert prev_turns[0][0].content not in [m.content for m in nxt.messages]  # the oldest turn was dropped
+        # the newest turn is always kept, with the observation the model had not seen yet
+        assert kept[-1].role == "tool" and kept[-1].content not in contents
+        assert kept[-2].content == prev.messages[-1].content
     # too small a budget for even the opening and one turn: the episode ends
     _, _, _, _, cut = _episode(renderer, max_summaries=0, slack=30, manager="window")
     assert cut.truncation == "max_context"
@@ -345,3 +364,21 @@ def test_fold_misuse_is_an_error_observation(renderer):
     assert any("return is only for ending a branch" in t for t in tool_texts)
     assert any("a branch cannot open another branch" in t for t in tool_texts)
     assert [t.tool_errors for t in episode.turns[:3]] == [1, 0, 1]
+
+
+def test_fold_appends_nothing_on_the_last_turn_and_never_branches_there(renderer):
+    from ctxrl.rollout.scripted import ScriptedEngine
+
+    task = KVChainEnv.sample_tasks("train", 1, seed=2)[0]
+    *lookups, _ = KVChainEnv.solve(task)
+    texts = [format_tool_call("branch", {"goal": "follow the chain"}), *lookups,
+             format_tool_call("return", {"result": task.answer})]
+    limits = RolloutLimits(max_turns=len(texts), max_new_tokens=64, max_total_tokens=4096,
+                           context=ContextPolicy(manager="fold"))
+    episode = asyncio.run(run_episode(KVChainEnv(), task, ScriptedEngine(texts, renderer), renderer, limits, seed=0))
+    parent = episode.sequences()[-1]
+    assert episode.truncation == "max_turns" and parent.loss_mask[-1] == 1  # no unseen observation trained
+    # a branch asked for on the last turn is refused, and leaves no empty segment behind
+    late = RolloutLimits(max_turns=1, max_new_tokens=64, max_total_tokens=4096, context=ContextPolicy(manager="fold"))
+    one = asyncio.run(run_episode(KVChainEnv(), task, ScriptedEngine(texts[:1], renderer), renderer, late, seed=0))
+    assert not one.segments and one.turns[0].tool_errors == 1 and one.sequences()[-1].loss_mask[-1] == 1

@@ -127,4 +127,8 @@ def episode_record(episode: Episode, decode, *, step: int, phase: str) -> dict[s
         "error": episode.info.get("error"),
         "error_kind": episode.info.get("error_kind"),
         "spans": [{"mask": m, "text": decode(episode.input_ids[a:b])} for a, b, m in mask_spans(episode)],
+        # earlier sequences of an episode whose context was rewritten (summaries, windows, fold branches)
+        "segments": [{"ended_by": s.ended_by, "tokens": len(s.input_ids),
+                      "spans": [{"mask": m, "text": decode(s.input_ids[a:b])} for a, b, m in mask_spans(s)]}
+                     for s in episode.segments],
     }

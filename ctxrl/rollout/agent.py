@@ -147,6 +147,9 @@ async def _turns(env, engine, renderer, limits, seed, episode: Episode, messages
     opening = list(messages)
     episode.messages = list(messages)
     episode.append(renderer.prompt_ids(messages, tools), sampled=False, turn=-1)
+    if limits.context.over_budget(len(episode.input_ids), limits.max_new_tokens):
+        episode.truncation = "max_context"  # the task alone leaves no room for a turn in the budget
+        return
     for turn in range(limits.max_turns):
         room = limits.max_total_tokens - len(episode.input_ids)
         if room <= 0:
@@ -170,9 +173,12 @@ async def _turns(env, engine, renderer, limits, seed, episode: Episode, messages
             episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"
             return
         if fold is not None:
-            handled = fold.handle(message, opening, tools, renderer, turn)
+            handled = fold.handle(message, opening, tools, renderer, turn, last=turn == limits.max_turns - 1,
+                                  max_total_tokens=limits.max_total_tokens)
             if handled is not None:  # a branch opened or returned, or a misuse answered with an error
                 record.tool_calls, record.tool_errors = 1, int(handled)
+                if episode.truncation is not None:
+                    return
                 if turn == limits.max_turns - 1:
                     episode.truncation = "max_turns"
                     return
@@ -219,8 +225,14 @@ class _Fold:
         self.episode, self.policy = episode, policy
         self.parent: tuple | None = None  # (input_ids, loss_mask, behavior_logprobs, turn_index, messages)
 
-    def handle(self, message: Message, opening: list, tools, renderer, turn: int) -> bool | None:
-        """Act on a branch / return call: None = not ours (the environment steps); else whether it was an error."""
+    def handle(self, message: Message, opening: list, tools, renderer, turn: int, *, last: bool,
+               max_total_tokens: int) -> bool | None:
+        """Act on a branch / return call: None = not ours (the environment steps); else whether it was an error.
+
+        On the last turn nothing is appended (no generation would see it) and no branch opens; an
+        observation that would pass ``max_total_tokens`` ends the episode there instead.
+        """
+        self.last, self.max_total_tokens = last, max_total_tokens
         names = [c.name for c in message.tool_calls]
         mine = [c for c in message.tool_calls if c.name in ("branch", "return")]
         if not mine:
@@ -238,14 +250,14 @@ class _Fold:
             error = "return is only for ending a branch; answer the main task directly"
         elif mine[0].name == "branch" and e.info.get("branches", 0) >= self.policy.max_branches:
             error = f"no branches left (at most {self.policy.max_branches} per episode)"
+        elif mine[0].name == "branch" and last:
+            error = "no turns left for a branch"
         key = "goal" if mine[0].name == "branch" else "result"
         value = mine[0].arguments.get(key)
         if error is None and not isinstance(value, str):
             error = f"{mine[0].name} needs a string argument {key!r}"
         if error is not None:
-            observation = Message(role="tool", content=f"Error: {error}", name=mine[0].name)
-            e.append(renderer.continuation_ids(e.messages, [observation], tools), sampled=False, turn=turn)
-            e.messages.append(observation)
+            self._observe(Message(role="tool", content=f"Error: {error}", name=mine[0].name), renderer, tools, turn)
             return True
         if mine[0].name == "return":
             self._return(value, renderer, tools, turn)
@@ -258,10 +270,19 @@ class _Fold:
         return False
 
     def _return(self, result: str, renderer, tools, turn: int) -> None:
-        e = self.episode
         self._close_branch("fold")
-        observation = Message(role="tool", content=result, name="branch")
-        e.append(renderer.continuation_ids(e.messages, [observation], tools), sampled=False, turn=turn)
+        self._observe(Message(role="tool", content=result, name="branch"), renderer, tools, turn)
+
+    def _observe(self, observation: Message, renderer, tools, turn: int) -> None:
+        """Append an observation to the live sequence, unless no generation would ever see it."""
+        e = self.episode
+        if self.last:
+            return
+        delta = renderer.continuation_ids(e.messages, [observation], tools)
+        if len(e.input_ids) + len(delta) >= self.max_total_tokens:
+            e.truncation = "max_total_tokens"
+            return
+        e.append(delta, sampled=False, turn=turn)
         e.messages.append(observation)
 
     def _close_branch(self, ended_by: str) -> None:
@@ -322,10 +343,14 @@ async def _summarize(episode: Episode, observations: list, opening: list, tools,
     episode.info["summaries"] = done + 1
     episode.info["summary_tokens"] = episode.info.get("summary_tokens", 0) + len(completion.token_ids)
     if not closed:
-        episode.truncation = "max_new_tokens"
+        hit_total = len(episode.input_ids) >= limits.max_total_tokens
+        episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"
         return False
     messages = restart_messages(opening, summary)
     episode.start_segment(renderer.prompt_ids(messages, tools), messages)
+    if policy.over_budget(len(episode.input_ids), limits.max_new_tokens):
+        episode.truncation = "max_context"  # task + summary alone leave no room for a turn
+        return False
     return True
 
 

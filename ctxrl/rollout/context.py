@@ -27,6 +27,7 @@ to its segments (``ctxrl.train.segments``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ctxrl.types import Message
@@ -99,11 +100,16 @@ def split_turns(messages: list[Message]) -> tuple[list[Message], list[list[Messa
 def window_messages(messages: list[Message], fits) -> list[Message] | None:
     """The opening plus the longest suffix of whole turns, at least one turn shorter, for which ``fits`` holds.
 
+    The newest turn is always kept: it holds the observation the model has not seen yet. Kept
+    assistant messages are re-rendered from their text alone (``tool_calls`` cleared): the text
+    already holds the calls, and templates that also render ``tool_calls`` would show them twice.
     ``fits(candidate)`` says whether a prompt of these messages leaves room for the next turn.
-    None when even the opening alone does not fit.
+    None when the opening and the newest turn alone do not fit.
     """
     head, turns = split_turns(messages)
-    for start in range(1, len(turns) + 1):
+    turns = [[dataclasses.replace(m, tool_calls=[], tool_call_errors=[]) if m.role == "assistant" else m for m in t]
+             for t in turns]
+    for start in range(1, len(turns)):
         candidate = head + [m for turn in turns[start:] for m in turn]
         if not candidate[-1].role == "assistant" and fits(candidate):
             return candidate

@@ -49,7 +49,7 @@ from ctxrl.train.checkpoint import (STEP_PREFIX, CheckpointError, clean_partial,
 from ctxrl.train.critic import Critic, episode_values
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.rewards import shape_rewards
-from ctxrl.train.segments import context_stats, expand_segments
+from ctxrl.train.segments import context_stats, episode_outcome_advantages, expand_segments
 from ctxrl.train.sft import build_demos, sft_train
 
 
@@ -60,7 +60,7 @@ class TrainingAborted(RuntimeError):
 # Config keys that may differ between a checkpoint and the run resuming it: they change how long
 # the run goes on, what it logs or evaluates, or the warm start (already done), never a step.
 RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-                     "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
+                     "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name", "context.eval_max_summaries",
                      "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.")
 
 
@@ -294,16 +294,20 @@ class Run:
                 targets["value_mask"] = value_mask
         else:
             advantages = episode_advantages(a.advantage, valid, gamma=a.gamma, token_rewards=penalties)
+        segmented = any(e.segments for e in valid)
+        # segmented episodes: one advantage per episode, group statistics over episodes (before any filter)
+        scalars = episode_outcome_advantages(a.advantage, valid) if segmented else []
         free = void_turn_free(valid)
         sampling["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
         if a.void_turn_filter:
             sampling["void_turn_filtered"] = len(free) - sum(free)
             advantages = [adv for adv, keep in zip(advantages, free) if keep]
+            scalars = [x for x, keep in zip(scalars, free) if keep] if segmented else []
             targets = {k: [x for x, keep in zip(v, free) if keep] for k, v in targets.items()}
             valid = [e for e, keep in zip(valid, free) if keep]
         trained_episodes = len(valid)
-        if any(e.segments for e in valid):  # one sequence per segment, each with its episode's advantage
-            valid, advantages = expand_segments(valid, advantages, agg=a.agg, weight=c.context.segment_weight)
+        if segmented:  # one sequence per segment, each with its episode's advantage
+            valid, advantages = expand_segments(valid, scalars)
         sampled = [x for adv, e in zip(advantages, valid) for x, m in zip(adv, e.loss_mask) if m]
         t1 = time.perf_counter()
         update = learner.update(valid, advantages, **targets) if valid else {}
@@ -322,7 +326,7 @@ class Run:
                "advantage_std": float(np.std(sampled)) if sampled else 0.0,
                "zero_variance_groups": _zero_variance_groups(trainable),
                **update,
-               "tokens": sum(len(e.input_ids) for e in episodes),
+               "tokens": sum(len(s.input_ids) for e in episodes for s in e.sequences()),
                "time_rollout": t_rollout, "time_update": t_update, "time_step": time.perf_counter() - t0}
         self.writer.log_metrics(row)
         if c.run.samples_per_step:
@@ -486,7 +490,7 @@ def drop_small_groups(episodes: list) -> tuple[list, int]:
 
 
 def _trainable(e) -> bool:
-    return e.truncation != "error" and any(e.loss_mask)
+    return e.truncation != "error" and any(any(s.loss_mask) for s in e.sequences())
 
 
 def _zero_variance_groups(episodes) -> int:

@@ -1,13 +1,12 @@
 """Training on segmented episodes: one sequence per segment, the episode's advantage on each.
 
-An episode whose context was rewritten (``summarize``) holds several token-faithful sequences
-(``Episode.sequences()``). Advantages are computed over episodes (group statistics count
-episodes, never segments); ``expand_segments`` then turns each episode into one training
-sequence per segment, every sampled token carrying the episode's advantage (SUPO / ReSum
-broadcast). Under a ``seq-mean-*`` aggregation a segment is a sequence, so an episode with many
-segments would weigh more; ``weight="episode"`` (the default) scales each segment's advantages by
-``1 / n_segments`` there, so every episode weighs as one sequence. Under ``token-mean`` nothing
-changes: the sampled tokens are the same whether or not the episode was cut into segments.
+An episode whose context was rewritten (``window``, ``summarize``, ``fold``) holds several
+token-faithful sequences (``Episode.sequences()``). Advantages are computed over episodes (group
+statistics count episodes, never segments); ``expand_segments`` then turns each episode into one
+training sequence per segment, every sampled token carrying the episode's advantage (SUPO /
+ReSum broadcast). With ``token-mean`` aggregation (required with a context manager) a token
+weighs the same whether or not its episode was cut into segments, so long episodes do not gain
+weight from being segmented. Sequences without sampled tokens are not trained.
 """
 
 from __future__ import annotations
@@ -16,31 +15,42 @@ import dataclasses
 
 from ctxrl.types import Episode
 
-WEIGHTS = ("episode", "segment")
+OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+def episode_outcome_advantages(name: str, episodes: list[Episode]) -> list[float]:
+    """One advantage per episode from its final reward, with group statistics over episodes.
+
+    The same values ``episode_advantages`` puts on every sampled token of an unsegmented episode
+    (``grpo``, ``dr_grpo``, ``rloo``), computed without looking at any sequence, so an episode
+    whose live sequence sampled nothing keeps its advantage too.
+    """
+    import torch
+
+    from ctxrl.algo.advantages import grpo_advantages, rloo_advantages
+
+    if name not in OUTCOME_ESTIMATORS:
+        raise ValueError(f"segmented episodes need an outcome estimator ({', '.join(OUTCOME_ESTIMATORS)}), not {name!r}")
+    if not episodes:
+        return []
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+    groups = torch.tensor([e.group_id for e in episodes], dtype=torch.long)
+    if name == "rloo":
+        return rloo_advantages(rewards, groups).tolist()
+    return grpo_advantages(rewards, groups, std_normalize=name == "grpo").tolist()
 
 
-def episode_scalar_advantage(episode: Episode, advantages: list[float]) -> float:
-    """The advantage an outcome estimator gave the episode (its value on the sampled tokens)."""
-    return next((a for a, m in zip(advantages, episode.loss_mask) if m), 0.0)
-
-
-def expand_segments(episodes: list[Episode], advantages: list[list[float]], *, agg: str = "token-mean",
-                    weight: str = "episode") -> tuple[list[Episode], list[list[float]]]:
-    """(one episode-like sequence per segment, its per-token advantages); unsegmented episodes pass through."""
-    if weight not in WEIGHTS:
-        raise ValueError(f"segment weight must be one of {', '.join(WEIGHTS)}, not {weight!r}")
+def expand_segments(episodes: list[Episode], advantages: list[float]) -> tuple[list[Episode], list[list[float]]]:
+    """One training sequence per segment (or per unsegmented episode), its tokens carrying the episode's advantage."""
     out_eps: list[Episode] = []
     out_adv: list[list[float]] = []
-    for episode, adv in zip(episodes, advantages, strict=True):
+    for episode, scalar in zip(episodes, advantages, strict=True):
         if not episode.segments:
             out_eps.append(episode)
-            out_adv.append(adv)
+            out_adv.append([scalar * m for m in episode.loss_mask])
             continue
-        sequences = episode.sequences()
-        scalar = episode_scalar_advantage(episode, adv)
-        if weight == "episode" and agg.startswith("seq-mean"):
-            scalar /= len(sequences)
-        for seq in sequences:
+        for seq in episode.sequences():
+            if not any(seq.loss_mask):
+                continue  # nothing sampled in it: nothing to train
             out_eps.append(dataclasses.replace(episode, input_ids=seq.input_ids, loss_mask=seq.loss_mask,
                                                behavior_logprobs=seq.behavior_logprobs, turn_index=seq.turn_index,
                                                messages=seq.messages, segments=[]))
