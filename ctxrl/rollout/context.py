@@ -76,11 +76,16 @@ class ContextPolicy:
 
 def restart_messages(opening: list[Message], summary: str) -> list[Message]:
     """The conversation a new segment starts from: the opening system message, the task + the summary."""
+    return _task_with(opening, SUMMARY_HEADER, summary)
+
+
+def _task_with(opening: list[Message], header: str, text: str) -> list[Message]:
+    """The opening system message, then the task (the first user message) with ``header`` + ``text`` appended."""
     system = [m for m in opening if m.role == "system"]
     task = next((m for m in opening if m.role == "user"), None)
     if task is None:
-        raise ValueError("the episode's opening messages have no user message (the task) to restart from")
-    return [*system[:1], Message(role="user", content=task.content + SUMMARY_HEADER + summary.strip())]
+        raise ValueError("the episode's opening messages have no user message (the task) to start a segment from")
+    return [*system[:1], Message(role="user", content=task.content + header + text.strip())]
 
 
 def split_turns(messages: list[Message]) -> tuple[list[Message], list[list[Message]]]:
@@ -129,8 +134,4 @@ def scheduled_budget(step: int, *, final: int, start: int = 0, steps: int = 0) -
 
 def branch_messages(opening: list[Message], goal: str) -> list[Message]:
     """The short context a branch starts from: the opening system message, the task + the goal."""
-    system = [m for m in opening if m.role == "system"]
-    task = next((m for m in opening if m.role == "user"), None)
-    if task is None:
-        raise ValueError("the episode's opening messages have no user message (the task) to branch from")
-    return [*system[:1], Message(role="user", content=task.content + BRANCH_HEADER + goal.strip())]
+    return _task_with(opening, BRANCH_HEADER, goal)
