@@ -48,8 +48,18 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
 
 
+@pytest.fixture
+def learning_signal(monkeypatch):
+    """Advantages of +1 / -1 (alternating within each group): the random-init model earns no reward, and
+    without a learning signal an exactness test would compare runs whose weights never moved."""
+    def advantages(kind, episodes, **kw):
+        return [[(1.0 if i % 2 else -1.0) * m for m in e.loss_mask] for i, e in enumerate(episodes)]
+
+    monkeypatch.setattr("ctxrl.train.loop.episode_advantages", advantages)
+
+
 # -- (a) exact resume ---------------------------------------------------------------------------
-def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path):
+def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path, learning_signal):
     full = tmp_path / "full"
     run_pipeline(config("train.steps=4"), full, quiet=True)
     split = tmp_path / "split"
@@ -64,6 +74,12 @@ def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path):
             assert ra[key] == rb[key], (ra["step"], key)
     wa, wb = final_weights(full), final_weights(split)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # and the runs did learn: every step updated, and the weights moved away from the warm start
+    assert all(r["no_signal"] == 0.0 and r["grad_norm"] > 0 for r in a)
+    w0 = load_file(str(full / "checkpoints" / "step-000000" / "model.safetensors")) \
+        if (full / "checkpoints" / "step-000000").exists() else None
+    start = w0 or load_file(str(split / "checkpoints" / "step-000002" / "model.safetensors"))
+    assert any(not torch.equal(start[k], wa[k]) for k in wa)
     # the first part's final evaluation was moved aside, not lost
     orphaned = [json.loads(x) for x in (split / "metrics.orphaned.jsonl").read_text().splitlines()]
     assert orphaned and all(r["phase"] == "eval" and r["step"] == 2 for r in orphaned)
@@ -72,7 +88,7 @@ def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path):
     assert len(list((split / "checkpoints").glob("step-*"))) == 3  # keep_checkpoints
 
 
-def test_checkpoint_holds_every_piece(tmp_path):
+def test_checkpoint_holds_every_piece(tmp_path, learning_signal):
     run_pipeline(config("train.steps=1", "curriculum.kind=self_paced"), tmp_path, quiet=True)
     path = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     for name in ckpt.REQUIRED + ("config.json", "tokenizer.json"):
@@ -389,3 +405,18 @@ def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):
     run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
     with pytest.raises(CheckpointError, match="already holds a run.*--resume"):
         run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+
+
+def test_a_batch_without_learning_signal_leaves_weights_and_optimizer_untouched(tmp_path):
+    """All advantages 0: no optimiser step, so Adam's momentum from earlier steps does not move the weights."""
+    run = Run(config("train.steps=2"), tmp_path)
+    learner = run.make_learner()
+    run.rl_step(learner, 0)
+    params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
+    opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
+    episodes = run.rollout_round(1, 0)
+    metrics = learner.update(episodes, [[0.0] * len(e.input_ids) for e in episodes])
+    assert metrics["no_signal"] == 1.0 and metrics["skipped"] == 0.0
+    assert all(torch.equal(params[k], v) for k, v in run.model.named_parameters())
+    after = learner.optimizer.state_dict()["state"]
+    assert all(torch.equal(opt[k][n], after[k][n]) for k in opt for n in opt[k])

@@ -317,11 +317,22 @@ class Learner:
             self.critic_optimizer.zero_grad(set_to_none=True)
         metrics = self.mini_batch_loss(episodes, advantages)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+        # A mini-batch whose every advantage is 0 (and no KL, entropy or critic term) has no learning
+        # signal: its gradient is 0, and an optimiser step would only replay Adam's momentum, a full
+        # learning-rate-sized move per parameter for several steps after one informative batch.
+        s = self.settings
+        no_signal = (self.critic_optimizer is None and s.kl_coef == 0 and s.entropy_coef == 0
+                     and not any(x != 0 for adv in advantages for x in (adv if isinstance(adv, list) else [adv])))
+        metrics["no_signal"] = 0.0
         if not torch.isfinite(grad_norm) or not math.isfinite(metrics["loss"]):
             # Never let a non-finite step touch the weights or the optimiser state.
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_updates += 1
             metrics["skipped"] = 1.0
+        elif no_signal:
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics["skipped"] = 0.0
+            metrics["no_signal"] = 1.0
         else:
             self.optimizer.step()
             metrics["skipped"] = 0.0
