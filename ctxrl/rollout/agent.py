@@ -155,9 +155,7 @@ async def _turns(env, engine, renderer, limits, seed, episode: Episode, messages
         if room <= 0:
             episode.truncation = "max_total_tokens"
             return
-        params = SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
-                                max_new_tokens=min(limits.max_new_tokens, room), stop_ids=(renderer.eos_id,),
-                                seed=None if seed is None else derive_seed(seed, turn))
+        params = _sampling(limits, renderer, min(limits.max_new_tokens, room), seed, turn)
         prompt_tokens = len(episode.input_ids)
         completion = await engine.generate(list(episode.input_ids), params)
         episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
@@ -313,6 +311,13 @@ def _window(episode: Episode, observations: list, tools, renderer, limits: Rollo
     return True
 
 
+def _sampling(limits: RolloutLimits, renderer, max_new_tokens: int, seed: int | None, counter: int) -> SamplingParams:
+    """One generation's sampling settings; a seeded episode seeds it with ``derive_seed(seed, counter)``."""
+    return SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
+                          max_new_tokens=max_new_tokens, stop_ids=(renderer.eos_id,),
+                          seed=None if seed is None else derive_seed(seed, counter))
+
+
 async def _summarize(episode: Episode, observations: list, opening: list, tools, engine, renderer,
                      limits: RolloutLimits, seed: int | None, turn: int) -> bool:
     """Show the observations and the summary instruction, sample a summary, restart from it.
@@ -332,9 +337,7 @@ async def _summarize(episode: Episode, observations: list, opening: list, tools,
         return False
     episode.append(delta, sampled=False, turn=turn)
     episode.messages.extend([*observations, instruction])
-    params = SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
-                            max_new_tokens=min(policy.summary_max_tokens, room), stop_ids=(renderer.eos_id,),
-                            seed=None if seed is None else derive_seed(seed, SUMMARY_SEED_OFFSET + done))
+    params = _sampling(limits, renderer, min(policy.summary_max_tokens, room), seed, SUMMARY_SEED_OFFSET + done)
     completion = await engine.generate(list(episode.input_ids), params)
     episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
     closed = completion.finish_reason == "stop"

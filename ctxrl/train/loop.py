@@ -146,6 +146,11 @@ class Run:
                              summary_max_tokens=c.summary_max_tokens, instruction=c.summary_instruction,
                              max_branches=c.max_branches)
 
+    def context_budget(self, step: int) -> int:
+        """The working-context budget of RL step ``step`` (the budget curriculum, if any)."""
+        c = self.config.context
+        return scheduled_budget(step, final=c.max_context_tokens, start=c.budget_start_tokens, steps=c.budget_steps)
+
     def decode(self, ids: list[int]) -> str:
         return self.renderer.decode(ids)
 
@@ -214,11 +219,10 @@ class Run:
         c = self.config
         n = c.rollout.tasks_per_step
         tasks = self.curriculum.sample_tasks(self.env_cls, n, c.run.seed * 100_003 + step + round_ * 7_777_777, step)
-        cc = c.context
-        budget = scheduled_budget(step, final=cc.max_context_tokens, start=cc.budget_start_tokens, steps=cc.budget_steps)
         limits = dataclasses.replace(self.train_limits,
                                      max_turns=self.curriculum.max_turns(step, self.train_limits.max_turns),
-                                     context=dataclasses.replace(self.train_limits.context, max_context_tokens=budget))
+                                     context=dataclasses.replace(self.train_limits.context,
+                                                                 max_context_tokens=self.context_budget(step)))
         episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, limits,
                                             group_size=c.rollout.group_size,
                                             seed=c.run.seed * 7919 + step + round_ * 1_000_033))
@@ -256,9 +260,7 @@ class Run:
         sampling.update(self.curriculum.update([e for e in episodes if e.truncation != "error"]))
         sampling["max_turns"] = self.curriculum.max_turns(step, self.train_limits.max_turns)
         if c.context.manager != "full":
-            sampling["context_budget"] = scheduled_budget(step, final=c.context.max_context_tokens,
-                                                          start=c.context.budget_start_tokens,
-                                                          steps=c.context.budget_steps)
+            sampling["context_budget"] = self.context_budget(step)
         errored = [e for e in episodes if e.truncation == "error"]
         if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
             self.writer.log_samples(step + 1, errored, self.decode, phase="rl-errored")
