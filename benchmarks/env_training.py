@@ -10,9 +10,11 @@ tool calls per episode. One model pre-trained on all the environments serves eve
 Per-environment rollout limits live in ``ENV_OVERRIDES``; anything else is a config override::
 
     python benchmarks/env_training.py --env python_math --env search_qa --env sokoban --steps 60
-    python benchmarks/env_training.py --env sokoban --steps 100 train.lr=3e-4 run.seed=1
+    python benchmarks/env_training.py --env sokoban --seed 0 --seed 1 --steps 100 train.lr=3e-4
 
-On a GPU ``--parallel`` runs the environments as concurrent processes (one GPU serves them all).
+On a GPU ``--parallel`` runs every (environment, seed) as its own process (one GPU serves them
+all). Held-out success is also evaluated four times during RL, so the printed curve exists even
+for a run stopped early.
 """
 
 from __future__ import annotations
@@ -39,58 +41,92 @@ ENV_OVERRIDES = {
 }
 
 
-def run_one(env: str, model: str, steps: int, overrides: list[str], run_dir: Path) -> dict:
+def run_one(env: str, seed: int, model: str, steps: int, overrides: list[str], run_dir: Path) -> dict:
     from ctxrl.cli import run_pipeline
     from ctxrl.config import load_config
 
-    config = load_config(None, [f"model.name={model}", f"env.name={env}", f"train.steps={steps}",
-                                "run.progress=false", f"run.name={env}", *ENV_OVERRIDES.get(env, []), *overrides])
+    config = load_config(None, [f"model.name={model}", f"env.name={env}", f"train.steps={steps}", f"run.seed={seed}",
+                                f"train.eval_every={max(1, steps // 4)}", "run.progress=false", f"run.name={env}",
+                                *ENV_OVERRIDES.get(env, []), *overrides])
     return run_pipeline(config, run_dir, quiet=True)
+
+
+def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, held-out success) of every evaluation logged so far, also of a run that did not finish."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["step"], r["success"]) for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", action="append", help=f"environment (repeatable; default {', '.join(DEFAULT_ENVS)})")
+    parser.add_argument("--seed", action="append", type=int, help="run.seed (repeatable; default 0)")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default="runs/env_training", help="parent of the run directories")
-    parser.add_argument("--parallel", action="store_true", help="one process per environment, at once")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one env, print its summary as JSON
+    parser.add_argument("--parallel", action="store_true", help="one process per (environment, seed), all at once")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run ENV:SEED, print its summary as JSON
     parser.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     args = parser.parse_args()
     out = Path(args.out)
     if args.one:
-        print(json.dumps(run_one(args.one, args.model, args.steps, args.overrides, out / args.one)))
+        env, seed = args.one.rsplit(":", 1)
+        print(json.dumps(run_one(env, int(seed), args.model, args.steps, args.overrides, out / f"{env}-s{seed}")))
         return
-    envs = args.env or list(DEFAULT_ENVS)
+    runs = [(env, seed) for env in (args.env or list(DEFAULT_ENVS)) for seed in (args.seed or [0])]
     from ctxrl.models.loader import resolve
 
     resolve(args.model)  # build (and cache) the shared model once, before any run needs it
     started = time.perf_counter()
-    summaries: dict[str, dict] = {}
+    summaries: dict[tuple[str, int], dict] = {}
+    failed: dict[tuple[str, int], str] = {}
     if args.parallel:
-        procs = {env: subprocess.Popen([sys.executable, __file__, "--one", env, "--model", args.model, "--steps",
-                                        str(args.steps), "--out", str(out), *args.overrides],
-                                       stdout=subprocess.PIPE, text=True) for env in envs}
-        for env, proc in procs.items():
+        procs = {run: subprocess.Popen([sys.executable, __file__, "--one", f"{run[0]}:{run[1]}", "--model", args.model,
+                                        "--steps", str(args.steps), "--out", str(out), *args.overrides],
+                                       stdout=subprocess.PIPE, text=True) for run in runs}
+        for run, proc in procs.items():
             stdout, _ = proc.communicate()
             if proc.returncode != 0:
-                raise SystemExit(f"{env} failed (exit {proc.returncode})")
-            summaries[env] = json.loads(stdout.strip().splitlines()[-1])
+                failed[run] = f"exit {proc.returncode}"
+            else:
+                summaries[run] = json.loads(stdout.strip().splitlines()[-1])
     else:
-        for env in envs:
-            summaries[env] = run_one(env, args.model, args.steps, args.overrides, out / env)
+        for env, seed in runs:
+            try:
+                summaries[(env, seed)] = run_one(env, seed, args.model, args.steps, args.overrides,
+                                                 out / f"{env}-s{seed}")
+            except Exception as exc:  # report it with the others rather than lose their table
+                failed[(env, seed)] = f"{type(exc).__name__}: {exc}"
     print(f"model {args.model}, {args.steps} RL steps, overrides {args.overrides or 'none'}, "
           f"{time.perf_counter() - started:.0f}s in all")
-    print(f"{'env':12s} {'heldout':>13s} {'train':>13s} {'ood':>13s} {'tools/ep':>12s} {'seconds':>8s}")
-    for env, s in summaries.items():
+    print(f"{'env':12s} {'seed':>4s} {'heldout':>13s} {'train':>13s} {'ood':>13s} {'tools/ep':>12s} {'seconds':>8s}"
+          "  held-out curve (step:success)")
+    for (env, seed) in runs:
+        curve = " ".join(f"{step}:{success:.2f}" for step, success in heldout_curve(out / f"{env}-s{seed}"))
+        s = summaries.get((env, seed))
+        if s is None:
+            print(f"{env:12s} {seed:4d} {'failed: ' + failed[(env, seed)]:>63s}  {curve}")
+            continue
+
         def pair(key: str) -> str:
             return f"{s[f'{key}_success_before']:.2f} -> {s[f'{key}_success_after']:.2f}"
 
-        print(f"{env:12s} {pair('heldout'):>13s} {pair('train'):>13s} {pair('ood'):>13s} "
-              f"{s['tool_calls_before']:.2f} -> {s['tool_calls_after']:.2f} {s['wall_seconds']:8.0f}")
-    (out / "summary.json").parent.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summaries, indent=2))
+        print(f"{env:12s} {seed:4d} {pair('heldout'):>13s} {pair('train'):>13s} {pair('ood'):>13s} "
+              f"{s['tool_calls_before']:.2f} -> {s['tool_calls_after']:.2f} {s['wall_seconds']:8.0f}  {curve}")
+    for env in dict.fromkeys(env for env, _ in runs):
+        done = [s for (e, _), s in summaries.items() if e == env]
+        if len(done) > 1:
+            gains = [s["heldout_success_after"] - s["heldout_success_before"] for s in done]
+            print(f"{env:12s} mean held-out change over {len(done)} seeds: {sum(gains) / len(gains):+.3f} "
+                  f"(min {min(gains):+.2f}, max {max(gains):+.2f})")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({f"{env}-s{seed}": s for (env, seed), s in summaries.items()},
+                                                 indent=2))
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed: {failed}")
 
 
 if __name__ == "__main__":

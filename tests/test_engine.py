@@ -276,13 +276,17 @@ def test_batches_run_in_one_long_lived_worker_thread(model, tokenizer):
     engine.close()
 
 
-def test_decode_attention_keeps_cuda_off_cudnn():
-    from ctxrl.engine.hf import _decode_attention
+def test_attention_kernels_keep_cuda_off_cudnn(monkeypatch):
+    """Decoding, the learner, the warm start and the critic all run attention under this context."""
+    import ctxrl.models.kernels as kernels
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with _decode_attention(torch.device("cpu")):
+    with kernels.attention_kernels(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    with _decode_attention(torch.device("cuda")):
+    with kernels.attention_kernels("cuda"):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    monkeypatch.setattr(kernels, "ALLOW_CUDNN_ATTENTION", True)  # what benchmarks/gpu_memory.py compares against
+    with kernels.attention_kernels("cuda"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -26,7 +26,6 @@ module (shared, zero-copy) or call ``load_weights`` with a state dict (in-memory
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import inspect
 import random
@@ -38,6 +37,7 @@ import torch
 
 from ctxrl.engine.base import Completion, SamplingParams
 from ctxrl.engine.sampling import SEED_MODULUS, filter_logits, sample_inverse_cdf, uniforms
+from ctxrl.models.kernels import attention_kernels
 
 
 @dataclass
@@ -152,7 +152,7 @@ class HFEngine:
         was_training = model.training
         model.eval()
         try:
-            with _decode_attention(device):
+            with attention_kernels(device):
                 out = self._decode(requests, model, device)
         finally:
             model.train(was_training)
@@ -220,17 +220,3 @@ class HFEngine:
             self.stats["forward_passes"] += 1
             next_pos = next_pos + 1
         return [Completion(sampled[r], logprobs[r], finish[r] or "length", self.version) for r in range(batch)]
-
-
-def _decode_attention(device: torch.device):
-    """On CUDA, keep scaled-dot-product attention off the cuDNN backend while decoding.
-
-    cuDNN plans are built per shape (and per thread); a decode step has a shape never seen
-    before, so each attention call paid about 2 ms for planning. Flash and memory-efficient
-    attention need no plan; the math backend stays as the fallback for any mask or dtype.
-    """
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

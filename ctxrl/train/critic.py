@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ctxrl.models.kernels import attention_kernels
 from ctxrl.types import Episode
 
 
@@ -29,7 +30,8 @@ class Critic(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Values [B, T-1]: position t scores the state before token t+1."""
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        with attention_kernels(input_ids.device):
+            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden[:, :-1].to(self.head.weight.dtype)).squeeze(-1).float()
 
 

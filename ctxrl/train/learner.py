@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ctxrl.algo.losses import aggregate, entropy_from_logits, gspo_loss, kl_penalty, policy_loss
+from ctxrl.models.kernels import attention_kernels
 from ctxrl.types import Episode
 
 
@@ -69,7 +70,8 @@ def collate(episodes: list[Episode], pad_token_id: int, device: torch.device | s
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
                    return_logits: bool = False):
     """Log-probs [B, T-1] of each next token under ``model`` at ``temperature``."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    with attention_kernels(input_ids.device):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, 1:]
