@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +112,23 @@ def test_demos_from_other_worlds_never_hold_the_training_worlds_facts(renderer):
     # without other_worlds the demos come from the environment's own world
     own_demos = asyncio.run(build_demos(SearchQAEnv, renderer, 5, seed=3))
     assert all(d.task.data["lookups"][0] in own for d in own_demos)
+
+
+def test_bm25s_never_starts_jax(tmp_path):
+    """bm25s runs JAX at import when it is installed, and JAX then takes 75% of the GPU's memory."""
+    fake = tmp_path / "site" / "jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"open({str(tmp_path / 'jax-imported')!r}, 'w').close()\n")
+    (fake / "lax.py").write_text("def top_k(x, k):\n    raise AssertionError('bm25s used jax')\n")
+    code = ("import sys; sys.modules.pop('bm25s', None)\n"
+            "from ctxrl.tools.search import Document, SearchIndex\n"
+            "index = SearchIndex([Document('a', 'Alpha', 'the alpha doc'), Document('b', 'Beta', 'a beta doc')])\n"
+            "assert index.search('beta', k=1)[0][0].id == 'b'\n"
+            "import jax  # a program's own import of JAX still works afterwards\n")
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{root}"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
+    assert (tmp_path / "jax-imported").exists()  # imported by the program, at the end
+    (tmp_path / "jax-imported").unlink()
+    subprocess.run([sys.executable, "-c", code.replace("import jax  #", "pass  #")], check=True, env=env, cwd=root)
+    assert not (tmp_path / "jax-imported").exists()

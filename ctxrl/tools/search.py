@@ -21,6 +21,30 @@ from pathlib import Path
 from ctxrl.tools.base import Tool
 
 
+def _bm25s():
+    """``bm25s``, imported so that it cannot start JAX.
+
+    ``bm25s`` imports JAX when it is installed and runs a top-k with it at import time. JAX then
+    takes 75% of the GPU's memory for itself (its default preallocation): on a GPU machine with
+    JAX, every process that built a search index held 61 GiB of an 80 GiB H100, and the other
+    training processes on the GPU ran out of memory. Importing ``bm25s`` while ``jax`` cannot be
+    imported makes it fall back to NumPy; a program that imported JAX itself keeps it. Retrieval
+    also asks for NumPy explicitly, so rankings (ties included) do not depend on the machine.
+    """
+    import sys
+
+    if "bm25s" in sys.modules or "jax" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["jax"] = None  # type: ignore[assignment]  # makes `import jax` raise ImportError
+    try:
+        import bm25s
+    finally:
+        del sys.modules["jax"]
+    return bm25s
+
+
 @dataclass(frozen=True)
 class Document:
     id: str
@@ -32,7 +56,7 @@ class SearchIndex:
     """BM25 over a fixed list of documents."""
 
     def __init__(self, docs: list[Document]) -> None:
-        import bm25s
+        bm25s = _bm25s()
 
         if not docs:
             raise ValueError("a search index needs at least one document")
@@ -60,13 +84,12 @@ class SearchIndex:
 
     def search(self, query: str, k: int = 3) -> list[tuple[Document, float]]:
         """The ``k`` best documents for ``query`` (fewer if the corpus is smaller), best first."""
-        import bm25s
-
+        bm25s = _bm25s()
         tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
         if not tokens.vocab:  # nothing but stop words
             return []
         k = min(k, len(self.docs))
-        results, scores = self._bm25.retrieve(tokens, k=k, show_progress=False)
+        results, scores = self._bm25.retrieve(tokens, k=k, show_progress=False, backend_selection="numpy")
         return [(self.docs[int(i)], float(s)) for i, s in zip(results[0], scores[0]) if s > 0]
 
 
