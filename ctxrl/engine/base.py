@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+PURPOSES = ("turn", "summary")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,11 @@ class SamplingParams:
     sampled it) or after ``max_new_tokens``. ``seed`` fixes the random draws of this one
     completion, whatever else the engine is serving at the time; ``None`` lets the engine pick
     one from its own seeded stream (reproducible only if requests arrive in the same order).
+
+    ``purpose`` says what the agent loop asks for: ``turn`` (an action turn) or ``summary`` (the
+    ``summarize`` context manager's summary of the episode so far). Sampling engines sample both
+    alike; a scripted engine answers a summary request with a scripted summary instead of its next
+    turn, so demonstrations never have to guess from the prompt's text which one is asked for.
     """
 
     temperature: float = 1.0
@@ -28,8 +35,11 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
+    purpose: str = "turn"
 
     def __post_init__(self) -> None:
+        if self.purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}, got {self.purpose!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -311,11 +311,12 @@ def _window(episode: Episode, observations: list, tools, renderer, limits: Rollo
     return True
 
 
-def _sampling(limits: RolloutLimits, renderer, max_new_tokens: int, seed: int | None, counter: int) -> SamplingParams:
+def _sampling(limits: RolloutLimits, renderer, max_new_tokens: int, seed: int | None, counter: int,
+              purpose: str = "turn") -> SamplingParams:
     """One generation's sampling settings; a seeded episode seeds it with ``derive_seed(seed, counter)``."""
     return SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
                           max_new_tokens=max_new_tokens, stop_ids=(renderer.eos_id,),
-                          seed=None if seed is None else derive_seed(seed, counter))
+                          seed=None if seed is None else derive_seed(seed, counter), purpose=purpose)
 
 
 async def _summarize(episode: Episode, observations: list, opening: list, tools, engine, renderer,
@@ -337,7 +338,8 @@ async def _summarize(episode: Episode, observations: list, opening: list, tools,
         return False
     episode.append(delta, sampled=False, turn=turn)
     episode.messages.extend([*observations, instruction])
-    params = _sampling(limits, renderer, min(policy.summary_max_tokens, room), seed, SUMMARY_SEED_OFFSET + done)
+    params = _sampling(limits, renderer, min(policy.summary_max_tokens, room), seed, SUMMARY_SEED_OFFSET + done,
+                       purpose="summary")
     completion = await engine.generate(list(episode.input_ids), params)
     episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
     closed = completion.finish_reason == "stop"
