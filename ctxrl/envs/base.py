@@ -13,6 +13,14 @@ Conventions every environment follows (``check_env`` tests them):
 - ``step`` is async (tools may wait on I/O), never raises because of what the model wrote,
   and raises ``EnvError`` only for misuse, e.g. stepping a finished episode;
 - ``sample_tasks`` and ``solve`` are classmethods, so task sets and demos need no instance.
+
+Optional hooks, looked up with ``getattr``: ``shortcut(task)`` (imperfect demos),
+``pretraining_variant(seed)`` (see ``pretraining_env``) and ``summary(task, messages) -> str``,
+the scripted summary for warm-start demos under ``context.manager=summarize``: what a good summary
+holds at that point, computed from the task and ``messages``, the conversation so far (the opening,
+then every assistant turn and its observations, across segments; earlier summaries are not in it).
+It must use only what the policy has seen, and hold whatever ``solve``'s remaining turns need to
+follow from a context restarted from system + task + summary.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ everywhere). An episode needs ``hops + 1`` turns, so set ``env.max_turns`` accor
 
 Reward: 1 for the right final value in ``<answer>...</answer>``, else 0; the episode ends at
 the first turn without a tool call. A lookup of an unknown key is an ``Error:`` observation.
+
+Scripted summaries (``summary``, for warm-start demos under ``context.manager=summarize``):
+``Lookups done: 3. Next key: K4821.``, or ``... The chain ended with value 731.``
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
 from ctxrl.tools.base import Tool
-from ctxrl.types import Task
+from ctxrl.types import Message, Task
 
 PROMPTS = ("Start at key {start} and follow the chain with the lookup tool. What is the final value?",
            "Follow the key chain from {start} to its end. What value does it end with?")
@@ -106,6 +109,25 @@ class KVChainEnv(ToolAnswerEnv):
         if not isinstance(chain, list) or not chain:
             raise EnvError(f"task {task.id} has no data['chain']; kv_chain tasks need it to be solved")
         return [format_tool_call("lookup", {"key": key}) for key in chain] + [f"<answer>{task.answer}</answer>"]
+
+    @classmethod
+    def summary(cls, task: Task, messages: list[Message]) -> str:
+        """What a summary holds after the lookups in ``messages``: how many are done, and where the chain stands.
+
+        Only what the episode has shown: the lookups' observations (the start key, from the task,
+        before any). The next key (or the final value) is all the solver needs to go on from a
+        restarted context; the count is carried from summary to summary. How many hops are left is
+        not in it: nothing the policy saw tells that.
+        """
+        seen = [m.content.strip() for m in messages
+                if m.role == "tool" and m.name == "lookup" and not m.content.startswith("Error")]
+        if not seen:
+            chain = task.data.get("chain") or ["?"]
+            return f"No lookups yet. Next key: {chain[0]}."
+        kind, _, what = seen[-1].partition(" ")
+        if kind == "value":
+            return f"Lookups done: {len(seen)}. The chain ended with value {what}."
+        return f"Lookups done: {len(seen)}. Next key: {what}."
 
     @classmethod
     def corpus(cls, n: int, seed: int) -> list[str]:

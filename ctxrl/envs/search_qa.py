@@ -10,12 +10,17 @@ facts, e.g. 2 hops: *"In which city is the company that Alda Morvi works for hea
 Reward: exact match after the usual normalisation (case, punctuation, articles); ``info`` also
 carries the token F1. Context: ``hops`` (train 1-2, ood 3). The knowledge base is fixed (built
 from ``KB_SEED``) and shared by every split; held-out questions are unseen questions about it.
+
+Scripted summaries (``summary``, for warm-start demos under ``context.manager=summarize``): the
+latest fact found on the question's path, a sentence copied from the search results, e.g.
+``Found: Brada Labs is a company headquartered in Keltra.``
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +31,7 @@ from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
 from ctxrl.tools.base import Tool
 from ctxrl.tools.search import Document, SearchIndex, exact_match, search_tool, token_f1
-from ctxrl.types import Task
+from ctxrl.types import Message, Task
 
 KB_SEED = 0
 PRETRAINING_KB_SEED = 1000  # worlds the tiny model pre-trains on: never the environment's own
@@ -105,6 +110,26 @@ def _follow(kb: KnowledgeBase, person: str, path: tuple[str, ...]) -> tuple[list
     return lookups, here
 
 
+def _fact(results: str, query: str, path: list[str]) -> str | None:
+    """From a ``search`` observation: the sentence of the document titled ``query`` that names the next entity on ``path``.
+
+    The whole document when ``query`` is not on the path; None when no result has that title.
+    """
+    wanted = query.strip().lower()
+    for line in results.splitlines():
+        title, sep, text = line.partition(": ")
+        if not sep or title.partition("] ")[2].strip().lower() != wanted:
+            continue
+        lowered = [p.lower() for p in path]
+        if wanted in lowered[:-1]:
+            following = path[lowered.index(wanted) + 1]
+            for sentence in re.split(r"(?<=\.)\s+", text.strip()):
+                if re.search(rf"\b{re.escape(following)}\b", sentence):
+                    return sentence
+        return text.strip()
+    return None
+
+
 def generate(context: dict[str, Any], rng: random.Random, kb_seed: int = KB_SEED) -> tuple[str, str, dict[str, Any]]:
     kb = knowledge_base(kb_seed)
     hops = int(context["hops"])
@@ -170,3 +195,24 @@ class SearchQAEnv(ToolAnswerEnv):
         if not isinstance(lookups, list) or not lookups:
             raise EnvError(f"task {task.id} has no data['lookups']; search_qa tasks need it to be solved")
         return [format_tool_call("search", {"query": q}) for q in lookups] + [f"<answer>{task.answer}</answer>"]
+
+    @classmethod
+    def summary(cls, task: Task, messages: list[Message]) -> str:
+        """What a summary holds after the searches in ``messages``: the latest fact found on the question's path.
+
+        Only what the episode has shown: a sentence copied from the search results in ``messages``
+        (of the searched entity's document, the one naming the next entity on the path or the
+        answer; the question says which relation to follow). Earlier facts are left out on
+        purpose: the path is a chain, so its latest fact holds all the rest of the task needs
+        (what to search next, or the answer), and two or three full sentences would outgrow
+        ``context.summary_max_tokens`` (64 by default) on the tiny model's tokenizer.
+        """
+        path = [*(task.data.get("lookups") or []), task.answer]
+        latest = None
+        queries: list[str] = []
+        for m in messages:
+            if m.role == "assistant":
+                queries = [str(c.arguments.get("query", "")) for c in m.tool_calls if c.name == "search"]
+            elif m.role == "tool" and m.name == "search" and queries:
+                latest = _fact(m.content, queries.pop(0), path) or latest
+        return f"Found: {latest}" if latest else "Nothing found yet."
