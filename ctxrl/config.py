@@ -119,10 +119,14 @@ class SFTConfig:
     other_worlds: bool = True
     """Draw demos from the env's ``pretraining_variant`` where it has one (``search_qa``: other invented
     worlds), so the warm start teaches the skill and not the training split's answers."""
+    context_demos: str = "auto"
+    """Play demos under the run's context manager: ``auto`` does so when context.manager=summarize and the env
+    has a ``summary`` hook (kv_chain, search_qa), so demos show summary requests answered with the env's scripted
+    summaries; ``on`` insists (a config error if the env has no hook); ``off`` plays full-context demos."""
     epochs: int = 2
     """Passes over the demonstrations."""
     batch_size: int = 32
-    """Episodes per optimiser step."""
+    """Sequences per optimiser step (a demo that summarised gives one per segment)."""
     lr: float = 1e-3
     """AdamW learning rate (linear warm-up over 5% of steps, then cosine decay)."""
 
@@ -302,7 +306,8 @@ _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_
             "curriculum.kind": ("fixed", "horizon", "self_paced"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16"),
-            "context.manager": ("full", "window", "summarize", "fold")}
+            "context.manager": ("full", "window", "summarize", "fold"),
+            "sft.context_demos": ("auto", "on", "off")}
 
 
 def validate(config: Config) -> None:
@@ -361,6 +366,9 @@ def validate(config: Config) -> None:
                               f"algo.advantage grpo, dr_grpo or rloo (not {config.algo.advantage!r})")
     if not 0.0 <= config.rollout.max_error_rate <= 1.0:
         raise ConfigError(f"rollout.max_error_rate must be in [0, 1], got {config.rollout.max_error_rate!r}")
+    if config.sft.context_demos == "on" and ctx.manager != "summarize":
+        raise ConfigError(f"sft.context_demos=on plays demos with scripted summaries, under context.manager=summarize "
+                          f"only (not {ctx.manager!r}); use sft.context_demos=auto or off")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
         raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
     if config.rollout.group_size < 2 and config.train.steps > 0 and config.algo.advantage not in ("gae", "reinforce_pp"):

@@ -271,7 +271,7 @@ def test_context_experiment_runs_end_to_end(tmp_path):
 
     script = Path(__file__).parents[1] / "experiments" / "context.py"
     proc = subprocess.run([sys.executable, str(script), "--model", "tiny:pretrain_steps=0", "--steps", "1",
-                           "--budget", "300", "--eval-summaries", "0,2", "--out", str(tmp_path), "sft.demos=4",
+                           "--budget", "384", "--eval-summaries", "0,2", "--out", str(tmp_path), "sft.demos=4",
                            "sft.epochs=1", "sft.batch_size=4", "eval.tasks=2", "rollout.tasks_per_step=2",
                            "rollout.group_size=2"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -34,7 +34,7 @@ import torch
 from ctxrl.algo.estimators import episode_advantages, gae_episode_advantages
 from ctxrl.algo.filters import informative_groups, void_turn_free
 from ctxrl.chat.render import ChatRenderer
-from ctxrl.config import Config, to_toml
+from ctxrl.config import Config, ConfigError, to_toml
 from ctxrl.contexts.curriculum import make_curriculum
 from ctxrl.engine.hf import HFEngine
 from ctxrl.envs.registry import configured_env_class
@@ -50,7 +50,7 @@ from ctxrl.train.critic import Critic, episode_values
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.segments import context_stats, episode_outcome_advantages, expand_segments
-from ctxrl.train.sft import build_demos, sft_train
+from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, sft_train
 
 
 class TrainingAborted(RuntimeError):
@@ -115,6 +115,7 @@ class Run:
         self.device = pick_device(config.model.device)
         self.env_cls = configured_env_class(config.env.name, data=config.env.data, tools=config.env.tools,
                                             verifier=config.env.verifier)
+        self.context_demos = self._context_demos()
         self.tokenizer = load_tokenizer(config.model.name, chat_template=config.model.chat_template or None)
         self.renderer = ChatRenderer(self.tokenizer, template_name=config.model.name)
         self.renderer.verify_prefix_preserving()
@@ -146,6 +147,38 @@ class Run:
                              summary_max_tokens=c.summary_max_tokens, instruction=c.summary_instruction,
                              max_branches=c.max_branches)
 
+    def _context_demos(self) -> bool:
+        """Whether the warm start plays its demos under the summarize policy (``sft.context_demos``).
+
+        ``on`` with an environment that cannot script summaries is a config error, raised here so
+        the run stops before the model loads; ``auto`` then plays full-context demos, and the warm
+        start says so once.
+        """
+        c = self.config
+        if c.sft.context_demos == "off" or c.context.manager != "summarize":
+            return False
+        if getattr(self.env_cls, "summary", None) is not None:
+            return True
+        if c.sft.context_demos == "on":
+            raise ConfigError(f"sft.context_demos=on, but environment {c.env.name!r} has no summary(task, messages) "
+                              "hook to script its demos' summaries; add one (docs/environments.md) or set "
+                              "sft.context_demos=auto or off")
+        return False
+
+    def demo_limits(self) -> RolloutLimits | None:
+        """The limits warm-start demos are played under: the run's summarize policy at its final budget, or None.
+
+        None: the demos' generous full-context defaults. Under summarize, the run's turn and total
+        limits too, since where a summary is asked for depends on them; the budget is
+        ``context.max_context_tokens`` (a budget curriculum's last and smallest, the one evaluation uses).
+        """
+        if not self.context_demos:
+            return None
+        r = self.config.rollout
+        return RolloutLimits(max_turns=DEMO_MAX_TURNS, max_new_tokens=r.max_new_tokens,
+                             max_total_tokens=r.max_total_tokens,
+                             context=self.context_policy(self.config.context.max_summaries))
+
     def context_budget(self, step: int) -> int:
         """The working-context budget of RL step ``step`` (the budget curriculum, if any)."""
         c = self.config.context
@@ -158,12 +191,18 @@ class Run:
     def warm_start(self, on_step=None) -> dict[str, Any]:
         c = self.config.sft
         t0 = time.perf_counter()
+        if self.config.context.manager == "summarize" and not self.context_demos and c.context_demos == "auto":
+            warnings.warn(f"environment {self.config.env.name!r} has no summary(task, messages) hook: its warm-start "
+                          "demos use the full context and show no summaries (sft.context_demos=auto)", stacklevel=2)
         demos = asyncio.run(build_demos(self.env_cls, self.renderer, c.demos, shortcut_fraction=c.shortcut_fraction,
-                                        seed=self.config.run.seed + 77, other_worlds=c.other_worlds))
+                                        seed=self.config.run.seed + 77, other_worlds=c.other_worlds,
+                                        limits=self.demo_limits()))
         losses = sft_train(self.model, demos, pad_token_id=self.tokenizer.pad_token_id, epochs=c.epochs,
                            batch_size=c.batch_size, lr=c.lr, seed=self.config.run.seed, on_step=on_step)
         row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
-               "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0}
+               "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
+               "context_demos": self.context_demos,
+               "demo_summaries_per_episode": sum(e.info.get("summaries", 0) for e in demos) / len(demos)}
         self.writer.log_metrics(row)
         self.writer.log_samples(0, demos[:2], self.decode, phase="sft")
         return row

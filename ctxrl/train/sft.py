@@ -5,6 +5,13 @@ masks and observations are built exactly like RL rollouts; the loss is cross-ent
 mask-1 (assistant) tokens only. ``shortcut_fraction`` of the demos use the environment's
 ``shortcut`` (an answer without the tool) when it has one: the warm start is imperfect on
 purpose, so RL has something real to fix.
+
+Demos played under the ``summarize`` context manager (``limits.context``) show the model what RL
+will ask of it: when the next turn would not fit the budget, the agent loop asks for a summary and
+the scripted engine answers with the environment's ``summary(task, messages)``, written from the
+conversation so far; the demo then goes on from system + task + summary with the script's next
+turn. Every segment trains, its summary tokens included (mask 1). An environment without the hook
+cannot show summaries: asking for such demos is an error, never a silent full-context fallback.
 """
 
 from __future__ import annotations
@@ -21,16 +28,23 @@ from ctxrl.envs.base import pretraining_env
 from ctxrl.rollout.agent import RolloutLimits, run_episode
 from ctxrl.rollout.scripted import ScriptedEngine
 from ctxrl.train.learner import collate, token_logprobs
-from ctxrl.types import Episode
+from ctxrl.train.segments import expand_segments
+from ctxrl.types import Episode, Message, Task
 
 
 WORLD_EPISODES = 100
 """Demos drawn from one world before the next, when demos come from other worlds."""
+DEMO_MAX_TURNS = 16
+"""Turns a demo may take: room for any environment's scripted solution."""
 
 
 async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fraction: float = 0.0,
                       seed: int = 0, limits: RolloutLimits | None = None, other_worlds: bool = False) -> list[Episode]:
     """Play ``n`` scripted episodes on training tasks; raises if a script does not fit the limits.
+
+    ``limits``: the demos' rollout limits (default: generous, full context). With
+    ``limits.context.manager == "summarize"`` the environment needs a ``summary`` hook; each
+    summary request is answered with it.
 
     ``other_worlds``: for an environment with a ``pretraining_variant`` (``search_qa``), draw the
     demos from a fresh variant every ``WORLD_EPISODES`` episodes (many invented worlds), so they
@@ -43,7 +57,13 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
             episodes += await build_demos(world, renderer, min(WORLD_EPISODES, n - start), seed=seed + start,
                                           shortcut_fraction=shortcut_fraction, limits=limits)
         return episodes
-    limits = limits or RolloutLimits(max_turns=16, max_new_tokens=4096, max_total_tokens=1 << 20)
+    limits = limits or RolloutLimits(max_turns=DEMO_MAX_TURNS, max_new_tokens=4096, max_total_tokens=1 << 20)
+    write_summary = getattr(env_cls, "summary", None)
+    summarize = limits.context.manager == "summarize"
+    if summarize and write_summary is None:
+        raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no summary(task, messages) "
+                         "hook, so its demos cannot show summaries; give it one (docs/environments.md) or play the "
+                         "demos with the full context (sft.context_demos=off)")
     tasks = env_cls.sample_tasks("train", n, seed)
     rng = random.Random(seed)
     shortcut = getattr(env_cls, "shortcut", None)
@@ -51,18 +71,73 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
     for task in tasks:
         use_shortcut = shortcut is not None and rng.random() < shortcut_fraction
         texts = shortcut(task) if use_shortcut else env_cls.solve(task)
-        jobs.append(run_episode(env_cls(), task, ScriptedEngine(texts, renderer), renderer, limits, seed=seed))
+        if summarize:
+            env = _RecordedEnv(env_cls())
+            engine = ScriptedEngine(texts, renderer, summary=lambda env=env, task=task: write_summary(task, env.messages))
+        else:
+            env, engine = env_cls(), ScriptedEngine(texts, renderer)
+        jobs.append(run_episode(env, task, engine, renderer, limits, seed=seed))
     episodes = list(await asyncio.gather(*jobs))
     for ep in episodes:
         if ep.truncation is not None:
-            raise RuntimeError(f"demonstration for task {ep.task.id} ended early ({ep.truncation}: "
-                               f"{ep.info.get('error', '')}); check the env's solve() and the rollout limits")
+            raise RuntimeError(_ended_early(ep, limits))
     return episodes
+
+
+class _RecordedEnv:
+    """A demo's environment, recording the conversation it takes part in: what the scripted summaries read.
+
+    ``messages`` is the opening, then each assistant message and its observations, across every
+    segment; the summary instructions and the summaries themselves are not in it.
+    """
+
+    def __init__(self, env) -> None:
+        self.env = env
+        self.messages: list[Message] = []
+
+    @property
+    def tools(self):
+        return self.env.tools
+
+    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
+        opening = self.env.reset(task, seed=seed)
+        self.messages = list(opening)
+        return opening
+
+    async def step(self, message: Message):
+        result = await self.env.step(message)
+        self.messages += [message, *result.messages]
+        return result
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _ended_early(episode: Episode, limits: RolloutLimits) -> str:
+    """Why a demo did not finish, and which setting to change."""
+    what = f"demonstration for task {episode.task.id} ended early ({episode.truncation}"
+    what += f": {episode.info['error']})" if episode.info.get("error") else ")"
+    if limits.context.manager != "summarize":
+        return f"{what}; check the env's solve() and the rollout limits"
+    if episode.truncation == "max_context":
+        return (f"{what} after {episode.info.get('summaries', 0)} scripted summaries: the demo needs more than "
+                f"context.max_summaries={limits.context.max_summaries}, or task + summary leave no room for a turn "
+                f"in context.max_context_tokens={limits.context.max_context_tokens}; raise one of them")
+    if episode.truncation in ("max_new_tokens", "max_total_tokens"):
+        return (f"{what}: a scripted turn or summary is longer than the room it gets (rollout.max_new_tokens="
+                f"{limits.max_new_tokens}, context.summary_max_tokens={limits.context.summary_max_tokens}, "
+                f"rollout.max_total_tokens={limits.max_total_tokens})")
+    return f"{what}; check the env's solve() and summary() and the rollout limits"
 
 
 def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int, batch_size: int, lr: float,
               seed: int = 0, on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
-    """Cross-entropy on mask-1 tokens, token-mean per batch; returns the loss of every step."""
+    """Cross-entropy on mask-1 tokens, token-mean per batch; returns the loss of every step.
+
+    A segmented episode (a demo that summarised) trains each segment as its own sequence, as in RL;
+    ``batch_size`` counts sequences.
+    """
+    episodes, _ = expand_segments(episodes, [1.0] * len(episodes))
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     steps_per_epoch = math.ceil(len(episodes) / batch_size)
