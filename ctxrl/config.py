@@ -100,6 +100,9 @@ class ContextConfig:
     """The user message that asks for a summary."""
     max_branches: int = 4
     """Branches an episode may open with ``fold``."""
+    branch_reward: float = 0.0
+    """``fold`` only: a process reward added to the advantage of every sampled token of a branch that returned a
+    non-empty result (FoldGRPO-style; it rewards finishing a branch, not being right, so keep it small; 0 = off)."""
     budget_start_tokens: int = 0
     """Budget curriculum (BACM-style): start training at this budget and shrink linearly to
     max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""
@@ -298,7 +301,7 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
                  "train.steps", "train.weight_decay", "train.eval_every", "context.max_context_tokens",
                  "context.max_summaries", "context.eval_max_summaries", "context.budget_start_tokens",
-                 "context.budget_steps", "context.max_branches",
+                 "context.budget_steps", "context.max_branches", "context.branch_reward",
                  "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
 _CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
@@ -348,6 +351,9 @@ def validate(config: Config) -> None:
     if ctx.budget_start_tokens and ctx.manager not in ("window", "summarize"):
         raise ConfigError(f"context.budget_start_tokens applies to context.manager window or summarize, not "
                           f"{ctx.manager!r}; set it to 0")
+    if ctx.branch_reward and ctx.manager != "fold":
+        raise ConfigError(f"context.branch_reward rewards fold branches, so it applies to context.manager=fold only "
+                          f"(not {ctx.manager!r}); set it to 0")
     if ctx.budget_start_tokens and ctx.budget_steps <= 0:
         raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
     if ctx.manager in ("window", "summarize") and ctx.max_context_tokens <= config.rollout.max_new_tokens:

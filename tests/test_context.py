@@ -14,7 +14,7 @@ from ctxrl.config import ConfigError, load_config
 from ctxrl.engine.base import Completion
 from ctxrl.envs.kv_chain import KVChainEnv
 from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.context import ContextPolicy, restart_messages
+from ctxrl.rollout.context import BRANCH_HEADER, ContextPolicy, restart_messages
 from ctxrl.train.segments import context_stats, expand_segments
 from ctxrl.types import Episode, Task
 
@@ -382,3 +382,66 @@ def test_fold_appends_nothing_on_the_last_turn_and_never_branches_there(renderer
     late = RolloutLimits(max_turns=1, max_new_tokens=64, max_total_tokens=4096, context=ContextPolicy(manager="fold"))
     one = asyncio.run(run_episode(KVChainEnv(), task, ScriptedEngine(texts[:1], renderer), renderer, late, seed=0))
     assert not one.segments and one.turns[0].tool_errors == 1 and one.sequences()[-1].loss_mask[-1] == 1
+
+
+def test_branch_reward_goes_to_the_tokens_of_branches_that_returned_a_result(renderer):
+    """Hand-made segments: only the branch that returned a result (ended_by fold) gets the reward."""
+    from ctxrl.rollout.scripted import ScriptedEngine
+
+    e = Episode(task=Task(id="t", prompt="p", answer="a"))
+    e.append([1, 2], sampled=False, turn=-1)
+    for ended_by in ("fold", "fold-empty", "fold-unfinished"):
+        e.append([3, 4], sampled=True, turn=0, logprobs=[-1.0, -1.0])
+        e.start_segment([1, 2], [], ended_by=ended_by)
+    e.append([5], sampled=True, turn=1, logprobs=[-1.0])
+    seqs, adv = expand_segments([e], [0.5], branch_reward=0.1)
+    assert [len(s.input_ids) for s in seqs] == [4, 4, 4, 3]
+    expected = [[0, 0, 0.6, 0.6], [0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5], [0, 0, 0.5]]
+    assert [row == pytest.approx(want) for row, want in zip(adv, expected)] == [True] * 4
+    assert expand_segments([e], [0.5])[1][0] == [0.0, 0.0, 0.5, 0.5]  # off by default
+
+    # a branch that returns nothing ends as fold-empty, and does not count as returned
+    task = KVChainEnv.sample_tasks("train", 1, seed=2)[0]
+    *lookups, answer = KVChainEnv.solve(task)
+    texts = [format_tool_call("branch", {"goal": "follow the chain"}), format_tool_call("return", {"result": " "}),
+             format_tool_call("branch", {"goal": "follow the chain"}), *lookups,
+             format_tool_call("return", {"result": task.answer}), answer]
+    limits = RolloutLimits(max_turns=len(texts), max_new_tokens=64, max_total_tokens=4096,
+                           context=ContextPolicy(manager="fold"))
+    episode = asyncio.run(run_episode(KVChainEnv(), task, ScriptedEngine(texts, renderer), renderer, limits, seed=0))
+    assert episode.success and [s.ended_by for s in episode.segments] == ["fold-empty", "fold"]
+    stats = context_stats([episode])
+    assert stats["branches_per_episode"] == 2 and stats["branches_returned_per_episode"] == 1
+
+
+def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer):
+    from ctxrl.train.loop import Run
+
+    cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=fold",
+                             "context.branch_reward=0.25", "env.max_turns=10", "rollout.max_total_tokens=1024",
+                             "rollout.max_new_tokens=64", "rollout.tasks_per_step=2", "rollout.group_size=2",
+                             "run.progress=false", "sft.enabled=false"])
+    run = Run(cfg, tmp_path)
+    learner = run.make_learner()
+    seen = {}
+    update = learner.update
+
+    def capture(episodes, advantages, **kwargs):
+        seen["pairs"] = list(zip(episodes, advantages))
+        return update(episodes, advantages, **kwargs)
+
+    learner.update = capture
+    run.engine = FoldOracle(renderer)
+    row = run.rl_step(learner, 0)
+    assert row["success"] == 1.0 and row["branches_returned_per_episode"] == 1.0
+    # every episode succeeded: the outcome advantage is 0, so what is left is the branch reward, on branches only
+    branch_rows = [adv for ep, adv in seen["pairs"] if BRANCH_HEADER.strip() in renderer.decode(ep.input_ids)]
+    parent_rows = [adv for ep, adv in seen["pairs"] if BRANCH_HEADER.strip() not in renderer.decode(ep.input_ids)]
+    assert len(branch_rows) == len(parent_rows) == 4
+    for (ep, adv) in seen["pairs"]:
+        expected = 0.25 if BRANCH_HEADER.strip() in renderer.decode(ep.input_ids) else 0.0
+        assert all(abs(a - expected * m) < 1e-6 for a, m in zip(adv, ep.loss_mask))
+    with pytest.raises(ConfigError, match="applies to context.manager=fold only"):
+        load_config(None, ["context.branch_reward=0.1"])
+    with pytest.raises(ConfigError, match="context.branch_reward must be >= 0"):
+        load_config(None, ["context.manager=fold", "context.branch_reward=-0.1"])

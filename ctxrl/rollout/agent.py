@@ -268,7 +268,7 @@ class _Fold:
         return False
 
     def _return(self, result: str, renderer, tools, turn: int) -> None:
-        self._close_branch("fold")
+        self._close_branch("fold" if result.strip() else "fold-empty")
         self._observe(Message(role="tool", content=result, name="branch"), renderer, tools, turn)
 
     def _observe(self, observation: Message, renderer, tools, turn: int) -> None:

@@ -9,7 +9,9 @@
   runs as its own segment from a short context (the opening system message and the task, with
   the goal appended); on ``return`` only the result comes back to the parent, as the branch
   call's tool response, and the parent goes on. The branch's tokens never enter the parent's
-  context. One level of branching; ``max_branches`` per episode.
+  context. One level of branching; ``max_branches`` per episode. A branch segment ends as
+  ``fold`` (it returned a result), ``fold-empty`` (it returned nothing) or ``fold-unfinished``
+  (the episode ended first).
 - ``summarize`` (SUPO / ReSum): at the end of a turn, if the next generation would not fit in
   ``max_context_tokens``, the environment's reply is followed by a summary instruction and the
   policy writes a summary (sampled, loss mask 1: trained end to end). The episode then continues

@@ -348,7 +348,7 @@ class Run:
             valid = [e for e, keep in zip(valid, free) if keep]
         trained_episodes = len(valid)
         if segmented:  # one sequence per segment, each with its episode's advantage
-            valid, advantages = expand_segments(valid, scalars)
+            valid, advantages = expand_segments(valid, scalars, branch_reward=c.context.branch_reward)
         sampled = [x for adv, e in zip(advantages, valid) for x, m in zip(adv, e.loss_mask) if m]
         t1 = time.perf_counter()
         update = learner.update(valid, advantages, **targets) if valid else {}

@@ -39,8 +39,18 @@ def episode_outcome_advantages(name: str, episodes: list[Episode]) -> list[float
     return grpo_advantages(rewards, groups, std_normalize=name == "grpo").tolist()
 
 
-def expand_segments(episodes: list[Episode], advantages: list[float]) -> tuple[list[Episode], list[list[float]]]:
-    """One training sequence per segment (or per unsegmented episode), its tokens carrying the episode's advantage."""
+def expand_segments(episodes: list[Episode], advantages: list[float], *,
+                    branch_reward: float = 0.0) -> tuple[list[Episode], list[list[float]]]:
+    """One training sequence per segment (or per unsegmented episode), its tokens carrying the episode's advantage.
+
+    ``branch_reward``: the ``fold`` manager's optional process reward. It is added to the
+    advantage of every sampled token of a branch that returned a non-empty result (a segment that
+    ended as ``fold``), as FoldGRPO (Context-Folding, Sun et al. 2025) adds its token-level
+    process rewards to the group-normalised outcome advantage. It rewards finishing a branch with
+    a result, not the result's correctness, so keep it small next to the outcome advantage;
+    ``max_branches`` bounds how much an episode can collect. A branch that returned nothing
+    (``fold-empty``) or never returned (``fold-unfinished``) gets none.
+    """
     out_eps: list[Episode] = []
     out_adv: list[list[float]] = []
     for episode, scalar in zip(episodes, advantages, strict=True):
@@ -54,7 +64,8 @@ def expand_segments(episodes: list[Episode], advantages: list[float]) -> tuple[l
             out_eps.append(dataclasses.replace(episode, input_ids=seq.input_ids, loss_mask=seq.loss_mask,
                                                behavior_logprobs=seq.behavior_logprobs, turn_index=seq.turn_index,
                                                messages=seq.messages, segments=[]))
-            out_adv.append([scalar * m for m in seq.loss_mask])
+            bonus = branch_reward if seq.ended_by == "fold" else 0.0
+            out_adv.append([(scalar + bonus) * m for m in seq.loss_mask])
     return out_eps, out_adv
 
 
@@ -73,6 +84,7 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
         "summaries_per_episode": sum(summaries) / n,
         "windows_per_episode": sum(e.info.get("windows", 0) for e in episodes) / n,
         "branches_per_episode": sum(e.info.get("branches", 0) for e in episodes) / n,
+        "branches_returned_per_episode": sum(s.ended_by == "fold" for e in episodes for s in e.segments) / n,
         "summary_tokens_mean": total_summary_tokens / max(sum(summaries), 1),
         "context_tokens_saved": (sum(full) - sum(peaks)) / n,
         "success_with_summary": _rate([e.success for e, k in zip(episodes, summaries) if k]),
