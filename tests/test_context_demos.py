@@ -56,7 +56,8 @@ def test_search_qa_summary_holds_the_latest_fact_on_the_questions_path():
     second = search("Brada Labs", "[1] Brada Labs: Brada Labs is a company headquartered in Keltra.")
     assert SearchQAEnv.summary(task, first + second) == "Found: Brada Labs is a company headquartered in Keltra."
     # a search whose results lack the searched title keeps the latest fact
-    assert SearchQAEnv.summary(task, first + search("Keltra", "No results.")) == "Found: Alda Morvi works for Brada Labs."
+    unseen = search("Keltra", "No results.")
+    assert SearchQAEnv.summary(task, first + unseen) == "Found: Alda Morvi works for Brada Labs."
 
 
 def _summarize_limits(budget: int, max_summaries: int = 4, max_new_tokens: int = 48):
@@ -119,7 +120,8 @@ def test_kv_chain_demos_under_summarize_are_faithful_and_the_next_lookup_follows
     demos = asyncio.run(build_demos(KVChainEnv, renderer, 40, seed=1, limits=_summarize_limits(384)))
     assert all(d.success and d.reward == 1.0 and d.truncation is None for d in demos)  # the solver still scores 1.0
     summarised = [d for d in demos if d.info.get("summaries")]
-    assert len(summarised) >= 10 and sum(len(d.segments) for d in demos) == sum(d.info.get("summaries", 0) for d in demos)
+    assert len(summarised) >= 10
+    assert sum(len(d.segments) for d in demos) == sum(d.info.get("summaries", 0) for d in demos)
     for demo in summarised:
         summaries = _check_faithful(demo, KVChainEnv, renderer, _summarize_limits(384))
         for summary, seg, nxt in zip(summaries, demo.sequences(), demo.sequences()[1:]):
@@ -140,7 +142,8 @@ def test_search_qa_demos_under_summarize_succeed_from_the_latest_fact(renderer):
     from ctxrl.envs.search_qa import SearchQAEnv
     from ctxrl.train.sft import build_demos
 
-    demos = asyncio.run(build_demos(SearchQAEnv, renderer, 30, seed=2, limits=_summarize_limits(450), other_worlds=True))
+    demos = asyncio.run(build_demos(SearchQAEnv, renderer, 30, seed=2, limits=_summarize_limits(450),
+                                    other_worlds=True))
     assert all(d.success and d.truncation is None for d in demos)
     summarised = [d for d in demos if d.info.get("summaries")]
     assert len(summarised) >= 5
@@ -208,7 +211,7 @@ def test_run_plays_its_warm_start_demos_under_summarize_when_the_env_can(tmp_pat
     # every segment trains as its own sequence: more sequences than demos, batch_size sequences per step
     sequences = 8 + round(row["demo_summaries_per_episode"] * 8)
     assert row["sft_steps"] == steps[-1] == -(-sequences // 4)
-    # off, or another manager: full-context demos
+    # off: full-context demos
     assert Run(_config("sft.context_demos=off"), tmp_path / "off").demo_limits() is None
     # an env without the hook: auto says so once and plays full-context demos; on is a config error
     calc = Run(_config("env.name=calculator", "sft.demos=4", "sft.epochs=1"), tmp_path / "calc")

@@ -111,7 +111,7 @@ def _follow(kb: KnowledgeBase, person: str, path: tuple[str, ...]) -> tuple[list
 
 
 def _fact(results: str, query: str, path: list[str]) -> str | None:
-    """From a ``search`` observation: the sentence of the document titled ``query`` that names the next entity on ``path``.
+    """From a ``search`` observation: the sentence of the document titled ``query`` naming the next entity on ``path``.
 
     The whole document when ``query`` is not on the path; None when no result has that title.
     """

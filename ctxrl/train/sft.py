@@ -73,7 +73,8 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
         texts = shortcut(task) if use_shortcut else env_cls.solve(task)
         if summarize:
             env = _RecordedEnv(env_cls())
-            engine = ScriptedEngine(texts, renderer, summary=lambda env=env, task=task: write_summary(task, env.messages))
+            engine = ScriptedEngine(texts, renderer,
+                                    summary=lambda env=env, task=task: write_summary(task, env.messages))
         else:
             env, engine = env_cls(), ScriptedEngine(texts, renderer)
         jobs.append(run_episode(env, task, engine, renderer, limits, seed=seed))
