@@ -84,7 +84,8 @@ def test_evaluation_is_always_zero_shot():
 
 def test_count_mode_is_the_schedule():
     schedule = DemoSchedule(max_demos=4, steps=10)
-    assert [num_demos(schedule, step=t, seed=0, episode_index=0, evaluation=False) for t in (0, 3, 8, 10)] == [4, 3, 1, 0]
+    counts = [num_demos(schedule, step=t, seed=0, episode_index=0, evaluation=False) for t in (0, 3, 8, 10)]
+    assert counts == [4, 3, 1, 0]
 
 
 def test_probability_mode_is_all_or_nothing_at_the_scheduled_rate():
@@ -99,7 +100,8 @@ def test_probability_mode_is_all_or_nothing_at_the_scheduled_rate():
 def test_sampling_is_a_pure_function_of_seed_step_episode():
     schedule = DemoSchedule(max_demos=3, steps=10, mode="probability")
     a = [sample_demos(schedule, step=2, pool_size=8, seed=5, episode_index=e, evaluation=False) for e in range(50)]
-    b = [sample_demos(schedule, step=2, pool_size=8, seed=5, episode_index=e, evaluation=False) for e in reversed(range(50))]
+    b = [sample_demos(schedule, step=2, pool_size=8, seed=5, episode_index=e, evaluation=False)
+         for e in reversed(range(50))]
     assert a == list(reversed(b))  # same episode, same demos, whatever the order of calls
     c = [sample_demos(schedule, step=2, pool_size=8, seed=6, episode_index=e, evaluation=False) for e in range(50)]
     assert a != c

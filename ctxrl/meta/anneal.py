@@ -78,7 +78,8 @@ class DemoSchedule:
     kind: str = "linear"
     """Shape of the decay: ``linear``, ``cosine`` or ``step`` (constant, then none)."""
     mode: str = "count"
-    """``count``: every episode gets ``demo_count(step)``; ``probability``: all-or-nothing with ``demo_probability(step)``."""
+    """``count``: every episode gets ``demo_count(step)``; ``probability``: all ``max_demos`` or none,
+    with ``demo_probability(step)``."""
 
     def __post_init__(self) -> None:
         if self.max_demos < 0:

@@ -62,7 +62,8 @@ def _check_group(trial_values: Sequence[Sequence[float]], num_attempts: int | No
         raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
     for i, values in enumerate(trial_values):
         if len(values) == 0:
-            raise ValueError(f"trial {i} has no attempts; drop trials whose first attempt errored before computing credit")
+            raise ValueError(f"trial {i} has no attempts; drop trials whose first attempt errored "
+                             "before computing credit")
         if num_attempts is not None and len(values) > num_attempts:
             raise ValueError(f"trial {i} has {len(values)} {what} but the budget is num_attempts={num_attempts}; "
                              "pass the K the trials were played with")
