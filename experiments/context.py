@@ -4,7 +4,8 @@ For each manager the script trains the same warm-started model with the demo's p
 ``kv_chain`` chains longer than the budget holds in full (``full`` gets an unlimited budget: the
 reference), then reports held-out success, the peak working context and summaries per episode.
 For ``summarize`` it also evaluates the final checkpoint with growing evaluation-time summary
-limits (SUPO's test-time scaling). Results go to ``--out/summary.json`` and a table on stdout.
+limits (SUPO's test-time scaling), on held-out and OOD tasks. Results go to ``--out/summary.json``,
+a table on stdout and ``--out/context.png``.
 
     python experiments/context.py --steps 40                       # tiny model, CPU
     python experiments/context.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 100 model.dtype=bfloat16
@@ -67,11 +68,13 @@ def main() -> None:
                                          *manager_overrides(manager, args.budget, args.max_summaries),
                                          f"context.eval_max_summaries={k}", "train.steps=0", *args.overrides])
                 run = Run(cfg, out / f"summarize-eval-{k}")
-                scaling[k] = run.evaluate(args.steps, splits=("heldout",))["heldout"]["success"]
+                scaling[k] = {split: r["success"] for split, r in run.evaluate(args.steps, splits=("heldout", "ood")).items()}
                 run.writer.close()
-            results[manager]["heldout_by_eval_summaries"] = scaling
+            results[manager]["heldout_by_eval_summaries"] = {k: v["heldout"] for k, v in scaling.items()}
+            results[manager]["ood_by_eval_summaries"] = {k: v["ood"] for k, v in scaling.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(results, indent=2))
+    plot_results(results, out / "context.png", title=f"{args.model}, budget {args.budget} tokens, {args.steps} RL steps")
     print(f"model {args.model}, {args.steps} RL steps, budget {args.budget} tokens, "
           f"{time.perf_counter() - started:.0f}s")
     print(f"{'manager':10s} {'heldout':>14s} {'ood':>6s} {'peak ctx':>9s} {'summ/ep':>8s} {'cut':>6s}")
@@ -81,8 +84,42 @@ def main() -> None:
         print(f"{manager:10s} {r['heldout_before']:.2f} -> {r['heldout_after']:.2f} {r['ood_after']:6.2f} "
               f"{peak:>9s} {summ:>8s} {r['truncated_max_context']:6.2f}")
         if "heldout_by_eval_summaries" in r:
-            print("  summarize, heldout by eval-time summary limit: "
-                  + ", ".join(f"{k}: {v:.2f}" for k, v in r["heldout_by_eval_summaries"].items()))
+            for split in ("heldout", "ood"):
+                print(f"  summarize, {split} by eval-time summary limit: "
+                      + ", ".join(f"{k}: {v:.2f}" for k, v in r[f"{split}_by_eval_summaries"].items()))
+
+
+def plot_results(results: dict[str, dict], path: Path, *, title: str = "") -> Path:
+    """Left: held-out and OOD success after RL per manager. Right: summarize's success by evaluation-time summary limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = list(results)
+    xs = range(len(names))
+    left.bar([x - 0.2 for x in xs], [results[n]["heldout_after"] for n in names], width=0.4, label="held-out")
+    left.bar([x + 0.2 for x in xs], [results[n]["ood_after"] for n in names], width=0.4, label="OOD (longer chains)")
+    left.set_xticks(list(xs), names)
+    left.set_ylim(0, 1.05)
+    left.set_ylabel("success after RL")
+    left.legend(fontsize=8)
+    sweep = results.get("summarize", {})
+    for split in ("heldout", "ood"):
+        curve = sweep.get(f"{split}_by_eval_summaries")
+        if curve:
+            limits = sorted(curve, key=int)
+            right.plot([int(k) for k in limits], [curve[k] for k in limits], marker="o", label=split)
+    right.set_xlabel("summaries allowed at evaluation")
+    right.set_ylabel("summarize: success")
+    right.set_ylim(0, 1.05)
+    right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

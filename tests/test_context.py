@@ -278,7 +278,9 @@ def test_context_experiment_runs_end_to_end(tmp_path):
     results = json.loads((tmp_path / "summary.json").read_text())
     assert set(results) == {"full", "window", "summarize"}
     assert set(results["summarize"]["heldout_by_eval_summaries"]) == {"0", "2"}
+    assert set(results["summarize"]["ood_by_eval_summaries"]) == {"0", "2"}
     assert results["window"]["peak_context"] is not None and results["full"]["peak_context"] is None
+    assert (tmp_path / "context.png").stat().st_size > 0
 
 
 class FoldOracle(OracleEngine):
