@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-PURPOSES = ("turn", "summary")
+PURPOSES = ("turn", "summary", "reflection")
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,12 @@ class SamplingParams:
     completion, whatever else the engine is serving at the time; ``None`` lets the engine pick
     one from its own seeded stream (reproducible only if requests arrive in the same order).
 
-    ``purpose`` says what the agent loop asks for: ``turn`` (an action turn) or ``summary`` (the
-    ``summarize`` context manager's summary of the episode so far). Sampling engines sample both
-    alike; a scripted engine answers a summary request with a scripted summary instead of its next
-    turn, so demonstrations never have to guess from the prompt's text which one is asked for.
+    ``purpose`` says what the agent loop asks for: ``turn`` (an action turn), ``summary`` (the
+    ``summarize`` context manager's summary of the episode so far) or ``reflection`` (the meta
+    loop's reflection on a finished attempt, ``ctxrl.rollout.meta``). Sampling engines sample them
+    all alike; a scripted engine answers a summary or reflection request with a scripted text
+    instead of its next turn, so demonstrations never have to guess from the prompt's text which
+    one is asked for.
     """
 
     temperature: float = 1.0

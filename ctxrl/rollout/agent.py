@@ -31,6 +31,7 @@ from ctxrl.chat.toolcalls import parse_assistant
 from ctxrl.engine.base import Engine, SamplingParams
 from ctxrl.engine.sampling import derive_seed
 from ctxrl.rollout.context import FOLD_TOOL_SCHEMAS, ContextPolicy, branch_messages, restart_messages, window_messages
+from ctxrl.rollout.demos import Demo, with_demos
 from ctxrl.types import Episode, Message, Segment, Task, Turn
 
 SUMMARY_SEED_OFFSET = 1_000_000  # summary k samples with derive_seed(seed, SUMMARY_SEED_OFFSET + k)
@@ -360,17 +361,24 @@ async def _summarize(episode: Episode, observations: list, opening: list, tools,
 
 
 async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
-                       limits: RolloutLimits, *, group_size: int = 1, seed: int = 0) -> list[Episode]:
+                       limits: RolloutLimits, *, group_size: int = 1, seed: int = 0,
+                       demos: Callable[[int, int], list[Demo]] | None = None) -> list[Episode]:
     """Play ``group_size`` episodes per task concurrently; episode ``k`` of task ``i`` has group ``i``.
 
     Every environment is built and reset first, all of them before any generation: the engine's
     first batch then holds every episode whatever each reset took, so seeded runs repeat exactly.
     A constructor or reset that raises (or passes the deadline) gives an errored episode.
+
+    ``demos(i, k)``: few-shot demonstrations for episode ``k`` of task ``i``, written before the
+    task in its prompt (``with_demos``: context, mask 0); ``info["demos"]`` counts them. Training
+    only: evaluation passes none.
     """
     jobs = []
     for group_id, task in enumerate(tasks):
         for k in range(group_size):
             jobs.append((task, group_id, seed * 1_000_003 + group_id * 1009 + k))
+    shown = [demos(group_id, k) if demos is not None else [] for group_id in range(len(tasks))
+             for k in range(group_size)]
 
     async def prepare(task: Task, episode_seed: int):
         t0 = time.perf_counter()
@@ -391,13 +399,17 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
 
     prepared = await asyncio.gather(*(prepare(task, s) for task, _, s in jobs))
     runs = []
-    for (task, group_id, episode_seed), (env, opening, spent) in zip(jobs, prepared):
+    for (task, group_id, episode_seed), (env, opening, spent), chosen in zip(jobs, prepared, shown):
         if env is None:
             runs.append(_errored(task, group_id, engine, opening, limits, spent))
         else:
             runs.append(run_episode(env, task, engine, renderer, limits, seed=episode_seed, group_id=group_id,
-                                    opening=opening, spent_s=spent))
-    return list(await asyncio.gather(*runs))
+                                    opening=with_demos(opening, chosen), spent_s=spent))
+    episodes = list(await asyncio.gather(*runs))
+    if demos is not None:
+        for episode, chosen in zip(episodes, shown):
+            episode.info["demos"] = len(chosen)
+    return episodes
 
 
 async def _errored(task: Task, group_id: int, engine: Engine, exc: BaseException, limits: RolloutLimits,

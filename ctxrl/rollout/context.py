@@ -47,6 +47,10 @@ FOLD_TOOL_SCHEMAS = [
 SUMMARY_INSTRUCTION = ("Your context is nearly full. Write a short summary of what you have found and what is "
                        "left to do; you will continue from it.")
 SUMMARY_HEADER = "\n\nYour summary of the work so far:\n"
+# The meta loop's request for a reflection on a finished attempt (ctxrl.rollout.meta), kept here with
+# the other instructions so that the config can name it without importing the agent loop.
+REFLECTION_INSTRUCTION = ("Reflect on this attempt in one or two sentences: what went wrong, and what will you do "
+                          "differently next time?")
 
 
 @dataclass(frozen=True)

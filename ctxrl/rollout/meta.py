@@ -1,0 +1,345 @@
+"""The meta loop: a trial of up to K attempts at one task, with feedback and reflections in between.
+
+One trial is one ``Episode`` whose sequences (``Episode.sequences()``) are its attempts, in order:
+sequence ``k`` is attempt ``k``. Each attempt is an ordinary episode of the agent loop
+(``run_episode``) on a freshly built and reset environment (same task, same reset seed, so the
+same instance of it), starting from its own opening:
+
+- attempt 0: the environment's opening, exactly as a single episode's (so "attempt 1" of a trial
+  is a sample of the zero-context policy);
+- attempt ``k >= 1``, ``context="reflections"``: the system message and the task, with a note per
+  earlier attempt appended to the task (its feedback line and, if ``reflect``, the reflection
+  written after it), then ``This is attempt k+1 of K.``;
+- attempt ``k >= 1``, ``context="attempts"``: the system message, the task, then every earlier
+  attempt in full as conversation (its turns, the observations that ended it, the feedback, the
+  reflection if any), then ``This is attempt k+1 of K.`` as a user message.
+
+The carried history is kept within a budget: the oldest attempts' notes (or whole attempts) are
+dropped until the opening leaves room for a turn (``rollout.max_total_tokens``) and fits
+``max_context_tokens`` (0: no budget of its own). Every opening is rendered as a fresh prompt, so
+each sequence's prompt is exactly its messages (loss mask 0), like a ``summarize`` segment's.
+
+After attempt ``k``, if the trial goes on (``k < K-1``, and not ``stop_on_success`` after a
+success) and ``reflect`` is on, the attempt's sequence continues with the observations that ended
+it and one user message, the feedback line and the reflection instruction (mask 0), and the policy
+samples a reflection (mask 1, behaviour log-probs kept: trained). Where the reflection's sampled
+tokens start is recorded (``info["attempts"][k]["reflection_start"]``), so the trainer can give
+them their own advantage (``ctxrl.meta.credit.reflection_advantages``). No reflection is sampled
+after the last attempt played: it would condition nothing. ``reflect=False`` carries only the
+feedback lines (plain retries; with ``context="attempts"``, the in-context RL baseline: previous
+attempts and their rewards in context).
+
+The feedback is generic: ``Attempt k of K solved the task`` / ``did not solve the task``, with the
+attempt's reward; the environment's own last observations (a ``BOOM``, a final board) come before
+it. An attempt that errors makes the whole trial errored (``truncation="error"``); a trial never
+stops early on a failure. Context managers inside an attempt are not supported (``full`` only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ctxrl.chat.render import ChatRenderer
+from ctxrl.engine.base import Engine
+from ctxrl.engine.sampling import derive_seed
+from ctxrl.envs.tool_answer import parse_answer
+from ctxrl.meta.trial import Attempt, Trial
+from ctxrl.rollout.agent import RolloutLimits, _record_error, _sampling, reset_env, run_episode
+from ctxrl.rollout.context import REFLECTION_INSTRUCTION, _task_with
+from ctxrl.rollout.demos import Demo, with_demos
+from ctxrl.types import Episode, Message, Segment, Task
+
+CONTEXTS = ("reflections", "attempts")
+NOTES_HEADER = "\n\nNotes from your earlier attempts at this task:\n"
+ATTEMPT_SALT = 3_000_000  # attempt k >= 1 samples from derive_seed(seed, ATTEMPT_SALT + k); attempt 0 from seed
+REFLECTION_SALT = 2_000_000  # the reflection after attempt k samples with derive_seed(seed, REFLECTION_SALT + k)
+
+
+@dataclass(frozen=True)
+class MetaPolicy:
+    """How a trial is played (see the module docstring)."""
+
+    num_attempts: int = 1
+    context: str = "reflections"
+    """What the next attempt sees of the earlier ones: ``reflections`` (notes) or ``attempts`` (in full)."""
+    reflect: bool = True
+    """Sample a reflection after each attempt that is followed by another (False: plain retries)."""
+    stop_on_success: bool = True
+    instruction: str = REFLECTION_INSTRUCTION
+    reflection_max_tokens: int = 64
+    max_context_tokens: int = 0
+    """Budget of an attempt's opening (task + carried history) in tokens; 0 = only ``max_total_tokens``."""
+
+    def __post_init__(self) -> None:
+        if self.num_attempts < 1:
+            raise ValueError(f"num_attempts must be >= 1, got {self.num_attempts}")
+        if self.context not in CONTEXTS:
+            raise ValueError(f"context must be one of {', '.join(CONTEXTS)}, not {self.context!r}")
+        if self.reflection_max_tokens < 1:
+            raise ValueError(f"reflection_max_tokens must be >= 1, got {self.reflection_max_tokens}")
+
+
+def feedback_text(k: int, num_attempts: int, reward: float, success: bool) -> str:
+    """The feedback line on attempt ``k`` (0-based; shown 1-based)."""
+    outcome = "solved the task" if success else "did not solve the task"
+    return f"Attempt {k + 1} of {num_attempts} {outcome} (reward {reward:g})."
+
+
+def attempt_header(k: int, num_attempts: int) -> str:
+    return f"This is attempt {k + 1} of {num_attempts}."
+
+
+@dataclass
+class Carried:
+    """What one finished attempt leaves for the next ones."""
+
+    index: int
+    """Which attempt of the trial it was (0-based)."""
+    conversation: list[Message]
+    """The attempt after its opening: its turns and the observations that ended it."""
+    feedback: str
+    reflection: str | None = None
+
+
+def reflections_opening(base: list[Message], carried: list[Carried], k: int, num_attempts: int) -> list[Message]:
+    """System + task with one note per carried attempt and the attempt header appended (``base`` for k = 0)."""
+    if k == 0:
+        return list(base)
+    notes = [c.feedback + (f" Your reflection: {c.reflection.strip()}" if c.reflection is not None else "")
+             for c in carried]
+    return _task_with(base, NOTES_HEADER, "\n".join([*notes, attempt_header(k, num_attempts)]))
+
+
+def attempts_opening(base: list[Message], carried: list[Carried], k: int, num_attempts: int,
+                     instruction: str) -> list[Message]:
+    """System + task, then each carried attempt in full (its header from attempt 2 on, its turns, feedback and
+    reflection), then attempt ``k``'s header: the conversation the trial has been, as one chat."""
+    if k == 0:
+        return list(base)
+    system = [m for m in base if m.role == "system"][:1]
+    task = next(m for m in base if m.role == "user")
+    out = [*system, task]
+    for c in carried:
+        if c.index > 0:
+            out.append(Message("user", attempt_header(c.index, num_attempts)))
+        # re-rendered from text alone, as window_messages does: the text already holds the calls
+        out += [dataclasses.replace(m, tool_calls=[], tool_call_errors=[]) if m.role == "assistant" else m
+                for m in c.conversation]
+        if c.reflection is not None:
+            out += [Message("user", f"{c.feedback}\n{instruction}"), Message("assistant", c.reflection)]
+        else:
+            out.append(Message("user", c.feedback))
+    out.append(Message("user", attempt_header(k, num_attempts)))
+    return out
+
+
+def attempt_actions(messages: list[Message]) -> list[str]:
+    """Canonical strings of an attempt's actions: ``name({json args})`` per tool call, ``answer(text)`` per answer."""
+    out = []
+    for m in messages:
+        if m.role != "assistant":
+            continue
+        for call in m.tool_calls:
+            out.append(f"{call.name}({json.dumps(call.arguments, sort_keys=True)})")
+        if not m.tool_calls:
+            answer = parse_answer(m.content)
+            if answer is not None:
+                out.append(f"answer({answer})")
+    return out
+
+
+class _Watched:
+    """An environment that remembers the observations of its latest step (the agent loop does not
+    append those of the step that ends an episode; the feedback shows them)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.last: tuple[Message | None, list[Message]] = (None, [])
+
+    @property
+    def tools(self):
+        return self.env.tools
+
+    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
+        return self.env.reset(task, seed=seed)
+
+    async def step(self, message: Message):
+        result = await self.env.step(message)
+        self.last = (message, list(result.messages))
+        return result
+
+    def close(self) -> None:
+        self.env.close()
+
+    def unseen(self, episode: Episode) -> list[Message]:
+        """Observations of the step that answered the episode's last message, if they were never appended."""
+        message, observations = self.last
+        return observations if episode.messages and episode.messages[-1] is message else []
+
+
+async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, renderer: ChatRenderer,
+                    limits: RolloutLimits, policy: MetaPolicy, *, seed: int, group_id: int = 0,
+                    demos: list[Demo] | None = None) -> Episode:
+    """Play one trial of ``task``; always returns an ``Episode`` (sequences = attempts, see module docstring)."""
+    started = time.perf_counter()
+    attempts: list[Episode] = []
+    records: list[dict[str, Any]] = []
+    carried: list[Carried] = []
+    failure: tuple[int, BaseException | Episode] | None = None
+    num_attempts = policy.num_attempts
+    for k in range(num_attempts):
+        t0 = time.perf_counter()
+        env = None
+        try:
+            env = _Watched(make_env())
+            base = with_demos(await reset_env(env, task, seed, limits.timeout_s), demos or [])
+        except Exception as exc:  # noqa: BLE001 - an errored trial is data, not a crash
+            if env is not None:
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            failure = (k, exc)
+            break
+        tools = [t.schema() for t in env.tools] or None
+        opening, kept, opening_tokens = _fitted_opening(base, carried, k, policy, renderer, tools, limits)
+        episode = await run_episode(env, task, engine, renderer, limits,
+                                    seed=seed if k == 0 else derive_seed(seed, ATTEMPT_SALT + k), group_id=group_id,
+                                    opening=opening, spent_s=time.perf_counter() - t0)
+        attempts.append(episode)
+        record = {"reward": episode.reward, "success": episode.success, "truncation": episode.truncation,
+                  "turns": len(episode.turns), "tool_calls": episode.tool_calls, "tool_errors": episode.tool_errors,
+                  "sampled_tokens": sum(episode.loss_mask),
+                  "actions": attempt_actions(episode.messages[len(opening):]), "opening_tokens": opening_tokens,
+                  "carried": kept,
+                  "dropped": len(carried) - kept, "feedback": None, "reflection": None, "reflection_start": None,
+                  "reflection_tokens": 0, "reflection_skipped": False}
+        records.append(record)
+        if episode.truncation == "error":
+            failure = (k, episode)
+            break
+        if k == num_attempts - 1 or (episode.success and policy.stop_on_success):
+            break
+        conversation = [*episode.messages[len(opening):], *env.unseen(episode)]
+        record["feedback"] = feedback_text(k, num_attempts, episode.reward, episode.success)
+        if policy.reflect:
+            try:
+                reflect = _reflect(episode, env.unseen(episode), record, tools, engine, renderer, limits, policy,
+                                   seed, k)
+                if limits.timeout_s > 0:
+                    await asyncio.wait_for(reflect, limits.timeout_s)
+                else:
+                    await reflect
+            except Exception as exc:  # noqa: BLE001
+                failure = (k, exc)
+                break
+        carried.append(Carried(k, conversation, record["feedback"], record["reflection"]))
+    return _trial_episode(task, group_id, engine, num_attempts, attempts, records, failure, limits,
+                          time.perf_counter() - started, len(demos or []))
+
+
+def _fitted_opening(base, carried, k, policy: MetaPolicy, renderer, tools,
+                    limits) -> tuple[list[Message], int, int]:
+    """Attempt ``k``'s opening with as many of the newest carried attempts as fit: (messages, how many, tokens)."""
+    def build(kept: list[Carried]) -> list[Message]:
+        if policy.context == "reflections":
+            return reflections_opening(base, kept, k, policy.num_attempts)
+        return attempts_opening(base, kept, k, policy.num_attempts, policy.instruction)
+
+    for start in range(len(carried) + 1):
+        messages = build(carried[start:])
+        n = len(renderer.prompt_ids(messages, tools))
+        if n + limits.max_new_tokens <= limits.max_total_tokens and (
+                policy.max_context_tokens <= 0 or n <= policy.max_context_tokens):
+            return messages, len(carried) - start, n
+    bare = build([])  # nothing carried fits: the bare task (the agent loop ends it if even that cannot fit)
+    return bare, 0, len(renderer.prompt_ids(bare, tools))
+
+
+async def _reflect(episode: Episode, observations: list[Message], record: dict[str, Any], tools, engine: Engine,
+                   renderer: ChatRenderer, limits: RolloutLimits, policy: MetaPolicy, seed: int, k: int) -> None:
+    """Append the last observations, feedback and instruction (mask 0), then sample a reflection (mask 1)."""
+    if not episode.turns or episode.messages[-1].role != "assistant":
+        record["reflection_skipped"] = True  # no turn was played (the opening left no room): nothing to reflect on
+        return
+    ask = [*observations, Message("user", f"{record['feedback']}\n{policy.instruction}")]
+    closed = episode.turns[-1].finish_reason == "stop"
+    delta = renderer.continuation_ids(episode.messages, ask, tools, closed=closed)
+    room = limits.max_total_tokens - len(episode.input_ids) - len(delta)
+    if room <= 0:
+        record["reflection_skipped"] = True  # no room left in this sequence: the next attempt carries the feedback
+        return
+    turn = len(episode.turns)  # the reflection is the generation after the attempt's last turn
+    episode.append(delta, sampled=False, turn=turn - 1)
+    episode.messages.extend(ask)
+    record["reflection_start"] = len(episode.input_ids)
+    params = _sampling(limits, renderer, min(policy.reflection_max_tokens, room), seed, REFLECTION_SALT + k,
+                       purpose="reflection")
+    completion = await engine.generate(list(episode.input_ids), params)
+    episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
+    closed = completion.finish_reason == "stop"
+    text = renderer.decode(completion.token_ids[:-1] if closed else completion.token_ids)
+    episode.messages.append(Message("assistant", text))
+    record["reflection"], record["reflection_tokens"] = text, len(completion.token_ids)
+    record["reflection_truncated"] = not closed
+
+
+def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int, attempts: list[Episode],
+                   records: list[dict[str, Any]], failure, limits: RolloutLimits, seconds: float,
+                   demos: int) -> Episode:
+    """One Episode for the trial: attempts 0..n-2 as closed segments, the last one live."""
+    trial = Episode(task=task, group_id=group_id, policy_version=getattr(engine, "version", 0))
+    for attempt, record in zip(attempts[:-1], records):
+        ended_by = "reflection" if record["reflection_start"] is not None else "attempt"
+        trial.segments.append(Segment(attempt.input_ids, attempt.loss_mask, attempt.behavior_logprobs,
+                                      attempt.turn_index, attempt.messages, ended_by))
+    if attempts:
+        last = attempts[-1]
+        trial.input_ids, trial.loss_mask = last.input_ids, last.loss_mask
+        trial.behavior_logprobs, trial.turn_index, trial.messages = last.behavior_logprobs, last.turn_index, last.messages
+        trial.truncation = last.truncation
+    trial.turns = [t for a in attempts for t in a.turns]
+    trial.reward = sum(a.reward for a in attempts)
+    trial.success = any(a.success for a in attempts)
+    trial.info.update({"attempts": records, "num_attempts": num_attempts, "seconds": seconds, "demos": demos,
+                       "reflections": sum(r["reflection_start"] is not None for r in records),
+                       "reflections_skipped": sum(r["reflection_skipped"] for r in records),
+                       "reflection_tokens": sum(r["reflection_tokens"] for r in records)})
+    if failure is not None:
+        k, cause = failure
+        trial.truncation = "error"
+        trial.info["error_attempt"] = k
+        if isinstance(cause, Episode):
+            trial.info["error"], trial.info["error_kind"] = cause.info.get("error"), cause.info.get("error_kind")
+        else:
+            _record_error(trial, cause, limits, 0.0)
+    return trial
+
+
+async def run_trials(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
+                     limits: RolloutLimits, policy: MetaPolicy, *, group_size: int = 1, seed: int = 0,
+                     demos: Callable[[int, int], list[Demo]] | None = None) -> list[Episode]:
+    """Play ``group_size`` trials per task concurrently; trial ``k`` of task ``i`` has group ``i`` (the
+    group statistics of the credit are over trials). Seeds as ``run_episodes``'s, so attempt 0 of a
+    trial samples what the single episode with the same seed would. ``demos`` as in ``run_episodes``."""
+    jobs = []
+    for group_id, task in enumerate(tasks):
+        for k in range(group_size):
+            chosen = demos(group_id, k) if demos is not None else []
+            jobs.append(run_trial(make_env, task, engine, renderer, limits, policy,
+                                  seed=seed * 1_000_003 + group_id * 1009 + k, group_id=group_id, demos=chosen))
+    return list(await asyncio.gather(*jobs))
+
+
+def to_trial(episode: Episode) -> Trial:
+    """The statistics' view of a played trial (``ctxrl.meta.Trial``); a plain episode is a one-attempt trial."""
+    records = episode.info.get("attempts")
+    if records is None:
+        return Trial(episode.task.id, 1, [Attempt(episode.reward, episode.success)])
+    return Trial(episode.task.id, episode.info["num_attempts"],
+                 [Attempt(r["reward"], r["success"], list(r["actions"])) for r in records])
