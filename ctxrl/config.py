@@ -1,7 +1,7 @@
 """Run configuration: flat, typed dataclasses with a docstring per field, loaded from TOML.
 
-A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[sft]``,
-``[algo]``, ``[train]``, ``[eval]``, ``[run]``); the command line overrides any field as
+A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[context]``,
+``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[eval]``, ``[run]``); the command line overrides any field as
 ``section.field=value`` (the value is read as a TOML literal, or as a string if it is not one).
 An unknown section or field, or a value of the wrong type or out of range, is a ``ConfigError``
 that names the key and suggests the nearest valid one.
@@ -23,7 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-from ctxrl.rollout.context import SUMMARY_INSTRUCTION
+from ctxrl.rollout.context import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and how to fix it."""
@@ -111,6 +111,58 @@ class ContextConfig:
 
 
 @dataclass
+class MetaConfig:
+    num_attempts: int = 1
+    """Attempts per trial in training (1 = off: single-episode RL). A trial is up to K attempts at one task, with
+    the environment's feedback (and a reflection) between them; above 1 it needs algo.advantage=meta."""
+    eval_attempts: int = 0
+    """Attempts per trial at evaluation (0 = num_attempts). Above 1 evaluation plays greedy trials and logs
+    success_at_k / success_by_k; its ``success`` stays attempt 1's (zero-shot, as a single episode)."""
+    eval_trials: int = 1
+    """Trials per task at evaluation; pass@k of independent first attempts needs at least k (and
+    eval.temperature > 0: greedy trials of one task are identical)."""
+    gamma_trial: float = 1.0
+    """Discount across the attempts of a trial: 1 credits solving within K attempts at all, below 1 also
+    prefers solving sooner, 0 makes attempts independent."""
+    credit: str = "cross_episode"
+    """``cross_episode`` (LaMer: discounted return over later attempts, normalised over the trials of a task)
+    or ``relative`` (MR-Search: each attempt's reward centred on the other trials' same attempt, then summed)."""
+    normalize: str = "std"
+    """``cross_episode`` only: ``std`` divides by the group std (GRPO-like), ``none`` only centres."""
+    baseline: str = "loo"
+    """``relative`` only: ``loo`` (mean of the other trials) or ``mean`` (of all trials that played the attempt)."""
+    context: str = "reflections"
+    """What an attempt sees of the earlier ones: ``reflections`` (a feedback line and the reflection of each)
+    or ``attempts`` (each earlier attempt in full, with its feedback)."""
+    reflect: bool = True
+    """Sample a reflection (trained) after each attempt that another follows; false = plain retries."""
+    stop_on_success: bool = True
+    """End a trial at its first successful attempt."""
+    reflection_instruction: str = REFLECTION_INSTRUCTION
+    """The user message, after the feedback line, that asks for a reflection."""
+    reflection_max_tokens: int = 64
+    """Tokens one reflection may take."""
+    max_context_tokens: int = 0
+    """Budget of an attempt's opening (task + carried history) in tokens: the oldest attempts are dropped until it
+    fits (0 = only the room rollout.max_total_tokens leaves for a turn)."""
+    demos_max: int = 0
+    """Annealed demonstrations: few-shot solved examples in training prompts (count at step 0, or per episode
+    that gets them); evaluation never gets any. 0 = off."""
+    demos_steps: int = 0
+    """The RL step from which no training prompt gets demonstrations (the schedule reaches 0 there)."""
+    demos_kind: str = "linear"
+    """Shape of the decay: ``linear``, ``cosine`` or ``step`` (constant, then none)."""
+    demos_mode: str = "count"
+    """``count``: every episode gets the scheduled number; ``probability``: demos_max or none, with the
+    scheduled probability."""
+    demos_source: str = "solve"
+    """Where demonstrations come from: ``solve`` (the env's scripted solutions of other training tasks) or a
+    JSONL file of ``{"prompt", "messages"}`` lines."""
+    demos_pool: int = 64
+    """Training tasks solved for the ``solve`` pool (a task's own demo is never shown to it)."""
+
+
+@dataclass
 class SFTConfig:
     enabled: bool = True
     """Warm-start with supervised fine-tuning on the environment's scripted solutions."""
@@ -139,8 +191,9 @@ class AlgoConfig:
     advantage: str = "grpo"
     """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
     ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
-    batch), ``turn_grpo`` (group-normalised per-turn returns) or ``gae`` (PPO with a learned
-    critic); see docs/algorithms.md."""
+    batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
+    critic) or ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md);
+    see docs/algorithms.md."""
     gamma: float = 1.0
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
     lam: float = 1.0
@@ -275,6 +328,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
+    meta: MetaConfig = field(default_factory=MetaConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -295,22 +349,27 @@ _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "r
              "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
              "algo.dynamic_sampling_rounds", "curriculum.horizon_start_turns", "curriculum.horizon_warmup_steps",
              "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks",
-             "train.max_consecutive_skips", "context.summary_max_tokens"}
+             "train.max_consecutive_skips", "context.summary_max_tokens", "meta.num_attempts", "meta.eval_trials",
+             "meta.reflection_max_tokens", "meta.demos_pool"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
                  "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
                  "train.steps", "train.weight_decay", "train.eval_every", "context.max_context_tokens",
                  "context.max_summaries", "context.eval_max_summaries", "context.budget_start_tokens",
                  "context.budget_steps", "context.max_branches", "context.branch_reward",
-                 "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr"}
-_CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae"),
+                 "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr",
+                 "meta.eval_attempts", "meta.max_context_tokens", "meta.demos_max", "meta.demos_steps"}
+_CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae", "meta"),
             "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
             "algo.gae_level": ("token", "turn"),
             "curriculum.kind": ("fixed", "horizon", "self_paced"),
             "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
             "model.dtype": ("float32", "bfloat16", "float16"),
             "context.manager": ("full", "window", "summarize", "fold"),
-            "sft.context_demos": ("auto", "on", "off")}
+            "sft.context_demos": ("auto", "on", "off"),
+            "meta.credit": ("cross_episode", "relative"), "meta.normalize": ("std", "none"),
+            "meta.baseline": ("loo", "mean"), "meta.context": ("reflections", "attempts"),
+            "meta.demos_kind": ("linear", "cosine", "step"), "meta.demos_mode": ("count", "probability")}
 
 
 def validate(config: Config) -> None:
@@ -337,6 +396,7 @@ def validate(config: Config) -> None:
                           f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
     if not 0.0 < config.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
+    _validate_meta(config)
     ctx = config.context
     if ctx.manager in ("window", "summarize"):
         if ctx.max_context_tokens <= 0:
@@ -380,6 +440,47 @@ def validate(config: Config) -> None:
     if config.rollout.group_size < 2 and config.train.steps > 0 and config.algo.advantage not in ("gae", "reinforce_pp"):
         raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
                           "episodes per task (or use algo.advantage=gae or reinforce_pp)")
+
+
+def _validate_meta(config: Config) -> None:
+    """Trials (meta.num_attempts > 1) and annealed demonstrations: what they combine with."""
+    m, a = config.meta, config.algo
+    if not 0.0 <= m.gamma_trial <= 1.0:
+        raise ConfigError(f"meta.gamma_trial must be in [0, 1], got {m.gamma_trial!r}")
+    training_trials = m.num_attempts > 1 and config.train.steps > 0
+    if training_trials and a.advantage != "meta":
+        raise ConfigError(f"meta.num_attempts={m.num_attempts} trains on trials, whose credit across attempts comes "
+                          f"from meta.credit; set algo.advantage=meta (not {a.advantage!r})")
+    if a.advantage == "meta" or m.num_attempts > 1 or m.eval_attempts > 1:
+        what = "algo.advantage=meta" if a.advantage == "meta" else "meta trials (num_attempts or eval_attempts > 1)"
+        if config.context.manager != "full":
+            raise ConfigError(f"{what} trains one sequence per attempt and does not combine with a context manager "
+                              f"inside attempts; set context.manager=full (not {config.context.manager!r}) and bound "
+                              "the carried history with meta.max_context_tokens")
+    if a.advantage == "meta":
+        if a.agg != "token-mean":
+            raise ConfigError("algo.advantage=meta trains one sequence per attempt; use algo.agg=token-mean, where a "
+                              "token weighs the same however a trial is cut into attempts")
+        if a.kl_coef > 0 and a.kl_placement == "reward":
+            raise ConfigError("algo.advantage=meta with algo.kl_placement=reward is not supported (the penalty would "
+                              "miss earlier attempts); use algo.kl_placement=loss")
+        if a.void_turn_filter:
+            raise ConfigError("algo.void_turn_filter drops whole episodes; with algo.advantage=meta it would drop whole "
+                              "trials for one void turn, so it is not supported; set it to false")
+        rc = config.reward
+        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight:
+            raise ConfigError("algo.advantage=meta credits each attempt with the environment's own reward; reward "
+                              "shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight) shapes whole "
+                              "episodes and is not supported with it; leave [reward] at its defaults")
+    if m.demos_max > 0:
+        if m.demos_steps <= 0:
+            raise ConfigError(f"meta.demos_max={m.demos_max} needs meta.demos_steps > 0, the RL step at which the "
+                              "demonstrations have faded to none (0 would give none at any step)")
+        if m.demos_source == "solve" and m.demos_pool <= m.demos_max:
+            raise ConfigError(f"meta.demos_pool ({m.demos_pool}) must exceed meta.demos_max ({m.demos_max}): a task's "
+                              "own demo is left out of its prompt, so the pool needs more")
+    if m.demos_source != "solve" and not m.demos_source.endswith(".jsonl"):
+        raise ConfigError(f"meta.demos_source must be solve or a .jsonl file of demonstrations, got {m.demos_source!r}")
 
 
 # -- loading -----------------------------------------------------------------------------------
