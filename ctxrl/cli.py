@@ -172,6 +172,10 @@ def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: 
         "device": run.device,
         "wall_seconds": round(time.perf_counter() - started, 1),
     })
+    for split in ("heldout", "ood"):  # trials at evaluation (meta): success by the last attempt, next to attempt 1's
+        if "trial_success" in after[split]:
+            summary[f"{split}_trial_success_before"] = before[split].get("trial_success")
+            summary[f"{split}_trial_success_after"] = after[split]["trial_success"]
     return summary
 
 

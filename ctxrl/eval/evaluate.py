@@ -1,4 +1,12 @@
-"""Evaluation: success on a fixed sample of tasks per split, with the same agent loop as training."""
+"""Evaluation: success on a fixed sample of tasks per split, with the same agent loop as training.
+
+``evaluate_split`` plays one episode per task. ``evaluate_trials`` plays trials of K attempts
+(``ctxrl.rollout.meta``): its ``success``, ``reward``, ``tool_calls``... are attempt 1's, exactly
+what ``evaluate_split`` reports (attempt 1 is the zero-context policy), and ``meta_metrics`` adds
+``success_at_k``, ``success_by_k``, ``pass_at_k`` (of independent first attempts, with enough
+trials per task) and exploration. ``trial_success`` is success by attempt K over all trials
+(errored ones count as failures). Neither ever shows demonstrations: evaluation is zero-shot.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,9 @@ from collections import Counter
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine
+from ctxrl.meta.stats import meta_metrics
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
+from ctxrl.rollout.meta import MetaPolicy, run_trials, to_trial
 from ctxrl.types import Episode
 
 
@@ -34,3 +44,39 @@ async def evaluate_split(env_cls, split: str, n_tasks: int, engine: Engine, rend
     tasks = env_cls.sample_tasks(split, n_tasks, seed)
     episodes = await run_episodes(env_cls, tasks, engine, renderer, limits, group_size=1, seed=seed)
     return summarize(episodes), episodes
+
+
+def attempt_summary(trials: list[Episode], index: int = 0) -> dict[str, float]:
+    """``summarize``'s keys for attempt ``index`` of each trial (a trial that errored first counts as errored)."""
+    n = max(len(trials), 1)
+    records = [t.info["attempts"][index] if len(t.info.get("attempts", [])) > index else None for t in trials]
+    played = [r for r in records if r is not None]
+    errored = sum(1 for t, r in zip(trials, records)
+                  if (r is None and t.truncation == "error") or (r is not None and r["truncation"] == "error"))
+    out = {
+        "success": sum(r["success"] for r in played) / n,
+        "reward": sum(r["reward"] for r in played) / n,
+        "tool_calls": sum(r["tool_calls"] for r in played) / n,
+        "tool_errors": sum(r["tool_errors"] for r in played) / n,
+        "turns": sum(r["turns"] for r in played) / n,
+        "sampled_tokens": sum(r["sampled_tokens"] for r in played) / n,
+        "errored": errored / n,
+    }
+    for reason, count in Counter(r["truncation"] for r in played if r["truncation"] not in (None, "error")).items():
+        out[f"truncated_{reason}"] = count / n
+    return out
+
+
+async def evaluate_trials(env_cls, split: str, n_tasks: int, engine: Engine, renderer: ChatRenderer,
+                          limits: RolloutLimits, policy: MetaPolicy, *, trials_per_task: int = 1,
+                          seed: int) -> tuple[dict[str, float], list[Episode]]:
+    """Play ``trials_per_task`` trials on each of ``n_tasks`` tasks of ``split`` (seeded); summary and trials."""
+    tasks = env_cls.sample_tasks(split, n_tasks, seed)
+    trials = await run_trials(env_cls, tasks, engine, renderer, limits, policy, group_size=trials_per_task, seed=seed)
+    summary = attempt_summary(trials, 0)
+    played = [t for t in trials if t.truncation != "error"]
+    if played:
+        summary.update(meta_metrics([to_trial(t) for t in played]))
+        summary["reflections_per_trial"] = sum(t.info["reflections"] for t in played) / len(played)
+    summary["trial_success"] = sum(t.success and t.truncation != "error" for t in trials) / max(len(trials), 1)
+    return summary, trials

@@ -38,11 +38,15 @@ from ctxrl.config import Config, ConfigError, to_toml
 from ctxrl.contexts.curriculum import make_curriculum
 from ctxrl.engine.hf import HFEngine
 from ctxrl.envs.registry import configured_env_class
-from ctxrl.eval.evaluate import evaluate_split, summarize
+from ctxrl.eval.evaluate import evaluate_split, evaluate_trials, summarize
+from ctxrl.meta.anneal import DemoSchedule, sample_demos
+from ctxrl.meta.stats import meta_metrics
 from ctxrl.models.loader import load_model, load_tokenizer
 from ctxrl.report.writer import LogRewindError, RunWriter
 from ctxrl.rollout.agent import RolloutLimits, run_episodes
 from ctxrl.rollout.context import ContextPolicy, scheduled_budget
+from ctxrl.rollout.demos import Demo, demos_excluding, load_demos, solved_demos
+from ctxrl.rollout.meta import MetaPolicy, run_trials, to_trial
 from ctxrl.train.checkpoint import (STEP_PREFIX, CheckpointError, clean_partial, commit_checkpoint, latest_checkpoint,
                                    load_state, rng_state,
                                    save_state, set_rng_state, step_name)
@@ -51,6 +55,7 @@ from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.segments import context_stats, episode_outcome_advantages, expand_segments
 from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, sft_train
+from ctxrl.train.trials import attempt_advantages, expand_trials
 
 
 class TrainingAborted(RuntimeError):
@@ -61,7 +66,8 @@ class TrainingAborted(RuntimeError):
 # the run goes on, what it logs or evaluates, or the warm start (already done), never a step.
 RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
                      "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name", "context.eval_max_summaries",
-                     "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.")
+                     "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.", "meta.eval_attempts",
+                     "meta.eval_trials")
 
 
 def config_differences(saved: Config, current: Config) -> list[str]:
@@ -119,6 +125,10 @@ class Run:
         self.tokenizer = load_tokenizer(config.model.name, chat_template=config.model.chat_template or None)
         self.renderer = ChatRenderer(self.tokenizer, template_name=config.model.name)
         self.renderer.verify_prefix_preserving()
+        m = config.meta
+        self.demo_schedule = DemoSchedule(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind,
+                                          mode=m.demos_mode)
+        self.demo_pool = self._demo_pool()  # before the model loads: a missing demo file stops the run at once
         self.model = load_model(config.model.name, dtype=config.model.dtype, device=self.device)
         self.engine = HFEngine(self.model, pad_token_id=self.tokenizer.pad_token_id,
                                max_batch_size=config.rollout.max_batch_size, seed=config.run.seed)
@@ -140,6 +150,12 @@ class Run:
                                          max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature,
                                          timeout_s=r.episode_timeout_s,
                                          context=self.context_policy(config.context.eval_max_summaries))
+        m = config.meta
+        self.train_meta = MetaPolicy(num_attempts=m.num_attempts, context=m.context, reflect=m.reflect,
+                                     stop_on_success=m.stop_on_success, instruction=m.reflection_instruction,
+                                     reflection_max_tokens=m.reflection_max_tokens,
+                                     max_context_tokens=m.max_context_tokens)
+        self.eval_meta = dataclasses.replace(self.train_meta, num_attempts=m.eval_attempts or m.num_attempts)
 
     def context_policy(self, max_summaries: int) -> ContextPolicy:
         c = self.config.context
@@ -164,6 +180,41 @@ class Run:
                               "hook to script its demos' summaries; add one (docs/environments.md) or set "
                               "sft.context_demos=auto or off")
         return False
+
+    def _demo_pool(self) -> list[Demo]:
+        """The annealed demonstrations' pool (``meta.demos_source``); empty when ``meta.demos_max`` is 0."""
+        m = self.config.meta
+        if m.demos_max == 0:
+            return []
+        if m.demos_source != "solve":
+            try:
+                pool = load_demos(m.demos_source)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"meta.demos_source: {exc}") from None
+        else:
+            pool = solved_demos(self.env_cls, self.renderer, m.demos_pool, seed=self.config.run.seed + 991)
+        if len(pool) <= m.demos_max:
+            raise ConfigError(f"meta.demos_max={m.demos_max} demonstrations per prompt, but the pool holds only "
+                              f"{len(pool)} (a task's own demo is left out); add demonstrations or lower demos_max")
+        return pool
+
+    def demo_chooser(self, tasks: list, step: int, *, evaluation: bool, first_index: int = 0):
+        """``(i, k) -> demos`` for episode ``k`` of ``tasks[i]`` at RL ``step``, or None when there are none to give.
+
+        Evaluation is always zero-shot: ``sample_demos(evaluation=True)`` gives none, and
+        ``Run.evaluate`` never asks (and checks that no episode saw any). A task never sees its own demo.
+        """
+        if not self.demo_pool or evaluation:
+            return None
+        group_size = self.config.rollout.group_size
+
+        def choose(i: int, k: int) -> list[Demo]:
+            pool = demos_excluding(self.demo_pool, tasks[i])
+            picked = sample_demos(self.demo_schedule, step=step, pool_size=len(pool), seed=self.config.run.seed,
+                                  episode_index=first_index + i * group_size + k, evaluation=evaluation)
+            return [pool[j] for j in picked]
+
+        return choose
 
     def demo_limits(self) -> RolloutLimits | None:
         """The limits warm-start demos are played under: the run's summarize policy at its final budget, or None.
@@ -208,13 +259,24 @@ class Run:
         return row
 
     def evaluate(self, step: int, splits=("train", "heldout", "ood")) -> dict[str, dict[str, float]]:
-        """Greedy success (and tool use) on ``eval.tasks`` tasks of each split; logged per split."""
+        """Greedy success (and tool use) on ``eval.tasks`` tasks of each split; logged per split.
+
+        With ``meta.eval_attempts`` (or ``num_attempts``) above 1 each task is played as trials; the
+        usual keys are then attempt 1's and ``meta_metrics`` adds success at / by each attempt.
+        """
         results = {}
         for split in splits:
             t0 = time.perf_counter()
-            summary, episodes = asyncio.run(evaluate_split(
-                self.env_cls, split, self.config.eval.tasks, self.engine, self.renderer, self.eval_limits,
-                seed=self.config.eval.seed))
+            if self.eval_meta.num_attempts > 1:  # trials: success is attempt 1's, plus success at / by attempt k
+                summary, episodes = asyncio.run(evaluate_trials(
+                    self.env_cls, split, self.config.eval.tasks, self.engine, self.renderer, self.eval_limits,
+                    self.eval_meta, trials_per_task=self.config.meta.eval_trials, seed=self.config.eval.seed))
+            else:
+                summary, episodes = asyncio.run(evaluate_split(
+                    self.env_cls, split, self.config.eval.tasks, self.engine, self.renderer, self.eval_limits,
+                    seed=self.config.eval.seed))
+            if any(e.info.get("demos") for e in episodes):
+                raise RuntimeError("an evaluation episode was shown demonstrations; evaluation must be zero-shot")
             summary["seconds"] = time.perf_counter() - t0
             if self.config.context.manager != "full":
                 summary.update(context_stats(episodes))
@@ -262,9 +324,14 @@ class Run:
                                      max_turns=self.curriculum.max_turns(step, self.train_limits.max_turns),
                                      context=dataclasses.replace(self.train_limits.context,
                                                                  max_context_tokens=self.context_budget(step)))
-        episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, limits,
-                                            group_size=c.rollout.group_size,
-                                            seed=c.run.seed * 7919 + step + round_ * 1_000_033))
+        demos = self.demo_chooser(tasks, step, evaluation=False, first_index=round_ * n * c.rollout.group_size)
+        seed = c.run.seed * 7919 + step + round_ * 1_000_033
+        if self.train_meta.num_attempts > 1:
+            episodes = asyncio.run(run_trials(self.env_cls, tasks, self.engine, self.renderer, limits, self.train_meta,
+                                              group_size=c.rollout.group_size, seed=seed, demos=demos))
+        else:
+            episodes = asyncio.run(run_episodes(self.env_cls, tasks, self.engine, self.renderer, limits,
+                                                group_size=c.rollout.group_size, seed=seed, demos=demos))
         for e in episodes:
             e.group_id += round_ * n
         shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
@@ -333,9 +400,13 @@ class Run:
             targets = {"returns": returns, "old_values": values}
             if value_mask is not None:
                 targets["value_mask"] = value_mask
+        elif a.advantage == "meta":  # one advantage per attempt, group statistics over the trials of a task
+            m = c.meta
+            advantages = attempt_advantages(valid, credit=m.credit, gamma_trial=m.gamma_trial, normalize=m.normalize,
+                                            baseline=m.baseline, num_attempts=m.num_attempts)
         else:
             advantages = episode_advantages(a.advantage, valid, gamma=a.gamma, token_rewards=penalties)
-        segmented = any(e.segments for e in valid)
+        segmented = a.advantage != "meta" and any(e.segments for e in valid)
         # segmented episodes: one advantage per episode, group statistics over episodes (before any filter)
         scalars = episode_outcome_advantages(a.advantage, valid) if segmented else []
         free = void_turn_free(valid)
@@ -347,7 +418,9 @@ class Run:
             targets = {k: [x for x, keep in zip(v, free) if keep] for k, v in targets.items()}
             valid = [e for e, keep in zip(valid, free) if keep]
         trained_episodes = len(valid)
-        if segmented:  # one sequence per segment, each with its episode's advantage
+        if a.advantage == "meta":  # one sequence per attempt: the attempt's advantage, then its reflection's
+            valid, advantages = expand_trials(valid, advantages)
+        elif segmented:  # one sequence per segment, each with its episode's advantage
             valid, advantages = expand_segments(valid, scalars, branch_reward=c.context.branch_reward)
         sampled = [x for adv, e in zip(advantages, valid) for x, m in zip(adv, e.loss_mask) if m]
         t1 = time.perf_counter()
@@ -362,6 +435,9 @@ class Run:
         stats = summarize(episodes)
         row = {"phase": "rl", "step": step + 1, **stats, **_mean_terms(episodes), **sampling,
                **(context_stats(episodes) if c.context.manager != "full" else {}),
+               **(trial_stats(episodes) if self.train_meta.num_attempts > 1 else {}),
+               **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
+                  if self.demo_pool else {}),
                "trained_episodes": trained_episodes, "trained_sequences": len(valid),
                "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
                "advantage_std": float(np.std(sampled)) if sampled else 0.0,
@@ -507,6 +583,18 @@ def kl_reward_penalties(ref_model, episodes, pad_token_id: int, *, coef: float, 
 
     rows = per_token_rows(episodes, pad_token_id, next(ref_model.parameters()).device, micro_batch_size, penalty)
     return rows, sums["kl"] / max(sums["tokens"], 1.0)
+
+
+def trial_stats(trials) -> dict[str, float]:
+    """Training trials' statistics: success at / by attempt, attempts and reflections per trial (errored left out)."""
+    played = [t for t in trials if t.truncation != "error"]
+    if not played:
+        return {}
+    return {**meta_metrics([to_trial(t) for t in played]),
+            "reflections_per_trial": sum(t.info["reflections"] for t in played) / len(played),
+            "reflections_skipped_per_trial": sum(t.info["reflections_skipped"] for t in played) / len(played),
+            "reflection_tokens_mean": sum(t.info["reflection_tokens"] for t in played)
+            / max(sum(t.info["reflections"] for t in played), 1)}
 
 
 def _mean_terms(episodes) -> dict[str, float]:

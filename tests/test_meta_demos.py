@@ -1,0 +1,153 @@
+"""Annealed demonstrations: prompt context (mask 0), never the task's own, fading to none, never at evaluation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from ctxrl.config import ConfigError, load_config
+from ctxrl.envs.calculator import CalculatorEnv
+from ctxrl.envs.minesweeper import MinesweeperEnv
+from ctxrl.rollout.agent import RolloutLimits, run_episodes
+from ctxrl.rollout.demos import (DEMOS_HEADER, TASK_HEADER, Demo, demo_text, demos_excluding, load_demos,
+                                 solved_demos, with_demos)
+from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.types import Message
+
+LIMITS = RolloutLimits(max_turns=4, max_new_tokens=256, max_total_tokens=4096)
+
+
+def test_demos_are_prompt_context_and_never_trained(renderer):
+    task = CalculatorEnv.sample_tasks("train", 1, seed=3)[0]
+    pool = demos_excluding(solved_demos(CalculatorEnv, renderer, 4, seed=9), task)
+    shown = pool[:2]
+    texts = CalculatorEnv.solve(task)
+    engine = ScriptedEngine(texts, renderer)
+    [episode] = asyncio.run(run_episodes(CalculatorEnv, [task], engine, renderer, LIMITS,
+                                         demos=lambda i, k: shown))
+    assert episode.success and episode.info["demos"] == 2
+    opening = CalculatorEnv().reset(task)
+    with_shown = with_demos(opening, shown)
+    assert with_shown[0] == opening[0] and with_shown[1].content.endswith(f"{TASK_HEADER}\n{task.prompt}")
+    assert with_shown[1].content.startswith(DEMOS_HEADER) and demo_text(shown[1], 2) in with_shown[1].content
+    prompt = renderer.prompt_ids(with_shown, [t.schema() for t in CalculatorEnv().tools])
+    # the demos are part of the prompt the episode starts from: mask 0, behaviour log-prob 0
+    assert episode.input_ids[: len(prompt)] == prompt and engine.prompts[0] == prompt
+    assert not any(episode.loss_mask[: len(prompt)]) and not any(episode.behavior_logprobs[: len(prompt)])
+    # and the trained tokens are exactly the policy's turns
+    assert [i for i, m in zip(episode.input_ids, episode.loss_mask) if m] == [
+        i for text in texts for i in renderer.assistant_ids(text)]
+    # no demos: the opening and the episode are as before (no "demos" key either)
+    [plain] = asyncio.run(run_episodes(CalculatorEnv, [task], ScriptedEngine(texts, renderer), renderer, LIMITS))
+    assert "demos" not in plain.info and DEMOS_HEADER not in renderer.decode(plain.input_ids)
+    assert with_demos(opening, []) == opening
+
+
+def test_solved_demos_hold_the_solution_and_never_the_task_played(renderer):
+    pool = solved_demos(MinesweeperEnv, renderer, 4, seed=2)
+    assert len(pool) == 4
+    for demo in pool:
+        assert demo.messages[0].role == "assistant" and "reveal" in demo.messages[0].content
+        assert demo.messages[-1].role == "assistant"  # the observations that ended it were never shown
+    task = MinesweeperEnv.sample_tasks("train", 4, seed=2)[1]
+    assert [d.task_id for d in demos_excluding(pool, task)] == [d.task_id for d in pool if d.task_id != task.id]
+    same_prompt = Demo(task_id="elsewhere", prompt=task.prompt)
+    assert demos_excluding([same_prompt], task) == []
+
+
+def test_demos_load_from_jsonl(tmp_path):
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 2 plus 2?", "messages": [
+        {"role": "assistant", "content": "<answer>4</answer>"}]}) + "\n\n" + json.dumps(
+        {"id": "b", "prompt": "What is 3 plus 3?", "messages": [{"role": "assistant", "content": "6"}]}) + "\n")
+    demos = load_demos(path)
+    assert [d.task_id for d in demos] == ["demos.jsonl:1", "b"]
+    assert demos[0].messages == [Message("assistant", "<answer>4</answer>")]
+    assert demo_text(demos[0], 1) == "Example 1.\nTask: What is 2 plus 2?\nAssistant: <answer>4</answer>"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: .*\"messages\""):
+        load_demos(bad)
+    with pytest.raises(FileNotFoundError, match="meta.demos_source"):
+        load_demos(tmp_path / "missing.jsonl")
+
+
+class Recording:
+    """Wraps an engine and keeps every prompt it is asked to continue."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.prompts = engine, []
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    def set_version(self, version: int) -> None:
+        self.engine.set_version(version)
+
+    async def generate(self, prompt_ids, params):
+        self.prompts.append(list(prompt_ids))
+        return await self.engine.generate(prompt_ids, params)
+
+
+SMALL = ["model.name=tiny:pretrain_steps=0", "env.name=calculator", "rollout.tasks_per_step=2", "rollout.group_size=2",
+         "rollout.max_new_tokens=4", "eval.tasks=2", "run.progress=false", "sft.enabled=false",
+         "meta.demos_max=2", "meta.demos_steps=3", "meta.demos_pool=6"]
+
+
+def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeypatch):
+    from ctxrl.train import loop
+    from ctxrl.train.loop import Run
+
+    run = Run(load_config(None, SMALL), tmp_path)
+    tasks = CalculatorEnv.sample_tasks("train", 2, seed=0)
+    # linear count schedule from 2 at step 0 to exactly 0 at step 3: ceil(2 * (3 - s) / 3)
+    counts = [len(run.demo_chooser(tasks, s, evaluation=False)(0, 0)) for s in range(3)]
+    assert counts == [2, 2, 1]
+    assert run.demo_chooser(tasks, 3, evaluation=False) is not None
+    assert all(run.demo_chooser(tasks, s, evaluation=False)(i, k) == [] for s in (3, 4, 50) for i in (0, 1)
+               for k in (0, 1))
+    assert run.demo_chooser(tasks, 0, evaluation=True) is None
+    # a task is never shown its own demo
+    for i, task in enumerate(tasks):
+        assert all(d.task_id != task.id for d in run.demo_chooser(tasks, 0, evaluation=False)(i, 1))
+    run.engine = Recording(run.engine)
+    early = run.rollout_round(0, 0)
+    assert [e.info["demos"] for e in early] == [2, 2, 2, 2]
+    assert all(DEMOS_HEADER in run.renderer.decode(e.input_ids) for e in early)
+    late = run.rollout_round(3, 0)
+    assert [e.info["demos"] for e in late] == [0, 0, 0, 0]
+    assert not any(DEMOS_HEADER in run.renderer.decode(e.input_ids) for e in late)
+    run.engine.prompts.clear()
+    summary = run.evaluate(0, splits=("heldout",))["heldout"]
+    assert run.engine.prompts and not any(DEMOS_HEADER in run.renderer.decode(p) for p in run.engine.prompts)
+    assert "success" in summary
+
+    async def leaky(env_cls, split, n, engine, renderer, limits, *, seed):
+        tasks = env_cls.sample_tasks(split, n, seed)
+        episodes = await run_episodes(env_cls, tasks, engine, renderer, limits,
+                                      demos=lambda i, k: run.demo_pool[:1])
+        return {}, episodes
+
+    monkeypatch.setattr(loop, "evaluate_split", leaky)
+    with pytest.raises(RuntimeError, match="must be zero-shot"):
+        run.evaluate(0, splits=("heldout",))
+    run.writer.close()
+
+
+def test_demo_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="needs meta.demos_steps > 0"):
+        load_config(None, ["meta.demos_max=2"])
+    with pytest.raises(ConfigError, match="must exceed meta.demos_max"):
+        load_config(None, ["meta.demos_max=4", "meta.demos_steps=5", "meta.demos_pool=4"])
+    with pytest.raises(ConfigError, match="solve or a .jsonl file"):
+        load_config(None, ["meta.demos_source=demos.txt"])
+    with pytest.raises(ConfigError, match="meta.demos_kind must be one of linear, cosine, step"):
+        load_config(None, ["meta.demos_kind=exp"])
+    from ctxrl.train.loop import Run
+
+    missing = load_config(None, [*SMALL, f"meta.demos_source={tmp_path / 'none.jsonl'}"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        Run(missing, tmp_path / "run")
