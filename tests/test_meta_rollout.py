@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -225,3 +226,19 @@ def test_policy_checks_its_fields():
         MetaPolicy(context="episodes")
     with pytest.raises(ValueError, match="num_attempts must be >= 1"):
         MetaPolicy(num_attempts=0)
+
+
+def test_evaluate_trials_reports_attempt_one_and_success_by_attempt(renderer):
+    from ctxrl.eval.evaluate import evaluate_trials
+
+    [task] = MinesweeperEnv.sample_tasks("heldout", 1, seed=7)
+    engine = ScriptedEngine([_mine_call(task), *MinesweeperEnv.solve(task)], renderer, reflection=Reflections())
+    summary, trials = asyncio.run(evaluate_trials(MinesweeperEnv, "heldout", 1, engine, renderer, LIMITS,
+                                                  MetaPolicy(num_attempts=3), seed=7))
+    assert len(trials) == 1 and trials[0].task.id == task.id
+    # success, reward, tool calls: attempt 1's, as a single-episode evaluation reports them
+    assert summary["success"] == 0.0 and summary["reward"] == 0.0 and summary["tool_calls"] == 1.0
+    assert summary["trial_success"] == 1.0 and summary["attempts"] == 2.0
+    assert summary["success_at_1"] == 0.0 and summary["success_at_2"] == 1.0 and math.isnan(summary["success_at_3"])
+    assert [summary[f"success_by_{k}"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0] and summary["pass_at_1"] == 0.0
+    assert summary["reflections_per_trial"] == 1.0 and summary["errored"] == 0.0
