@@ -1,8 +1,8 @@
 """Run configuration: flat, typed dataclasses with a docstring per field, loaded from TOML.
 
 A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[context]``,
-``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[eval]``, ``[run]``); the command line overrides any field as
-``section.field=value`` (the value is read as a TOML literal, or as a string if it is not one).
+``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[eval]``, ``[run]``);
+the command line overrides any field as ``section.field=value`` (the value is read as a TOML literal, or as a string if it is not one).
 An unknown section or field, or a value of the wrong type or out of range, is a ``ConfigError``
 that names the key and suggests the nearest valid one.
 """
@@ -465,8 +465,8 @@ def _validate_meta(config: Config) -> None:
             raise ConfigError("algo.advantage=meta with algo.kl_placement=reward is not supported (the penalty would "
                               "miss earlier attempts); use algo.kl_placement=loss")
         if a.void_turn_filter:
-            raise ConfigError("algo.void_turn_filter drops whole episodes; with algo.advantage=meta it would drop whole "
-                              "trials for one void turn, so it is not supported; set it to false")
+            raise ConfigError("algo.void_turn_filter drops whole episodes; with algo.advantage=meta it would drop "
+                              "whole trials for one void turn, so it is not supported; set it to false")
         rc = config.reward
         if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight:
             raise ConfigError("algo.advantage=meta credits each attempt with the environment's own reward; reward "
@@ -479,6 +479,9 @@ def _validate_meta(config: Config) -> None:
         if m.demos_source == "solve" and m.demos_pool <= m.demos_max:
             raise ConfigError(f"meta.demos_pool ({m.demos_pool}) must exceed meta.demos_max ({m.demos_max}): a task's "
                               "own demo is left out of its prompt, so the pool needs more")
+    if m.eval_trials > 1 and max(m.eval_attempts, m.num_attempts) <= 1:
+        raise ConfigError(f"meta.eval_trials={m.eval_trials} sets the trials per task of an evaluation in trials; "
+                          "set meta.eval_attempts (or num_attempts) > 1 too, or leave eval_trials at 1")
     if m.demos_source != "solve" and not m.demos_source.endswith(".jsonl"):
         raise ConfigError(f"meta.demos_source must be solve or a .jsonl file of demonstrations, got {m.demos_source!r}")
 

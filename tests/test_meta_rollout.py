@@ -59,7 +59,8 @@ def test_reflections_are_sampled_tokens_and_open_the_next_attempt(renderer, task
     assert [r["success"] for r in records] == [False, False, True] and trial.reward == 1.0
     sequences = trial.sequences()
     assert len(sequences) == 3 and [s.ended_by for s in sequences] == ["reflection", "reflection", "end"]
-    assert engine.reflections == [records[0]["reflection"], records[1]["reflection"]] and records[2]["reflection"] is None
+    assert engine.reflections == [records[0]["reflection"], records[1]["reflection"]]
+    assert records[2]["reflection"] is None
     tools = _tools()
     opening = MinesweeperEnv().reset(task)
     for k, seq in enumerate(sequences):

@@ -161,6 +161,7 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
     (["meta.gamma_trial=1.5"], r"meta.gamma_trial must be in \[0, 1\]"),
     (["meta.context=episodes"], "meta.context must be one of reflections, attempts"),
     (["meta.num_attempts=0"], "meta.num_attempts must be > 0"),
+    (["meta.eval_trials=4"], "set meta.eval_attempts"),
 ])
 def test_bad_meta_configs_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,6 +1,7 @@
 """Learning across episodes (meta-RL): credit across the attempts of a trial, annealed
 demonstrations, and trial statistics. Pure functions over plain data (no torch); the
-multi-attempt rollout loop and the trainer wiring live elsewhere (docs/meta.md)."""
+multi-attempt rollout is ``ctxrl.rollout.meta``, demonstrations in prompts ``ctxrl.rollout.demos``,
+the trainer's side ``ctxrl.train.trials`` (docs/meta.md)."""
 
 from ctxrl.meta.anneal import DemoSchedule, demo_count, demo_probability, num_demos, sample_demos
 from ctxrl.meta.credit import (cross_episode_advantages, cross_episode_returns, reflection_advantages,

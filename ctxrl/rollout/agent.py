@@ -75,9 +75,9 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
         else:
             await body()
     except (TimeoutError, asyncio.TimeoutError) as exc:
-        _record_error(episode, exc, limits, time.perf_counter() - started)
+        record_error(episode, exc, limits, time.perf_counter() - started)
     except Exception as exc:  # noqa: BLE001 - an errored episode is data, not a crash
-        _record_error(episode, exc, limits, time.perf_counter() - started)
+        record_error(episode, exc, limits, time.perf_counter() - started)
     finally:
         try:
             env.close()
@@ -87,7 +87,7 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
     return episode
 
 
-def _record_error(episode: Episode, exc: BaseException, limits: RolloutLimits, elapsed: float) -> None:
+def record_error(episode: Episode, exc: BaseException, limits: RolloutLimits, elapsed: float) -> None:
     episode.truncation = "error"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and limits.timeout_s > 0 and elapsed >= limits.timeout_s:
         episode.info["error"] = (f"deadline: the episode ran past rollout.episode_timeout_s={limits.timeout_s:g} s "
@@ -156,7 +156,7 @@ async def _turns(env, engine, renderer, limits, seed, episode: Episode, messages
         if room <= 0:
             episode.truncation = "max_total_tokens"
             return
-        params = _sampling(limits, renderer, min(limits.max_new_tokens, room), seed, turn)
+        params = sampling_params(limits, renderer, min(limits.max_new_tokens, room), seed, turn)
         prompt_tokens = len(episode.input_ids)
         completion = await engine.generate(list(episode.input_ids), params)
         episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
@@ -312,8 +312,8 @@ def _window(episode: Episode, observations: list, tools, renderer, limits: Rollo
     return True
 
 
-def _sampling(limits: RolloutLimits, renderer, max_new_tokens: int, seed: int | None, counter: int,
-              purpose: str = "turn") -> SamplingParams:
+def sampling_params(limits: RolloutLimits, renderer, max_new_tokens: int, seed: int | None, counter: int,
+                    purpose: str = "turn") -> SamplingParams:
     """One generation's sampling settings; a seeded episode seeds it with ``derive_seed(seed, counter)``."""
     return SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
                           max_new_tokens=max_new_tokens, stop_ids=(renderer.eos_id,),
@@ -339,7 +339,7 @@ async def _summarize(episode: Episode, observations: list, opening: list, tools,
         return False
     episode.append(delta, sampled=False, turn=turn)
     episode.messages.extend([*observations, instruction])
-    params = _sampling(limits, renderer, min(policy.summary_max_tokens, room), seed, SUMMARY_SEED_OFFSET + done,
+    params = sampling_params(limits, renderer, min(policy.summary_max_tokens, room), seed, SUMMARY_SEED_OFFSET + done,
                        purpose="summary")
     completion = await engine.generate(list(episode.input_ids), params)
     episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
@@ -415,6 +415,6 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
 async def _errored(task: Task, group_id: int, engine: Engine, exc: BaseException, limits: RolloutLimits,
                    spent: float) -> Episode:
     episode = Episode(task=task, group_id=group_id, policy_version=getattr(engine, "version", 0))
-    _record_error(episode, exc, limits, spent)
+    record_error(episode, exc, limits, spent)
     episode.info["seconds"] = spent
     return episode

@@ -32,7 +32,9 @@ attempts and their rewards in context).
 The feedback is generic: ``Attempt k of K solved the task`` / ``did not solve the task``, with the
 attempt's reward; the environment's own last observations (a ``BOOM``, a final board) come before
 it. An attempt that errors makes the whole trial errored (``truncation="error"``); a trial never
-stops early on a failure. Context managers inside an attempt are not supported (``full`` only).
+stops early on a failure. ``limits.timeout_s`` (``rollout.episode_timeout_s``) is the deadline of each
+attempt (its reset, turns and tools) and, separately, of each reflection. Context managers inside an
+attempt are not supported (``full`` only).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from ctxrl.engine.base import Engine
 from ctxrl.engine.sampling import derive_seed
 from ctxrl.envs.tool_answer import parse_answer
 from ctxrl.meta.trial import Attempt, Trial
-from ctxrl.rollout.agent import RolloutLimits, _record_error, _sampling, reset_env, run_episode
+from ctxrl.rollout.agent import RolloutLimits, record_error, reset_env, run_episode, sampling_params
 from ctxrl.rollout.context import REFLECTION_INSTRUCTION, _task_with
 from ctxrl.rollout.demos import Demo, with_demos
 from ctxrl.types import Episode, Message, Segment, Task
@@ -190,7 +192,7 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
     attempts: list[Episode] = []
     records: list[dict[str, Any]] = []
     carried: list[Carried] = []
-    failure: tuple[int, BaseException | Episode] | None = None
+    failure: tuple[int, BaseException | Episode, float] | None = None  # (attempt, cause, seconds it took)
     num_attempts = policy.num_attempts
     for k in range(num_attempts):
         t0 = time.perf_counter()
@@ -204,7 +206,7 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
                     env.close()
                 except Exception:  # noqa: BLE001
                     pass
-            failure = (k, exc)
+            failure = (k, exc, time.perf_counter() - t0)
             break
         tools = [t.schema() for t in env.tools] or None
         opening, kept, opening_tokens = _fitted_opening(base, carried, k, policy, renderer, tools, limits)
@@ -221,13 +223,14 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
                   "reflection_tokens": 0, "reflection_skipped": False}
         records.append(record)
         if episode.truncation == "error":
-            failure = (k, episode)
+            failure = (k, episode, 0.0)
             break
         if k == num_attempts - 1 or (episode.success and policy.stop_on_success):
             break
         conversation = [*episode.messages[len(opening):], *env.unseen(episode)]
         record["feedback"] = feedback_text(k, num_attempts, episode.reward, episode.success)
         if policy.reflect:
+            t0 = time.perf_counter()
             try:
                 reflect = _reflect(episode, env.unseen(episode), record, tools, engine, renderer, limits, policy,
                                    seed, k)
@@ -235,8 +238,8 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
                     await asyncio.wait_for(reflect, limits.timeout_s)
                 else:
                     await reflect
-            except Exception as exc:  # noqa: BLE001
-                failure = (k, exc)
+            except Exception as exc:  # noqa: BLE001 - a deadline or an engine error: the trial is errored
+                failure = (k, exc, time.perf_counter() - t0)
                 break
         carried.append(Carried(k, conversation, record["feedback"], record["reflection"]))
     return _trial_episode(task, group_id, engine, num_attempts, attempts, records, failure, limits,
@@ -278,7 +281,7 @@ async def _reflect(episode: Episode, observations: list[Message], record: dict[s
     episode.append(delta, sampled=False, turn=turn - 1)
     episode.messages.extend(ask)
     record["reflection_start"] = len(episode.input_ids)
-    params = _sampling(limits, renderer, min(policy.reflection_max_tokens, room), seed, REFLECTION_SALT + k,
+    params = sampling_params(limits, renderer, min(policy.reflection_max_tokens, room), seed, REFLECTION_SALT + k,
                        purpose="reflection")
     completion = await engine.generate(list(episode.input_ids), params)
     episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
@@ -301,7 +304,8 @@ def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int,
     if attempts:
         last = attempts[-1]
         trial.input_ids, trial.loss_mask = last.input_ids, last.loss_mask
-        trial.behavior_logprobs, trial.turn_index, trial.messages = last.behavior_logprobs, last.turn_index, last.messages
+        trial.behavior_logprobs, trial.turn_index = last.behavior_logprobs, last.turn_index
+        trial.messages = last.messages
         trial.truncation = last.truncation
     trial.turns = [t for a in attempts for t in a.turns]
     trial.reward = sum(a.reward for a in attempts)
@@ -311,13 +315,13 @@ def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int,
                        "reflections_skipped": sum(r["reflection_skipped"] for r in records),
                        "reflection_tokens": sum(r["reflection_tokens"] for r in records)})
     if failure is not None:
-        k, cause = failure
+        k, cause, elapsed = failure
         trial.truncation = "error"
         trial.info["error_attempt"] = k
         if isinstance(cause, Episode):
             trial.info["error"], trial.info["error_kind"] = cause.info.get("error"), cause.info.get("error_kind")
         else:
-            _record_error(trial, cause, limits, 0.0)
+            record_error(trial, cause, limits, elapsed)
     return trial
 
 
