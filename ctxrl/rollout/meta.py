@@ -216,11 +216,10 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
         attempts.append(episode)
         record = {"reward": episode.reward, "success": episode.success, "truncation": episode.truncation,
                   "turns": len(episode.turns), "tool_calls": episode.tool_calls, "tool_errors": episode.tool_errors,
-                  "sampled_tokens": sum(episode.loss_mask),
-                  "actions": attempt_actions(episode.messages[len(opening):]), "opening_tokens": opening_tokens,
-                  "carried": kept,
-                  "dropped": len(carried) - kept, "feedback": None, "reflection": None, "reflection_start": None,
-                  "reflection_tokens": 0, "reflection_skipped": False}
+                  "sampled_tokens": sum(episode.loss_mask), "actions": attempt_actions(episode.messages[len(opening):]),
+                  "opening_tokens": opening_tokens, "carried": kept, "dropped": len(carried) - kept,
+                  "feedback": None, "reflection": None, "reflection_start": None, "reflection_tokens": 0,
+                  "reflection_skipped": False}
         records.append(record)
         if episode.truncation == "error":
             failure = (k, episode, 0.0)
