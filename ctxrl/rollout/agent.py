@@ -320,6 +320,33 @@ def sampling_params(limits: RolloutLimits, renderer, max_new_tokens: int, seed: 
                           seed=None if seed is None else derive_seed(seed, counter), purpose=purpose)
 
 
+async def sample_aside(episode: Episode, ask: list[Message], tools, engine: Engine, renderer: ChatRenderer,
+                       limits: RolloutLimits, *, max_new_tokens: int, seed: int | None, counter: int, purpose: str,
+                       turn: int, ask_turn: int | None = None, closed: bool = True) -> tuple[str, bool, int, int] | None:
+    """Append ``ask`` (mask 0) after the last assistant message and sample one side generation (mask 1).
+
+    The ``summarize`` manager's summary and the meta loop's reflection are both this: a request
+    that is not an action turn, answered by the policy, its tokens trained. ``closed``: whether the
+    last assistant message ended with its end-of-turn token. Returns (text, ended with the
+    end-of-turn token, index of the first sampled token, sampled token count), or None, with
+    nothing appended, when the sequence has no room left for it.
+    """
+    delta = renderer.continuation_ids(episode.messages, ask, tools, closed=closed)
+    room = limits.max_total_tokens - len(episode.input_ids) - len(delta)
+    if room <= 0:
+        return None
+    episode.append(delta, sampled=False, turn=turn if ask_turn is None else ask_turn)
+    episode.messages.extend(ask)
+    start = len(episode.input_ids)
+    params = sampling_params(limits, renderer, min(max_new_tokens, room), seed, counter, purpose=purpose)
+    completion = await engine.generate(list(episode.input_ids), params)
+    episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
+    finished = completion.finish_reason == "stop"
+    text = renderer.decode(completion.token_ids[:-1] if finished else completion.token_ids)
+    episode.messages.append(Message(role="assistant", content=text))
+    return text, finished, start, len(completion.token_ids)
+
+
 async def _summarize(episode: Episode, observations: list, opening: list, tools, engine, renderer,
                      limits: RolloutLimits, seed: int | None, turn: int) -> bool:
     """Show the observations and the summary instruction, sample a summary, restart from it.
@@ -331,23 +358,15 @@ async def _summarize(episode: Episode, observations: list, opening: list, tools,
     if done >= policy.max_summaries:
         episode.truncation = "max_context"
         return False
-    instruction = Message(role="user", content=policy.instruction)
-    delta = renderer.continuation_ids(episode.messages, [*observations, instruction], tools)
-    room = limits.max_total_tokens - len(episode.input_ids) - len(delta)
-    if room <= 0:
+    ask = [*observations, Message(role="user", content=policy.instruction)]
+    aside = await sample_aside(episode, ask, tools, engine, renderer, limits, max_new_tokens=policy.summary_max_tokens,
+                               seed=seed, counter=SUMMARY_SEED_OFFSET + done, purpose="summary", turn=turn)
+    if aside is None:
         episode.truncation = "max_total_tokens"
         return False
-    episode.append(delta, sampled=False, turn=turn)
-    episode.messages.extend([*observations, instruction])
-    params = sampling_params(limits, renderer, min(policy.summary_max_tokens, room), seed, SUMMARY_SEED_OFFSET + done,
-                       purpose="summary")
-    completion = await engine.generate(list(episode.input_ids), params)
-    episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
-    closed = completion.finish_reason == "stop"
-    summary = renderer.decode(completion.token_ids[:-1] if closed else completion.token_ids)
-    episode.messages.append(Message(role="assistant", content=summary))
+    summary, closed, _, tokens = aside
     episode.info["summaries"] = done + 1
-    episode.info["summary_tokens"] = episode.info.get("summary_tokens", 0) + len(completion.token_ids)
+    episode.info["summary_tokens"] = episode.info.get("summary_tokens", 0) + tokens
     if not closed:
         hit_total = len(episode.input_ids) >= limits.max_total_tokens
         episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"

@@ -51,7 +51,7 @@ from ctxrl.engine.base import Engine
 from ctxrl.engine.sampling import derive_seed
 from ctxrl.envs.tool_answer import parse_answer
 from ctxrl.meta.trial import Attempt, Trial
-from ctxrl.rollout.agent import RolloutLimits, record_error, reset_env, run_episode, sampling_params
+from ctxrl.rollout.agent import RolloutLimits, record_error, reset_env, run_episode, sample_aside
 from ctxrl.rollout.context import REFLECTION_INSTRUCTION, _task_with
 from ctxrl.rollout.demos import Demo, with_demos
 from ctxrl.types import Episode, Message, Segment, Task
@@ -270,25 +270,15 @@ async def _reflect(episode: Episode, observations: list[Message], record: dict[s
         record["reflection_skipped"] = True  # no turn was played (the opening left no room): nothing to reflect on
         return
     ask = [*observations, Message("user", f"{record['feedback']}\n{policy.instruction}")]
-    closed = episode.turns[-1].finish_reason == "stop"
-    delta = renderer.continuation_ids(episode.messages, ask, tools, closed=closed)
-    room = limits.max_total_tokens - len(episode.input_ids) - len(delta)
-    if room <= 0:
+    turn = len(episode.turns)  # the reflection is the generation after the attempt's last turn
+    aside = await sample_aside(episode, ask, tools, engine, renderer, limits, max_new_tokens=policy.reflection_max_tokens,
+                               seed=seed, counter=REFLECTION_SALT + k, purpose="reflection", turn=turn,
+                               ask_turn=turn - 1, closed=episode.turns[-1].finish_reason == "stop")
+    if aside is None:
         record["reflection_skipped"] = True  # no room left in this sequence: the next attempt carries the feedback
         return
-    turn = len(episode.turns)  # the reflection is the generation after the attempt's last turn
-    episode.append(delta, sampled=False, turn=turn - 1)
-    episode.messages.extend(ask)
-    record["reflection_start"] = len(episode.input_ids)
-    params = sampling_params(limits, renderer, min(policy.reflection_max_tokens, room), seed, REFLECTION_SALT + k,
-                       purpose="reflection")
-    completion = await engine.generate(list(episode.input_ids), params)
-    episode.append(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
-    closed = completion.finish_reason == "stop"
-    text = renderer.decode(completion.token_ids[:-1] if closed else completion.token_ids)
-    episode.messages.append(Message("assistant", text))
-    record["reflection"], record["reflection_tokens"] = text, len(completion.token_ids)
-    record["reflection_truncated"] = not closed
+    text, closed, record["reflection_start"], record["reflection_tokens"] = aside
+    record["reflection"], record["reflection_truncated"] = text, not closed
 
 
 def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int, attempts: list[Episode],
