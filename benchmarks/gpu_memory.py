@@ -89,7 +89,8 @@ def main() -> None:
         row["nvidia_smi_peak_gib"] = peak[0] / 1024
         rows.append(row)
     print(f"env {args.env}, model {args.model}, overrides {args.overrides or 'none'}")
-    print(f"{'mode':14s} {'smi peak GiB':>12s} {'torch reserved':>14s} {'torch alloc':>11s} {'wall s':>7s} {'heldout':>7s}")
+    print(f"{'mode':14s} {'smi peak GiB':>12s} {'torch reserved':>14s} {'torch alloc':>11s} {'wall s':>7s} "
+          f"{'heldout':>7s}")
     for r in rows:
         print(f"{r['mode']:14s} {r['nvidia_smi_peak_gib']:12.2f} {r['torch_peak_reserved_gib']:14.2f} "
               f"{r['torch_peak_allocated_gib']:11.2f} {r['wall_seconds']:7.1f} {r['heldout_after']:7.2f}")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 MODEL = "tiny:envs=calculator+kv_chain"
 CPU_SIZED = ["eval.tasks=30", "sft.demos=800"]  # defaults; command-line overrides come later and win
-COMMON = [*CPU_SIZED, "env.name=kv_chain", "env.max_turns=10", "rollout.max_new_tokens=48", "rollout.max_total_tokens=2048",
-          "run.progress=false", "train.eval_every=0"]
+COMMON = [*CPU_SIZED, "env.name=kv_chain", "env.max_turns=10", "rollout.max_new_tokens=48",
+          "rollout.max_total_tokens=2048", "run.progress=false", "train.eval_every=0"]
 
 
 def manager_overrides(manager: str, budget: int, max_summaries: int) -> list[str]:
@@ -74,13 +74,15 @@ def main() -> None:
                                          *manager_overrides(manager, args.budget, args.max_summaries),
                                          f"context.eval_max_summaries={k}", "train.steps=0", *args.overrides])
                 run = Run(cfg, out / f"summarize-eval-{k}")
-                scaling[k] = {split: r["success"] for split, r in run.evaluate(args.steps, splits=("heldout", "ood")).items()}
+                evaluated = run.evaluate(args.steps, splits=("heldout", "ood"))
+                scaling[k] = {split: r["success"] for split, r in evaluated.items()}
                 run.writer.close()
             results[manager]["heldout_by_eval_summaries"] = {k: v["heldout"] for k, v in scaling.items()}
             results[manager]["ood_by_eval_summaries"] = {k: v["ood"] for k, v in scaling.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(results, indent=2))
-    plot_results(results, out / "context.png", title=f"{args.model}, budget {args.budget} tokens, {args.steps} RL steps")
+    plot_results(results, out / "context.png",
+                 title=f"{args.model}, budget {args.budget} tokens, {args.steps} RL steps")
     print(f"model {args.model}, {args.steps} RL steps, budget {args.budget} tokens, "
           f"{time.perf_counter() - started:.0f}s")
     print(f"{'manager':10s} {'heldout':>14s} {'ood':>6s} {'peak ctx':>9s} {'summ/ep':>8s} {'cut':>6s}")
@@ -96,7 +98,7 @@ def main() -> None:
 
 
 def plot_results(results: dict[str, dict], path: Path, *, title: str = "") -> Path:
-    """Left: held-out and OOD success after RL per manager. Right: summarize's success by evaluation-time summary limit."""
+    """Left: held-out and OOD success after RL per manager; right: summarize's success by eval-time summary limit."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -322,7 +322,8 @@ def sampling_params(limits: RolloutLimits, renderer, max_new_tokens: int, seed: 
 
 async def sample_aside(episode: Episode, ask: list[Message], tools, engine: Engine, renderer: ChatRenderer,
                        limits: RolloutLimits, *, max_new_tokens: int, seed: int | None, counter: int, purpose: str,
-                       turn: int, ask_turn: int | None = None, closed: bool = True) -> tuple[str, bool, int, int] | None:
+                       turn: int, ask_turn: int | None = None,
+                       closed: bool = True) -> tuple[str, bool, int, int] | None:
     """Append ``ask`` (mask 0) after the last assistant message and sample one side generation (mask 1).
 
     The ``summarize`` manager's summary and the meta loop's reflection are both this: a request

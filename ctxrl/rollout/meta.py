@@ -271,9 +271,10 @@ async def _reflect(episode: Episode, observations: list[Message], record: dict[s
         return
     ask = [*observations, Message("user", f"{record['feedback']}\n{policy.instruction}")]
     turn = len(episode.turns)  # the reflection is the generation after the attempt's last turn
-    aside = await sample_aside(episode, ask, tools, engine, renderer, limits, max_new_tokens=policy.reflection_max_tokens,
-                               seed=seed, counter=REFLECTION_SALT + k, purpose="reflection", turn=turn,
-                               ask_turn=turn - 1, closed=episode.turns[-1].finish_reason == "stop")
+    aside = await sample_aside(episode, ask, tools, engine, renderer, limits,
+                               max_new_tokens=policy.reflection_max_tokens, seed=seed, counter=REFLECTION_SALT + k,
+                               purpose="reflection", turn=turn, ask_turn=turn - 1,
+                               closed=episode.turns[-1].finish_reason == "stop")
     if aside is None:
         record["reflection_skipped"] = True  # no room left in this sequence: the next attempt carries the feedback
         return
