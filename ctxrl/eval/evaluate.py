@@ -22,18 +22,21 @@ from ctxrl.types import Episode
 
 def summarize(episodes: list[Episode]) -> dict[str, float]:
     """Success, reward, tool use and truncation rates of a list of episodes."""
-    n = max(len(episodes), 1)
-    truncations = Counter(e.truncation for e in episodes if e.truncation)
-    out = {
-        "success": sum(e.success for e in episodes) / n,
-        "reward": sum(e.reward for e in episodes) / n,
-        "tool_calls": sum(e.tool_calls for e in episodes) / n,
-        "tool_errors": sum(e.tool_errors for e in episodes) / n,
-        "turns": sum(len(e.turns) for e in episodes) / n,
-        "sampled_tokens": sum(e.num_sampled_tokens for e in episodes) / n,
-        "errored": sum(e.truncation == "error" for e in episodes) / n,
-    }
-    for reason, count in truncations.items():
+    rows = [{"success": e.success, "reward": e.reward, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
+             "turns": len(e.turns), "sampled_tokens": e.num_sampled_tokens, "truncation": e.truncation}
+            for e in episodes]
+    errored = sum(e.truncation == "error" for e in episodes)
+    return _rates(rows, len(episodes), errored=errored)
+
+
+def _rates(rows: list[dict], n: int, *, errored: int, skip_truncations: tuple[str, ...] = ()) -> dict[str, float]:
+    """Per-episode means over ``n`` (rows missing from ``n`` count as 0) and one ``truncated_*`` rate per reason."""
+    n = max(n, 1)
+    out = {key: sum(r[key] for r in rows) / n
+           for key in ("success", "reward", "tool_calls", "tool_errors", "turns", "sampled_tokens")}
+    out["errored"] = errored / n
+    reasons = Counter(r["truncation"] for r in rows if r["truncation"] and r["truncation"] not in skip_truncations)
+    for reason, count in reasons.items():
         out[f"truncated_{reason}"] = count / n
     return out
 
@@ -48,23 +51,10 @@ async def evaluate_split(env_cls, split: str, n_tasks: int, engine: Engine, rend
 
 def attempt_summary(trials: list[Episode], index: int = 0) -> dict[str, float]:
     """``summarize``'s keys for attempt ``index`` of each trial (a trial that errored first counts as errored)."""
-    n = max(len(trials), 1)
     records = [t.info["attempts"][index] if len(t.info.get("attempts", [])) > index else None for t in trials]
-    played = [r for r in records if r is not None]
     errored = sum(1 for t, r in zip(trials, records)
                   if (r is None and t.truncation == "error") or (r is not None and r["truncation"] == "error"))
-    out = {
-        "success": sum(r["success"] for r in played) / n,
-        "reward": sum(r["reward"] for r in played) / n,
-        "tool_calls": sum(r["tool_calls"] for r in played) / n,
-        "tool_errors": sum(r["tool_errors"] for r in played) / n,
-        "turns": sum(r["turns"] for r in played) / n,
-        "sampled_tokens": sum(r["sampled_tokens"] for r in played) / n,
-        "errored": errored / n,
-    }
-    for reason, count in Counter(r["truncation"] for r in played if r["truncation"] not in (None, "error")).items():
-        out[f"truncated_{reason}"] = count / n
-    return out
+    return _rates([r for r in records if r is not None], len(trials), errored=errored, skip_truncations=("error",))
 
 
 async def evaluate_trials(env_cls, split: str, n_tasks: int, engine: Engine, renderer: ChatRenderer,
