@@ -78,3 +78,17 @@ def test_sampled_rewards_follow_the_seed_and_colours_are_shown():
     with pytest.raises(EnvError):
         env.reset(type(task)(id="x", prompt="p", answer="0"))
     assert done[-1].terminated
+
+
+def test_pulls_are_actions_and_pulls_of_a_worse_arm_failed():
+    plain = next(t for t in BanditEnv.sample_tasks("train", 50, 1) if not t.context["contextual"])
+    row = plain.data["probs"][0]
+    best = max(range(len(row)), key=row.__getitem__)
+    worst = min(range(len(row)), key=row.__getitem__)
+    steps = _play(plain, [best, worst, None] + [best] * (plain.context["horizon"] - 3))
+    assert steps[0].info["actions"] == [f"pull {best}"] and steps[0].info["failed_actions"] == []
+    assert steps[1].info["actions"] == [f"pull {worst}"] and steps[1].info["failed_actions"] == [f"pull {worst}"]
+    assert "actions" not in steps[2].info  # no pull, no action
+    coloured = next(t for t in BanditEnv.sample_tasks("train", 50, 2) if t.context["contextual"])
+    first = _play(coloured, [0] * coloured.context["horizon"])[0]
+    assert first.info["actions"] == [f"pull 0 on {coloured.data['colours'][0]}"]

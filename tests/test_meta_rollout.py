@@ -243,3 +243,21 @@ def test_evaluate_trials_reports_attempt_one_and_success_by_attempt(renderer):
     assert summary["success_at_1"] == 0.0 and summary["success_at_2"] == 1.0 and math.isnan(summary["success_at_3"])
     assert [summary[f"success_by_{k}"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0] and summary["pass_at_1"] == 0.0
     assert summary["reflections_per_trial"] == 1.0 and summary["errored"] == 0.0
+    assert summary["turns_at_1"] == 1.0 and summary["turns_at_2"] == len(MinesweeperEnv.solve(task))
+    assert summary["tool_errors_at_1"] == summary["tool_errors_at_2"] == 0.0 and "turns_at_3" not in summary
+    assert summary["opening_tokens_at_2"] > summary["opening_tokens_at_1"]  # the note on attempt 1
+
+
+def test_attempts_carry_the_environments_own_actions_and_failures(renderer, task):
+    from ctxrl.meta.stats import trial_exploration
+
+    bad, good = _mine_call(task), MinesweeperEnv.solve(task)
+    trial, _ = _trial(renderer, task, [bad, bad, *good], MetaPolicy(num_attempts=3))
+    r, c = task.data["mines"][0]
+    records = trial.info["attempts"]
+    assert [rec["actions"] for rec in records[:2]] == [[f"reveal {r},{c}"]] * 2
+    assert [rec["failed_actions"] for rec in records] == [[f"reveal {r},{c}"], [f"reveal {r},{c}"], []]
+    cells = [f"reveal {x},{y}" for rnd in task.data["rounds"] for x, y in rnd]
+    assert records[2]["actions"] == cells  # every revealed cell, in order; none failed
+    counts = trial_exploration(to_trial(trial))
+    assert counts["repeated_failed_actions"] == 1 and counts["later_attempt_actions"] == 1 + len(set(cells))

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from ctxrl.meta.credit import cross_episode_returns
-from ctxrl.meta.stats import (exploration_stats, independent_pass_at_k, meta_metrics, pass_at_k, success_at_attempt,
-                              success_by_attempt, trial_exploration)
+from ctxrl.meta.stats import (exploration_stats, independent_pass_at_k, independent_success_at_attempt, meta_metrics,
+                              pass_at_k, success_at_attempt, success_by_attempt, trial_exploration)
 from ctxrl.meta.trial import Attempt, Trial
 
 S = Attempt(1.0, True)
@@ -99,6 +99,23 @@ def test_independent_first_attempts_vs_sequential_attempts():
         independent_pass_at_k(both, 5)
 
 
+def test_independent_success_at_attempt_by_hand():
+    # one task, first attempts [S, F, F, F] (n = 4, c = 1): sample 2 succeeds given sample 1 failed with 1/3,
+    # sample 3 given two failures with 1/2; k = 1 is the plain success rate
+    assert [independent_success_at_attempt(LADDER, k) for k in (1, 2, 3)] == pytest.approx([0.25, 1 / 3, 0.5])
+    # pooled over tasks by the chance of reaching sample k: task b never succeeds (reach 1, solved 0)
+    b = [trial(F, S, task="b"), trial(F, S, task="b"), trial(F, F, F, task="b"), trial(F, S, task="b")]
+    assert independent_success_at_attempt(LADDER + b, 2) == pytest.approx((0.75 * 1 / 3) / (0.75 + 1.0))
+    # brute force over every order of task a's four first attempts
+    orders = list(itertools.permutations([True, False, False, False]))
+    reached = [o for o in orders if not any(o[:2])]
+    assert independent_success_at_attempt(LADDER, 3) == pytest.approx(sum(o[2] for o in reached) / len(reached))
+    # every first attempt succeeds: no sample ever follows a failure
+    assert math.isnan(independent_success_at_attempt([trial(S), trial(S)], 2))
+    with pytest.raises(ValueError, match="fewer than k=3"):
+        independent_success_at_attempt([trial(S), trial(F, S)], 3)
+
+
 # -- exploration ----------------------------------------------------------------------------------
 
 
@@ -170,3 +187,4 @@ def test_meta_metrics_dict():
     # two trials per task: pass@3 is not reported
     two = meta_metrics([trial(S), trial(F, S)])
     assert "pass_at_2" in two and "pass_at_3" not in two
+    assert metrics["independent_success_at_3"] == pytest.approx(0.5) and "independent_success_at_3" not in two

@@ -72,3 +72,19 @@ def test_reveal_tool_and_episode_ends():
     results = [asyncio.run(env.step(parse_assistant(text))) for text in MinesweeperEnv.solve(task)]
     assert results[-1].terminated and results[-1].reward == 1.0
     assert all(not r.terminated for r in results[:-1])
+
+
+def test_each_revealed_cell_is_an_action_and_the_mine_is_the_failed_one():
+    task = MinesweeperEnv.sample_tasks("train", 1, seed=3)[0]
+    safe = next(tuple(c) for c in task.data["rounds"][0])
+    mine = tuple(task.data["mines"][0])
+    env = MinesweeperEnv()
+    env.reset(task)
+    cells = f"{safe[0]},{safe[1]}; {mine[0]},{mine[1]}; {safe[0]},{safe[1]}"  # stops at the mine
+    result = asyncio.run(env.step(parse_assistant(format_tool_call("reveal", {"cells": cells}))))
+    assert result.terminated and result.reward == 0.0
+    assert result.info["actions"] == [f"reveal {safe[0]},{safe[1]}", f"reveal {mine[0]},{mine[1]}"]
+    assert result.info["failed_actions"] == [f"reveal {mine[0]},{mine[1]}"]
+    env.reset(task)  # a new episode forgets the old one's actions; a call that reveals nothing names none
+    bad = asyncio.run(env.step(parse_assistant(format_tool_call("reveal", {"cells": "9,9"}))))
+    assert "actions" not in bad.info and "failed_actions" not in bad.info

@@ -10,7 +10,10 @@ pseudo-regret, ``1 - sum_t (p_best(t) - p_chosen(t)) / sum_t (p_best(t) - p_mean
 always pulling the best arm, about 0 for pulling uniformly at random, clipped at -1. A turn
 without a valid pull wastes that pull (regret ``p_best``). The sampled rewards the agent sees
 come from the episode's seed. ``info`` reports ``regret`` (pseudo-regret), ``pulls``,
-``best_arm_rate`` and ``sampled_reward``; ``success`` is reward >= 0.5.
+``best_arm_rate`` and ``sampled_reward``; ``success`` is reward >= 0.5. Each pull is an action
+(``pull 2``, ``pull 2 on red``); a pull of an arm that is not the best (for its colour) is a failed
+one (``info["failed_actions"]``): what the exploration statistics count when a later attempt of a
+trial pulls it again.
 
 Context: ``arms`` (train 2-4, ood 5-6), ``horizon`` (train 4-8, ood 12-16 pulls), ``gap``
 (probability gap between the best arm and the others, 0.3-0.6 everywhere), ``contextual``
@@ -73,6 +76,7 @@ class BanditEnv(ToolAnswerEnv):
     ])
 
     required_data: ClassVar[tuple[str, ...]] = ("probs", "colours")
+    names_actions: ClassVar[bool] = True
     generate = staticmethod(generate)
 
     def __init__(self) -> None:
@@ -108,6 +112,8 @@ class BanditEnv(ToolAnswerEnv):
         arm = int(arm)
         if not 0 <= arm < len(row):
             raise ValueError(f"arm must be 0..{len(row) - 1}, got {arm}")
+        colour = self._colour_line().removeprefix("\nColour: ")
+        self.note_action(f"pull {arm}" + (f" on {colour}" if colour else ""), failed=row[arm] < max(row))
         win = self._rng.random() < row[arm]
         self._sampled += win
         self._charge(row[arm], row)
@@ -122,6 +128,30 @@ class BanditEnv(ToolAnswerEnv):
             raise EnvError(f"task {task.id} lacks data['probs'] / data['colours']; draw tasks with sample_tasks")
         rows = [probs[COLOURS.index(c)] for c in colours] if colours else [probs[0]] * task.context["horizon"]
         return [format_tool_call("pull", {"arm": max(range(len(r)), key=r.__getitem__)}) for r in rows]
+
+    @classmethod
+    def failure(cls, task: Task) -> list[str]:
+        """A scripted mistake for trial demos: the worst arm (for each turn's colour) on every pull."""
+        probs, colours = task.data.get("probs"), task.data.get("colours")
+        if probs is None or colours is None:
+            raise EnvError(f"task {task.id} lacks data['probs'] / data['colours']; draw tasks with sample_tasks")
+        rows = [probs[COLOURS.index(c)] for c in colours] if colours else [probs[0]] * task.context["horizon"]
+        return [format_tool_call("pull", {"arm": min(range(len(r)), key=r.__getitem__)}) for r in rows]
+
+    @classmethod
+    def reflection(cls, task: Task, messages: list[Message]) -> str:
+        """What a failed attempt teaches, from its conversation: the arms it pulled and what they paid."""
+        pulls: dict[int, list[int]] = {}
+        for i, m in enumerate(messages):
+            if m.role != "assistant" or not m.tool_calls or i + 1 >= len(messages):
+                continue
+            seen = messages[i + 1].content
+            if seen.startswith("reward "):
+                pulls.setdefault(int(m.tool_calls[0].arguments.get("arm", -1)), []).append(int(seen[7]))
+        if not pulls:
+            return "No valid pull. Next time: call pull with an arm on every turn."
+        told = ", ".join(f"arm {arm} paid {sum(w)} of {len(w)}" for arm, w in sorted(pulls.items()))
+        return f"{told}. Next time: try other arms, keep the best."
 
     def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
         """Start an episode; ``seed`` drives the sampled rewards the agent sees."""
@@ -147,6 +177,7 @@ class BanditEnv(ToolAnswerEnv):
             first = Message(role=message.role, content=message.content, tool_calls=message.tool_calls[:1],
                             tool_call_errors=message.tool_call_errors if not message.tool_calls else [])
             observations, counts = await execute_tool_calls(self.tools, first)
+            counts = {**counts, **self.noted_actions()}
         if self._t == t_before:  # no valid pull this turn: the pull is wasted
             self._charge(0.0, self._row())
             if not observations:

@@ -4,7 +4,8 @@ The board is text: ``?`` hidden, a digit the number of mines around a revealed c
 none). The ``reveal`` tool takes one or more cells as ``"row,col"`` pairs separated by ``;``
 (``"0,3; 1,3"``), reveals them in order (a ``0`` also opens its neighbours, as in the game) and
 returns the board; revealing a mine ends the episode with reward 0. Revealing every safe cell
-ends it with reward 1. LaMer and RAGEN use it for multi-turn reasoning under partial observation.
+ends it with reward 1. Each revealed cell is an action (``reveal r,c``); the mine is the failed one
+(``info["failed_actions"]``). LaMer and RAGEN use it for multi-turn reasoning under partial observation.
 
 Every level can be solved by logic alone from its first revealed cell (no guessing): the
 generator keeps only boards that a constraint solver (the single-cell rules plus the subset rule)
@@ -138,6 +139,7 @@ class MinesweeperEnv(ToolAnswerEnv):
                      description="fraction of cells that hold a mine"),
     ])
     required_data: ClassVar[tuple[str, ...]] = ("mines", "start", "rounds")
+    names_actions: ClassVar[bool] = True
     generate = staticmethod(generate)
 
     def make_tools(self) -> list[Tool]:
@@ -175,6 +177,7 @@ class MinesweeperEnv(ToolAnswerEnv):
         if not targets:
             raise ValueError('give at least one cell, e.g. "0,3"')
         for cell in targets:
+            self.note_action(f"reveal {cell[0]},{cell[1]}", failed=cell in self._mines)
             if cell in self._mines:
                 self._exploded = True
                 return f"BOOM: {cell[0]},{cell[1]} was a mine."
@@ -188,6 +191,25 @@ class MinesweeperEnv(ToolAnswerEnv):
         if not rounds:
             raise EnvError(f"task {task.id} has no data['rounds']; draw minesweeper tasks with sample_tasks")
         return [format_tool_call("reveal", {"cells": "; ".join(f"{r},{c}" for r, c in cells)}) for cells in rounds]
+
+    @classmethod
+    def failure(cls, task: Task) -> list[str]:
+        """A scripted mistake for trial demos: the first round's safe cells, then a mine, in one call."""
+        mines, rounds = task.data.get("mines"), task.data.get("rounds")
+        if not mines or not rounds:
+            raise EnvError(f"task {task.id} lacks data['mines'] / data['rounds']; draw tasks with sample_tasks")
+        r, c = random.Random(task.id).choice(mines)
+        cells = [f"{x},{y}" for x, y in rounds[0]] + [f"{r},{c}"]
+        return [format_tool_call("reveal", {"cells": "; ".join(cells)})]
+
+    @classmethod
+    def reflection(cls, task: Task, messages: list[Message]) -> str:
+        """What a failed attempt teaches, from its conversation: the mine it hit, if any."""
+        boom = next((m.content for m in reversed(messages) if m.role == "tool" and m.content.startswith("BOOM")), None)
+        if boom is not None:
+            cell = boom.removeprefix("BOOM: ").split(" ")[0]
+            return f"{cell} was a mine. Next time: avoid {cell}, reveal only proven safe cells."
+        return "The board was not cleared. Next time: reveal every proven safe cell."
 
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         return self.cleared, {}

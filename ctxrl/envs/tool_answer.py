@@ -8,6 +8,12 @@ attributes (``name``, ``system_prompt``, ``context_space``, ``heldout_fraction``
 ``solve(task)`` and ``check_answer(given, task) -> (correct, extra_info)``; ``required_data``
 names the ``task.data`` keys ``reset`` insists on; ``tool_outcome()`` lets a tool turn end the
 episode (a solved puzzle, a revealed mine).
+
+An environment whose class sets ``names_actions = True`` has its tools call ``note_action(action,
+failed=...)`` for what they did, in its own terms (``"reveal 2,3"``, ``"pull 1"``); each step's
+``info`` then carries ``actions`` and ``failed_actions`` (lists of strings), which the meta
+statistics use for exploration (how often a later attempt repeats what failed before). Otherwise
+they judge whole tool calls and answers, failed when the attempt failed.
 """
 
 from __future__ import annotations
@@ -36,11 +42,26 @@ class ToolAnswerEnv:
     context_space: ClassVar[ContextSpace]
     heldout_fraction: ClassVar[float] = 0.2
     required_data: ClassVar[tuple[str, ...]] = ()
+    names_actions: ClassVar[bool] = False
+    """True when the tools ``note_action`` every action (see the module docstring)."""
 
     def __init__(self) -> None:
         self.tools: list[Tool] = self.make_tools()
         self._task: Task | None = None
         self._terminated = False
+        self._noted: tuple[list[str], list[str]] = ([], [])
+
+    def note_action(self, action: str, *, failed: bool = False) -> None:
+        """Record an action of the current step (and whether it failed) for the step's ``info``."""
+        self._noted[0].append(action)
+        if failed:
+            self._noted[1].append(action)
+
+    def noted_actions(self) -> dict[str, list[str]]:
+        """The actions noted since the last call, as ``info`` entries (empty if none), and forget them."""
+        actions, failed = self._noted
+        self._noted = ([], [])
+        return {"actions": actions, "failed_actions": failed} if actions else {}
 
     # -- what a subclass provides ------------------------------------------------------------------
     def make_tools(self) -> list[Tool]:
@@ -71,6 +92,7 @@ class ToolAnswerEnv:
         if missing:
             raise EnvError(f"task {task.id} lacks data{missing}; draw {self.name} tasks with sample_tasks")
         self._task, self._terminated = task, False
+        self._noted = ([], [])
         return [Message(role="system", content=self.system_prompt), Message(role="user", content=task.prompt)]
 
     async def step(self, message: Message) -> StepResult:
@@ -84,6 +106,7 @@ class ToolAnswerEnv:
             raise EnvError("step() called after the episode terminated; call reset(task) to start a new episode")
         if message.tool_calls or message.tool_call_errors:
             observations, counts = await execute_tool_calls(self.tools, message)
+            counts = {**counts, **self.noted_actions()}
             outcome = self.tool_outcome()
             if outcome is not None:
                 self._terminated = True

@@ -4,7 +4,7 @@
 (``ctxrl.rollout.meta``): its ``success``, ``reward``, ``tool_calls``... are attempt 1's, exactly
 what ``evaluate_split`` reports (attempt 1 is the zero-context policy), and ``meta_metrics`` adds
 ``success_at_k``, ``success_by_k``, ``pass_at_k`` (of independent first attempts, with enough
-trials per task) and exploration. ``trial_success`` is success by attempt K over all trials
+trials per task), exploration and ``per_attempt`` diagnostics (tool errors, turns, prompt length). ``trial_success`` is success by attempt K over all trials
 (errored ones count as failures). Neither ever shows demonstrations: evaluation is zero-shot.
 """
 
@@ -57,6 +57,19 @@ def attempt_summary(trials: list[Episode], index: int = 0) -> dict[str, float]:
     return _rates([r for r in records if r is not None], len(trials), errored=errored, skip_truncations=("error",))
 
 
+def per_attempt(trials: list[Episode]) -> dict[str, float]:
+    """Means over the trials that played attempt k (1-based) of what can tell why a later attempt fails:
+    ``tool_errors_at_k`` (invalid calls, wrong tools), ``turns_at_k`` and ``opening_tokens_at_k`` (the prompt
+    that the carried notes or attempts make)."""
+    out: dict[str, float] = {}
+    longest = max(len(t.info["attempts"]) for t in trials)
+    for k in range(longest):
+        records = [t.info["attempts"][k] for t in trials if len(t.info["attempts"]) > k]
+        for key, name in (("tool_errors", "tool_errors"), ("turns", "turns"), ("opening_tokens", "opening_tokens")):
+            out[f"{name}_at_{k + 1}"] = sum(r[key] for r in records) / len(records)
+    return out
+
+
 async def evaluate_trials(env_cls, split: str, n_tasks: int, engine: Engine, renderer: ChatRenderer,
                           limits: RolloutLimits, policy: MetaPolicy, *, trials_per_task: int = 1,
                           seed: int) -> tuple[dict[str, float], list[Episode]]:
@@ -68,5 +81,6 @@ async def evaluate_trials(env_cls, split: str, n_tasks: int, engine: Engine, ren
     if played:
         summary.update(meta_metrics([to_trial(t) for t in played]))
         summary["reflections_per_trial"] = sum(t.info["reflections"] for t in played) / len(played)
+        summary.update(per_attempt(played))
     summary["trial_success"] = sum(t.success and t.truncation != "error" for t in trials) / max(len(trials), 1)
     return summary, trials

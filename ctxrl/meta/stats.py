@@ -18,6 +18,12 @@ reported 1-based as ``@1..@K``):
   ``success_by_attempt[k-1]``: ``k`` sequential attempts with feedback vs ``k`` independent ones;
   the difference is what the trial context buys. With the same number of trials per task both
   weigh tasks equally.
+- ``independent_success_at_attempt(trials, k)``: the baseline for ``success_at_attempt[k-1]``. Of
+  the tasks' first attempts (independent samples), drawn in a random order without replacement:
+  the chance that sample ``k`` succeeds given that samples ``1..k-1`` failed, pooled over tasks
+  (``sum_t P_t(k-1 fail, then success) / sum_t P_t(k-1 fail)``). ``success_at_attempt`` is
+  conditional on the earlier failures too, so it falls with ``k`` even for a policy that gains
+  nothing and loses nothing from its notes (the tasks left are the hard ones); this says how far.
 - Exploration (``exploration_stats``): per trial, ``distinct_actions`` = distinct actions over all
   attempts; ``repeated_failed_actions`` = over attempts ``k >= 1``, the distinct actions of
   attempt ``k`` that failed in an earlier attempt ``j < k`` of the same trial
@@ -90,6 +96,24 @@ def independent_pass_at_k(trials: Sequence[Trial], k: int) -> float:
     return sum(pass_at_k(len(f), sum(f), k) for f in by_task.values()) / len(by_task)
 
 
+def independent_success_at_attempt(trials: Sequence[Trial], k: int) -> float:
+    """Success of independent sample ``k`` given ``k-1`` failed ones, from the first attempts (NaN if none fail)."""
+    _budget(trials)
+    by_task: dict[str, list[bool]] = defaultdict(list)
+    for trial in trials:
+        by_task[trial.task_id].append(trial.attempts[0].success)
+    reach = solved = 0.0
+    for task_id, firsts in by_task.items():
+        n, c = len(firsts), sum(firsts)
+        if n < k:
+            raise ValueError(f"task {task_id!r} has {n} trials, fewer than k={k}: the independent baseline of attempt "
+                             f"{k} needs at least {k} first attempts per task; raise the group size or lower k")
+        all_failed = math.comb(n - c, k - 1) / math.comb(n, k - 1)  # the first k-1 draws all failed
+        reach += all_failed
+        solved += all_failed * c / (n - k + 1)
+    return solved / reach if reach else math.nan
+
+
 def trial_exploration(trial: Trial) -> dict[str, int]:
     """Exploration counts of one trial (definitions in the module docstring)."""
     distinct: set[str] = set()
@@ -123,8 +147,9 @@ def exploration_stats(trials: Sequence[Trial]) -> dict[str, float]:
 
 
 def meta_metrics(trials: Sequence[Trial]) -> dict[str, float]:
-    """One flat dict for the metrics log: ``success_at_{k}``, ``success_by_{k}``, ``pass_at_{k}``
-    (1-based, pass@k only where every task has at least k trials), ``attempts`` and exploration."""
+    """One flat dict for the metrics log: ``success_at_{k}``, ``success_by_{k}``, ``pass_at_{k}`` and
+    ``independent_success_at_{k}`` (1-based; the last two only where every task has at least k trials),
+    ``attempts`` and exploration."""
     k_budget = _budget(trials)
     out: dict[str, float] = {}
     for k, value in enumerate(success_at_attempt(trials), start=1):
@@ -134,6 +159,7 @@ def meta_metrics(trials: Sequence[Trial]) -> dict[str, float]:
     trials_per_task = min(Counter(t.task_id for t in trials).values())
     for k in range(1, min(k_budget, trials_per_task) + 1):
         out[f"pass_at_{k}"] = independent_pass_at_k(trials, k)
+        out[f"independent_success_at_{k}"] = independent_success_at_attempt(trials, k)
     out["attempts"] = sum(len(t.attempts) for t in trials) / len(trials)
     out.update({f"exploration/{name}": value for name, value in exploration_stats(trials).items()})
     return out

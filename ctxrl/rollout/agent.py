@@ -190,6 +190,9 @@ async def _turns(env, engine, renderer, limits, seed, episode: Episode, messages
         if "answered" in result.info:
             record.answered = bool(result.info["answered"])
         episode.reward += float(result.reward)
+        for key in ("actions", "failed_actions"):  # an environment's own names for what it did (see ToolAnswerEnv)
+            if key in result.info:
+                episode.info.setdefault(key, []).extend(result.info[key])
         if "success" in result.info:
             episode.success = bool(result.info["success"])
         elif "correct" in result.info:

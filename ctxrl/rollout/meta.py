@@ -216,7 +216,7 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
         attempts.append(episode)
         record = {"reward": episode.reward, "success": episode.success, "truncation": episode.truncation,
                   "turns": len(episode.turns), "tool_calls": episode.tool_calls, "tool_errors": episode.tool_errors,
-                  "sampled_tokens": sum(episode.loss_mask), "actions": attempt_actions(episode.messages[len(opening):]),
+                  "sampled_tokens": sum(episode.loss_mask), **_actions(env, episode, len(opening)),
                   "opening_tokens": opening_tokens, "carried": kept, "dropped": len(carried) - kept,
                   "feedback": None, "reflection": None, "reflection_start": None, "reflection_tokens": 0,
                   "reflection_skipped": False}
@@ -243,6 +243,16 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
         carried.append(Carried(k, conversation, record["feedback"], record["reflection"]))
     return _trial_episode(task, group_id, engine, num_attempts, attempts, records, failure, limits,
                           time.perf_counter() - started, len(demos or []))
+
+
+def _actions(env: _Watched, episode: Episode, opening: int) -> dict[str, list[str] | None]:
+    """An attempt's ``actions`` and ``failed_actions``: the environment's own where it names them
+    (``names_actions``, see ``ctxrl.envs.tool_answer``), else its tool calls and answers (``attempt_actions``;
+    ``failed_actions`` None: judged by the attempt's outcome)."""
+    if getattr(env.env, "names_actions", False):
+        return {"actions": list(episode.info.get("actions", [])),
+                "failed_actions": list(episode.info.get("failed_actions", []))}
+    return {"actions": attempt_actions(episode.messages[opening:]), "failed_actions": None}
 
 
 def _fitted_opening(base, carried, k, policy: MetaPolicy, renderer, tools,
@@ -336,4 +346,4 @@ def to_trial(episode: Episode) -> Trial:
     if records is None:
         return Trial(episode.task.id, 1, [Attempt(episode.reward, episode.success)])
     return Trial(episode.task.id, episode.info["num_attempts"],
-                 [Attempt(r["reward"], r["success"], list(r["actions"])) for r in records])
+                 [Attempt(r["reward"], r["success"], list(r["actions"]), r.get("failed_actions")) for r in records])
