@@ -178,6 +178,10 @@ class SFTConfig:
     """Play demos under the run's context manager: ``auto`` does so when context.manager=summarize and the env
     has a ``summary`` hook (kv_chain, search_qa), so demos show summary requests answered with the env's scripted
     summaries; ``on`` insists (a config error if the env has no hook); ``off`` plays full-context demos."""
+    trial_demos: float = 0.0
+    """Fraction of the demos played as scripted trials: a failed attempt, its reflection, then the solution
+    (ctxrl.train.trial_demos; only the reflection and the solution train). Teaches the format of trials before
+    meta-RL; needs the env's ``failure`` and ``reflection`` hooks (minesweeper, bandit)."""
     epochs: int = 2
     """Passes over the demonstrations."""
     batch_size: int = 32
@@ -435,6 +439,8 @@ def validate(config: Config) -> None:
     if config.sft.context_demos == "on" and ctx.manager != "summarize":
         raise ConfigError(f"sft.context_demos=on plays demos with scripted summaries, under context.manager=summarize "
                           f"only (not {ctx.manager!r}); use sft.context_demos=auto or off")
+    if not 0.0 <= config.sft.trial_demos <= 1.0:
+        raise ConfigError(f"sft.trial_demos must be in [0, 1] (a fraction of sft.demos), got {config.sft.trial_demos!r}")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
         raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
     if config.rollout.group_size < 2 and config.train.steps > 0 and config.algo.advantage not in ("gae", "reinforce_pp"):

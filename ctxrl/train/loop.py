@@ -55,6 +55,7 @@ from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.segments import context_stats, episode_outcome_advantages, expand_segments
 from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, sft_train
+from ctxrl.train.trial_demos import build_trial_demos, has_trial_hooks
 from ctxrl.train.trials import attempt_advantages, expand_trials
 
 
@@ -122,6 +123,10 @@ class Run:
         self.env_cls = configured_env_class(config.env.name, data=config.env.data, tools=config.env.tools,
                                             verifier=config.env.verifier)
         self.context_demos = self._context_demos()
+        if config.sft.enabled and config.sft.trial_demos > 0 and not has_trial_hooks(self.env_cls):
+            raise ConfigError(f"sft.trial_demos={config.sft.trial_demos:g}, but environment {config.env.name!r} has "
+                              "no failure(task) and reflection(task, messages) hooks to script a trial; add them "
+                              "(docs/meta.md) or set sft.trial_demos = 0")
         self.tokenizer = load_tokenizer(config.model.name, chat_template=config.model.chat_template or None)
         self.renderer = ChatRenderer(self.tokenizer, template_name=config.model.name)
         self.renderer.verify_prefix_preserving()
@@ -245,14 +250,20 @@ class Run:
         if self.config.context.manager == "summarize" and not self.context_demos and c.context_demos == "auto":
             warnings.warn(f"environment {self.config.env.name!r} has no summary(task, messages) hook: its warm-start "
                           "demos use the full context and show no summaries (sft.context_demos=auto)", stacklevel=2)
-        demos = asyncio.run(build_demos(self.env_cls, self.renderer, c.demos, shortcut_fraction=c.shortcut_fraction,
-                                        seed=self.config.run.seed + 77, other_worlds=c.other_worlds,
-                                        limits=self.demo_limits()))
+        n_trials = round(c.demos * c.trial_demos)
+        demos = asyncio.run(build_demos(self.env_cls, self.renderer, c.demos - n_trials,
+                                        shortcut_fraction=c.shortcut_fraction, seed=self.config.run.seed + 77,
+                                        other_worlds=c.other_worlds, limits=self.demo_limits()))
+        if n_trials:
+            policy = self.eval_meta if self.eval_meta.num_attempts >= self.train_meta.num_attempts else self.train_meta
+            policy = dataclasses.replace(policy, num_attempts=max(2, policy.num_attempts))
+            demos += asyncio.run(build_trial_demos(self.env_cls, self.renderer, n_trials, policy,
+                                                   seed=self.config.run.seed + 78))
         losses = sft_train(self.model, demos, pad_token_id=self.tokenizer.pad_token_id, epochs=c.epochs,
                            batch_size=c.batch_size, lr=c.lr, seed=self.config.run.seed, on_step=on_step)
         row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
                "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
-               "context_demos": self.context_demos,
+               "context_demos": self.context_demos, "trial_demos": n_trials,
                "demo_summaries_per_episode": sum(e.info.get("summaries", 0) for e in demos) / len(demos)}
         self.writer.log_metrics(row)
         self.writer.log_samples(0, demos[:2], self.decode, phase="sft")

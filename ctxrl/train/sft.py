@@ -100,6 +100,10 @@ class _RecordedEnv:
     def tools(self):
         return self.env.tools
 
+    @property
+    def names_actions(self) -> bool:
+        return getattr(self.env, "names_actions", False)
+
     def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
         opening = self.env.reset(task, seed=seed)
         self.messages = list(opening)

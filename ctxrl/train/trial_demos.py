@@ -1,0 +1,85 @@
+"""Warm-start demonstrations of a trial: a failed attempt, a written reflection, then the solution.
+
+A model warm-started on single solved episodes has never seen a reflection request or a note
+from an earlier attempt. Asked to reflect, a small one writes another tool call; shown its notes,
+it drifts into invalid calls (docs/experiments/meta.md measures both). Trial demos show it what a
+trial looks like, played through the real meta loop (``run_trial``) with a ``ScriptedEngine``:
+
+- attempt 1 plays the environment's ``failure(task)`` script (a plausible mistake: a mine
+  revealed, the worst arm pulled) and fails;
+- asked to reflect, the engine answers with ``reflection(task, messages)``, written from that
+  attempt's conversation (what went wrong, what to do instead);
+- attempt 2 opens with the note (``meta.context``) and plays ``solve(task)``.
+
+Only the reflection and attempt 2 train (mask 1): attempt 1's turns are set to mask 0 after the
+play, so the warm start never learns the mistake. Environments opt in with both hooks
+(``minesweeper`` and ``bandit`` have them); asking for trial demos of one without is an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from ctxrl.chat.render import ChatRenderer
+from ctxrl.rollout.agent import RolloutLimits
+from ctxrl.rollout.meta import MetaPolicy, run_trial
+from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.train.sft import _RecordedEnv
+from ctxrl.types import Episode
+
+
+def has_trial_hooks(env_cls) -> bool:
+    """Whether ``env_cls`` can script a failed attempt and its reflection."""
+    return callable(getattr(env_cls, "failure", None)) and callable(getattr(env_cls, "reflection", None))
+
+
+def mask_failed_attempt(trial: Episode) -> Episode:
+    """Set every sampled token of the failed first attempt to mask 0, keeping its reflection (mask 1)."""
+    start = trial.info["attempts"][0]["reflection_start"]
+    if not trial.segments or start is None:
+        raise ValueError(f"trial demo of task {trial.task.id} has no reflection after its first attempt")
+    first = trial.segments[0]
+    mask = [0] * start + list(first.loss_mask[start:])
+    trial.segments[0] = dataclasses.replace(first, loss_mask=mask)
+    return trial
+
+
+async def build_trial_demos(env_cls, renderer: ChatRenderer, n: int, policy: MetaPolicy, *, seed: int = 0,
+                            limits: RolloutLimits | None = None) -> list[Episode]:
+    """Play ``n`` scripted two-attempt trials on training tasks (see the module docstring); raises with the
+    reason if the environment lacks the hooks or a script does not play as one failure then a success."""
+    name = getattr(env_cls, "name", env_cls.__name__)
+    if not has_trial_hooks(env_cls):
+        raise ValueError(f"environment {name!r} has no failure(task) and reflection(task, messages) hooks, so it "
+                         "cannot script trial demos; give it both (docs/meta.md) or set sft.trial_demos = 0")
+    if policy.num_attempts < 2 or not policy.reflect:
+        raise ValueError("trial demos need at least 2 attempts with reflection (meta.num_attempts or "
+                         "meta.eval_attempts >= 2, meta.reflect = true)")
+    limits = limits or RolloutLimits(max_turns=16, max_new_tokens=4096, max_total_tokens=1 << 20)
+    policy = dataclasses.replace(policy, stop_on_success=True)
+    tasks = env_cls.sample_tasks("train", n, seed)
+    jobs = []
+    for task in tasks:
+        played: list[_RecordedEnv] = []
+
+        def make_env(played=played):
+            played.append(_RecordedEnv(env_cls()))
+            return played[-1]
+
+        engine = ScriptedEngine([*env_cls.failure(task), *env_cls.solve(task)], renderer,
+                                reflection=lambda task=task, played=played: env_cls.reflection(task, played[-1].messages))
+        jobs.append(run_trial(make_env, task, engine, renderer, limits, policy, seed=seed))
+    trials = list(await asyncio.gather(*jobs))
+    for trial in trials:
+        outcomes = [(r["success"], r["truncation"]) for r in trial.info["attempts"]]
+        if trial.truncation == "error" or outcomes != [(False, None), (True, None)]:
+            raise RuntimeError(f"trial demo of task {trial.task.id} did not play as a failure then a solution "
+                               f"(attempts: {outcomes}, error: {trial.info.get('error')}); check the env's failure() "
+                               "and solve() and the rollout limits")
+        if trial.info["attempts"][0].get("reflection_truncated"):
+            raise RuntimeError(f"the scripted reflection of task {trial.task.id} is longer than "
+                               f"meta.reflection_max_tokens={policy.reflection_max_tokens}; raise it so that demos "
+                               "show whole reflections")
+        mask_failed_attempt(trial)
+    return trials
