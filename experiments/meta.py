@@ -6,6 +6,7 @@ Two experiments, one command each (results in ``--out``: ``summary.json``, ``tab
     python experiments/meta.py reflection --env bandit
     python experiments/meta.py demos                               # python_math, no warm start
     python experiments/meta.py reflection --model Qwen/Qwen2.5-0.5B-Instruct --steps 100 model.dtype=bfloat16
+    python experiments/meta.py summarize runs/seed0 runs/seed1 runs/seed2    # mean table over reflection runs
 
 ``reflection``: one supervised warm start (scripted solutions) is trained once, saved, and every arm
 starts from it (the same weights, not merely the same seed):
@@ -46,7 +47,7 @@ ENV_OVERRIDES = {
     "python_math": ["env.max_turns=4", "rollout.max_new_tokens=160", "rollout.max_total_tokens=2048"],
 }
 COMMON = ["run.progress=false", "train.eval_every=0", "rollout.tasks_per_step=4", "rollout.group_size=4",
-          "meta.reflection_max_tokens=48"]
+          "meta.reflection_max_tokens=64"]
 SMOKE = ["rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "sft.demos=8",
          "sft.epochs=1", "sft.batch_size=4", "rollout.max_total_tokens=1024", "meta.reflection_max_tokens=4",
          "meta.demos_pool=3", "run.samples_per_step=0"]
@@ -98,7 +99,8 @@ def evaluate(checkpoint: str, overrides: list[str], out: Path) -> dict:
 def reflection(args, out: Path) -> dict:
     k = args.attempts
     base = [*COMMON, f"env.name={args.env}", *ENV_OVERRIDES.get(args.env, []), f"run.seed={args.seed}",
-            f"eval.tasks={args.eval_tasks}", *(SMOKE if args.smoke else []), *args.overrides]
+            f"eval.tasks={args.eval_tasks}", f"sft.trial_demos={args.trial_demos}", *(SMOKE if args.smoke else []),
+            *args.overrides]
     trials = [f"meta.eval_attempts={k}"]
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
@@ -133,7 +135,7 @@ def reflection(args, out: Path) -> dict:
                                                       f"eval.tasks={max(2, args.eval_tasks // 2)}"],
                                     out / f"{arm}-sampled")
     return {"experiment": "reflection", "env": args.env, "model": args.model, "attempts": k, "steps": args.steps,
-            "seconds": round(time.perf_counter() - t0), "arms": results}
+            "trial_demos": args.trial_demos, "seconds": round(time.perf_counter() - t0), "arms": results}
 
 
 def demos(args, out: Path) -> dict:
@@ -159,17 +161,20 @@ def tables(summary: dict) -> str:
     """Markdown tables of a summary (what docs/experiments/meta.md shows)."""
     if summary["experiment"] == "reflection":
         k = summary["attempts"]
-        lines = [f"{summary['env']}, {summary['model']}, K = {k} attempts, {summary['steps']} RL steps "
-                 f"({summary['seconds']} s)", "",
+        lines = [f"{summary['env']}, {summary['model']}, K = {k} attempts, {summary['steps']} RL steps, trial demos "
+                 f"{summary.get('trial_demos', 0):g} ({summary['seconds']} s)", "",
                  f"| arm | attempt-1 success | success at attempt {k} | success by attempt {k} | attempts / trial "
-                 f"| repeated failed actions | pass@{k} (sampled) | success by {k} (sampled) |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 f"| tool errors at 1, {k} | repeated failed actions | pass@{k} (sampled) | success by {k} (sampled) "
+                 f"| success at 2: trial, independent (sampled) |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for arm, r in summary["arms"].items():
             h, s = r["heldout"], r.get("sampled", {})
             lines.append(f"| {arm} | {_fmt(h.get('success'))} | {_fmt(h.get(f'success_at_{k}'))} | "
                          f"{_fmt(h.get(f'success_by_{k}'))} | {_fmt(h.get('attempts'))} | "
+                         f"{_fmt(h.get('tool_errors_at_1'))}, {_fmt(h.get(f'tool_errors_at_{k}'))} | "
                          f"{_fmt(h.get('exploration/repeated_failed_actions'))} | {_fmt(s.get(f'pass_at_{k}'))} | "
-                         f"{_fmt(s.get(f'success_by_{k}'))} |")
+                         f"{_fmt(s.get(f'success_by_{k}'))} | {_fmt(s.get('success_at_2'))}, "
+                         f"{_fmt(s.get('independent_success_at_2'))} |")
         return "\n".join(lines) + "\n"
     lines = [f"{summary['env']}, {summary['model']}, {summary['steps']} RL steps, no warm start; annealed: "
              f"{summary['demos']} demos fading to 0 at step {summary['demos_steps']} ({summary['seconds']} s)", "",
@@ -179,6 +184,44 @@ def tables(summary: dict) -> str:
         lines.append(f"| {arm} | {_fmt(curve[min(curve)])} | {_fmt(r['heldout']['success'])} | "
                      + ", ".join(f"{s}: {_fmt(v)}" for s, v in sorted(curve.items())) + " |")
     return "\n".join(lines) + "\n"
+
+
+AGGREGATED = ("success", "success_at_2", "success_at_{k}", "success_by_{k}", "tool_errors_at_1", "tool_errors_at_{k}",
+              "exploration/repeated_failed_actions", "sampled/pass_at_{k}", "sampled/success_by_{k}",
+              "sampled/success_at_2", "sampled/independent_success_at_2")
+
+
+def aggregate(summaries: list[dict]) -> str:
+    """A markdown table of reflection runs (several seeds): per arm, the mean and the per-seed values."""
+    if not summaries or any(s["experiment"] != "reflection" for s in summaries):
+        raise SystemExit("summarize takes the --out directories of reflection runs (each with a summary.json)")
+    k = summaries[0]["attempts"]
+    keys = [key.format(k=k) for key in AGGREGATED]
+    arms = list(dict.fromkeys(arm for s in summaries for arm in s["arms"]))
+    lines = [f"{summaries[0]['env']}, K = {k}, {len(summaries)} runs (mean; per run in brackets)", "",
+             "| arm | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for arm in arms:
+        cells = []
+        for key in keys:
+            part, name = key.split("/", 1) if key.startswith("sampled/") else ("heldout", key)
+            values = [s["arms"][arm].get(part, {}).get(name) for s in summaries if arm in s["arms"]]
+            values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+            cells.append(f"{sum(values) / len(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})" if values
+                         else "-")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def mean_summary(summaries: list[dict]) -> dict:
+    """One reflection summary whose held-out ``success_by_k`` are the means over ``summaries`` (for ``plot``)."""
+    k = summaries[0]["attempts"]
+    arms = list(dict.fromkeys(arm for s in summaries for arm in s["arms"]))
+    mean = {}
+    for arm in arms:
+        runs = [s["arms"][arm]["heldout"] for s in summaries if arm in s["arms"]]
+        mean[arm] = {"heldout": {f"success_by_{j}": sum(r[f"success_by_{j}"] for r in runs) / len(runs)
+                                 for j in range(1, k + 1)}}
+    return {**summaries[0], "arms": mean, "env": f"{summaries[0]['env']}, mean of {len(summaries)} runs"}
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -211,7 +254,8 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=("reflection", "demos"))
+    parser.add_argument("experiment", choices=("reflection", "demos", "summarize"),
+                        help="summarize: a table over the --out directories of reflection runs given as arguments")
     parser.add_argument("--env", help="reflection: minesweeper (default) or bandit; demos: python_math (default)")
     parser.add_argument("--model", help="default: the tiny model pre-trained on the experiment's environments")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per trained arm (default 12; demos 40)")
@@ -220,13 +264,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-tasks", type=int, default=40, help="held-out tasks per evaluation")
     parser.add_argument("--sampled", type=int, default=0,
                         help="reflection: trials per task of an extra sampled evaluation (pass@K needs >= K; 0 = none)")
+    parser.add_argument("--trial-demos", type=float, default=0.0,
+                        help="reflection: fraction of the warm start's demos played as scripted trials (a failure, "
+                             "its reflection, the solution; sft.trial_demos)")
     parser.add_argument("--demos", type=int, default=2, help="demos: demonstrations per prompt at step 0")
     parser.add_argument("--eval-every", type=int, default=0, help="demos: held-out evaluation every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a seconds-long run on a random-init model")
     parser.add_argument("--out", default=None, help="results directory (default runs/experiment-meta-<experiment>)")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, section.key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as the examples write them
+    if args.experiment == "summarize":
+        summaries = [json.loads((Path(d) / "summary.json").read_text()) for d in args.overrides]
+        text = aggregate(summaries)
+        print(text)
+        if args.out:  # the table and the mean success-by-attempt curves
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "tables.md").write_text(text)
+            plot(mean_summary(summaries), out / "reflection.png")
+        return {"table": text}
     if args.smoke:
         args.model = args.model or "tiny:pretrain_steps=0"
         args.steps = 1 if args.steps is None else args.steps

@@ -22,12 +22,14 @@ def experiment():
 def test_reflection_experiment_smoke(experiment, tmp_path):
     out = tmp_path / "reflection"
     summary = experiment.main(["reflection", "--smoke", "--arms", "warm,icrl,meta", "--sampled", "2",
-                               "--out", str(out)])
+                               "--trial-demos", "0.5", "--out", str(out), "meta.reflection_max_tokens=64"])
     assert set(summary["arms"]) == {"warm", "icrl", "meta"} and summary["attempts"] == 2
+    warm_rows = [json.loads(x) for x in (out / "warm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trial_demos"] for r in warm_rows if r["phase"] == "sft"] == [4]  # half of the smoke's 8 demos
     for arm, result in summary["arms"].items():
         heldout = result["heldout"]
         assert {"success", "success_at_2", "success_by_2", "trial_success", "attempts"} <= set(heldout), arm
-        assert "pass_at_2" in result["sampled"]
+        assert {"pass_at_2", "independent_success_at_2"} <= set(result["sampled"])
     # every arm starts from the one saved warm start
     warm = summary["arms"]["warm"]["checkpoint"]
     assert summary["arms"]["icrl"]["checkpoint"] == warm
@@ -37,6 +39,13 @@ def test_reflection_experiment_smoke(experiment, tmp_path):
     assert "| meta |" in (out / "tables.md").read_text() and (out / "reflection.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="already holds runs"):
         experiment.main(["reflection", "--smoke", "--out", str(out)])
+    # summarize: the mean over runs (here the same run twice) with the per-run values, and the plot
+    table = experiment.main(["summarize", str(out), str(out), "--out", str(tmp_path / "both")])["table"]
+    success = summary["arms"]["meta"]["heldout"]["success"]
+    assert "2 runs" in table and f"| meta | {success:.2f} ({success:.2f}, {success:.2f}) |" in table
+    assert (tmp_path / "both" / "reflection.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="directories of reflection runs"):
+        experiment.aggregate([{"experiment": "demos"}])
 
 
 def test_demos_experiment_smoke(experiment, tmp_path):
