@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
@@ -131,27 +132,40 @@ class BanditEnv(ToolAnswerEnv):
 
     @classmethod
     def failure(cls, task: Task) -> list[str]:
-        """A scripted mistake for trial demos: the worst arm (for each turn's colour) on every pull."""
-        probs, colours = task.data.get("probs"), task.data.get("colours")
-        if probs is None or colours is None:
-            raise EnvError(f"task {task.id} lacks data['probs'] / data['colours']; draw tasks with sample_tasks")
-        rows = [probs[COLOURS.index(c)] for c in colours] if colours else [probs[0]] * task.context["horizon"]
-        return [format_tool_call("pull", {"arm": min(range(len(r)), key=r.__getitem__)}) for r in rows]
+        """Trial demos' first attempt: explore, pulling the arms in turn (about uniform: it fails)."""
+        if task.data.get("probs") is None:
+            raise EnvError(f"task {task.id} lacks data['probs']; draw tasks with sample_tasks")
+        arms, horizon = task.context["arms"], task.context["horizon"]
+        return [format_tool_call("pull", {"arm": t % arms}) for t in range(horizon)]
 
     @classmethod
     def reflection(cls, task: Task, messages: list[Message]) -> str:
-        """What a failed attempt teaches, from its conversation: the arms it pulled and what they paid."""
-        pulls: dict[int, list[int]] = {}
+        """What an attempt's pulls showed, from its conversation: the arm that paid most (per colour)."""
+        seen: dict[str, dict[int, list[int]]] = {}  # colour ("" if none) -> arm -> rewards seen
+        colour = ""
         for i, m in enumerate(messages):
-            if m.role != "assistant" or not m.tool_calls or i + 1 >= len(messages):
-                continue
-            seen = messages[i + 1].content
-            if seen.startswith("reward "):
-                pulls.setdefault(int(m.tool_calls[0].arguments.get("arm", -1)), []).append(int(seen[7]))
-        if not pulls:
+            if m.role == "assistant" and m.tool_calls and i + 1 < len(messages):
+                reply = messages[i + 1].content
+                if reply.startswith("reward "):
+                    arm = int(m.tool_calls[0].arguments.get("arm", -1))
+                    seen.setdefault(colour, {}).setdefault(arm, []).append(int(reply[7]))
+            if m.role in ("user", "tool") and "Colour: " in m.content:
+                colour = m.content.rsplit("Colour: ", 1)[1].strip()
+        if not seen:
             return "No valid pull. Next time: call pull with an arm on every turn."
-        told = ", ".join(f"arm {arm} paid {sum(w)} of {len(w)}" for arm, w in sorted(pulls.items()))
-        return f"{told}. Next time: try other arms, keep the best."
+        best = {c: max(sorted(arms), key=lambda a, arms=arms: sum(arms[a]) / len(arms[a])) for c, arms in seen.items()}
+        if "" in best:
+            return f"Arm {best['']} paid most. Next time: pull arm {best['']}."
+        return "Next time: " + ", ".join(f"{c} arm {a}" for c, a in sorted(best.items())) + "."
+
+    @classmethod
+    def solve_after(cls, task: Task, reflection: str) -> list[str]:
+        """Trial demos' second attempt: follow the reflection (the arm it names, per colour; arm 0 where it names
+        none), so the demo shows a note being used, not the oracle."""
+        plain = re.search(r"pull arm (\d+)", reflection)
+        named = {c: int(a) for c, a in re.findall(r"(\w+) arm (\d+)", reflection)}
+        colours = task.data.get("colours") or [""] * task.context["horizon"]
+        return [format_tool_call("pull", {"arm": int(plain.group(1)) if plain else named.get(c, 0)}) for c in colours]
 
     def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
         """Start an episode; ``seed`` drives the sampled rewards the agent sees."""

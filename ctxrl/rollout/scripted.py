@@ -41,6 +41,10 @@ class ScriptedEngine:
         self.reflections: list[str] = []
         self._turns_played = 0
 
+    def extend(self, texts: list[str]) -> None:
+        """Script more turns after the ones given so far (a demo whose next attempt follows its reflection)."""
+        self._turns += [self._renderer.assistant_ids(text) for text in texts]
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         if params.purpose in ("summary", "reflection"):
             script = self._summary if params.purpose == "summary" else self._reflection

@@ -9,7 +9,10 @@ trial looks like, played through the real meta loop (``run_trial``) with a ``Scr
   revealed, the worst arm pulled) and fails;
 - asked to reflect, the engine answers with ``reflection(task, messages)``, written from that
   attempt's conversation (what went wrong, what to do instead);
-- attempt 2 opens with the note (``meta.context``) and plays ``solve(task)``.
+- attempt 2 opens with the note (``meta.context``) and plays ``solve(task)``, or, where the
+  environment has a ``solve_after(task, reflection)`` hook, what the reflection says to do (the
+  bandit pulls the arm its note names): then the note matters, and a trial whose note was wrong
+  (attempt 2 fails) is dropped rather than trained.
 
 Only the reflection and attempt 2 train (mask 1): attempt 1's turns are set to mask 0 after the
 play, so the warm start never learns the mistake. Environments opt in with both hooks
@@ -45,10 +48,38 @@ def mask_failed_attempt(trial: Episode) -> Episode:
     return trial
 
 
+def _play(env_cls, task, renderer: ChatRenderer, limits: RolloutLimits, policy: MetaPolicy, seed: int):
+    """One scripted trial of ``task``: ``failure``, the reflection, then ``solve_after(reflection)`` or ``solve``."""
+    played: list[_RecordedEnv] = []
+    follow = getattr(env_cls, "solve_after", None)
+
+    def make_env():
+        played.append(_RecordedEnv(env_cls()))
+        return played[-1]
+
+    def reflect() -> str:
+        text = env_cls.reflection(task, played[-1].messages)
+        if follow is not None:
+            engine.extend(follow(task, text))
+        return text
+
+    engine = ScriptedEngine([*env_cls.failure(task), *([] if follow else env_cls.solve(task))], renderer,
+                            reflection=reflect)
+    return run_trial(make_env, task, engine, renderer, limits, policy, seed=seed)
+
+
+def _outcomes(trial: Episode) -> list[tuple[bool, str | None]]:
+    return [(r["success"], r["truncation"]) for r in trial.info["attempts"]]
+
+
 async def build_trial_demos(env_cls, renderer: ChatRenderer, n: int, policy: MetaPolicy, *, seed: int = 0,
                             limits: RolloutLimits | None = None) -> list[Episode]:
     """Play ``n`` scripted two-attempt trials on training tasks (see the module docstring); raises with the
-    reason if the environment lacks the hooks or a script does not play as one failure then a success."""
+    reason if the environment lacks the hooks or a script does not play as one failure then a success.
+
+    With a ``solve_after(task, reflection)`` hook the second attempt follows the reflection, and can fail
+    (the bandit's most-paying arm in a few pulls is not always the best), as the first attempt's exploring
+    can succeed: such trials are dropped and more tasks drawn, up to 8 rounds."""
     name = getattr(env_cls, "name", env_cls.__name__)
     if not has_trial_hooks(env_cls):
         raise ValueError(f"environment {name!r} has no failure(task) and reflection(task, messages) hooks, so it "
@@ -58,28 +89,24 @@ async def build_trial_demos(env_cls, renderer: ChatRenderer, n: int, policy: Met
                          "meta.eval_attempts >= 2, meta.reflect = true)")
     limits = limits or RolloutLimits(max_turns=16, max_new_tokens=4096, max_total_tokens=1 << 20)
     policy = dataclasses.replace(policy, stop_on_success=True)
-    tasks = env_cls.sample_tasks("train", n, seed)
-    jobs = []
-    for task in tasks:
-        played: list[_RecordedEnv] = []
-
-        def make_env(played=played):
-            played.append(_RecordedEnv(env_cls()))
-            return played[-1]
-
-        engine = ScriptedEngine([*env_cls.failure(task), *env_cls.solve(task)], renderer,
-                                reflection=lambda task=task, played=played: env_cls.reflection(task, played[-1].messages))
-        jobs.append(run_trial(make_env, task, engine, renderer, limits, policy, seed=seed))
-    trials = list(await asyncio.gather(*jobs))
-    for trial in trials:
-        outcomes = [(r["success"], r["truncation"]) for r in trial.info["attempts"]]
-        if trial.truncation == "error" or outcomes != [(False, None), (True, None)]:
-            raise RuntimeError(f"trial demo of task {trial.task.id} did not play as a failure then a solution "
-                               f"(attempts: {outcomes}, error: {trial.info.get('error')}); check the env's failure() "
-                               "and solve() and the rollout limits")
-        if trial.info["attempts"][0].get("reflection_truncated"):
-            raise RuntimeError(f"the scripted reflection of task {trial.task.id} is longer than "
-                               f"meta.reflection_max_tokens={policy.reflection_max_tokens}; raise it so that demos "
-                               "show whole reflections")
-        mask_failed_attempt(trial)
-    return trials
+    follows = callable(getattr(env_cls, "solve_after", None))
+    kept: list[Episode] = []
+    for round_ in range(8 if follows else 1):
+        tasks = env_cls.sample_tasks("train", n if round_ == 0 else 2 * (n - len(kept)), seed + 7919 * round_)
+        trials = list(await asyncio.gather(*(_play(env_cls, t, renderer, limits, policy, seed) for t in tasks)))
+        for trial in trials:
+            if trial.truncation == "error" or _outcomes(trial) != [(False, None), (True, None)]:
+                if follows and trial.truncation != "error":
+                    continue  # exploring happened to succeed, or the followed note was wrong: not a demo of either
+                raise RuntimeError(f"trial demo of task {trial.task.id} did not play as a failure then a solution "
+                                   f"(attempts: {_outcomes(trial)}, error: {trial.info.get('error')}); check the "
+                                   "env's failure() and solve() and the rollout limits")
+            if trial.info["attempts"][0].get("reflection_truncated"):
+                raise RuntimeError(f"the scripted reflection of task {trial.task.id} is longer than "
+                                   f"meta.reflection_max_tokens={policy.reflection_max_tokens}; raise it so that demos "
+                                   "show whole reflections")
+            kept.append(mask_failed_attempt(trial))
+        if len(kept) >= n:
+            return kept[:n]
+    raise RuntimeError(f"only {len(kept)} of {n} trial demos of {name!r} were solved by following their reflection "
+                       "after 8 rounds of tasks; check the env's solve_after()")
