@@ -440,7 +440,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"sft.context_demos=on plays demos with scripted summaries, under context.manager=summarize "
                           f"only (not {ctx.manager!r}); use sft.context_demos=auto or off")
     if not 0.0 <= config.sft.trial_demos <= 1.0:
-        raise ConfigError(f"sft.trial_demos must be in [0, 1] (a fraction of sft.demos), got {config.sft.trial_demos!r}")
+        raise ConfigError(f"sft.trial_demos must be in [0, 1] (a fraction of sft.demos), "
+                          f"got {config.sft.trial_demos!r}")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
         raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
     if config.rollout.group_size < 2 and config.train.steps > 0 and config.algo.advantage not in ("gae", "reinforce_pp"):

@@ -4,8 +4,8 @@
 (``ctxrl.rollout.meta``): its ``success``, ``reward``, ``tool_calls``... are attempt 1's, exactly
 what ``evaluate_split`` reports (attempt 1 is the zero-context policy), and ``meta_metrics`` adds
 ``success_at_k``, ``success_by_k``, ``pass_at_k`` (of independent first attempts, with enough
-trials per task), exploration and ``per_attempt`` diagnostics (tool errors, turns, prompt length). ``trial_success`` is success by attempt K over all trials
-(errored ones count as failures). Neither ever shows demonstrations: evaluation is zero-shot.
+trials per task), exploration and ``per_attempt`` diagnostics (tool errors, turns, prompt length).
+``trial_success`` is success by attempt K over all trials (errored ones count as failures). Neither ever shows demonstrations: evaluation is zero-shot.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def per_attempt(trials: list[Episode]) -> dict[str, float]:
     longest = max(len(t.info["attempts"]) for t in trials)
     for k in range(longest):
         records = [t.info["attempts"][k] for t in trials if len(t.info["attempts"]) > k]
-        for key, name in (("tool_errors", "tool_errors"), ("turns", "turns"), ("opening_tokens", "opening_tokens")):
-            out[f"{name}_at_{k + 1}"] = sum(r[key] for r in records) / len(records)
+        for key in ("tool_errors", "turns", "opening_tokens"):
+            out[f"{key}_at_{k + 1}"] = sum(r[key] for r in records) / len(records)
     return out
 
 

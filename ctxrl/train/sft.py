@@ -72,7 +72,7 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
         use_shortcut = shortcut is not None and rng.random() < shortcut_fraction
         texts = shortcut(task) if use_shortcut else env_cls.solve(task)
         if summarize:
-            env = _RecordedEnv(env_cls())
+            env = RecordedEnv(env_cls())
             engine = ScriptedEngine(texts, renderer,
                                     summary=lambda env=env, task=task: write_summary(task, env.messages))
         else:
@@ -85,7 +85,7 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
     return episodes
 
 
-class _RecordedEnv:
+class RecordedEnv:
     """A demo's environment, recording the conversation it takes part in: what the scripted summaries read.
 
     ``messages`` is the opening, then each assistant message and its observations, across every

@@ -5,8 +5,8 @@ from an earlier attempt. Asked to reflect, a small one writes another tool call;
 it drifts into invalid calls (docs/experiments/meta.md measures both). Trial demos show it what a
 trial looks like, played through the real meta loop (``run_trial``) with a ``ScriptedEngine``:
 
-- attempt 1 plays the environment's ``failure(task)`` script (a plausible mistake: a mine
-  revealed, the worst arm pulled) and fails;
+- attempt 1 plays the environment's ``failure(task)`` script (a mine revealed; the bandit's arms
+  pulled in turn, exploring) and fails;
 - asked to reflect, the engine answers with ``reflection(task, messages)``, written from that
   attempt's conversation (what went wrong, what to do instead);
 - attempt 2 opens with the note (``meta.context``) and plays ``solve(task)``, or, where the
@@ -28,7 +28,7 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.rollout.agent import RolloutLimits
 from ctxrl.rollout.meta import MetaPolicy, run_trial
 from ctxrl.rollout.scripted import ScriptedEngine
-from ctxrl.train.sft import _RecordedEnv
+from ctxrl.train.sft import RecordedEnv
 from ctxrl.types import Episode
 
 
@@ -50,11 +50,11 @@ def mask_failed_attempt(trial: Episode) -> Episode:
 
 def _play(env_cls, task, renderer: ChatRenderer, limits: RolloutLimits, policy: MetaPolicy, seed: int):
     """One scripted trial of ``task``: ``failure``, the reflection, then ``solve_after(reflection)`` or ``solve``."""
-    played: list[_RecordedEnv] = []
+    played: list[RecordedEnv] = []
     follow = getattr(env_cls, "solve_after", None)
 
     def make_env():
-        played.append(_RecordedEnv(env_cls()))
+        played.append(RecordedEnv(env_cls()))
         return played[-1]
 
     def reflect() -> str:
