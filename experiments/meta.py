@@ -28,6 +28,10 @@ success by attempt K.
 few-shot demonstrations (from ``solve()`` on other training tasks, fading linearly to none at
 half the steps) against none; held-out success (always zero-shot) before, during and after.
 
+``--trial-demos F`` plays that fraction of the warm start's demos as scripted trials (a failure, its
+reflection, the solution: ``sft.trial_demos``, docs/meta.md). ``summarize DIR...`` prints the mean
+and per-run figures of several reflection runs (seeds) and, with ``--out``, writes them and a plot.
+
 ``--smoke`` shrinks everything (random-init model, one step, two tasks) to check the script runs.
 """
 
@@ -275,6 +279,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, section.key=value")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options, as the examples write them
     if args.experiment == "summarize":
+        missing = [d for d in args.overrides if not (Path(d) / "summary.json").is_file()]
+        if missing or not args.overrides:
+            raise SystemExit(f"summarize needs the --out directories of finished reflection runs; no summary.json in "
+                             f"{', '.join(missing) or '(none given)'}")
         summaries = [json.loads((Path(d) / "summary.json").read_text()) for d in args.overrides]
         text = aggregate(summaries)
         print(text)

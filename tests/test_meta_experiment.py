@@ -46,6 +46,8 @@ def test_reflection_experiment_smoke(experiment, tmp_path):
     assert (tmp_path / "both" / "reflection.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="directories of reflection runs"):
         experiment.aggregate([{"experiment": "demos"}])
+    with pytest.raises(SystemExit, match=f"no summary.json in {tmp_path}"):
+        experiment.main(["summarize", str(out), str(tmp_path)])
 
 
 def test_demos_experiment_smoke(experiment, tmp_path):
