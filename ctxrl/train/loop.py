@@ -255,8 +255,9 @@ class Run:
                                         shortcut_fraction=c.shortcut_fraction, seed=self.config.run.seed + 77,
                                         other_worlds=c.other_worlds, limits=self.demo_limits()))
         if n_trials:
-            policy = self.eval_meta if self.eval_meta.num_attempts >= self.train_meta.num_attempts else self.train_meta
-            policy = dataclasses.replace(policy, num_attempts=max(2, policy.num_attempts))
+            # the notes say "attempt 2 of K" for the largest K the run plays (eval_meta differs only in num_attempts)
+            k = max(2, self.train_meta.num_attempts, self.eval_meta.num_attempts)
+            policy = dataclasses.replace(self.train_meta, num_attempts=k)
             demos += asyncio.run(build_trial_demos(self.env_cls, self.renderer, n_trials, policy,
                                                    seed=self.config.run.seed + 78))
         losses = sft_train(self.model, demos, pad_token_id=self.tokenizer.pad_token_id, epochs=c.epochs,
