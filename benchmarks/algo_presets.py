@@ -23,8 +23,8 @@ import json
 import statistics
 from pathlib import Path
 
-from ctxrl.cli import run_pipeline
 from ctxrl.config import load_config
+from ctxrl.train.trainer import train as run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "examples" / "calculator_tiny.toml"
@@ -55,7 +55,7 @@ def summarize(run_dir: Path, summary: dict) -> dict:
 def train(config_path: Path | None, out: Path, name: str, overrides: list[str]) -> dict:
     run_dir = out / name
     config = load_config(config_path or BASE, overrides)
-    summary = run_pipeline(config, run_dir, quiet=True)
+    summary = run_training(config, run_dir)
     result = summarize(run_dir, summary)
     print(f"{name:<28} heldout {result['heldout_before']:.2f} -> {result['heldout_after']:.2f}  "
           f"tools/ep {result['tool_calls_after']:.2f}  grad max {result['grad_norm_max']:.2f} "

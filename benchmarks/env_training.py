@@ -1,6 +1,6 @@
 """Does the tiny model learn on the tool environments? Warm start + RL per environment, held-out before/after.
 
-For each environment the script runs the demo's pipeline (``ctxrl.cli.run_pipeline``): a
+For each environment the script runs the demo's pipeline (``ctxrl.train.trainer.train``): a
 supervised warm start on scripted solutions (``sft.shortcut_fraction`` of them deliberately
 imperfect where the environment has a ``shortcut``), an evaluation, ``--steps`` RL steps, and
 the evaluation again; it prints success on train / heldout / ood before and after, and the
@@ -45,13 +45,13 @@ ENV_OVERRIDES = {
 
 
 def run_one(env: str, seed: int, model: str, steps: int, overrides: list[str], run_dir: Path) -> dict:
-    from ctxrl.cli import run_pipeline
     from ctxrl.config import load_config
+    from ctxrl.train.trainer import train
 
     config = load_config(None, [f"model.name={model}", f"env.name={env}", f"train.steps={steps}", f"run.seed={seed}",
                                 f"train.eval_every={max(1, steps // 4)}", "run.progress=false", f"run.name={env}",
                                 *ENV_OVERRIDES.get(env, []), *overrides])
-    return run_pipeline(config, run_dir, quiet=True)
+    return train(config, run_dir)
 
 
 def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:

@@ -1,6 +1,6 @@
 """GPU memory of a warm start + RL steps, with cuDNN attention allowed vs kept off (ctxrl.models.kernels).
 
-Each mode runs in its own process: the demo pipeline (``ctxrl.cli.run_pipeline``) on one
+Each mode runs in its own process: the demo pipeline (``ctxrl.train.trainer.train``) on one
 environment with a short warm start and a few RL steps. The parent samples the process's device
 memory with ``nvidia-smi`` (which sees what PyTorch's allocator does not: CUDA context, cuDNN and
 cuBLAS workspaces) and the child reports PyTorch's own peaks and the wall time::
@@ -28,14 +28,14 @@ def child(mode: str, env: str, model: str, overrides: list[str], run_dir: Path) 
     import torch
 
     import ctxrl.models.kernels as kernels
-    from ctxrl.cli import run_pipeline
+    from ctxrl.train.trainer import train
     from ctxrl.config import load_config
 
     kernels.ALLOW_CUDNN_ATTENTION = MODES[mode]
     config = load_config(None, [f"model.name={model}", f"env.name={env}", "run.progress=false", "sft.epochs=1",
                                 "train.steps=5", "eval.tasks=20", "rollout.max_total_tokens=1024", *overrides])
     started = time.perf_counter()
-    summary = run_pipeline(config, run_dir, quiet=True)
+    summary = train(config, run_dir)
     return {"mode": mode, "wall_seconds": round(time.perf_counter() - started, 1),
             "torch_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "torch_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,

@@ -1,182 +1,31 @@
-"""``ctxrl`` command line: demo, train, eval, envs."""
+"""``ctxrl`` command line: argument parsing and printing; the work is ``ctxrl.train.trainer``'s.
+
+Commands: ``demo``, ``train``, ``eval``, ``envs``, ``check-env``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ctxrl.config import Config, ConfigError, load_config
-from ctxrl.train.checkpoint import CheckpointError
+from ctxrl.config import Config, load_config
+from ctxrl.errors import CheckpointError, ConfigError
+
 
 def _default_run_dir(config: Config) -> Path:
     return Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-class GracefulStop:
-    """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT abandons it)."""
+def _train(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
+    from ctxrl.report.progress import ConsoleProgress
+    from ctxrl.train.trainer import train
 
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> GracefulStop:
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # asked twice: abandon the step now
-        self.signal = signum
-        # os.write, not print: a handler that prints can hit a print already in progress
-        os.write(2, f"\nctxrl: {signal.Signals(signum).name} received: stopping after this step "
-                    "(Ctrl-C again abandons it)\n".encode())
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-class RunStopped(Exception):
-    """The run stopped early on a signal, resumably; ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def logged_eval(run_dir: Path, step: int) -> dict[str, dict[str, float]]:
-    """The evaluation rows of ``step`` in ``metrics.jsonl``, by split (for a resumed run's summary)."""
-    rows: dict[str, dict[str, float]] = {}
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("phase") == "eval" and row.get("step") == step:
-                rows[row["split"]] = row
-    return rows
-
-
-def run_pipeline(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
-    """Warm start (if enabled), evaluate, RL, evaluate again; write the run directory.
-
-    ``resume``: continue from ``run_dir/checkpoints/latest`` instead (no warm start; the
-    evaluation before RL is read back from ``metrics.jsonl``). RL checkpoints are written every
-    ``train.checkpoint_every`` steps and when a signal stops the run.
-    """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ctxrl.report.plots import plot_run
-    from ctxrl.train.loop import Run
-
-    console = Console(stderr=True, quiet=quiet or not config.run.progress)
-    started = time.perf_counter()
-    if resume and not (run_dir / "checkpoints").exists():
-        raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
-    metrics = run_dir / "metrics.jsonl"
-    if not resume and metrics.exists() and metrics.stat().st_size > 0:
-        raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with --resume, "
-                              "or choose another --run-dir: a new run would mix its logs with the old one's")
-    run = Run(config, run_dir)
-    console.print(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {run.device} | "
-                  f"env {config.env.name}" + (" | resuming" if resume else ""))
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[info]}")]
-    summary: dict[str, Any] = {"run_dir": str(run_dir)}
-    every = config.train.checkpoint_every
-    with GracefulStop() as stop, Progress(*columns, console=console, transient=False) as progress:
-        if resume:
-            learner = run.make_learner()
-            first = run.resume(learner)
-            before = logged_eval(run_dir, 0)
-            if not before:
-                raise CheckpointError(f"{run_dir}/metrics.jsonl has no evaluation of step 0; the log does not "
-                                      "belong to this checkpoint")
-            if first > config.train.steps:
-                raise CheckpointError(f"the checkpoint is after step {first}, beyond train.steps={config.train.steps}; "
-                                      f"set train.steps >= {first}")
-            progress.console.print(f"resumed from {run_dir / 'checkpoints' / 'latest'} after step {first}")
-        else:
-            if config.sft.enabled:
-                bar = progress.add_task("warm start (SFT)", total=None, info="")
-
-                def on_sft(step: int, total: int, loss: float) -> None:
-                    progress.update(bar, completed=step, total=total, info=f"loss {loss:.3f}")
-
-                sft = run.warm_start(on_step=on_sft)
-                summary["sft_loss_last"] = sft["sft_loss_last"]
-            before = run.evaluate(0)
-            learner = run.make_learner()
-            first = 0
-            if every:  # the warm start is expensive: resumable from here on
-                run.save_training_checkpoint(0, learner)
-        progress.console.print(f"after warm start: heldout {before['heldout']['success']:.2f}  "
-                               f"ood {before['ood']['success']:.2f}")
-        steps = config.train.steps
-        bar = progress.add_task(f"RL ({config.algo.advantage}, {config.algo.loss})", total=steps, completed=first,
-                                info="")
-        done = first
-        for step in range(first, steps):
-            if stop.signal is not None:
-                break
-            row = run.rl_step(learner, step)
-            done = step + 1
-            info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
-                    f"{row['time_step']:.1f}s/step")
-            if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
-                mid = run.evaluate(done, splits=("heldout",))
-                info += f" | heldout {mid['heldout']['success']:.2f}"
-            if every and done % every == 0:
-                run.save_training_checkpoint(done, learner)
-            progress.update(bar, advance=1, info=info)
-        if stop.signal is not None and done < steps:
-            name = signal.Signals(stop.signal).name
-            if every:
-                if done % every and done > first:  # (done == first: latest already holds this state)
-                    run.save_training_checkpoint(done, learner)
-                hint = f"resume with --run-dir {run_dir} --resume"
-            else:
-                hint = "no checkpoint was written (train.checkpoint_every=0), so it cannot be resumed"
-            run.writer.close()
-            raise RunStopped(f"stopped by {name} after step {done} of {steps}; {hint}", 128 + stop.signal)
-        after = run.evaluate(steps) if steps else before
-    checkpoint = run.save_checkpoint("final")
-    run.writer.close()
-    plots = plot_run(run_dir)
-    summary.update({
-        "heldout_success_before": before["heldout"]["success"],
-        "heldout_success_after": after["heldout"]["success"],
-        "ood_success_before": before["ood"]["success"],
-        "ood_success_after": after["ood"]["success"],
-        "train_success_before": before["train"]["success"],
-        "train_success_after": after["train"]["success"],
-        # generalisation gap: success on training-distribution tasks minus success on the split
-        "gap_heldout_after": after["train"]["success"] - after["heldout"]["success"],
-        "gap_ood_after": after["train"]["success"] - after["ood"]["success"],
-        "tool_calls_before": before["heldout"]["tool_calls"],
-        "tool_calls_after": after["heldout"]["tool_calls"],
-        "steps": steps,
-        "resumed_from": first if resume else None,
-        "skipped_updates": learner.skipped_updates,
-        "checkpoint": str(checkpoint),
-        "plots": [str(p) for p in plots],
-        "device": run.device,
-        "wall_seconds": round(time.perf_counter() - started, 1),
-    })
-    for split in ("heldout", "ood"):  # trials at evaluation (meta): success by the last attempt, next to attempt 1's
-        if "trial_success" in after[split]:
-            summary[f"{split}_trial_success_before"] = before[split].get("trial_success")
-            summary[f"{split}_trial_success_after"] = after[split]["trial_success"]
-    return summary
+    with ConsoleProgress(quiet=quiet or not config.run.progress) as progress:
+        return train(config, run_dir, progress=progress, resume=resume)
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -210,7 +59,7 @@ def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
 def cmd_demo(args: argparse.Namespace) -> int:
     config = _config_from_args(None, args)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
-    summary = run_pipeline(config, run_dir, quiet=args.json and not sys.stderr.isatty())
+    summary = _train(config, run_dir, quiet=args.json and not sys.stderr.isatty())
     print_table(summary)
     if args.json:
         print(json.dumps(summary))
@@ -222,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and not args.run_dir:
         raise CheckpointError("--resume needs --run-dir: the directory of the run to continue")
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
-    summary = run_pipeline(config, run_dir, resume=args.resume)
+    summary = _train(config, run_dir, resume=args.resume)
     print_table(summary)
     if args.json:
         print(json.dumps(summary))
@@ -233,16 +82,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ctxrl.train.loop import Run
+    from ctxrl.config import to_toml
+    from ctxrl.report.writer import RunWriter
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import RolloutWorker
+    from ctxrl.train.trainer import evaluate_splits, pick_device
 
     overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false"]
     config = load_config(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
         f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    run = Run(config, run_dir)
+    worker = RolloutWorker.from_spec(RolloutSpec.from_config(config, device=pick_device(config.model.device)))
+    writer = RunWriter(run_dir)
+    writer.write_config(to_toml(config))
     splits = (args.split,) if args.split else ("train", "heldout", "ood")
-    results = run.evaluate(0, splits=splits)
-    run.writer.close()
+    results = evaluate_splits(worker, config, writer, 0, splits)
+    writer.close()
     table = Table(title=f"evaluation of {args.checkpoint}")
     for column in ("split", "success", "reward", "tool calls/ep", "turns/ep"):
         table.add_column(column)
@@ -262,6 +117,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ctxrl.envs.hooks import hook
     from ctxrl.envs.registry import get_env_class, list_envs
 
     table = Table(title="environments")
@@ -269,7 +125,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
         table.add_column(column)
     for name in list_envs():
         cls = get_env_class(name)
-        if callable(getattr(cls, "configure", None)):  # built from data: nothing to show until configured
+        if hook(cls, "configure") is not None:  # built from data: nothing to show until configured
             table.add_row(name, "env.tools", "-", "-", "-", "tasks from env.data (JSONL), see its docs")
             continue
         env = cls()
@@ -289,6 +145,7 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     """Run the conformance suite on an environment; exit 1 listing every problem."""
     from ctxrl.envs.base import EnvError
     from ctxrl.envs.check import check_env
+    from ctxrl.envs.hooks import features
     from ctxrl.envs.registry import configured_env_class
 
     try:
@@ -297,15 +154,20 @@ def cmd_check_env(args: argparse.Namespace) -> int:
         print(f"ctxrl: {exc}", file=sys.stderr)
         return 2
     problems = check_env(cls, n_tasks=args.tasks, seed=args.seed)
+    enabled = features(cls)
     if args.json:
-        print(json.dumps({"env": args.name, "ok": not problems, "problems": problems}))
-    elif problems:
+        print(json.dumps({"env": args.name, "ok": not problems, "problems": problems, "features": enabled}))
+        return 1 if problems else 0
+    if problems:
         print(f"{args.name}: {len(problems)} problem(s)")
         for problem in problems:
             print(f"  - {problem}")
     else:
         print(f"{args.name}: OK (seeded sampling and reset, splits, tool schemas, gold solutions score 1.0 on "
               f"every split, step after the end is an error, close twice)")
+    print("features its hooks enable (ctxrl/envs/hooks.py):")
+    for name, on in enabled.items():
+        print(f"  [{'x' if on else ' '}] {name}")
     return 1 if problems else 0
 
 
@@ -369,15 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"ctxrl: checkpoint error: {exc}", file=sys.stderr)
         return 2
-    except RunStopped as exc:
-        print(f"ctxrl: {exc}", file=sys.stderr)
-        return exc.exit_code
     except Exception as exc:
-        from ctxrl.train.loop import TrainingAborted
+        from ctxrl.train.trainer import RunStopped, TrainingAborted
 
         if isinstance(exc, TrainingAborted):
             print(f"ctxrl: run aborted: {exc}", file=sys.stderr)
             return 3
+        if isinstance(exc, RunStopped):
+            print(f"ctxrl: {exc}", file=sys.stderr)
+            return exc.exit_code
         raise
     except KeyboardInterrupt:
         print("ctxrl: interrupted", file=sys.stderr)

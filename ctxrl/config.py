@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import sys
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-from ctxrl.rollout.context import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
+from ctxrl.errors import ConfigError
+from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and how to fix it."""
+__all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
+
+# Keys that were renamed: an old config naming one is read under the new name, with a warning.
+RENAMED = {"meta.context": "meta.carry"}
 
 
 @dataclass
@@ -86,8 +90,9 @@ class ContextConfig:
     manager: str = "full"
     """What the model sees as an episode grows: ``full`` (everything), ``window`` (drop the oldest whole
     turns when the next turn would not fit), ``summarize`` (SUPO / ReSum: the policy summarises its
-    history when the next turn would not fit, and goes on from the summary) or ``fold``
-    (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent)."""
+    history when the next turn would not fit, and goes on from the summary), ``fold``
+    (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent),
+    or any manager registered with ``ctxrl.rollout.managers.register_manager``."""
     max_context_tokens: int = 0
     """Working-context budget in tokens for ``window`` and ``summarize`` (must not exceed rollout.max_total_tokens)."""
     max_summaries: int = 2
@@ -131,8 +136,8 @@ class MetaConfig:
     """``cross_episode`` only: ``std`` divides by the group std (GRPO-like), ``none`` only centres."""
     baseline: str = "loo"
     """``relative`` only: ``loo`` (mean of the other trials) or ``mean`` (of all trials that played the attempt)."""
-    context: str = "reflections"
-    """What an attempt sees of the earlier ones: ``reflections`` (a feedback line and the reflection of each)
+    carry: str = "reflections"
+    """What an attempt carries of the earlier ones: ``reflections`` (a feedback line and the reflection of each)
     or ``attempts`` (each earlier attempt in full, with its feedback)."""
     reflect: bool = True
     """Sample a reflection (trained) after each attempt that another follows; false = plain retries."""
@@ -180,7 +185,7 @@ class SFTConfig:
     summaries; ``on`` insists (a config error if the env has no hook); ``off`` plays full-context demos."""
     trial_demos: float = 0.0
     """Fraction of the demos played as scripted trials: a failed attempt, its reflection, then the solution
-    (ctxrl.train.trial_demos; only the reflection and the solution train). Teaches the format of trials before
+    (ctxrl.meta.trial_demos; only the reflection and the solution train). Teaches the format of trials before
     meta-RL; needs the env's ``failure`` and ``reflection`` hooks (minesweeper, bandit)."""
     epochs: int = 2
     """Passes over the demonstrations."""
@@ -196,8 +201,8 @@ class AlgoConfig:
     """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
     ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
     batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
-    critic) or ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md);
-    see docs/algorithms.md."""
+    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), or any
+    estimator registered with ``ctxrl.algo.estimators.register_estimator``; see docs/algorithms.md."""
     gamma: float = 1.0
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
     lam: float = 1.0
@@ -245,7 +250,7 @@ class CurriculumConfig:
     kind: str = "fixed"
     """Which training tasks and turn limit per step: ``fixed`` (the env's train distribution),
     ``horizon`` (turn cap raised in stages, ScalingInter-RL) or ``self_paced`` (prefer contexts of
-    intermediate success, SPaCE-like); see ctxrl/contexts/curriculum.py."""
+    intermediate success, SPaCE-like); see ctxrl/tasks/curriculum.py."""
     horizon_start_turns: int = 2
     """``horizon``: the turn cap at step 0 (it rises to ``env.max_turns``)."""
     horizon_warmup_steps: int = 20
@@ -363,20 +368,38 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "context.budget_steps", "context.max_branches", "context.branch_reward",
                  "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr",
                  "meta.eval_attempts", "meta.max_context_tokens", "meta.demos_max", "meta.demos_steps"}
-_CHOICES = {"algo.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "turn_grpo", "gae", "meta"),
-            "algo.loss": ("ppo_clip", "gspo"), "algo.old_logprobs": ("behaviour", "recompute"), "algo.kl_kind": ("k1", "k2", "k3"), "algo.kl_placement": ("loss", "reward"),
-            "algo.gae_level": ("token", "turn"),
-            "curriculum.kind": ("fixed", "horizon", "self_paced"),
-            "algo.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-            "model.dtype": ("float32", "bfloat16", "float16"),
-            "context.manager": ("full", "window", "summarize", "fold"),
-            "sft.context_demos": ("auto", "on", "off"),
-            "meta.credit": ("cross_episode", "relative"), "meta.normalize": ("std", "none"),
-            "meta.baseline": ("loo", "mean"), "meta.context": ("reflections", "attempts"),
-            "meta.demos_kind": ("linear", "cosine", "step"), "meta.demos_mode": ("count", "probability")}
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of every choice field, read from where each set is defined (never copied here)."""
+    from ctxrl.algo.losses import AGG_MODES, KL_KINDS
+    from ctxrl.meta.anneal import KINDS as DEMO_KINDS
+    from ctxrl.meta.anneal import MODES as DEMO_MODES
+    from ctxrl.meta.credit import BASELINES, NORMALIZE_MODES
+    from ctxrl.meta.estimator import CREDITS
+    from ctxrl.models.loader import DTYPES
+    from ctxrl.rollout.spec import CARRIES
+    from ctxrl.tasks.curriculum import KINDS as CURRICULA
+    from ctxrl.train.learner import LOSSES, OLD_LOGPROBS
+
+    return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
+            "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
+            "curriculum.kind": CURRICULA, "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
+            "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
+            "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES}
+
+
+def _registered(key: str, value: str, names: list[str]) -> None:
+    if value not in names:
+        close = difflib.get_close_matches(value, names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key} must be one of {', '.join(names)} (or a name registered before the config "
+                          f"is loaded); got {value!r}{hint}")
 
 
 def validate(config: Config) -> None:
+    from ctxrl.algo.estimators import estimator_names, get_estimator
+    from ctxrl.rollout.managers import get_manager, manager_names
+
+    choices = _choices()
     for section in dataclasses.fields(config):
         obj = getattr(config, section.name)
         for f in dataclasses.fields(obj):
@@ -385,8 +408,11 @@ def validate(config: Config) -> None:
                 raise ConfigError(f"{key} must be > 0, got {value!r}")
             if key in _NON_NEGATIVE and value < 0:
                 raise ConfigError(f"{key} must be >= 0, got {value!r}")
-            if key in _CHOICES and value not in _CHOICES[key]:
-                raise ConfigError(f"{key} must be one of {', '.join(_CHOICES[key])}; got {value!r}")
+            if key in choices and value not in choices[key]:
+                raise ConfigError(f"{key} must be one of {', '.join(choices[key])}; got {value!r}")
+    _registered("algo.advantage", config.algo.advantage, estimator_names())
+    _registered("context.manager", config.context.manager, manager_names())
+    estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)
     if 0.0 < config.algo.dual_clip <= 1.0:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {config.algo.dual_clip!r}")
     if config.algo.dual_clip and config.algo.loss != "ppo_clip":
@@ -400,9 +426,9 @@ def validate(config: Config) -> None:
                           f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
     if not 0.0 < config.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
-    _validate_meta(config)
+    _validate_meta(config, estimator)
     ctx = config.context
-    if ctx.manager in ("window", "summarize"):
+    if manager.uses_budget:
         if ctx.max_context_tokens <= 0:
             raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 (the working budget)")
         if ctx.max_context_tokens > config.rollout.max_total_tokens:
@@ -412,18 +438,18 @@ def validate(config: Config) -> None:
             raise ConfigError(f"context.budget_start_tokens ({ctx.budget_start_tokens}) must lie between "
                               f"context.max_context_tokens ({ctx.max_context_tokens}) and rollout.max_total_tokens "
                               f"({config.rollout.max_total_tokens}): the budget shrinks from it")
-    if ctx.budget_start_tokens and ctx.manager not in ("window", "summarize"):
-        raise ConfigError(f"context.budget_start_tokens applies to context.manager window or summarize, not "
-                          f"{ctx.manager!r}; set it to 0")
+    if ctx.budget_start_tokens and not manager.uses_budget:
+        raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget (window, "
+                          f"summarize), not {ctx.manager!r}; set it to 0")
     if ctx.branch_reward and ctx.manager != "fold":
         raise ConfigError(f"context.branch_reward rewards fold branches, so it applies to context.manager=fold only "
                           f"(not {ctx.manager!r}); set it to 0")
     if ctx.budget_start_tokens and ctx.budget_steps <= 0:
         raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
-    if ctx.manager in ("window", "summarize") and ctx.max_context_tokens <= config.rollout.max_new_tokens:
+    if manager.uses_budget and ctx.max_context_tokens <= config.rollout.max_new_tokens:
         raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must exceed rollout.max_new_tokens "
                           f"({config.rollout.max_new_tokens}): no turn would ever fit")
-    if ctx.manager != "full":
+    if manager.rewrites_context:
         if config.algo.agg != "token-mean":
             raise ConfigError(f"context.manager={ctx.manager} trains one sequence per segment; use algo.agg=token-mean, "
                               "where cutting an episode into segments leaves every token's weight unchanged (a "
@@ -431,42 +457,49 @@ def validate(config: Config) -> None:
         if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
             raise ConfigError(f"context.manager={ctx.manager} with algo.kl_placement=reward is not supported (the "
                               "penalty would miss closed segments); use algo.kl_placement=loss")
-        if config.algo.advantage not in ("grpo", "dr_grpo", "rloo"):
+        if not estimator.one_per_episode:
+            outcome = ", ".join(n for n in estimator_names() if get_estimator(n).one_per_episode)
             raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
-                              f"algo.advantage grpo, dr_grpo or rloo (not {config.algo.advantage!r})")
+                              f"an algo.advantage with one advantage per episode ({outcome}), not "
+                              f"{config.algo.advantage!r}")
     if not 0.0 <= config.rollout.max_error_rate <= 1.0:
         raise ConfigError(f"rollout.max_error_rate must be in [0, 1], got {config.rollout.max_error_rate!r}")
-    if config.sft.context_demos == "on" and ctx.manager != "summarize":
-        raise ConfigError(f"sft.context_demos=on plays demos with scripted summaries, under context.manager=summarize "
-                          f"only (not {ctx.manager!r}); use sft.context_demos=auto or off")
+    if config.sft.context_demos == "on" and manager.scripted_hook is None:
+        raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
+                          f"(summarize: its summary hook); context.manager={ctx.manager!r} asks for none; use "
+                          "sft.context_demos=auto or off")
     if not 0.0 <= config.sft.trial_demos <= 1.0:
         raise ConfigError(f"sft.trial_demos must be in [0, 1] (a fraction of sft.demos), "
                           f"got {config.sft.trial_demos!r}")
     if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
         raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
-    if config.rollout.group_size < 2 and config.train.steps > 0 and config.algo.advantage not in ("gae", "reinforce_pp"):
+    if config.rollout.group_size < 2 and config.train.steps > 0 and estimator.needs_groups:
+        ungrouped = ", ".join(n for n in estimator_names() if not get_estimator(n).needs_groups)
         raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
-                          "episodes per task (or use algo.advantage=gae or reinforce_pp)")
+                          f"episodes per task (or use an algo.advantage without groups: {ungrouped})")
 
 
-def _validate_meta(config: Config) -> None:
+def _validate_meta(config: Config, estimator: type) -> None:
     """Trials (meta.num_attempts > 1) and annealed demonstrations: what they combine with."""
+    from ctxrl.rollout.managers import get_manager
+
     m, a = config.meta, config.algo
     if not 0.0 <= m.gamma_trial <= 1.0:
         raise ConfigError(f"meta.gamma_trial must be in [0, 1], got {m.gamma_trial!r}")
     training_trials = m.num_attempts > 1 and config.train.steps > 0
-    if training_trials and a.advantage != "meta":
+    if training_trials and not estimator.credits_attempts:
         raise ConfigError(f"meta.num_attempts={m.num_attempts} trains on trials, whose credit across attempts comes "
                           f"from meta.credit; set algo.advantage=meta (not {a.advantage!r})")
-    if a.advantage == "meta" or m.num_attempts > 1 or m.eval_attempts > 1:
-        what = "algo.advantage=meta" if a.advantage == "meta" else "meta trials (num_attempts or eval_attempts > 1)"
-        if config.context.manager != "full":
+    if estimator.credits_attempts or m.num_attempts > 1 or m.eval_attempts > 1:
+        what = (f"algo.advantage={a.advantage}" if estimator.credits_attempts
+                else "meta trials (num_attempts or eval_attempts > 1)")
+        if get_manager(config.context.manager).rewrites_context:
             raise ConfigError(f"{what} trains one sequence per attempt and does not combine with a context manager "
                               f"inside attempts; set context.manager=full (not {config.context.manager!r}) and bound "
                               "the carried history with meta.max_context_tokens")
-    if a.advantage == "meta":
+    if estimator.credits_attempts:
         if a.agg != "token-mean":
-            raise ConfigError("algo.advantage=meta trains one sequence per attempt; use algo.agg=token-mean, where a "
+            raise ConfigError(f"algo.advantage={a.advantage} trains one sequence per attempt; use algo.agg=token-mean, where a "
                               "token weighs the same however a trial is cut into attempts")
         if a.kl_coef > 0 and a.kl_placement == "reward":
             raise ConfigError("algo.advantage=meta with algo.kl_placement=reward is not supported (the penalty would "
@@ -532,6 +565,13 @@ def from_dict(data: dict[str, Any]) -> Config:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, value in values.items():
+            if f"{name}.{key}" in RENAMED:  # an older config (or a run's saved config.toml): read it, and say so
+                new = RENAMED[f"{name}.{key}"].partition(".")[2]
+                if new in values:
+                    raise ConfigError(f"{name}.{key} was renamed {name}.{new}; the config sets both, keep only {name}.{new}")
+                warnings.warn(f"config key {name}.{key} was renamed {name}.{new}; reading it as {name}.{new} = "
+                              f"{value!r} (write the new name to silence this)", DeprecationWarning, stacklevel=2)
+                key = new
             if key not in fields:
                 raise ConfigError(f"unknown config key {name}.{key}"
                                   f"{_nearest(f'{name}.{key}', [f'{name}.{f}' for f in fields])}")

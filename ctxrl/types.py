@@ -1,32 +1,32 @@
 """Plain data that crosses every boundary in ctxrl: tasks, messages, tool calls, episodes.
 
-Everything here is a dataclass of JSON-friendly fields (plus ``to_dict``), so it can cross a
-process boundary unchanged. Nothing here imports torch: tensors are built from these lists by
-the learner, never stored in them.
+Everything here is a dataclass of JSON-friendly fields, so it can cross a process boundary
+unchanged: ``to_dict`` / ``from_dict`` (and ``ctxrl.plain.to_json`` / ``from_json``) round-trip
+every field exactly, floats included. Nothing here imports torch: tensors are built from these
+lists by the learner, never stored in them. Ids, masks and log-probs are written by one piece of
+code only, the rollout's ``Recorder`` (``ctxrl.rollout.recorder``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from ctxrl.plain import PlainData
 
 SPLITS = ("train", "heldout", "ood")
 
 
 @dataclass
-class ToolCall:
+class ToolCall(PlainData):
     """One parsed tool call: ``{"name": ..., "arguments": {...}}`` in the Hermes/Qwen format."""
 
     name: str
     arguments: dict[str, Any]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "arguments": self.arguments}
-
 
 @dataclass
-class Message:
+class Message(PlainData):
     """A chat message.
 
     ``tool_calls`` holds calls parsed from an assistant message; ``tool_call_errors`` holds one
@@ -52,12 +52,9 @@ class Message:
             out["name"] = self.name
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclass
-class Task:
+class Task(PlainData):
     """One problem instance drawn from an environment's context space.
 
     ``context`` holds the variant parameters it was drawn with (e.g. ``{"digits": 2, "ops": 1}``),
@@ -71,12 +68,9 @@ class Task:
     split: str = "train"
     data: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclass
-class StepResult:
+class StepResult(PlainData):
     """What ``Env.step`` returns: new messages to show the model, and the reward so far."""
 
     messages: list[Message]
@@ -87,7 +81,7 @@ class StepResult:
 
 
 @dataclass
-class Turn:
+class Turn(PlainData):
     """Bookkeeping for one assistant turn of an episode."""
 
     index: int
@@ -104,11 +98,12 @@ class Turn:
 
 
 @dataclass
-class Segment:
+class Segment(PlainData):
     """One closed, token-faithful sequence of an episode whose context was rewritten (e.g. summarised).
 
     Same invariants as ``Episode``'s own arrays; ``messages`` is the conversation it rendered, and
-    ``ended_by`` says what closed it (``summary``).
+    ``ended_by`` says what closed it (``summary``, ``window``, ``fold``, ``attempt``, ``reflection``;
+    ``end`` for the live sequence ``Episode.sequences()`` lists last).
     """
 
     input_ids: list[int]
@@ -120,7 +115,7 @@ class Segment:
 
 
 @dataclass
-class Episode:
+class Episode(PlainData):
     """One token-faithful episode.
 
     Invariants (tested): ``len(input_ids) == len(loss_mask) == len(behavior_logprobs) ==
@@ -146,30 +141,10 @@ class Episode:
     segments: list[Segment] = field(default_factory=list)
     """Earlier, closed sequences (oldest first); ``input_ids`` etc. hold the live, last one."""
 
-    def start_segment(self, prompt_ids: list[int], messages: list[Message], *, ended_by: str = "summary") -> None:
-        """Close the live sequence (kept in ``segments``) and start a new one from ``prompt_ids`` (mask 0)."""
-        self.segments.append(Segment(self.input_ids, self.loss_mask, self.behavior_logprobs, self.turn_index,
-                                     list(self.messages), ended_by))
-        self.input_ids, self.loss_mask, self.behavior_logprobs, self.turn_index = [], [], [], []
-        self.messages = list(messages)
-        self.append(prompt_ids, sampled=False, turn=-1)
-
     def sequences(self) -> list[Segment]:
         """Every sequence the learner trains on: the closed segments, then the live one."""
         live = Segment(self.input_ids, self.loss_mask, self.behavior_logprobs, self.turn_index, self.messages, "end")
         return [*self.segments, live]
-
-    def append(self, ids: list[int], *, sampled: bool, turn: int, logprobs: list[float] | None = None) -> None:
-        """Append ids; sampled ids carry their behaviour log-probs, others get 0."""
-        if sampled:
-            if logprobs is None or len(logprobs) != len(ids):
-                raise ValueError("sampled ids need one behaviour log-prob each")
-            self.behavior_logprobs.extend(float(x) for x in logprobs)
-        else:
-            self.behavior_logprobs.extend([0.0] * len(ids))
-        self.input_ids.extend(ids)
-        self.loss_mask.extend([1 if sampled else 0] * len(ids))
-        self.turn_index.extend([turn] * len(ids))
 
     @property
     def num_sampled_tokens(self) -> int:
@@ -183,5 +158,31 @@ class Episode:
     def tool_errors(self) -> int:
         return sum(t.tool_errors for t in self.turns)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainSequence(PlainData):
+    """One row the learner trains on: a token-faithful sequence and its per-token targets.
+
+    Built by an advantage estimator from an episode (one per episode, or one per segment or
+    attempt). Every list is aligned with ``input_ids``; ``advantages`` is 0 wherever ``loss_mask``
+    is 0. ``returns``, ``old_values`` and ``value_mask`` are the critic's targets (GAE only;
+    ``value_mask`` None = train the value at every sampled token).
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    advantages: list[float]
+    returns: list[float] | None = None
+    old_values: list[float] | None = None
+    value_mask: list[int] | None = None
+    group_id: int = 0
+    policy_version: int = 0
+
+    @classmethod
+    def of(cls, sequence: Episode | Segment, advantages: list[float], **targets: Any) -> TrainSequence:
+        """The row of one episode's (or segment's) token arrays with ``advantages`` and optional targets."""
+        if len(advantages) != len(sequence.input_ids):
+            raise ValueError(f"{len(sequence.input_ids)} tokens but {len(advantages)} advantages")
+        return cls(sequence.input_ids, sequence.loss_mask, sequence.behavior_logprobs, advantages, **targets)

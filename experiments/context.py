@@ -37,9 +37,8 @@ def manager_overrides(manager: str, budget: int, max_summaries: int) -> list[str
 
 
 def main() -> None:
-    from ctxrl.cli import run_pipeline
     from ctxrl.config import load_config
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer, train
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=MODEL)
@@ -58,7 +57,7 @@ def main() -> None:
         config = load_config(None, [f"model.name={args.model}", f"train.steps={args.steps}", f"run.name={manager}",
                                     *COMMON, *manager_overrides(manager, args.budget, args.max_summaries),
                                     *args.overrides])
-        summary = run_pipeline(config, out / manager, quiet=True)
+        summary = train(config, out / manager)
         rows = [json.loads(x) for x in (out / manager / "metrics.jsonl").read_text().splitlines()]
         final = next(r for r in reversed(rows) if r["phase"] == "eval" and r["split"] == "heldout")
         results[manager] = {"heldout_before": summary["heldout_success_before"],
@@ -73,10 +72,10 @@ def main() -> None:
                 cfg = load_config(None, [f"model.name={summary['checkpoint']}", f"run.name=eval-{k}", *COMMON,
                                          *manager_overrides(manager, args.budget, args.max_summaries),
                                          f"context.eval_max_summaries={k}", "train.steps=0", *args.overrides])
-                run = Run(cfg, out / f"summarize-eval-{k}")
-                evaluated = run.evaluate(args.steps, splits=("heldout", "ood"))
+                trainer = Trainer(cfg, out / f"summarize-eval-{k}")
+                evaluated = trainer.evaluate(args.steps, splits=("heldout", "ood"))
                 scaling[k] = {split: r["success"] for split, r in evaluated.items()}
-                run.writer.close()
+                trainer.writer.close()
             results[manager]["heldout_by_eval_summaries"] = {k: v["heldout"] for k, v in scaling.items()}
             results[manager]["ood_by_eval_summaries"] = {k: v["ood"] for k, v in scaling.items()}
     out.mkdir(parents=True, exist_ok=True)

@@ -66,37 +66,37 @@ def _config(overrides: list[str]):
 
 def train_and_evaluate(overrides: list[str], out: Path, *, eval_every: int = 0) -> dict:
     """Optional warm start, ``train.steps`` RL steps, held-out evaluation (also every ``eval_every`` steps)."""
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer
 
     config = _config(overrides)
-    run = Run(config, out)
+    trainer = Trainer(config, out)
     if config.sft.enabled:
-        run.warm_start()
+        trainer.warm_start()
     curve = {}
     steps = config.train.steps
     if eval_every:
-        curve[0] = run.evaluate(0, splits=("heldout",))["heldout"]["success"]
+        curve[0] = trainer.evaluate(0, splits=("heldout",))["heldout"]["success"]
     if steps:
-        learner = run.make_learner()
+        trainer.make_learner()
         for step in range(steps):
-            run.rl_step(learner, step)
+            trainer.step(step)
             if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-                curve[step + 1] = run.evaluate(step + 1, splits=("heldout",))["heldout"]["success"]
-    result = run.evaluate(steps, splits=("heldout",))["heldout"]
+                curve[step + 1] = trainer.evaluate(step + 1, splits=("heldout",))["heldout"]["success"]
+    result = trainer.evaluate(steps, splits=("heldout",))["heldout"]
     curve[steps] = result["success"]
-    checkpoint = run.save_checkpoint("final")
-    run.writer.close()
+    checkpoint = trainer.save_final("final")
+    trainer.writer.close()
     return {"heldout": result, "curve": curve, "checkpoint": str(checkpoint)}
 
 
 def evaluate(checkpoint: str, overrides: list[str], out: Path) -> dict:
     """Held-out evaluation of a saved model under ``overrides`` (no training)."""
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer
 
-    run = Run(_config([*overrides, f"model.name={json.dumps(checkpoint)}", "sft.enabled=false", "train.steps=0"]),
-              out)
-    result = run.evaluate(0, splits=("heldout",))["heldout"]
-    run.writer.close()
+    trainer = Trainer(_config([*overrides, f"model.name={json.dumps(checkpoint)}", "sft.enabled=false",
+                               "train.steps=0"]), out)
+    result = trainer.evaluate(0, splits=("heldout",))["heldout"]
+    trainer.writer.close()
     return result
 
 
@@ -116,7 +116,7 @@ def reflection(args, out: Path) -> dict:
     checkpoint = warm["checkpoint"]
     print(f"warm start saved to {checkpoint} ({time.perf_counter() - t0:.0f}s)", flush=True)
     start = [*base, f"model.name={json.dumps(checkpoint)}", "sft.enabled=false"]
-    protocols = {"warm": trials, "icrl": [*trials, "meta.context=attempts", "meta.reflect=false"]}
+    protocols = {"warm": trials, "icrl": [*trials, "meta.carry=attempts", "meta.reflect=false"]}
     if "warm" in arms:
         results["warm"] = {"heldout": warm["heldout"], "checkpoint": checkpoint}
     if "icrl" in arms:

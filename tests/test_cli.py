@@ -67,7 +67,13 @@ def test_envs_lists_calculator(tmp_path: Path) -> None:
 def test_check_env_passes_and_fails_with_reasons(tmp_path: Path) -> None:
     proc = ctxrl("check-env", "calculator", "--tasks", "4", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"env": "calculator", "ok": True, "problems": []}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k: result[k] for k in ("env", "ok", "problems")} == {"env": "calculator", "ok": True, "problems": []}
+    # which features the environment's hooks enable (ctxrl/envs/hooks.py)
+    assert result["features"]["imperfect warm start (shortcut)"] is True
+    assert result["features"]["trial demos (failure + reflection)"] is False
+    proc = ctxrl("check-env", "minesweeper", "--tasks", "2", cwd=tmp_path)
+    assert proc.returncode == 0 and "[x] trial demos (failure + reflection)" in proc.stdout
     # a third-party env by module:Class whose gold solution is wrong
     (tmp_path / "badenv.py").write_text(
         "from ctxrl.envs.calculator import CalculatorEnv\n"

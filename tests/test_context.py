@@ -8,14 +8,18 @@ import re
 import pytest
 import torch
 
-from ctxrl.algo.estimators import episode_advantages
+from ctxrl.algo.estimators import get_estimator, token_advantages
 from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.config import ConfigError, load_config
 from ctxrl.engine.base import Completion
 from ctxrl.envs.kv_chain import KVChainEnv
-from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.context import BRANCH_HEADER, ContextPolicy, restart_messages
-from ctxrl.train.segments import context_stats, expand_segments
+from ctxrl.rollout.agent import run_episode
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.prompts import BRANCH_HEADER
+from ctxrl.rollout.managers import ContextPolicy, get_manager
+from ctxrl.rollout.managers.stats import context_stats
+from ctxrl.rollout.managers.summarize import restart_messages
+from ctxrl.rollout.recorder import Recorder
 from ctxrl.types import Episode, Task
 
 
@@ -23,15 +27,15 @@ class OracleEngine:
     """A scripted kv_chain policy that reads its prompt: look up the latest key, answer the value,
     and summarise (``next KEY``) whenever the prompt ends with the summary instruction."""
 
-    version = 0
+    policy_version = 0
 
     def __init__(self, renderer, instruction: str, logprob: float = -0.25) -> None:
         self.renderer, self.instruction, self.logprob = renderer, instruction, logprob
         self.prompts: list[list[int]] = []
         self.summaries: list[str] = []
 
-    def set_version(self, version: int) -> None:
-        self.version = version
+    def load_weights(self, state, *, version: int) -> None:
+        self.policy_version = version
 
     def _latest(self, text: str) -> tuple[str, str]:
         found = [(m.start(), "key", m.group(1)) for m in re.finditer(r"(?:next|key|from) (K\d{4})", text)]
@@ -140,54 +144,55 @@ def test_summary_logprobs_match_the_learner(model, tokenizer, renderer):
 
 def _ep(group: int, reward: float, segments: int) -> Episode:
     e = Episode(task=Task(id="t", prompt="p", answer="a"), group_id=group, reward=reward)
+    rec = Recorder(e)
     for k in range(segments):
-        e.append([1, 2], sampled=False, turn=-1)
-        e.append([3, 4, 5], sampled=True, turn=0, logprobs=[-1.0] * 3)
+        rec.write_ids([1, 2], sampled=False, turn=-1)
+        rec.write_ids([3, 4, 5], sampled=True, turn=0, logprobs=[-1.0] * 3)
         if k < segments - 1:
-            e.start_segment([9], [])
+            rec.close_segment(ended_by="summary")
+            rec.write_ids([9], sampled=False, turn=-1)
     return e
 
 
 def test_advantages_are_per_episode_and_broadcast_to_every_segment():
-    from ctxrl.train.segments import episode_outcome_advantages
-
     eps = [_ep(0, 1.0, segments=3), _ep(0, 0.0, segments=1), _ep(1, 1.0, segments=2), _ep(1, 1.0, segments=1)]
-    scalars = episode_outcome_advantages("grpo", eps)
+    rows = get_estimator("grpo")().estimate(eps)
     # group statistics over the episodes (2 per group), never over the 7 sequences: +-1/sqrt(2), then 0, 0
     expected = 2 ** -0.5
-    assert [round(x, 4) for x in scalars] == [round(expected, 4), round(-expected, 4), 0.0, 0.0]
-    # the same values the token-level estimator gives an unsegmented episode
+    assert [round(r[0].advantages[-1], 4) for r in rows] == [round(expected, 4), round(-expected, 4), 0.0, 0.0]
+    # the same values the token-level path gives an unsegmented episode
     plain = [_ep(0, 1.0, 1), _ep(0, 0.0, 1)]
-    tokens = episode_advantages("grpo", plain)
-    assert abs(tokens[0][-1] - episode_outcome_advantages("grpo", plain)[0]) < 1e-6
-    seqs, seq_adv = expand_segments(eps, scalars)
-    assert len(seqs) == 7 and all(not s.segments for s in seqs)
-    for s, a in zip(seqs[:3], seq_adv[:3]):
-        assert len(a) == len(s.input_ids)
-        assert all(abs(x - expected) < 1e-5 for x, m in zip(a, s.loss_mask) if m)
-        assert all(x == 0.0 for x, m in zip(a, s.loss_mask) if not m)
+    assert abs(token_advantages("grpo", plain)[0][-1] - expected) < 1e-5
+    seqs = [row for r in rows for row in r]
+    assert [len(r) for r in rows] == [3, 1, 2, 1] and len(seqs) == 7
+    for s in seqs[:3]:
+        assert len(s.advantages) == len(s.input_ids)
+        assert all(abs(x - expected) < 1e-5 for x, m in zip(s.advantages, s.loss_mask) if m)
+        assert all(x == 0.0 for x, m in zip(s.advantages, s.loss_mask) if not m)
     # a segment without sampled tokens is not trained
     empty = _ep(0, 1.0, segments=2)
-    empty.start_segment([7, 7], [])
-    assert len(expand_segments([empty], [1.0])[0]) == 2
-    with pytest.raises(ValueError, match="outcome estimator"):
-        episode_outcome_advantages("reinforce_pp", eps)
+    rec = Recorder(empty)
+    rec.close_segment(ended_by="summary")
+    rec.write_ids([7, 7], sampled=False, turn=-1)
+    assert len(get_estimator("grpo")().estimate([empty])[0]) == 2
+    with pytest.raises(ValueError, match="one_per_episode"):
+        get_estimator("reinforce_pp")().estimate(eps)
 
 
-def test_eval_summary_limit_overrides_training_and_config_checks(tmp_path):
-    from ctxrl.train.loop import Run
+def test_eval_summary_limit_overrides_training_and_config_checks():
+    from ctxrl.rollout.spec import RolloutSpec
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
                              "context.max_context_tokens=300", "context.max_summaries=1",
                              "context.eval_max_summaries=4", "rollout.max_total_tokens=512", "run.progress=false"])
-    run = Run(cfg, tmp_path)
-    assert run.train_limits.context.max_summaries == 1 and run.eval_limits.context.max_summaries == 4
-    assert run.train_limits.context.max_context_tokens == 300
+    spec = RolloutSpec.from_config(cfg)
+    assert spec.train.context.max_summaries == 1 and spec.eval.context.max_summaries == 4
+    assert spec.train.context.max_context_tokens == 300
     with pytest.raises(ConfigError, match="needs context.max_context_tokens > 0"):
         load_config(None, ["context.manager=summarize"])
     with pytest.raises(ConfigError, match="must not exceed rollout.max_total_tokens"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=4096"])
-    with pytest.raises(ConfigError, match="grpo, dr_grpo or rloo"):
+    with pytest.raises(ConfigError, match="one advantage per episode \\(grpo, dr_grpo, rloo\\)"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=300", "algo.advantage=gae"])
     with pytest.raises(ConfigError, match="algo.agg=token-mean"):
         load_config(None, ["context.manager=fold", "algo.agg=seq-mean-token-mean"])
@@ -195,24 +200,24 @@ def test_eval_summary_limit_overrides_training_and_config_checks(tmp_path):
         load_config(None, ["context.manager=fold", "algo.kl_coef=0.1", "algo.kl_placement=reward"])
     with pytest.raises(ConfigError, match="must exceed rollout.max_new_tokens"):
         load_config(None, ["context.manager=window", "context.max_context_tokens=40"])
-    with pytest.raises(ConfigError, match="applies to context.manager window or summarize"):
+    with pytest.raises(ConfigError, match="applies to context managers with a budget"):
         load_config(None, ["context.manager=fold", "context.budget_start_tokens=300"])
 
 
 def test_rl_step_trains_on_segments(tmp_path, renderer):
     """One RL step with summaries: sequences = segments, metrics reported, the update runs."""
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
                              "context.max_context_tokens=300", "context.max_summaries=6", "env.max_turns=8",
                              "context.budget_start_tokens=330", "context.budget_steps=10",
                              "rollout.max_total_tokens=1024", "rollout.max_new_tokens=64", "rollout.tasks_per_step=2",
                              "rollout.group_size=2", "run.progress=false", "sft.enabled=false"])
-    run = Run(cfg, tmp_path)
-    learner = run.make_learner()
+    trainer = Trainer(cfg, tmp_path)
+    trainer.make_learner()
 
-    run.engine = OracleEngine(renderer, cfg.context.summary_instruction)
-    row = run.rl_step(learner, 0)
+    trainer.worker.engine = OracleEngine(renderer, cfg.context.summary_instruction)
+    row = trainer.step(0)
     assert row["context_budget"] == 330  # step 0 of the shrinking-budget curriculum (330 -> 300 over 10 steps)
     assert row["summaries_per_episode"] > 0 and row["trained_sequences"] > row["trained_episodes"]
     # generations fit the budget; the summary step may pass it by one observation + instruction + summary
@@ -223,7 +228,7 @@ def test_rl_step_trains_on_segments(tmp_path, renderer):
 
 
 def test_window_drops_whole_turns_and_keeps_the_budget(renderer):
-    from ctxrl.rollout.context import split_turns
+    from ctxrl.rollout.managers.window import split_turns
 
     task, opening, tools, engine, episode = _episode(renderer, max_summaries=0, slack=200, manager="window")
     assert episode.success and episode.info["windows"] == len(episode.segments) >= 1
@@ -253,7 +258,7 @@ def test_window_drops_whole_turns_and_keeps_the_budget(renderer):
 
 
 def test_budget_curriculum_shrinks_linearly_to_the_final_budget():
-    from ctxrl.rollout.context import scheduled_budget
+    from ctxrl.rollout.managers.stats import scheduled_budget
 
     assert [scheduled_budget(s, final=300, start=700, steps=4) for s in range(6)] == [700, 600, 500, 400, 300, 300]
     assert scheduled_budget(0, final=300) == 300 and scheduled_budget(3, final=300, start=700, steps=0) == 300
@@ -291,8 +296,6 @@ class FoldOracle(OracleEngine):
         self.misuse = misuse
 
     async def generate(self, prompt_ids, params) -> Completion:
-        from ctxrl.rollout.context import BRANCH_HEADER
-
         self.prompts.append(list(prompt_ids))
         text = self.renderer.decode(prompt_ids)
         if BRANCH_HEADER.strip() in text:  # inside the branch
@@ -326,7 +329,7 @@ def _fold_episode(renderer, misuse: bool = False):
 
 
 def test_fold_branch_tokens_never_enter_the_parent(renderer):
-    from ctxrl.rollout.context import FOLD_TOOL_SCHEMAS, branch_messages
+    from ctxrl.rollout.managers.fold import FOLD_TOOL_SCHEMAS, branch_messages
 
     task, engine, episode = _fold_episode(renderer)
     assert episode.success and episode.truncation is None and episode.info["branches"] == 1
@@ -350,7 +353,7 @@ def test_fold_branch_tokens_never_enter_the_parent(renderer):
 
 
 def test_fold_misuse_is_an_error_observation(renderer):
-    from ctxrl.rollout.scripted import ScriptedEngine
+    from ctxrl.engine.scripted import ScriptedEngine
 
     task = KVChainEnv.sample_tasks("ood", 1, seed=5)[0]
     *lookups, answer = KVChainEnv.solve(task)
@@ -369,7 +372,7 @@ def test_fold_misuse_is_an_error_observation(renderer):
 
 
 def test_fold_appends_nothing_on_the_last_turn_and_never_branches_there(renderer):
-    from ctxrl.rollout.scripted import ScriptedEngine
+    from ctxrl.engine.scripted import ScriptedEngine
 
     task = KVChainEnv.sample_tasks("train", 1, seed=2)[0]
     *lookups, _ = KVChainEnv.solve(task)
@@ -388,19 +391,25 @@ def test_fold_appends_nothing_on_the_last_turn_and_never_branches_there(renderer
 
 def test_branch_reward_goes_to_the_tokens_of_branches_that_returned_a_result(renderer):
     """Hand-made segments: only the branch that returned a result (ended_by fold) gets the reward."""
-    from ctxrl.rollout.scripted import ScriptedEngine
+    from ctxrl.engine.scripted import ScriptedEngine
+
+    from ctxrl.algo.estimators import broadcast
 
     e = Episode(task=Task(id="t", prompt="p", answer="a"))
-    e.append([1, 2], sampled=False, turn=-1)
+    rec = Recorder(e)
+    rec.write_ids([1, 2], sampled=False, turn=-1)
     for ended_by in ("fold", "fold-empty", "fold-unfinished"):
-        e.append([3, 4], sampled=True, turn=0, logprobs=[-1.0, -1.0])
-        e.start_segment([1, 2], [], ended_by=ended_by)
-    e.append([5], sampled=True, turn=1, logprobs=[-1.0])
-    seqs, adv = expand_segments([e], [0.5], branch_reward=0.1)
-    assert [len(s.input_ids) for s in seqs] == [4, 4, 4, 3]
+        rec.write_ids([3, 4], sampled=True, turn=0, logprobs=[-1.0, -1.0])
+        rec.close_segment(ended_by=ended_by)
+        rec.write_ids([1, 2], sampled=False, turn=-1)
+    rec.write_ids([5], sampled=True, turn=1, logprobs=[-1.0])
+    fold = get_manager("fold")
+    rows = broadcast(e, 0.5, lambda s: fold.segment_bonus(s, ContextPolicy(manager="fold", branch_reward=0.1)))
+    assert [len(r.input_ids) for r in rows] == [4, 4, 4, 3]
     expected = [[0, 0, 0.6, 0.6], [0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5], [0, 0, 0.5]]
-    assert [row == pytest.approx(want) for row, want in zip(adv, expected)] == [True] * 4
-    assert expand_segments([e], [0.5])[1][0] == [0.0, 0.0, 0.5, 0.5]  # off by default
+    assert [r.advantages == pytest.approx(want) for r, want in zip(rows, expected)] == [True] * 4
+    off = broadcast(e, 0.5, lambda s: fold.segment_bonus(s, ContextPolicy(manager="fold")))
+    assert off[0].advantages == [0.0, 0.0, 0.5, 0.5]  # off by default
 
     # a branch that returns nothing ends as fold-empty, and does not count as returned
     task = KVChainEnv.sample_tasks("train", 1, seed=2)[0]
@@ -417,32 +426,32 @@ def test_branch_reward_goes_to_the_tokens_of_branches_that_returned_a_result(ren
 
 
 def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer):
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=fold",
                              "context.branch_reward=0.25", "env.max_turns=10", "rollout.max_total_tokens=1024",
                              "rollout.max_new_tokens=64", "rollout.tasks_per_step=2", "rollout.group_size=2",
                              "run.progress=false", "sft.enabled=false"])
-    run = Run(cfg, tmp_path)
-    learner = run.make_learner()
+    trainer = Trainer(cfg, tmp_path)
+    trainer.make_learner()
     seen = {}
-    update = learner.update
+    update = trainer.update
 
-    def capture(episodes, advantages, **kwargs):
-        seen["pairs"] = list(zip(episodes, advantages))
-        return update(episodes, advantages, **kwargs)
+    def capture(rows, step):
+        seen["rows"] = list(rows)
+        return update(rows, step)
 
-    learner.update = capture
-    run.engine = FoldOracle(renderer)
-    row = run.rl_step(learner, 0)
+    trainer.update = capture
+    trainer.worker.engine = FoldOracle(renderer)
+    row = trainer.step(0)
     assert row["success"] == 1.0 and row["branches_returned_per_episode"] == 1.0
     # every episode succeeded: the outcome advantage is 0, so what is left is the branch reward, on branches only
-    branch_rows = [adv for ep, adv in seen["pairs"] if BRANCH_HEADER.strip() in renderer.decode(ep.input_ids)]
-    parent_rows = [adv for ep, adv in seen["pairs"] if BRANCH_HEADER.strip() not in renderer.decode(ep.input_ids)]
+    branch_rows = [r for r in seen["rows"] if BRANCH_HEADER.strip() in renderer.decode(r.input_ids)]
+    parent_rows = [r for r in seen["rows"] if BRANCH_HEADER.strip() not in renderer.decode(r.input_ids)]
     assert len(branch_rows) == len(parent_rows) == 4
-    for (ep, adv) in seen["pairs"]:
-        expected = 0.25 if BRANCH_HEADER.strip() in renderer.decode(ep.input_ids) else 0.0
-        assert all(abs(a - expected * m) < 1e-6 for a, m in zip(adv, ep.loss_mask))
+    for r in seen["rows"]:
+        expected = 0.25 if BRANCH_HEADER.strip() in renderer.decode(r.input_ids) else 0.0
+        assert all(abs(a - expected * m) < 1e-6 for a, m in zip(r.advantages, r.loss_mask))
     with pytest.raises(ConfigError, match="applies to context.manager=fold only"):
         load_config(None, ["context.branch_reward=0.1"])
     with pytest.raises(ConfigError, match="context.branch_reward must be >= 0"):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ctxrl.engine.base import SamplingParams
-from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.engine.scripted import ScriptedEngine
 
 
 def test_scripted_engine_answers_a_summary_request_without_using_up_a_turn(renderer):
@@ -61,8 +61,8 @@ def test_search_qa_summary_holds_the_latest_fact_on_the_questions_path():
 
 
 def _summarize_limits(budget: int, max_summaries: int = 4, max_new_tokens: int = 48):
-    from ctxrl.rollout.agent import RolloutLimits
-    from ctxrl.rollout.context import ContextPolicy
+    from ctxrl.rollout.spec import RolloutLimits
+    from ctxrl.rollout.managers import ContextPolicy
 
     return RolloutLimits(max_turns=16, max_new_tokens=max_new_tokens, max_total_tokens=2048,
                          context=ContextPolicy(manager="summarize", max_context_tokens=budget,
@@ -86,7 +86,7 @@ def _check_faithful(demo, env_cls, renderer, limits) -> list[str]:
 
     Returns the summaries, oldest first.
     """
-    from ctxrl.rollout.context import restart_messages
+    from ctxrl.rollout.managers.summarize import restart_messages
 
     budget, max_new_tokens = limits.context.max_context_tokens, limits.max_new_tokens
     env = env_cls()
@@ -191,7 +191,7 @@ def test_context_demos_config_is_checked():
     assert _config().sft.context_demos == "auto"
     with pytest.raises(ConfigError, match="sft.context_demos must be one of auto, on, off"):
         _config("sft.context_demos=yes")
-    with pytest.raises(ConfigError, match="under context.manager=summarize only \\(not 'window'\\)"):
+    with pytest.raises(ConfigError, match="context.manager='window' asks for none"):
         _config("context.manager=window", "sft.context_demos=on")
 
 
@@ -199,11 +199,13 @@ def test_run_plays_its_warm_start_demos_under_summarize_when_the_env_can(tmp_pat
     import warnings
 
     from ctxrl.config import ConfigError
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer as Run
+
+    from ctxrl.train.warm_start import demo_limits
 
     run = Run(_config("sft.demos=8", "sft.epochs=1", "sft.batch_size=4"), tmp_path / "kv")
-    limits = run.demo_limits()
-    assert run.context_demos and limits.context == run.train_limits.context  # the run's policy at its final budget
+    limits = demo_limits(run.spec, run.context_demos)
+    assert run.context_demos and limits.context == run.spec.train.context  # the run's policy at its final budget
     assert limits.max_new_tokens == 48 and limits.max_total_tokens == 1024
     steps = []
     row = run.warm_start(on_step=lambda step, total, loss: steps.append(total))
@@ -212,10 +214,11 @@ def test_run_plays_its_warm_start_demos_under_summarize_when_the_env_can(tmp_pat
     sequences = 8 + round(row["demo_summaries_per_episode"] * 8)
     assert row["sft_steps"] == steps[-1] == -(-sequences // 4)
     # off: full-context demos
-    assert Run(_config("sft.context_demos=off"), tmp_path / "off").demo_limits() is None
+    off = Run(_config("sft.context_demos=off"), tmp_path / "off")
+    assert not off.context_demos and demo_limits(off.spec, off.context_demos) is None
     # an env without the hook: auto says so once and plays full-context demos; on is a config error
     calc = Run(_config("env.name=calculator", "sft.demos=4", "sft.epochs=1"), tmp_path / "calc")
-    assert not calc.context_demos and calc.demo_limits() is None
+    assert not calc.context_demos and demo_limits(calc.spec, calc.context_demos) is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         calc.warm_start()

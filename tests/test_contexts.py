@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ctxrl.contexts import ContextError, ContextParam, ContextSpace, sample_tasks, split_of, task_id
+from ctxrl.tasks import ContextError, ContextParam, ContextSpace, sample_tasks, split_of, task_id
 
 SPACE = ContextSpace([
     ContextParam("size", "int", low=1, high=3, default=2, ood_low=5, ood_high=6),

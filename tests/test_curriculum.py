@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from ctxrl.contexts.curriculum import (FixedCurriculum, HorizonCurriculum, SelfPacedCurriculum, context_key,
+from ctxrl.tasks.curriculum import (FixedCurriculum, HorizonCurriculum, SelfPacedCurriculum, context_key,
                                        make_curriculum)
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.types import Episode
@@ -56,18 +56,18 @@ def test_self_paced_prefers_intermediate_success():
 
 
 def test_make_curriculum_and_the_loop_hook(tmp_path):
-    import ctxrl.train.loop as loop
-    from ctxrl.config import load_config
+    from ctxrl.config import CurriculumConfig, load_config
+    from ctxrl.train.trainer import Trainer
 
-    assert isinstance(make_curriculum("horizon"), HorizonCurriculum)
+    assert isinstance(make_curriculum(CurriculumConfig(kind="horizon")), HorizonCurriculum)
     with pytest.raises(ValueError, match="unknown curriculum"):
-        make_curriculum("random")
+        make_curriculum(CurriculumConfig(kind="random"))
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "rollout.tasks_per_step=2",
                                 "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
                                 "curriculum.kind=horizon", "curriculum.horizon_start_turns=1",
                                 "curriculum.horizon_warmup_steps=4", "env.max_turns=3"])
-    run = loop.Run(config, tmp_path / "run")
-    learner = run.make_learner()
-    rows = [run.rl_step(learner, step) for step in (0, 4)]
+    run = Trainer(config, tmp_path / "run")
+    run.make_learner()
+    rows = [run.step(step) for step in (0, 4)]
     assert [r["max_turns"] for r in rows] == [1, 3]
     assert all(r["turns"] <= 1 for r in rows[:1])

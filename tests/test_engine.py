@@ -198,7 +198,7 @@ def test_load_weights_changes_outputs_and_version(model, tokenizer):
     prompts = _prompts(len(tokenizer), n=2, seed=12)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     before = _gather(engine, prompts, params)
-    assert engine.version == 0 and all(c.policy_version == 0 for c in before)
+    assert engine.policy_version == 0 and all(c.policy_version == 0 for c in before)
 
     g = torch.Generator().manual_seed(0)
     # parameters and all buffers (persistent or not), so this test does not depend on which
@@ -206,8 +206,8 @@ def test_load_weights_changes_outputs_and_version(model, tokenizer):
     full = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     perturbed = {k: (v.detach() + 0.5 * torch.randn(v.shape, generator=g)) if "rotary" not in k else v.clone()
                  for k, v in full.items()}
-    engine.load_weights(perturbed)
-    assert engine.version == 1
+    engine.load_weights(perturbed, version=1)
+    assert engine.policy_version == 1
     for name, p in engine_model.named_parameters():
         assert torch.equal(p.detach(), perturbed[name])
     after = _gather(engine, prompts, params)
@@ -222,12 +222,13 @@ def test_load_weights_changes_outputs_and_version(model, tokenizer):
         assert not torch.equal(p.detach(), perturbed[name])
 
     engine.load_weights({k: v.detach().clone() for k, v in full.items()}, version=7)
-    assert engine.version == 7
+    assert engine.policy_version == 7
     again = _gather(engine, prompts, params)
     assert [c.token_ids for c in again] == [c.token_ids for c in before]
 
     with pytest.raises(KeyError):
-        engine.load_weights({})
+        engine.load_weights({}, version=8)
+    assert engine.policy_version == 7  # a refused load changes nothing
 
 
 @pytest.mark.parametrize("kwargs", [{"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.1}, {"top_k": -1},
@@ -245,10 +246,10 @@ def test_sampling_params_defaults():
 
 
 def test_load_weights_accepts_state_dict(model, tokenizer):
-    """The documented way to sync weights: ``engine.load_weights(learner_model.state_dict())``."""
+    """The documented way to sync weights: ``engine.load_weights(learner_model.state_dict(), version=step)``."""
     engine = _engine(copy.deepcopy(model), tokenizer)
-    engine.load_weights(model.state_dict())
-    assert engine.version == 1
+    engine.load_weights(model.state_dict(), version=1)
+    assert engine.policy_version == 1
     for (name, a), b in zip(engine.model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
 

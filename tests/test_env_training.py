@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from ctxrl.cli import run_pipeline
+from ctxrl.train.trainer import train
 from ctxrl.config import load_config
 
 SMALL = ["model.name=tiny:pretrain_steps=0", "sft.demos=6", "sft.epochs=1", "sft.batch_size=3", "eval.tasks=2",
@@ -21,7 +21,7 @@ SMALL = ["model.name=tiny:pretrain_steps=0", "sft.demos=6", "sft.epochs=1", "sft
 @pytest.mark.parametrize("env", ["python_math", "search_qa", "sokoban"])
 def test_pipeline_runs_on_tool_env(env, tmp_path):
     config = load_config(None, [f"env.name={env}", *SMALL])
-    summary = run_pipeline(config, tmp_path / env, quiet=True)
+    summary = train(config, tmp_path / env)
     assert summary["steps"] == 1
     for split in ("train", "heldout", "ood"):
         assert 0.0 <= summary[f"{split}_success_after"] <= 1.0

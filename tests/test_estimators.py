@@ -5,19 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxrl.algo.estimators import ESTIMATORS, episode_advantages, token_turn_rewards
+from ctxrl.algo.estimators import EstimatorSettings, estimator_names, get_estimator, token_advantages
+from ctxrl.algo.estimators.gae import gae_episode_advantages
+from ctxrl.algo.estimators.tensors import padded, token_turn_rewards
+from ctxrl.rollout.recorder import Recorder
 from ctxrl.types import Episode, Task, Turn
+
+
+def episode_advantages(name, episodes, *, gamma=1.0, token_rewards=None):
+    """Per-token advantages of unsegmented episodes, by estimator name."""
+    return token_advantages(name, episodes, EstimatorSettings(gamma=gamma), token_rewards=token_rewards)
 
 
 def _episode(group: int, turn_rewards: list[float], *, prompt: int = 3, sampled: int = 2, obs: int = 2) -> Episode:
     """prompt, then per turn: ``sampled`` policy tokens and (except after the last) ``obs`` tool tokens."""
     e = Episode(task=Task(id=f"t{group}", prompt="", answer=""), group_id=group)
-    e.append([5] * prompt, sampled=False, turn=-1)
+    rec = Recorder(e)
+    rec.write_ids([5] * prompt, sampled=False, turn=-1)
     for k, r in enumerate(turn_rewards):
-        e.append([7] * sampled, sampled=True, turn=k, logprobs=[-0.5] * sampled)
+        rec.write_ids([7] * sampled, sampled=True, turn=k, logprobs=[-0.5] * sampled)
         e.turns.append(Turn(index=k, prompt_tokens=0, sampled_tokens=sampled, finish_reason="stop", text="", reward=r))
         if k < len(turn_rewards) - 1:
-            e.append([9] * obs, sampled=False, turn=k)
+            rec.write_ids([9] * obs, sampled=False, turn=k)
     e.reward = sum(turn_rewards)
     return e
 
@@ -25,7 +34,7 @@ def _episode(group: int, turn_rewards: list[float], *, prompt: int = 3, sampled:
 EPISODES = [_episode(0, [0.0, 1.0]), _episode(0, [0.0]), _episode(1, [0.5, 0.5, 0.0]), _episode(1, [1.0])]
 
 
-@pytest.mark.parametrize("name", [n for n in ESTIMATORS if n != "gae"])
+@pytest.mark.parametrize("name", [n for n in estimator_names() if not get_estimator(n).needs_critic])
 def test_alignment_and_mask(name):
     out = episode_advantages(name, EPISODES, gamma=0.9)
     assert len(out) == len(EPISODES)
@@ -45,9 +54,7 @@ def test_outcome_estimators_broadcast_the_episode_value():
 
 
 def test_turn_rewards_land_on_each_turns_last_sampled_token():
-    from ctxrl.algo.estimators import _padded
-
-    mask, turns = _padded(EPISODES[:1])
+    mask, turns = padded(EPISODES[:1])
     rewards = token_turn_rewards(EPISODES[:1], mask, turns)
     # ids: 3 prompt | 2 sampled (turn 0) | 2 obs | 2 sampled (turn 1)
     assert rewards[0].tolist() == [0, 0, 0, 0, 0.0, 0, 0, 0, 1.0]
@@ -78,8 +85,6 @@ def test_unknown_estimator_and_empty():
 
 
 def test_gae_estimator_from_values():
-    from ctxrl.algo.estimators import gae_episode_advantages
-
     values = [[0.0] * len(e.input_ids) for e in EPISODES]
     adv, ret, value_mask = gae_episode_advantages(EPISODES, values, gamma=1.0, lam=1.0)
     assert value_mask is None  # token level: the critic trains on every sampled token
@@ -119,8 +124,6 @@ def test_token_rewards_reach_every_estimator():
 
 
 def test_turn_level_gae_by_hand():
-    from ctxrl.algo.estimators import gae_episode_advantages
-
     e = EPISODES[0]  # 3 prompt | 2 sampled (turn 0) | 2 obs | 2 sampled (turn 1); turn rewards 0, 1
     values = [[0.1 * p for p in range(len(e.input_ids))]]
     adv, ret, value_mask = gae_episode_advantages([e], values, gamma=1.0, lam=1.0, level="turn")

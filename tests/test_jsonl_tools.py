@@ -79,14 +79,15 @@ def test_clear_errors(tmp_path, task_file):
 
 
 def test_trains_through_the_loop(tmp_path, task_file):
-    import ctxrl.train.loop as loop
     from ctxrl.config import load_config
+    from ctxrl.train.trainer import Trainer
 
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "env.name=jsonl_tools",
                                 f'env.data="{task_file}"', "env.tools=calculator", "env.verifier=numeric",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "run.progress=false", "eval.tasks=3"])
-    run = loop.Run(config, tmp_path / "run")
-    row = run.rl_step(run.make_learner(), 0)
+    run = Trainer(config, tmp_path / "run")
+    run.make_learner()
+    row = run.step(0)
     assert row["trained_episodes"] == 4
     assert set(run.evaluate(0)) == {"train", "heldout", "ood"}

@@ -9,8 +9,9 @@ import pytest
 from ctxrl.chat.toolcalls import format_tool_call, parse_assistant
 from ctxrl.envs import EnvError, assert_env_ok, get_env_class, list_envs
 from ctxrl.envs.kv_chain import KVChainEnv
-from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.rollout.agent import run_episode
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 

@@ -10,8 +10,19 @@ import torch
 
 from ctxrl.algo import AGG_MODES, policy_loss
 from ctxrl.algo.losses import aggregate
-from ctxrl.train.learner import Learner, PPOSettings, collate, token_logprobs
-from ctxrl.types import Episode, Task
+from ctxrl.train.batch import collate
+from ctxrl.train.learner import Learner, PPOSettings, token_logprobs
+from ctxrl.types import Episode, Task, TrainSequence
+
+
+def batch_of(episodes, advantages, **targets):
+    """The collated rows of ``episodes`` with ``advantages`` (and per-row critic targets, lists by name)."""
+    if not targets:
+        return collate(episodes, 0, advantages=advantages)
+    rows = [TrainSequence.of(e, a if isinstance(a, list) else [a * m for m in e.loss_mask],
+                             **{k: v[i] for k, v in targets.items()})
+            for i, (e, a) in enumerate(zip(episodes, advantages))]
+    return collate(rows, 0)
 
 LENGTHS = [12, 31, 7, 45, 20, 9, 26, 16]
 PROMPTS = [5, 10, 3, 20, 20, 4, 11, 6]  # episode 4 is all prompt: no mask-1 token at all
@@ -48,7 +59,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _run(policy, settings, episodes, advantages, ref=None):
     learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), settings, pad_token_id=0, ref_model=ref)
     policy.zero_grad(set_to_none=True)
-    metrics = learner.mini_batch_loss(episodes, advantages)
+    metrics = learner.mini_batch_loss(batch_of(episodes, advantages))
     return metrics, _grads(policy)
 
 
@@ -122,7 +133,7 @@ def test_non_finite_loss_skips_update(model, data):
     policy = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     learner = Learner(policy, optimizer, PPOSettings(micro_batch_size=3), pad_token_id=0)
-    ok = learner.mini_batch_step(episodes, advantages)  # a real step, so the optimiser has state
+    ok = learner.mini_batch_step(batch_of(episodes, advantages))  # a real step, so the optimiser has state
     assert ok["skipped"] == 0.0 and learner.skipped_updates == 0 and math.isfinite(ok["grad_norm"])
     assert any(not torch.equal(p, q) for p, q in zip(policy.parameters(), model.parameters()))
     params, state = _snapshot(policy, optimizer)
@@ -130,7 +141,7 @@ def test_non_finite_loss_skips_update(model, data):
 
     bad = list(advantages)
     bad[1] = float("nan")
-    metrics = learner.mini_batch_step(episodes, bad)
+    metrics = learner.mini_batch_step(batch_of(episodes, bad))
     assert metrics["skipped"] == 1.0
     assert learner.skipped_updates == 1
     assert not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"])
@@ -147,13 +158,13 @@ def test_non_finite_loss_skips_update(model, data):
     broken = copy.deepcopy(episodes)
     i = broken[0].loss_mask.index(1)
     broken[0].behavior_logprobs[i] = float("-inf")
-    metrics = learner.mini_batch_step(broken, [abs(a) + 1 for a in advantages])
+    metrics = learner.mini_batch_step(batch_of(broken, [abs(a) + 1 for a in advantages]))
     assert metrics["skipped"] == 1.0 and learner.skipped_updates == 2
     for name, p in policy.named_parameters():
         assert torch.equal(p.detach(), params[name]), name
 
     # and training goes on afterwards
-    assert learner.mini_batch_step(episodes, advantages)["skipped"] == 0.0
+    assert learner.mini_batch_step(batch_of(episodes, advantages))["skipped"] == 0.0
 
 
 def test_update_runs_mini_batches(model, data):
@@ -161,7 +172,7 @@ def test_update_runs_mini_batches(model, data):
     policy = copy.deepcopy(model)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
     learner = Learner(policy, optimizer, PPOSettings(mini_batches=2, ppo_epochs=2, micro_batch_size=4), pad_token_id=0)
-    metrics = learner.update(episodes, advantages)
+    metrics = learner.update(batch_of(episodes, advantages))
     assert metrics["skipped"] == 0.0
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert any(not torch.equal(p, q) for p, q in zip(policy.parameters(), model.parameters()))
@@ -232,7 +243,7 @@ def test_collate_token_level_advantages():
     assert batch.advantages.tolist() == [[0.0, 0.5, -1.5]]  # shifted; mask-0 positions zeroed
     with pytest.raises(ValueError, match="4 tokens but 3 advantages"):
         collate([a], 0, advantages=[[1.0, 2.0, 3.0]])
-    with pytest.raises(ValueError, match="2 advantages for 1 episodes"):
+    with pytest.raises(ValueError, match="2 advantages for 1 rows"):
         collate([a], 0, advantages=[1.0, 2.0])
 
 
@@ -247,8 +258,8 @@ def test_recomputed_old_logprobs_make_the_ratio_one(model, data):
     policy = copy.deepcopy(model)
     learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0),
                       PPOSettings(micro_batch_size=3, old_logprobs="recompute"), pad_token_id=0)
-    diag = learner.recompute_old_logprobs(episodes)
-    metrics = learner.mini_batch_loss(episodes, advantages)
+    recomputed, diag = learner.recompute_old_logprobs(batch_of(episodes, advantages))
+    metrics = learner.mini_batch_loss(recomputed)
     batch = collate(episodes, 0, "cpu", advantages)
     expected = -aggregate(batch.advantages, batch.loss_mask, "token-mean")
     assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
@@ -269,9 +280,9 @@ def test_truncated_importance_sampling_weights(model, data):
     for micro in (8, 3):
         learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0),
                           PPOSettings(micro_batch_size=micro, old_logprobs="recompute", tis_cap=cap), pad_token_id=0)
-        learner.recompute_old_logprobs(episodes)
+        recomputed, _ = learner.recompute_old_logprobs(batch_of(episodes, advantages))
         policy.zero_grad(set_to_none=True)
-        out[micro] = (learner.mini_batch_loss(episodes, advantages), _grads(policy))
+        out[micro] = (learner.mini_batch_loss(recomputed), _grads(policy))
     batch = collate(episodes, 0, "cpu", advantages)
     with torch.no_grad():
         own = token_logprobs(policy, batch.input_ids, batch.attention_mask)
@@ -295,12 +306,12 @@ def test_update_with_recompute_reports_mismatch(model, data):
     learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=1e-3),
                       PPOSettings(mini_batches=2, micro_batch_size=4, old_logprobs="recompute", tis_cap=2.0),
                       pad_token_id=0)
-    metrics = learner.update(episodes, advantages)
+    metrics = learner.update(batch_of(episodes, advantages))
     assert metrics["mismatch_abs_before_update"] > 0 and metrics["skipped"] == 0.0
     with pytest.raises(ValueError, match="old_logprobs='recompute'"):
         PPOSettings(tis_cap=2.0)
     with pytest.raises(RuntimeError, match="recompute_old_logprobs"):
-        learner.mini_batch_loss(episodes, advantages)  # update() cleared its recomputed log-probs
+        learner.mini_batch_loss(batch_of(episodes, advantages))  # a batch without recomputed log-probs
 
 
 def _critic_setup(model, micro: int):
@@ -328,9 +339,8 @@ def test_critic_values_align_and_accumulate_exactly(model, data):
         assert [len(v) for v in values] == [len(e.input_ids) for e in episodes] and all(v[0] == 0.0 for v in values)
         # old values slightly off, so the value clip is exercised
         old = [[x + 0.3 * ((i % 2) * 2 - 1) for i, x in enumerate(v)] for v in values]
-        learner._targets = {id(e): (r, o, None) for e, r, o in zip(episodes, returns, old)}
         critic.zero_grad(set_to_none=True)
-        metrics = learner.mini_batch_loss(episodes, advantages)
+        metrics = learner.mini_batch_loss(batch_of(episodes, advantages, returns=returns, old_values=old))
         grads[micro] = (metrics, {n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None})
     assert grads[8][0]["vf_loss"] > 0 and 0 < grads[8][0]["vf_clip_frac"] < 1
     assert grads[3][0]["vf_loss"] == pytest.approx(grads[8][0]["vf_loss"], abs=1e-5)
@@ -351,13 +361,13 @@ def test_critic_learns_the_returns(model, data):
     first = last = None
     for _ in range(15):
         values = episode_values(critic, episodes, 0)
-        metrics = learner.update(episodes, advantages, returns=returns, old_values=values)
+        metrics = learner.update(batch_of(episodes, advantages, returns=returns, old_values=values))
         first = metrics["vf_loss"] if first is None else first
         last = metrics["vf_loss"]
     assert first == pytest.approx(0.5 * 0.7 ** 2, rel=1e-4)  # zero-initialised head: V = 0
     assert last < 0.2 * first
     with pytest.raises(ValueError, match="needs returns and old_values"):
-        learner.update(episodes, advantages)
+        learner.update(batch_of(episodes, advantages))
     with pytest.raises(ValueError, match="critic_optimizer"):
         Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), PPOSettings(), pad_token_id=0, critic=critic)
 
@@ -377,8 +387,8 @@ def test_critic_value_mask_limits_the_value_loss(model, data):
         first = e.loss_mask.index(1) if 1 in e.loss_mask else None
         value_mask.append([int(i == first) for i in range(len(e.input_ids))])
         returns.append([2.0 if i == first else 9.0 for i in range(len(e.input_ids))])
-    metrics = learner.update(episodes, [[0.0] * len(e.input_ids) for e in episodes], returns=returns,
-                             old_values=values, value_mask=value_mask)
+    metrics = learner.update(batch_of(episodes, [[0.0] * len(e.input_ids) for e in episodes], returns=returns,
+                                      old_values=values, value_mask=value_mask))
     # value loss = mean over the value positions only of 0.5 * (0 - 2)^2 = 2 (the 9s never count)
     assert metrics["vf_loss"] == pytest.approx(2.0, rel=1e-5)
 

@@ -10,10 +10,11 @@ import pytest
 from ctxrl.config import ConfigError, load_config
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.minesweeper import MinesweeperEnv
-from ctxrl.rollout.agent import RolloutLimits, run_episodes
-from ctxrl.rollout.demos import (DEMOS_HEADER, TASK_HEADER, Demo, demo_text, demos_excluding, load_demos,
+from ctxrl.rollout.agent import run_episodes
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.meta.demos import (DEMOS_HEADER, TASK_HEADER, Demo, demo_text, demos_excluding, load_demos,
                                  solved_demos, with_demos)
-from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 LIMITS = RolloutLimits(max_turns=4, max_new_tokens=256, max_total_tokens=4096)
@@ -26,8 +27,8 @@ def test_demos_are_prompt_context_and_never_trained(renderer):
     texts = CalculatorEnv.solve(task)
     engine = ScriptedEngine(texts, renderer)
     [episode] = asyncio.run(run_episodes(CalculatorEnv, [task], engine, renderer, LIMITS,
-                                         demos=lambda i, k: shown))
-    assert episode.success and episode.info["demos"] == 2
+                                         opening=lambda i, k, messages: with_demos(messages, shown)))
+    assert episode.success
     opening = CalculatorEnv().reset(task)
     with_shown = with_demos(opening, shown)
     assert with_shown[0] == opening[0] and with_shown[1].content.endswith(f"{TASK_HEADER}\n{task.prompt}")
@@ -81,11 +82,11 @@ class Recording:
         self.engine, self.prompts = engine, []
 
     @property
-    def version(self):
-        return self.engine.version
+    def policy_version(self):
+        return self.engine.policy_version
 
-    def set_version(self, version: int) -> None:
-        self.engine.set_version(version)
+    def load_weights(self, state, *, version: int) -> None:
+        self.engine.load_weights(state, version=version)
 
     async def generate(self, prompt_ids, params):
         self.prompts.append(list(prompt_ids))
@@ -98,38 +99,41 @@ SMALL = ["model.name=tiny:pretrain_steps=0", "env.name=calculator", "rollout.tas
 
 
 def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeypatch):
-    from ctxrl.train import loop
-    from ctxrl.train.loop import Run
+    from ctxrl.rollout.spec import RolloutRequest
+    from ctxrl.train import trainer as loop
+    from ctxrl.train.trainer import Trainer as Run
 
     run = Run(load_config(None, SMALL), tmp_path)
     tasks = CalculatorEnv.sample_tasks("train", 2, seed=0)
+
+    def chooser(step: int, phase: str = "train"):
+        return run.worker.demo_chooser(RolloutRequest(tasks=tasks, group_size=2, step=step, phase=phase))
+
     # linear count schedule from 2 at step 0 to exactly 0 at step 3: ceil(2 * (3 - s) / 3)
-    counts = [len(run.demo_chooser(tasks, s, evaluation=False)(0, 0)) for s in range(3)]
+    counts = [len(chooser(s)(0, 0)) for s in range(3)]
     assert counts == [2, 2, 1]
-    assert run.demo_chooser(tasks, 3, evaluation=False) is not None
-    assert all(run.demo_chooser(tasks, s, evaluation=False)(i, k) == [] for s in (3, 4, 50) for i in (0, 1)
-               for k in (0, 1))
-    assert run.demo_chooser(tasks, 0, evaluation=True) is None
+    assert chooser(3) is not None
+    assert all(chooser(s)(i, k) == [] for s in (3, 4, 50) for i in (0, 1) for k in (0, 1))
+    assert chooser(0, phase="eval") is None
     # a task is never shown its own demo
     for i, task in enumerate(tasks):
-        assert all(d.task_id != task.id for d in run.demo_chooser(tasks, 0, evaluation=False)(i, 1))
-    run.engine = Recording(run.engine)
+        assert all(d.task_id != task.id for d in chooser(0)(i, 1))
+    run.worker.engine = Recording(run.worker.engine)
     early = run.rollout_round(0, 0)
     assert [e.info["demos"] for e in early] == [2, 2, 2, 2]
     assert all(DEMOS_HEADER in run.renderer.decode(e.input_ids) for e in early)
     late = run.rollout_round(3, 0)
     assert [e.info["demos"] for e in late] == [0, 0, 0, 0]
     assert not any(DEMOS_HEADER in run.renderer.decode(e.input_ids) for e in late)
-    run.engine.prompts.clear()
+    engine = run.worker.engine
+    engine.prompts.clear()
     summary = run.evaluate(0, splits=("heldout",))["heldout"]
-    assert run.engine.prompts and not any(DEMOS_HEADER in run.renderer.decode(p) for p in run.engine.prompts)
+    assert engine.prompts and not any(DEMOS_HEADER in run.renderer.decode(p) for p in engine.prompts)
     assert "success" in summary
 
-    async def leaky(env_cls, split, n, engine, renderer, limits, *, seed):
-        tasks = env_cls.sample_tasks(split, n, seed)
-        episodes = await run_episodes(env_cls, tasks, engine, renderer, limits,
-                                      demos=lambda i, k: run.demo_pool[:1])
-        return {}, episodes
+    def leaky(worker, split, n, *, seed, trials_per_task=1):
+        leak = RolloutRequest(tasks=worker.env_cls.sample_tasks(split, n, seed), seed=seed, phase="train")
+        return {}, worker.run(leak)  # training settings: the step-0 demos
 
     monkeypatch.setattr(loop, "evaluate_split", leaky)
     with pytest.raises(RuntimeError, match="must be zero-shot"):
@@ -146,7 +150,7 @@ def test_demo_config_errors(tmp_path):
         load_config(None, ["meta.demos_source=demos.txt"])
     with pytest.raises(ConfigError, match="meta.demos_kind must be one of linear, cosine, step"):
         load_config(None, ["meta.demos_kind=exp"])
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer as Run
 
     missing = load_config(None, [*SMALL, f"meta.demos_source={tmp_path / 'none.jsonl'}"])
     with pytest.raises(ConfigError, match="does not exist"):

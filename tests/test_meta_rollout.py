@@ -10,11 +10,12 @@ import torch
 
 from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.envs.minesweeper import MinesweeperEnv
-from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.context import REFLECTION_INSTRUCTION
-from ctxrl.rollout.meta import (NOTES_HEADER, MetaPolicy, attempt_actions, attempt_header, feedback_text, run_trial,
-                                run_trials, to_trial)
-from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.rollout.agent import run_episode
+from ctxrl.meta.metrics import to_trial
+from ctxrl.meta.rollout import attempt_actions, attempt_header, feedback_text, run_trial, run_trials
+from ctxrl.prompts import NOTES_HEADER, REFLECTION_INSTRUCTION
+from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 LIMITS = RolloutLimits(max_turns=8, max_new_tokens=64, max_total_tokens=2048)
@@ -106,7 +107,7 @@ def test_reflection_logprobs_match_the_learner(model, tokenizer, renderer, task)
     scripted = ScriptedEngine([_mine_call(task)] * 2, renderer)
 
     class Hybrid:
-        version = 0
+        policy_version = 0
 
         async def generate(self, prompt_ids, params):
             return await (hf if params.purpose == "reflection" else scripted).generate(prompt_ids, params)
@@ -141,7 +142,7 @@ def test_stop_on_success_only_when_configured(renderer, task):
 
 def test_attempts_context_without_reflection_is_the_in_context_rl_baseline(renderer, task):
     bad = _mine_call(task)
-    trial, engine = _trial(renderer, task, [bad, bad, bad], MetaPolicy(num_attempts=3, context="attempts",
+    trial, engine = _trial(renderer, task, [bad, bad, bad], MetaPolicy(num_attempts=3, carry="attempts",
                                                                        reflect=False))
     assert engine.reflections == [] and trial.info["reflections"] == 0
     assert [s.ended_by for s in trial.sequences()] == ["attempt", "attempt", "end"]
@@ -167,7 +168,7 @@ def test_plain_retries_carry_the_feedback_lines_only(renderer, task):
 
 
 def test_the_carried_history_keeps_to_its_budget(renderer, task):
-    from ctxrl.rollout.meta import Carried, reflections_opening
+    from ctxrl.meta.rollout import Carried, reflections_opening
 
     bad = _mine_call(task)
     opening = MinesweeperEnv().reset(task)
@@ -223,19 +224,22 @@ def test_actions_are_canonical_calls_and_answers():
 
 
 def test_policy_checks_its_fields():
-    with pytest.raises(ValueError, match="context must be one of reflections, attempts"):
-        MetaPolicy(context="episodes")
+    with pytest.raises(ValueError, match="carry must be one of reflections, attempts"):
+        MetaPolicy(carry="episodes")
     with pytest.raises(ValueError, match="num_attempts must be >= 1"):
         MetaPolicy(num_attempts=0)
 
 
 def test_evaluate_trials_reports_attempt_one_and_success_by_attempt(renderer):
-    from ctxrl.eval.evaluate import evaluate_trials
+    from ctxrl.eval.evaluate import evaluate_split
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import RolloutWorker
 
     [task] = MinesweeperEnv.sample_tasks("heldout", 1, seed=7)
     engine = ScriptedEngine([_mine_call(task), *MinesweeperEnv.solve(task)], renderer, reflection=Reflections())
-    summary, trials = asyncio.run(evaluate_trials(MinesweeperEnv, "heldout", 1, engine, renderer, LIMITS,
-                                                  MetaPolicy(num_attempts=3), seed=7))
+    spec = RolloutSpec(eval=LIMITS, eval_meta=MetaPolicy(num_attempts=3))
+    worker = RolloutWorker(spec, engine, renderer, MinesweeperEnv)
+    summary, trials = evaluate_split(worker, "heldout", 1, seed=7)
     assert len(trials) == 1 and trials[0].task.id == task.id
     # success, reward, tool calls: attempt 1's, as a single-episode evaluation reports them
     assert summary["success"] == 0.0 and summary["reward"] == 0.0 and summary["tool_calls"] == 1.0

@@ -7,11 +7,27 @@ import math
 import pytest
 
 from ctxrl.config import ConfigError, load_config
-from ctxrl.train.trials import attempt_advantages, expand_trials, trial_token_advantages
-from ctxrl.types import Episode, Task
+from ctxrl.algo.estimators import EstimatorSettings, get_estimator
+from ctxrl.meta.estimator import attempt_advantages
+from ctxrl.meta.estimator import expand_trials as expand_rows
+from ctxrl.rollout.recorder import Recorder
+from ctxrl.types import Episode, Task, TrainSequence
 
 R = 1 / math.sqrt(2)
 PROMPT, TURN, FEEDBACK, REFLECTION = [1, 2], [3, 4, 5], [6], [7, 8]
+
+
+def expand_trials(trials, values):
+    """(the training rows of all trials, their advantages), flat."""
+    rows = [row for per_trial in expand_rows(trials, values) for row in per_trial]
+    return rows, [r.advantages for r in rows]
+
+
+def trial_token_advantages(trials, **settings):
+    """The meta estimator's rows and advantages, flat."""
+    per_trial = get_estimator("meta")(EstimatorSettings(**settings)).estimate(trials)
+    rows = [row for r in per_trial for row in r]
+    return rows, [r.advantages for r in rows]
 
 
 def _trial(group: int, rewards: list[float]) -> Episode:
@@ -20,17 +36,17 @@ def _trial(group: int, rewards: list[float]) -> Episode:
     e = Episode(task=Task(id=f"t{group}", prompt="p", answer="a"), group_id=group, reward=sum(rewards),
                 success=rewards[-1] == 1.0)
     records = []
+    rec = Recorder(e)
     for k, r in enumerate(rewards):
         if k:
-            e.start_segment(PROMPT, [], ended_by="reflection")
-        else:
-            e.append(PROMPT, sampled=False, turn=-1)
-        e.append(TURN, sampled=True, turn=0, logprobs=[-1.0] * 3)
+            rec.close_segment(ended_by="reflection")
+        rec.write_ids(PROMPT, sampled=False, turn=-1)
+        rec.write_ids(TURN, sampled=True, turn=0, logprobs=[-1.0] * 3)
         start = None
         if k < len(rewards) - 1:
-            e.append(FEEDBACK, sampled=False, turn=0)
+            rec.write_ids(FEEDBACK, sampled=False, turn=0)
             start = len(e.input_ids)
-            e.append(REFLECTION, sampled=True, turn=1, logprobs=[-1.0] * 2)
+            rec.write_ids(REFLECTION, sampled=True, turn=1, logprobs=[-1.0] * 2)
         records.append({"reward": r, "success": r == 1.0, "reflection_start": start, "actions": []})
     e.info.update({"attempts": records, "num_attempts": 2})
     return e
@@ -51,7 +67,7 @@ def test_cross_episode_credit_by_hand():
     expected = [[0.0, R], [R], [1.0], [-R, 0.0], [-1.0, -R]]
     assert all(_close(v, e) for v, e in zip(values, expected)), values
     sequences, advantages = expand_trials(trials, values)
-    assert len(sequences) == 8 and all(not s.segments for s in sequences)
+    assert len(sequences) == 8 and all(isinstance(s, TrainSequence) for s in sequences)  # one sequence each
     # trial 0, attempt 0: its turn gets A[0] = 0, its reflection A[1] = 1/sqrt(2); context tokens 0
     assert sequences[0].input_ids == [*PROMPT, *TURN, *FEEDBACK, *REFLECTION]
     assert _close(advantages[0], [0, 0, 0, 0, 0, 0, R, R])
@@ -79,12 +95,12 @@ def test_relative_credit_by_hand():
 
 
 def test_one_attempt_is_grpo_and_rloo():
-    from ctxrl.algo.estimators import episode_advantages
+    from ctxrl.algo.estimators import token_advantages as episode_advantages
 
     def plain(group: int, reward: float) -> Episode:
         e = Episode(task=Task(id="t", prompt="p", answer="a"), group_id=group, reward=reward)
-        e.append(PROMPT, sampled=False, turn=-1)
-        e.append(TURN, sampled=True, turn=0, logprobs=[-1.0] * 3)
+        Recorder(e).write_ids(PROMPT, sampled=False, turn=-1)
+        Recorder(e).write_ids(TURN, sampled=True, turn=0, logprobs=[-1.0] * 3)
         return e
 
     episodes = [plain(0, 1.0), plain(0, 0.0), plain(0, 0.0), plain(1, 1.0), plain(1, 0.5)]
@@ -102,21 +118,21 @@ def test_records_must_match_the_sequences():
 
 
 def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp_path):
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer
 
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=minesweeper", "sft.enabled=false",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "rollout.max_total_tokens=1024", "meta.num_attempts=2", "algo.advantage=meta",
                                 "meta.reflection_max_tokens=4", "meta.gamma_trial=0.5", "run.progress=false"])
-    run = Run(config, tmp_path)
-    learner = run.make_learner()
+    run = Trainer(config, tmp_path)
+    run.make_learner()
     seen = {}
 
-    def update(sequences, advantages, **targets):
-        seen["sequences"], seen["advantages"] = sequences, advantages
+    def update(rows, step):
+        seen["sequences"], seen["advantages"] = rows, [r.advantages for r in rows]
         return {}
 
-    learner.update = update
+    run.update = update
     rollouts = {}
     original = run.rollout_round
 
@@ -131,7 +147,7 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
         return rollouts["trials"]
 
     run.rollout_round = rollout_round
-    row = run.rl_step(learner, 0)
+    row = run.step(0)
     trials = rollouts["trials"]
     assert [t.group_id for t in trials] == [0, 0, 1, 1]
     # attempt 0 of group 0: returns [0.5, 1] -> -+1/sqrt(2); attempt 1 has one trial -> 0; group 1 all 0
@@ -159,7 +175,8 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
     (["algo.advantage=meta", "algo.void_turn_filter=true"], "void_turn_filter"),
     (["algo.advantage=meta", "reward.format_weight=0.1"], "reward shaping"),
     (["meta.gamma_trial=1.5"], r"meta.gamma_trial must be in \[0, 1\]"),
-    (["meta.context=episodes"], "meta.context must be one of reflections, attempts"),
+    (["meta.carry=episodes"], "meta.carry must be one of reflections, attempts"),
+    (["meta.context=attempts", "meta.carry=attempts"], "keep only meta.carry"),
     (["meta.num_attempts=0"], "meta.num_attempts must be > 0"),
     (["meta.eval_trials=4"], "set meta.eval_attempts"),
 ])
@@ -170,8 +187,15 @@ def test_bad_meta_configs_are_clear_errors(overrides, message):
 
 def test_meta_configs_that_are_allowed():
     # the in-context RL baseline: trials at evaluation only, no training, any estimator
-    config = load_config(None, ["meta.num_attempts=3", "train.steps=0", "meta.context=attempts", "meta.reflect=false"])
+    config = load_config(None, ["meta.num_attempts=3", "train.steps=0", "meta.carry=attempts", "meta.reflect=false"])
     assert config.meta.num_attempts == 3 and config.algo.advantage == "grpo"
     # single-episode RL evaluated with trials
     assert load_config(None, ["meta.eval_attempts=3"]).meta.eval_attempts == 3
     assert load_config(None, ["algo.advantage=meta"]).meta.num_attempts == 1
+
+
+def test_a_renamed_key_is_read_under_its_new_name_with_a_warning():
+    """meta.context (before meta.carry) in an older config or a run's saved config.toml still loads."""
+    with pytest.warns(DeprecationWarning, match="meta.context was renamed meta.carry"):
+        config = load_config(None, ["meta.context=attempts"])
+    assert config.meta.carry == "attempts"

@@ -11,8 +11,10 @@ from ctxrl.config import ConfigError, load_config
 from ctxrl.envs.bandit import BanditEnv
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.minesweeper import MinesweeperEnv
-from ctxrl.rollout.meta import NOTES_HEADER, MetaPolicy
-from ctxrl.train.trial_demos import build_trial_demos, has_trial_hooks
+from ctxrl.prompts import NOTES_HEADER
+from ctxrl.rollout.spec import MetaPolicy
+from ctxrl.envs.hooks import has_trial_hooks
+from ctxrl.meta.trial_demos import build_trial_demos
 from ctxrl.types import Message
 
 POLICY = MetaPolicy(num_attempts=3, reflection_max_tokens=64)
@@ -100,7 +102,7 @@ def test_missing_hooks_and_short_budgets_are_clear_errors(renderer, tmp_path):
     with pytest.raises(RuntimeError, match="longer than meta.reflection_max_tokens=4"):
         asyncio.run(build_trial_demos(MinesweeperEnv, renderer, 2, MetaPolicy(num_attempts=2,
                                                                                 reflection_max_tokens=4)))
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer as Run
 
     with pytest.raises(ConfigError, match="environment 'calculator' has no failure"):
         Run(load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.trial_demos=0.5", "run.progress=false"]),
@@ -110,7 +112,7 @@ def test_missing_hooks_and_short_budgets_are_clear_errors(renderer, tmp_path):
 
 
 def test_the_warm_start_mixes_trial_demos_in(tmp_path):
-    from ctxrl.train.loop import Run
+    from ctxrl.train.trainer import Trainer as Run
 
     run = Run(load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=minesweeper", "sft.demos=8",
                                  "sft.trial_demos=0.25", "sft.epochs=1", "sft.batch_size=8", "meta.eval_attempts=3",

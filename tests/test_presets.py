@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ctxrl.train.loop as loop
+import ctxrl.train.trainer as loop
 from ctxrl.config import load_config
 
 PRESETS = sorted((Path(__file__).parents[1] / "examples" / "presets").glob("*.toml"))
@@ -42,9 +42,9 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "shape_rewards", coin_flips)
     config = load_config(preset, SMALL)
-    run = loop.Run(config, tmp_path / "run")
-    learner = run.make_learner()
-    rows = [run.rl_step(learner, step) for step in range(2)]
+    trainer = loop.Trainer(config, tmp_path / "run")
+    trainer.make_learner()
+    rows = [trainer.step(step) for step in range(2)]
     for row in rows:
         assert "void_turn_rate" in row and "advantage_abs_mean" in row
         if config.algo.void_turn_filter:
@@ -52,8 +52,9 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
             assert row["void_turn_rate"] == 1.0 and row["trained_episodes"] == 0
             assert row["void_turn_filtered"] == 9 and "loss" not in row
             # the rest of the preset (its estimator and loss) still trains without the filter
-            unfiltered = loop.Run(load_config(preset, [*SMALL, "algo.void_turn_filter=false"]), tmp_path / "nf")
-            row = unfiltered.rl_step(unfiltered.make_learner(), 0)
+            unfiltered = loop.Trainer(load_config(preset, [*SMALL, "algo.void_turn_filter=false"]), tmp_path / "nf")
+            unfiltered.make_learner()
+            row = unfiltered.step(0)
             assert row["trained_episodes"] == 9 and math.isfinite(row["loss"]) and row["advantage_abs_mean"] > 0
             continue
         assert row["trained_episodes"] > 0
@@ -71,13 +72,14 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
 def test_kl_as_a_reward_penalty(tmp_path, monkeypatch):
     config = load_config(PRESETS[0].parent / "reinforce_pp.toml",
                          [*SMALL, "algo.kl_coef=0.5", "algo.kl_placement=reward"])
-    run = loop.Run(config, tmp_path / "run")
-    learner = run.make_learner()
-    assert learner.settings.kl_coef == 0.0 and run.ref_model is not None  # not in the loss
+    trainer = loop.Trainer(config, tmp_path / "run")
+    learner = trainer.make_learner()
+    assert learner.settings.kl_coef == 0.0 and learner.ref_model is not None  # not in the loss
     with torch.no_grad():  # move the policy off the reference so the KL is not zero
-        for p in run.model.parameters():
+        for p in trainer.model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    row = run.rl_step(learner, 0)
+    trainer.sync_engine(0)  # the engine samples with the moved policy too
+    row = trainer.step(0)
     assert row["kl_reward"] > 0 and "kl" not in row
     assert math.isfinite(row["loss"])
 
@@ -95,8 +97,8 @@ def test_turn_level_gae(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "shape_rewards", coin_flips)
     config = load_config(PRESETS[0].parent / "ppo.toml", [*SMALL, "algo.gae_level=turn"])
-    run = loop.Run(config, tmp_path / "run")
-    learner = run.make_learner()
-    row = run.rl_step(learner, 0)
+    trainer = loop.Trainer(config, tmp_path / "run")
+    trainer.make_learner()
+    row = trainer.step(0)
     assert math.isfinite(row["loss"]) and math.isfinite(row["vf_loss"]) and row["vf_loss"] > 0
     assert 0.0 <= row["vf_clip_frac"] <= 1.0

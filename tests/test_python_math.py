@@ -9,8 +9,9 @@ import pytest
 
 from ctxrl.envs import assert_env_ok, get_env_class
 from ctxrl.envs.python_math import FAMILIES, PythonMathEnv, _fib_mod, answers_equivalent
-from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.rollout.agent import run_episode
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.engine.scripted import ScriptedEngine
 
 
 def test_conformance_and_registry():

@@ -20,13 +20,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ctxrl.cli import run_pipeline
+from ctxrl.algo.estimators import broadcast
+from ctxrl.algo.estimators.outcome import GRPO
 from ctxrl.config import ConfigError, load_config
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.registry import register
-from ctxrl.train import checkpoint as ckpt
-from ctxrl.train.checkpoint import CheckpointError
-from ctxrl.train.loop import Run, TrainingAborted
+from ctxrl.errors import CheckpointError
+from ctxrl.train import checkpoint
+from ctxrl.train import checkpoint_io as ckpt
+from ctxrl.train.trainer import Trainer, TrainingAborted, train
+from ctxrl.types import TrainSequence
 
 ROOT = Path(__file__).parents[1]
 SMALL = ["model.name=tiny:pretrain_steps=0", "sft.demos=8", "sft.epochs=1", "sft.batch_size=4", "eval.tasks=2",
@@ -52,20 +55,20 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def learning_signal(monkeypatch):
     """Advantages of +1 / -1 (alternating within each group): the random-init model earns no reward, and
     without a learning signal an exactness test would compare runs whose weights never moved."""
-    def advantages(kind, episodes, **kw):
-        return [[(1.0 if i % 2 else -1.0) * m for m in e.loss_mask] for i, e in enumerate(episodes)]
+    def estimate(self, episodes, **kw):
+        return [broadcast(e, 1.0 if i % 2 else -1.0) for i, e in enumerate(episodes)]
 
-    monkeypatch.setattr("ctxrl.train.loop.episode_advantages", advantages)
+    monkeypatch.setattr(GRPO, "estimate", estimate)
 
 
 # -- (a) exact resume ---------------------------------------------------------------------------
 def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path, learning_signal):
     full = tmp_path / "full"
-    run_pipeline(config("train.steps=4"), full, quiet=True)
+    train(config("train.steps=4"), full)
     split = tmp_path / "split"
-    run_pipeline(config("train.steps=2"), split, quiet=True)
+    train(config("train.steps=2"), split)
     assert (split / "checkpoints" / "latest").read_text().strip() == "step-000002"
-    summary = run_pipeline(config("train.steps=4"), split, quiet=True, resume=True)
+    summary = train(config("train.steps=4"), split, resume=True)
     assert summary["resumed_from"] == 2
     a, b = rl_rows(full), rl_rows(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]  # every step exactly once
@@ -89,7 +92,7 @@ def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path, learning_sig
 
 
 def test_checkpoint_holds_every_piece(tmp_path, learning_signal):
-    run_pipeline(config("train.steps=1", "curriculum.kind=self_paced"), tmp_path, quiet=True)
+    train(config("train.steps=1", "curriculum.kind=self_paced"), tmp_path)
     path = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     for name in ckpt.REQUIRED + ("config.json", "tokenizer.json"):
         assert (path / name).exists(), name
@@ -171,11 +174,11 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
 
 # -- (c) crash mid-save ---------------------------------------------------------------------------
 def test_crash_mid_save_leaves_latest_at_the_previous_checkpoint(tmp_path, monkeypatch):
-    run = Run(config("train.steps=2"), tmp_path)
-    learner = run.make_learner()
-    run.rl_step(learner, 0)
-    run.save_training_checkpoint(1, learner)
-    run.rl_step(learner, 1)
+    run = Trainer(config("train.steps=2"), tmp_path)
+    run.make_learner()
+    run.step(0)
+    checkpoint.save(run, 1)
+    run.step(1)
     real = ckpt.save_state
 
     def crash(state, directory, name):
@@ -183,9 +186,9 @@ def test_crash_mid_save_leaves_latest_at_the_previous_checkpoint(tmp_path, monke
         if name == "optimizer":
             raise OSError("disk full (injected)")
 
-    monkeypatch.setattr("ctxrl.train.loop.save_state", crash)
+    monkeypatch.setattr("ctxrl.train.checkpoint.save_state", crash)
     with pytest.raises(OSError, match="injected"):
-        run.save_training_checkpoint(2, learner)
+        checkpoint.save(run, 2)
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-000001"
     assert not (root / "step-000002").exists()
@@ -194,24 +197,25 @@ def test_crash_mid_save_leaves_latest_at_the_previous_checkpoint(tmp_path, monke
 
 
 def test_killed_save_leaves_only_a_hidden_temporary_that_resume_removes(tmp_path):
-    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+    train(config("train.steps=1"), tmp_path)
     root = tmp_path / "checkpoints"
     (root / ".step-000002-abcd").mkdir()  # what a SIGKILL during a save leaves behind
     (root / ".step-000002-abcd" / "model.safetensors").write_bytes(b"partial")
-    run_pipeline(config("train.steps=2"), tmp_path, quiet=True, resume=True)
+    train(config("train.steps=2"), tmp_path, resume=True)
     assert not (root / ".step-000002-abcd").exists()
     assert (root / "latest").read_text().strip() == "step-000002"
 
 
 # -- (d) NaN guards -------------------------------------------------------------------------------
 def test_nan_skips_the_update_with_weights_and_optimizer_untouched(tmp_path):
-    run = Run(config("train.steps=2"), tmp_path)
+    run = Trainer(config("train.steps=2"), tmp_path)
     learner = run.make_learner()
-    run.rl_step(learner, 0)  # the optimiser now has state
+    run.step(0)  # the optimiser now has state
     params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
     opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
     episodes = run.rollout_round(1, 0)
-    metrics = learner.update(episodes, [float("nan")] * len(episodes))
+    metrics = learner.update(learner.collate([TrainSequence.of(e, [float("nan")] * len(e.input_ids))
+                                              for e in episodes]))
     assert metrics["skipped"] == 1.0 and learner.skipped_updates == 2  # 2 mini-batches
     assert all(torch.equal(params[k], v) for k, v in run.model.named_parameters())
     after = learner.optimizer.state_dict()["state"]
@@ -219,13 +223,13 @@ def test_nan_skips_the_update_with_weights_and_optimizer_untouched(tmp_path):
 
 
 def test_consecutive_skips_abort_and_point_at_the_checkpoint(tmp_path, monkeypatch):
-    def nan_advantages(kind, episodes, **kw):
-        return [[float("nan")] * len(e.input_ids) for e in episodes]
+    def nan_advantages(self, episodes, **kw):
+        return [[TrainSequence.of(e, [float("nan")] * len(e.input_ids))] for e in episodes]
 
-    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
-    monkeypatch.setattr("ctxrl.train.loop.episode_advantages", nan_advantages)
+    train(config("train.steps=1"), tmp_path)
+    monkeypatch.setattr(GRPO, "estimate", nan_advantages)
     with pytest.raises(TrainingAborted) as info:
-        run_pipeline(config("train.steps=10", "train.max_consecutive_skips=2"), tmp_path, quiet=True, resume=True)
+        train(config("train.steps=10", "train.max_consecutive_skips=2"), tmp_path, resume=True)
     message = str(info.value)
     # step-000002 was written one skipped step into the streak: the last good one is step-000001
     assert "2 RL steps in a row" in message and "last good checkpoint is" in message
@@ -267,10 +271,10 @@ class FlakyCalculatorEnv(CalculatorEnv):
 def test_crashing_env_and_hanging_episode_are_errored_excluded_and_counted(tmp_path):
     cfg = config("env.name=flaky_calculator", "rollout.tasks_per_step=4", "rollout.episode_timeout_s=2",
                  "rollout.max_error_rate=0.6", "sft.enabled=false")
-    run = Run(cfg, tmp_path)
-    learner = run.make_learner()
+    run = Trainer(cfg, tmp_path)
+    run.make_learner()
     started = time.monotonic()
-    row = run.rl_step(learner, 0)
+    row = run.step(0)
     assert time.monotonic() - started < 15  # the hang was cut at its deadline, and nothing waited for it
     assert row["errored_episodes"] == 4 and row["deadline_episodes"] == 2
     assert row["episodes_dropped_small_groups"] == 0 and row["trained_episodes"] == 4  # two whole groups errored
@@ -285,13 +289,14 @@ def test_crashing_env_and_hanging_episode_are_errored_excluded_and_counted(tmp_p
 def test_error_rate_threshold_aborts(tmp_path):
     cfg = config("env.name=flaky_calculator", "rollout.tasks_per_step=4", "rollout.episode_timeout_s=2",
                  "rollout.max_error_rate=0.25", "sft.enabled=false")
-    run = Run(cfg, tmp_path)
+    run = Trainer(cfg, tmp_path)
+    run.make_learner()
     with pytest.raises(TrainingAborted, match="4 of 8 episodes errored"):
-        run.rl_step(run.make_learner(), 0)
+        run.step(0)
 
 
 def test_a_group_left_with_one_valid_episode_is_dropped():
-    from ctxrl.train.loop import drop_small_groups
+    from ctxrl.train.trainer import drop_small_groups
     from ctxrl.types import Episode, Task
 
     task = Task(id="t", prompt="p", answer="a")
@@ -328,18 +333,18 @@ def test_bad_input_messages(tmp_path, tiny_path):
 
 # -- (g) missing pieces, config changes; (h) no pickle ---------------------------------------------
 def test_resume_with_missing_optimizer_or_changed_config_raises(tmp_path):
-    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+    train(config("train.steps=1"), tmp_path)
     with pytest.raises(CheckpointError, match=r"algo.clip_low: 0.2 -> 0.3"):
-        run_pipeline(config("train.steps=2", "algo.clip_low=0.3"), tmp_path, quiet=True, resume=True)
+        train(config("train.steps=2", "algo.clip_low=0.3"), tmp_path, resume=True)
     (tmp_path / "checkpoints" / "step-000001" / "optimizer.safetensors").unlink()
     with pytest.raises(CheckpointError, match="optimizer.safetensors missing"):
-        run_pipeline(config("train.steps=2"), tmp_path, quiet=True, resume=True)
+        train(config("train.steps=2"), tmp_path, resume=True)
     with pytest.raises(CheckpointError, match="holds no run"):
-        run_pipeline(config("train.steps=2"), tmp_path / "fresh", quiet=True, resume=True)
+        train(config("train.steps=2"), tmp_path / "fresh", resume=True)
 
 
 def test_resume_never_unpickles(tmp_path, monkeypatch):
-    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+    train(config("train.steps=1"), tmp_path)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a checkpoint load called pickle")
@@ -348,13 +353,14 @@ def test_resume_never_unpickles(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", forbidden)
     monkeypatch.setattr(pickle, "Unpickler", forbidden)
     monkeypatch.setattr(torch, "load", forbidden)
-    summary = run_pipeline(config("train.steps=2"), tmp_path, quiet=True, resume=True)
+    summary = train(config("train.steps=2"), tmp_path, resume=True)
     assert summary["resumed_from"] == 1
 
 
 def test_a_raising_constructor_is_an_errored_episode_too(renderer):
-    from ctxrl.rollout.agent import RolloutLimits, run_episodes
-    from ctxrl.rollout.scripted import ScriptedEngine
+    from ctxrl.rollout.agent import run_episodes
+    from ctxrl.rollout.spec import RolloutLimits
+    from ctxrl.engine.scripted import ScriptedEngine
 
     def broken():
         raise OSError("no such dataset (injected)")
@@ -369,9 +375,9 @@ def test_a_raising_constructor_is_an_errored_episode_too(renderer):
 # -- review follow-ups ------------------------------------------------------------------------------
 def test_resume_twice_after_changing_what_is_logged(tmp_path):
     """Log offsets are measured from the files, so a checkpoint taken after a rewind is right."""
-    run_pipeline(config("train.steps=2"), tmp_path, quiet=True)
-    run_pipeline(config("train.steps=3", "run.samples_per_step=0"), tmp_path, quiet=True, resume=True)
-    run_pipeline(config("train.steps=4", "run.samples_per_step=0"), tmp_path, quiet=True, resume=True)
+    train(config("train.steps=2"), tmp_path)
+    train(config("train.steps=3", "run.samples_per_step=0"), tmp_path, resume=True)
+    train(config("train.steps=4", "run.samples_per_step=0"), tmp_path, resume=True)
     assert [r["step"] for r in rl_rows(tmp_path)] == [1, 2, 3, 4]
 
 
@@ -395,27 +401,27 @@ def test_rewriting_the_latest_step_never_leaves_latest_dangling(tmp_path):
 
 
 def test_warm_start_is_checkpointed_and_steps_below_the_checkpoint_are_refused(tmp_path):
-    run_pipeline(config("train.steps=2"), tmp_path, quiet=True)
+    train(config("train.steps=2"), tmp_path)
     assert (tmp_path / "checkpoints" / "step-000000").is_dir()  # resumable right after the warm start
     with pytest.raises(CheckpointError, match="beyond train.steps=1"):
-        run_pipeline(config("train.steps=1"), tmp_path, quiet=True, resume=True)
+        train(config("train.steps=1"), tmp_path, resume=True)
 
 
 def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):
-    run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+    train(config("train.steps=1"), tmp_path)
     with pytest.raises(CheckpointError, match="already holds a run.*--resume"):
-        run_pipeline(config("train.steps=1"), tmp_path, quiet=True)
+        train(config("train.steps=1"), tmp_path)
 
 
 def test_a_batch_without_learning_signal_leaves_weights_and_optimizer_untouched(tmp_path):
     """All advantages 0: no optimiser step, so Adam's momentum from earlier steps does not move the weights."""
-    run = Run(config("train.steps=2"), tmp_path)
+    run = Trainer(config("train.steps=2"), tmp_path)
     learner = run.make_learner()
-    run.rl_step(learner, 0)
+    run.step(0)
     params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
     opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
     episodes = run.rollout_round(1, 0)
-    metrics = learner.update(episodes, [[0.0] * len(e.input_ids) for e in episodes])
+    metrics = learner.update(learner.collate([TrainSequence.of(e, [0.0] * len(e.input_ids)) for e in episodes]))
     assert metrics["no_signal"] == 1.0 and metrics["skipped"] == 0.0
     assert all(torch.equal(params[k], v) for k, v in run.model.named_parameters())
     after = learner.optimizer.state_dict()["state"]

@@ -10,7 +10,8 @@ import torch
 
 from ctxrl.engine.base import SamplingParams
 from ctxrl.engine.hf import HFEngine
-from ctxrl.engine.sampling import derive_seed, filter_logits, mix32, sample_inverse_cdf, uniforms
+from ctxrl.engine.sampling import filter_logits, mix32, sample_inverse_cdf, uniforms
+from ctxrl.seeds import derive_seed
 
 
 def test_mix32_stays_in_32_bits_and_is_a_function():
@@ -146,7 +147,8 @@ def testfilter_logits_per_row():
 
 def test_seeded_episodes_repeat_whatever_the_batching(model, tokenizer, renderer):
     from ctxrl.envs.calculator import CalculatorEnv
-    from ctxrl.rollout.agent import RolloutLimits, run_episodes
+    from ctxrl.rollout.agent import run_episodes
+    from ctxrl.rollout.spec import RolloutLimits
 
     tasks = CalculatorEnv.sample_tasks("train", 3, seed=4)
     limits = RolloutLimits(max_turns=2, max_new_tokens=12, max_total_tokens=512, temperature=1.0)

@@ -13,8 +13,9 @@ import pytest
 
 from ctxrl.envs import assert_env_ok, get_env_class
 from ctxrl.envs.search_qa import SearchQAEnv, kb_index, knowledge_base
-from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.rollout.agent import run_episode
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.tools.search import Document, SearchIndex, exact_match, normalize_answer, search_tool, token_f1
 
 

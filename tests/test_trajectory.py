@@ -9,8 +9,9 @@ import pytest
 
 from ctxrl.chat.render import ChatRenderer, TemplateError
 from ctxrl.envs.calculator import CalculatorEnv
-from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.scripted import ScriptedEngine
+from ctxrl.rollout.agent import run_episode
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 MALFORMED = "<tool_call>\n{not json}\n</tool_call>"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
@@ -140,7 +141,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     if kind == "k3":
         log_ratio = log_ratio.clamp(-20.0, 20.0)
         return torch.clamp(torch.exp(-log_ratio) - 1.0 + log_ratio, -10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {kind!r}; choose k1, k2 or k3")
+    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_KINDS)}")
 
 
 def entropy_from_logits(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:

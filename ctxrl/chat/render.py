@@ -17,14 +17,28 @@ turn (ending with its end-of-turn token), the next prompt is built by appending 
 ``verify_prefix_preserving`` checks all of this once at start-up on a canned tool conversation
 and raises ``TemplateError`` naming the template otherwise (e.g. templates that strip earlier
 reasoning from history are not prefix-preserving).
+
+Text the policy did not write (system prompts, tasks, tool output, environment replies) is
+encoded with its special tokens as plain text: a tool that prints ``<|im_end|>`` and
+``<|im_start|>assistant`` gets the ids of those characters, never the turn-boundary ids, so
+model-written code cannot forge a turn. The template's own special tokens stay special. How:
+before rendering, every special-token string inside such a message is replaced by a marker; the
+rendered text is encoded piece by piece, each marker as the plain-text ids of the string it
+stands for. Text without special-token strings (nearly all of it) renders and encodes exactly as
+before. Assistant messages keep theirs: what the policy sampled is its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.types import Message
+
+_MARKER = "\ue000ctxrl-{}\ue001"
+_MARKERS = re.compile("\ue000ctxrl-(\\d+)\ue001")
 
 
 class TemplateError(RuntimeError):
@@ -42,6 +56,9 @@ class ChatRenderer:
             raise TemplateError(f"tokenizer {self.template_name!r} has no eos_token to end assistant turns")
         self.eos_text: str = eos
         self.eos_id: int = tokenizer.convert_tokens_to_ids(eos)
+        # longest first, so that a special token that contains another is replaced whole
+        self.special_tokens: list[str] = sorted(set(getattr(tokenizer, "all_special_tokens", []) or []),
+                                                key=len, reverse=True)
 
     # -- text --------------------------------------------------------------------------------
     def text(self, messages: list[Message], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
@@ -51,7 +68,55 @@ class ChatRenderer:
         )
 
     def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, its special-token strings as special tokens (template text, policy text)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of ``text`` with special-token strings taken as plain characters (text the policy did not write)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _guarded(self, messages: list[Message]) -> tuple[list[Message], list[str]]:
+        """``messages`` with every special-token string in a non-assistant message replaced by a marker.
+
+        Returns the messages and the strings the markers stand for (marker ``i`` for ``strings[i]``),
+        numbered in message order, so that renderings of a conversation and of a longer one agree.
+        """
+        strings: list[str] = []
+        if not self.special_tokens:
+            return messages, strings
+        pattern = re.compile("|".join(re.escape(t) for t in self.special_tokens))
+        out = []
+        for m in messages:
+            if m.role != "assistant" and pattern.search(m.content):
+                def mark(match: re.Match) -> str:
+                    strings.append(match.group(0))
+                    return _MARKER.format(len(strings) - 1)
+
+                m = dataclasses.replace(m, content=pattern.sub(mark, m.content))
+            out.append(m)
+        return out, strings
+
+    def _encode_marked(self, text: str, strings: list[str]) -> list[int]:
+        """Encode rendered text: markers as their strings' plain-text ids, the rest as ``encode`` does."""
+        if not strings:
+            return self.encode(text)
+        ids: list[int] = []
+        last = 0
+        for match in _MARKERS.finditer(text):
+            ids += self.encode(text[last:match.start()])
+            ids += self.encode_plain(strings[int(match.group(1))])
+            last = match.end()
+        return ids + self.encode(text[last:])
+
+    def _render(self, messages: list[Message], tools: list[dict] | None, *,
+                add_generation_prompt: bool) -> tuple[str, list[str]]:
+        guarded, strings = self._guarded(messages)
+        text = self.text(guarded, tools, add_generation_prompt=add_generation_prompt)
+        if strings and len(_MARKERS.findall(text)) != len(strings):
+            raise TemplateError(f"chat template {self.template_name!r} changes the content of messages (it dropped or "
+                                "repeated part of it), so ctxrl cannot keep special tokens in tool output as plain "
+                                "text; use a template that prints message content as it is")
+        return text, strings
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -59,7 +124,7 @@ class ChatRenderer:
     # -- ids -----------------------------------------------------------------------------------
     def prompt_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
         """Ids of the initial conversation followed by the assistant generation prompt."""
-        return self.encode(self.text(messages, tools, add_generation_prompt=True))
+        return self._encode_marked(*self._render(messages, tools, add_generation_prompt=True))
 
     def continuation_ids(self, history: list[Message], new: list[Message], tools: list[dict] | None,
                          *, closed: bool = True) -> list[int]:
@@ -70,8 +135,8 @@ class ChatRenderer:
         """
         if not history or history[-1].role != "assistant":
             raise ValueError("continuation_ids expects the history to end with an assistant message")
-        before = self.text(history, tools, add_generation_prompt=False)
-        after = self.text(history + new, tools, add_generation_prompt=True)
+        before, _ = self._render(history, tools, add_generation_prompt=False)
+        after, strings = self._render(history + new, tools, add_generation_prompt=True)
         if not after.startswith(before):
             raise TemplateError(self._prefix_message())
         end = before.rfind(self.eos_text)
@@ -80,7 +145,7 @@ class ChatRenderer:
                                 f"with the eos token {self.eos_text!r}")
         tail = before[end + len(self.eos_text):]
         delta = (self.eos_text if not closed else "") + tail + after[len(before):]
-        return self.encode(delta)
+        return self._encode_marked(delta, strings)
 
     def assistant_ids(self, text: str) -> list[int]:
         """Ids of an assistant turn as if sampled: the text's ids plus the end-of-turn token."""

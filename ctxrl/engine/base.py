@@ -1,16 +1,26 @@
-"""The ``Engine`` protocol: prompt ids in, sampled ids with their log-probabilities out.
+"""The ``Engine`` protocol: prompt ids in, sampled ids with their log-probabilities out; new weights in.
 
 Anything that satisfies it can drive rollouts: the in-process ``HFEngine`` today; a remote
 OpenAI-compatible server (vLLM, SGLang) later. Plain data in and out, so it can cross a
-process boundary.
+process boundary. An engine owns the weights it samples with: the learner trains its own copy
+and hands the result over with ``load_weights(state, version=...)`` after each optimiser step;
+``policy_version`` says which weights produced a completion (it is stamped on every episode).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
-PURPOSES = ("turn", "summary", "reflection")
+PURPOSES: list[str] = ["turn", "summary", "reflection"]
+"""What a generation may be asked for; a context manager with a side request of its own adds it
+(``register_purpose``), so that a misspelt purpose is an error, not a silent new one."""
+
+
+def register_purpose(name: str) -> None:
+    """Allow ``SamplingParams(purpose=name)`` (a context manager's side request)."""
+    if name not in PURPOSES:
+        PURPOSES.append(name)
 
 
 @dataclass(frozen=True)
@@ -23,12 +33,12 @@ class SamplingParams:
     completion, whatever else the engine is serving at the time; ``None`` lets the engine pick
     one from its own seeded stream (reproducible only if requests arrive in the same order).
 
-    ``purpose`` says what the agent loop asks for: ``turn`` (an action turn), ``summary`` (the
-    ``summarize`` context manager's summary of the episode so far) or ``reflection`` (the meta
-    loop's reflection on a finished attempt, ``ctxrl.rollout.meta``). Sampling engines sample them
-    all alike; a scripted engine answers a summary or reflection request with a scripted text
-    instead of its next turn, so demonstrations never have to guess from the prompt's text which
-    one is asked for.
+    ``purpose`` says what the agent loop asks for: ``turn`` (an action turn) or a side request, such
+    as ``summary`` (the ``summarize`` context manager's summary of the episode so far) or
+    ``reflection`` (the meta loop's reflection on a finished attempt, ``ctxrl.meta.rollout``).
+    Sampling engines sample them all alike; a scripted engine answers a side request with a
+    scripted text instead of its next turn, so demonstrations never have to guess from the
+    prompt's text which one is asked for.
     """
 
     temperature: float = 1.0
@@ -62,6 +72,15 @@ class Completion:
 
 @runtime_checkable
 class Engine(Protocol):
-    version: int
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the next completion samples with."""
+        ...
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Sample one completion of ``prompt_ids``."""
+        ...
+
+    def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
+        """Replace the engine's weights (a state dict by parameter name) and set the policy version."""
+        ...

@@ -19,8 +19,12 @@ those, serve the policy with vLLM/SGLang behind the same ``Engine`` protocol.
 
 Log-probabilities are those of the temperature-scaled distribution *before* top-k / top-p
 truncation (``log_softmax(logits / T)``, with T = 1 for greedy decoding), the quantity the
-learner recomputes. Weights reach the engine without a disk round trip: pass the learner's own
-module (shared, zero-copy) or call ``load_weights`` with a state dict (in-memory copy).
+learner recomputes.
+
+The engine owns its module: the trainer gives it a copy of the policy (it may be in another dtype
+than the learner's) and, after every optimiser step, copies the new weights in with
+``load_weights(state_dict, version=step)`` in memory, without a disk round trip. Nothing else
+writes to the engine's weights, so a rollout never sees a half-updated model.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class HFEngine:
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens or int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.version = 0
+        self._version = 0
         self._seeds = random.Random(seed)  # request seeds for requests that bring none
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
@@ -70,8 +74,13 @@ class HFEngine:
         return next(self.model.parameters()).device
 
     # -- weights -----------------------------------------------------------------------------
-    def load_weights(self, state_dict: dict[str, torch.Tensor], *, version: int | None = None) -> None:
-        """Copy new weights into the engine's model in memory and bump the policy version."""
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the engine samples with (0 before any ``load_weights``)."""
+        return self._version
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
+        """Copy new weights into the engine's model in memory (cast to its dtype) and set the policy version."""
         own = dict(self.model.named_parameters())
         own.update(dict(self.model.named_buffers()))
         # Require what state_dict() holds (non-persistent buffers such as rotary frequencies are
@@ -85,18 +94,14 @@ class HFEngine:
             for name, tensor in own.items():
                 if name in state_dict:
                     tensor.copy_(state_dict[name].to(tensor.device, tensor.dtype))
-        self.version = self.version + 1 if version is None else version
-
-    def set_version(self, version: int) -> None:
-        """For an engine that shares the learner's module: the weights changed in place."""
-        self.version = version
+        self._version = int(version)
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         if not prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
         if len(prompt_ids) >= self.max_total_tokens:
-            return Completion([], [], "length", self.version)
+            return Completion([], [], "length", self._version)
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
             self._wakeup = asyncio.Event()
@@ -219,4 +224,4 @@ class HFEngine:
                            **kwargs).logits[:, -1, :].float()
             self.stats["forward_passes"] += 1
             next_pos = next_pos + 1
-        return [Completion(sampled[r], logprobs[r], finish[r] or "length", self.version) for r in range(batch)]
+        return [Completion(sampled[r], logprobs[r], finish[r] or "length", self._version) for r in range(batch)]

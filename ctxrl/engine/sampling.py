@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ctxrl.seeds import SEED_MODULUS
+
 MASK32 = 0xFFFFFFFF
-SEED_MODULUS = 1 << 63
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -61,12 +62,3 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -
     remove |= (probs.cumsum(-1) - probs) >= top_p
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
-def derive_seed(seed: int, *salt: int) -> int:
-    """A seed for a sub-stream (for example an episode's turn) that differs for every salt."""
-    value = seed % SEED_MODULUS
-    for s in salt:
-        value = (value * 0x9E3779B97F4A7C15 + (s + 1) * 0xBF58476D1CE4E5B9) % SEED_MODULUS
-        value ^= value >> 29
-    return value

@@ -14,20 +14,22 @@ Conventions every environment follows (``check_env`` tests them):
   and raises ``EnvError`` only for misuse, e.g. stepping a finished episode;
 - ``sample_tasks`` and ``solve`` are classmethods, so task sets and demos need no instance.
 
-Optional hooks, looked up with ``getattr``: ``shortcut(task)`` (imperfect demos),
-``pretraining_variant(seed)`` (see ``pretraining_env``) and ``summary(task, messages) -> str``,
-the scripted summary for warm-start demos under ``context.manager=summarize``: what a good summary
-holds at that point, computed from the task and ``messages``, the conversation so far (the opening,
-then every assistant turn and its observations, across segments; earlier summaries are not in it).
-It must use only what the policy has seen, and hold whatever ``solve``'s remaining turns need to
-follow from a context restarted from system + task + summary.
+Optional hooks (``shortcut``, ``pretraining_variant``, ``summary``, ``failure``, ``reflection``,
+``solve_after``, ``configure``, ``corpus``, the ``names_actions`` flag) are declared, with what each
+enables, in ``ctxrl.envs.hooks``; ``ctxrl check-env NAME`` lists the ones an environment has.
+``summary(task, messages) -> str`` is the scripted summary for warm-start demos under
+``context.manager=summarize``: what a good summary holds at that point, computed from the task and
+``messages``, the conversation so far (the opening, then every assistant turn and its observations,
+across segments; earlier summaries are not in it). It must use only what the policy has seen, and
+hold whatever ``solve``'s remaining turns need to follow from a context restarted from system +
+task + summary.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar, Protocol, runtime_checkable
 
-from ctxrl.contexts.space import ContextSpace
+from ctxrl.tasks.space import ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.types import Message, StepResult, Task
 
@@ -76,5 +78,7 @@ def pretraining_env(env_cls: type, seed: int) -> type:
     the training split's answers; one whose tool is slow may replay known outputs
     (``python_math``). Environments without the hook are used as they are.
     """
-    variant = getattr(env_cls, "pretraining_variant", None)
+    from ctxrl.envs.hooks import hook
+
+    variant = hook(env_cls, "pretraining_variant")
     return variant(seed) if variant is not None else env_cls

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Coroutine, TypeVar
 
 from ctxrl.chat.toolcalls import parse_assistant
-from ctxrl.contexts.space import ContextError
+from ctxrl.tasks.space import ContextError
 from ctxrl.envs.base import Env, EnvError
 from ctxrl.tools.base import Tool, schema_problems
 from ctxrl.types import SPLITS, Message, StepResult, Task
@@ -119,7 +119,7 @@ def _check_sampling(env_cls: type, split: str, n: int, seed: int, problems: list
     for task in first:
         if ids.setdefault(task.id, task.prompt) != task.prompt:
             problems.append(f"{where}: id {task.id} is shared by different prompts; derive ids from a hash "
-                            "of the prompt (ctxrl.contexts.task_id)")
+                            "of the prompt (ctxrl.tasks.task_id)")
             break
     return first
 
@@ -134,7 +134,7 @@ def _check_disjoint(env_cls: type, n: int, seed: int, problems: list[str]) -> No
     shared = sorted({t.prompt for t in train} & {t.prompt for t in heldout})
     if shared:
         problems.append(f"train and heldout share {len(shared)} prompt(s), e.g. {shared[0]!r}; reject prompts "
-                        "of the other split with ctxrl.contexts.split_of (or use ctxrl.contexts.sample_tasks)")
+                        "of the other split with ctxrl.tasks.split_of (or use ctxrl.tasks.sample_tasks)")
 
 
 def _check_tools(env: Any, problems: list[str]) -> None:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ctxrl.envs.check import play_solution
+from ctxrl.envs.hooks import hook
 from ctxrl.envs.registry import get_env_class, list_envs
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "envs"
@@ -21,7 +22,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "envs"
 def documented_envs() -> list[str]:
     """Built-in environments that run without configuration (not ``jsonl_tools``)."""
     return [n for n in list_envs() if get_env_class(n).__module__.startswith("ctxrl.envs.")
-            and not callable(getattr(get_env_class(n), "configure", None))]
+            and hook(get_env_class(n), "configure") is None]
 
 
 def _episode(env_cls) -> list[str]:

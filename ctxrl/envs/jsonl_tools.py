@@ -26,7 +26,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from ctxrl.contexts.space import ContextSpace, split_of, task_id
+from ctxrl.tasks.space import ContextSpace, split_of, task_id
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
@@ -96,7 +96,7 @@ def load_tasks(path: str | Path, heldout_fraction: float = 0.2) -> dict[str, lis
 
 def _observed_space(tasks: dict[str, list[Task]]) -> ContextSpace:
     """The context labels the file uses, as choice params (a task without a label gets None)."""
-    from ctxrl.contexts.space import ContextParam
+    from ctxrl.tasks.space import ContextParam
 
     every = [t for split in tasks.values() for t in split]
     keys = sorted({k for t in every for k in t.context})

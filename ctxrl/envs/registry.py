@@ -93,5 +93,7 @@ def get_env_class(name: str) -> type:
 def configured_env_class(name: str, **options: str) -> type:
     """``get_env_class(name)``, bound to ``options`` when the class takes them (``configure``)."""
     cls = get_env_class(name)
-    configure = getattr(cls, "configure", None)
-    return configure(**options) if callable(configure) else cls
+    from ctxrl.envs.hooks import hook
+
+    configure = hook(cls, "configure")
+    return configure(**options) if configure is not None else cls

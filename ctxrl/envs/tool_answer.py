@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from ctxrl.contexts.space import ContextSpace, sample_tasks
+from ctxrl.tasks.space import ContextSpace, sample_tasks
 from ctxrl.envs.base import EnvError
 from ctxrl.tools.base import Tool, execute_tool_calls
 from ctxrl.types import Message, StepResult, Task

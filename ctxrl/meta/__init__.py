@@ -1,7 +1,14 @@
-"""Learning across episodes (meta-RL): credit across the attempts of a trial, annealed
-demonstrations, and trial statistics. Pure functions over plain data (no torch); the
-multi-attempt rollout is ``ctxrl.rollout.meta``, demonstrations in prompts ``ctxrl.rollout.demos``,
-the trainer's side ``ctxrl.train.trials`` (docs/meta.md)."""
+"""Learning across episodes (meta-RL), all in this package (docs/meta.md):
+
+- ``rollout``: the meta loop, a trial of up to K attempts with feedback and reflections between them;
+- ``credit`` and ``estimator``: credit across attempts (LaMer, MR-Search), the ``meta`` advantage estimator;
+- ``demos`` and ``anneal``: few-shot demonstrations in training prompts, fading on a schedule;
+- ``trial_demos``: warm-start demonstrations of a failed attempt, its reflection and the solution;
+- ``trial``, ``stats`` and ``metrics``: what trials are measured by.
+
+Importing the package loads only the pure modules (``anneal``, ``credit``, ``stats``, ``trial``),
+which rollout code may use; the rest import the rollout and are imported where they are used.
+"""
 
 from ctxrl.meta.anneal import DemoSchedule, demo_count, demo_probability, num_demos, sample_demos
 from ctxrl.meta.credit import (cross_episode_advantages, cross_episode_returns, reflection_advantages,

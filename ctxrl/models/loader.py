@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ctxrl.models.tiny import TinySpec, tiny_path
 
+DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -94,9 +95,9 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
 
     _quiet_transformers()
     resolved = resolve(name_or_path)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise ModelLoadError(f"model.dtype must be float32, bfloat16 or float16, not {dtype!r}")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"model.dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    torch_dtype = getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(resolved, dtype=torch_dtype)
     except TypeError:  # transformers < 4.56 calls it torch_dtype

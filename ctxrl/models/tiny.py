@@ -111,12 +111,13 @@ def tiny_path(spec: TinySpec | None = None, *, build: bool = True) -> Path:
 
 def tokenizer_corpus(seed: int = 0, n: int = 2000, envs: tuple[str, ...] = PRETRAIN_ENVS) -> list[str]:
     """Text the tokenizer learns from (and the model pre-trains on): built-in environments' transcripts."""
+    from ctxrl.envs.hooks import hook
     from ctxrl.envs.registry import get_env_class
 
     texts: list[str] = []
     for name in envs:
         env_cls = get_env_class(name)
-        corpus = getattr(env_cls, "corpus", None)
+        corpus = hook(env_cls, "corpus")
         if corpus is not None:
             texts.extend(corpus(n, seed))
     return texts
@@ -235,6 +236,7 @@ def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
 def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
     """Prompts, solutions and tool observations of solved tasks, as text (for the tokenizer)."""
     from ctxrl.envs.check import play_solution
+    from ctxrl.envs.hooks import hook
     from ctxrl.envs.registry import get_env_class
 
     from ctxrl.envs.base import pretraining_env
@@ -242,7 +244,7 @@ def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
     texts = []
     for name in envs:
         env_cls = pretraining_env(get_env_class(name), seed)
-        if getattr(env_cls, "corpus", None) is not None:
+        if hook(env_cls, "corpus") is not None:
             continue
         for task in env_cls.sample_tasks("train", n, seed):
             messages, _ = play_solution(env_cls, task, seed)

@@ -1,232 +1,171 @@
-"""Atomic, pickle-free training checkpoints: everything a run needs to continue exactly.
+"""Resumable training checkpoints: what one holds, writing it, and continuing a run from it exactly.
 
-A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding
-
-- ``model.safetensors`` + ``config.json`` and the tokenizer files (``save_pretrained``: the
-  directory loads like any HF checkpoint, so ``ctxrl eval --checkpoint`` takes it);
-- ``optimizer.safetensors`` (every tensor of the optimiser state) + ``optimizer.json`` (the rest:
-  parameter groups, non-tensor state); the same pair for the critic's optimiser and
-  ``critic.safetensors`` when the run has a critic;
-- ``rng.safetensors`` (torch CPU, CUDA and learner generator states) + ``rng.json`` (python and
-  numpy states);
-- ``state.json``: step, engine policy version, learner counters, curriculum state, the byte
-  lengths of ``metrics.jsonl`` and ``samples.jsonl`` at save time, and the list of files;
-- ``config.toml``: the resolved config.
-
-Writing: into a temporary sibling directory, every file fsynced, the directory renamed into
-place, the parent fsynced; then the ``latest`` pointer (a one-line text file naming the
-directory) is replaced atomically the same way; then all but the newest ``keep`` step
-checkpoints are deleted. A crash at any point leaves ``latest`` naming a complete checkpoint.
-
-Reading never unpickles: tensors come from safetensors, everything else from JSON or TOML.
+``save(trainer, step)`` writes ``checkpoints/step-NNNNNN`` atomically (``ctxrl.train.checkpoint_io``):
+the policy's weights (``model.safetensors`` with its config and tokenizer, so the directory loads
+like any HF checkpoint), the optimiser, the critic and its optimiser, the reference model, every
+random generator, the learner's counters, the curriculum, the engine's policy version and the byte
+lengths of the logs. ``resume(trainer)`` restores all of it from ``checkpoints/latest``: every piece
+is required, and a configuration change that would alter a step is an error naming it. The logs
+are rewound to the checkpoint (lines written after it move to ``*.orphaned.jsonl``), so after the
+resumed run every step appears exactly once.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
-import os
-import random
-import shutil
-import tempfile
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
+from ctxrl.config import Config, load_config, to_toml
+from ctxrl.errors import CheckpointError
+from ctxrl.report.writer import LogRewindError
+from ctxrl.train.checkpoint_io import (STEP_PREFIX, clean_partial, commit_checkpoint, latest_checkpoint, load_state,
+                                       rng_state, save_state, set_rng_state, step_name)
 
-LATEST = "latest"
-STEP_PREFIX = "step-"
-REQUIRED = ("model.safetensors", "optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json",
-            "state.json", "config.toml")
+if TYPE_CHECKING:
+    from ctxrl.train.trainer import Trainer
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the run."""
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:06d}"
-
-
-# -- state <-> (tensors, json) ---------------------------------------------------------------------
-def _split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """``obj`` as JSON, with every tensor moved into ``tensors`` under a path key and left as a reference."""
-    if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj.detach().to("cpu").contiguous()
-        return {"__tensor__": prefix}
-    if isinstance(obj, dict):
-        return {"__dict__": [[_key(k), _split_state(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return [_split_state(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise CheckpointError(f"cannot checkpoint a value of type {type(obj).__name__} at {prefix!r}")
+FORMAT = 1
+# Config keys that may differ between a checkpoint and the run resuming it: they change how long
+# the run goes on, what it logs or evaluates, or the warm start (already done), never a step.
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
+                     "context.eval_max_summaries", "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.",
+                     "eval.", "meta.eval_attempts", "meta.eval_trials")
 
 
-def _key(k: Any) -> Any:
-    if isinstance(k, (int, str)):
-        return k
-    raise CheckpointError(f"cannot checkpoint a dict key of type {type(k).__name__}")
+def config_differences(saved: Config, current: Config) -> list[str]:
+    """``key: saved -> current`` for every setting that differs and matters to a resumed step."""
+    out = []
+    a, b = saved.to_dict(), current.to_dict()
+    for section, fields in a.items():
+        for key, value in fields.items():
+            name = f"{section}.{key}"
+            if any(name == r or (r.endswith(".") and name.startswith(r)) for r in RESUMABLE_CHANGES):
+                continue
+            if b[section][key] != value:
+                out.append(f"{name}: {value!r} -> {b[section][key]!r}")
+    return out
 
 
-def _join_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, dict) and "__tensor__" in obj:
-        try:
-            return tensors[obj["__tensor__"]]
-        except KeyError:
-            raise CheckpointError(f"tensor {obj['__tensor__']!r} is missing from the checkpoint") from None
-    if isinstance(obj, dict) and "__dict__" in obj:
-        return {k: _join_state(v, tensors) for k, v in obj["__dict__"]}
-    if isinstance(obj, list):
-        return [_join_state(v, tensors) for v in obj]
-    return obj
+def load_weights(model, file: Path) -> None:
+    """Load a safetensors state dict into ``model``; tied weights (absent from the file) must share storage."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise CheckpointError(f"{file} does not fit the model: unexpected {unexpected[:5]}, missing {untied[:5]}; "
+                              "was model.name changed since the checkpoint was written?")
 
 
-def save_state(state: Any, directory: Path, name: str) -> None:
-    """``state`` (nested dicts/lists of tensors and JSON values) as ``name.safetensors`` + ``name.json``."""
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split_state(state, name, tensors)
-    save_file(tensors, str(directory / f"{name}.safetensors"))
-    (directory / f"{name}.json").write_text(json.dumps(skeleton))
+def save_pretrained(model, tokenizer, path: Path) -> None:
+    """The model and tokenizer as an HF checkpoint directory: one file, with the model's own parameter names.
 
-
-def load_state(directory: Path, name: str) -> Any:
-    for suffix in (".safetensors", ".json"):
-        if not (directory / f"{name}{suffix}").exists():
-            raise CheckpointError(f"checkpoint {directory} has no {name}{suffix}; it cannot be resumed exactly "
-                                  "(it was written by an older ctxrl or damaged): start a fresh run or resume "
-                                  "from another checkpoint")
-    return _join_state(json.loads((directory / f"{name}.json").read_text()),
-                       load_file(str(directory / f"{name}.safetensors")))
-
-
-def rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
-    """Python, numpy, torch (CPU and every CUDA device) and named generators' states."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-    }
-    for name, gen in (generators or {}).items():
-        state[f"gen:{name}"] = gen.get_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    for name, gen in (generators or {}).items():
-        if f"gen:{name}" not in state:
-            raise CheckpointError(f"the checkpoint has no state for the {name} random generator")
-        gen.set_state(state[f"gen:{name}"])
-
-
-# -- atomic directory writes -----------------------------------------------------------------------
-def _fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a reader sees the old or the new content, never a mix."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def commit_checkpoint(root: Path, name: str, write, *, keep: int = 0) -> Path:
-    """Run ``write(tmpdir)``, then move the directory to ``root/name`` and point ``latest`` at it.
-
-    ``keep`` > 0 deletes all but the newest ``keep`` ``step-*`` checkpoints afterwards (never the
-    one ``latest`` names). Nothing half-written is ever visible under ``name`` or via ``latest``.
+    No sharding, and no conversion to a hub layout (transformers 5 converts some families), so
+    that ``load_weights`` reads it back into the same module.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a checkpoint is read by others (eval jobs)
-    final = root / name
-    displaced = None
+    options: dict[str, Any] = {"max_shard_size": "100000GB"}
+    if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
+        options["save_original_format"] = False
+    model.save_pretrained(path, safe_serialization=True, **options)
+    tokenizer.save_pretrained(path)
+
+
+def save(trainer: Trainer, step: int) -> Path:
+    """A resumable checkpoint after RL step ``step`` (atomic; ``latest`` updated; old ones pruned)."""
+    from safetensors.torch import save_model
+
+    learner = trainer.learner
+
+    def write(tmp: Path) -> None:
+        save_pretrained(trainer.model, trainer.tokenizer, tmp)
+        save_state(learner.optimizer.state_dict(), tmp, "optimizer")
+        if learner.critic is not None:
+            save_model(learner.critic, str(tmp / "critic.safetensors"))
+            save_state(learner.critic_optimizer.state_dict(), tmp, "critic_optimizer")
+        if learner.ref_model is not None:
+            save_model(learner.ref_model, str(tmp / "reference.safetensors"))
+        save_state(rng_state({"learner": learner.generator}), tmp, "rng")
+        state = {"format": FORMAT, "step": step, "policy_version": trainer.worker.policy_version,
+                 "skipped_updates": learner.skipped_updates, "consecutive_skips": trainer.consecutive_skips,
+                 "curriculum": trainer.curriculum.state_dict(), "logs": trainer.writer.offsets(),
+                 "critic": learner.critic is not None, "reference": learner.ref_model is not None,
+                 "device": trainer.device, "dtype": trainer.config.model.dtype}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        (tmp / "config.toml").write_text(to_toml(trainer.config))
+
+    return commit_checkpoint(trainer.writer.dir / "checkpoints", step_name(step), write,
+                             keep=trainer.config.train.keep_checkpoints)
+
+
+def resume(trainer: Trainer) -> int:
+    """Restore the state of ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after."""
+    from safetensors.torch import load_model
+
+    learner = trainer.learner
+    root = trainer.writer.dir / "checkpoints"
+    clean_partial(root)  # temporaries of a save that was killed
+    path = latest_checkpoint(root)
+    differences = config_differences(load_config(path / "config.toml"), trainer.config)
+    if differences:
+        raise CheckpointError(f"cannot resume from {path}: the config changed in ways that matter: "
+                              + "; ".join(differences) + ". Undo these changes, or start a new run directory.")
+    state = json.loads((path / "state.json").read_text())
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}/state.json has format {state.get('format')!r}; this ctxrl reads format {FORMAT}")
+    for flag, have, what, files in (
+            ("critic", learner.critic is not None, "a critic (algo.advantage=gae)",
+             ("critic.safetensors", "critic_optimizer.safetensors", "critic_optimizer.json")),
+            ("reference", learner.ref_model is not None, "a reference model (algo.kl_coef > 0)",
+             ("reference.safetensors",))):
+        if bool(state.get(flag)) != have:
+            raise CheckpointError(f"{path}: the checkpoint {'has' if state.get(flag) else 'lacks'} {what}, "
+                                  "the run does not match it")
+        missing = [f for f in files if have and not (path / f).exists()]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
+    if state.get("device", trainer.device).split(":")[0] != trainer.device.split(":")[0]:
+        warnings.warn(f"resuming on {trainer.device} a run checkpointed on {state['device']}: it continues "
+                      "correctly, but not with the numbers an uninterrupted run would have given", stacklevel=2)
+    load_weights(trainer.model, path / "model.safetensors")
+    learner.optimizer.load_state_dict(load_state(path, "optimizer"))
+    if learner.critic is not None:
+        load_model(learner.critic, str(path / "critic.safetensors"))
+        learner.critic_optimizer.load_state_dict(load_state(path, "critic_optimizer"))
+    if learner.ref_model is not None:
+        load_model(learner.ref_model, str(path / "reference.safetensors"))
+    set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
+    trainer.sync_engine(int(state["policy_version"]))
+    learner.skipped_updates = int(state["skipped_updates"])
+    trainer.consecutive_skips = int(state["consecutive_skips"])
+    trainer.curriculum.load_state_dict(state["curriculum"])
     try:
-        write(tmp)
-        _fsync_tree(tmp)
-        if final.exists():  # the same step from an abandoned attempt: move it aside, never delete it first
-            displaced = Path(tempfile.mkdtemp(prefix=f".{name}-old-", dir=root))
-            os.rename(final, displaced / name)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        if displaced is not None and not final.exists():
-            os.rename(displaced / name, final)  # put the old one back
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    write_atomic_text(root / LATEST, name + "\n")
-    if displaced is not None:
-        shutil.rmtree(displaced, ignore_errors=True)
-    if keep > 0:
-        steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
-        for old in steps[:-keep]:
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-    return final
+        trainer.writer.rewind(state["logs"])
+    except LogRewindError as exc:
+        raise CheckpointError(str(exc)) from None
+    return int(state["step"])
 
 
-def latest_checkpoint(root: Path) -> Path:
-    """The checkpoint ``root/latest`` names, checked complete; a clear error otherwise."""
-    pointer = root / LATEST
-    if not pointer.exists():
-        raise CheckpointError(f"no checkpoint to resume from: {pointer} does not exist (the run wrote none; set "
-                              "train.checkpoint_every > 0 so that it does, or start without --resume)")
-    name = pointer.read_text().strip()
-    path = root / name
-    if not name or "/" in name or not path.is_dir():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}")
-    missing = [f for f in REQUIRED if not (path / f).exists()]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing; it cannot be resumed "
-                              "exactly. Point latest at an older step-* directory or start a fresh run")
-    return path
-
-
-def clean_partial(root: Path) -> list[Path]:
-    """Remove temporary directories left by a crash during a save; returns what was removed."""
-    removed = []
-    if root.exists():
-        for p in root.iterdir():
-            if p.name.startswith("."):
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                removed.append(p)
-    return removed
+def resume_hint(run_dir: Path, checkpoint_every: int) -> str:
+    """Where to resume from: the newest checkpoint written before any skipped-update streak."""
+    root = run_dir / "checkpoints"
+    good = []
+    for path in sorted(root.glob(f"{STEP_PREFIX}*")):
+        try:
+            state = json.loads((path / "state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if state.get("consecutive_skips", 0) == 0:
+            good.append(path)
+    if not good:
+        why = "train.checkpoint_every=0" if not checkpoint_every else "none was written before the problem began"
+        return f" No checkpoint from before the problem is available ({why})."
+    return (f" The last good checkpoint is {good[-1]}: point {root / 'latest'} at it (its name on one line), "
+            f"fix the cause and resume with --resume (settings that may change: {', '.join(RESUMABLE_CHANGES)}; "
+            "any other change needs a new run).")

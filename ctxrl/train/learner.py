@@ -1,8 +1,7 @@
-"""The learner: batches episodes into tensors, recomputes log-probs, and applies PPO updates.
+"""The learner: PPO updates on collated training rows (``ctxrl.train.batch``).
 
-Token alignment: for a sequence ``x[0..T)``, position ``t`` of the shifted tensors predicts token
-``x[t+1]`` from logits at ``t``. So ``loss_mask``, behaviour log-probs and advantages are taken
-from ``[1:]`` of the episode's lists, and logits from ``[:-1]``.
+It takes a ``Batch`` of tensors, never episode objects: the estimator has already turned episodes
+into rows with per-token advantages (and critic targets), and ``collate`` into padded tensors.
 
 Gradient accumulation is exact: each mini-batch's loss is normalised by the mini-batch's total
 count (mask-1 tokens for ``token-mean``, live sequences for the ``seq-mean-*`` modes), not by each
@@ -20,51 +19,10 @@ import torch
 
 from ctxrl.algo.losses import aggregate, entropy_from_logits, gspo_loss, kl_penalty, policy_loss
 from ctxrl.models.kernels import attention_kernels
-from ctxrl.types import Episode
+from ctxrl.train.batch import Batch, collate
 
-
-@dataclass
-class Batch:
-    """Right-padded, shifted tensors for a list of episodes (all [B, T-1] but ``input_ids``)."""
-
-    input_ids: torch.Tensor      # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
-    targets: torch.Tensor        # [B, T-1]
-    loss_mask: torch.Tensor      # [B, T-1] float
-    old_logprobs: torch.Tensor   # [B, T-1]
-    advantages: torch.Tensor     # [B, T-1]
-
-
-def collate(episodes: list[Episode], pad_token_id: int, device: torch.device | str = "cpu",
-            advantages: list[float] | list[list[float]] | None = None) -> Batch:
-    """Pad and shift ``episodes``; ``advantages`` is one float per episode (broadcast over its
-    sampled tokens) or one list per episode aligned with its ``input_ids``."""
-    width = max(len(e.input_ids) for e in episodes)
-    n = len(episodes)
-    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros((n, width))
-    old = torch.zeros((n, width))
-    for row, ep in enumerate(episodes):
-        length = len(ep.input_ids)
-        ids[row, :length] = torch.tensor(ep.input_ids)
-        attn[row, :length] = 1
-        mask[row, :length] = torch.tensor(ep.loss_mask, dtype=torch.float32)
-        old[row, :length] = torch.tensor(ep.behavior_logprobs, dtype=torch.float32)
-    adv = torch.zeros((n, width))
-    if advantages is not None:
-        if len(advantages) != n:
-            raise ValueError(f"collate: {len(advantages)} advantages for {n} episodes")
-        for row, (ep, a) in enumerate(zip(episodes, advantages)):
-            if isinstance(a, (int, float)):
-                adv[row] = float(a)
-            elif len(a) != len(ep.input_ids):
-                raise ValueError(f"collate: episode {row} has {len(ep.input_ids)} tokens but {len(a)} advantages")
-            else:
-                adv[row, : len(a)] = torch.tensor(a, dtype=torch.float32)
-    adv = adv * mask
-    return Batch(ids.to(device), attn.to(device), ids[:, 1:].to(device), mask[:, 1:].to(device),
-                 old[:, 1:].to(device), adv[:, 1:].to(device))
+LOSSES = ("ppo_clip", "gspo")
+OLD_LOGPROBS = ("behaviour", "recompute")
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
@@ -79,15 +37,20 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return (logprobs, logits) if return_logits else logprobs
 
 
-def per_token_rows(episodes: list[Episode], pad_token_id: int, device, micro_batch_size: int,
-                   fn: Callable[[Batch], torch.Tensor]) -> list[list[float]]:
-    """``fn(batch) -> [B, T-1]`` over micro-batches of collated episodes, as one list per episode
-    aligned with its ``input_ids`` (index 0, the first prompt token, gets 0)."""
+def micro_batches(batch: Batch, size: int, device: torch.device | str):
+    """Consecutive rows of ``batch``, ``size`` at a time, each cut to its longest row and moved to ``device``."""
+    for start in range(0, len(batch), size):
+        yield batch.select(range(start, min(start + size, len(batch)))).to(device)
+
+
+def per_token_rows(batch: Batch, device, micro_batch_size: int, fn: Callable[[Batch], torch.Tensor]
+                   ) -> list[list[float]]:
+    """``fn(micro_batch) -> [b, T-1]`` over micro-batches, as one list per row aligned with its ``input_ids``
+    (index 0, the first prompt token, gets 0)."""
     rows: list[list[float]] = []
-    for start in range(0, len(episodes), micro_batch_size):
-        eps = episodes[start:start + micro_batch_size]
-        values = fn(collate(eps, pad_token_id, device)).detach().float().cpu()
-        rows += [[0.0] + values[row, : len(e.input_ids) - 1].tolist() for row, e in enumerate(eps)]
+    for micro in micro_batches(batch, micro_batch_size, device):
+        values = fn(micro).detach().float().cpu()
+        rows += [[0.0] + values[row, : int(n) - 1].tolist() for row, n in enumerate(micro.lengths.tolist())]
     return rows
 
 
@@ -114,20 +77,31 @@ class PPOSettings:
     have. None falls back to the longest response in each mini-batch (not a constant)."""
 
     def __post_init__(self) -> None:
-        if self.loss not in ("ppo_clip", "gspo"):
-            raise ValueError(f"unknown policy loss {self.loss!r}; choose ppo_clip or gspo")
-        if self.old_logprobs not in ("behaviour", "recompute"):
-            raise ValueError(f"old_logprobs must be behaviour or recompute, not {self.old_logprobs!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown policy loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, not {self.old_logprobs!r}")
         if self.tis_cap and self.old_logprobs != "recompute":
             raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
                              "set old_logprobs='recompute'")
+
+    @classmethod
+    def from_config(cls, config) -> PPOSettings:
+        """The ``[algo]`` and ``[train]`` settings of a run (a KL placed in the reward is not the loss's)."""
+        a, t, r = config.algo, config.train, config.rollout
+        return cls(clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef if a.kl_placement == "loss" else 0.0,
+                   kl_kind=a.kl_kind, entropy_coef=a.entropy_coef, agg=a.agg,
+                   temperature=r.temperature if r.temperature > 0 else 1.0, max_grad_norm=t.max_grad_norm,
+                   ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
+                   loss=a.loss, dual_clip=a.dual_clip or None, old_logprobs=a.old_logprobs, tis_cap=a.tis_cap,
+                   vf_clip=a.vf_clip, norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens))
 
 
 class Learner:
     """Owns the policy's optimiser (and an optional frozen reference) and runs PPO updates.
 
-    With a ``critic`` (and its ``critic_optimizer``), ``update`` also takes the GAE ``returns`` and
-    the critic's ``old_values`` per token and trains the critic on the clipped value loss in the
+    With a ``critic`` (and its ``critic_optimizer``) the batch must carry the GAE ``returns`` and
+    the critic's ``old_values`` per token; the critic is trained on the clipped value loss in the
     same mini-batches, with its own optimiser and gradient clipping.
     """
 
@@ -137,7 +111,6 @@ class Learner:
             raise ValueError("a critic needs its critic_optimizer (and the other way round)")
         self.critic = critic
         self.critic_optimizer = critic_optimizer
-        self._targets: dict[int, tuple[list[float], list[float], list[int] | None]] = {}
         self.model = model
         self.optimizer = optimizer
         self.settings = settings
@@ -145,42 +118,39 @@ class Learner:
         self.ref_model = ref_model
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped_updates = 0
-        self._recomputed: dict[int, list[float]] = {}
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def update(self, episodes: list[Episode], advantages: list[float] | list[list[float]], *,
-               returns: list[list[float]] | None = None, old_values: list[list[float]] | None = None,
-               value_mask: list[list[int]] | None = None) -> dict[str, float]:
-        """PPO epochs over ``episodes`` in mini-batches; returns metrics averaged over mini-batches."""
+    def collate(self, rows) -> Batch:
+        """``collate(rows)`` with this learner's pad id, on the CPU (micro-batches move to the device)."""
+        return collate(rows, self.pad_token_id)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs over ``batch`` in mini-batches; returns metrics averaged over mini-batches."""
         s = self.settings
-        if self.critic is not None:
-            if returns is None or old_values is None:
-                raise ValueError("a learner with a critic needs returns and old_values per token (GAE)")
-            masks = value_mask if value_mask is not None else [None] * len(episodes)
-            self._targets = {id(e): (r, v, vm) for e, r, v, vm in zip(episodes, returns, old_values, masks)}
+        if self.critic is not None and (batch.returns is None or batch.old_values is None):
+            raise ValueError("a learner with a critic needs returns and old_values per token (GAE)")
         self.model.train()
         totals: dict[str, float] = {}
         count = 0
-        before = self.recompute_old_logprobs(episodes) if s.old_logprobs == "recompute" else {}
+        before = {}
+        if s.old_logprobs == "recompute":
+            batch, before = self.recompute_old_logprobs(batch)
         for _ in range(s.ppo_epochs):
-            order = torch.randperm(len(episodes), generator=self.generator).tolist()
+            order = torch.randperm(len(batch), generator=self.generator).tolist()
             chunk = math.ceil(len(order) / s.mini_batches)
             for start in range(0, len(order), chunk):
-                idx = order[start:start + chunk]
-                metrics = self.mini_batch_step([episodes[i] for i in idx], [advantages[i] for i in idx])
+                metrics = self.mini_batch_step(batch.select(order[start:start + chunk]))
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
-        self._recomputed = {}
-        self._targets = {}
         return {**before, **{k: v / max(count, 1) for k, v in totals.items()}}
 
     @torch.no_grad()
-    def recompute_old_logprobs(self, episodes: list[Episode]) -> dict[str, float]:
-        """Learner log-probs of the sampled tokens before any update; returns mismatch diagnostics.
+    def recompute_old_logprobs(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The batch with the learner's log-probs of the sampled tokens before any update, and mismatch diagnostics.
 
         They become the PPO "old" policy. Against the behaviour log-probs they measure how far
         the sampler's numerics are from the learner's (bf16 kernels, a different engine): mean
@@ -189,80 +159,79 @@ class Learner:
         s = self.settings
         sums = {"abs": 0.0, "kl": 0.0, "tokens": 0.0}
 
-        def learner_logprobs(batch: Batch) -> torch.Tensor:
-            lp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, temperature=s.temperature)
-            m = batch.loss_mask
-            sums["abs"] += float(((lp - batch.old_logprobs) * m).abs().sum())
-            sums["kl"] += float((kl_penalty(batch.old_logprobs, lp, "k3") * m).sum())
+        def learner_logprobs(micro: Batch) -> torch.Tensor:
+            lp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=s.temperature)
+            m = micro.loss_mask
+            sums["abs"] += float(((lp - micro.old_logprobs) * m).abs().sum())
+            sums["kl"] += float((kl_penalty(micro.old_logprobs, lp, "k3") * m).sum())
             sums["tokens"] += float(m.sum())
             return lp * m
 
-        rows = per_token_rows(episodes, self.pad_token_id, self.device, s.micro_batch_size, learner_logprobs)
-        self._recomputed = {id(e): row for e, row in zip(episodes, rows)}
+        rows = per_token_rows(batch, self.device, s.micro_batch_size, learner_logprobs)
+        recomputed = torch.zeros_like(batch.old_logprobs)
+        for row, values in enumerate(rows):
+            recomputed[row, : len(values) - 1] = torch.tensor(values[1:])
         tokens = max(sums["tokens"], 1.0)
-        return {"mismatch_abs_before_update": sums["abs"] / tokens, "mismatch_kl_before_update": sums["kl"] / tokens}
+        return (Batch(**{**batch.__dict__, "recomputed": recomputed}),
+                {"mismatch_abs_before_update": sums["abs"] / tokens, "mismatch_kl_before_update": sums["kl"] / tokens})
 
-    def mini_batch_loss(self, episodes: list[Episode], advantages: list[float] | list[list[float]]
-                        ) -> dict[str, float]:
+    def mini_batch_loss(self, batch: Batch) -> dict[str, float]:
         """Accumulate gradients of one mini-batch over micro-batches (no optimiser step)."""
         s = self.settings
-        tokens = float(sum(sum(e.loss_mask[1:]) for e in episodes))
-        live = float(sum(1 for e in episodes if any(e.loss_mask[1:])))
+        tokens = float(batch.loss_mask.sum())
+        live = float((batch.loss_mask.sum(1) > 0).sum())
         denominator = tokens if s.agg == "token-mean" else live
-        norm_length = s.norm_length or max((sum(e.loss_mask) for e in episodes), default=1)
+        norm_length = s.norm_length or (float(batch.loss_mask.sum(1).max()) if len(batch) else 1)
+        value_count = tokens if batch.value_mask is None else float(batch.value_mask.sum())
+        if s.old_logprobs == "recompute" and batch.recomputed is None:
+            raise RuntimeError("old_logprobs='recompute': call update(), or recompute_old_logprobs() on this batch "
+                               "before mini_batch_loss()")
         sums: dict[str, float] = {}
-        for start in range(0, len(episodes), s.micro_batch_size):
-            eps = episodes[start:start + s.micro_batch_size]
-            batch = collate(eps, self.pad_token_id, self.device, advantages[start:start + s.micro_batch_size])
+        for micro in micro_batches(batch, s.micro_batch_size, self.device):
             weights = None
+            old = micro.old_logprobs
             if s.old_logprobs == "recompute":
-                if any(id(e) not in self._recomputed for e in eps):
-                    raise RuntimeError("old_logprobs='recompute': call update(), or recompute_old_logprobs() on "
-                                       "these episodes before mini_batch_loss()")
-                recomputed = torch.zeros_like(batch.old_logprobs)
-                for row, e in enumerate(eps):
-                    recomputed[row, : len(e.input_ids) - 1] = torch.tensor(self._recomputed[id(e)][1:])
                 if s.tis_cap:
                     # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
-                    raw = torch.exp(recomputed - batch.old_logprobs) * batch.loss_mask
+                    raw = torch.exp(micro.recomputed - micro.old_logprobs) * micro.loss_mask
                     weights = raw.clamp(max=s.tis_cap)
                     sums["tis_weight"] = sums.get("tis_weight", 0.0) + float(weights.sum())
                     sums["tis_truncated"] = sums.get("tis_truncated", 0.0) + float(
-                        ((raw > s.tis_cap).float() * batch.loss_mask).sum())
-                batch.old_logprobs = recomputed
-            logprobs, logits = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                        ((raw > s.tis_cap).float() * micro.loss_mask).sum())
+                old = micro.recomputed
+            logprobs, logits = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
                                               temperature=s.temperature, return_logits=True)
             if s.loss == "gspo":
-                loss, m = gspo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                loss, m = gspo_loss(logprobs, old, micro.advantages, micro.loss_mask,
                                     clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg,
                                     norm_length=norm_length, denominator=denominator, token_weights=weights)
             else:
-                loss, m = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                loss, m = policy_loss(logprobs, old, micro.advantages, micro.loss_mask,
                                       clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip,
                                       agg=s.agg, norm_length=norm_length, denominator=denominator,
                                       token_weights=weights)
-            picked = logits[batch.loss_mask.bool()]
+            picked = logits[micro.loss_mask.bool()]
             if s.entropy_coef > 0:
                 entropy_tokens = torch.zeros_like(logprobs)
-                entropy_tokens[batch.loss_mask.bool()] = entropy_from_logits(picked)
-                loss = loss - s.entropy_coef * aggregate(entropy_tokens, batch.loss_mask, s.agg,
+                entropy_tokens[micro.loss_mask.bool()] = entropy_from_logits(picked)
+                loss = loss - s.entropy_coef * aggregate(entropy_tokens, micro.loss_mask, s.agg,
                                                          norm_length=norm_length, denominator=denominator)
             if s.kl_coef > 0 and self.ref_model is not None:
                 with torch.no_grad():
-                    ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask,
+                    ref = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask,
                                          temperature=s.temperature)
                 kl = kl_penalty(logprobs, ref, s.kl_kind)
-                loss = loss + s.kl_coef * aggregate(kl, batch.loss_mask, s.agg, norm_length=norm_length,
+                loss = loss + s.kl_coef * aggregate(kl, micro.loss_mask, s.agg, norm_length=norm_length,
                                                     denominator=denominator)
-                sums["kl"] = sums.get("kl", 0.0) + float((kl.detach() * batch.loss_mask).sum())
+                sums["kl"] = sums.get("kl", 0.0) + float((kl.detach() * micro.loss_mask).sum())
             loss.backward()
             if self.critic is not None:
-                self._critic_backward(eps, batch, self._value_count(episodes, tokens), sums)
-            n_tok = float(batch.loss_mask.sum())
+                self._critic_backward(micro, value_count, sums)
+            n_tok = float(micro.loss_mask.sum())
             with torch.no_grad():
                 sums["loss"] = sums.get("loss", 0.0) + float(loss)
                 sums["entropy"] = sums.get("entropy", 0.0) + float(entropy_from_logits(picked.detach()).sum())
-                delta = (logprobs.detach() - batch.old_logprobs).abs() * batch.loss_mask
+                delta = (logprobs.detach() - old).abs() * micro.loss_mask
                 sums["logprob_mismatch"] = sums.get("logprob_mismatch", 0.0) + float(delta.sum())
                 for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
                     sums[key] = sums.get(key, 0.0) + m[key] * n_tok
@@ -278,33 +247,14 @@ class Learner:
                 out[key] = sums[key] / max(sums["vf_count"], 1.0)
         return out
 
-    def _value_count(self, episodes: list[Episode], tokens: float) -> float:
-        """Positions the value loss averages over in a mini-batch: the value mask's, else the sampled tokens."""
-        masks = [self._targets[id(e)][2] for e in episodes if id(e) in self._targets]
-        if not masks or masks[0] is None:
-            return tokens
-        return float(sum(sum(vm[1:]) for vm in masks))
-
-    def _critic_backward(self, episodes: list[Episode], batch: Batch, denominator: float, sums: dict) -> None:
+    def _critic_backward(self, micro: Batch, denominator: float, sums: dict) -> None:
         """Clipped value loss of one micro-batch (token-mean over the mini-batch's value positions), backward."""
         from ctxrl.algo.value import value_loss
 
-        if any(id(e) not in self._targets for e in episodes):
-            raise RuntimeError("critic targets missing: pass returns and old_values to update()")
-        width = batch.loss_mask.shape[1]
-        returns = torch.zeros_like(batch.loss_mask)
-        old = torch.zeros_like(batch.loss_mask)
-        mask = batch.loss_mask.clone()
-        for row, e in enumerate(episodes):
-            r, v, vm = self._targets[id(e)]
-            n = len(e.input_ids) - 1
-            returns[row, :n] = torch.tensor(r[1:], dtype=torch.float32)[:width]
-            old[row, :n] = torch.tensor(v[1:], dtype=torch.float32)[:width]
-            if vm is not None:
-                mask[row] = 0.0
-                mask[row, :n] = torch.tensor(vm[1:], dtype=torch.float32)[:width]
-        values = self.critic(batch.input_ids, batch.attention_mask)
-        loss, m = value_loss(values, old, returns, mask, clip=self.settings.vf_clip, denominator=denominator)
+        mask = micro.loss_mask if micro.value_mask is None else micro.value_mask
+        values = self.critic(micro.input_ids, micro.attention_mask)
+        loss, m = value_loss(values, micro.old_values, micro.returns, mask, clip=self.settings.vf_clip,
+                             denominator=denominator)
         loss.backward()
         n_tok = float(mask.sum())
         sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(loss.detach())
@@ -312,19 +262,19 @@ class Learner:
         for key in ("vf_clip_frac", "vf_explained_var"):
             sums[key] = sums.get(key, 0.0) + m[key] * n_tok
 
-    def mini_batch_step(self, episodes: list[Episode], advantages: list[float] | list[list[float]]
-                        ) -> dict[str, float]:
+    def mini_batch_step(self, batch: Batch) -> dict[str, float]:
+        """One optimiser step on the mini-batch ``batch`` (skipped when non-finite or without signal)."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
-        metrics = self.mini_batch_loss(episodes, advantages)
+        metrics = self.mini_batch_loss(batch)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
         # A mini-batch whose every advantage is 0 (and no KL, entropy or critic term) has no learning
         # signal: its gradient is 0, and an optimiser step would only replay Adam's momentum, a full
         # learning-rate-sized move per parameter for several steps after one informative batch.
         s = self.settings
         no_signal = (self.critic_optimizer is None and s.kl_coef == 0 and s.entropy_coef == 0
-                     and not any(x != 0 for adv in advantages for x in (adv if isinstance(adv, list) else [adv])))
+                     and not bool((batch.advantages != 0).any()))
         metrics["no_signal"] = 0.0
         if not torch.isfinite(grad_norm) or not math.isfinite(metrics["loss"]):
             # Never let a non-finite step touch the weights or the optimiser state.

@@ -6,12 +6,13 @@ mask-1 (assistant) tokens only. ``shortcut_fraction`` of the demos use the envir
 ``shortcut`` (an answer without the tool) when it has one: the warm start is imperfect on
 purpose, so RL has something real to fix.
 
-Demos played under the ``summarize`` context manager (``limits.context``) show the model what RL
-will ask of it: when the next turn would not fit the budget, the agent loop asks for a summary and
-the scripted engine answers with the environment's ``summary(task, messages)``, written from the
-conversation so far; the demo then goes on from system + task + summary with the script's next
-turn. Every segment trains, its summary tokens included (mask 1). An environment without the hook
-cannot show summaries: asking for such demos is an error, never a silent full-context fallback.
+Demos played under a context manager with a ``scripted_hook`` (``summarize``: ``summary``) show
+the model what RL will ask of it: when the next turn would not fit the budget, the agent loop
+asks for a summary and the scripted engine answers with the environment's ``summary(task,
+messages)``, written from the conversation so far; the demo then goes on from system + task +
+summary with the script's next turn. Every segment trains, its summary tokens included (mask 1).
+An environment without the hook cannot show summaries: asking for such demos is an error, never
+a silent full-context fallback.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ from typing import Callable
 
 import torch
 
+from ctxrl.algo.estimators.base import broadcast
 from ctxrl.chat.render import ChatRenderer
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.base import pretraining_env
-from ctxrl.rollout.agent import RolloutLimits, run_episode
-from ctxrl.rollout.scripted import ScriptedEngine
-from ctxrl.train.learner import collate, token_logprobs
-from ctxrl.train.segments import expand_segments
-from ctxrl.types import Episode, Message, Task
+from ctxrl.envs.hooks import hook
+from ctxrl.envs.recorded import RecordedEnv
+from ctxrl.rollout.agent import run_episode
+from ctxrl.rollout.managers.base import get_manager
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.train.batch import collate
+from ctxrl.train.learner import token_logprobs
+from ctxrl.types import Episode
 
 
 WORLD_EPISODES = 100
@@ -42,15 +48,15 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
                       seed: int = 0, limits: RolloutLimits | None = None, other_worlds: bool = False) -> list[Episode]:
     """Play ``n`` scripted episodes on training tasks; raises if a script does not fit the limits.
 
-    ``limits``: the demos' rollout limits (default: generous, full context). With
-    ``limits.context.manager == "summarize"`` the environment needs a ``summary`` hook; each
-    summary request is answered with it.
+    ``limits``: the demos' rollout limits (default: generous, full context). Under a context
+    manager with a ``scripted_hook`` (``summarize``) the environment needs that hook; each of the
+    manager's side requests is answered with it.
 
     ``other_worlds``: for an environment with a ``pretraining_variant`` (``search_qa``), draw the
     demos from a fresh variant every ``WORLD_EPISODES`` episodes (many invented worlds), so they
     teach the skill (search, read, copy) and no world's facts can be memorised.
     """
-    if other_worlds and getattr(env_cls, "pretraining_variant", None) is not None:
+    if other_worlds and hook(env_cls, "pretraining_variant") is not None:
         episodes: list[Episode] = []
         for start in range(0, n, WORLD_EPISODES):
             world = pretraining_env(env_cls, seed * 100_003 + start // WORLD_EPISODES)
@@ -58,23 +64,24 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
                                           shortcut_fraction=shortcut_fraction, limits=limits)
         return episodes
     limits = limits or RolloutLimits(max_turns=DEMO_MAX_TURNS, max_new_tokens=4096, max_total_tokens=1 << 20)
-    write_summary = getattr(env_cls, "summary", None)
-    summarize = limits.context.manager == "summarize"
-    if summarize and write_summary is None:
-        raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no summary(task, messages) "
-                         "hook, so its demos cannot show summaries; give it one (docs/environments.md) or play the "
-                         "demos with the full context (sft.context_demos=off)")
+    purpose = get_manager(limits.context.manager).scripted_hook
+    script = hook(env_cls, purpose) if purpose is not None else None
+    if purpose is not None and script is None:
+        raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {purpose}(task, messages) "
+                         f"hook, so its demos cannot show the {limits.context.manager} manager's {purpose} requests; "
+                         "give it one (docs/environments.md) or play the demos with the full context "
+                         "(sft.context_demos=off)")
     tasks = env_cls.sample_tasks("train", n, seed)
     rng = random.Random(seed)
-    shortcut = getattr(env_cls, "shortcut", None)
+    shortcut = hook(env_cls, "shortcut")
     jobs = []
     for task in tasks:
         use_shortcut = shortcut is not None and rng.random() < shortcut_fraction
         texts = shortcut(task) if use_shortcut else env_cls.solve(task)
-        if summarize:
+        if script is not None:
             env = RecordedEnv(env_cls())
             engine = ScriptedEngine(texts, renderer,
-                                    summary=lambda env=env, task=task: write_summary(task, env.messages))
+                                    scripts={purpose: lambda env=env, task=task: script(task, env.messages)})
         else:
             env, engine = env_cls(), ScriptedEngine(texts, renderer)
         jobs.append(run_episode(env, task, engine, renderer, limits, seed=seed))
@@ -85,44 +92,11 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
     return episodes
 
 
-class RecordedEnv:
-    """A demo's environment, recording the conversation it takes part in: what the scripted summaries read.
-
-    ``messages`` is the opening, then each assistant message and its observations, across every
-    segment; the summary instructions and the summaries themselves are not in it.
-    """
-
-    def __init__(self, env) -> None:
-        self.env = env
-        self.messages: list[Message] = []
-
-    @property
-    def tools(self):
-        return self.env.tools
-
-    @property
-    def names_actions(self) -> bool:
-        return getattr(self.env, "names_actions", False)
-
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        opening = self.env.reset(task, seed=seed)
-        self.messages = list(opening)
-        return opening
-
-    async def step(self, message: Message):
-        result = await self.env.step(message)
-        self.messages += [message, *result.messages]
-        return result
-
-    def close(self) -> None:
-        self.env.close()
-
-
 def _ended_early(episode: Episode, limits: RolloutLimits) -> str:
     """Why a demo did not finish, and which setting to change."""
     what = f"demonstration for task {episode.task.id} ended early ({episode.truncation}"
     what += f": {episode.info['error']})" if episode.info.get("error") else ")"
-    if limits.context.manager != "summarize":
+    if not get_manager(limits.context.manager).uses_budget:
         return f"{what}; check the env's solve() and the rollout limits"
     if episode.truncation == "max_context":
         return (f"{what} after {episode.info.get('summaries', 0)} scripted summaries: the demo needs more than "
@@ -142,7 +116,7 @@ def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int,
     A segmented episode (a demo that summarised) trains each segment as its own sequence, as in RL;
     ``batch_size`` counts sequences.
     """
-    episodes, _ = expand_segments(episodes, [1.0] * len(episodes))
+    episodes = [row for e in episodes for row in broadcast(e, 1.0)]
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     steps_per_epoch = math.ceil(len(episodes) / batch_size)

@@ -1,6 +1,6 @@
 """Context spaces of environment variants and the train / heldout / ood splits."""
 
-from ctxrl.contexts.space import (
+from ctxrl.tasks.space import (
     ContextError,
     ContextParam,
     ContextSpace,

@@ -1,6 +1,6 @@
-"""Training on trials: credit across attempts, turned into per-token advantages (``algo.advantage = "meta"``).
+"""The ``meta`` estimator: credit across the attempts of a trial, turned into per-token advantages.
 
-A trial (``ctxrl.rollout.meta``) is one ``Episode`` whose sequences are its attempts; its
+A trial (``ctxrl.meta.rollout``) is one ``Episode`` whose sequences are its attempts; its
 ``info["attempts"]`` holds each attempt's own reward and where the reflection written after it
 starts. This file does three things, in order:
 
@@ -12,7 +12,7 @@ starts. This file does three things, in order:
    ``cross_episode`` / ``std`` is GRPO and ``relative`` / ``loo`` is RLOO.
 2. ``reflection_advantages``: the reflection written after attempt ``k`` gets attempt ``k+1``'s
    advantage (the attempt it conditions; docs/meta.md says why).
-3. ``expand_trials``: one training sequence per attempt; a sampled token before the attempt's
+3. ``expand_trials``: one training row per attempt; a sampled token before the attempt's
    ``reflection_start`` carries the attempt's advantage, one from it on carries the reflection's.
    Context tokens (mask 0) carry 0. With ``token-mean`` aggregation (required) every sampled token
    weighs the same however a trial is cut into attempts.
@@ -24,10 +24,9 @@ hidden state, no config object.
 
 from __future__ import annotations
 
-import dataclasses
-
+from ctxrl.algo.estimators.base import Estimator, SegmentBonus, register_estimator
 from ctxrl.meta.credit import cross_episode_advantages, reflection_advantages, relative_attempt_advantages
-from ctxrl.types import Episode
+from ctxrl.types import Episode, TrainSequence
 
 CREDITS = ("cross_episode", "relative")
 
@@ -63,17 +62,16 @@ def attempt_advantages(trials: list[Episode], *, credit: str, gamma_trial: float
     return out
 
 
-def expand_trials(trials: list[Episode], advantages: list[list[float]]) -> tuple[list[Episode], list[list[float]]]:
-    """One training sequence per attempt, with per-token advantages (attempt, then reflection).
+def expand_trials(trials: list[Episode], advantages: list[list[float]]) -> list[list[TrainSequence]]:
+    """Per trial, one training row per attempt with per-token advantages (the attempt's, then its reflection's).
 
-    Returns (sequences as unsegmented episodes, one advantage list per sequence aligned with its
-    ``input_ids``). Sequences without sampled tokens are not trained.
+    Every row is aligned with its sequence's ``input_ids``; sequences without sampled tokens are
+    not trained. A plain episode (no attempt records) is one attempt, whatever its sequences.
     """
-    out_eps: list[Episode] = []
-    out_adv: list[list[float]] = []
+    out: list[list[TrainSequence]] = []
     for trial, attempt_adv in zip(trials, advantages, strict=True):
         records = trial.info.get("attempts")
-        sequences = trial.sequences() if trial.segments else [None]
+        sequences = trial.sequences() if trial.segments else [trial]
         if records is None:  # a plain episode: one attempt, whatever its sequences
             starts = [None] * len(sequences)
             attempt_adv = attempt_adv * len(sequences)
@@ -84,22 +82,31 @@ def expand_trials(trials: list[Episode], advantages: list[list[float]]) -> tuple
                                  f"attempt records and {len(attempt_adv)} advantages; they must agree (one per attempt)")
             starts = [r["reflection_start"] for r in records]
             reflection_adv = reflection_advantages(attempt_adv, len(records))
+        rows = []
         for seq, a, r, start in zip(sequences, attempt_adv, reflection_adv, starts):
-            episode = trial if seq is None else dataclasses.replace(
-                trial, input_ids=seq.input_ids, loss_mask=seq.loss_mask, behavior_logprobs=seq.behavior_logprobs,
-                turn_index=seq.turn_index, messages=seq.messages, segments=[])
-            if not any(episode.loss_mask):
+            if not any(seq.loss_mask):
                 continue  # nothing sampled in it: nothing to train
-            cut = len(episode.loss_mask) if start is None else start
-            out_eps.append(episode)
-            out_adv.append([(a if i < cut else r) * m for i, m in enumerate(episode.loss_mask)])
-    return out_eps, out_adv
+            cut = len(seq.loss_mask) if start is None else start
+            rows.append(TrainSequence.of(seq, [(a if i < cut else r) * m for i, m in enumerate(seq.loss_mask)],
+                                         group_id=trial.group_id, policy_version=trial.policy_version))
+        out.append(rows)
+    return out
 
 
-def trial_token_advantages(trials: list[Episode], *, credit: str, gamma_trial: float, normalize: str = "std",
-                           baseline: str = "loo",
-                           num_attempts: int | None = None) -> tuple[list[Episode], list[list[float]]]:
-    """``attempt_advantages`` then ``expand_trials``: what the RL step trains on."""
-    values = attempt_advantages(trials, credit=credit, gamma_trial=gamma_trial, normalize=normalize,
-                                baseline=baseline, num_attempts=num_attempts)
-    return expand_trials(trials, values)
+@register_estimator
+class Meta(Estimator):
+    """Credit across attempts (``meta.credit``), group statistics over the trials of a task."""
+
+    name = "meta"
+    credits_attempts = True
+
+    def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
+                 values: list[list[float]] | None = None,
+                 segment_bonus: SegmentBonus | None = None) -> list[list[TrainSequence]]:
+        if token_rewards is not None:
+            raise ValueError("the meta estimator credits each attempt with its environment reward; per-token rewards "
+                             "(algo.kl_placement=reward) are not supported with it")
+        s = self.settings
+        values = attempt_advantages(episodes, credit=s.credit, gamma_trial=s.gamma_trial, normalize=s.normalize,
+                                    baseline=s.baseline, num_attempts=s.num_attempts)
+        return expand_trials(episodes, values)

@@ -9,7 +9,7 @@ trial looks like, played through the real meta loop (``run_trial``) with a ``Scr
   pulled in turn, exploring) and fails;
 - asked to reflect, the engine answers with ``reflection(task, messages)``, written from that
   attempt's conversation (what went wrong, what to do instead);
-- attempt 2 opens with the note (``meta.context``) and plays ``solve(task)``, or, where the
+- attempt 2 opens with the note (``meta.carry``) and plays ``solve(task)``, or, where the
   environment has a ``solve_after(task, reflection)`` hook, what the reflection says to do (the
   bandit pulls the arm its note names): then the note matters, and a trial whose note was wrong
   (attempt 2 fails) is dropped rather than trained.
@@ -25,16 +25,12 @@ import asyncio
 import dataclasses
 
 from ctxrl.chat.render import ChatRenderer
-from ctxrl.rollout.agent import RolloutLimits
-from ctxrl.rollout.meta import MetaPolicy, run_trial
-from ctxrl.rollout.scripted import ScriptedEngine
-from ctxrl.train.sft import RecordedEnv
+from ctxrl.engine.scripted import ScriptedEngine
+from ctxrl.envs.hooks import has_trial_hooks, hook
+from ctxrl.envs.recorded import RecordedEnv
+from ctxrl.meta.rollout import run_trial
+from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
 from ctxrl.types import Episode
-
-
-def has_trial_hooks(env_cls) -> bool:
-    """Whether ``env_cls`` can script a failed attempt and its reflection."""
-    return callable(getattr(env_cls, "failure", None)) and callable(getattr(env_cls, "reflection", None))
 
 
 def mask_failed_attempt(trial: Episode) -> Episode:
@@ -51,19 +47,19 @@ def mask_failed_attempt(trial: Episode) -> Episode:
 def _play(env_cls, task, renderer: ChatRenderer, limits: RolloutLimits, policy: MetaPolicy, seed: int):
     """One scripted trial of ``task``: ``failure``, the reflection, then ``solve_after(reflection)`` or ``solve``."""
     played: list[RecordedEnv] = []
-    follow = getattr(env_cls, "solve_after", None)
+    follow = hook(env_cls, "solve_after")
 
     def make_env():
         played.append(RecordedEnv(env_cls()))
         return played[-1]
 
     def reflect() -> str:
-        text = env_cls.reflection(task, played[-1].messages)
+        text = hook(env_cls, "reflection")(task, played[-1].messages)
         if follow is not None:
             engine.extend(follow(task, text))
         return text
 
-    engine = ScriptedEngine([*env_cls.failure(task), *([] if follow else env_cls.solve(task))], renderer,
+    engine = ScriptedEngine([*hook(env_cls, "failure")(task), *([] if follow else env_cls.solve(task))], renderer,
                             reflection=reflect)
     return run_trial(make_env, task, engine, renderer, limits, policy, seed=seed)
 
@@ -89,7 +85,7 @@ async def build_trial_demos(env_cls, renderer: ChatRenderer, n: int, policy: Met
                          "meta.eval_attempts >= 2, meta.reflect = true)")
     limits = limits or RolloutLimits(max_turns=16, max_new_tokens=4096, max_total_tokens=1 << 20)
     policy = dataclasses.replace(policy, stop_on_success=True)
-    follows = callable(getattr(env_cls, "solve_after", None))
+    follows = hook(env_cls, "solve_after") is not None
     kept: list[Episode] = []
     for round_ in range(8 if follows else 1):
         tasks = env_cls.sample_tasks("train", n if round_ == 0 else 2 * (n - len(kept)), seed + 7919 * round_)

@@ -21,15 +21,16 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ctxrl.plain import PlainData
+
+from ctxrl.prompts import DEMOS_HEADER, TASK_HEADER
 from ctxrl.types import Message, Task
 
-DEMOS_HEADER = "Solved examples of similar tasks:"
-TASK_HEADER = "Your task:"
 _ROLE_NAMES = {"assistant": "Assistant", "tool": "Tool", "user": "User"}
 
 
 @dataclass(frozen=True)
-class Demo:
+class Demo(PlainData):
     """One solved task, as shown in a prompt."""
 
     task_id: str
@@ -89,8 +90,8 @@ def load_demos(path: str | Path) -> list[Demo]:
 
 
 async def _solved(env_cls, task: Task, renderer, limits) -> Demo | None:
+    from ctxrl.engine.scripted import ScriptedEngine
     from ctxrl.rollout.agent import run_episode
-    from ctxrl.rollout.scripted import ScriptedEngine
 
     engine = ScriptedEngine(env_cls.solve(task), renderer)
     episode = await run_episode(env_cls(), task, engine, renderer, limits, seed=0)
@@ -106,7 +107,7 @@ def solved_demos(env_cls, renderer, n: int, seed: int) -> list[Demo]:
     The conversation kept ends with the last assistant turn: the observations of the step that
     ended the episode are not shown to the policy in a rollout either.
     """
-    from ctxrl.rollout.agent import RolloutLimits
+    from ctxrl.rollout.spec import RolloutLimits
 
     limits = RolloutLimits(max_turns=16, max_new_tokens=4096, max_total_tokens=1 << 20)
     tasks = env_cls.sample_tasks("train", n, seed)

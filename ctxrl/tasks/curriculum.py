@@ -119,12 +119,16 @@ class SelfPacedCurriculum(FixedCurriculum):
         self.counts = {k: [int(v[0]), int(v[1])] for k, v in state.get("counts", {}).items()}
 
 
-def make_curriculum(kind: str, *, horizon_start_turns: int = 2, horizon_warmup_steps: int = 20,
-                    horizon_stages: int = 3, self_paced_pool: int = 4, self_paced_floor: float = 0.02) -> Curriculum:
-    if kind == "fixed":
+KINDS = ("fixed", "horizon", "self_paced")
+
+
+def make_curriculum(settings: Any) -> Curriculum:
+    """The curriculum a ``[curriculum]`` config section (``CurriculumConfig``) describes."""
+    s = settings
+    if s.kind == "fixed":
         return FixedCurriculum()
-    if kind == "horizon":
-        return HorizonCurriculum(horizon_start_turns, horizon_warmup_steps, horizon_stages)
-    if kind == "self_paced":
-        return SelfPacedCurriculum(self_paced_pool, self_paced_floor)
-    raise ValueError(f"unknown curriculum {kind!r}; choose fixed, horizon or self_paced")
+    if s.kind == "horizon":
+        return HorizonCurriculum(s.horizon_start_turns, s.horizon_warmup_steps, s.horizon_stages)
+    if s.kind == "self_paced":
+        return SelfPacedCurriculum(s.self_paced_pool, s.self_paced_floor)
+    raise ValueError(f"unknown curriculum {s.kind!r}; choose one of {', '.join(KINDS)}")

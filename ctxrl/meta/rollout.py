@@ -7,10 +7,10 @@ same instance of it), starting from its own opening:
 
 - attempt 0: the environment's opening, exactly as a single episode's (so "attempt 1" of a trial
   is a sample of the zero-context policy);
-- attempt ``k >= 1``, ``context="reflections"``: the system message and the task, with a note per
+- attempt ``k >= 1``, ``carry="reflections"``: the system message and the task, with a note per
   earlier attempt appended to the task (its feedback line and, if ``reflect``, the reflection
   written after it), then ``This is attempt k+1 of K.``;
-- attempt ``k >= 1``, ``context="attempts"``: the system message, the task, then every earlier
+- attempt ``k >= 1``, ``carry="attempts"``: the system message, the task, then every earlier
   attempt in full as conversation (its turns, the observations that ended it, the feedback, the
   reflection if any), then ``This is attempt k+1 of K.`` as a user message.
 
@@ -26,7 +26,7 @@ samples a reflection (mask 1, behaviour log-probs kept: trained). Where the refl
 tokens start is recorded (``info["attempts"][k]["reflection_start"]``), so the trainer can give
 them their own advantage (``ctxrl.meta.credit.reflection_advantages``). No reflection is sampled
 after the last attempt played: it would condition nothing. ``reflect=False`` carries only the
-feedback lines (plain retries; with ``context="attempts"``, the in-context RL baseline: previous
+feedback lines (plain retries; with ``carry="attempts"``, the in-context RL baseline: previous
 attempts and their rewards in context).
 
 The feedback is generic: ``Attempt k of K solved the task`` / ``did not solve the task``, with the
@@ -40,7 +40,6 @@ attempt are not supported (``full`` only).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -48,42 +47,18 @@ from typing import Any, Callable
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine
-from ctxrl.engine.sampling import derive_seed
+from ctxrl.envs.hooks import flag
+from ctxrl.envs.recorded import RecordedEnv
 from ctxrl.envs.tool_answer import parse_answer
-from ctxrl.meta.trial import Attempt, Trial
-from ctxrl.rollout.agent import RolloutLimits, record_error, reset_env, run_episode, sample_aside
-from ctxrl.rollout.context import REFLECTION_INSTRUCTION, _task_with
-from ctxrl.rollout.demos import Demo, with_demos
+from ctxrl.meta.demos import Demo, with_demos
+from ctxrl.prompts import NOTES_HEADER
+from ctxrl.rollout.agent import record_error, reset_env, run_episode
+from ctxrl.rollout.generate import sample_aside
+from ctxrl.rollout.messages import task_with, text_only
+from ctxrl.rollout.recorder import Recorder, join
+from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+from ctxrl.seeds import ATTEMPT_SALT, REFLECTION_SALT, derive_seed, episode_seed
 from ctxrl.types import Episode, Message, Segment, Task
-
-CONTEXTS = ("reflections", "attempts")
-NOTES_HEADER = "\n\nNotes from your earlier attempts at this task:\n"
-ATTEMPT_SALT = 3_000_000  # attempt k >= 1 samples from derive_seed(seed, ATTEMPT_SALT + k); attempt 0 from seed
-REFLECTION_SALT = 2_000_000  # the reflection after attempt k samples with derive_seed(seed, REFLECTION_SALT + k)
-
-
-@dataclass(frozen=True)
-class MetaPolicy:
-    """How a trial is played (see the module docstring)."""
-
-    num_attempts: int = 1
-    context: str = "reflections"
-    """What the next attempt sees of the earlier ones: ``reflections`` (notes) or ``attempts`` (in full)."""
-    reflect: bool = True
-    """Sample a reflection after each attempt that is followed by another (False: plain retries)."""
-    stop_on_success: bool = True
-    instruction: str = REFLECTION_INSTRUCTION
-    reflection_max_tokens: int = 64
-    max_context_tokens: int = 0
-    """Budget of an attempt's opening (task + carried history) in tokens; 0 = only ``max_total_tokens``."""
-
-    def __post_init__(self) -> None:
-        if self.num_attempts < 1:
-            raise ValueError(f"num_attempts must be >= 1, got {self.num_attempts}")
-        if self.context not in CONTEXTS:
-            raise ValueError(f"context must be one of {', '.join(CONTEXTS)}, not {self.context!r}")
-        if self.reflection_max_tokens < 1:
-            raise ValueError(f"reflection_max_tokens must be >= 1, got {self.reflection_max_tokens}")
 
 
 def feedback_text(k: int, num_attempts: int, reward: float, success: bool) -> str:
@@ -114,7 +89,7 @@ def reflections_opening(base: list[Message], carried: list[Carried], k: int, num
         return list(base)
     notes = [c.feedback + (f" Your reflection: {c.reflection.strip()}" if c.reflection is not None else "")
              for c in carried]
-    return _task_with(base, NOTES_HEADER, "\n".join([*notes, attempt_header(k, num_attempts)]))
+    return task_with(base, NOTES_HEADER, "\n".join([*notes, attempt_header(k, num_attempts)]))
 
 
 def attempts_opening(base: list[Message], carried: list[Carried], k: int, num_attempts: int,
@@ -129,9 +104,7 @@ def attempts_opening(base: list[Message], carried: list[Carried], k: int, num_at
     for c in carried:
         if c.index > 0:
             out.append(Message("user", attempt_header(c.index, num_attempts)))
-        # re-rendered from text alone, as window_messages does: the text already holds the calls
-        out += [dataclasses.replace(m, tool_calls=[], tool_call_errors=[]) if m.role == "assistant" else m
-                for m in c.conversation]
+        out += [text_only(m) for m in c.conversation]  # from text alone, as the window manager shows turns
         if c.reflection is not None:
             out += [Message("user", f"{c.feedback}\n{instruction}"), Message("assistant", c.reflection)]
         else:
@@ -155,35 +128,6 @@ def attempt_actions(messages: list[Message]) -> list[str]:
     return out
 
 
-class _Watched:
-    """An environment that remembers the observations of its latest step (the agent loop does not
-    append those of the step that ends an episode; the feedback shows them)."""
-
-    def __init__(self, env: Any) -> None:
-        self.env = env
-        self.last: tuple[Message | None, list[Message]] = (None, [])
-
-    @property
-    def tools(self):
-        return self.env.tools
-
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        return self.env.reset(task, seed=seed)
-
-    async def step(self, message: Message):
-        result = await self.env.step(message)
-        self.last = (message, list(result.messages))
-        return result
-
-    def close(self) -> None:
-        self.env.close()
-
-    def unseen(self, episode: Episode) -> list[Message]:
-        """Observations of the step that answered the episode's last message, if they were never appended."""
-        message, observations = self.last
-        return observations if episode.messages and episode.messages[-1] is message else []
-
-
 async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, renderer: ChatRenderer,
                     limits: RolloutLimits, policy: MetaPolicy, *, seed: int, group_id: int = 0,
                     demos: list[Demo] | None = None) -> Episode:
@@ -198,7 +142,7 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
         t0 = time.perf_counter()
         env = None
         try:
-            env = _Watched(make_env())
+            env = RecordedEnv(make_env())
             base = with_demos(await reset_env(env, task, seed, limits.timeout_s), demos or [])
         except Exception as exc:  # noqa: BLE001 - an errored trial is data, not a crash
             if env is not None:
@@ -245,11 +189,11 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
                           time.perf_counter() - started, len(demos or []))
 
 
-def _actions(env: _Watched, episode: Episode, opening: int) -> dict[str, list[str] | None]:
+def _actions(env: RecordedEnv, episode: Episode, opening: int) -> dict[str, list[str] | None]:
     """An attempt's ``actions`` and ``failed_actions``: the environment's own where it names them
     (``names_actions``, see ``ctxrl.envs.tool_answer``), else its tool calls and answers (``attempt_actions``;
     ``failed_actions`` None: judged by the attempt's outcome)."""
-    if getattr(env.env, "names_actions", False):
+    if flag(env.env, "names_actions"):
         return {"actions": list(episode.info.get("actions", [])),
                 "failed_actions": list(episode.info.get("failed_actions", []))}
     return {"actions": attempt_actions(episode.messages[opening:]), "failed_actions": None}
@@ -259,7 +203,7 @@ def _fitted_opening(base, carried, k, policy: MetaPolicy, renderer, tools,
                     limits) -> tuple[list[Message], int, int]:
     """Attempt ``k``'s opening with as many of the newest carried attempts as fit: (messages, how many, tokens)."""
     def build(kept: list[Carried]) -> list[Message]:
-        if policy.context == "reflections":
+        if policy.carry == "reflections":
             return reflections_opening(base, kept, k, policy.num_attempts)
         return attempts_opening(base, kept, k, policy.num_attempts, policy.instruction)
 
@@ -281,32 +225,27 @@ async def _reflect(episode: Episode, observations: list[Message], record: dict[s
         return
     ask = [*observations, Message("user", f"{record['feedback']}\n{policy.instruction}")]
     turn = len(episode.turns)  # the reflection is the generation after the attempt's last turn
-    aside = await sample_aside(episode, ask, tools, engine, renderer, limits,
+    aside = await sample_aside(Recorder(episode, renderer, tools), ask, engine, limits,
                                max_new_tokens=policy.reflection_max_tokens, seed=seed, counter=REFLECTION_SALT + k,
                                purpose="reflection", turn=turn, ask_turn=turn - 1,
                                closed=episode.turns[-1].finish_reason == "stop")
     if aside is None:
         record["reflection_skipped"] = True  # no room left in this sequence: the next attempt carries the feedback
         return
-    text, closed, record["reflection_start"], record["reflection_tokens"] = aside
-    record["reflection"], record["reflection_truncated"] = text, not closed
+    record["reflection_start"], record["reflection_tokens"] = aside.start, aside.tokens
+    record["reflection"], record["reflection_truncated"] = aside.text, not aside.closed
 
 
 def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int, attempts: list[Episode],
                    records: list[dict[str, Any]], failure, limits: RolloutLimits, seconds: float,
                    demos: int) -> Episode:
     """One Episode for the trial: attempts 0..n-2 as closed segments, the last one live."""
-    trial = Episode(task=task, group_id=group_id, policy_version=getattr(engine, "version", 0))
-    for attempt, record in zip(attempts[:-1], records):
-        ended_by = "reflection" if record["reflection_start"] is not None else "attempt"
-        trial.segments.append(Segment(attempt.input_ids, attempt.loss_mask, attempt.behavior_logprobs,
-                                      attempt.turn_index, attempt.messages, ended_by))
+    trial = Episode(task=task, group_id=group_id, policy_version=engine.policy_version)
+    ends = ["reflection" if r["reflection_start"] is not None else "attempt" for r in records[:len(attempts) - 1]]
+    join(trial, [Segment(a.input_ids, a.loss_mask, a.behavior_logprobs, a.turn_index, a.messages, end)
+                 for a, end in zip(attempts, [*ends, "end"])])
     if attempts:
-        last = attempts[-1]
-        trial.input_ids, trial.loss_mask = last.input_ids, last.loss_mask
-        trial.behavior_logprobs, trial.turn_index = last.behavior_logprobs, last.turn_index
-        trial.messages = last.messages
-        trial.truncation = last.truncation
+        trial.truncation = attempts[-1].truncation
     trial.turns = [t for a in attempts for t in a.turns]
     trial.reward = sum(a.reward for a in attempts)
     trial.success = any(a.success for a in attempts)
@@ -336,14 +275,5 @@ async def run_trials(make_env: Callable[[], Any], tasks: list[Task], engine: Eng
         for k in range(group_size):
             chosen = demos(group_id, k) if demos is not None else []
             jobs.append(run_trial(make_env, task, engine, renderer, limits, policy,
-                                  seed=seed * 1_000_003 + group_id * 1009 + k, group_id=group_id, demos=chosen))
+                                  seed=episode_seed(seed, group_id, k), group_id=group_id, demos=chosen))
     return list(await asyncio.gather(*jobs))
-
-
-def to_trial(episode: Episode) -> Trial:
-    """The statistics' view of a played trial (``ctxrl.meta.Trial``); a plain episode is a one-attempt trial."""
-    records = episode.info.get("attempts")
-    if records is None:
-        return Trial(episode.task.id, 1, [Attempt(episode.reward, episode.success)])
-    return Trial(episode.task.id, episode.info["num_attempts"],
-                 [Attempt(r["reward"], r["success"], list(r["actions"]), r.get("failed_actions")) for r in records])

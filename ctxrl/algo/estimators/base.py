@@ -1,0 +1,155 @@
+"""The advantage-estimator protocol and its registry: episodes in, training rows with per-token advantages out.
+
+An estimator is a registered class. It declares what it needs, and the trainer and the
+configuration read those declarations instead of testing names:
+
+- ``needs_groups``: group statistics over the episodes of one task (GRPO, RLOO, ...). The trainer
+  leaves out groups with fewer than two valid episodes, and ``rollout.group_size`` must be >= 2;
+- ``needs_critic``: values of a learned critic; the trainer builds one and passes ``values``;
+- ``one_per_episode``: one advantage per episode, broadcast to every sampled token of every
+  segment. Only such estimators combine with context managers that cut episodes into segments;
+- ``credits_attempts``: credit across the attempts of a trial (meta-RL, ``meta.num_attempts > 1``).
+
+``estimate(episodes, ...)`` returns, per episode, the ``TrainSequence`` rows it trains as (one
+per unsegmented episode; one per segment or attempt otherwise), each with its advantage on every
+token (0 where the loss mask is 0). The maths lives in pure functions of ``ctxrl.algo``
+(``grpo_advantages``, ``gae_advantages``, ...); an estimator only arranges episodes into their
+tensors and back. Adding one is one file: a subclass with a ``name`` and ``estimate``, decorated
+with ``@register_estimator`` (docs/algorithms.md shows a complete example).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import Callable, ClassVar, TypeVar
+
+from ctxrl.types import Episode, Segment, TrainSequence
+
+_BUILTIN_MODULES = ("ctxrl.algo.estimators.outcome", "ctxrl.algo.estimators.reinforce_pp",
+                    "ctxrl.algo.estimators.turn_grpo", "ctxrl.algo.estimators.gae", "ctxrl.meta.estimator")
+_REGISTRY: dict[str, type[Estimator]] = {}
+_builtins_loaded = False
+
+E = TypeVar("E", bound="type[Estimator]")
+SegmentBonus = Callable[[Segment], float]
+
+
+@dataclass(frozen=True)
+class EstimatorSettings:
+    """The settings estimators read (each reads its own; see docs/configuration.md)."""
+
+    gamma: float = 1.0
+    """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
+    lam: float = 1.0
+    """GAE's lambda."""
+    gae_level: str = "token"
+    """GAE steps: every sampled ``token`` or every ``turn``."""
+    credit: str = "cross_episode"
+    """Meta-RL credit across attempts: ``cross_episode`` (LaMer) or ``relative`` (MR-Search)."""
+    gamma_trial: float = 1.0
+    """Discount across the attempts of a trial."""
+    normalize: str = "std"
+    """``cross_episode``: ``std`` or ``none``."""
+    baseline: str = "loo"
+    """``relative``: ``loo`` or ``mean``."""
+    num_attempts: int | None = None
+    """The trial budget K (None: the longest trial of the batch)."""
+
+
+class Estimator:
+    """Base of the registered estimators (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    needs_groups: ClassVar[bool] = True
+    needs_critic: ClassVar[bool] = False
+    one_per_episode: ClassVar[bool] = False
+    credits_attempts: ClassVar[bool] = False
+
+    def __init__(self, settings: EstimatorSettings = EstimatorSettings()) -> None:
+        self.settings = settings
+
+    def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
+                 values: list[list[float]] | None = None,
+                 segment_bonus: SegmentBonus | None = None) -> list[list[TrainSequence]]:
+        """Per episode, its training rows.
+
+        ``token_rewards``: optional per-token rewards (one list per episode aligned with its
+        ``input_ids``, on sampled tokens), e.g. a KL penalty placed in the reward. ``values``: the
+        critic's per-token values (``needs_critic``). ``segment_bonus(segment)``: an extra advantage
+        for a segment's sampled tokens (the context manager's process reward).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define estimate()")
+
+
+def broadcast(episode: Episode, advantage: float, segment_bonus: SegmentBonus | None = None) -> list[TrainSequence]:
+    """One row per sequence of ``episode``, every sampled token carrying ``advantage`` (+ its segment's bonus).
+
+    An unsegmented episode is one row. A segmented one (a context manager rewrote its context)
+    gives one row per segment that sampled something; with ``token-mean`` aggregation a token
+    then weighs the same whether or not its episode was cut (SUPO / ReSum broadcast).
+    """
+    if not episode.segments:
+        return [TrainSequence.of(episode, [advantage * m for m in episode.loss_mask],
+                                 group_id=episode.group_id, policy_version=episode.policy_version)]
+    rows = []
+    for seq in episode.sequences():
+        if not any(seq.loss_mask):
+            continue  # nothing sampled in it: nothing to train
+        value = advantage + (segment_bonus(seq) if segment_bonus is not None else 0.0)
+        rows.append(TrainSequence.of(seq, [value * m for m in seq.loss_mask], group_id=episode.group_id,
+                                     policy_version=episode.policy_version))
+    return rows
+
+
+def unsegmented(name: str, episodes: list[Episode]) -> None:
+    """Raise unless every episode is one sequence (for estimators whose advantages are per token)."""
+    cut = [e.task.id for e in episodes if e.segments]
+    if cut:
+        raise ValueError(f"the {name} estimator computes per-token advantages over one sequence per episode, but "
+                         f"{len(cut)} episodes have segments (e.g. task {cut[0]}); use an estimator with "
+                         "one_per_episode (grpo, dr_grpo, rloo) with a context manager")
+
+
+def register_estimator(cls: E) -> E:
+    """Class decorator: make ``algo.advantage = cls.name`` choose ``cls``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} needs a class attribute name to register as an estimator")
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"estimator name {cls.name!r} is already registered to {existing.__module__}."
+                         f"{existing.__qualname__}; pick another name for {cls.__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def estimator_names() -> list[str]:
+    """Every registered estimator, built-ins first."""
+    _load_builtins()
+    return list(_REGISTRY)
+
+
+def get_estimator(name: str) -> type[Estimator]:
+    """The estimator class registered as ``name``; an unknown name is an error listing the known ones."""
+    _load_builtins()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown advantage estimator {name!r}; {hint}known: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def token_advantages(name: str, episodes: list[Episode], settings: EstimatorSettings = EstimatorSettings(), *,
+                     token_rewards: list[list[float]] | None = None) -> list[list[float]]:
+    """Per-token advantages of unsegmented episodes (one list per episode, aligned with ``input_ids``)."""
+    rows = get_estimator(name)(settings).estimate(episodes, token_rewards=token_rewards)
+    return [r[0].advantages for r in rows]

@@ -1,0 +1,89 @@
+"""``gae``: PPO's generalised advantage estimation with a learned critic, whitened over the batch.
+
+The trainer builds the critic (``ctxrl.train.critic``) and passes its per-token ``values``.
+``level="token"``: every sampled token is a step. ``level="turn"``: every assistant turn is a
+step; its value is the critic's value at the turn's first sampled token (the state the turn
+starts from), GAE runs over turns (``gamma`` and ``lam`` per turn), each turn's advantage goes to
+all its sampled tokens, and the critic is trained at the turn-start positions only (the returned
+value mask). Rewards: each turn's reward on its last sampled token, plus optional per-token rewards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctxrl.algo.estimators.base import Estimator, SegmentBonus, register_estimator, unsegmented
+from ctxrl.algo.estimators.tensors import padded, per_token, rows, token_turn_rewards
+from ctxrl.algo.returns import gae_advantages, masked_whiten
+from ctxrl.algo.turns import broadcast_turn_advantages
+from ctxrl.types import Episode, TrainSequence
+
+
+@register_estimator
+class GAE(Estimator):
+    name = "gae"
+    needs_groups = False
+    needs_critic = True
+
+    def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
+                 values: list[list[float]] | None = None,
+                 segment_bonus: SegmentBonus | None = None) -> list[list[TrainSequence]]:
+        if values is None:
+            raise ValueError("the gae estimator needs the critic's values per token (values=...)")
+        unsegmented(self.name, episodes)
+        s = self.settings
+        advantages, returns, value_mask = gae_episode_advantages(episodes, values, gamma=s.gamma, lam=s.lam,
+                                                                 token_rewards=token_rewards, level=s.gae_level)
+        masks = value_mask if value_mask is not None else [None] * len(episodes)
+        return [[TrainSequence.of(e, a, returns=r, old_values=v, value_mask=vm, group_id=e.group_id,
+                                  policy_version=e.policy_version)]
+                for e, a, r, v, vm in zip(episodes, advantages, returns, values, masks)]
+
+
+def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *, gamma: float = 1.0,
+                           lam: float = 1.0, token_rewards: list[list[float]] | None = None, level: str = "token"
+                           ) -> tuple[list[list[float]], list[list[float]], list[list[int]] | None]:
+    """GAE from the critic's ``values`` per token: (advantages whitened over the batch, returns, value mask).
+
+    ``level="token"``: every sampled token is a step (the value mask is the loss mask, returned as
+    None). ``level="turn"``: every assistant turn is a step; its value is the critic's value at
+    the turn's first sampled token (the state the turn starts from), GAE runs over turns
+    (``gamma`` and ``lam`` per turn), each turn's advantage goes to all its sampled tokens, and
+    the critic is trained at the turn-start positions only (the returned value mask).
+    """
+    if level not in ("token", "turn"):
+        raise ValueError(f"GAE level must be token or turn, not {level!r}")
+    if not episodes:
+        return [], [], None
+    mask, turns = padded(episodes)
+    if len(values) != len(episodes):
+        raise ValueError(f"{len(values)} value lists for {len(episodes)} episodes")
+    v = torch.zeros_like(mask)
+    for i, row in enumerate(values):
+        if len(row) != len(episodes[i].input_ids):
+            raise ValueError(f"episode {i} has {len(episodes[i].input_ids)} tokens but {len(row)} values")
+        v[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    rewards = token_turn_rewards(episodes, mask, turns) + per_token(episodes, token_rewards, mask, "token rewards") * mask
+    if level == "token":
+        advantages, returns = gae_advantages(rewards, v, mask, gamma, lam)
+        return rows(masked_whiten(advantages, mask), episodes), rows(returns, episodes), None
+    k_max = max(int(turns.max()) + 1, 1)
+    turn_r, turn_v, turn_live = (torch.zeros(len(episodes), k_max) for _ in range(3))
+    starts = torch.zeros_like(mask)
+    for k in range(k_max):
+        in_turn = (turns == k) & mask.bool()
+        turn_r[:, k] = (rewards * in_turn).sum(1)
+        has = in_turn.any(1)
+        first = in_turn.float().argmax(1)
+        live = has.nonzero().squeeze(1)
+        turn_live[live, k] = 1.0
+        turn_v[live, k] = v[live, first[live]]
+        starts[live, first[live]] = 1.0
+    turn_adv, turn_ret = gae_advantages(turn_r, turn_v, turn_live, gamma, lam)
+    advantages = broadcast_turn_advantages(turn_adv, turns, mask)
+    returns = torch.zeros_like(mask)
+    for k in range(k_max):
+        at_start = starts.bool() & (turns == k)
+        returns = torch.where(at_start, turn_ret[:, k:k + 1].expand_as(returns), returns)
+    value_mask = [[int(x) for x in row] for row in rows(starts, episodes)]
+    return rows(masked_whiten(advantages, mask), episodes), rows(returns, episodes), value_mask

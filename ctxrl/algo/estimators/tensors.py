@@ -1,0 +1,51 @@
+"""Episodes to the padded tensors the pure functions of ``ctxrl.algo`` take, and back to per-episode lists."""
+
+from __future__ import annotations
+
+import torch
+
+from ctxrl.types import Episode
+
+
+def padded(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss mask [N,T], turn index [N,T]) right-padded with 0 / -1."""
+    width = max(len(e.input_ids) for e in episodes)
+    mask = torch.zeros(len(episodes), width)
+    turns = torch.full((len(episodes), width), -1, dtype=torch.long)
+    for i, e in enumerate(episodes):
+        mask[i, : len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.float32)
+        turns[i, : len(e.turn_index)] = torch.tensor(e.turn_index, dtype=torch.long)
+    return mask, turns
+
+
+def group_ids(episodes: list[Episode]) -> torch.Tensor:
+    return torch.tensor([e.group_id for e in episodes], dtype=torch.long)
+
+
+def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """[N,T] with each turn's reward on the last sampled token of that turn."""
+    rewards = torch.zeros_like(mask)
+    for i, e in enumerate(episodes):
+        for turn in e.turns:
+            positions = ((turns[i] == turn.index) & mask[i].bool()).nonzero()
+            if len(positions):
+                rewards[i, int(positions[-1])] += float(turn.reward)
+    return rewards
+
+
+def rows(x: torch.Tensor, episodes: list[Episode]) -> list[list[float]]:
+    """Row ``i`` of ``x`` cut to episode ``i``'s length."""
+    return [x[i, : len(e.input_ids)].tolist() for i, e in enumerate(episodes)]
+
+
+def per_token(episodes: list[Episode], values: list[list[float]] | None, mask: torch.Tensor, what: str) -> torch.Tensor:
+    """[N,T] of optional per-token lists (one per episode, aligned with ``input_ids``); zeros when None."""
+    out = torch.zeros_like(mask)
+    if values is not None:
+        if len(values) != len(episodes):
+            raise ValueError(f"{len(values)} {what} lists for {len(episodes)} episodes")
+        for i, (e, row) in enumerate(zip(episodes, values)):
+            if len(row) != len(e.input_ids):
+                raise ValueError(f"episode {i} has {len(e.input_ids)} tokens but {len(row)} {what}")
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out

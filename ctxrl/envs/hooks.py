@@ -1,0 +1,115 @@
+"""The optional hooks an environment class may define, declared in one place, and what each one enables.
+
+The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an
+environment can opt into features by defining hooks; ctxrl looks them up only through ``hook``
+here, never with a bare ``getattr`` elsewhere, so this table is the complete list. ``ctxrl
+check-env NAME`` prints which features an environment's hooks enable (``features``).
+
+| hook | signature | enables |
+|---|---|---|
+| ``shortcut`` | ``shortcut(task) -> list[str]`` | imperfect warm-start demos (``sft.shortcut_fraction``) |
+| ``pretraining_variant`` | ``pretraining_variant(seed) -> type`` | warm-start demos from other worlds (``sft.other_worlds``), the tiny model's pre-training |
+| ``summary`` | ``summary(task, messages) -> str`` | warm-start demos that summarise (``sft.context_demos``, ``context.manager=summarize``) |
+| ``failure`` | ``failure(task) -> list[str]`` | trial demos (``sft.trial_demos``), with ``reflection`` |
+| ``reflection`` | ``reflection(task, messages) -> str`` | trial demos (``sft.trial_demos``), with ``failure`` |
+| ``solve_after`` | ``solve_after(task, reflection) -> list[str]`` | trial demos whose second attempt follows the reflection |
+| ``configure`` | ``configure(data=, tools=, verifier=) -> type`` | environments built from data (``env.data``, ``env.tools``, ``env.verifier``) |
+| ``names_actions`` | class attribute ``True`` | exploration statistics in the environment's own terms (``note_action``) |
+| ``corpus`` | ``corpus(n, seed) -> list[str]`` | the tiny model's tokenizer and plain-text pre-training |
+
+All are class-level (static methods or classmethods), so demos and checks need no instance.
+``solve(task)`` is required by the protocol; it gives warm-start demos, annealed demonstrations
+(``meta.demos_source=solve``) and ``check-env``'s gold run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from ctxrl.types import Message, Task
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str
+    signature: str
+    enables: str
+
+
+HOOKS: dict[str, Hook] = {h.name: h for h in (
+    Hook("shortcut", "shortcut(task) -> list[str]", "imperfect warm-start demos (sft.shortcut_fraction)"),
+    Hook("pretraining_variant", "pretraining_variant(seed) -> type",
+         "warm-start demos from other worlds (sft.other_worlds)"),
+    Hook("summary", "summary(task, messages) -> str", "warm-start demos that summarise (sft.context_demos)"),
+    Hook("failure", "failure(task) -> list[str]", "trial demos (sft.trial_demos), with reflection"),
+    Hook("reflection", "reflection(task, messages) -> str", "trial demos (sft.trial_demos), with failure"),
+    Hook("solve_after", "solve_after(task, reflection) -> list[str]",
+         "trial demos whose second attempt follows the reflection"),
+    Hook("configure", "configure(data=, tools=, verifier=) -> type",
+         "environments built from data (env.data, env.tools, env.verifier)"),
+    Hook("corpus", "corpus(n, seed) -> list[str]", "the tiny model's tokenizer and plain-text pre-training"),
+)}
+FLAGS = {"names_actions": "exploration statistics in the environment's own terms (note_action)"}
+
+
+class OptionalHooks(Protocol):
+    """The hooks' types. An environment defines any subset of them, as static methods or classmethods."""
+
+    @staticmethod
+    def shortcut(task: Task) -> list[str]: ...
+
+    @classmethod
+    def pretraining_variant(cls, seed: int) -> type: ...
+
+    @staticmethod
+    def summary(task: Task, messages: list[Message]) -> str: ...
+
+    @staticmethod
+    def failure(task: Task) -> list[str]: ...
+
+    @staticmethod
+    def reflection(task: Task, messages: list[Message]) -> str: ...
+
+    @staticmethod
+    def solve_after(task: Task, reflection: str) -> list[str]: ...
+
+    @classmethod
+    def configure(cls, *, data: str, tools: str, verifier: str) -> type: ...
+
+    @classmethod
+    def corpus(cls, n: int, seed: int) -> list[str]: ...
+
+
+def hook(env: Any, name: str) -> Callable[..., Any] | None:
+    """The environment's ``name`` hook (on its class or an instance), or None if it does not define one."""
+    if name not in HOOKS:
+        raise KeyError(f"{name!r} is not an environment hook; known: {', '.join(HOOKS)}")
+    found = getattr(env, name, None)
+    return found if callable(found) else None
+
+
+def flag(env: Any, name: str) -> bool:
+    """An environment's boolean class attribute (``names_actions``); False when it does not set one."""
+    if name not in FLAGS:
+        raise KeyError(f"{name!r} is not an environment flag; known: {', '.join(FLAGS)}")
+    return bool(getattr(env, name, False))
+
+
+def has_trial_hooks(env: Any) -> bool:
+    """Whether the environment can script a failed attempt and its reflection (trial demos)."""
+    return hook(env, "failure") is not None and hook(env, "reflection") is not None
+
+
+def features(env_cls: type) -> dict[str, bool]:
+    """Which optional features an environment's hooks enable (what ``check-env`` prints)."""
+    return {
+        "warm start (scripted solve)": callable(getattr(env_cls, "solve", None)),
+        "imperfect warm start (shortcut)": hook(env_cls, "shortcut") is not None,
+        "demos from other worlds (pretraining_variant)": hook(env_cls, "pretraining_variant") is not None,
+        "summary demos (summary)": hook(env_cls, "summary") is not None,
+        "trial demos (failure + reflection)": has_trial_hooks(env_cls),
+        "note-following trial demos (solve_after)": has_trial_hooks(env_cls) and hook(env_cls, "solve_after") is not None,
+        "named actions (names_actions)": flag(env_cls, "names_actions"),
+        "built from data (configure)": hook(env_cls, "configure") is not None,
+    }

@@ -1,0 +1,169 @@
+"""The context-manager protocol and its registry.
+
+A context manager decides what the model sees as an episode grows. The agent loop calls it at
+three points, and it changes the episode only through the ``Recorder``:
+
+1. ``fits(context_tokens, next_turn_tokens)``: whether the next generation fits the working budget.
+   Checked on the opening (if not, the episode ends with truncation ``max_context``) and before
+   each observation is appended;
+2. ``make_room(play, observations, turn)``: called instead of appending ``observations`` when
+   they do not fit. The manager rewrites the context (a new segment through
+   ``Recorder.restart``) and returns True to go on, or sets ``episode.truncation`` and returns False;
+3. ``on_assistant(play, message, turn)``: called with every closed assistant message before the
+   environment steps. A manager that handles the message itself (``fold``'s ``branch`` and
+   ``return`` calls) returns whether it was an error; None hands it to the environment.
+
+``finish(play)`` runs when the episode ends, however it ends. The defaults are the ``full``
+manager: everything fits, nothing is intercepted.
+
+Adding a manager is one file: a subclass with a ``name`` and the hooks it changes, decorated
+with ``@register_manager``. ``context.manager`` accepts every registered name, the configuration
+checks read the class attributes (``uses_budget``, ``rewrites_context``), and docs/context.md
+shows a complete example. Built-in managers are imported on first lookup.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from ctxrl.engine.base import register_purpose
+from ctxrl.plain import PlainData
+from ctxrl.prompts import SUMMARY_INSTRUCTION
+from ctxrl.types import Message, Segment
+
+if TYPE_CHECKING:
+    from ctxrl.engine.base import Engine
+    from ctxrl.rollout.recorder import Recorder
+    from ctxrl.rollout.spec import RolloutLimits
+
+_BUILTIN_MODULES = ("ctxrl.rollout.managers.full", "ctxrl.rollout.managers.window",
+                    "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold")
+_REGISTRY: dict[str, type[ContextManager]] = {}
+_builtins_loaded = False
+
+M = TypeVar("M", bound="type[ContextManager]")
+
+
+@dataclass(frozen=True)
+class ContextPolicy(PlainData):
+    """The context manager of a rollout and its settings (each manager reads the ones it uses)."""
+
+    manager: str = "full"
+    max_context_tokens: int = 0
+    """Working-context budget in tokens (managers with ``uses_budget``); 0 = unlimited."""
+    max_summaries: int = 0
+    """Summaries an episode may write before it ends with truncation ``max_context`` (``summarize``)."""
+    summary_max_tokens: int = 64
+    """Tokens one summary may take (``summarize``)."""
+    instruction: str = SUMMARY_INSTRUCTION
+    """The user message that asks for a summary (``summarize``)."""
+    max_branches: int = 4
+    """Branches an episode may open (``fold``)."""
+    branch_reward: float = 0.0
+    """Process reward on the sampled tokens of a branch that returned a result (``fold``; 0 = off)."""
+
+    def __post_init__(self) -> None:
+        cls = get_manager(self.manager)  # an unknown name is an error that lists the known ones
+        if cls.uses_budget and self.max_context_tokens <= 0:
+            raise ValueError(f"the {self.manager} context manager needs max_context_tokens > 0")
+
+    def make(self) -> ContextManager:
+        """A fresh manager for one episode."""
+        return get_manager(self.manager)(self)
+
+
+@dataclass
+class Play:
+    """What a manager may use during one episode: its recorder, the engine and limits, its seed and opening."""
+
+    recorder: Recorder
+    engine: Engine
+    limits: RolloutLimits
+    seed: int | None
+    opening: list[Message]
+
+    @property
+    def episode(self):
+        return self.recorder.episode
+
+
+class ContextManager:
+    """The ``full`` behaviour; a registered subclass changes what it needs (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    uses_budget: ClassVar[bool] = False
+    """Whether it keeps the context within ``max_context_tokens`` (``fits`` then checks that budget)."""
+    rewrites_context: ClassVar[bool] = False
+    """Whether it cuts episodes into segments: training then needs one advantage per episode, broadcast to
+    its segments (an outcome estimator) and ``token-mean`` aggregation."""
+    scripted_hook: ClassVar[str | None] = None
+    """The purpose of this manager's side requests (``summarize``: ``summary``), which is also the name of
+    the environment hook that answers them in scripted demonstrations; None if it makes none. With the
+    hook, warm-start demos can play under the manager."""
+    tool_schemas: ClassVar[list[dict[str, Any]]] = []
+    """Tools the manager offers the policy besides the environment's (``fold``: branch and return)."""
+
+    def __init__(self, policy: ContextPolicy) -> None:
+        self.policy = policy
+
+    def fits(self, context_tokens: int, next_turn_tokens: int) -> bool:
+        """Whether a context of ``context_tokens`` leaves room for a turn of ``next_turn_tokens``."""
+        return not self.uses_budget or context_tokens + next_turn_tokens <= self.policy.max_context_tokens
+
+    async def on_assistant(self, play: Play, message: Message, turn: int) -> bool | None:
+        """Handle ``message`` instead of the environment (return whether it was an error), or None."""
+        return None
+
+    async def make_room(self, play: Play, observations: list[Message], turn: int) -> bool:
+        """Rewrite the context so that the next turn fits; False ends the episode (truncation set)."""
+        play.episode.truncation = "max_context"
+        return False
+
+    def finish(self, play: Play) -> None:
+        """The episode ended (any way); leave the episode's live sequence as the one it continued in."""
+
+    @classmethod
+    def segment_bonus(cls, segment: Segment, policy: ContextPolicy) -> float:
+        """An extra advantage for every sampled token of ``segment`` (a process reward; 0 by default)."""
+        return 0.0
+
+
+def register_manager(cls: M) -> M:
+    """Class decorator: make ``context.manager = cls.name`` choose ``cls``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} needs a class attribute name to register as a context manager")
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"context manager name {cls.name!r} is already registered to {existing.__module__}."
+                         f"{existing.__qualname__}; pick another name for {cls.__qualname__}")
+    _REGISTRY[cls.name] = cls
+    if cls.scripted_hook is not None:
+        register_purpose(cls.scripted_hook)  # its side requests are generated with this purpose
+    return cls
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def manager_names() -> list[str]:
+    """Every registered context manager, built-ins first."""
+    _load_builtins()
+    return list(_REGISTRY)
+
+
+def get_manager(name: str) -> type[ContextManager]:
+    """The manager class registered as ``name``; an unknown name is an error listing the known ones."""
+    _load_builtins()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown context manager {name!r}; {hint}known: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]

@@ -1,0 +1,158 @@
+"""The ``Recorder``: the one writer of an episode's tokens.
+
+Every id an episode holds, with its loss mask, behaviour log-prob and turn index, is appended
+here, and every segment is opened and closed here; nothing else in ctxrl writes those arrays.
+That is what makes the trajectory's invariants (``ctxrl.types.Episode``) checkable in one place:
+
+- ``prompt(messages)``: a fresh prompt, rendered whole (loss mask 0, turn -1); the first thing in
+  a live sequence;
+- ``assistant(completion, message, turn)``: what the engine sampled (mask 1, with its behaviour
+  log-probs) and the parsed message it decodes to;
+- ``observation_ids(messages)`` then ``observe(messages, ids, turn)``: text the policy did not
+  write, rendered *alone* through the chat template and appended (mask 0). The renderer encodes
+  its special-token strings as plain text (``ctxrl.chat.render``), so tool output cannot forge a
+  turn boundary;
+- ``restart(messages, ended_by)``: close the live sequence as a ``Segment`` and start a new one
+  from ``messages`` (a summary, a window, the next attempt);
+- ``open_branch`` / ``close_branch``: pause the live sequence, run another in its place, then close
+  that one as a segment and go back (the ``fold`` manager).
+
+The Recorder does not decide anything: what to append and when is the agent loop's and the
+context manager's business. It never decodes and re-encodes sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ctxrl.chat.render import ChatRenderer
+from ctxrl.engine.base import Completion
+from ctxrl.types import Episode, Message, Segment
+
+
+@dataclass
+class Live:
+    """A paused live sequence (``open_branch`` returns it, ``close_branch`` restores it)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    turn_index: list[int]
+    messages: list[Message]
+
+
+class Recorder:
+    """Appends to ``episode``'s live sequence; ``tools`` are the schemas its prompts render with."""
+
+    def __init__(self, episode: Episode, renderer: ChatRenderer | None = None, tools: list[dict] | None = None) -> None:
+        self.episode = episode
+        self.renderer = renderer
+        self.tools = tools
+
+    # -- reading -----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Tokens in the live sequence (what the next generation's prompt holds)."""
+        return len(self.episode.input_ids)
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation the live sequence renders."""
+        return self.episode.messages
+
+    @property
+    def ids(self) -> list[int]:
+        """A copy of the live sequence's ids: the next generation's prompt."""
+        return list(self.episode.input_ids)
+
+    # -- writing -----------------------------------------------------------------------------------
+    def prompt(self, messages: list[Message]) -> None:
+        """Start the (empty) live sequence with ``messages`` rendered as a fresh prompt (mask 0, turn -1)."""
+        if self.episode.input_ids:
+            raise RuntimeError("Recorder.prompt starts a sequence; this one already holds tokens (use restart)")
+        self.episode.messages = list(messages)
+        self._write(self.renderer.prompt_ids(messages, self.tools), sampled=False, turn=-1)
+
+    def assistant(self, completion: Completion, message: Message, turn: int) -> None:
+        """Append the sampled ids with their behaviour log-probs (mask 1) and the message they decode to."""
+        self._write(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
+        self.episode.messages.append(message)
+
+    def observation_ids(self, messages: list[Message], *, closed: bool = True) -> list[int]:
+        """The ids ``observe`` would append for ``messages`` after the last assistant message (nothing appended).
+
+        ``closed``: whether the last sampled turn ended with its end-of-turn token (if not, the
+        renderer adds it, as context).
+        """
+        return self.renderer.continuation_ids(self.episode.messages, messages, self.tools, closed=closed)
+
+    def observe(self, messages: list[Message], ids: list[int], turn: int) -> None:
+        """Append ``messages`` as context (mask 0): ``ids`` must be ``observation_ids(messages)``."""
+        self._write(ids, sampled=False, turn=turn)
+        self.episode.messages.extend(messages)
+
+    def restart(self, messages: list[Message], *, ended_by: str) -> None:
+        """Close the live sequence as a segment (``ended_by``) and start a new one from ``messages``."""
+        self.close_segment(ended_by=ended_by)
+        self.prompt(messages)
+
+    def close_segment(self, *, ended_by: str) -> None:
+        """Close the live sequence as a segment (``ended_by``); the live sequence is then empty."""
+        e = self.episode
+        e.segments.append(Segment(e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, list(e.messages),
+                                  ended_by))
+        self._clear()
+
+    def open_branch(self, messages: list[Message]) -> Live:
+        """Pause the live sequence and start another from ``messages``; returns the paused one."""
+        e = self.episode
+        paused = Live(e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, e.messages)
+        self._clear()
+        self.prompt(messages)
+        return paused
+
+    def close_branch(self, paused: Live, *, ended_by: str) -> int:
+        """Close the live (branch) sequence as a segment and resume ``paused``; returns the branch's length."""
+        e = self.episode
+        length = len(e.input_ids)
+        e.segments.append(Segment(e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, e.messages, ended_by))
+        e.input_ids, e.loss_mask, e.behavior_logprobs = paused.input_ids, paused.loss_mask, paused.behavior_logprobs
+        e.turn_index, e.messages = paused.turn_index, paused.messages
+        return length
+
+    def write_ids(self, ids: list[int], *, sampled: bool, turn: int, logprobs: list[float] | None = None) -> None:
+        """Append raw ids (mask 1 with ``sampled``): for sequences built by hand, as tests do."""
+        self._write(ids, sampled=sampled, turn=turn, logprobs=logprobs)
+
+    def _clear(self) -> None:
+        e = self.episode
+        e.input_ids, e.loss_mask, e.behavior_logprobs, e.turn_index, e.messages = [], [], [], [], []
+
+    def _write(self, ids: list[int], *, sampled: bool, turn: int, logprobs: list[float] | None = None) -> None:
+        e = self.episode
+        if sampled:
+            if logprobs is None or len(logprobs) != len(ids):
+                raise ValueError("sampled ids need one behaviour log-prob each")
+            e.behavior_logprobs.extend(float(x) for x in logprobs)
+        else:
+            if logprobs is not None:
+                raise ValueError("context ids (mask 0) carry no behaviour log-probs")
+            e.behavior_logprobs.extend([0.0] * len(ids))
+        e.input_ids.extend(ids)
+        e.loss_mask.extend([1 if sampled else 0] * len(ids))
+        e.turn_index.extend([turn] * len(ids))
+
+
+def join(episode: Episode, sequences: list[Segment]) -> None:
+    """Make ``sequences`` the episode's: all but the last closed (as given), the last one live.
+
+    For an episode assembled from others (a trial from its attempts); the sequences' arrays are
+    taken as they were recorded, never rewritten.
+    """
+    if episode.input_ids or episode.segments:
+        raise RuntimeError("join assembles a fresh episode; this one already holds tokens")
+    if not sequences:
+        return
+    episode.segments.extend(sequences[:-1])
+    last = sequences[-1]
+    episode.input_ids, episode.loss_mask = last.input_ids, last.loss_mask
+    episode.behavior_logprobs, episode.turn_index, episode.messages = last.behavior_logprobs, last.turn_index, last.messages

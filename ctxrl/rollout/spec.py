@@ -1,0 +1,192 @@
+"""What a rollout needs to know, as plain data: the ``RolloutSpec`` (once per run) and ``RolloutRequest`` (per batch).
+
+These are the only things rollout code reads. ``RolloutSpec.from_config`` builds the spec once
+from the run's configuration: the model to load, the environment, the sampling settings and
+episode limits of training and of evaluation (each with its context manager), the trial settings
+(meta-RL) and the annealed demonstrations. A ``RolloutRequest`` says what to play now: which
+tasks, how many episodes each, the seed, the phase, and the step's curriculum (turn cap, context
+budget). Both round-trip through JSON exactly (``to_dict`` / ``from_dict``), so a ``RolloutWorker``
+in another process, on a Ray actor or behind an HTTP endpoint plays exactly what an in-process
+one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxrl.meta.anneal import DemoSchedule
+from ctxrl.plain import PlainData
+from ctxrl.prompts import REFLECTION_INSTRUCTION
+from ctxrl.rollout.managers.base import ContextPolicy
+from ctxrl.types import Task
+
+PHASES = ("train", "eval")
+CARRIES = ("reflections", "attempts")
+
+
+@dataclass(frozen=True)
+class RolloutLimits(PlainData):
+    """Sampling settings and the limits of one episode."""
+
+    max_turns: int = 4
+    max_new_tokens: int = 64
+    max_total_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    timeout_s: float = 0.0
+    """Wall-clock deadline of the whole episode (set-up, model and tool time); 0 = none."""
+    context: ContextPolicy = ContextPolicy()
+    """The context manager and its settings."""
+
+
+@dataclass(frozen=True)
+class MetaPolicy(PlainData):
+    """How a trial of attempts is played (``ctxrl.meta.rollout``)."""
+
+    num_attempts: int = 1
+    carry: str = "reflections"
+    """What the next attempt sees of the earlier ones: ``reflections`` (notes) or ``attempts`` (in full)."""
+    reflect: bool = True
+    """Sample a reflection after each attempt that is followed by another (False: plain retries)."""
+    stop_on_success: bool = True
+    instruction: str = REFLECTION_INSTRUCTION
+    reflection_max_tokens: int = 64
+    max_context_tokens: int = 0
+    """Budget of an attempt's opening (task + carried history) in tokens; 0 = only ``max_total_tokens``."""
+
+    def __post_init__(self) -> None:
+        if self.num_attempts < 1:
+            raise ValueError(f"num_attempts must be >= 1, got {self.num_attempts}")
+        if self.carry not in CARRIES:
+            raise ValueError(f"carry must be one of {', '.join(CARRIES)}, not {self.carry!r}")
+        if self.reflection_max_tokens < 1:
+            raise ValueError(f"reflection_max_tokens must be >= 1, got {self.reflection_max_tokens}")
+
+
+@dataclass(frozen=True)
+class ModelSpec(PlainData):
+    """The policy a worker loads (``ctxrl.models.loader``) when it is not handed an engine."""
+
+    name: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    chat_template: str = ""
+
+
+@dataclass(frozen=True)
+class EnvSpec(PlainData):
+    """The environment, by registered name or ``module:Class``, and the options of environments built from data."""
+
+    name: str = "calculator"
+    data: str = ""
+    tools: str = ""
+    verifier: str = "exact"
+
+
+@dataclass(frozen=True)
+class DemoSpec(PlainData):
+    """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``); off when ``schedule.max_demos`` is 0."""
+
+    schedule: DemoSchedule = DemoSchedule()
+    source: str = "solve"
+    """``solve`` (the environment's scripted solutions of ``pool`` training tasks) or a JSONL file."""
+    pool: int = 64
+    pool_seed: int = 0
+    choice_seed: int = 0
+
+
+@dataclass(frozen=True)
+class RolloutSpec(PlainData):
+    """Everything rollout code reads, fixed for a run (see the module docstring)."""
+
+    model: ModelSpec = ModelSpec()
+    env: EnvSpec = EnvSpec()
+    train: RolloutLimits = RolloutLimits()
+    eval: RolloutLimits = RolloutLimits(temperature=0.0)
+    train_meta: MetaPolicy = MetaPolicy()
+    eval_meta: MetaPolicy = MetaPolicy()
+    demos: DemoSpec = DemoSpec()
+    max_batch_size: int = 128
+    """Largest batch of concurrent requests the engine decodes together."""
+    engine_seed: int = 0
+    """The engine's stream for requests that bring no seed."""
+
+    @classmethod
+    def from_config(cls, config: Any, *, device: str | None = None) -> RolloutSpec:
+        """The spec of a run's ``Config`` (``device``: the resolved device, when ``model.device`` is ``auto``)."""
+        from ctxrl.seeds import Seeds
+
+        c, r, m = config.context, config.rollout, config.meta
+        seeds = Seeds(config.run.seed)
+
+        def context(max_summaries: int) -> ContextPolicy:
+            return ContextPolicy(manager=c.manager, max_context_tokens=c.max_context_tokens,
+                                 max_summaries=max_summaries, summary_max_tokens=c.summary_max_tokens,
+                                 instruction=c.summary_instruction, max_branches=c.max_branches,
+                                 branch_reward=c.branch_reward)
+
+        train = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
+                              max_total_tokens=r.max_total_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, timeout_s=r.episode_timeout_s, context=context(c.max_summaries))
+        evaluation = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
+                                   max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature,
+                                   timeout_s=r.episode_timeout_s, context=context(c.eval_max_summaries))
+        train_meta = MetaPolicy(num_attempts=m.num_attempts, carry=m.carry, reflect=m.reflect,
+                                stop_on_success=m.stop_on_success, instruction=m.reflection_instruction,
+                                reflection_max_tokens=m.reflection_max_tokens, max_context_tokens=m.max_context_tokens)
+        return cls(
+            model=ModelSpec(name=config.model.name, dtype=config.model.dtype,
+                            device=device or config.model.device, chat_template=config.model.chat_template),
+            env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
+                        verifier=config.env.verifier),
+            train=train, eval=evaluation, train_meta=train_meta,
+            eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
+            demos=DemoSpec(schedule=DemoSchedule(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind,
+                                                 mode=m.demos_mode),
+                           source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
+                           choice_seed=seeds.demo_choice),
+            max_batch_size=r.max_batch_size, engine_seed=seeds.engine)
+
+
+@dataclass(frozen=True)
+class RolloutRequest(PlainData):
+    """One batch to play: ``group_size`` episodes (or trials) of each task, all concurrently.
+
+    Episode ``k`` of ``tasks[i]`` gets group id ``group_offset + i`` and seed
+    ``episode_seed(seed, i, k)``. ``phase`` picks the spec's training or evaluation settings;
+    training prompts get annealed demonstrations by ``step`` (episode ``first_episode + i *
+    group_size + k`` of the step), evaluation never does. ``max_turns`` and ``context_budget``
+    override the phase's (a curriculum's value for this step); None keeps them.
+    """
+
+    tasks: list[Task] = field(default_factory=list)
+    group_size: int = 1
+    seed: int = 0
+    phase: str = "train"
+    step: int = 0
+    first_episode: int = 0
+    group_offset: int = 0
+    max_turns: int | None = None
+    context_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {self.phase!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+
+    def limits(self, spec: RolloutSpec) -> RolloutLimits:
+        """The phase's limits with this request's turn cap and context budget."""
+        limits = spec.train if self.phase == "train" else spec.eval
+        if self.max_turns is not None:
+            limits = dataclasses.replace(limits, max_turns=self.max_turns)
+        if self.context_budget is not None:
+            limits = dataclasses.replace(limits, context=dataclasses.replace(
+                limits.context, max_context_tokens=self.context_budget))
+        return limits
+
+    def meta(self, spec: RolloutSpec) -> MetaPolicy:
+        return spec.train_meta if self.phase == "train" else spec.eval_meta

@@ -1,0 +1,162 @@
+"""``RolloutWorker``: plays ``RolloutRequest`` s with its own engine; plain data in, episodes out.
+
+A worker is built from a ``RolloutSpec`` (``from_spec``: it resolves the environment, loads the
+tokenizer and checks the chat template, loads the policy into its own ``HFEngine``) or handed an
+engine. ``run(request)`` owns the event loop: it plays the request's episodes (or trials of
+attempts, when the phase's ``MetaPolicy`` has more than one) all at once and returns them.
+``load_weights(state, version=...)`` replaces the engine's weights between requests.
+
+Nothing here reads the run's configuration or the learner: the same worker runs in the
+trainer's process, in a spawned subprocess (``ctxrl.rollout.process``), or on a remote worker,
+and plays exactly the same episodes given the same spec, weights and request.
+
+Trials and annealed demonstrations are meta-RL (``ctxrl.meta``); the worker is the one place in
+``rollout`` that dispatches to them, importing them when a spec uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Mapping
+
+from ctxrl.chat.render import ChatRenderer
+from ctxrl.engine.base import Engine
+from ctxrl.envs.registry import configured_env_class
+from ctxrl.errors import ConfigError
+from ctxrl.rollout.agent import run_episodes
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.types import Episode
+
+
+class RolloutWorker:
+    """Plays requests (see the module docstring). ``engine``: the worker's own (it is not shared)."""
+
+    def __init__(self, spec: RolloutSpec, engine: Engine, renderer: ChatRenderer, env_cls: type | None = None, *,
+                 demo_pool: list | None = None) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.renderer = renderer
+        self.env_cls = env_cls if env_cls is not None else spec_env_class(spec)
+        self._demo_pool = demo_pool
+        if spec.demos.schedule.max_demos > 0:
+            self.demo_pool()  # a missing demo file or a failing solve() stops the run now, not at step 1
+
+    @classmethod
+    def from_spec(cls, spec: RolloutSpec, *, model: Any | None = None) -> RolloutWorker:
+        """Resolve the environment, load the tokenizer (its template checked) and the policy into an ``HFEngine``.
+
+        ``model``: a module to serve instead of loading ``spec.model.name`` (the worker takes it
+        over: nothing else may change its weights).
+        """
+        from ctxrl.engine.hf import HFEngine
+        from ctxrl.models.loader import load_model
+
+        env_cls = spec_env_class(spec)
+        renderer = spec_renderer(spec)
+        if model is None:
+            model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
+        engine = HFEngine(model, pad_token_id=renderer.tokenizer.pad_token_id, max_batch_size=spec.max_batch_size,
+                          seed=spec.engine_seed)
+        return cls(spec, engine, renderer, env_cls)
+
+    # -- weights ---------------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
+        self.engine.load_weights(state, version=version)
+
+    # -- requests --------------------------------------------------------------------------------------
+    def run(self, request: RolloutRequest) -> list[Episode]:
+        """Play ``request`` to the end and return its episodes (one event loop per request)."""
+        return asyncio.run(self.play(request))
+
+    async def play(self, request: RolloutRequest) -> list[Episode]:
+        """``run`` inside a running event loop."""
+        limits, policy = request.limits(self.spec), request.meta(self.spec)
+        demos = self.demo_chooser(request)
+        if policy.num_attempts > 1:
+            from ctxrl.meta.rollout import run_trials
+
+            episodes = await run_trials(self.env_cls, request.tasks, self.engine, self.renderer, limits, policy,
+                                        group_size=request.group_size, seed=request.seed, demos=demos)
+        elif demos is None:
+            episodes = await run_episodes(self.env_cls, request.tasks, self.engine, self.renderer, limits,
+                                          group_size=request.group_size, seed=request.seed)
+        else:
+            from ctxrl.meta.demos import with_demos
+
+            shown = {(i, k): demos(i, k) for i in range(len(request.tasks)) for k in range(request.group_size)}
+            episodes = await run_episodes(self.env_cls, request.tasks, self.engine, self.renderer, limits,
+                                          group_size=request.group_size, seed=request.seed,
+                                          opening=lambda i, k, messages: with_demos(messages, shown[i, k]))
+            for n, episode in enumerate(episodes):  # episodes come in (task, k) order
+                episode.info["demos"] = len(shown[divmod(n, request.group_size)])
+        for episode in episodes:
+            episode.group_id += request.group_offset
+        return episodes
+
+    def demo_pool(self) -> list:
+        """The annealed demonstrations' pool (``spec.demos``), built on first use; empty when they are off."""
+        if self._demo_pool is None:
+            self._demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)
+        return self._demo_pool
+
+    def demo_chooser(self, request: RolloutRequest):
+        """``(i, k) -> demos`` for episode ``k`` of ``request.tasks[i]``, or None when the request gets none.
+
+        Evaluation is always zero-shot; a task never sees its own demo. The choice is a pure
+        function of (seed, step, episode index), so every process makes the same one.
+        """
+        spec = self.spec.demos
+        if request.phase != "train" or spec.schedule.max_demos == 0:
+            return None
+        from ctxrl.meta.anneal import sample_demos
+        from ctxrl.meta.demos import demos_excluding
+
+        pool = self.demo_pool()
+
+        def choose(i: int, k: int) -> list:
+            candidates = demos_excluding(pool, request.tasks[i])
+            picked = sample_demos(spec.schedule, step=request.step, pool_size=len(candidates), seed=spec.choice_seed,
+                                  episode_index=request.first_episode + i * request.group_size + k, evaluation=False)
+            return [candidates[j] for j in picked]
+
+        return choose
+
+
+def spec_env_class(spec: RolloutSpec) -> type:
+    """The environment class a spec names, bound to its data options."""
+    e = spec.env
+    return configured_env_class(e.name, data=e.data, tools=e.tools, verifier=e.verifier)
+
+
+def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
+    """The spec's tokenizer and chat template as a renderer, checked prefix-preserving."""
+    from ctxrl.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(spec.model.name, chat_template=spec.model.chat_template or None)
+    renderer = ChatRenderer(tokenizer, template_name=spec.model.name)
+    renderer.verify_prefix_preserving()
+    return renderer
+
+
+def build_demo_pool(spec: RolloutSpec, env_cls: type, renderer: ChatRenderer) -> list:
+    """The demonstrations ``spec.demos`` draws from: solved training tasks or a JSONL file ([] when off)."""
+    d = spec.demos
+    if d.schedule.max_demos == 0:
+        return []
+    from ctxrl.meta.demos import load_demos, solved_demos
+
+    if d.source != "solve":
+        try:
+            pool = load_demos(d.source)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"meta.demos_source: {exc}") from None
+    else:
+        pool = solved_demos(env_cls, renderer, d.pool, seed=d.pool_seed)
+    if len(pool) <= d.schedule.max_demos:
+        raise ConfigError(f"meta.demos_max={d.schedule.max_demos} demonstrations per prompt, but the pool holds only "
+                          f"{len(pool)} (a task's own demo is left out); add demonstrations or lower demos_max")
+    return pool

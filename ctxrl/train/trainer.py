@@ -1,0 +1,580 @@
+"""The trainer: a warm start, then RL steps of collect -> filter -> estimate -> update -> log, with evaluations.
+
+One RL step, as named phases (each a short method below):
+
+1. **collect**: sample ``rollout.tasks_per_step`` training tasks (the curriculum's) and play
+   ``rollout.group_size`` episodes of each (trials of attempts with ``meta.num_attempts > 1``) with
+   the rollout worker; DAPO dynamic sampling plays more rounds until enough groups are informative;
+2. **filter**: errored episodes are logged and left out (too many abort the run); groups left with
+   fewer than two valid episodes are dropped when the estimator needs groups;
+3. **estimate**: the configured estimator (``algo.advantage``, a registered object) turns episodes
+   into training rows with per-token advantages (a KL penalty in the reward and the critic's
+   values first, when configured); SimpleTIR's void-turn filter drops episodes after the group
+   statistics;
+4. **update**: ``ppo_epochs`` x ``mini_batches`` PPO updates on the collated rows, then the new
+   weights go to the worker's engine (its own copy) with the next policy version;
+5. **log**: one metrics row, sample episodes, and the abort on too many skipped updates.
+
+``fit`` is the outer loop: warm start, evaluation, the steps with evaluations and checkpoints at
+their cadence, a graceful stop on SIGINT/SIGTERM, the final evaluation and checkpoint. What the
+default "GRPO" is: group-normalised outcome advantages (Bessel std), a PPO-clip surrogate with the
+behaviour log-probs as the old policy, token-mean aggregation, optional k1/k2/k3 KL to the
+warm-start policy (off by default), no value function (docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ctxrl.algo.estimators import EstimatorSettings, get_estimator
+from ctxrl.algo.filters import informative_groups, void_turn_free
+from ctxrl.config import Config, to_toml
+from ctxrl.errors import CheckpointError
+from ctxrl.eval.evaluate import evaluate_split, summarize
+from ctxrl.report.progress import Progress
+from ctxrl.report.writer import RunWriter
+from ctxrl.rollout.managers import get_manager
+from ctxrl.rollout.managers.stats import context_stats, scheduled_budget
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.rollout.worker import RolloutWorker, build_demo_pool, spec_env_class, spec_renderer
+from ctxrl.seeds import Seeds
+from ctxrl.tasks.curriculum import make_curriculum
+from ctxrl.train import checkpoint
+from ctxrl.train.learner import Learner, PPOSettings
+from ctxrl.train.rewards import shape_rewards
+from ctxrl.train.warm_start import check_trial_demos, context_demos, warm_start
+from ctxrl.types import SPLITS, Episode, TrainSequence
+
+
+class TrainingAborted(RuntimeError):
+    """The run stopped itself (too many skipped updates, too many errored episodes); the message says why."""
+
+
+class RunStopped(Exception):
+    """The run stopped early on a signal, resumably; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={name!r} but CUDA is not available; use model.device=cpu")
+    return name
+
+
+@dataclass
+class Collected:
+    """What a step's rollout gave: every episode played, the ones chosen to train on, and its figures."""
+
+    episodes: list[Episode]
+    train: list[Episode]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """Everything a run holds (see the module docstring); ``fit`` runs it.
+
+    ``model`` is the learner's policy; the worker's engine samples with its own copy, updated after
+    every optimiser step (``sync_engine``). The learner, its reference model and critic are built
+    by ``make_learner`` when RL starts.
+    """
+
+    def __init__(self, config: Config, run_dir: str | Path, *, progress: Progress | None = None) -> None:
+        from ctxrl.engine.hf import HFEngine
+        from ctxrl.models.loader import load_model
+
+        self.config = config
+        self.seeds = Seeds(config.run.seed)
+        self.progress = progress or Progress()
+        seed_everything(config.run.seed)
+        self.device = pick_device(config.model.device)
+        self.spec = RolloutSpec.from_config(config, device=self.device)
+        self.env_cls = spec_env_class(self.spec)
+        self.context_demos = context_demos(config, self.env_cls)
+        check_trial_demos(config, self.env_cls)
+        self.renderer = spec_renderer(self.spec)
+        self.tokenizer = self.renderer.tokenizer
+        demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
+        self.model = load_model(config.model.name, dtype=config.model.dtype, device=self.device)
+        engine = HFEngine(copy.deepcopy(self.model), pad_token_id=self.tokenizer.pad_token_id,
+                          max_batch_size=self.spec.max_batch_size, seed=self.spec.engine_seed)
+        self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
+        self.writer = RunWriter(run_dir)
+        self.writer.write_config(to_toml(config))
+        self.curriculum = make_curriculum(config.curriculum)
+        self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config))
+        self.manager = get_manager(config.context.manager)
+        self.learner: Learner | None = None
+        self.consecutive_skips = 0
+
+    def decode(self, ids: list[int]) -> str:
+        return self.renderer.decode(ids)
+
+    def sync_engine(self, version: int) -> None:
+        """Hand the policy's current weights to the worker's engine, as policy ``version``."""
+        self.worker.load_weights(self.model.state_dict(), version=version)
+
+    # -- the outer loop --------------------------------------------------------------------------------
+    def fit(self, *, resume: bool = False) -> dict[str, Any]:
+        """Warm start (if enabled), evaluate, RL, evaluate again; returns the summary.
+
+        ``resume``: continue from ``checkpoints/latest`` instead (no warm start; the evaluation
+        before RL is read back from ``metrics.jsonl``). RL checkpoints are written every
+        ``train.checkpoint_every`` steps and when a signal stops the run.
+        """
+        config, run_dir = self.config, self.writer.dir
+        started = time.perf_counter()
+        self.progress.message(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {self.device} | "
+                              f"env {config.env.name}" + (" | resuming" if resume else ""))
+        every = config.train.checkpoint_every
+        summary: dict[str, Any] = {"run_dir": str(run_dir)}
+        with GracefulStop() as stop:
+            if resume:
+                first, before = self._resume()
+            else:
+                if config.sft.enabled:
+                    summary["sft_loss_last"] = self.warm_start()["sft_loss_last"]
+                before = self.evaluate(0)
+                self.make_learner()
+                first = 0
+                if every:  # the warm start is expensive: resumable from here on
+                    checkpoint.save(self, 0)
+            self.progress.message(f"after warm start: heldout {before['heldout']['success']:.2f}  "
+                                  f"ood {before['ood']['success']:.2f}")
+            steps = config.train.steps
+            self.progress.rl_start(f"RL ({config.algo.advantage}, {config.algo.loss})", steps, first)
+            done = first
+            for step in range(first, steps):
+                if stop.signal is not None:
+                    break
+                row = self.step(step)
+                done = step + 1
+                info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
+                        f"{row['time_step']:.1f}s/step")
+                if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
+                    info += f" | heldout {self.evaluate(done, splits=('heldout',))['heldout']['success']:.2f}"
+                if every and done % every == 0:
+                    checkpoint.save(self, done)
+                self.progress.rl_step(info)
+            if stop.signal is not None and done < steps:
+                self._stopped(stop.signal, done, first)
+            after = self.evaluate(steps) if steps else before
+        final = self.save_final("final")
+        self.writer.close()
+        from ctxrl.report.plots import plot_run
+
+        plots = plot_run(run_dir)
+        summary.update(_summary(before, after))
+        summary.update({"steps": steps, "resumed_from": first if resume else None,
+                        "skipped_updates": self.learner.skipped_updates, "checkpoint": str(final),
+                        "plots": [str(p) for p in plots], "device": self.device,
+                        "wall_seconds": round(time.perf_counter() - started, 1)})
+        return summary
+
+    def _resume(self) -> tuple[int, dict[str, dict[str, float]]]:
+        self.make_learner()
+        first = checkpoint.resume(self)
+        before = logged_eval(self.writer.dir, 0)
+        if not before:
+            raise CheckpointError(f"{self.writer.dir}/metrics.jsonl has no evaluation of step 0; the log does not "
+                                  "belong to this checkpoint")
+        if first > self.config.train.steps:
+            raise CheckpointError(f"the checkpoint is after step {first}, beyond train.steps={self.config.train.steps}; "
+                                  f"set train.steps >= {first}")
+        self.progress.message(f"resumed from {self.writer.dir / 'checkpoints' / 'latest'} after step {first}")
+        return first, before
+
+    def _stopped(self, signum: int, done: int, first: int) -> None:
+        every, run_dir = self.config.train.checkpoint_every, self.writer.dir
+        if every:
+            if done % every and done > first:  # (done == first: latest already holds this state)
+                checkpoint.save(self, done)
+            hint = f"resume with --run-dir {run_dir} --resume"
+        else:
+            hint = "no checkpoint was written (train.checkpoint_every=0), so it cannot be resumed"
+        self.writer.close()
+        raise RunStopped(f"stopped by {signal.Signals(signum).name} after step {done} of {self.config.train.steps}; "
+                         f"{hint}", 128 + signum)
+
+    # -- phases of a run -------------------------------------------------------------------------------
+    def warm_start(self, on_step=None) -> dict[str, Any]:
+        """Supervised warm start of the policy (``[sft]``); the engine gets the result as policy version 0.
+
+        ``on_step(step, total, loss)`` after each optimiser step (default: the progress display).
+        """
+        row, demos = warm_start(self.config, self.spec, self.env_cls, self.renderer, self.model,
+                                under_manager=self.context_demos, on_step=on_step or self.progress.sft)
+        self.sync_engine(0)
+        self.writer.log_metrics(row)
+        self.writer.log_samples(0, demos[:2], self.decode, phase="sft")
+        return row
+
+    def evaluate(self, step: int, splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, float]]:
+        """Success (and tool use) on ``eval.tasks`` tasks of each split, greedy by default; logged per split."""
+        return evaluate_splits(self.worker, self.config, self.writer, step, splits)
+
+    def make_learner(self) -> Learner:
+        """The learner over ``model``: AdamW, and a frozen reference (``algo.kl_coef``) and critic (``needs_critic``)."""
+        from ctxrl.train.critic import Critic
+
+        a, t = self.config.algo, self.config.train
+        ref = None
+        if a.kl_coef > 0:
+            ref = copy.deepcopy(self.model).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                      betas=(0.9, 0.99))
+        critic = critic_optimizer = None
+        if self.estimator.needs_critic:  # the critic starts as a copy of the warm-started policy
+            critic = Critic(copy.deepcopy(self.model)).train()
+            critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay,
+                                                 betas=(0.9, 0.99))
+        self.learner = Learner(self.model, optimizer, PPOSettings.from_config(self.config),
+                               pad_token_id=self.tokenizer.pad_token_id, ref_model=ref, seed=self.seeds.learner,
+                               critic=critic, critic_optimizer=critic_optimizer)
+        return self.learner
+
+    def save_final(self, name: str) -> Path:
+        """The policy's weights and tokenizer as an HF checkpoint directory under ``checkpoints/``."""
+        path = self.writer.dir / "checkpoints" / name
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    # -- one RL step ---------------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, Any]:
+        """One RL step (collect -> filter -> estimate -> update -> log); returns its metrics row."""
+        if self.learner is None:
+            raise RuntimeError("call make_learner() before the first RL step")
+        t0 = time.perf_counter()
+        collected = self.collect(step)
+        t_rollout = time.perf_counter() - t0
+        valid = self.filter(step, collected)
+        rows, trained_episodes = self.estimate(valid, collected.metrics)
+        t1 = time.perf_counter()
+        update = self.update(rows, step)
+        times = {"time_rollout": t_rollout, "time_update": time.perf_counter() - t1}
+        return self.log(step, collected, valid, rows, trained_episodes, update, times, t0)
+
+    def rollout_round(self, step: int, round_: int) -> list[Episode]:
+        """One round of ``tasks_per_step`` fresh tasks x ``group_size`` episodes, rewards shaped.
+
+        Round 0 of step ``s`` always draws the same tasks and seeds; later rounds (dynamic
+        sampling) draw new ones, and their group ids follow on from the earlier rounds'.
+        """
+        c = self.config
+        n, g = c.rollout.tasks_per_step, c.rollout.group_size
+        tasks = self.curriculum.sample_tasks(self.env_cls, n, self.seeds.tasks(step, round_), step)
+        request = RolloutRequest(tasks=tasks, group_size=g, seed=self.seeds.rollout(step, round_), phase="train",
+                                 step=step, first_episode=round_ * n * g, group_offset=round_ * n,
+                                 max_turns=self.curriculum.max_turns(step, c.env.max_turns),
+                                 context_budget=self.context_budget(step))
+        episodes = self.worker.run(request)
+        shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
+        return episodes
+
+    def context_budget(self, step: int) -> int:
+        """The working-context budget of RL step ``step`` (the budget curriculum, if any)."""
+        c = self.config.context
+        return scheduled_budget(step, final=c.max_context_tokens, start=c.budget_start_tokens, steps=c.budget_steps)
+
+    def collect(self, step: int) -> Collected:
+        """Phase 1: play the step's episodes; with dynamic sampling, rounds until enough groups are informative."""
+        c = self.config
+        if not c.algo.dynamic_sampling:
+            episodes = self.rollout_round(step, 0)
+            return Collected(episodes, episodes)
+        episodes: list[Episode] = []
+        kept: list[int] = []
+        rounds = 0
+        for round_ in range(1 + c.algo.dynamic_sampling_rounds):
+            batch = self.rollout_round(step, round_)
+            rounds += 1
+            episodes += batch
+            ok = [e for e in batch if trainable(e)]
+            informative = informative_groups([e.reward for e in ok], [e.group_id for e in ok])
+            for g in dict.fromkeys(e.group_id for e, keep in zip(ok, informative) if keep):
+                if len(kept) < c.rollout.tasks_per_step:
+                    kept.append(g)
+            if len(kept) >= c.rollout.tasks_per_step:
+                break
+        chosen = set(kept)
+        return Collected(episodes, [e for e in episodes if e.group_id in chosen],
+                         {"dynamic_sampling_rounds": rounds, "dynamic_sampling_groups_kept": len(kept),
+                          "dynamic_sampling_groups_dropped": rounds * c.rollout.tasks_per_step - len(kept)})
+
+    def filter(self, step: int, collected: Collected) -> list[Episode]:
+        """Phase 2: the curriculum sees the step; errored episodes are logged and left out (too many abort);
+        groups too small for group statistics are dropped. Returns the episodes to estimate on."""
+        c, metrics = self.config, collected.metrics
+        episodes = collected.episodes
+        metrics.update(self.curriculum.update([e for e in episodes if e.truncation != "error"]))
+        metrics["max_turns"] = self.curriculum.max_turns(step, c.env.max_turns)
+        if self.manager.uses_budget:
+            metrics["context_budget"] = self.context_budget(step)
+        errored = [e for e in episodes if e.truncation == "error"]
+        if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
+            self.writer.log_samples(step + 1, errored, self.decode, phase="rl-errored")
+        error_rate = len(errored) / max(len(episodes), 1)
+        if error_rate > c.rollout.max_error_rate:
+            raise TrainingAborted(
+                f"step {step + 1}: {len(errored)} of {len(episodes)} episodes errored (rate {error_rate:.2f} > "
+                f"rollout.max_error_rate={c.rollout.max_error_rate}); first error: {errored[0].info.get('error')}. "
+                f"The episodes are in {self.writer.dir / 'samples.jsonl'} (phase rl-errored)."
+                + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
+        valid = [e for e in collected.train if trainable(e)]
+        dropped = 0
+        if self.estimator.needs_groups:  # group statistics need two valid episodes
+            valid, dropped = drop_small_groups(valid)
+        metrics.update({"errored_episodes": len(errored),
+                        "deadline_episodes": sum(e.info.get("error_kind") == "deadline" for e in errored),
+                        "error_rate": error_rate, "episodes_dropped_small_groups": dropped})
+        return valid
+
+    def estimate(self, valid: list[Episode], metrics: dict[str, Any]) -> tuple[list[TrainSequence], int]:
+        """Phase 3: per-token advantages (after a KL penalty in the reward and the critic's values, if any),
+        then the void-turn filter. Returns the training rows and how many episodes they come from."""
+        a, c = self.config.algo, self.config
+        penalties = values = None
+        if a.kl_coef > 0 and a.kl_placement == "reward" and valid:
+            penalties, metrics["kl_reward"] = kl_reward_penalties(
+                self.learner.ref_model, valid, self.tokenizer.pad_token_id, coef=a.kl_coef, kind=a.kl_kind,
+                temperature=self.learner.settings.temperature, micro_batch_size=c.train.micro_batch_size)
+        if self.estimator.needs_critic and valid:
+            from ctxrl.train.critic import episode_values
+
+            values = episode_values(self.learner.critic, valid, self.tokenizer.pad_token_id,
+                                    micro_batch_size=c.train.micro_batch_size)
+        policy = self.spec.train.context
+        per_episode = self.estimator.estimate(valid, token_rewards=penalties, values=values,
+                                              segment_bonus=lambda s: self.manager.segment_bonus(s, policy)
+                                              ) if valid else []
+        free = void_turn_free(valid)
+        metrics["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
+        if a.void_turn_filter:
+            metrics["void_turn_filtered"] = len(free) - sum(free)
+            per_episode = [rows for rows, keep in zip(per_episode, free) if keep]
+        return [row for rows in per_episode for row in rows], len(per_episode)
+
+    def update(self, rows: list[TrainSequence], step: int) -> dict[str, float]:
+        """Phase 4: PPO updates on the collated rows; the engine gets the new weights as version ``step + 1``."""
+        learner = self.learner
+        update = learner.update(learner.collate(rows)) if rows else {}
+        if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
+            self.consecutive_skips += 1
+        elif update:
+            self.consecutive_skips = 0
+        update["skipped_updates_total"] = float(learner.skipped_updates)
+        self.sync_engine(step + 1)
+        return update
+
+    def log(self, step: int, collected: Collected, valid: list[Episode], rows: list[TrainSequence],
+            trained_episodes: int, update: dict[str, float], times: dict[str, float], t0: float) -> dict[str, Any]:
+        """Phase 5: the step's metrics row and samples; abort after too many skipped updates in a row."""
+        c, episodes = self.config, collected.episodes
+        sampled = [x for r in rows for x, m in zip(r.advantages, r.loss_mask) if m]
+        row = {"phase": "rl", "step": step + 1, **summarize(episodes), **_mean_terms(episodes), **collected.metrics,
+               **(context_stats(episodes) if self.manager.rewrites_context else {}),
+               **(self._trial_stats(episodes) if self.spec.train_meta.num_attempts > 1 else {}),
+               **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
+                  if self.spec.demos.schedule.max_demos else {}),
+               "trained_episodes": trained_episodes, "trained_sequences": len(rows),
+               "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
+               "advantage_std": float(np.std(sampled)) if sampled else 0.0,
+               "zero_variance_groups": _zero_variance_groups(valid),
+               **update,
+               "tokens": sum(len(s.input_ids) for e in episodes for s in e.sequences()),
+               **times, "time_step": time.perf_counter() - t0}
+        self.writer.log_metrics(row)
+        if c.run.samples_per_step:
+            self.writer.log_samples(step + 1, episodes[: c.run.samples_per_step], self.decode, phase="rl")
+        if self.consecutive_skips >= c.train.max_consecutive_skips:
+            raise TrainingAborted(
+                f"{self.consecutive_skips} RL steps in a row had every update skipped (non-finite loss or gradient "
+                f"norm; train.max_consecutive_skips={c.train.max_consecutive_skips}). The weights were not touched "
+                "by those steps." + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
+        return row
+
+    @staticmethod
+    def _trial_stats(episodes: list[Episode]) -> dict[str, float]:
+        from ctxrl.meta.metrics import trial_stats
+
+        return trial_stats(episodes)
+
+
+def train(config: Config, run_dir: str | Path, *, progress: Progress | None = None,
+          resume: bool = False) -> dict[str, Any]:
+    """Check ``run_dir``, build a ``Trainer`` and ``fit`` it: what ``ctxrl train`` runs."""
+    run_dir = Path(run_dir)
+    if resume and not (run_dir / "checkpoints").exists():
+        raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
+    metrics = run_dir / "metrics.jsonl"
+    if not resume and metrics.exists() and metrics.stat().st_size > 0:
+        raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with --resume, "
+                              "or choose another --run-dir: a new run would mix its logs with the old one's")
+    return Trainer(config, run_dir, progress=progress).fit(resume=resume)
+
+
+def evaluate_splits(worker: RolloutWorker, config: Config, writer: RunWriter, step: int,
+                    splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, float]]:
+    """Evaluate ``splits`` with ``worker`` and log each (``ctxrl eval`` and the trainer)."""
+    results = {}
+    trials = config.meta.eval_trials
+    for split in splits:
+        t0 = time.perf_counter()
+        summary, episodes = evaluate_split(worker, split, config.eval.tasks, seed=config.eval.seed,
+                                           trials_per_task=trials)
+        if any(e.info.get("demos") for e in episodes):
+            raise RuntimeError("an evaluation episode was shown demonstrations; evaluation must be zero-shot")
+        summary["seconds"] = time.perf_counter() - t0
+        if get_manager(config.context.manager).rewrites_context:
+            summary.update(context_stats(episodes))
+        writer.log_metrics({"phase": "eval", "step": step, "split": split, **summary})
+        writer.log_samples(step, episodes[:2], worker.renderer.decode, phase=f"eval-{split}")
+        results[split] = summary
+    return results
+
+
+def estimator_settings(config: Config) -> EstimatorSettings:
+    a, m = config.algo, config.meta
+    return EstimatorSettings(gamma=a.gamma, lam=a.lam, gae_level=a.gae_level, credit=m.credit,
+                             gamma_trial=m.gamma_trial, normalize=m.normalize, baseline=m.baseline,
+                             num_attempts=m.num_attempts)
+
+
+@torch.no_grad()
+def kl_reward_penalties(ref_model, episodes: list[Episode], pad_token_id: int, *, coef: float, kind: str,
+                        temperature: float, micro_batch_size: int) -> tuple[list[list[float]], float]:
+    """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
+    mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
+    from ctxrl.algo.losses import kl_penalty
+    from ctxrl.train.batch import collate
+    from ctxrl.train.learner import per_token_rows, token_logprobs
+
+    sums = {"kl": 0.0, "tokens": 0.0}
+
+    def penalty(batch) -> torch.Tensor:
+        ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, temperature=temperature)
+        kl = kl_penalty(batch.old_logprobs, ref, kind) * batch.loss_mask
+        sums["kl"] += float(kl.sum())
+        sums["tokens"] += float(batch.loss_mask.sum())
+        return -coef * kl
+
+    device = next(ref_model.parameters()).device
+    rows = per_token_rows(collate(episodes, pad_token_id), device, micro_batch_size, penalty)
+    return rows, sums["kl"] / max(sums["tokens"], 1.0)
+
+
+def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
+    """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
+
+    Used after errored episodes are removed: a group left with one valid episode has no baseline.
+    """
+    counts: dict[int, int] = {}
+    for e in episodes:
+        counts[e.group_id] = counts.get(e.group_id, 0) + 1
+    kept = [e for e in episodes if counts[e.group_id] >= 2]
+    return kept, len(episodes) - len(kept)
+
+
+def trainable(e: Episode) -> bool:
+    """Not errored, and something was sampled in it."""
+    return e.truncation != "error" and any(any(s.loss_mask) for s in e.sequences())
+
+
+def logged_eval(run_dir: Path, step: int) -> dict[str, dict[str, float]]:
+    """The evaluation rows of ``step`` in ``metrics.jsonl``, by split (for a resumed run's summary)."""
+    rows: dict[str, dict[str, float]] = {}
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("phase") == "eval" and row.get("step") == step:
+                rows[row["split"]] = row
+    return rows
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT abandons it)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: abandon the step now
+        self.signal = signum
+        # os.write, not print: a handler that prints can hit a print already in progress
+        os.write(2, f"\nctxrl: {signal.Signals(signum).name} received: stopping after this step "
+                    "(Ctrl-C again abandons it)\n".encode())
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The before/after figures of a run's summary."""
+    out = {
+        "heldout_success_before": before["heldout"]["success"],
+        "heldout_success_after": after["heldout"]["success"],
+        "ood_success_before": before["ood"]["success"],
+        "ood_success_after": after["ood"]["success"],
+        "train_success_before": before["train"]["success"],
+        "train_success_after": after["train"]["success"],
+        # generalisation gap: success on training-distribution tasks minus success on the split
+        "gap_heldout_after": after["train"]["success"] - after["heldout"]["success"],
+        "gap_ood_after": after["train"]["success"] - after["ood"]["success"],
+        "tool_calls_before": before["heldout"]["tool_calls"],
+        "tool_calls_after": after["heldout"]["tool_calls"],
+    }
+    for split in ("heldout", "ood"):  # trials at evaluation (meta): success by the last attempt, next to attempt 1's
+        if "trial_success" in after[split]:
+            out[f"{split}_trial_success_before"] = before[split].get("trial_success")
+            out[f"{split}_trial_success_after"] = after[split]["trial_success"]
+    return out
+
+
+def _mean_terms(episodes: list[Episode]) -> dict[str, float]:
+    """Mean of each shaped reward term (``info["reward_terms"]``) over all of a step's episodes."""
+    sums: dict[str, float] = {}
+    for e in episodes:
+        for k, v in e.info.get("reward_terms", {}).items():
+            sums[k] = sums.get(k, 0.0) + v
+    return {k: v / len(episodes) for k, v in sums.items()}
+
+
+def _zero_variance_groups(episodes: list[Episode]) -> int:
+    by_group: dict[int, set[float]] = {}
+    for e in episodes:
+        by_group.setdefault(e.group_id, set()).add(e.reward)
+    return sum(1 for rewards in by_group.values() if len(rewards) == 1)

@@ -1,0 +1,100 @@
+"""The warm start: supervised fine-tuning on scripted demonstrations before RL (``[sft]``).
+
+Demonstrations are the environment's scripted solutions played through the real agent loop
+(``ctxrl.train.sft.build_demos``), ``sft.shortcut_fraction`` of them deliberately imperfect. Two
+kinds can join them:
+
+- *context demos* (``sft.context_demos``): played under the run's context manager when its side
+  requests can be scripted (``summarize`` with the environment's ``summary`` hook), so the policy
+  has seen a summary request before RL asks for one;
+- *trial demos* (``sft.trial_demos``): a fraction played as scripted trials, a failed attempt, its
+  reflection, the solution (``ctxrl.meta.trial_demos``).
+
+``context_demos`` decides (and says why not), ``warm_start`` builds the demos and trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import warnings
+from typing import Any, Callable
+
+from ctxrl.chat.render import ChatRenderer
+from ctxrl.envs.hooks import has_trial_hooks, hook
+from ctxrl.errors import ConfigError
+from ctxrl.rollout.managers.base import get_manager
+from ctxrl.rollout.spec import RolloutLimits, RolloutSpec
+from ctxrl.seeds import Seeds
+from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, sft_train
+from ctxrl.types import Episode
+
+
+def context_demos(config: Any, env_cls: type) -> bool:
+    """Whether the warm start plays its demos under the run's context manager (``sft.context_demos``).
+
+    ``on`` with an environment that cannot script the manager's requests is a config error, raised
+    before the model loads; ``auto`` then plays full-context demos, and the warm start says so once.
+    """
+    purpose = get_manager(config.context.manager).scripted_hook
+    if config.sft.context_demos == "off" or purpose is None:
+        return False
+    if hook(env_cls, purpose) is not None:
+        return True
+    if config.sft.context_demos == "on":
+        raise ConfigError(f"sft.context_demos=on, but environment {config.env.name!r} has no {purpose}(task, messages) "
+                          "hook to script its demos; add one (docs/environments.md) or set sft.context_demos=auto "
+                          "or off")
+    return False
+
+
+def check_trial_demos(config: Any, env_cls: type) -> None:
+    """A config error, before the model loads, when trial demos are asked of an environment that cannot script them."""
+    if config.sft.enabled and config.sft.trial_demos > 0 and not has_trial_hooks(env_cls):
+        raise ConfigError(f"sft.trial_demos={config.sft.trial_demos:g}, but environment {config.env.name!r} has "
+                          "no failure(task) and reflection(task, messages) hooks to script a trial; add them "
+                          "(docs/meta.md) or set sft.trial_demos = 0")
+
+
+def demo_limits(spec: RolloutSpec, under_manager: bool) -> RolloutLimits | None:
+    """The limits demos are played under: the run's context manager at its final budget, or None.
+
+    None: the demos' generous full-context defaults. Under a manager, the run's turn and total
+    limits too, since where the manager steps in depends on them; the budget is
+    ``context.max_context_tokens`` (a budget curriculum's last and smallest, the one evaluation uses).
+    """
+    if not under_manager:
+        return None
+    return dataclasses.replace(spec.train, max_turns=DEMO_MAX_TURNS, temperature=1.0, top_p=1.0, top_k=0,
+                               timeout_s=0.0)
+
+
+def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, model, *,
+               under_manager: bool, on_step: Callable[[int, int, float], None] | None = None
+               ) -> tuple[dict[str, Any], list[Episode]]:
+    """Build the demos and train ``model`` on them; returns the metrics row and the demos."""
+    from ctxrl.meta.trial_demos import build_trial_demos
+
+    c, seeds = config.sft, Seeds(config.run.seed)
+    t0 = time.perf_counter()
+    purpose = get_manager(config.context.manager).scripted_hook
+    if purpose and not under_manager and c.context_demos == "auto":
+        warnings.warn(f"environment {config.env.name!r} has no {purpose}(task, messages) hook: its warm-start demos "
+                      f"use the full context and show no {purpose} requests (sft.context_demos=auto)", stacklevel=2)
+    limits = demo_limits(spec, under_manager)
+    n_trials = round(c.demos * c.trial_demos)
+    demos = asyncio.run(build_demos(env_cls, renderer, c.demos - n_trials, shortcut_fraction=c.shortcut_fraction,
+                                    seed=seeds.warm_start_demos, other_worlds=c.other_worlds, limits=limits))
+    if n_trials:
+        # the notes say "attempt 2 of K" for the largest K the run plays
+        k = max(2, spec.train_meta.num_attempts, spec.eval_meta.num_attempts)
+        policy = dataclasses.replace(spec.train_meta, num_attempts=k)
+        demos += asyncio.run(build_trial_demos(env_cls, renderer, n_trials, policy, seed=seeds.trial_demos))
+    losses = sft_train(model, demos, pad_token_id=renderer.tokenizer.pad_token_id, epochs=c.epochs,
+                       batch_size=c.batch_size, lr=c.lr, seed=seeds.sft_order, on_step=on_step)
+    row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
+           "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
+           "context_demos": under_manager, "trial_demos": n_trials,
+           "demo_summaries_per_episode": sum(e.info.get("summaries", 0) for e in demos) / len(demos)}
+    return row, demos
