@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-dev clean
+.PHONY: demo test lint install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,10 @@ install-dev: $(PY)
 demo: install
 	$(VENV)/bin/ctxrl demo
 
-test: install-dev
+lint: install-dev
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest
 
 clean:

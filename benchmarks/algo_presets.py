@@ -67,7 +67,7 @@ def mean_of(results: list[dict], key: str) -> float:
     return statistics.mean(r[key] for r in results)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/algo-presets")
     ap.add_argument("--steps", type=int, default=40)
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--presets", default="", help="comma-separated preset names (default: all)")
     ap.add_argument("--no-claims", action="store_true")
     ap.add_argument("overrides", nargs="*", help="section.field=value for every run (e.g. model.device=cuda)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     seeds = [int(s) for s in args.seeds.split(",")]
     names = [p.stem for p in sorted(PRESETS.glob("*.toml"))]
@@ -106,20 +106,24 @@ def main() -> None:
              "| preset | held-out after RL | tool calls / ep | grad-norm median | grad-norm max | wall (s) |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, results in report["presets"].items():
-        lines.append(f"| {name} | {mean_of(results, 'heldout_after'):.2f} | {mean_of(results, 'tool_calls_after'):.2f} "
-                     f"| {mean_of(results, 'grad_norm_median'):.3f} | {mean_of(results, 'grad_norm_max'):.3f} "
-                     f"| {mean_of(results, 'seconds'):.0f} |")
+        lines.append(f"| {name} | {mean_of(results, 'heldout_after'):.2f} "
+                     f"| {mean_of(results, 'tool_calls_after'):.2f} | {mean_of(results, 'grad_norm_median'):.3f} "
+                     f"| {mean_of(results, 'grad_norm_max'):.3f} | {mean_of(results, 'seconds'):.0f} |")
     if report["claims"]:
         lines += ["", "| arm | held-out after RL | tool calls / ep (eval) | tool calls / ep (last 10 train steps) "
-                      "| void-turn rate | grad spikes (> 3x median) | grad-norm max |", "|---|---:|---:|---:|---:|---:|---:|"]
+                      "| void-turn rate | grad spikes (> 3x median) | grad-norm max |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for arm, results in report["claims"].items():
-            lines.append(f"| {arm} | {mean_of(results, 'heldout_after'):.2f} | {mean_of(results, 'tool_calls_after'):.2f} "
-                         f"| {mean_of(results, 'train_tool_calls_last10'):.2f} | {mean_of(results, 'void_turn_rate'):.3f} "
-                         f"| {mean_of(results, 'grad_spikes'):.1f} | {mean_of(results, 'grad_norm_max'):.3f} |")
+            lines.append(f"| {arm} | {mean_of(results, 'heldout_after'):.2f} "
+                         f"| {mean_of(results, 'tool_calls_after'):.2f} "
+                         f"| {mean_of(results, 'train_tool_calls_last10'):.2f} "
+                         f"| {mean_of(results, 'void_turn_rate'):.3f} | {mean_of(results, 'grad_spikes'):.1f} "
+                         f"| {mean_of(results, 'grad_norm_max'):.3f} |")
         plot_claims(report["claims"], out / "algo_claims.png")
     table = "\n".join(lines)
     (out / "algo_presets.md").write_text(table + "\n")
     print("\n" + table)
+    return report
 
 
 def plot_claims(claims: dict, path: Path) -> None:

@@ -105,9 +105,7 @@ def _padded(batch: list[list[int]], pad: int, device: str):
 
 def throughput(model, pad: int, device: str, batch_sizes, prompt_len: int, new_tokens: int, repeats: int):
     """Median seconds per call of each variant; every call gets prompts of a new length (as rollouts do)."""
-    import contextlib
-
-    import ctxrl.engine.hf as hf_engine
+    import ctxrl.models.kernels as kernels
 
     vocab = model.config.vocab_size
     rows = []
@@ -115,15 +113,14 @@ def throughput(model, pad: int, device: str, batch_sizes, prompt_len: int, new_t
         # one prompt set per call (warm-up included), each a few tokens longer than the last
         sets = [prompts(vocab, bs, prompt_len + 5 * r, seed=1000 * bs + r) for r in range(repeats + 1)]
 
-        def run_engine(batch, cudnn=False):
+        def run_engine(batch, cudnn=False, bs=bs):
             engine = HFEngine(model, pad_token_id=pad, max_batch_size=max(bs, 1))
-            saved = hf_engine._decode_attention
-            if cudnn:
-                hf_engine._decode_attention = lambda device: contextlib.nullcontext()
+            saved = kernels.ALLOW_CUDNN_ATTENTION
+            kernels.ALLOW_CUDNN_ATTENTION = cudnn  # what ctxrl.models.kernels.attention_kernels reads per call
             try:
                 engine_generate(engine, batch, new_tokens, seed=7)
             finally:
-                hf_engine._decode_attention = saved
+                kernels.ALLOW_CUDNN_ATTENTION = saved
                 engine.close()
 
         def run_hf(batch):
@@ -154,7 +151,7 @@ def throughput(model, pad: int, device: str, batch_sizes, prompt_len: int, new_t
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", action="append", help="qwen2-0.5b, tiny, or an HF path/name (repeatable)")
@@ -165,7 +162,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-throughput", action="store_true", help="checks only")
     ap.add_argument("--json", help="also write all figures to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     models = args.model or ["qwen2-0.5b"]
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"])]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -193,15 +190,17 @@ def main() -> None:
           f"{'ctxrl+cuDNN attn tok/s':>23}")
     for r in report["throughput"]:
         cudnn = r.get("ctxrl_cudnn_attention_tok_s")
-        print(f"{r['model']:<12} {r['dtype']:<9} {r['batch']:>5} {r['ctxrl_tok_s']:>12.0f} {r['hf_generate_tok_s']:>18.0f} "
-              f"{r['ratio_ctxrl_over_hf']:>6.2f} {'-' if cudnn is None else str(round(cudnn)):>23}")
+        print(f"{r['model']:<12} {r['dtype']:<9} {r['batch']:>5} {r['ctxrl_tok_s']:>12.0f} "
+              f"{r['hf_generate_tok_s']:>18.0f} {r['ratio_ctxrl_over_hf']:>6.2f} "
+              f"{'-' if cudnn is None else str(round(cudnn)):>23}")
     print(f"\n{'model':<12} {'dtype':<9} {'max |dlogp|':>12} {'mean |dlogp|':>13} seeded same alone/batched")
     for c in report["checks"]:
-        print(f"{c['model']:<12} {c['dtype']:<9} {c['logprob_max_abs_diff']:>12.2e} {c['logprob_mean_abs_diff']:>13.2e} "
-              f"{c['seeded_rows_same_alone_and_batched']}")
+        print(f"{c['model']:<12} {c['dtype']:<9} {c['logprob_max_abs_diff']:>12.2e} "
+              f"{c['logprob_mean_abs_diff']:>13.2e} {c['seeded_rows_same_alone_and_batched']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    return report
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["success"]) for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", action="append", help=f"environment (repeatable; default {', '.join(DEFAULT_ENVS)})")
     parser.add_argument("--seed", action="append", type=int, help="run.seed (repeatable; default 0)")
@@ -73,12 +73,13 @@ def main() -> None:
     parser.add_argument("--parallel", action="store_true", help="one process per (environment, seed), all at once")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run ENV:SEED, print its summary as JSON
     parser.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     if args.one:
         env, seed = args.one.rsplit(":", 1)
-        print(json.dumps(run_one(env, int(seed), args.model, args.steps, args.overrides, out / f"{env}-s{seed}")))
-        return
+        summary = run_one(env, int(seed), args.model, args.steps, args.overrides, out / f"{env}-s{seed}")
+        print(json.dumps(summary))
+        return {f"{env}-s{seed}": summary}
     runs = [(env, seed) for env in (args.env or list(DEFAULT_ENVS)) for seed in (args.seed or [0])]
     from ctxrl.models.loader import resolve
 
@@ -113,11 +114,9 @@ def main() -> None:
         if s is None:
             print(f"{env:12s} {seed:4d} {'failed: ' + failed[(env, seed)]:>63s}  {curve}")
             continue
-
-        def pair(key: str) -> str:
-            return f"{s[f'{key}_success_before']:.2f} -> {s[f'{key}_success_after']:.2f}"
-
-        print(f"{env:12s} {seed:4d} {pair('heldout'):>13s} {pair('train'):>13s} {pair('ood'):>13s} "
+        heldout, train, ood = (f"{s[f'{k}_success_before']:.2f} -> {s[f'{k}_success_after']:.2f}"
+                               for k in ("heldout", "train", "ood"))
+        print(f"{env:12s} {seed:4d} {heldout:>13s} {train:>13s} {ood:>13s} "
               f"{s['tool_calls_before']:.2f} -> {s['tool_calls_after']:.2f} {s['wall_seconds']:8.0f}  {curve}")
     for env in dict.fromkeys(env for env, _ in runs):
         done = [s for (e, _), s in summaries.items() if e == env]
@@ -130,6 +129,7 @@ def main() -> None:
                                                  indent=2))
     if failed:
         raise SystemExit(f"{len(failed)} run(s) failed: {failed}")
+    return {f"{env}-s{seed}": s for (env, seed), s in summaries.items()}
 
 
 if __name__ == "__main__":

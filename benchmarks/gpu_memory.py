@@ -7,7 +7,8 @@ cuBLAS workspaces) and the child reports PyTorch's own peaks and the wall time::
 
     python benchmarks/gpu_memory.py --env search_qa sft.demos=2000 train.steps=5
 
-Needs a CUDA GPU and ``nvidia-smi``.
+Needs a CUDA GPU and ``nvidia-smi`` for the figures; on a machine without them it still runs
+(memory columns read 0), which is what ``--smoke`` (the random-init model, one step, CPU) checks.
 """
 
 from __future__ import annotations
@@ -28,24 +29,28 @@ def child(mode: str, env: str, model: str, overrides: list[str], run_dir: Path) 
     import torch
 
     import ctxrl.models.kernels as kernels
-    from ctxrl.train.trainer import train
     from ctxrl.config import load_config
+    from ctxrl.train.trainer import train
 
     kernels.ALLOW_CUDNN_ATTENTION = MODES[mode]
     config = load_config(None, [f"model.name={model}", f"env.name={env}", "run.progress=false", "sft.epochs=1",
                                 "train.steps=5", "eval.tasks=20", "rollout.max_total_tokens=1024", *overrides])
     started = time.perf_counter()
     summary = train(config, run_dir)
+    cuda = torch.cuda.is_available()
     return {"mode": mode, "wall_seconds": round(time.perf_counter() - started, 1),
-            "torch_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "torch_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "torch_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+            "torch_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
             "heldout_after": summary["heldout_success_after"]}
 
 
 def device_memory_mib(pid: int) -> float:
     """This process's device memory as nvidia-smi reports it (0 before it has a context)."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+    except FileNotFoundError:  # no NVIDIA driver on this machine
+        return 0.0
     for line in out.splitlines():
         fields = [f.strip() for f in line.split(",")]
         if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
@@ -53,18 +58,32 @@ def device_memory_mib(pid: int) -> float:
     return 0.0
 
 
-def main() -> None:
+SMOKE = ["sft.demos=4", "sft.batch_size=4", "train.steps=1", "eval.tasks=2", "rollout.tasks_per_step=2",
+         "rollout.group_size=2", "rollout.max_new_tokens=8", "model.device=cpu"]
+
+
+def sample_peak(proc: subprocess.Popen, peak: list[float]) -> None:
+    """Keep the highest device memory ``proc`` uses in ``peak[0]`` until it exits."""
+    while proc.poll() is None:
+        peak[0] = max(peak[0], device_memory_mib(proc.pid))
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="search_qa")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--out", default="runs/gpu_memory")
+    parser.add_argument("--smoke", action="store_true", help="seconds on the CPU: random-init model, one step")
     parser.add_argument("--one", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.env, args.overrides = "tiny:pretrain_steps=0", "calculator", [*SMOKE, *args.overrides]
     out = Path(args.out)
     if args.one:
         print(json.dumps(child(args.one, args.env, args.model, args.overrides, out / args.one)))
-        return
+        return []
     from ctxrl.models.loader import resolve
 
     resolve(args.model)  # build (and cache) the model before either mode runs
@@ -73,13 +92,7 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, __file__, "--one", mode, "--env", args.env, "--model", args.model,
                                  "--out", str(out), *args.overrides], stdout=subprocess.PIPE, text=True)
         peak = [0.0]
-
-        def sample() -> None:
-            while proc.poll() is None:
-                peak[0] = max(peak[0], device_memory_mib(proc.pid))
-                time.sleep(0.5)
-
-        sampler = threading.Thread(target=sample, daemon=True)
+        sampler = threading.Thread(target=sample_peak, args=(proc, peak), daemon=True)
         sampler.start()
         stdout, _ = proc.communicate()
         sampler.join()
@@ -96,6 +109,7 @@ def main() -> None:
               f"{r['torch_peak_allocated_gib']:11.2f} {r['wall_seconds']:7.1f} {r['heldout_after']:7.2f}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
+    return rows
 
 
 if __name__ == "__main__":

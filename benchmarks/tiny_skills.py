@@ -56,14 +56,15 @@ def transcription_accuracy(model, tokenizer, fmt: str, tasks, max_tokens: int = 
     return correct / len(tasks)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="model name or path (repeatable; default tiny)")
     parser.add_argument("--tasks", type=int, default=100, help="held-out tasks per format")
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    results = {}
     tasks = CalculatorEnv.sample_tasks("heldout", args.tasks, args.seed)
     print(f"{'model':40s} {'plain':>7s} {'chat':>7s} {'chat+system':>12s} {'seconds':>8s}")
     for name in args.model or ["tiny"]:
@@ -73,6 +74,8 @@ def main() -> None:
         t0 = time.perf_counter()
         scores = [transcription_accuracy(model, tokenizer, fmt, tasks) for fmt in ("plain", "chat", "chat+system")]
         print(f"{name:40s} {scores[0]:7.2f} {scores[1]:7.2f} {scores[2]:12.2f} {time.perf_counter() - t0:8.1f}")
+        results[name] = scores
+    return results
 
 
 if __name__ == "__main__":

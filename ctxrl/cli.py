@@ -107,7 +107,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     gaps = {f"gap_{split}": results["train"]["success"] - results[split]["success"]
             for split in ("heldout", "ood") if "train" in results and split in results}
     if gaps:
-        Console().print("generalisation gap (train - split): " + ", ".join(f"{k[4:]} {v:+.3f}" for k, v in gaps.items()))
+        Console().print("generalisation gap (train - split): "
+                        + ", ".join(f"{k[4:]} {v:+.3f}" for k, v in gaps.items()))
     if args.json:
         print(json.dumps({"checkpoint": str(args.checkpoint), **{k: v for k, v in results.items()}, **gaps}))
     return 0

@@ -2,7 +2,8 @@
 
 A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[context]``,
 ``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[eval]``, ``[run]``);
-the command line overrides any field as ``section.field=value`` (the value is read as a TOML literal, or as a string if it is not one).
+the command line overrides any field as ``section.field=value`` (the value is read as a TOML literal, or as a
+string if it is not one).
 An unknown section or field, or a value of the wrong type or out of range, is a ``ConfigError``
 that names the key and suggests the nearest valid one.
 """
@@ -357,7 +358,8 @@ class Config:
 _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "rollout.max_new_tokens",
              "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
              "algo.dynamic_sampling_rounds", "curriculum.horizon_start_turns", "curriculum.horizon_warmup_steps",
-             "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches", "train.micro_batch_size", "eval.tasks",
+             "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches",
+             "train.micro_batch_size", "eval.tasks",
              "train.max_consecutive_skips", "context.summary_max_tokens", "meta.num_attempts", "meta.eval_trials",
              "meta.reflection_max_tokens", "meta.demos_pool"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
@@ -366,7 +368,8 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "train.steps", "train.weight_decay", "train.eval_every", "context.max_context_tokens",
                  "context.max_summaries", "context.eval_max_summaries", "context.budget_start_tokens",
                  "context.budget_steps", "context.max_branches", "context.branch_reward",
-                 "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature", "run.samples_per_step", "train.lr", "sft.lr",
+                 "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature",
+                 "run.samples_per_step", "train.lr", "sft.lr",
                  "meta.eval_attempts", "meta.max_context_tokens", "meta.demos_max", "meta.demos_steps"}
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
@@ -418,7 +421,8 @@ def validate(config: Config) -> None:
     if config.algo.dual_clip and config.algo.loss != "ppo_clip":
         raise ConfigError("algo.dual_clip applies to algo.loss=ppo_clip only; set algo.dual_clip=0 for gspo")
     if not 0.0 < config.curriculum.self_paced_floor <= 0.25:
-        raise ConfigError(f"curriculum.self_paced_floor must be in (0, 0.25], got {config.curriculum.self_paced_floor!r}")
+        raise ConfigError("curriculum.self_paced_floor must be in (0, 0.25], got "
+                          f"{config.curriculum.self_paced_floor!r}")
     if config.algo.tis_cap and config.algo.old_logprobs != "recompute":
         raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
     if config.reward.overlong_buffer > config.rollout.max_total_tokens:
@@ -430,20 +434,23 @@ def validate(config: Config) -> None:
     ctx = config.context
     if manager.uses_budget:
         if ctx.max_context_tokens <= 0:
-            raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 (the working budget)")
+            raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 "
+                              "(the working budget)")
         if ctx.max_context_tokens > config.rollout.max_total_tokens:
             raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must not exceed "
                               f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
-        if ctx.budget_start_tokens and not ctx.max_context_tokens <= ctx.budget_start_tokens <= config.rollout.max_total_tokens:
+        start = ctx.budget_start_tokens
+        if start and not ctx.max_context_tokens <= start <= config.rollout.max_total_tokens:
             raise ConfigError(f"context.budget_start_tokens ({ctx.budget_start_tokens}) must lie between "
                               f"context.max_context_tokens ({ctx.max_context_tokens}) and rollout.max_total_tokens "
                               f"({config.rollout.max_total_tokens}): the budget shrinks from it")
     if ctx.budget_start_tokens and not manager.uses_budget:
         raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget (window, "
                           f"summarize), not {ctx.manager!r}; set it to 0")
-    if ctx.branch_reward and ctx.manager != "fold":
-        raise ConfigError(f"context.branch_reward rewards fold branches, so it applies to context.manager=fold only "
-                          f"(not {ctx.manager!r}); set it to 0")
+    if ctx.branch_reward and not manager.process_reward:
+        payers = "/".join(n for n in manager_names() if get_manager(n).process_reward)
+        raise ConfigError(f"context.branch_reward is a process reward of the managers that pay one, so it applies to "
+                          f"context.manager={payers} only (not {ctx.manager!r}); set it to 0")
     if ctx.budget_start_tokens and ctx.budget_steps <= 0:
         raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
     if manager.uses_budget and ctx.max_context_tokens <= config.rollout.max_new_tokens:
@@ -451,7 +458,8 @@ def validate(config: Config) -> None:
                           f"({config.rollout.max_new_tokens}): no turn would ever fit")
     if manager.rewrites_context:
         if config.algo.agg != "token-mean":
-            raise ConfigError(f"context.manager={ctx.manager} trains one sequence per segment; use algo.agg=token-mean, "
+            raise ConfigError(f"context.manager={ctx.manager} trains one sequence per segment; use "
+                              "algo.agg=token-mean, "
                               "where cutting an episode into segments leaves every token's weight unchanged (a "
                               f"seq-mean aggregation would count segments, so long episodes would weigh more)")
         if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
@@ -459,7 +467,8 @@ def validate(config: Config) -> None:
                               "penalty would miss closed segments); use algo.kl_placement=loss")
         if not estimator.one_per_episode:
             outcome = ", ".join(n for n in estimator_names() if get_estimator(n).one_per_episode)
-            raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
+            raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: "
+                              "use "
                               f"an algo.advantage with one advantage per episode ({outcome}), not "
                               f"{config.algo.advantage!r}")
     if not 0.0 <= config.rollout.max_error_rate <= 1.0:
@@ -499,7 +508,8 @@ def _validate_meta(config: Config, estimator: type) -> None:
                               "the carried history with meta.max_context_tokens")
     if estimator.credits_attempts:
         if a.agg != "token-mean":
-            raise ConfigError(f"algo.advantage={a.advantage} trains one sequence per attempt; use algo.agg=token-mean, where a "
+            raise ConfigError(f"algo.advantage={a.advantage} trains one sequence per attempt; use "
+                              "algo.agg=token-mean, where a "
                               "token weighs the same however a trial is cut into attempts")
         if a.kl_coef > 0 and a.kl_placement == "reward":
             raise ConfigError("algo.advantage=meta with algo.kl_placement=reward is not supported (the penalty would "
@@ -568,7 +578,8 @@ def from_dict(data: dict[str, Any]) -> Config:
             if f"{name}.{key}" in RENAMED:  # an older config (or a run's saved config.toml): read it, and say so
                 new = RENAMED[f"{name}.{key}"].partition(".")[2]
                 if new in values:
-                    raise ConfigError(f"{name}.{key} was renamed {name}.{new}; the config sets both, keep only {name}.{new}")
+                    raise ConfigError(f"{name}.{key} was renamed {name}.{new}; the config sets both, keep only "
+                                      f"{name}.{new}")
                 warnings.warn(f"config key {name}.{key} was renamed {name}.{new}; reading it as {name}.{new} = "
                               f"{value!r} (write the new name to silence this)", DeprecationWarning, stacklevel=2)
                 key = new

@@ -20,11 +20,13 @@ SEED_MODULUS = 1 << 63
 
 # Salts of the per-episode sub-streams (``derive_seed(episode_seed, salt)``).
 SUMMARY_SALT = 1_000_000
-"""Summary ``k`` of an episode samples with ``derive_seed(seed, SUMMARY_SALT + k)``; turn ``t`` with ``derive_seed(seed, t)``."""
+"""Summary ``k`` of an episode samples with ``derive_seed(seed, SUMMARY_SALT + k)``
+(turn ``t`` with ``derive_seed(seed, t)``)."""
 REFLECTION_SALT = 2_000_000
 """The reflection after attempt ``k`` of a trial samples with ``derive_seed(seed, REFLECTION_SALT + k)``."""
 ATTEMPT_SALT = 3_000_000
-"""Attempt ``k >= 1`` of a trial plays with episode seed ``derive_seed(seed, ATTEMPT_SALT + k)``; attempt 0 with ``seed``."""
+"""Attempt ``k >= 1`` of a trial plays with episode seed ``derive_seed(seed, ATTEMPT_SALT + k)``
+(attempt 0 with ``seed``)."""
 
 
 def derive_seed(seed: int, *salt: int) -> int:

@@ -163,7 +163,7 @@ def test_describe_fields_documents_every_field():
             for f in dataclasses.fields(getattr(Config(), s))}
     assert {row[0] for row in rows} == keys
     assert len(rows) == len(keys)
-    for key, type_name, default, doc in rows:
+    for key, type_name, _default, doc in rows:
         assert type_name in {"str", "int", "float", "bool"}, key
         assert isinstance(doc, str) and doc.strip(), f"{key} has no docstring"
     by_key = {row[0]: row for row in rows}

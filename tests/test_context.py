@@ -13,13 +13,13 @@ from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.config import ConfigError, load_config
 from ctxrl.engine.base import Completion
 from ctxrl.envs.kv_chain import KVChainEnv
-from ctxrl.rollout.agent import run_episode
-from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.prompts import BRANCH_HEADER
+from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers import ContextPolicy, get_manager
 from ctxrl.rollout.managers.stats import context_stats
 from ctxrl.rollout.managers.summarize import restart_messages
 from ctxrl.rollout.recorder import Recorder
+from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.types import Episode, Task
 
 
@@ -192,7 +192,7 @@ def test_eval_summary_limit_overrides_training_and_config_checks():
         load_config(None, ["context.manager=summarize"])
     with pytest.raises(ConfigError, match="must not exceed rollout.max_total_tokens"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=4096"])
-    with pytest.raises(ConfigError, match="one advantage per episode \\(grpo, dr_grpo, rloo\\)"):
+    with pytest.raises(ConfigError, match="one advantage per episode \\(grpo, dr_grpo, rloo"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=300", "algo.advantage=gae"])
     with pytest.raises(ConfigError, match="algo.agg=token-mean"):
         load_config(None, ["context.manager=fold", "algo.agg=seq-mean-token-mean"])
@@ -391,9 +391,8 @@ def test_fold_appends_nothing_on_the_last_turn_and_never_branches_there(renderer
 
 def test_branch_reward_goes_to_the_tokens_of_branches_that_returned_a_result(renderer):
     """Hand-made segments: only the branch that returned a result (ended_by fold) gets the reward."""
-    from ctxrl.engine.scripted import ScriptedEngine
-
     from ctxrl.algo.estimators import broadcast
+    from ctxrl.engine.scripted import ScriptedEngine
 
     e = Episode(task=Task(id="t", prompt="p", answer="a"))
     rec = Recorder(e)

@@ -61,8 +61,8 @@ def test_search_qa_summary_holds_the_latest_fact_on_the_questions_path():
 
 
 def _summarize_limits(budget: int, max_summaries: int = 4, max_new_tokens: int = 48):
-    from ctxrl.rollout.spec import RolloutLimits
     from ctxrl.rollout.managers import ContextPolicy
+    from ctxrl.rollout.spec import RolloutLimits
 
     return RolloutLimits(max_turns=16, max_new_tokens=max_new_tokens, max_total_tokens=2048,
                          context=ContextPolicy(manager="summarize", max_context_tokens=budget,
@@ -200,7 +200,6 @@ def test_run_plays_its_warm_start_demos_under_summarize_when_the_env_can(tmp_pat
 
     from ctxrl.config import ConfigError
     from ctxrl.train.trainer import Trainer as Run
-
     from ctxrl.train.warm_start import demo_limits
 
     run = Run(_config("sft.demos=8", "sft.epochs=1", "sft.batch_size=4"), tmp_path / "kv")

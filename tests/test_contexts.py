@@ -88,7 +88,8 @@ def test_sample_tasks_reproducible_and_disjoint() -> None:
     assert all(t.split == "train" for t in train) and all(t.split == "heldout" for t in heldout)
     assert all(split_of(t.prompt, 0.2) == "heldout" for t in heldout)
     # A shorter draw is a prefix of a longer one.
-    assert [t.id for t in sample_tasks(_generate, SPACE, "train", 20, seed=3, id_prefix="toy")] == [t.id for t in train[:20]]
+    again = sample_tasks(_generate, SPACE, "train", 20, seed=3, id_prefix="toy")
+    assert [t.id for t in again] == [t.id for t in train[:20]]
     ood = sample_tasks(_generate, SPACE, "ood", 20, seed=3)
     assert all(SPACE.is_ood(t.context) for t in ood)
 

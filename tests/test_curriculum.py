@@ -6,9 +6,8 @@ from collections import Counter
 
 import pytest
 
-from ctxrl.tasks.curriculum import (FixedCurriculum, HorizonCurriculum, SelfPacedCurriculum, context_key,
-                                       make_curriculum)
 from ctxrl.envs.calculator import CalculatorEnv
+from ctxrl.tasks.curriculum import FixedCurriculum, HorizonCurriculum, SelfPacedCurriculum, context_key, make_curriculum
 from ctxrl.types import Episode
 
 

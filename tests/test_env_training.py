@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from ctxrl.train.trainer import train
 from ctxrl.config import load_config
+from ctxrl.train.trainer import train
 
 SMALL = ["model.name=tiny:pretrain_steps=0", "sft.demos=6", "sft.epochs=1", "sft.batch_size=3", "eval.tasks=2",
          "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=24",

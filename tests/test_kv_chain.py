@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from ctxrl.chat.toolcalls import format_tool_call, parse_assistant
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs import EnvError, assert_env_ok, get_env_class, list_envs
 from ctxrl.envs.kv_chain import KVChainEnv
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.spec import RolloutLimits
-from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 

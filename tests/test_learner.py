@@ -83,7 +83,8 @@ def test_gradient_accumulation_is_exact(model, data, agg):
         assert metrics["loss"] == pytest.approx(loss8, abs=1e-5)
         assert grads.keys() == grads8.keys()
         for name in grads8:
-            torch.testing.assert_close(grads[name], grads8[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grads[name], grads8[name], atol=1e-5, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
         for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"):
             assert metrics[key] == pytest.approx(results[8][0][key], abs=1e-5), key
 

@@ -11,8 +11,13 @@ import torch
 
 from ctxrl.algo.advantages import grpo_advantages
 from ctxrl.algo.turns import turn_advantages
-from ctxrl.meta.credit import (cross_episode_advantages, cross_episode_returns, reflection_advantages,
-                               relative_attempt_advantages, trial_advantages)
+from ctxrl.meta.credit import (
+    cross_episode_advantages,
+    cross_episode_returns,
+    reflection_advantages,
+    relative_attempt_advantages,
+    trial_advantages,
+)
 
 
 def close(actual, expected, tol=1e-6):

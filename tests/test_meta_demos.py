@@ -8,13 +8,21 @@ import json
 import pytest
 
 from ctxrl.config import ConfigError, load_config
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.minesweeper import MinesweeperEnv
+from ctxrl.meta.demos import (
+    DEMOS_HEADER,
+    TASK_HEADER,
+    Demo,
+    demo_text,
+    demos_excluding,
+    load_demos,
+    solved_demos,
+    with_demos,
+)
 from ctxrl.rollout.agent import run_episodes
 from ctxrl.rollout.spec import RolloutLimits
-from ctxrl.meta.demos import (DEMOS_HEADER, TASK_HEADER, Demo, demo_text, demos_excluding, load_demos,
-                                 solved_demos, with_demos)
-from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 LIMITS = RolloutLimits(max_turns=4, max_new_tokens=256, max_total_tokens=4096)

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from ctxrl.chat.toolcalls import format_tool_call
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.minesweeper import MinesweeperEnv
-from ctxrl.rollout.agent import run_episode
 from ctxrl.meta.metrics import to_trial
 from ctxrl.meta.rollout import attempt_actions, attempt_header, feedback_text, run_trial, run_trials
 from ctxrl.prompts import NOTES_HEADER, REFLECTION_INSTRUCTION
+from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
-from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 LIMITS = RolloutLimits(max_turns=8, max_new_tokens=64, max_total_tokens=2048)

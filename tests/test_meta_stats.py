@@ -9,8 +9,16 @@ import math
 import pytest
 
 from ctxrl.meta.credit import cross_episode_returns
-from ctxrl.meta.stats import (exploration_stats, independent_pass_at_k, independent_success_at_attempt, meta_metrics,
-                              pass_at_k, success_at_attempt, success_by_attempt, trial_exploration)
+from ctxrl.meta.stats import (
+    exploration_stats,
+    independent_pass_at_k,
+    independent_success_at_attempt,
+    meta_metrics,
+    pass_at_k,
+    success_at_attempt,
+    success_by_attempt,
+    trial_exploration,
+)
 from ctxrl.meta.trial import Attempt, Trial
 
 S = Attempt(1.0, True)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from ctxrl.config import ConfigError, load_config
 from ctxrl.algo.estimators import EstimatorSettings, get_estimator
+from ctxrl.config import ConfigError, load_config
 from ctxrl.meta.estimator import attempt_advantages
 from ctxrl.meta.estimator import expand_trials as expand_rows
 from ctxrl.rollout.recorder import Recorder

@@ -10,11 +10,11 @@ from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.config import ConfigError, load_config
 from ctxrl.envs.bandit import BanditEnv
 from ctxrl.envs.calculator import CalculatorEnv
+from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.envs.minesweeper import MinesweeperEnv
+from ctxrl.meta.trial_demos import build_trial_demos
 from ctxrl.prompts import NOTES_HEADER
 from ctxrl.rollout.spec import MetaPolicy
-from ctxrl.envs.hooks import has_trial_hooks
-from ctxrl.meta.trial_demos import build_trial_demos
 from ctxrl.types import Message
 
 POLICY = MetaPolicy(num_attempts=3, reflection_max_tokens=64)

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs import assert_env_ok, get_env_class
 from ctxrl.envs.python_math import FAMILIES, PythonMathEnv, _fib_mod, answers_equivalent
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.spec import RolloutLimits
-from ctxrl.engine.scripted import ScriptedEngine
 
 
 def test_conformance_and_registry():
@@ -71,7 +71,8 @@ def test_shortcut_and_replayed_pretraining_variant(renderer):
                                         limits, seed=0)) for cls in (PythonMathEnv, ReplayedPythonMathEnv)]
         assert runs[0].input_ids == runs[1].input_ids and runs[0].success and runs[1].success
     # code other than the reference still runs (in the sandbox)
-    texts = ['<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>', "<answer>42</answer>"]
+    texts = ['<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>',
+             "<answer>42</answer>"]
     episode = asyncio.run(run_episode(ReplayedPythonMathEnv(), tasks[0], ScriptedEngine(texts, renderer), renderer,
                                       limits, seed=0))
     assert episode.messages[3].content == "42"

@@ -264,7 +264,8 @@ class FlakyCalculatorEnv(CalculatorEnv):
     @classmethod
     def sample_tasks(cls, split, n, seed):
         if split == "train":
-            return CalculatorEnv.sample_tasks("train", 4, 7)[:n] if n <= 4 else CalculatorEnv.sample_tasks(split, n, seed)
+            fixed = CalculatorEnv.sample_tasks("train", 4, 7)
+            return fixed[:n] if n <= 4 else CalculatorEnv.sample_tasks(split, n, seed)
         return CalculatorEnv.sample_tasks(split, n, seed)
 
 
@@ -358,9 +359,9 @@ def test_resume_never_unpickles(tmp_path, monkeypatch):
 
 
 def test_a_raising_constructor_is_an_errored_episode_too(renderer):
+    from ctxrl.engine.scripted import ScriptedEngine
     from ctxrl.rollout.agent import run_episodes
     from ctxrl.rollout.spec import RolloutLimits
-    from ctxrl.engine.scripted import ScriptedEngine
 
     def broken():
         raise OSError("no such dataset (injected)")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs import assert_env_ok, get_env_class
 from ctxrl.envs.search_qa import SearchQAEnv, kb_index, knowledge_base
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.spec import RolloutLimits
-from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.tools.search import Document, SearchIndex, exact_match, normalize_answer, search_tool, token_f1
 
 
@@ -106,7 +106,8 @@ def test_demos_from_other_worlds_never_hold_the_training_worlds_facts(renderer):
     own = set(knowledge_base(SearchQAEnv.kb_seed).people)
     asked = [d.task.data["lookups"][0] for d in demos]
     assert not own & set(asked)
-    worlds = {type_.kb_seed for type_ in (SearchQAEnv.pretraining_variant(3 * 100_003), SearchQAEnv.pretraining_variant(3 * 100_003 + 1))}
+    variants = (SearchQAEnv.pretraining_variant(3 * 100_003), SearchQAEnv.pretraining_variant(3 * 100_003 + 1))
+    worlds = {type_.kb_seed for type_ in variants}
     assert len(worlds) == 2  # two chunks, two worlds
     assert asked[0] in knowledge_base(SearchQAEnv.pretraining_variant(3 * 100_003).kb_seed).people
     assert asked[-1] in knowledge_base(SearchQAEnv.pretraining_variant(3 * 100_003 + 1).kb_seed).people

@@ -7,8 +7,14 @@ import math
 import pytest
 
 from ctxrl.algo.filters import informative_groups, void_turn_free, void_turns
-from ctxrl.algo.shaping import (compose, format_reward, group_optimal_calls, otc_reward, otc_tool_reward,
-                                overlong_penalty)
+from ctxrl.algo.shaping import (
+    compose,
+    format_reward,
+    group_optimal_calls,
+    otc_reward,
+    otc_tool_reward,
+    overlong_penalty,
+)
 from ctxrl.types import Episode, Task, Turn
 
 

@@ -140,7 +140,8 @@ def test_execute_exception_and_timeout() -> None:
 
     tools = [Tool("boom", "raises", params, boom), Tool("slow", "hangs", params, slow, timeout_s=0.01),
              Tool("quick", "fast async", params, quick), Tool("number", "non-str", params, lambda: 3)]
-    message = Message(role="assistant", content="", tool_calls=[ToolCall(n, {}) for n in ("boom", "slow", "quick", "number")])
+    calls = [ToolCall(n, {}) for n in ("boom", "slow", "quick", "number")]
+    message = Message(role="assistant", content="", tool_calls=calls)
     observations, counts = _run(tools, message)
     assert [m.content for m in observations] == [
         "Error: tool boom raised RuntimeError: disk on fire",

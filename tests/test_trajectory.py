@@ -8,10 +8,10 @@ import copy
 import pytest
 
 from ctxrl.chat.render import ChatRenderer, TemplateError
+from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.spec import RolloutLimits
-from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.types import Message
 
 MALFORMED = "<tool_call>\n{not json}\n</tool_call>"
@@ -234,7 +234,8 @@ def test_verify_prefix_preserving_passes(renderer):
 
 
 LAST_TWO = ("{% for message in messages[-2:] %}{{ '<|im_start|>' + message.role + '\\n' + message.content"
-            " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+            " + '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 STRIP_HISTORY = (
     "{% for message in messages %}"
     "{% if message.role == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\\n<|im_end|>\\n' }}"

@@ -5,7 +5,7 @@ Shapes: ``N`` episodes; ``group_ids[N]`` says which episodes answer the same tas
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -14,7 +14,8 @@ def _per_group(rewards: torch.Tensor, group_ids: torch.Tensor,
                fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Apply ``fn`` to the rewards of each group of two or more episodes; singletons get 0."""
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes")
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal "
+                         "1-D shapes")
     rewards = rewards.float()
     advantages = torch.zeros_like(rewards)
     for gid in torch.unique(group_ids):

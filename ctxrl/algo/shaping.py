@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int) -> float:

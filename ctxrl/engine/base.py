@@ -9,8 +9,9 @@ and hands the result over with ``load_weights(state, version=...)`` after each o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 PURPOSES: list[str] = ["turn", "summary", "reflection"]
 """What a generation may be asked for; a context manager with a side request of its own adds it

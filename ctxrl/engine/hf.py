@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ctxrl.engine.base import Completion, SamplingParams
-from ctxrl.engine.sampling import SEED_MODULUS, filter_logits, sample_inverse_cdf, uniforms
+from ctxrl.engine.sampling import filter_logits, sample_inverse_cdf, uniforms
 from ctxrl.models.kernels import attention_kernels
+from ctxrl.seeds import SEED_MODULUS
 
 
 @dataclass

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ctxrl.seeds import SEED_MODULUS
-
 MASK32 = 0xFFFFFFFF
 
 

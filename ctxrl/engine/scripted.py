@@ -12,7 +12,8 @@ tell them apart; the agent loop says which one it asks for.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Completion, SamplingParams
@@ -62,7 +63,8 @@ class ScriptedEngine:
             script = self._scripts.get(params.purpose)
             if script is None:
                 raise RuntimeError(f"the agent loop asked for a {params.purpose}, but this scripted engine has no "
-                                   f"{params.purpose} script (ScriptedEngine(..., scripts={{{params.purpose!r}: ...}}))")
+                                   f"{params.purpose} script "
+                                   f"(ScriptedEngine(..., scripts={{{params.purpose!r}: ...}}))")
             self.asides.setdefault(params.purpose, []).append(script())
             ids = self._renderer.assistant_ids(self.asides[params.purpose][-1])
         else:

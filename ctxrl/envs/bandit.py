@@ -28,10 +28,10 @@ import re
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool, execute_tool_calls
 from ctxrl.types import Message, StepResult, Task
 

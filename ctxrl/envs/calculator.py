@@ -31,10 +31,10 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, format_tool_call
-from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv, parse_answer  # noqa: F401 - parse_answer is re-exported
+from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.tools.calculator import calculate, calculator_tool
 from ctxrl.types import Task

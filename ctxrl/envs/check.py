@@ -19,12 +19,13 @@ It does not check that rewards are *only* 1.0 for right answers; test that in th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 from ctxrl.chat.toolcalls import parse_assistant
-from ctxrl.tasks.space import ContextError
 from ctxrl.envs.base import Env, EnvError
+from ctxrl.tasks.space import ContextError
 from ctxrl.tools.base import Tool, schema_problems
 from ctxrl.types import SPLITS, Message, StepResult, Task
 

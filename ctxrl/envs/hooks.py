@@ -1,21 +1,12 @@
 """The optional hooks an environment class may define, declared in one place, and what each one enables.
 
 The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an
-environment can opt into features by defining hooks; ctxrl looks them up only through ``hook``
-here, never with a bare ``getattr`` elsewhere, so this table is the complete list. ``ctxrl
-check-env NAME`` prints which features an environment's hooks enable (``features``).
-
-| hook | signature | enables |
-|---|---|---|
-| ``shortcut`` | ``shortcut(task) -> list[str]`` | imperfect warm-start demos (``sft.shortcut_fraction``) |
-| ``pretraining_variant`` | ``pretraining_variant(seed) -> type`` | warm-start demos from other worlds (``sft.other_worlds``), the tiny model's pre-training |
-| ``summary`` | ``summary(task, messages) -> str`` | warm-start demos that summarise (``sft.context_demos``, ``context.manager=summarize``) |
-| ``failure`` | ``failure(task) -> list[str]`` | trial demos (``sft.trial_demos``), with ``reflection`` |
-| ``reflection`` | ``reflection(task, messages) -> str`` | trial demos (``sft.trial_demos``), with ``failure`` |
-| ``solve_after`` | ``solve_after(task, reflection) -> list[str]`` | trial demos whose second attempt follows the reflection |
-| ``configure`` | ``configure(data=, tools=, verifier=) -> type`` | environments built from data (``env.data``, ``env.tools``, ``env.verifier``) |
-| ``names_actions`` | class attribute ``True`` | exploration statistics in the environment's own terms (``note_action``) |
-| ``corpus`` | ``corpus(n, seed) -> list[str]`` | the tiny model's tokenizer and plain-text pre-training |
+environment opts into features by defining hooks: ``shortcut``, ``pretraining_variant``,
+``summary``, ``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus`` (their types are
+``OptionalHooks``; what each enables is ``HOOKS``) and the ``names_actions`` flag (``FLAGS``). ctxrl
+looks them up only through ``hook`` and ``flag`` here, never with a bare ``getattr`` elsewhere, so
+this file is the complete list. ``ctxrl check-env NAME`` prints which features an environment's
+hooks enable (``features``).
 
 All are class-level (static methods or classmethods), so demos and checks need no instance.
 ``solve(task)`` is required by the protocol; it gives warm-start demos, annealed demonstrations
@@ -24,8 +15,9 @@ All are class-level (static methods or classmethods), so demos and checks need n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from ctxrl.types import Message, Task
 
@@ -109,7 +101,8 @@ def features(env_cls: type) -> dict[str, bool]:
         "demos from other worlds (pretraining_variant)": hook(env_cls, "pretraining_variant") is not None,
         "summary demos (summary)": hook(env_cls, "summary") is not None,
         "trial demos (failure + reflection)": has_trial_hooks(env_cls),
-        "note-following trial demos (solve_after)": has_trial_hooks(env_cls) and hook(env_cls, "solve_after") is not None,
+        "note-following trial demos (solve_after)": (has_trial_hooks(env_cls)
+                                                     and hook(env_cls, "solve_after") is not None),
         "named actions (names_actions)": flag(env_cls, "names_actions"),
         "built from data (configure)": hook(env_cls, "configure") is not None,
     }

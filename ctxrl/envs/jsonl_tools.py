@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
-from ctxrl.tasks.space import ContextSpace, split_of, task_id
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tasks.space import ContextSpace, split_of, task_id
 from ctxrl.tools.base import Tool
 from ctxrl.types import SPLITS, Task
 
@@ -84,7 +85,8 @@ def load_tasks(path: str | Path, heldout_fraction: float = 0.2) -> dict[str, lis
             if split not in SPLITS:
                 raise EnvError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)}")
             solution = row.get("solution")
-            if solution is not None and (not isinstance(solution, list) or not all(isinstance(t, str) for t in solution)):
+            if solution is not None and (not isinstance(solution, list)
+                                         or not all(isinstance(t, str) for t in solution)):
                 raise EnvError(f'{where}: "solution" must be a list of assistant texts')
             by_split[split].append(Task(id=str(row.get("id") or task_id("jsonl", row["prompt"])), prompt=row["prompt"],
                                         answer=str(row["answer"]), context=dict(row.get("context") or {}),

@@ -20,10 +20,10 @@ import random
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.types import Message, Task
 

@@ -24,10 +24,10 @@ import re
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.tools.python import python_tool
 from ctxrl.types import Task

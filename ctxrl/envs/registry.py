@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from ctxrl.envs.base import EnvError
 

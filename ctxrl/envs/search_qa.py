@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.tools.search import Document, SearchIndex, exact_match, search_tool, token_f1
 from ctxrl.types import Message, Task
@@ -80,8 +80,8 @@ def knowledge_base(seed: int = KB_SEED) -> KnowledgeBase:
                  for c in _names(rng, N_COMPANIES, 2, used)}
     company_names = list(companies)
     firsts, lasts = _names(rng, N_PEOPLE, 2, used), _names(rng, N_PEOPLE, 2, used)
-    people = {f"{f} {l}": {"born_in": rng.choice(city_names), "works_for": rng.choice(company_names)}
-              for f, l in zip(firsts, lasts)}
+    people = {f"{first} {last}": {"born_in": rng.choice(city_names), "works_for": rng.choice(company_names)}
+              for first, last in zip(firsts, lasts)}
     return KnowledgeBase(people, companies, cities, countries)
 
 

@@ -20,10 +20,10 @@ from collections import deque
 from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
-from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.types import Message, Task
 
@@ -83,7 +83,8 @@ def step_move(walls: set[Pos], boxes: frozenset[Pos], player: Pos, move: str) ->
     return boxes, nxt
 
 
-def shortest_solution(walls: set[Pos], goals: set[Pos], boxes: set[Pos], player: Pos, limit: int = 200_000) -> str | None:
+def shortest_solution(walls: set[Pos], goals: set[Pos], boxes: set[Pos], player: Pos,
+                      limit: int = 200_000) -> str | None:
     """Breadth-first search over (boxes, player); the fewest moves, or None if unsolvable."""
     start = (frozenset(boxes), player)
     seen = {start: ""}

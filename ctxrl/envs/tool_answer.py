@@ -21,11 +21,10 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from ctxrl.tasks.space import ContextSpace, sample_tasks
 from ctxrl.envs.base import EnvError
+from ctxrl.tasks.space import ContextSpace, sample_tasks
 from ctxrl.tools.base import Tool, execute_tool_calls
 from ctxrl.types import Message, StepResult, Task
-
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 

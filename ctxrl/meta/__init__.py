@@ -11,10 +11,22 @@ which rollout code may use; the rest import the rollout and are imported where t
 """
 
 from ctxrl.meta.anneal import DemoSchedule, demo_count, demo_probability, num_demos, sample_demos
-from ctxrl.meta.credit import (cross_episode_advantages, cross_episode_returns, reflection_advantages,
-                               relative_attempt_advantages, trial_advantages)
-from ctxrl.meta.stats import (exploration_stats, independent_pass_at_k, meta_metrics, pass_at_k, success_at_attempt,
-                              success_by_attempt, trial_exploration)
+from ctxrl.meta.credit import (
+                               cross_episode_advantages,
+                               cross_episode_returns,
+                               reflection_advantages,
+                               relative_attempt_advantages,
+                               trial_advantages,
+)
+from ctxrl.meta.stats import (
+                               exploration_stats,
+                               independent_pass_at_k,
+                               meta_metrics,
+                               pass_at_k,
+                               success_at_attempt,
+                               success_by_attempt,
+                               trial_exploration,
+)
 from ctxrl.meta.trial import Attempt, Trial
 
 __all__ = [

@@ -44,7 +44,7 @@ in the context of attempt ``k+1``; reflection ``k`` gets attempt ``k+1``'s advan
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 NORMALIZE_MODES = ("std", "none")
 BASELINES = ("loo", "mean")

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ctxrl.plain import PlainData
-
 from ctxrl.prompts import DEMOS_HEADER, TASK_HEADER
 from ctxrl.types import Message, Task
 

@@ -79,7 +79,8 @@ def expand_trials(trials: list[Episode], advantages: list[list[float]]) -> list[
         else:
             if len(sequences) != len(records) or len(attempt_adv) != len(records):
                 raise ValueError(f"trial of task {trial.task.id} has {len(sequences)} sequences, {len(records)} "
-                                 f"attempt records and {len(attempt_adv)} advantages; they must agree (one per attempt)")
+                                 f"attempt records and {len(attempt_adv)} advantages; they must agree (one per "
+                                 "attempt)")
             starts = [r["reflection_start"] for r in records]
             reflection_adv = reflection_advantages(attempt_adv, len(records))
         rows = []

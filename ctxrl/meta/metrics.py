@@ -59,7 +59,9 @@ def trial_summary(trials: list[Episode]) -> dict[str, float]:
 
 
 def trial_stats(trials: list[Episode]) -> dict[str, float]:
-    """A training step's trial figures: success at / by attempt, attempts and reflections per trial (errored left out)."""
+    """A training step's trial figures: success at / by attempt, attempts and reflections per trial.
+
+    Errored trials are left out."""
     played = [t for t in trials if t.truncation != "error"]
     if not played:
         return {}

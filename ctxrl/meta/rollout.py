@@ -42,8 +42,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 from ctxrl.meta.trial import Trial
 

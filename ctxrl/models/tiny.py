@@ -70,7 +70,8 @@ class TinySpec:
     max_position_embeddings: int = 2048
     seed: int = 0
     pretrain_steps: int = 600
-    """Language-model steps on fresh solved-task transcripts, plain and chat batches alternating (0 = random weights)."""
+    """Language-model steps on fresh solved-task transcripts, plain and chat batches alternating
+    (0 = random weights)."""
     pretrain_batch_size: int = 64
     """Sequences per plain-text pre-training batch."""
     pretrain_chat_batch_size: int = 64
@@ -235,11 +236,10 @@ def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
 
 def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
     """Prompts, solutions and tool observations of solved tasks, as text (for the tokenizer)."""
+    from ctxrl.envs.base import pretraining_env
     from ctxrl.envs.check import play_solution
     from ctxrl.envs.hooks import hook
     from ctxrl.envs.registry import get_env_class
-
-    from ctxrl.envs.base import pretraining_env
 
     texts = []
     for name in envs:

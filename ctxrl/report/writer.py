@@ -7,8 +7,8 @@ so a crash loses at most the line being written.
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 from pathlib import Path
 from typing import Any
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.chat.toolcalls import parse_assistant

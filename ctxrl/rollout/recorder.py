@@ -155,4 +155,5 @@ def join(episode: Episode, sequences: list[Segment]) -> None:
     episode.segments.extend(sequences[:-1])
     last = sequences[-1]
     episode.input_ids, episode.loss_mask = last.input_ids, last.loss_mask
-    episode.behavior_logprobs, episode.turn_index, episode.messages = last.behavior_logprobs, last.turn_index, last.messages
+    episode.behavior_logprobs, episode.turn_index = last.behavior_logprobs, last.turn_index
+    episode.messages = last.messages

@@ -88,7 +88,9 @@ class EnvSpec(PlainData):
 
 @dataclass(frozen=True)
 class DemoSpec(PlainData):
-    """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``); off when ``schedule.max_demos`` is 0."""
+    """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``).
+
+    Off when ``schedule.max_demos`` is 0."""
 
     schedule: DemoSchedule = DemoSchedule()
     source: str = "solve"

@@ -17,7 +17,8 @@ Trials and annealed demonstrations are meta-RL (``ctxrl.meta``); the worker is t
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine

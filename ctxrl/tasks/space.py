@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ctxrl.types import SPLITS, Task
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Union
+from typing import Any
 
 from ctxrl.types import Message
 
-ToolFn = Callable[..., Union[str, Awaitable[str]]]
+ToolFn = Callable[..., str | Awaitable[str]]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -89,7 +90,7 @@ class Tool:
 
 
 def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def schema_problems(parameters: Any) -> list[str]:

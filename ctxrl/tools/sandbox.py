@@ -149,7 +149,7 @@ try:
     runpy.run_path("main.py", run_name="__main__")
 except MemoryError:
     os.write(2, b"MemoryError: the sandbox memory limit was reached\n")
-    os._exit(%d)
+    os._exit(MEMORY_EXIT)
 except SystemExit:
     raise
 except BaseException as exc:
@@ -164,7 +164,7 @@ except BaseException as exc:
     sys.stderr.write("".join(te.format()))
     sys.stderr.flush()
     os._exit(1)
-''' % MEMORY_EXIT
+'''.replace("MEMORY_EXIT", str(MEMORY_EXIT))
 
 
 class SandboxError(RuntimeError):
@@ -195,7 +195,8 @@ def sandbox_python() -> str:
                 break
         else:
             raise SandboxError(
-                f"no Python interpreter is usable by an unprivileged user (tried {', '.join(c for c in candidates if c)}); "
+                "no Python interpreter is usable by an unprivileged user "
+                f"(tried {', '.join(c for c in candidates if c)}); "
                 "as root the sandbox drops to such a user, so the interpreter and every directory above it must "
                 "be world-readable and -executable. Set CTXRL_SANDBOX_PYTHON to one that is (e.g. /usr/bin/python3).")
     return _python_for_uid

@@ -66,7 +66,7 @@ class SearchIndex:
                                         show_progress=False), show_progress=False)
 
     @classmethod
-    def from_jsonl(cls, path: str | Path) -> "SearchIndex":
+    def from_jsonl(cls, path: str | Path) -> SearchIndex:
         """Documents from a JSONL file: ``{"text": ..., "title": ..., "id": ...}`` per line."""
         docs = []
         with open(path) as f:

@@ -21,8 +21,17 @@ from typing import TYPE_CHECKING, Any
 from ctxrl.config import Config, load_config, to_toml
 from ctxrl.errors import CheckpointError
 from ctxrl.report.writer import LogRewindError
-from ctxrl.train.checkpoint_io import (STEP_PREFIX, clean_partial, commit_checkpoint, latest_checkpoint, load_state,
-                                       rng_state, save_state, set_rng_state, step_name)
+from ctxrl.train.checkpoint_io import (
+    STEP_PREFIX,
+    clean_partial,
+    commit_checkpoint,
+    latest_checkpoint,
+    load_state,
+    rng_state,
+    save_state,
+    set_rng_state,
+    step_name,
+)
 
 if TYPE_CHECKING:
     from ctxrl.train.trainer import Trainer
@@ -105,7 +114,7 @@ def save(trainer: Trainer, step: int) -> Path:
 
 
 def resume(trainer: Trainer) -> int:
-    """Restore the state of ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after."""
+    """Restore ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after."""
     from safetensors.torch import load_model
 
     learner = trainer.learner

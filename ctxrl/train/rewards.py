@@ -35,7 +35,8 @@ def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens
     for e in episodes:
         terms = {"outcome": e.reward}
         if rc.overlong_buffer:
-            terms["overlong"] = overlong_penalty(max(len(s.input_ids) for s in e.sequences()), max_total_tokens, rc.overlong_buffer)
+            longest = max(len(s.input_ids) for s in e.sequences())
+            terms["overlong"] = overlong_penalty(longest, max_total_tokens, rc.overlong_buffer)
         if rc.otc_weight:
             terms["otc"] = otc_reward(float(e.success), e.tool_calls, optimal[e.group_id], c=rc.otc_c)
         if rc.format_weight:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +36,6 @@ from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.train.batch import collate
 from ctxrl.train.learner import token_logprobs
 from ctxrl.types import Episode
-
 
 WORLD_EPISODES = 100
 """Demos drawn from one world before the next, when demos come from other worlds."""

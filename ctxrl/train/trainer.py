@@ -201,8 +201,8 @@ class Trainer:
             raise CheckpointError(f"{self.writer.dir}/metrics.jsonl has no evaluation of step 0; the log does not "
                                   "belong to this checkpoint")
         if first > self.config.train.steps:
-            raise CheckpointError(f"the checkpoint is after step {first}, beyond train.steps={self.config.train.steps}; "
-                                  f"set train.steps >= {first}")
+            raise CheckpointError(f"the checkpoint is after step {first}, beyond "
+                                  f"train.steps={self.config.train.steps}; set train.steps >= {first}")
         self.progress.message(f"resumed from {self.writer.dir / 'checkpoints' / 'latest'} after step {first}")
         return first, before
 
@@ -236,7 +236,7 @@ class Trainer:
         return evaluate_splits(self.worker, self.config, self.writer, step, splits)
 
     def make_learner(self) -> Learner:
-        """The learner over ``model``: AdamW, and a frozen reference (``algo.kl_coef``) and critic (``needs_critic``)."""
+        """The learner over ``model``: AdamW, a frozen reference (``algo.kl_coef``), a critic (``needs_critic``)."""
         from ctxrl.train.critic import Critic
 
         a, t = self.config.algo, self.config.train

@@ -19,7 +19,8 @@ import asyncio
 import dataclasses
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.envs.hooks import has_trial_hooks, hook

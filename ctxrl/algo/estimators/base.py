@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from ctxrl.types import Episode, Segment, TrainSequence
 
@@ -114,6 +115,7 @@ def unsegmented(name: str, episodes: list[Episode]) -> None:
 
 def register_estimator(cls: E) -> E:
     """Class decorator: make ``algo.advantage = cls.name`` choose ``cls``."""
+    _load_builtins()  # built-ins first, whoever registers first
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a class attribute name to register as an estimator")
     existing = _REGISTRY.get(cls.name)

@@ -63,7 +63,8 @@ def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *
         if len(row) != len(episodes[i].input_ids):
             raise ValueError(f"episode {i} has {len(episodes[i].input_ids)} tokens but {len(row)} values")
         v[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    rewards = token_turn_rewards(episodes, mask, turns) + per_token(episodes, token_rewards, mask, "token rewards") * mask
+    extra = per_token(episodes, token_rewards, mask, "token rewards") * mask
+    rewards = token_turn_rewards(episodes, mask, turns) + extra
     if level == "token":
         advantages, returns = gae_advantages(rewards, v, mask, gamma, lam)
         return rows(masked_whiten(advantages, mask), episodes), rows(returns, episodes), None

@@ -4,7 +4,13 @@ One file per manager (``full``, ``window``, ``summarize``, ``fold``), each regis
 ``base`` holds the protocol, the ``ContextPolicy`` settings and the registry.
 """
 
-from ctxrl.rollout.managers.base import (ContextManager, ContextPolicy, Play, get_manager, manager_names,
-                                         register_manager)
+from ctxrl.rollout.managers.base import (
+                                         ContextManager,
+                                         ContextPolicy,
+                                         Play,
+                                         get_manager,
+                                         manager_names,
+                                         register_manager,
+)
 
 __all__ = ["ContextManager", "ContextPolicy", "Play", "get_manager", "manager_names", "register_manager"]

@@ -105,6 +105,8 @@ class ContextManager:
     hook, warm-start demos can play under the manager."""
     tool_schemas: ClassVar[list[dict[str, Any]]] = []
     """Tools the manager offers the policy besides the environment's (``fold``: branch and return)."""
+    process_reward: ClassVar[bool] = False
+    """Whether ``segment_bonus`` pays ``ContextPolicy.branch_reward`` (``context.branch_reward`` needs one)."""
 
     def __init__(self, policy: ContextPolicy) -> None:
         self.policy = policy
@@ -133,6 +135,7 @@ class ContextManager:
 
 def register_manager(cls: M) -> M:
     """Class decorator: make ``context.manager = cls.name`` choose ``cls``."""
+    _load_builtins()  # built-ins first, whoever registers first
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a class attribute name to register as a context manager")
     existing = _REGISTRY.get(cls.name)

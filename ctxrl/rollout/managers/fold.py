@@ -44,6 +44,7 @@ class Fold(ContextManager):
     name = "fold"
     rewrites_context = True
     tool_schemas = FOLD_TOOL_SCHEMAS
+    process_reward = True
 
     def __init__(self, policy: ContextPolicy) -> None:
         super().__init__(policy)

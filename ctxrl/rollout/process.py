@@ -1,0 +1,136 @@
+"""``ProcessWorker``: a ``RolloutWorker`` in a spawned subprocess, spoken to in plain data only.
+
+The parent sends the ``RolloutSpec`` once, then weights and requests; the child builds the worker
+from the spec (``RolloutWorker.from_spec``), loads the weights and plays each request. What
+crosses the pipe is JSON (spec, requests, episodes, errors) and safetensors bytes (weights):
+never a pickle, so nothing the child sends can run code in the parent. It is the smallest
+instance of the boundary every remote worker stands on (a Ray actor, a server), and the test that
+the boundary holds: a subprocess plays exactly the episodes an in-process worker plays, given the
+same spec, weights and request (fp32, CPU, the same number of threads).
+
+Use: ``with ProcessWorker(spec) as worker: worker.load_weights(model.state_dict(), version=1);
+episodes = worker.run(request)``. An exception in the child comes back as a ``WorkerError`` with
+the child's traceback; a child that died is a ``WorkerError`` too, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.types import Episode
+
+
+class WorkerError(RuntimeError):
+    """The worker process failed (its traceback is in the message) or is gone."""
+
+
+class ProcessWorker:
+    """Plays requests in a spawned process (see the module docstring)."""
+
+    def __init__(self, spec: RolloutSpec, *, threads: int | None = None, timeout_s: float = 600.0) -> None:
+        import torch
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._timeout_s = timeout_s
+        self._version = 0
+        self._process = context.Process(target=_serve, args=(child, json.dumps(spec.to_dict()),
+                                                             threads or torch.get_num_threads()),
+                                        name="ctxrl-rollout-worker", daemon=True)
+        self._process.start()
+        child.close()
+        self._call({"op": "ready"})
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
+        """Send ``state`` (tensors by name) to the worker's engine, as policy ``version``."""
+        from safetensors.torch import save
+
+        payload = save({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
+        self._call({"op": "load_weights", "version": int(version)}, payload)
+        self._version = int(version)
+
+    def run(self, request: RolloutRequest) -> list[Episode]:
+        """Play ``request`` in the worker process and return its episodes."""
+        reply = self._call({"op": "run", "request": request.to_dict()})
+        return [Episode.from_dict(e) for e in reply["episodes"]]
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._send({"op": "close"})
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout=10)
+            if self._process.is_alive():
+                self._process.kill()
+        self._conn.close()
+
+    def __enter__(self) -> ProcessWorker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        self._conn.send_bytes(json.dumps(header).encode())
+        self._conn.send_bytes(payload)
+
+    def _call(self, header: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:
+        try:
+            self._send(header, payload)
+            if not self._conn.poll(self._timeout_s):
+                raise WorkerError(f"the rollout worker process gave no answer to {header['op']!r} in "
+                                  f"{self._timeout_s:g} s")
+            reply = json.loads(self._conn.recv_bytes())
+        except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+            raise WorkerError(f"the rollout worker process is gone (exit code {self._process.exitcode}); "
+                              f"it failed while handling {header['op']!r}") from exc
+        if "error" in reply:
+            raise WorkerError(f"the rollout worker process failed on {header['op']!r}:\n{reply['error']}")
+        return reply
+
+
+def _serve(conn, spec_json: str, threads: int) -> None:
+    """The child: build the worker, then answer ``ready`` / ``load_weights`` / ``run`` until ``close``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    worker = None
+    while True:
+        try:
+            header = json.loads(conn.recv_bytes())
+            payload = conn.recv_bytes()
+        except EOFError:
+            return
+        op = header["op"]
+        if op == "close":
+            return
+        try:
+            if worker is None:
+                from ctxrl.rollout.worker import RolloutWorker
+
+                worker = RolloutWorker.from_spec(RolloutSpec.from_dict(json.loads(spec_json)))
+            if op == "ready":
+                reply: dict[str, Any] = {"ok": True}
+            elif op == "load_weights":
+                from safetensors.torch import load
+
+                worker.load_weights(load(payload), version=header["version"])
+                reply = {"ok": True}
+            elif op == "run":
+                episodes = worker.run(RolloutRequest.from_dict(header["request"]))
+                reply = {"episodes": [e.to_dict() for e in episodes]}
+            else:
+                reply = {"error": f"unknown operation {op!r}"}
+        except Exception:  # noqa: BLE001 - sent to the parent, which raises it as a WorkerError
+            reply = {"error": traceback.format_exc()}
+        conn.send_bytes(json.dumps(reply).encode())

@@ -1,0 +1,95 @@
+"""Every benchmark script runs, at tiny sizes on the CPU, so none can rot between GPU sessions.
+
+The experiments are smoke-run by their own tests (tests/test_context.py runs experiments/context.py,
+tests/test_meta_experiment.py runs experiments/meta.py). The figures these scripts exist for come
+from GPU runs (docs/engine.md, docs/algorithms.md, docs/environments.md); here only that they run
+end to end and report what they say they report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "tiny:pretrain_steps=0"
+SMALL = [f"model.name={TINY}", "sft.demos=4", "sft.epochs=1", "sft.batch_size=4", "eval.tasks=2",
+         "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "run.samples_per_step=0"]
+
+
+def script(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SMOKE_RUNS = {  # script -> the test that runs it
+    "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
+    "benchmarks/engine_throughput.py": "tests/test_scripts.py::test_engine_throughput_checks_and_measures_on_the_cpu",
+    "benchmarks/env_training.py": "tests/test_scripts.py::test_env_training_reports_before_and_after",
+    "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
+    "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
+    "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
+    "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
+}
+
+
+def test_every_script_is_smoke_run_somewhere():
+    scripts = {f"{p.parent.name}/{p.name}" for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("experiments/*.py")]}
+    assert scripts == set(SMOKE_RUNS), "add the new script's smoke test to SMOKE_RUNS"
+    for path, test in SMOKE_RUNS.items():
+        file, name = test.split("::")
+        source = (ROOT / file).read_text()
+        assert f"def {name}(" in source and f'{Path(path).name}"' in source, test
+
+
+def test_engine_throughput_checks_and_measures_on_the_cpu(capsys):
+    report = script("benchmarks/engine_throughput.py").main(
+        ["--device", "cpu", "--model", TINY, "--dtype", "float32", "--batch-sizes", "1,2", "--prompt-len", "8",
+         "--new-tokens", "4", "--repeats", "1"])
+    [check] = report["checks"]
+    assert check["logprob_max_abs_diff"] < 1e-4 and check["seeded_rows_same_alone_and_batched"] == "2/2"
+    assert [r["batch"] for r in report["throughput"]] == [1, 2]
+    assert all(r["ctxrl_tok_s"] > 0 and r["hf_generate_tok_s"] > 0 for r in report["throughput"])
+    assert "throughput: prompt 8 tokens" in capsys.readouterr().out
+
+
+def test_algo_presets_trains_a_preset_and_the_claims(tmp_path):
+    report = script("benchmarks/algo_presets.py").main(
+        ["--out", str(tmp_path), "--steps", "1", "--seeds", "0", "--presets", "gspo", *SMALL])
+    assert set(report["presets"]) == {"gspo"} and set(report["claims"]) == {"grpo", "grpo+void_filter", "otc_grpo"}
+    assert (tmp_path / "algo_presets.md").read_text().count("| gspo |") == 1
+    assert (tmp_path / "algo_claims.png").stat().st_size > 0
+
+
+def test_env_training_reports_before_and_after(tmp_path, capsys):
+    summaries = script("benchmarks/env_training.py").main(
+        ["--env", "calculator", "--model", TINY, "--steps", "1", "--out", str(tmp_path), *SMALL])
+    assert set(summaries) == {"calculator-s0"} and summaries["calculator-s0"]["steps"] == 1
+    assert json.loads((tmp_path / "summary.json").read_text()).keys() == {"calculator-s0"}
+    assert "calculator" in capsys.readouterr().out
+
+
+def test_gpu_memory_runs_both_modes_without_a_gpu(tmp_path):
+    rows = script("benchmarks/gpu_memory.py").main(["--smoke", "--out", str(tmp_path)])
+    assert [r["mode"] for r in rows] == ["cudnn-allowed", "cudnn-off"]
+    assert all(r["wall_seconds"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "chat", "chat+system"])
+def test_tiny_skills_scores_each_format(fmt):
+    module = script("benchmarks/tiny_skills.py")
+    if fmt == "plain":
+        results = module.main(["--model", TINY, "--tasks", "2", "--threads", "1"])
+        assert list(results) == [TINY] and all(0.0 <= x <= 1.0 for x in results[TINY])
+    else:
+        from ctxrl.envs.calculator import CalculatorEnv
+        from ctxrl.models.loader import load_model, load_tokenizer, resolve
+
+        path = resolve(TINY)
+        tasks = CalculatorEnv.sample_tasks("heldout", 2, 5)
+        assert 0.0 <= module.transcription_accuracy(load_model(path), load_tokenizer(path), fmt, tasks) <= 1.0
