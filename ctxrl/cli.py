@@ -172,38 +172,63 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+DESCRIPTION = """\
+Multi-turn RL for LLM agents that call tools, token-faithful from the sampler to the loss.
+
+A run: an optional supervised warm start on the environment's scripted solutions, an evaluation
+on held-out and out-of-distribution tasks, RL steps (collect -> filter -> estimate -> update ->
+log; ctxrl/train/trainer.py), and the evaluation again. Rollouts are played by a RolloutWorker
+from plain data (a RolloutSpec built from the config, a RolloutRequest per batch); context
+managers, advantage estimators and environments are registered extension points."""
+
+EPILOG = """\
+configuration: a TOML file with one table per section, any field overridden as section.field=value
+(every field: docs/configuration.md). Layout of the code: docs/architecture.md.
+exit codes: 0 done, 1 check-env found problems, 2 a configuration or checkpoint error,
+3 the run aborted itself, 128+N stopped by signal N (resumable with --resume)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ctxrl", description="Multi-turn RL for LLM agents.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="ctxrl", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--run-dir", help="run directory (default runs/<name>-<time>)")
-        p.add_argument("--steps", type=int, help="RL steps (same as train.steps=N)")
-        p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
-        p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        p.add_argument("--run-dir", help="run directory (default runs/<run.name>-<time>)")
+        p.add_argument("--steps", type=int, help="RL steps (the same as train.steps=N)")
+        p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+        p.add_argument("overrides", nargs="*", metavar="section.field=value",
+                       help="config overrides, e.g. train.steps=10 model.dtype=bfloat16")
 
-    demo = sub.add_parser("demo", help="train the tiny model on the calculator env and show it improve")
+    demo = sub.add_parser("demo", help="train the tiny model on the calculator env and show it improve",
+                          description="The default configuration on the locally built tiny model: warm start, "
+                                      "evaluation, 40 GRPO steps, evaluation, a before/after table.")
     common(demo)
     demo.set_defaults(fn=cmd_demo)
-    train = sub.add_parser("train", help="train from a TOML config")
-    train.add_argument("config")
+    train = sub.add_parser("train", help="train from a TOML config",
+                           description="Warm start, evaluate, RL, evaluate; writes runs/NAME/ (config.toml, "
+                                       "metrics.jsonl, samples.jsonl, checkpoints/, plots/).")
+    train.add_argument("config", help="TOML config file, e.g. examples/calculator_tiny.toml")
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/latest")
     common(train)
     train.set_defaults(fn=cmd_train)
-    ev = sub.add_parser("eval", help="evaluate a checkpoint")
-    ev.add_argument("config")
+    ev = sub.add_parser("eval", help="evaluate a checkpoint",
+                        description="Evaluate a saved model on the config's environment (greedy by default).")
+    ev.add_argument("config", help="TOML config file naming the environment and evaluation settings")
     ev.add_argument("--checkpoint", required=True, help="checkpoint directory (e.g. RUN/checkpoints/final)")
-    ev.add_argument("--split", choices=("heldout", "ood", "train"))
-    ev.add_argument("--run-dir")
-    ev.add_argument("--json", action="store_true")
-    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("--split", choices=("heldout", "ood", "train"), help="one split only (default: all three)")
+    ev.add_argument("--run-dir", help="where to write the evaluation's logs (default runs/eval-<time>)")
+    ev.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    ev.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     ev.set_defaults(fn=cmd_eval)
     envs = sub.add_parser("envs", help="list environments and their context spaces")
     envs.set_defaults(fn=cmd_envs)
-    check = sub.add_parser("check-env", help="run the environment conformance suite")
+    check = sub.add_parser("check-env", help="run the environment conformance suite",
+                           description="Drive an environment as a rollout would and list every problem; also "
+                                       "print which features its optional hooks enable (ctxrl/envs/hooks.py).")
     check.add_argument("name", help="registered name, entry point, or package.module:Class")
     check.add_argument("--tasks", type=int, default=8, help="tasks per split to check (default 8)")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=int, default=0, help="seed of the tasks drawn (default 0)")
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
     check.add_argument("--data", default="", help="task file, for environments built from data (jsonl_tools)")
     check.add_argument("--tools", default="", help="comma-separated built-in tools (jsonl_tools)")

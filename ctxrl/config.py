@@ -371,9 +371,15 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature",
                  "run.samples_per_step", "train.lr", "sft.lr",
                  "meta.eval_attempts", "meta.max_context_tokens", "meta.demos_max", "meta.demos_steps"}
+# key -> (low, high, low bound open): the fields that must lie in an interval
+_RANGES = {"curriculum.self_paced_floor": (0.0, 0.25, True), "rollout.top_p": (0.0, 1.0, True),
+           "rollout.max_error_rate": (0.0, 1.0, False), "sft.trial_demos": (0.0, 1.0, False),
+           "sft.shortcut_fraction": (0.0, 1.0, False), "meta.gamma_trial": (0.0, 1.0, False)}
+
+
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
-    from ctxrl.algo.losses import AGG_MODES, KL_KINDS
+    from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
     from ctxrl.meta.credit import BASELINES, NORMALIZE_MODES
@@ -381,7 +387,6 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.models.loader import DTYPES
     from ctxrl.rollout.spec import CARRIES
     from ctxrl.tasks.curriculum import KINDS as CURRICULA
-    from ctxrl.train.learner import LOSSES, OLD_LOGPROBS
 
     return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
             "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
@@ -399,9 +404,25 @@ def _registered(key: str, value: str, names: list[str]) -> None:
 
 
 def validate(config: Config) -> None:
+    """Every check of a whole configuration; the first problem is a ``ConfigError`` naming the key."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
     from ctxrl.rollout.managers import get_manager, manager_names
 
+    _validate_fields(config)
+    _registered("algo.advantage", config.algo.advantage, estimator_names())
+    _registered("context.manager", config.context.manager, manager_names())
+    estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)
+    _validate_algo(config, estimator)
+    _validate_meta(config, estimator)
+    _validate_context(config, estimator, manager)
+    if config.sft.context_demos == "on" and manager.scripted_hook is None:
+        raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
+                          f"(summarize: its summary hook); context.manager={config.context.manager!r} asks for none; "
+                          "use sft.context_demos=auto or off")
+
+
+def _validate_fields(config: Config) -> None:
+    """Each field on its own: positive, non-negative, in range, one of its choices."""
     choices = _choices()
     for section in dataclasses.fields(config):
         obj = getattr(config, section.name)
@@ -413,38 +434,54 @@ def validate(config: Config) -> None:
                 raise ConfigError(f"{key} must be >= 0, got {value!r}")
             if key in choices and value not in choices[key]:
                 raise ConfigError(f"{key} must be one of {', '.join(choices[key])}; got {value!r}")
-    _registered("algo.advantage", config.algo.advantage, estimator_names())
-    _registered("context.manager", config.context.manager, manager_names())
-    estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)
-    if 0.0 < config.algo.dual_clip <= 1.0:
-        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {config.algo.dual_clip!r}")
-    if config.algo.dual_clip and config.algo.loss != "ppo_clip":
+    for key, (low, high, low_open) in _RANGES.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(config, section), name)
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise ConfigError(f"{key} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
+
+
+def _validate_algo(config: Config, estimator: type) -> None:
+    """The loss, the old policy, reward shaping and group sizes: what they combine with."""
+    from ctxrl.algo.estimators import estimator_names, get_estimator
+
+    a = config.algo
+    if 0.0 < a.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip!r}")
+    if a.dual_clip and a.loss != "ppo_clip":
         raise ConfigError("algo.dual_clip applies to algo.loss=ppo_clip only; set algo.dual_clip=0 for gspo")
-    if not 0.0 < config.curriculum.self_paced_floor <= 0.25:
-        raise ConfigError("curriculum.self_paced_floor must be in (0, 0.25], got "
-                          f"{config.curriculum.self_paced_floor!r}")
-    if config.algo.tis_cap and config.algo.old_logprobs != "recompute":
+    if a.tis_cap and a.old_logprobs != "recompute":
         raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
     if config.reward.overlong_buffer > config.rollout.max_total_tokens:
         raise ConfigError(f"reward.overlong_buffer ({config.reward.overlong_buffer}) must not exceed "
                           f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
-    if not 0.0 < config.rollout.top_p <= 1.0:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {config.rollout.top_p!r}")
-    _validate_meta(config, estimator)
-    ctx = config.context
+    if config.rollout.group_size < 2 and config.train.steps > 0 and estimator.needs_groups:
+        ungrouped = ", ".join(n for n in estimator_names() if not get_estimator(n).needs_groups)
+        raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
+                          f"episodes per task (or use an algo.advantage without groups: {ungrouped})")
+
+
+def _validate_context(config: Config, estimator: type, manager: type) -> None:
+    """The context manager's budget and curriculum, and what training on segments needs."""
+    from ctxrl.algo.estimators import estimator_names, get_estimator
+    from ctxrl.rollout.managers import get_manager, manager_names
+
+    ctx, total = config.context, config.rollout.max_total_tokens
     if manager.uses_budget:
         if ctx.max_context_tokens <= 0:
             raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 "
                               "(the working budget)")
-        if ctx.max_context_tokens > config.rollout.max_total_tokens:
+        if ctx.max_context_tokens > total:
             raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must not exceed "
-                              f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
-        start = ctx.budget_start_tokens
-        if start and not ctx.max_context_tokens <= start <= config.rollout.max_total_tokens:
+                              f"rollout.max_total_tokens ({total})")
+        if ctx.budget_start_tokens and not ctx.max_context_tokens <= ctx.budget_start_tokens <= total:
             raise ConfigError(f"context.budget_start_tokens ({ctx.budget_start_tokens}) must lie between "
                               f"context.max_context_tokens ({ctx.max_context_tokens}) and rollout.max_total_tokens "
-                              f"({config.rollout.max_total_tokens}): the budget shrinks from it")
-    if ctx.budget_start_tokens and not manager.uses_budget:
+                              f"({total}): the budget shrinks from it")
+        if ctx.max_context_tokens <= config.rollout.max_new_tokens:
+            raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must exceed "
+                              f"rollout.max_new_tokens ({config.rollout.max_new_tokens}): no turn would ever fit")
+    elif ctx.budget_start_tokens:
         raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget (window, "
                           f"summarize), not {ctx.manager!r}; set it to 0")
     if ctx.branch_reward and not manager.process_reward:
@@ -453,39 +490,20 @@ def validate(config: Config) -> None:
                           f"context.manager={payers} only (not {ctx.manager!r}); set it to 0")
     if ctx.budget_start_tokens and ctx.budget_steps <= 0:
         raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
-    if manager.uses_budget and ctx.max_context_tokens <= config.rollout.max_new_tokens:
-        raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must exceed rollout.max_new_tokens "
-                          f"({config.rollout.max_new_tokens}): no turn would ever fit")
-    if manager.rewrites_context:
-        if config.algo.agg != "token-mean":
-            raise ConfigError(f"context.manager={ctx.manager} trains one sequence per segment; use "
-                              "algo.agg=token-mean, "
-                              "where cutting an episode into segments leaves every token's weight unchanged (a "
-                              f"seq-mean aggregation would count segments, so long episodes would weigh more)")
-        if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
-            raise ConfigError(f"context.manager={ctx.manager} with algo.kl_placement=reward is not supported (the "
-                              "penalty would miss closed segments); use algo.kl_placement=loss")
-        if not estimator.one_per_episode:
-            outcome = ", ".join(n for n in estimator_names() if get_estimator(n).one_per_episode)
-            raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: "
-                              "use "
-                              f"an algo.advantage with one advantage per episode ({outcome}), not "
-                              f"{config.algo.advantage!r}")
-    if not 0.0 <= config.rollout.max_error_rate <= 1.0:
-        raise ConfigError(f"rollout.max_error_rate must be in [0, 1], got {config.rollout.max_error_rate!r}")
-    if config.sft.context_demos == "on" and manager.scripted_hook is None:
-        raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
-                          f"(summarize: its summary hook); context.manager={ctx.manager!r} asks for none; use "
-                          "sft.context_demos=auto or off")
-    if not 0.0 <= config.sft.trial_demos <= 1.0:
-        raise ConfigError(f"sft.trial_demos must be in [0, 1] (a fraction of sft.demos), "
-                          f"got {config.sft.trial_demos!r}")
-    if not 0.0 <= config.sft.shortcut_fraction <= 1.0:
-        raise ConfigError(f"sft.shortcut_fraction must be in [0, 1], got {config.sft.shortcut_fraction!r}")
-    if config.rollout.group_size < 2 and config.train.steps > 0 and estimator.needs_groups:
-        ungrouped = ", ".join(n for n in estimator_names() if not get_estimator(n).needs_groups)
-        raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
-                          f"episodes per task (or use an algo.advantage without groups: {ungrouped})")
+    if not manager.rewrites_context:
+        return
+    if config.algo.agg != "token-mean":
+        raise ConfigError(f"context.manager={ctx.manager} trains one sequence per segment; use algo.agg=token-mean, "
+                          "where cutting an episode into segments leaves every token's weight unchanged (a "
+                          "seq-mean aggregation would count segments, so long episodes would weigh more)")
+    if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
+        raise ConfigError(f"context.manager={ctx.manager} with algo.kl_placement=reward is not supported (the "
+                          "penalty would miss closed segments); use algo.kl_placement=loss")
+    if not estimator.one_per_episode:
+        outcome = ", ".join(n for n in estimator_names() if get_estimator(n).one_per_episode)
+        raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
+                          f"an algo.advantage with one advantage per episode ({outcome}), not "
+                          f"{config.algo.advantage!r}")
 
 
 def _validate_meta(config: Config, estimator: type) -> None:
@@ -493,8 +511,6 @@ def _validate_meta(config: Config, estimator: type) -> None:
     from ctxrl.rollout.managers import get_manager
 
     m, a = config.meta, config.algo
-    if not 0.0 <= m.gamma_trial <= 1.0:
-        raise ConfigError(f"meta.gamma_trial must be in [0, 1], got {m.gamma_trial!r}")
     training_trials = m.num_attempts > 1 and config.train.steps > 0
     if training_trials and not estimator.credits_attempts:
         raise ConfigError(f"meta.num_attempts={m.num_attempts} trains on trials, whose credit across attempts comes "

@@ -2,10 +2,12 @@
 
 Context managers, the meta loop and annealed demonstrations add text the environment did not
 write: a request for a summary, the header a summary is restarted under, the note from earlier
-attempts. Each is a constant here, so that the configuration can name the defaults without
-importing rollout code, and so that a reader can see at once everything the policy is ever told
-by the framework. The instructions are configurable (``context.summary_instruction``,
-``meta.reflection_instruction``); the headers are fixed, because trained policies learn them.
+attempts. The instructions and headers are constants here, so that the configuration can name the
+defaults without importing rollout code. Text formatted from values is written where the values
+are: the meta loop's feedback line and attempt header (``ctxrl.meta.rollout``), ``fold``'s error
+observations (``ctxrl.rollout.managers.fold``), a demonstration's layout (``ctxrl.meta.demos``).
+The instructions are configurable (``context.summary_instruction``, ``meta.reflection_instruction``);
+the headers are fixed, because trained policies learn them.
 """
 
 SUMMARY_INSTRUCTION = ("Your context is nearly full. Write a short summary of what you have found and what is "

@@ -7,9 +7,12 @@ episode), so a stream's values do not depend on what else ran before it: a resum
 in another process and an uninterrupted run draw the same numbers.
 
 The arithmetic is historical (each value is what the code before this module computed in place,
-so that figures measured earlier repeat); what matters is that every stream differs from the
-others. ``derive_seed`` turns one seed into sub-streams by salt (per turn, per summary, per
-attempt); the salts live here too.
+so that figures measured earlier repeat). Streams that draw from different generators may share a
+value (the engine's, the learner's, the warm start's batch order and the demo choice are all the
+run seed itself); streams that pick from the same space never do. Evaluation draws from its own
+seed, ``eval.seed``, so that before and after compare the same tasks and samples.
+``derive_seed`` turns one seed into sub-streams by salt (per turn, per summary, per attempt); the
+salts live here too.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
+LOSSES = ("ppo_clip", "gspo")
+"""Policy losses by name: token-ratio PPO-clip (``policy_loss``) and sequence-ratio GSPO (``gspo_loss``)."""
+OLD_LOGPROBS = ("behaviour", "recompute")
+"""Where the PPO "old" policy's log-probs come from: the sampler's, or one learner pass before the update."""
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,

@@ -31,7 +31,9 @@ class RecordedEnv:
 
     @property
     def names_actions(self) -> bool:
-        return bool(getattr(self.env, "names_actions", False))
+        from ctxrl.envs.hooks import flag
+
+        return flag(self.env, "names_actions")
 
     def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
         opening = self.env.reset(task, seed=seed)

@@ -10,9 +10,9 @@ count as failures). ``trial_stats`` is a training step's.
 
 from __future__ import annotations
 
-from ctxrl.eval.evaluate import rates
 from ctxrl.meta.stats import meta_metrics
 from ctxrl.meta.trial import Attempt, Trial
+from ctxrl.rollout.summary import rates
 from ctxrl.types import Episode
 
 

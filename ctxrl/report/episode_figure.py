@@ -64,10 +64,11 @@ def draw_episode(episode: Episode, decode, path: str | Path, *, width_chars: int
 
 def _scripted_example() -> tuple[Episode, object]:
     from ctxrl.chat.render import ChatRenderer
+    from ctxrl.engine.scripted import ScriptedEngine
     from ctxrl.envs.calculator import CalculatorEnv
     from ctxrl.models.loader import load_tokenizer
-    from ctxrl.rollout.agent import RolloutLimits, run_episode
-    from ctxrl.rollout.scripted import ScriptedEngine
+    from ctxrl.rollout.agent import run_episode
+    from ctxrl.rollout.spec import RolloutLimits
 
     renderer = ChatRenderer(load_tokenizer("tiny"), template_name="tiny")
     task = CalculatorEnv.sample_tasks("heldout", 1, 3)[0]

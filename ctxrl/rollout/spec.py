@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxrl.meta.anneal import DemoSchedule
 from ctxrl.plain import PlainData
 from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.rollout.managers.base import ContextPolicy
@@ -88,16 +87,26 @@ class EnvSpec(PlainData):
 
 @dataclass(frozen=True)
 class DemoSpec(PlainData):
-    """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``).
+    """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``); off when ``max_demos`` is 0.
 
-    Off when ``schedule.max_demos`` is 0."""
+    ``max_demos``, ``steps``, ``kind`` and ``mode`` are the schedule (``ctxrl.meta.anneal.DemoSchedule``).
+    """
 
-    schedule: DemoSchedule = DemoSchedule()
+    max_demos: int = 0
+    steps: int = 0
+    kind: str = "linear"
+    mode: str = "count"
     source: str = "solve"
     """``solve`` (the environment's scripted solutions of ``pool`` training tasks) or a JSONL file."""
     pool: int = 64
     pool_seed: int = 0
     choice_seed: int = 0
+
+    def schedule(self):
+        """The ``DemoSchedule`` these settings describe."""
+        from ctxrl.meta.anneal import DemoSchedule
+
+        return DemoSchedule(max_demos=self.max_demos, steps=self.steps, kind=self.kind, mode=self.mode)
 
 
 @dataclass(frozen=True)
@@ -146,8 +155,7 @@ class RolloutSpec(PlainData):
                         verifier=config.env.verifier),
             train=train, eval=evaluation, train_meta=train_meta,
             eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
-            demos=DemoSpec(schedule=DemoSchedule(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind,
-                                                 mode=m.demos_mode),
+            demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,
                            source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
                            choice_seed=seeds.demo_choice),
             max_batch_size=r.max_batch_size, engine_seed=seeds.engine)

@@ -39,7 +39,7 @@ class RolloutWorker:
         self.renderer = renderer
         self.env_cls = env_cls if env_cls is not None else spec_env_class(spec)
         self._demo_pool = demo_pool
-        if spec.demos.schedule.max_demos > 0:
+        if spec.demos.max_demos > 0:
             self.demo_pool()  # a missing demo file or a failing solve() stops the run now, not at step 1
 
     @classmethod
@@ -111,16 +111,16 @@ class RolloutWorker:
         function of (seed, step, episode index), so every process makes the same one.
         """
         spec = self.spec.demos
-        if request.phase != "train" or spec.schedule.max_demos == 0:
+        if request.phase != "train" or spec.max_demos == 0:
             return None
         from ctxrl.meta.anneal import sample_demos
         from ctxrl.meta.demos import demos_excluding
 
-        pool = self.demo_pool()
+        pool, schedule = self.demo_pool(), spec.schedule()
 
         def choose(i: int, k: int) -> list:
             candidates = demos_excluding(pool, request.tasks[i])
-            picked = sample_demos(spec.schedule, step=request.step, pool_size=len(candidates), seed=spec.choice_seed,
+            picked = sample_demos(schedule, step=request.step, pool_size=len(candidates), seed=spec.choice_seed,
                                   episode_index=request.first_episode + i * request.group_size + k, evaluation=False)
             return [candidates[j] for j in picked]
 
@@ -146,7 +146,7 @@ def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
 def build_demo_pool(spec: RolloutSpec, env_cls: type, renderer: ChatRenderer) -> list:
     """The demonstrations ``spec.demos`` draws from: solved training tasks or a JSONL file ([] when off)."""
     d = spec.demos
-    if d.schedule.max_demos == 0:
+    if d.max_demos == 0:
         return []
     from ctxrl.meta.demos import load_demos, solved_demos
 
@@ -157,7 +157,7 @@ def build_demo_pool(spec: RolloutSpec, env_cls: type, renderer: ChatRenderer) ->
             raise ConfigError(f"meta.demos_source: {exc}") from None
     else:
         pool = solved_demos(env_cls, renderer, d.pool, seed=d.pool_seed)
-    if len(pool) <= d.schedule.max_demos:
-        raise ConfigError(f"meta.demos_max={d.schedule.max_demos} demonstrations per prompt, but the pool holds only "
+    if len(pool) <= d.max_demos:
+        raise ConfigError(f"meta.demos_max={d.max_demos} demonstrations per prompt, but the pool holds only "
                           f"{len(pool)} (a task's own demo is left out); add demonstrations or lower demos_max")
     return pool

@@ -17,12 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxrl.algo.losses import aggregate, entropy_from_logits, gspo_loss, kl_penalty, policy_loss
+from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS, aggregate, entropy_from_logits, gspo_loss, kl_penalty, policy_loss
 from ctxrl.models.kernels import attention_kernels
 from ctxrl.train.batch import Batch, collate
-
-LOSSES = ("ppo_clip", "gspo")
-OLD_LOGPROBS = ("behaviour", "recompute")
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,

@@ -42,12 +42,13 @@ from ctxrl.algo.estimators import EstimatorSettings, get_estimator
 from ctxrl.algo.filters import informative_groups, void_turn_free
 from ctxrl.config import Config, to_toml
 from ctxrl.errors import CheckpointError
-from ctxrl.eval.evaluate import evaluate_split, summarize
+from ctxrl.eval.evaluate import evaluate_split
 from ctxrl.report.progress import Progress
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.managers import get_manager
 from ctxrl.rollout.managers.stats import context_stats, scheduled_budget
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.rollout.summary import summarize
 from ctxrl.rollout.worker import RolloutWorker, build_demo_pool, spec_env_class, spec_renderer
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
@@ -400,7 +401,7 @@ class Trainer:
                **(context_stats(episodes) if self.manager.rewrites_context else {}),
                **(self._trial_stats(episodes) if self.spec.train_meta.num_attempts > 1 else {}),
                **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
-                  if self.spec.demos.schedule.max_demos else {}),
+                  if self.spec.demos.max_demos else {}),
                "trained_episodes": trained_episodes, "trained_sequences": len(rows),
                "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
                "advantage_std": float(np.std(sampled)) if sampled else 0.0,
