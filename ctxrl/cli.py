@@ -86,13 +86,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ctxrl.report.writer import RunWriter
     from ctxrl.rollout.spec import RolloutSpec
     from ctxrl.rollout.worker import RolloutWorker
-    from ctxrl.train.trainer import evaluate_splits, pick_device
+    from ctxrl.train.trainer import evaluate_splits
 
     overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false"]
     config = load_config(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
         f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    worker = RolloutWorker.from_spec(RolloutSpec.from_config(config, device=pick_device(config.model.device)))
+    worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
     writer = RunWriter(run_dir)
     writer.write_config(to_toml(config))
     splits = (args.split,) if args.split else ("train", "heldout", "ood")

@@ -26,6 +26,7 @@ else:  # pragma: no cover
 
 
 from ctxrl.errors import ConfigError
+from ctxrl.plugins import import_plugins
 from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
 
 __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
@@ -328,6 +329,9 @@ class RunConfig:
     """Seed for tasks, sampling and initialisation."""
     progress: bool = True
     """Show a live progress bar."""
+    plugins: str = ""
+    """Comma-separated modules imported before the configuration is checked: where your own environments, context
+    managers and estimators register themselves (looked up on PYTHONPATH and in the working directory)."""
     samples_per_step: int = 4
     """Decoded episodes written to samples.jsonl per step."""
 
@@ -450,6 +454,9 @@ def _validate_algo(config: Config, estimator: type) -> None:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip!r}")
     if a.dual_clip and a.loss != "ppo_clip":
         raise ConfigError("algo.dual_clip applies to algo.loss=ppo_clip only; set algo.dual_clip=0 for gspo")
+    if a.kl_coef > 0 and a.kl_placement == "reward" and not estimator.accepts_token_rewards:
+        raise ConfigError(f"algo.advantage={a.advantage} takes no per-token rewards, so a KL penalty placed in the "
+                          "reward would be lost; use algo.kl_placement=loss")
     if a.tis_cap and a.old_logprobs != "recompute":
         raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
     if config.reward.overlong_buffer > config.rollout.max_total_tokens:
@@ -482,8 +489,9 @@ def _validate_context(config: Config, estimator: type, manager: type) -> None:
             raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must exceed "
                               f"rollout.max_new_tokens ({config.rollout.max_new_tokens}): no turn would ever fit")
     elif ctx.budget_start_tokens:
-        raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget (window, "
-                          f"summarize), not {ctx.manager!r}; set it to 0")
+        budgeted = ", ".join(n for n in manager_names() if get_manager(n).uses_budget)
+        raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget ({budgeted}), "
+                          f"not {ctx.manager!r}; set it to 0")
     if ctx.branch_reward and not manager.process_reward:
         payers = "/".join(n for n in manager_names() if get_manager(n).process_reward)
         raise ConfigError(f"context.branch_reward is a process reward of the managers that pay one, so it applies to "
@@ -527,9 +535,6 @@ def _validate_meta(config: Config, estimator: type) -> None:
             raise ConfigError(f"algo.advantage={a.advantage} trains one sequence per attempt; use "
                               "algo.agg=token-mean, where a "
                               "token weighs the same however a trial is cut into attempts")
-        if a.kl_coef > 0 and a.kl_placement == "reward":
-            raise ConfigError("algo.advantage=meta with algo.kl_placement=reward is not supported (the penalty would "
-                              "miss earlier attempts); use algo.kl_placement=loss")
         if a.void_turn_filter:
             raise ConfigError("algo.void_turn_filter drops whole episodes; with algo.advantage=meta it would drop "
                               "whole trials for one void turn, so it is not supported; set it to false")
@@ -604,6 +609,8 @@ def from_dict(data: dict[str, Any]) -> Config:
                                   f"{_nearest(f'{name}.{key}', [f'{name}.{f}' for f in fields])}")
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
         built[name] = cls(**kwargs)
+    if "run" in built:  # before validation, which looks their names up
+        import_plugins(built["run"].plugins)
     return Config(**built)
 
 

@@ -94,6 +94,11 @@ def test_a_worker_in_a_spawned_process_plays_exactly_the_in_process_episodes(mod
         there = remote.run(request)
         with pytest.raises(WorkerError, match="KeyError"):  # an error in the child comes back with its traceback
             remote.load_weights({"nope": torch.zeros(1)}, version=6)
+        # a live state dict with tied embeddings (lm_head is embed_tokens) goes across as one tensor
+        one = RolloutRequest(tasks=request.tasks[:1], seed=3, phase="eval")
+        local.load_weights(model.state_dict(), version=7)
+        remote.load_weights(model.state_dict(), version=7)
+        assert remote.run(one)[0].input_ids == local.run(one)[0].input_ids
 
     def plain(episodes):
         out = [e.to_dict() for e in episodes]
@@ -258,3 +263,43 @@ def test_a_manager_and_an_estimator_defined_in_a_test_file_train_end_to_end(tmp_
         load_config(None, ["algo.advantage=test_sing"])
     with pytest.raises(ValueError, match="already registered"):
         register_estimator(type("SignOfSuccess", (Estimator,), {"name": "grpo"}))
+
+
+PLUGIN = """
+from ctxrl.algo.estimators import Estimator, broadcast, register_estimator
+from ctxrl.rollout.managers import ContextManager, register_manager
+
+
+@register_estimator
+class PluginSign(Estimator):
+    name = "plugin_sign"
+    needs_groups = False
+    one_per_episode = True
+
+    def estimate(self, episodes, *, token_rewards=None, values=None, segment_bonus=None):
+        return [broadcast(e, 1.0 if e.success else -1.0, segment_bonus) for e in episodes]
+
+
+@register_manager
+class PluginFull(ContextManager):
+    name = "plugin_full"
+"""
+
+
+def test_run_plugins_register_extension_points_before_the_config_is_checked(tmp_path, monkeypatch):
+    """``run.plugins``: the user's module, imported from the working directory before validation and by workers."""
+    from ctxrl.rollout.process import ProcessWorker
+
+    (tmp_path / "my_plugin.py").write_text(PLUGIN)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="algo.advantage must be one of"):
+        load_config(None, ["algo.advantage=plugin_sign"])
+    with pytest.raises(ConfigError, match="run.plugins: cannot import module 'no_such_plugin'"):
+        load_config(None, ["run.plugins=no_such_plugin"])
+    config = load_config(None, ["run.plugins=my_plugin", "algo.advantage=plugin_sign", "context.manager=plugin_full",
+                                f"model.name={TINY}", "rollout.max_new_tokens=4", "env.max_turns=1"])
+    spec = RolloutSpec.from_config(config)
+    assert spec.plugins == "my_plugin" and spec.train.context.manager == "plugin_full"
+    with ProcessWorker(spec) as worker:  # a fresh interpreter: it imports the plugin before it reads the spec
+        [episode] = worker.run(RolloutRequest(tasks=CalculatorEnv.sample_tasks("train", 1, seed=0), seed=1))
+    assert episode.truncation != "error" and episode.turns

@@ -21,9 +21,10 @@ Log-probabilities are those of the temperature-scaled distribution *before* top-
 truncation (``log_softmax(logits / T)``, with T = 1 for greedy decoding), the quantity the
 learner recomputes.
 
-The engine owns its module: the trainer gives it a copy of the policy (it may be in another dtype
-than the learner's) and, after every optimiser step, copies the new weights in with
-``load_weights(state_dict, version=step)`` in memory, without a disk round trip. Nothing else
+The engine owns its module: the trainer gives it a copy of the policy and, after every optimiser
+step, copies the new weights in with ``load_weights(state_dict, version=step + 1)`` in memory,
+without a disk round trip (each tensor is cast to the engine's dtype, so an engine may keep its
+copy in another dtype than the learner's). Nothing else
 writes to the engine's weights, so a rollout never sees a half-updated model.
 """
 
@@ -82,19 +83,20 @@ class HFEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
         """Copy new weights into the engine's model in memory (cast to its dtype) and set the policy version."""
-        own = dict(self.model.named_parameters())
-        own.update(dict(self.model.named_buffers()))
-        # Require what state_dict() holds (non-persistent buffers such as rotary frequencies are
-        # not in it), less aliases of tensors already given (tied embeddings: lm_head == embed).
-        given = {id(t) for name, t in own.items() if name in state_dict}
-        missing = [k for k, t in self.model.state_dict(keep_vars=True).items()
-                   if k not in state_dict and id(t) not in given]
+        # Every tensor state_dict() names (non-persistent buffers such as rotary frequencies are not
+        # in it), by any of its names: a tied tensor (lm_head is embed_tokens) needs only one of them.
+        names: dict[int, list[str]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            names.setdefault(id(tensor), []).append(name)
+            tensors[id(tensor)] = tensor
+        sources = {key: next((n for n in aliases if n in state_dict), None) for key, aliases in names.items()}
+        missing = [names[key][0] for key, source in sources.items() if source is None]
         if missing:
             raise KeyError(f"load_weights: state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
         with torch.no_grad():
-            for name, tensor in own.items():
-                if name in state_dict:
-                    tensor.copy_(state_dict[name].to(tensor.device, tensor.dtype))
+            for key, source in sources.items():
+                tensors[key].copy_(state_dict[source].to(tensors[key].device, tensors[key].dtype))
         self._version = int(version)
 
     # -- requests ------------------------------------------------------------------------------

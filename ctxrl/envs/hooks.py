@@ -105,4 +105,5 @@ def features(env_cls: type) -> dict[str, bool]:
                                                      and hook(env_cls, "solve_after") is not None),
         "named actions (names_actions)": flag(env_cls, "names_actions"),
         "built from data (configure)": hook(env_cls, "configure") is not None,
+        "tiny-model tokenizer and pre-training text (corpus)": hook(env_cls, "corpus") is not None,
     }

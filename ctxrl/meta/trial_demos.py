@@ -29,6 +29,7 @@ from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.hooks import has_trial_hooks, hook
 from ctxrl.envs.recorded import RecordedEnv
 from ctxrl.meta.rollout import run_trial
+from ctxrl.rollout.recorder import untrain
 from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
 from ctxrl.types import Episode
 
@@ -38,9 +39,7 @@ def mask_failed_attempt(trial: Episode) -> Episode:
     start = trial.info["attempts"][0]["reflection_start"]
     if not trial.segments or start is None:
         raise ValueError(f"trial demo of task {trial.task.id} has no reflection after its first attempt")
-    first = trial.segments[0]
-    mask = [0] * start + list(first.loss_mask[start:])
-    trial.segments[0] = dataclasses.replace(first, loss_mask=mask)
+    untrain(trial, 0, start)
     return trial
 
 

@@ -60,6 +60,17 @@ def resolve(name_or_path: str) -> str:
     return name_or_path
 
 
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; a CUDA device without CUDA is a clear error."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"model.device={name!r} but CUDA is not available; use model.device=cpu")
+    return name
+
+
 def _quiet_transformers() -> None:
     """ctxrl draws its own progress bars; silence transformers' per-file ones."""
     from transformers.utils import logging

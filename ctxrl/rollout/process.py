@@ -51,10 +51,21 @@ class ProcessWorker:
         return self._version
 
     def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
-        """Send ``state`` (tensors by name) to the worker's engine, as policy ``version``."""
+        """Send ``state`` (tensors by name) to the worker's engine, as policy ``version``.
+
+        Aliases (tied embeddings: ``lm_head.weight`` is ``embed_tokens.weight``) are sent once: the
+        engine fills a tied tensor from the one it shares storage with.
+        """
         from safetensors.torch import save
 
-        payload = save({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
+        tensors, seen = {}, set()
+        for name, value in state.items():
+            key = (value.data_ptr(), value.dtype, tuple(value.shape), tuple(value.stride()))
+            if key in seen:
+                continue
+            seen.add(key)
+            tensors[name] = value.detach().to("cpu").contiguous()
+        payload = save(tensors)
         self._call({"op": "load_weights", "version": int(version)}, payload)
         self._version = int(version)
 
@@ -104,6 +115,9 @@ def _serve(conn, spec_json: str, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    from ctxrl.plugins import import_plugins
+
+    spec = json.loads(spec_json)
     worker = None
     while True:
         try:
@@ -118,7 +132,8 @@ def _serve(conn, spec_json: str, threads: int) -> None:
             if worker is None:
                 from ctxrl.rollout.worker import RolloutWorker
 
-                worker = RolloutWorker.from_spec(RolloutSpec.from_dict(json.loads(spec_json)))
+                import_plugins(spec.get("plugins", ""))  # custom managers must be registered before the spec is read
+                worker = RolloutWorker.from_spec(RolloutSpec.from_dict(spec))
             if op == "ready":
                 reply: dict[str, Any] = {"ok": True}
             elif op == "load_weights":

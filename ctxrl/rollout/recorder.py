@@ -23,6 +23,7 @@ context manager's business. It never decodes and re-encodes sampled tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ctxrl.chat.render import ChatRenderer
@@ -140,6 +141,20 @@ class Recorder:
         e.input_ids.extend(ids)
         e.loss_mask.extend([1 if sampled else 0] * len(ids))
         e.turn_index.extend([turn] * len(ids))
+
+
+def untrain(episode: Episode, segment: int, end: int) -> None:
+    """Set the loss mask of closed segment ``segment``'s tokens before position ``end`` to 0 (and their log-probs).
+
+    For scripted demonstrations whose opening must be context, not a target (a trial demo's failed
+    first attempt): the ids stay as they were played; only what trains changes.
+    """
+    closed = episode.segments[segment]
+    if not 0 <= end <= len(closed.input_ids):
+        raise ValueError(f"untrain: position {end} is outside segment {segment} of {len(closed.input_ids)} tokens")
+    episode.segments[segment] = dataclasses.replace(
+        closed, loss_mask=[0] * end + list(closed.loss_mask[end:]),
+        behavior_logprobs=[0.0] * end + list(closed.behavior_logprobs[end:]))
 
 
 def join(episode: Episode, sequences: list[Segment]) -> None:

@@ -124,10 +124,13 @@ class RolloutSpec(PlainData):
     """Largest batch of concurrent requests the engine decodes together."""
     engine_seed: int = 0
     """The engine's stream for requests that bring no seed."""
+    plugins: str = ""
+    """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
 
     @classmethod
-    def from_config(cls, config: Any, *, device: str | None = None) -> RolloutSpec:
-        """The spec of a run's ``Config`` (``device``: the resolved device, when ``model.device`` is ``auto``)."""
+    def from_config(cls, config: Any) -> RolloutSpec:
+        """The spec of a run's ``Config`` (``model.device = "auto"`` resolved to the device this machine has)."""
+        from ctxrl.models.loader import resolve_device
         from ctxrl.seeds import Seeds
 
         c, r, m = config.context, config.rollout, config.meta
@@ -150,7 +153,7 @@ class RolloutSpec(PlainData):
                                 reflection_max_tokens=m.reflection_max_tokens, max_context_tokens=m.max_context_tokens)
         return cls(
             model=ModelSpec(name=config.model.name, dtype=config.model.dtype,
-                            device=device or config.model.device, chat_template=config.model.chat_template),
+                            device=resolve_device(config.model.device), chat_template=config.model.chat_template),
             env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
                         verifier=config.env.verifier),
             train=train, eval=evaluation, train_meta=train_meta,
@@ -158,7 +161,7 @@ class RolloutSpec(PlainData):
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,
                            source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
                            choice_seed=seeds.demo_choice),
-            max_batch_size=r.max_batch_size, engine_seed=seeds.engine)
+            max_batch_size=r.max_batch_size, engine_seed=seeds.engine, plugins=config.run.plugins)
 
 
 @dataclass(frozen=True)

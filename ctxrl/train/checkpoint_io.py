@@ -10,7 +10,8 @@ A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding
 - ``rng.safetensors`` (torch CPU, CUDA and learner generator states) + ``rng.json`` (python and
   numpy states);
 - ``state.json``: step, engine policy version, learner counters, curriculum state, the byte
-  lengths of ``metrics.jsonl`` and ``samples.jsonl`` at save time, and the list of files;
+  lengths of ``metrics.jsonl`` and ``samples.jsonl`` at save time, whether a critic and a
+  reference model are in it, the device and dtype;
 - ``config.toml``: the resolved config.
 
 Writing: into a temporary sibling directory, every file fsynced, the directory renamed into

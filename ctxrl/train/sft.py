@@ -11,8 +11,9 @@ the model what RL will ask of it: when the next turn would not fit the budget, t
 asks for a summary and the scripted engine answers with the environment's ``summary(task,
 messages)``, written from the conversation so far; the demo then goes on from system + task +
 summary with the script's next turn. Every segment trains, its summary tokens included (mask 1).
-An environment without the hook cannot show summaries: asking for such demos is an error, never
-a silent full-context fallback.
+An environment without the hook cannot show summaries: ``build_demos`` under such a manager is an
+error; the warm start decides beforehand (``sft.context_demos``: ``on`` makes it a config error,
+``auto`` plays full-context demos and says so in a warning).
 """
 
 from __future__ import annotations

@@ -77,14 +77,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def pick_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={name!r} but CUDA is not available; use model.device=cpu")
-    return name
-
-
 @dataclass
 class Collected:
     """What a step's rollout gave: every episode played, the ones chosen to train on, and its figures."""
@@ -110,8 +102,8 @@ class Trainer:
         self.seeds = Seeds(config.run.seed)
         self.progress = progress or Progress()
         seed_everything(config.run.seed)
-        self.device = pick_device(config.model.device)
-        self.spec = RolloutSpec.from_config(config, device=self.device)
+        self.spec = RolloutSpec.from_config(config)
+        self.device = self.spec.model.device
         self.env_cls = spec_env_class(self.spec)
         self.context_demos = context_demos(config, self.env_cls)
         check_trial_demos(config, self.env_cls)
@@ -259,7 +251,11 @@ class Trainer:
         return self.learner
 
     def save_final(self, name: str) -> Path:
-        """The policy's weights and tokenizer as an HF checkpoint directory under ``checkpoints/``."""
+        """The policy's weights and tokenizer as an HF checkpoint directory under ``checkpoints/``.
+
+        In transformers' own layout (which may shard or convert to the hub's names), for other tools
+        to load; resumable step checkpoints keep the module's names (``checkpoint.save_pretrained``).
+        """
         path = self.writer.dir / "checkpoints" / name
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)

@@ -8,7 +8,9 @@ configuration read those declarations instead of testing names:
 - ``needs_critic``: values of a learned critic; the trainer builds one and passes ``values``;
 - ``one_per_episode``: one advantage per episode, broadcast to every sampled token of every
   segment. Only such estimators combine with context managers that cut episodes into segments;
-- ``credits_attempts``: credit across the attempts of a trial (meta-RL, ``meta.num_attempts > 1``).
+- ``credits_attempts``: credit across the attempts of a trial (meta-RL, ``meta.num_attempts > 1``);
+- ``accepts_token_rewards``: it adds per-token rewards (a KL penalty placed in the reward,
+  ``algo.kl_placement = "reward"``) to its returns; one that does not may not be given any.
 
 ``estimate(episodes, ...)`` returns, per episode, the ``TrainSequence`` rows it trains as (one
 per unsegmented episode; one per segment or attempt otherwise), each with its advantage on every
@@ -67,6 +69,7 @@ class Estimator:
     needs_critic: ClassVar[bool] = False
     one_per_episode: ClassVar[bool] = False
     credits_attempts: ClassVar[bool] = False
+    accepts_token_rewards: ClassVar[bool] = False
 
     def __init__(self, settings: EstimatorSettings = EstimatorSettings()) -> None:
         self.settings = settings

@@ -24,6 +24,7 @@ class GAE(Estimator):
     name = "gae"
     needs_groups = False
     needs_critic = True
+    accepts_token_rewards = True
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None,

@@ -28,6 +28,7 @@ class OutcomeEstimator(Estimator):
     """One advantage per episode, broadcast to its segments; ``advantages`` is the estimator's maths."""
 
     one_per_episode = True
+    accepts_token_rewards = True
 
     def advantages(self, rewards: torch.Tensor, extra: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         """Per-episode advantages from rewards [N], summed per-token rewards [N] and group ids [N]."""

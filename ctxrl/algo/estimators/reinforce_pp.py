@@ -18,6 +18,7 @@ from ctxrl.types import Episode, TrainSequence
 class ReinforcePP(Estimator):
     name = "reinforce_pp"
     needs_groups = False
+    accepts_token_rewards = True
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None,

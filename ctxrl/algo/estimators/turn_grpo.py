@@ -19,6 +19,7 @@ from ctxrl.types import Episode, TrainSequence
 @register_estimator
 class TurnGRPO(Estimator):
     name = "turn_grpo"
+    accepts_token_rewards = True
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None,
