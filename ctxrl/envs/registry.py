@@ -12,20 +12,18 @@ An unknown name is an error that lists the known names and suggests the closest 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import TypeVar
 
 from ctxrl.envs.base import EnvError
+from ctxrl.registry import Registry
 
 ENTRY_POINT_GROUP = "ctxrl.envs"
-_BUILTIN_MODULES = ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit", "ctxrl.envs.python_math",
-                    "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper", "ctxrl.envs.jsonl_tools")
-
-_REGISTRY: dict[str, type] = {}
-_builtins_loaded = False
+ENVIRONMENTS: Registry[type] = Registry(
+    "environment", ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.bandit", "ctxrl.envs.python_math",
+                    "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper", "ctxrl.envs.jsonl_tools"),
+    entry_point_group=ENTRY_POINT_GROUP, error=EnvError)
 
 T = TypeVar("T", bound=type)
 
@@ -34,36 +32,14 @@ def register(name: str) -> Callable[[T], T]:
     """Class decorator: make ``get_env_class(name)`` return the class."""
 
     def decorator(cls: T) -> T:
-        existing = _REGISTRY.get(name)
-        if existing is not None and _qualname(existing) != _qualname(cls):
-            raise EnvError(f"environment name {name!r} is already registered to {_qualname(existing)}; "
-                           f"pick another name for {_qualname(cls)}")
-        _REGISTRY[name] = cls
-        return cls
+        return ENVIRONMENTS.register(name, cls)
 
     return decorator
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
-
-
-def _entry_point_names() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
 def list_envs() -> list[str]:
     """Every name ``get_env_class`` accepts without a ``module:Class`` path."""
-    _load_builtins()
-    return sorted(set(_REGISTRY) | set(_entry_point_names()))
+    return sorted(ENVIRONMENTS.names())
 
 
 def get_env_class(name: str) -> type:
@@ -78,17 +54,10 @@ def get_env_class(name: str) -> type:
             return getattr(module, class_name)
         except AttributeError:
             raise EnvError(f"module {module_name!r} has no class {class_name!r}") from None
-    _load_builtins()
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    eps = _entry_point_names()
-    if name in eps:
-        return eps[name].load()  # type: ignore[attr-defined]
-    known = sorted(set(_REGISTRY) | set(eps))
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise EnvError(f"unknown environment {name!r}; {hint}known environments: {', '.join(known) or 'none'}. "
-                   "An environment outside ctxrl can be named as 'package.module:ClassName'.")
+    try:
+        return ENVIRONMENTS.get(name)
+    except EnvError as exc:
+        raise EnvError(f"{exc}. An environment outside ctxrl can be named as 'package.module:ClassName'.") from None
 
 
 def configured_env_class(name: str, **options: str) -> type:

@@ -17,23 +17,23 @@ per unsegmented episode; one per segment or attempt otherwise), each with its ad
 token (0 where the loss mask is 0). The maths lives in pure functions of ``ctxrl.algo``
 (``grpo_advantages``, ``gae_advantages``, ...); an estimator only arranges episodes into their
 tensors and back. Adding one is one file: a subclass with a ``name`` and ``estimate``, decorated
-with ``@register_estimator`` (docs/algorithms.md shows a complete example).
+with ``@register_estimator`` or named by a ``ctxrl.estimators`` entry point (docs/algorithms.md
+shows a complete example).
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+from ctxrl.registry import Registry
 from ctxrl.types import Episode, Segment, TrainSequence
 
-_BUILTIN_MODULES = ("ctxrl.algo.estimators.outcome", "ctxrl.algo.estimators.reinforce_pp",
-                    "ctxrl.algo.estimators.turn_grpo", "ctxrl.algo.estimators.gae", "ctxrl.meta.estimator")
-_REGISTRY: dict[str, type[Estimator]] = {}
-_builtins_loaded = False
+ESTIMATORS: Registry[type[Estimator]] = Registry(
+    "advantage estimator", ("ctxrl.algo.estimators.outcome", "ctxrl.algo.estimators.reinforce_pp",
+                            "ctxrl.algo.estimators.turn_grpo", "ctxrl.algo.estimators.gae", "ctxrl.meta.estimator"),
+    entry_point_group="ctxrl.estimators")
 
 E = TypeVar("E", bound="type[Estimator]")
 SegmentBonus = Callable[[Segment], float]
@@ -107,6 +107,12 @@ def broadcast(episode: Episode, advantage: float, segment_bonus: SegmentBonus | 
     return rows
 
 
+def one_row_each(episodes: list[Episode], advantages: list[list[float]]) -> list[list[TrainSequence]]:
+    """Each unsegmented episode as its one row, with its per-token ``advantages``."""
+    return [[TrainSequence.of(e, a, group_id=e.group_id, policy_version=e.policy_version)]
+            for e, a in zip(episodes, advantages, strict=True)]
+
+
 def unsegmented(name: str, episodes: list[Episode]) -> None:
     """Raise unless every episode is one sequence (for estimators whose advantages are per token)."""
     cut = [e.task.id for e in episodes if e.segments]
@@ -118,39 +124,19 @@ def unsegmented(name: str, episodes: list[Episode]) -> None:
 
 def register_estimator(cls: E) -> E:
     """Class decorator: make ``algo.advantage = cls.name`` choose ``cls``."""
-    _load_builtins()  # built-ins first, whoever registers first
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a class attribute name to register as an estimator")
-    existing = _REGISTRY.get(cls.name)
-    if existing is not None and existing.__qualname__ != cls.__qualname__:
-        raise ValueError(f"estimator name {cls.name!r} is already registered to {existing.__module__}."
-                         f"{existing.__qualname__}; pick another name for {cls.__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
+    return ESTIMATORS.register(cls.name, cls)
 
 
 def estimator_names() -> list[str]:
     """Every registered estimator, built-ins first."""
-    _load_builtins()
-    return list(_REGISTRY)
+    return ESTIMATORS.names()
 
 
 def get_estimator(name: str) -> type[Estimator]:
     """The estimator class registered as ``name``; an unknown name is an error listing the known ones."""
-    _load_builtins()
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown advantage estimator {name!r}; {hint}known: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return ESTIMATORS.get(name)
 
 
 def token_advantages(name: str, episodes: list[Episode], settings: EstimatorSettings = EstimatorSettings(), *,

@@ -8,7 +8,7 @@ group statistics: ``rollout.group_size`` may be 1.
 
 from __future__ import annotations
 
-from ctxrl.algo.estimators.base import Estimator, SegmentBonus, register_estimator, unsegmented
+from ctxrl.algo.estimators.base import Estimator, SegmentBonus, one_row_each, register_estimator, unsegmented
 from ctxrl.algo.estimators.tensors import padded, per_token, rows, token_turn_rewards
 from ctxrl.algo.returns import masked_whiten, reinforce_pp_returns
 from ctxrl.types import Episode, TrainSequence
@@ -29,6 +29,4 @@ class ReinforcePP(Estimator):
         mask, turns = padded(episodes)
         extra = per_token(episodes, token_rewards, mask, "token rewards") * mask
         returns = reinforce_pp_returns(token_turn_rewards(episodes, mask, turns) + extra, mask, self.settings.gamma)
-        advantages = rows(masked_whiten(returns, mask), episodes)
-        return [[TrainSequence.of(e, a, group_id=e.group_id, policy_version=e.policy_version)]
-                for e, a in zip(episodes, advantages)]
+        return one_row_each(episodes, rows(masked_whiten(returns, mask), episodes))

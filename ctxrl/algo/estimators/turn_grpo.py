@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ctxrl.algo.estimators.base import Estimator, SegmentBonus, register_estimator, unsegmented
+from ctxrl.algo.estimators.base import Estimator, SegmentBonus, one_row_each, register_estimator, unsegmented
 from ctxrl.algo.estimators.tensors import group_ids, padded, per_token, rows
 from ctxrl.algo.turns import broadcast_turn_advantages, episode_turn_tensors, turn_advantages
 from ctxrl.types import Episode, TrainSequence
@@ -36,6 +36,4 @@ class TurnGRPO(Estimator):
             turn_extra[:, k] = (extra * (turns == k)).sum(1)
         turn_adv = turn_advantages(turn_rewards, turn_mask, groups, gamma=gamma) + \
             turn_advantages(turn_extra, turn_mask, groups, gamma=gamma, std_normalize=False)
-        advantages = rows(broadcast_turn_advantages(turn_adv, turns, mask), episodes)
-        return [[TrainSequence.of(e, a, group_id=e.group_id, policy_version=e.policy_version)]
-                for e, a in zip(episodes, advantages)]
+        return one_row_each(episodes, rows(broadcast_turn_advantages(turn_adv, turns, mask), episodes))

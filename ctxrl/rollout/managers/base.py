@@ -17,21 +17,21 @@ three points, and it changes the episode only through the ``Recorder``:
 manager: everything fits, nothing is intercepted.
 
 Adding a manager is one file: a subclass with a ``name`` and the hooks it changes, decorated
-with ``@register_manager``. ``context.manager`` accepts every registered name, the configuration
-checks read the class attributes (``uses_budget``, ``rewrites_context``), and docs/context.md
-shows a complete example. Built-in managers are imported on first lookup.
+with ``@register_manager`` (or a ``ctxrl.managers`` entry point of a package). ``context.manager``
+accepts every registered name, the configuration checks read the class attributes
+(``uses_budget``, ``rewrites_context``, ...), and docs/context.md shows a complete example.
+Built-in managers are imported on first lookup (``ctxrl.registry``).
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ctxrl.engine.base import register_purpose
 from ctxrl.plain import PlainData
 from ctxrl.prompts import SUMMARY_INSTRUCTION
+from ctxrl.registry import Registry
 from ctxrl.types import Message, Segment
 
 if TYPE_CHECKING:
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
     from ctxrl.rollout.recorder import Recorder
     from ctxrl.rollout.spec import RolloutLimits
 
-_BUILTIN_MODULES = ("ctxrl.rollout.managers.full", "ctxrl.rollout.managers.window",
-                    "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold")
-_REGISTRY: dict[str, type[ContextManager]] = {}
-_builtins_loaded = False
+MANAGERS: Registry[type[ContextManager]] = Registry(
+    "context manager", ("ctxrl.rollout.managers.full", "ctxrl.rollout.managers.window",
+                        "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold"),
+    entry_point_group="ctxrl.managers")
 
 M = TypeVar("M", bound="type[ContextManager]")
 
@@ -135,38 +135,19 @@ class ContextManager:
 
 def register_manager(cls: M) -> M:
     """Class decorator: make ``context.manager = cls.name`` choose ``cls``."""
-    _load_builtins()  # built-ins first, whoever registers first
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a class attribute name to register as a context manager")
-    existing = _REGISTRY.get(cls.name)
-    if existing is not None and existing.__qualname__ != cls.__qualname__:
-        raise ValueError(f"context manager name {cls.name!r} is already registered to {existing.__module__}."
-                         f"{existing.__qualname__}; pick another name for {cls.__qualname__}")
-    _REGISTRY[cls.name] = cls
+    MANAGERS.register(cls.name, cls)
     if cls.scripted_hook is not None:
         register_purpose(cls.scripted_hook)  # its side requests are generated with this purpose
     return cls
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
-
-
 def manager_names() -> list[str]:
     """Every registered context manager, built-ins first."""
-    _load_builtins()
-    return list(_REGISTRY)
+    return MANAGERS.names()
 
 
 def get_manager(name: str) -> type[ContextManager]:
     """The manager class registered as ``name``; an unknown name is an error listing the known ones."""
-    _load_builtins()
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown context manager {name!r}; {hint}known: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return MANAGERS.get(name)
