@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ctxrl.config import Config, load_config
-from ctxrl.errors import CheckpointError, ConfigError
+from ctxrl.errors import CheckpointError, CtxrlError
 
 
 def _default_run_dir(config: Config) -> Path:
@@ -114,6 +115,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the resolved configuration and check it (and what it names) without loading a model."""
+    from ctxrl.config import to_toml
+    from ctxrl.envs.registry import configured_env_class
+    from ctxrl.models.loader import parse_tiny, resolve
+
+    config = load_config(args.config, args.overrides)
+    configured_env_class(config.env.name, data=config.env.data, tools=config.env.tools, verifier=config.env.verifier)
+    if parse_tiny(config.model.name) is None:
+        resolve(config.model.name)  # a local path that does not exist or holds no weights is an error now
+    print(to_toml(config), end="")
+    print(f"# valid: environment {config.env.name!r}, model {config.model.name!r}", file=sys.stderr)
+    return 0
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -152,7 +168,7 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     try:
         cls = configured_env_class(args.name, data=args.data, tools=args.tools, verifier=args.verifier)
     except EnvError as exc:
-        print(f"ctxrl: {exc}", file=sys.stderr)
+        print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2
     problems = check_env(cls, n_tasks=args.tasks, seed=args.seed)
     enabled = features(cls)
@@ -184,48 +200,94 @@ managers, advantage estimators and environments are registered extension points.
 EPILOG = """\
 configuration: a TOML file with one table per section, any field overridden as section.field=value
 (every field: docs/configuration.md). Layout of the code: docs/architecture.md.
-exit codes: 0 done, 1 check-env found problems, 2 a configuration or checkpoint error,
+errors: a mistake of yours (a bad config, an unknown environment, a model that does not load) is one
+line and exit code 2; --debug (or CTXRL_DEBUG=1) shows its traceback.
+exit codes: 0 done, 1 check-env found problems, 2 a configuration, model or checkpoint error,
 3 the run aborted itself, 128+N stopped by signal N (resumable with --resume)."""
+
+EXAMPLES = {
+    "demo": ".venv/bin/ctxrl demo\n  .venv/bin/ctxrl demo --steps 5 eval.tasks=20 --json",
+    "train": (".venv/bin/ctxrl train examples/calculator_tiny.toml --run-dir runs/calc\n"
+              "  .venv/bin/ctxrl train examples/presets/dapo.toml train.steps=100 model.dtype=bfloat16\n"
+              "  .venv/bin/ctxrl train examples/calculator_tiny.toml --run-dir runs/calc --resume"),
+    "eval": (".venv/bin/ctxrl eval examples/calculator_tiny.toml --checkpoint runs/calc/checkpoints/final "
+             "--split heldout"),
+    "config": (".venv/bin/ctxrl config examples/calculator_tiny.toml env.name=kv_chain > my.toml\n"
+               "  .venv/bin/ctxrl config my.toml context.manager=summarize   # an error names the key to fix"),
+    "envs": ".venv/bin/ctxrl envs",
+    "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
+                  "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
+                  "  .venv/bin/ctxrl check-env mypkg.maze:MazeEnv --json"),
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ctxrl")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ctxrl", description=DESCRIPTION, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog="ctxrl", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ctxrl {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of errors that are otherwise one line (also CTXRL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description, allow_abbrev=False,
+                              epilog=f"example:\n  {EXAMPLES[name]}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def overrides(p: argparse.ArgumentParser) -> None:
+        p.add_argument("overrides", nargs="*", metavar="section.field=value",
+                       help="config overrides, e.g. train.steps=10 model.dtype=bfloat16 (they may follow the options)")
+
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--run-dir", help="run directory (default runs/<run.name>-<time>)")
+        p.add_argument("--run-dir", help="run directory (default runs/<run.name>-<time>); new unless --resume")
         p.add_argument("--steps", type=int, help="RL steps (the same as train.steps=N)")
         p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
-        p.add_argument("overrides", nargs="*", metavar="section.field=value",
-                       help="config overrides, e.g. train.steps=10 model.dtype=bfloat16")
+        overrides(p)
 
-    demo = sub.add_parser("demo", help="train the tiny model on the calculator env and show it improve",
-                          description="The default configuration on the locally built tiny model: warm start, "
-                                      "evaluation, 40 GRPO steps, evaluation, a before/after table.")
+    demo = command("demo", "train the tiny model on the calculator env and show it improve",
+                   "The default configuration on the locally built tiny model (built once, a few minutes on a "
+                   "CPU): warm start, evaluation, 40 GRPO steps, evaluation, a before/after table.")
     common(demo)
     demo.set_defaults(fn=cmd_demo)
-    train = sub.add_parser("train", help="train from a TOML config",
-                           description="Warm start, evaluate, RL, evaluate; writes runs/NAME/ (config.toml, "
-                                       "metrics.jsonl, samples.jsonl, checkpoints/, plots/).")
+    train = command("train", "train from a TOML config",
+                    "Warm start, evaluate, RL, evaluate; writes runs/NAME/ (config.toml, metrics.jsonl, "
+                    "samples.jsonl, checkpoints/, plots/).")
     train.add_argument("config", help="TOML config file, e.g. examples/calculator_tiny.toml")
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/latest")
     common(train)
     train.set_defaults(fn=cmd_train)
-    ev = sub.add_parser("eval", help="evaluate a checkpoint",
-                        description="Evaluate a saved model on the config's environment (greedy by default).")
+    ev = command("eval", "evaluate a checkpoint",
+                 "Evaluate a saved model on the config's environment (greedy by default), on the train, held-out "
+                 "and OOD splits.")
     ev.add_argument("config", help="TOML config file naming the environment and evaluation settings")
     ev.add_argument("--checkpoint", required=True, help="checkpoint directory (e.g. RUN/checkpoints/final)")
     ev.add_argument("--split", choices=("heldout", "ood", "train"), help="one split only (default: all three)")
     ev.add_argument("--run-dir", help="where to write the evaluation's logs (default runs/eval-<time>)")
     ev.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    ev.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
+    overrides(ev)
     ev.set_defaults(fn=cmd_eval)
-    envs = sub.add_parser("envs", help="list environments and their context spaces")
+    cfg = command("config", "print the resolved configuration and check it",
+                  "Load a config file with its overrides, check every field, the environment and a local model "
+                  "path (no model is loaded), and print the resolved configuration as TOML.")
+    cfg.add_argument("config", help="TOML config file")
+    overrides(cfg)
+    cfg.set_defaults(fn=cmd_config)
+    envs = command("envs", "list environments and their context spaces",
+                   "Every registered environment with its tools and the context parameters its tasks vary in "
+                   "(train and OOD ranges).")
     envs.set_defaults(fn=cmd_envs)
-    check = sub.add_parser("check-env", help="run the environment conformance suite",
-                           description="Drive an environment as a rollout would and list every problem; also "
-                                       "print which features its optional hooks enable (ctxrl/envs/hooks.py).")
+    check = command("check-env", "run the environment conformance suite",
+                    "Drive an environment as a rollout would and list every problem; also print which features "
+                    "its optional hooks enable (ctxrl/envs/hooks.py).")
     check.add_argument("name", help="registered name, entry point, or package.module:Class")
     check.add_argument("--tasks", type=int, default=8, help="tasks per split to check (default 8)")
     check.add_argument("--seed", type=int, default=0, help="seed of the tasks drawn (default 0)")
@@ -249,13 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides"):
             parser.error(f"{args.command} takes no overrides: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    debug = args.debug or os.environ.get("CTXRL_DEBUG", "") not in ("", "0")
     try:
         return args.fn(args)
-    except ConfigError as exc:
-        print(f"ctxrl: config error: {exc}", file=sys.stderr)
-        return 2
-    except CheckpointError as exc:
-        print(f"ctxrl: checkpoint error: {exc}", file=sys.stderr)
+    except CtxrlError as exc:
+        if debug:
+            raise
+        print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
         from ctxrl.train.trainer import RunStopped, TrainingAborted

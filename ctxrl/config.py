@@ -80,6 +80,9 @@ class RolloutConfig:
     """Tokens of a whole episode (prompt, turns, observations) (``max_total_tokens``)."""
     max_batch_size: int = 128
     """Largest batch of concurrent requests the engine decodes together."""
+    sandbox_workers: int = 8
+    """Most sandboxed Python interpreters (the ``python`` tool) running at once in a rollout worker, each allowed
+    its memory limit (512 MB); calls beyond it wait for a free one, within their tool timeout."""
     episode_timeout_s: float = 300.0
     """Wall-clock deadline of one episode (environment set-up, model time, tool time); past it the
     episode is marked errored (``deadline``) and left out of the loss. 0 = no deadline."""
@@ -360,7 +363,8 @@ class Config:
 
 # -- validation --------------------------------------------------------------------------------
 _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "rollout.max_new_tokens",
-             "rollout.max_total_tokens", "rollout.max_batch_size", "sft.demos", "sft.epochs", "sft.batch_size",
+             "rollout.max_total_tokens", "rollout.max_batch_size", "rollout.sandbox_workers", "sft.demos",
+             "sft.epochs", "sft.batch_size",
              "algo.dynamic_sampling_rounds", "curriculum.horizon_start_turns", "curriculum.horizon_warmup_steps",
              "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches",
              "train.micro_batch_size", "eval.tasks",

@@ -278,13 +278,18 @@ def test_crashing_env_and_hanging_episode_are_errored_excluded_and_counted(tmp_p
     row = run.step(0)
     assert time.monotonic() - started < 15  # the hang was cut at its deadline, and nothing waited for it
     assert row["errored_episodes"] == 4 and row["deadline_episodes"] == 2
+    assert (row["errors_reset"], row["errors_deadline"], row["errors_step"], row["errors_constructor"]) == (2, 2, 0, 0)
+    # what the deadline dropped is logged next to what was kept (here: a reset that hung, so nothing sampled)
+    assert row["deadline_dropped_tokens_mean"] == 0.0 and row["kept_tokens_mean"] > 0
     assert row["episodes_dropped_small_groups"] == 0 and row["trained_episodes"] == 4  # two whole groups errored
     run.writer.close()
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     errored = [s for s in samples if s["phase"] == "rl-errored"]
     assert len(errored) == 4
-    assert sorted(s["error_kind"] for s in errored) == ["deadline", "deadline", "exception", "exception"]
-    assert sorted(s["error"].split(":")[0] for s in errored) == ["RuntimeError", "RuntimeError", "deadline", "deadline"]
+    assert sorted(s["error_kind"] for s in errored) == ["deadline", "deadline", "reset", "reset"]
+    assert sorted(s["error"].split(":")[0] for s in errored) == ["deadline", "deadline", "environment reset",
+                                                                "environment reset"]
+    assert all("RuntimeError: environment crashed" in s["error"] for s in errored if s["error_kind"] == "reset")
 
 
 def test_error_rate_threshold_aborts(tmp_path):
@@ -370,7 +375,38 @@ def test_a_raising_constructor_is_an_errored_episode_too(renderer):
     episodes = asyncio.run(run_episodes(broken, tasks, ScriptedEngine(["<answer>1</answer>"], renderer), renderer,
                                         RolloutLimits(timeout_s=5), group_size=2))
     assert len(episodes) == 4 and all(e.truncation == "error" for e in episodes)
-    assert all(e.info["error_kind"] == "exception" and "no such dataset" in e.info["error"] for e in episodes)
+    assert all(e.info["error_kind"] == "constructor" and "no such dataset" in e.info["error"] for e in episodes)
+
+
+def test_a_failure_in_ctxrl_or_the_engine_stops_the_run_and_names_the_newest_checkpoint(tmp_path, renderer):
+    """Not an errored episode: an exception outside the environment propagates, with where to resume from."""
+    from ctxrl.engine.scripted import ScriptedEngine
+    from ctxrl.rollout.agent import run_episodes
+    from ctxrl.rollout.spec import RolloutLimits
+
+    class BrokenEngine(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    tasks = CalculatorEnv.sample_tasks("train", 2, 0)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        asyncio.run(run_episodes(CalculatorEnv, tasks, BrokenEngine([], renderer), renderer, RolloutLimits(),
+                                 group_size=2))
+    trainer = Trainer(config("train.steps=3"), tmp_path)
+    real = trainer.step
+
+    def step(i):
+        if i == 1:
+            trainer.worker.engine = BrokenEngine([], renderer)
+        return real(i)
+
+    trainer.step = step
+    with pytest.raises(RuntimeError, match="illegal memory access") as info:
+        trainer.fit()
+    note = "".join(getattr(info.value, "__notes__", []))
+    assert "RL step 2 failed; the newest checkpoint is" in note and "step-000001" in note and "--resume" in note
+    rows = rl_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1]  # nothing of step 2 was logged as if it had run
 
 
 # -- review follow-ups ------------------------------------------------------------------------------

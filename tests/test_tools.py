@@ -8,6 +8,7 @@ import re
 import pytest
 
 from ctxrl.chat.toolcalls import parse_assistant
+from ctxrl.config import ConfigError, load_config
 from ctxrl.tools import CalculatorError, Tool, calculate, calculator_tool, execute_tool_calls, safe_eval
 from ctxrl.tools.base import schema_problems, validate_arguments
 from ctxrl.types import Message, ToolCall
@@ -156,3 +157,58 @@ def test_execute_exception_and_timeout() -> None:
 def test_execute_without_calls_is_empty() -> None:
     observations, counts = _run([calculator_tool()], Message(role="assistant", content="<answer>3</answer>"))
     assert observations == [] and counts == {"tool_calls": 0, "tool_errors": 0, "malformed_tool_calls": 0}
+
+
+def test_a_sync_tool_past_its_timeout_holds_up_neither_the_step_nor_the_exit():
+    """A 4 s sync tool with a 0.3 s timeout: the timeout observation comes within timeout + 1 s, the event
+    loop closes at once (the abandoned call runs on in a daemon thread), and the process exits promptly."""
+    import subprocess
+    import sys
+    import time
+
+    slow = Tool("slow", "Sleep.", {"type": "object", "properties": {}}, lambda: time.sleep(4) or "late",
+                timeout_s=0.3)
+    started = time.monotonic()
+    observations, counts = asyncio.run(execute_tool_calls([slow], Message("assistant", "", [ToolCall("slow", {})])))
+    assert time.monotonic() - started < 1.3  # asyncio.run included: nothing waited for the thread
+    assert "timed out after 0.3s" in observations[0].content and counts["tool_errors"] == 1
+    script = ("import asyncio, time\n"
+              "from ctxrl.tools.base import Tool, execute_tool_calls\n"
+              "from ctxrl.types import Message, ToolCall\n"
+              "hang = Tool('hang', 'Hang.', {'type': 'object', 'properties': {}}, lambda: time.sleep(3600),\n"
+              "            timeout_s=0.3)\n"
+              "call = Message('assistant', '', [ToolCall('hang', {})])\n"
+              "print(asyncio.run(execute_tool_calls([hang], call))[0][0].content)\n")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "timed out" in proc.stdout, proc.stderr
+    assert time.monotonic() - started < 20  # a hanging tool never keeps the process alive (imports take seconds)
+
+
+def test_the_python_tool_runs_through_a_bounded_pool(monkeypatch):
+    from ctxrl.tools import python as python_module
+    from ctxrl.tools import sandbox
+    from ctxrl.tools.sandbox import SandboxResult
+
+    live = {"now": 0, "most": 0}
+
+    async def fake_run(code, **limits):
+        live["now"] += 1
+        live["most"] = max(live["most"], live["now"])
+        await asyncio.sleep(0.05)
+        live["now"] -= 1
+        return SandboxResult(stdout=code, stderr="", exit_code=0, timed_out=False, memory_exceeded=False,
+                             truncated=False, duration_s=0.05)
+
+    monkeypatch.setattr(sandbox, "run_python_async", fake_run)
+    monkeypatch.setattr(python_module, "_POOL", python_module._POOL)
+    python_module.configure_pool(2)
+    tool = python_module.python_tool()
+
+    async def many():
+        return await asyncio.gather(*(tool(code=f"print({i})") for i in range(7)))
+
+    assert asyncio.run(many()) == [f"print({i})" for i in range(7)]
+    assert live["most"] == 2 and python_module.pool().workers == 2
+    with pytest.raises(ConfigError, match="rollout.sandbox_workers must be > 0"):
+        load_config(None, ["rollout.sandbox_workers=0"])

@@ -255,13 +255,14 @@ def test_verify_prefix_preserving_rejects(tokenizer, template):
     assert tokenizer.chat_template != template  # the session tokenizer is untouched
 
 
-def test_non_prefix_template_episode_errors(tokenizer, task):
+def test_non_prefix_template_mid_episode_stops_the_rollout(tokenizer, task):
+    """A template that is not prefix-preserving is the user's to fix, not an episode's error: it propagates
+    (the run stops with a one-line message naming the template) instead of erroring every episode silently."""
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = STRIP_HISTORY
     bad = ChatRenderer(tok, template_name="strip")
-    ep, _, _ = _play(bad, task, CalculatorEnv.solve(task))
-    assert ep.truncation == "error"
-    assert "TemplateError" in ep.info["error"] and "strip" in ep.info["error"]
+    with pytest.raises(TemplateError, match="chat template 'strip' is not prefix-preserving"):
+        _play(bad, task, CalculatorEnv.solve(task))
 
 
 def test_continuation_requires_assistant_history(renderer):

@@ -35,14 +35,17 @@ import re
 from typing import Any
 
 from ctxrl.chat.toolcalls import format_tool_call
+from ctxrl.errors import CtxrlError
 from ctxrl.types import Message
 
 _MARKER = "\ue000ctxrl-{}\ue001"
 _MARKERS = re.compile("\ue000ctxrl-(\\d+)\ue001")
 
 
-class TemplateError(RuntimeError):
+class TemplateError(CtxrlError, RuntimeError):
     """The chat template cannot be rendered incrementally."""
+
+    kind = "chat template error"
 
 
 class ChatRenderer:

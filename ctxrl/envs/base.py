@@ -29,13 +29,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Protocol, runtime_checkable
 
+from ctxrl.errors import CtxrlError
 from ctxrl.tasks.space import ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.types import Message, StepResult, Task
 
 
-class EnvError(RuntimeError):
-    """Misuse of an environment by the caller (not a model error, which is an observation)."""
+class EnvError(CtxrlError, RuntimeError):
+    """An environment that cannot be found, built or used as asked (a model's error is an observation, never this)."""
+
+    kind = "environment error"
 
 
 @runtime_checkable

@@ -53,7 +53,7 @@ from ctxrl.envs.recorded import RecordedEnv
 from ctxrl.envs.tool_answer import parse_answer
 from ctxrl.meta.demos import Demo, with_demos
 from ctxrl.prompts import NOTES_HEADER
-from ctxrl.rollout.agent import record_error, reset_env, run_episode
+from ctxrl.rollout.agent import EnvironmentFailure, record_error, reset_env, run_episode
 from ctxrl.rollout.generate import sample_aside
 from ctxrl.rollout.messages import task_with, text_only
 from ctxrl.rollout.recorder import Recorder, join
@@ -143,13 +143,16 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
         t0 = time.perf_counter()
         env = None
         try:
-            env = RecordedEnv(make_env())
+            try:
+                env = RecordedEnv(make_env())
+            except Exception as exc:  # noqa: BLE001 - the environment's failure: an errored trial
+                raise EnvironmentFailure("constructor", exc) from exc
             base = with_demos(await reset_env(env, task, seed, limits.timeout_s), demos or [])
-        except Exception as exc:  # noqa: BLE001 - an errored trial is data, not a crash
+        except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:
             if env is not None:
                 try:
                     env.close()
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - the trial is errored already
                     pass
             failure = (k, exc, time.perf_counter() - t0)
             break
@@ -182,7 +185,7 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
                     await asyncio.wait_for(reflect, limits.timeout_s)
                 else:
                     await reflect
-            except Exception as exc:  # noqa: BLE001 - a deadline or an engine error: the trial is errored
+            except (TimeoutError, asyncio.TimeoutError) as exc:  # the deadline: the trial is errored
                 failure = (k, exc, time.perf_counter() - t0)
                 break
         carried.append(Carried(k, conversation, record["feedback"], record["reflection"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from ctxrl.errors import CtxrlError
 from ctxrl.models.tiny import TinySpec, tiny_path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -17,8 +18,10 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(CtxrlError, RuntimeError):
     """A model or tokenizer could not be loaded; the message says why and how to fix it."""
+
+    kind = "model error"
 
 
 def parse_tiny(name: str) -> TinySpec | None:

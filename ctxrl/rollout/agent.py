@@ -8,13 +8,19 @@ Every token is written through the episode's ``Recorder``; what the model sees a
 grows is its context manager's decision (``ctxrl.rollout.managers``).
 
 Limits end an episode and are recorded in ``Episode.truncation``: ``max_turns``,
-``max_new_tokens`` (a turn was cut off before its end-of-turn token), ``max_total_tokens``. An
-exception from the environment or engine ends that episode with truncation ``error`` (the
-message is kept in ``info["error"]``, ``info["error_kind"]`` is ``exception``); so does running
-past ``RolloutLimits.timeout_s``, the episode's wall-clock deadline (``error_kind`` ``deadline``),
-which covers the environment's set-up (``reset`` then runs in a worker thread), model time and
-tool time. The other episodes go on. ``run_episodes`` resets every environment before the first
-generation, so how long each reset took never changes which episodes share an engine batch.
+``max_new_tokens`` (a turn was cut off before its end-of-turn token), ``max_total_tokens``.
+
+Errors are classified by where they come from. An exception raised by the environment (its
+constructor, ``reset`` or ``step``) ends that episode with truncation ``error``: the message is
+in ``info["error"]`` and ``info["error_kind"]`` says where (``constructor``, ``reset``, ``step``).
+So does running past ``RolloutLimits.timeout_s``, the episode's wall-clock deadline
+(``error_kind`` ``deadline``), which covers the environment's set-up (``reset`` then runs in a
+daemon thread), model time and tool time. The other episodes go on. A tool's failure is never an
+errored episode: it is an observation the model reads (``ctxrl.tools.base.execute_tool_calls``).
+Anything else (the engine, the renderer, a context manager: ctxrl's own code) is not the
+episode's fault and is not swallowed: it propagates, and the run stops with its traceback.
+``run_episodes`` resets every environment before the first generation, so how long each reset
+took never changes which episodes share an engine batch.
 
 A seeded episode seeds each turn's sampling (``derive_seed(seed, turn)``), so it samples the
 same tokens however the engine happens to batch it with other episodes.
@@ -26,7 +32,6 @@ The agent loop plays given tasks; which tasks, with which settings and seeds, is
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +44,7 @@ from ctxrl.rollout.managers.base import Play
 from ctxrl.rollout.recorder import Recorder
 from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.seeds import episode_seed
+from ctxrl.tools.threads import in_daemon_thread
 from ctxrl.types import Episode, Message, Task, Turn
 
 
@@ -63,9 +69,7 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
             await asyncio.wait_for(body(), max(limits.timeout_s - spent_s, 1e-3))
         else:
             await body()
-    except (TimeoutError, asyncio.TimeoutError) as exc:
-        record_error(episode, exc, limits, time.perf_counter() - started)
-    except Exception as exc:  # noqa: BLE001 - an errored episode is data, not a crash
+    except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:  # an errored episode is data
         record_error(episode, exc, limits, time.perf_counter() - started)
     finally:
         try:
@@ -76,49 +80,51 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
     return episode
 
 
+ERROR_KINDS = ("constructor", "reset", "step", "deadline")
+"""Where an errored episode's error came from (``info["error_kind"]``)."""
+
+
+class EnvironmentFailure(Exception):
+    """An exception the environment raised, with where (``constructor``, ``reset``, ``step``): an errored episode."""
+
+    def __init__(self, where: str, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.where, self.cause = where, cause
+
+
+def is_deadline(exc: BaseException, limits: RolloutLimits, elapsed: float) -> bool:
+    """Whether ``exc`` is the episode deadline firing (not some other timeout)."""
+    return isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and 0 < limits.timeout_s <= elapsed
+
+
 def record_error(episode: Episode, exc: BaseException, limits: RolloutLimits, elapsed: float) -> None:
+    """Mark ``episode`` errored by ``exc``: the environment's failure (with where) or the deadline."""
     episode.truncation = "error"
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and limits.timeout_s > 0 and elapsed >= limits.timeout_s:
+    if is_deadline(exc, limits, elapsed):
         episode.info["error"] = (f"deadline: the episode ran past rollout.episode_timeout_s={limits.timeout_s:g} s "
                                  f"(in turn {len(episode.turns)})")
         episode.info["error_kind"] = "deadline"
-    else:
+    elif isinstance(exc, EnvironmentFailure):
+        episode.info["error"] = f"environment {exc.where}: {exc}"
+        episode.info["error_kind"] = exc.where
+    else:  # a timeout that is not the deadline: the environment's own
         episode.info["error"] = f"{type(exc).__name__}: {exc}"
-        episode.info["error_kind"] = "exception"
+        episode.info["error_kind"] = "step"
 
 
 async def reset_env(env: Any, task: Task, seed: int | None, timeout_s: float) -> list:
-    """``env.reset(task, seed=seed)``; with a deadline, in a daemon thread so a hung set-up is abandoned.
-
-    A daemon thread (not the event loop's executor): ``asyncio.run`` waits for its executor's
-    threads at exit, and an abandoned reset must never hold up the step or the process.
-    """
-    if timeout_s <= 0:
-        return env.reset(task, seed=seed)
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def target() -> None:
-        try:
-            result, error = env.reset(task, seed=seed), None
-        except BaseException as exc:  # noqa: BLE001 - handed to the episode
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(_settle, future, result, error)
-        except RuntimeError:  # the loop is gone: the episode was abandoned long ago
-            pass
-
-    threading.Thread(target=target, name="ctxrl-env-reset", daemon=True).start()
-    return await asyncio.wait_for(future, timeout_s)
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    """``env.reset(task, seed=seed)``; with a deadline, in a daemon thread so a hung set-up is abandoned
+    (``ctxrl.tools.threads``: it never holds up the step or the process). What ``reset`` raises
+    comes back as an ``EnvironmentFailure`` (``reset``)."""
+    try:
+        if timeout_s <= 0:
+            return env.reset(task, seed=seed)
+        return await asyncio.wait_for(in_daemon_thread(env.reset, task, seed=seed, name="ctxrl-env-reset"),
+                                      timeout_s)
+    except (TimeoutError, asyncio.TimeoutError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the environment's failure, classified
+        raise EnvironmentFailure("reset", exc) from exc
 
 
 async def _play(env, engine, renderer, limits: RolloutLimits, seed, episode: Episode, opening) -> None:
@@ -166,7 +172,10 @@ async def _turns(env, play: Play, manager) -> None:
             if episode.truncation is not None:
                 return
             continue
-        result = await env.step(message)
+        try:
+            result = await env.step(message)
+        except Exception as exc:  # noqa: BLE001 - the environment's failure, classified
+            raise EnvironmentFailure("step", exc) from exc
         _record_step(episode, record, result)
         if result.terminated:
             return
@@ -228,15 +237,13 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
         try:
             env = make_env()
         except Exception as exc:  # noqa: BLE001 - an errored episode, not a crashed step
-            return None, exc, time.perf_counter() - t0
+            return None, EnvironmentFailure("constructor", exc), time.perf_counter() - t0
         try:
             return env, await reset_env(env, task, seed_of_episode, limits.timeout_s), time.perf_counter() - t0
-        except BaseException as exc:  # noqa: BLE001
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:
             try:
                 env.close()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the episode is errored already
                 pass
             return None, exc, time.perf_counter() - t0
 

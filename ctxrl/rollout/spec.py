@@ -122,6 +122,8 @@ class RolloutSpec(PlainData):
     demos: DemoSpec = DemoSpec()
     max_batch_size: int = 128
     """Largest batch of concurrent requests the engine decodes together."""
+    sandbox_workers: int = 8
+    """Most sandboxed Python interpreters running at once in the worker's process (``ctxrl.tools.python``)."""
     engine_seed: int = 0
     """The engine's stream for requests that bring no seed."""
     plugins: str = ""
@@ -161,7 +163,8 @@ class RolloutSpec(PlainData):
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,
                            source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
                            choice_seed=seeds.demo_choice),
-            max_batch_size=r.max_batch_size, engine_seed=seeds.engine, plugins=config.run.plugins)
+            max_batch_size=r.max_batch_size, sandbox_workers=r.sandbox_workers, engine_seed=seeds.engine,
+            plugins=config.run.plugins)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from ctxrl.envs.registry import configured_env_class
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.agent import run_episodes
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.tools.python import configure_pool
 from ctxrl.types import Episode
 
 
@@ -39,6 +40,7 @@ class RolloutWorker:
         self.renderer = renderer
         self.env_cls = env_cls if env_cls is not None else spec_env_class(spec)
         self._demo_pool = demo_pool
+        configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
         if spec.demos.max_demos > 0:
             self.demo_pool()  # a missing demo file or a failing solve() stops the run now, not at step 1
 

@@ -10,10 +10,11 @@ run in a worker thread so it neither blocks the event loop nor escapes the timeo
 ``Error: ...`` observation the model can read and recover from, and is counted. It never
 raises because of model output.
 
-What this file deliberately does not do: sandboxing (a tool is trusted code; a timed-out
-*sync* tool keeps running in its thread until it returns, because Python threads cannot be
-killed), and full JSON-schema validation (``validate_arguments`` covers the flat
-object-of-primitives schemas tools use; jsonschema is not a dependency).
+What this file deliberately does not do: sandboxing (a tool is trusted code; a timed-out *sync*
+tool keeps running in its daemon thread until it returns, because Python threads cannot be
+killed, but nothing waits for it: ``ctxrl.tools.threads``), and full JSON-schema validation
+(``validate_arguments`` covers the flat object-of-primitives schemas tools use; jsonschema is not
+a dependency).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ctxrl.tools.threads import in_daemon_thread
 from ctxrl.types import Message
 
 ToolFn = Callable[..., str | Awaitable[str]]
@@ -81,8 +83,8 @@ class Tool:
         """Run the tool without validation or timeout (``execute_tool_calls`` adds both)."""
         if _is_async(self.fn):
             result = await self.fn(**arguments)
-        else:
-            result = await asyncio.to_thread(self.fn, **arguments)
+        else:  # abandonable: a call past its timeout never holds up the step or the process exit
+            result = await in_daemon_thread(self.fn, name=f"ctxrl-tool-{self.name}", **arguments)
             if inspect.isawaitable(result):  # e.g. a functools.partial over an async function
                 result = await result
         # A tool that returns numbers or dicts is a small authoring slip, not a crash.

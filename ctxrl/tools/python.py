@@ -4,12 +4,33 @@ The observation is what a person at a terminal would see: stdout, then stderr, t
 line when the run did not end normally (time limit, memory limit, non-zero exit). The tool's
 own ``timeout_s`` (the turn-level guard in ``execute_tool_calls``) is set a little above the
 sandbox's, so the sandbox's deadline, which also kills the run's processes, always fires first.
+
+Every ``python`` tool of a process runs through one ``SandboxPool``: at most ``workers``
+interpreters at once (each may use its memory limit, 512 MB by default), however many episodes
+call it together; the rest wait their turn. ``configure_pool(workers)`` sizes it
+(``rollout.sandbox_workers``; a ``RolloutWorker`` sets it from its spec).
 """
 
 from __future__ import annotations
 
 from ctxrl.tools.base import Tool
-from ctxrl.tools.sandbox import SandboxResult, run_python_async
+from ctxrl.tools.sandbox import SandboxPool, SandboxResult
+
+DEFAULT_WORKERS = 8
+_POOL = SandboxPool(workers=DEFAULT_WORKERS)
+
+
+def configure_pool(workers: int) -> SandboxPool:
+    """Size the shared pool: at most ``workers`` sandboxed interpreters at once in this process."""
+    global _POOL
+    if workers != _POOL.workers:
+        _POOL = SandboxPool(workers=workers)
+    return _POOL
+
+
+def pool() -> SandboxPool:
+    """The pool every ``python`` tool of this process runs through."""
+    return _POOL
 
 
 def format_result(result: SandboxResult) -> str:
@@ -30,8 +51,8 @@ def python_tool(*, timeout_s: float = 10.0, memory_mb: int = 512, max_output_byt
     """The ``python`` tool: one required string argument ``code``; prints are the result."""
 
     async def run(code: str) -> str:
-        return format_result(await run_python_async(code, timeout_s=timeout_s, memory_mb=memory_mb,
-                                                    max_output_bytes=max_output_bytes))
+        return format_result(await pool().run(code, timeout_s=timeout_s, memory_mb=memory_mb,
+                                              max_output_bytes=max_output_bytes))
 
     return Tool(
         name="python",

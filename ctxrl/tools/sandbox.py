@@ -50,6 +50,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ctxrl.errors import CtxrlError
+
 MEMORY_EXIT = 86  # the exit code the child uses to say "MemoryError"
 TRUNCATION_MARKER = "\n[ctxrl sandbox: output truncated after {n} bytes]\n"
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
@@ -167,8 +169,10 @@ except BaseException as exc:
 '''.replace("MEMORY_EXIT", str(MEMORY_EXIT))
 
 
-class SandboxError(RuntimeError):
+class SandboxError(CtxrlError, RuntimeError):
     """The sandbox cannot run here (not the code's fault); the message says how to fix it."""
+
+    kind = "sandbox error"
 
 
 _python_for_uid: str | None = None

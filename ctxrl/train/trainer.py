@@ -29,6 +29,7 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ import torch
 from ctxrl.algo.estimators import EstimatorSettings, get_estimator
 from ctxrl.algo.filters import informative_groups, void_turn_free
 from ctxrl.config import Config, to_toml
-from ctxrl.errors import CheckpointError
+from ctxrl.errors import CheckpointError, CtxrlError
 from ctxrl.eval.evaluate import evaluate_split
 from ctxrl.report.progress import Progress
 from ctxrl.report.writer import RunWriter
@@ -162,7 +163,13 @@ class Trainer:
             for step in range(first, steps):
                 if stop.signal is not None:
                     break
-                row = self.step(step)
+                try:
+                    row = self.step(step)
+                except (TrainingAborted, CtxrlError):
+                    raise
+                except Exception as exc:  # a ctxrl, engine or learner failure: stop with its traceback
+                    _add_note(exc, self._crash_note(step))
+                    raise
                 done = step + 1
                 info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
                         f"{row['time_step']:.1f}s/step")
@@ -198,6 +205,16 @@ class Trainer:
                                   f"train.steps={self.config.train.steps}; set train.steps >= {first}")
         self.progress.message(f"resumed from {self.writer.dir / 'checkpoints' / 'latest'} after step {first}")
         return first, before
+
+    def _crash_note(self, step: int) -> str:
+        """Where to go on from after a failure in RL step ``step`` (0-based)."""
+        root = self.writer.dir / "checkpoints"
+        latest = root / "latest"
+        if latest.exists():
+            return (f"ctxrl: RL step {step + 1} failed; the newest checkpoint is {root / latest.read_text().strip()}: "
+                    f"after fixing the cause, continue with --run-dir {self.writer.dir} --resume")
+        return (f"ctxrl: RL step {step + 1} failed; no checkpoint was written (train.checkpoint_every="
+                f"{self.config.train.checkpoint_every}), so the run cannot be resumed")
 
     def _stopped(self, signum: int, done: int, first: int) -> None:
         every, run_dir = self.config.train.checkpoint_every, self.writer.dir
@@ -346,9 +363,8 @@ class Trainer:
         dropped = 0
         if self.estimator.needs_groups:  # group statistics need two valid episodes
             valid, dropped = drop_small_groups(valid)
-        metrics.update({"errored_episodes": len(errored),
-                        "deadline_episodes": sum(e.info.get("error_kind") == "deadline" for e in errored),
-                        "error_rate": error_rate, "episodes_dropped_small_groups": dropped})
+        metrics.update({"errored_episodes": len(errored), "error_rate": error_rate,
+                        "episodes_dropped_small_groups": dropped, **error_stats(episodes)})
         return valid
 
     def estimate(self, valid: list[Episode], metrics: dict[str, Any]) -> tuple[list[TrainSequence], int]:
@@ -485,6 +501,31 @@ def kl_reward_penalties(ref_model, episodes: list[Episode], pad_token_id: int, *
     return rows, sums["kl"] / max(sums["tokens"], 1.0)
 
 
+def error_stats(episodes: list[Episode]) -> dict[str, float]:
+    """Errored episodes by kind (``errors_constructor`` ... ``errors_deadline``), and what the deadline dropped.
+
+    A deadline cuts long episodes first, so the episodes left to train on are biased short:
+    ``deadline_dropped_tokens_mean`` (tokens an episode held when its deadline fired) next to
+    ``kept_tokens_mean`` (tokens of the episodes that finished) shows by how much.
+    """
+    from ctxrl.rollout.agent import ERROR_KINDS
+
+    errored = [e for e in episodes if e.truncation == "error"]
+    out: dict[str, float] = {f"errors_{kind}": float(sum(e.info.get("error_kind") == kind for e in errored))
+                             for kind in ERROR_KINDS}
+    out["deadline_episodes"] = out["errors_deadline"]
+    dropped = [e for e in errored if e.info.get("error_kind") == "deadline"]
+    if dropped:
+        kept = [e for e in episodes if e.truncation != "error"]
+
+        def tokens(e: Episode) -> int:
+            return sum(len(s.input_ids) for s in e.sequences())
+
+        out["deadline_dropped_tokens_mean"] = sum(map(tokens, dropped)) / len(dropped)
+        out["kept_tokens_mean"] = sum(map(tokens, kept)) / len(kept) if kept else 0.0
+    return out
+
+
 def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
     """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
 
@@ -537,6 +578,14 @@ class GracefulStop:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to the traceback ``exc`` will print (Python 3.11+), or print it now."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        print(note, file=sys.stderr)
 
 
 def _summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
