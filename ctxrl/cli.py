@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxrl.config import Config, load_config
-from ctxrl.errors import CheckpointError, CtxrlError
+from ctxrl.errors import CheckpointError, ConfigError, CtxrlError
 
 
 def _default_run_dir(config: Config) -> Path:
@@ -38,13 +38,15 @@ def print_table(summary: dict[str, Any]) -> None:
     table.add_column("after warm start", justify="right")
     table.add_column("after RL", justify="right")
     table.add_column("change", justify="right")
+    def cell(x: float | None, form: str = ".2f") -> str:
+        return "-" if x is None else format(x, form)  # "-": a split the environment has no tasks for
+
     for split in ("train", "heldout", "ood"):
         b, a = summary[f"{split}_success_before"], summary[f"{split}_success_after"]
-        table.add_row(split, f"{b:.2f}", f"{a:.2f}", f"{a - b:+.2f}")
+        table.add_row(split, cell(b), cell(a), cell(None if a is None or b is None else a - b, "+.2f"))
     for split in ("heldout", "ood"):
-        table.add_row(f"generalisation gap (train - {split})", "", f"{summary[f'gap_{split}_after']:+.2f}", "")
-    table.add_row("tool calls / episode (heldout)", f"{summary['tool_calls_before']:.2f}",
-                  f"{summary['tool_calls_after']:.2f}", "")
+        table.add_row(f"generalisation gap (train - {split})", "", cell(summary[f"gap_{split}_after"], "+.2f"), "")
+    table.add_row("tool calls / episode", cell(summary["tool_calls_before"]), cell(summary["tool_calls_after"]), "")
     console = Console()
     console.print(table)
     console.print(f"run directory: {summary['run_dir']}  ({summary['steps']} steps, {summary['wall_seconds']}s)")
@@ -96,8 +98,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
     writer = RunWriter(run_dir)
     writer.write_config(to_toml(config))
-    splits = (args.split,) if args.split else ("train", "heldout", "ood")
-    results = evaluate_splits(worker, config, writer, 0, splits)
+    from ctxrl.envs.hooks import available_splits
+
+    have = available_splits(worker.env_cls)
+    if args.split and args.split not in have:
+        raise ConfigError(f"--split {args.split}: environment {config.env.name!r} has no {args.split!r} tasks "
+                          f"(it has {', '.join(have)})")
+    skipped = [s for s in ("train", "heldout", "ood") if s not in have and not args.split]
+    if skipped:
+        print(f"note: no {' or '.join(skipped)} tasks: skipped", file=sys.stderr)
+    splits = (args.split,) if args.split else tuple(s for s in ("train", "heldout", "ood") if s in have)
+    from ctxrl.report.progress import ConsoleProgress
+
+    with ConsoleProgress(quiet=not config.run.progress or (args.json and not sys.stderr.isatty())) as progress:
+        results = evaluate_splits(worker, config, writer, 0, splits, progress)
     writer.close()
     table = Table(title=f"evaluation of {args.checkpoint}")
     for column in ("split", "success", "reward", "tool calls/ep", "turns/ep"):
@@ -170,10 +184,12 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     except EnvError as exc:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2
-    problems = check_env(cls, n_tasks=args.tasks, seed=args.seed)
+    notes: list[str] = []
+    problems = check_env(cls, n_tasks=args.tasks, seed=args.seed, notes=notes)
     enabled = features(cls)
     if args.json:
-        print(json.dumps({"env": args.name, "ok": not problems, "problems": problems, "features": enabled}))
+        print(json.dumps({"env": args.name, "ok": not problems, "problems": problems, "notes": notes,
+                          "features": enabled}))
         return 1 if problems else 0
     if problems:
         print(f"{args.name}: {len(problems)} problem(s)")
@@ -182,6 +198,8 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     else:
         print(f"{args.name}: OK (seeded sampling and reset, splits, tool schemas, gold solutions score 1.0 on "
               f"every split, step after the end is an error, close twice)")
+    for note in notes:
+        print(f"note: {note}")
     print("features its hooks enable (ctxrl/envs/hooks.py):")
     for name, on in enabled.items():
         print(f"  [{'x' if on else ' '}] {name}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,39 @@ def test_trains_through_the_loop(tmp_path, task_file):
     row = run.step(0)
     assert row["trained_episodes"] == 4
     assert set(run.evaluate(0)) == {"train", "heldout", "ood"}
+
+
+def test_a_file_of_bare_prompt_answer_lines_checks_trains_and_evaluates_on_the_splits_it_has(tmp_path):
+    """The documented minimum: no split labels, so no ood tasks. check-env passes with a note, and
+    `ctxrl train` runs to its end, evaluating train and heldout and saying once that ood is skipped."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"What is {a} plus {b}?", "answer": str(a + b)})
+                              for a in range(10) for b in range(5)) + "\n")
+    env_cls = configured_env_class("jsonl_tools", data=str(path), tools="calculator", verifier="numeric")
+    assert env_cls.splits() == ("train", "heldout")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def ctxrl(*args):
+        return subprocess.run([sys.executable, "-m", "ctxrl.cli", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    check = ctxrl("check-env", "jsonl_tools", "--data", str(path), "--tools", "calculator", "--tasks", "4")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "OK" in check.stdout and "note: no 'ood' tasks: the ood split is skipped" in check.stdout
+    config = Path(__file__).parents[1] / "examples" / "calculator_tiny.toml"
+    run = ctxrl("train", str(config), "--steps", "1", "--json",
+                "--run-dir", str(tmp_path / "run"), "model.name=tiny:pretrain_steps=0", "env.name=jsonl_tools",
+                f'env.data="{path}"', "env.tools=calculator", "env.verifier=numeric", "sft.demos=4", "sft.epochs=1",
+                "sft.batch_size=4", "eval.tasks=2", "rollout.tasks_per_step=2", "rollout.group_size=2",
+                "rollout.max_new_tokens=8", "run.progress=false")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["ood_success_after"] is None and summary["heldout_success_after"] >= 0
+    assert "ood" in run.stdout and "-" in run.stdout  # the table shows the skipped split as "-"
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_splits"] for r in rows if r["phase"] == "note"] == [["ood"]]  # reported once
+    assert {r["split"] for r in rows if r["phase"] == "eval"} == {"train", "heldout"}

@@ -139,7 +139,7 @@ def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeyp
     assert engine.prompts and not any(DEMOS_HEADER in run.renderer.decode(p) for p in engine.prompts)
     assert "success" in summary
 
-    def leaky(worker, split, n, *, seed, trials_per_task=1):
+    def leaky(worker, split, n, *, seed, trials_per_task=1, on_episode=None):
         leak = RolloutRequest(tasks=worker.env_cls.sample_tasks(split, n, seed), seed=seed, phase="train")
         return {}, worker.run(leak)  # training settings: the step-0 demos
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from ctxrl.chat.toolcalls import parse_assistant
 from ctxrl.envs.base import Env, EnvError
+from ctxrl.envs.hooks import available_splits
 from ctxrl.tasks.space import ContextError
 from ctxrl.tools.base import Tool, schema_problems
 from ctxrl.types import SPLITS, Message, StepResult, Task
@@ -48,18 +49,30 @@ def assert_env_ok(env_cls: type, *, n_tasks: int = 8, seed: int = 0) -> None:
         raise CheckEnvError(getattr(env_cls, "__name__", str(env_cls)), problems)
 
 
-def check_env(env_cls: type, *, n_tasks: int = 8, seed: int = 0) -> list[str]:
-    """Every problem found with ``env_cls`` (an empty list means it conforms)."""
+def check_env(env_cls: type, *, n_tasks: int = 8, seed: int = 0, notes: list[str] | None = None) -> list[str]:
+    """Every problem found with ``env_cls`` (an empty list means it conforms).
+
+    ``notes`` (if given) receives what was not checked and why: a split the environment has no
+    tasks for (its ``splits()`` hook), which training and evaluation skip too.
+    """
     missing = [attr for attr in _REQUIRED if not hasattr(env_cls, attr)]
     if missing:
         return [f"{env_cls.__name__} lacks {missing}; an environment needs {list(_REQUIRED)} (see ctxrl/envs/base.py)"]
     problems: list[str] = []
     tasks: dict[str, list[Task]] = {}
+    have = _call(problems, "splits()", available_splits, env_cls) or ()
+    if "train" not in have:
+        problems.append(f"{env_cls.__name__} has no 'train' tasks (splits() says {list(have)}); training needs them")
     for split in SPLITS:
+        if split not in have:
+            if notes is not None:
+                notes.append(f"no {split!r} tasks: the {split} split is skipped (here, in training and in evaluation)")
+            continue
         drawn = _check_sampling(env_cls, split, n_tasks, seed, problems)
         if drawn:
             tasks[split] = drawn
-    _check_disjoint(env_cls, n_tasks, seed, problems)
+    if "train" in have and "heldout" in have:
+        _check_disjoint(env_cls, n_tasks, seed, problems)
     try:
         env = env_cls()
     except Exception as exc:  # noqa: BLE001 - report, don't crash the checker
@@ -100,7 +113,8 @@ def _check_sampling(env_cls: type, split: str, n: int, seed: int, problems: list
         problems.append(f"{where} is not reproducible: two calls returned different tasks; draw everything "
                         "from a random.Random seeded by (seed, split), never from global random state")
     other = _call(problems, where, env_cls.sample_tasks, split, n, seed + 1)
-    if n > 1 and other is not None and [t.prompt for t in other] == [t.prompt for t in first]:
+    varied = len({t.prompt for t in first}) > 1  # a split of one task gives the same draw for every seed
+    if varied and other is not None and [t.prompt for t in other] == [t.prompt for t in first]:
         problems.append(f"{where} ignores the seed: seed={seed + 1} returned the same prompts")
     space = env_cls.context_space
     for task in first:

@@ -2,7 +2,7 @@
 
 The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an
 environment opts into features by defining hooks: ``shortcut``, ``pretraining_variant``,
-``summary``, ``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus`` (their types are
+``summary``, ``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits`` (their types are
 ``OptionalHooks``; what each enables is ``HOOKS``) and the ``names_actions`` flag (``FLAGS``). ctxrl
 looks them up only through ``hook`` and ``flag`` here, never with a bare ``getattr`` elsewhere, so
 this file is the complete list. ``ctxrl check-env NAME`` prints which features an environment's
@@ -41,6 +41,8 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
     Hook("configure", "configure(data=, tools=, verifier=) -> type",
          "environments built from data (env.data, env.tools, env.verifier)"),
     Hook("corpus", "corpus(n, seed) -> list[str]", "the tiny model's tokenizer and plain-text pre-training"),
+    Hook("splits", "splits() -> tuple[str, ...]",
+         "training and evaluation on the splits it has (a task file without ood tasks)"),
 )}
 FLAGS = {"names_actions": "exploration statistics in the environment's own terms (note_action)"}
 
@@ -72,6 +74,9 @@ class OptionalHooks(Protocol):
     @classmethod
     def corpus(cls, n: int, seed: int) -> list[str]: ...
 
+    @classmethod
+    def splits(cls) -> tuple[str, ...]: ...
+
 
 def hook(env: Any, name: str) -> Callable[..., Any] | None:
     """The environment's ``name`` hook (on its class or an instance), or None if it does not define one."""
@@ -93,6 +98,17 @@ def has_trial_hooks(env: Any) -> bool:
     return hook(env, "failure") is not None and hook(env, "reflection") is not None
 
 
+def available_splits(env_cls: type) -> tuple[str, ...]:
+    """The splits ``env_cls`` has tasks for: its ``splits()`` hook, or all three."""
+    from ctxrl.types import SPLITS
+
+    found = hook(env_cls, "splits")
+    if found is None:
+        return SPLITS
+    splits = tuple(s for s in SPLITS if s in set(found()))
+    return splits
+
+
 def features(env_cls: type) -> dict[str, bool]:
     """Which optional features an environment's hooks enable (what ``check-env`` prints)."""
     return {
@@ -106,4 +122,5 @@ def features(env_cls: type) -> dict[str, bool]:
         "named actions (names_actions)": flag(env_cls, "names_actions"),
         "built from data (configure)": hook(env_cls, "configure") is not None,
         "tiny-model tokenizer and pre-training text (corpus)": hook(env_cls, "corpus") is not None,
+        "only some splits (splits)": hook(env_cls, "splits") is not None,
     }

@@ -8,9 +8,11 @@ A JSONL file holds one task per line::
 
 ``prompt`` and ``answer`` are required. ``split`` (``train``, ``heldout`` or ``ood``) is optional:
 unlabelled tasks go to ``train`` or ``heldout`` by a stable hash of the prompt (20% held out);
-``ood`` exists only for labelled tasks. ``solution`` (assistant texts) is what ``solve()`` plays;
-without it ``solve()`` answers directly. The episode has the ``ToolAnswerEnv`` shape: tool turns
-get observations, the first turn without a call is the scored answer.
+``ood`` exists only for labelled tasks: a file without it trains and evaluates on the splits it
+has (``splits()``), and the missing one is reported once as skipped. ``solution`` (assistant
+texts) is what ``solve()`` plays; without it ``solve()`` answers directly. The episode has the
+``ToolAnswerEnv`` shape: tool turns get observations, the first turn without a call is the scored
+answer.
 
 Configuration (``[env]``): ``name = "jsonl_tools"``, ``data`` (the file), ``tools`` (comma-
 separated built-in tools: ``calculator``, ``python``) and ``verifier`` (``exact``: equal after
@@ -142,6 +144,11 @@ class JsonlToolsEnv(ToolAnswerEnv):
 
     def make_tools(self) -> list[Tool]:
         return [_tool(n) for n in self.tool_names]
+
+    @classmethod
+    def splits(cls) -> tuple[str, ...]:
+        """The splits the task file has tasks for (a file of bare prompt/answer lines has no ``ood``)."""
+        return tuple(s for s in SPLITS if cls.tasks.get(s))
 
     @classmethod
     def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:

@@ -14,14 +14,17 @@ from ctxrl.types import Episode
 __all__ = ["evaluate_split", "summarize"]
 
 
-def evaluate_split(worker, split: str, n_tasks: int, *, seed: int,
-                   trials_per_task: int = 1) -> tuple[dict[str, float], list[Episode]]:
-    """Play ``n_tasks`` tasks of ``split`` with ``worker`` (evaluation settings); summary and episodes."""
+def evaluate_split(worker, split: str, n_tasks: int, *, seed: int, trials_per_task: int = 1,
+                   on_episode=None) -> tuple[dict[str, float], list[Episode]]:
+    """Play ``n_tasks`` tasks of ``split`` with ``worker`` (evaluation settings); summary and episodes.
+
+    ``on_episode(done, total)`` after each episode (or trial) finishes: progress for a display.
+    """
     from ctxrl.meta.metrics import trial_summary
     from ctxrl.rollout.spec import RolloutRequest
 
     tasks = worker.env_cls.sample_tasks(split, n_tasks, seed)
     trials = worker.spec.eval_meta.num_attempts > 1
     request = RolloutRequest(tasks=tasks, group_size=trials_per_task if trials else 1, seed=seed, phase="eval")
-    episodes = worker.run(request)
+    episodes = worker.run(request, on_episode=on_episode)
     return (trial_summary(episodes) if trials else summarize(episodes)), episodes

@@ -53,7 +53,7 @@ from ctxrl.envs.recorded import RecordedEnv
 from ctxrl.envs.tool_answer import parse_answer
 from ctxrl.meta.demos import Demo, with_demos
 from ctxrl.prompts import NOTES_HEADER
-from ctxrl.rollout.agent import EnvironmentFailure, record_error, reset_env, run_episode
+from ctxrl.rollout.agent import EnvironmentFailure, notify, record_error, reset_env, run_episode
 from ctxrl.rollout.generate import sample_aside
 from ctxrl.rollout.messages import task_with, text_only
 from ctxrl.rollout.recorder import Recorder, join
@@ -270,7 +270,8 @@ def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int,
 
 async def run_trials(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
                      limits: RolloutLimits, policy: MetaPolicy, *, group_size: int = 1, seed: int = 0,
-                     demos: Callable[[int, int], list[Demo]] | None = None) -> list[Episode]:
+                     demos: Callable[[int, int], list[Demo]] | None = None,
+                     on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
     """Play ``group_size`` trials per task concurrently; trial ``k`` of task ``i`` has group ``i`` (the
     group statistics of the credit are over trials). Seeds as ``run_episodes``'s, so attempt 0 of a
     trial samples what the single episode with the same seed would. ``demos`` as in ``run_episodes``."""
@@ -280,4 +281,4 @@ async def run_trials(make_env: Callable[[], Any], tasks: list[Task], engine: Eng
             chosen = demos(group_id, k) if demos is not None else []
             jobs.append(run_trial(make_env, task, engine, renderer, limits, policy,
                                   seed=episode_seed(seed, group_id, k), group_id=group_id, demos=chosen))
-    return list(await asyncio.gather(*jobs))
+    return list(await asyncio.gather(*(notify(job, on_done) for job in jobs)))

@@ -45,11 +45,12 @@ def parse_tiny(name: str) -> TinySpec | None:
         raise ModelLoadError(f"bad tiny-model spec {name!r}: {exc}") from None
 
 
-def resolve(name_or_path: str) -> str:
-    """Map ``tiny`` to its cached directory and check that a local path holds weights."""
+def resolve(name_or_path: str, *, on_progress=None) -> str:
+    """Map ``tiny`` to its cached directory (building it the first time: ``on_progress(stage, done, total)``
+    hears how far it is) and check that a local path holds weights."""
     spec = parse_tiny(name_or_path)
     if spec is not None:
-        return str(tiny_path(spec))
+        return str(tiny_path(spec, on_progress=on_progress))
     path = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith((".", "/", "~")) or path.exists()
     if looks_local:

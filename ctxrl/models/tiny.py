@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,13 +102,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("CTXRL_CACHE", Path.home() / ".cache" / "ctxrl")).expanduser()
 
 
-def tiny_path(spec: TinySpec | None = None, *, build: bool = True) -> Path:
+Progress = Callable[[str, int, int], None]
+"""``on_progress(stage, done, total)``: a build's progress (``total`` 0 when it cannot be known)."""
+
+
+def tiny_path(spec: TinySpec | None = None, *, build: bool = True, on_progress: Progress | None = None) -> Path:
     """Directory of the cached tiny checkpoint for ``spec``, building it on first use."""
     spec = spec or TinySpec()
     path = cache_root() / f"tiny-{spec.key()}"
-    if build and not (path / "config.json").exists():
-        build_tiny(spec, path)
+    if build and not is_built(spec):
+        build_tiny(spec, path, on_progress=on_progress)
     return path
+
+
+def is_built(spec: TinySpec) -> bool:
+    """Whether the cache already holds ``spec``'s checkpoint."""
+    return (cache_root() / f"tiny-{spec.key()}" / "config.json").exists()
 
 
 def tokenizer_corpus(seed: int = 0, n: int = 2000, envs: tuple[str, ...] = PRETRAIN_ENVS) -> list[str]:
@@ -150,14 +160,16 @@ def _train_tokenizer(texts: list[str], vocab_size: int, arch: str = "llama"):
     return tok
 
 
-def build_tiny(spec: TinySpec, path: Path) -> Path:
-    """Build and save the tiny tokenizer + model at ``path`` (atomically)."""
+def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = None) -> Path:
+    """Build and save the tiny tokenizer + model at ``path`` (atomically); ``on_progress`` hears each stage."""
+    report = on_progress or (lambda stage, done, total: None)
     import torch
     from tokenizers import AddedToken
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     from ctxrl.chat.toolcalls import format_tool_call
 
+    report("tiny model: tokenizer", 0, 0)
     corpus = tokenizer_corpus(spec.seed, envs=spec.env_names())
     if spec.env_names() != PRETRAIN_ENVS:  # environments without a plain corpus: their chat text
 
@@ -201,7 +213,10 @@ def build_tiny(spec: TinySpec, path: Path) -> Path:
     if spec.pretrain_steps:
         # On a GPU when there is one (a minute instead of several); saved from the CPU either way.
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        pretrain(model.to(device), tokenizer, pretraining_batches(tokenizer, spec), spec)
+        report("tiny model: pre-training data", 0, 0)
+        batches = pretraining_batches(tokenizer, spec)
+        pretrain(model.to(device), tokenizer, batches, spec,
+                 on_step=lambda step, total: report("tiny model: pre-training", step, total))
         model.to("cpu")
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -311,7 +326,8 @@ def pretraining_batches(tokenizer, spec: TinySpec) -> list[list[list[int]]]:
     return batches
 
 
-def pretrain(model, tokenizer, batches: list[list[list[int]]], spec: TinySpec) -> list[float]:
+def pretrain(model, tokenizer, batches: list[list[list[int]]], spec: TinySpec,
+             on_step: Callable[[int, int], None] | None = None) -> list[float]:
     """Causal-LM loss on every token, one optimiser step per batch; returns the losses.
 
     Runs on the model's device. Linear warm-up then cosine decay to zero over the batches.
@@ -350,5 +366,7 @@ def pretrain(model, tokenizer, batches: list[list[list[int]]], spec: TinySpec) -
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(len(losses), steps)
     model.eval()
     return losses

@@ -31,6 +31,9 @@ class Progress:
     def rl_step(self, info: str) -> None:
         """One RL step finished; ``info`` is its summary."""
 
+    def stage(self, name: str, done: int, total: int) -> None:
+        """A stage of work (the tiny model's build, an evaluation) is at ``done`` of ``total`` (0: unknown)."""
+
     def close(self) -> None:
         """Stop drawing."""
 
@@ -40,14 +43,16 @@ class ConsoleProgress(Progress):
 
     def __init__(self, *, quiet: bool = False) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as Bars
 
         self.console = Console(stderr=True, quiet=quiet)
         self.bars = Bars(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                         TextColumn("{task.fields[info]}"), console=self.console, transient=False)
+                         TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                         console=self.console, transient=False)
         self.bars.start()
         self._sft = self._rl = None
+        self._stages: dict[str, object] = {}
 
     def message(self, text: str) -> None:
         self.bars.console.print(text)
@@ -63,6 +68,11 @@ class ConsoleProgress(Progress):
     def rl_step(self, info: str) -> None:
         if self._rl is not None:
             self.bars.update(self._rl, advance=1, info=info)
+
+    def stage(self, name: str, done: int, total: int) -> None:
+        if name not in self._stages:
+            self._stages[name] = self.bars.add_task(name, total=total or None, info="")
+        self.bars.update(self._stages[name], completed=done, total=total or None)
 
     def close(self) -> None:
         self.bars.stop()

@@ -216,7 +216,8 @@ def _record_step(episode: Episode, record: Turn, result) -> None:
 
 async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
                        limits: RolloutLimits, *, group_size: int = 1, seed: int = 0,
-                       opening: Callable[[int, int, list[Message]], list[Message]] | None = None) -> list[Episode]:
+                       opening: Callable[[int, int, list[Message]], list[Message]] | None = None,
+                       on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
     """Play ``group_size`` episodes per task concurrently; episode ``k`` of task ``i`` has group ``i``.
 
     Every environment is built and reset first, all of them before any generation: the engine's
@@ -226,6 +227,7 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
     ``opening(i, k, messages)``: what episode ``k`` of task ``i`` opens with, given what its
     environment's ``reset`` returned (annealed demonstrations write solved examples before the
     task); all of it is context (mask 0). None: the reset's messages as they are.
+    ``on_done(episode)``: called as each episode finishes (a progress display).
     """
     jobs = []
     for group_id, task in enumerate(tasks):
@@ -256,7 +258,15 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
             messages = opening(group_id, k, reset) if opening is not None else reset
             runs.append(run_episode(env, task, engine, renderer, limits, seed=seed_of_episode, group_id=group_id,
                                     opening=messages, spent_s=spent))
-    return list(await asyncio.gather(*runs))
+    return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))
+
+
+async def notify(run, on_done: Callable[[Episode], None] | None) -> Episode:
+    """Await ``run`` (an episode's coroutine), then tell ``on_done`` about the episode."""
+    episode = await run
+    if on_done is not None:
+        on_done(episode)
+    return episode
 
 
 async def _errored(task: Task, group_id: int, engine: Engine, exc: BaseException, limits: RolloutLimits,

@@ -17,7 +17,7 @@ Trials and annealed demonstrations are meta-RL (``ctxrl.meta``); the worker is t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
@@ -71,28 +71,40 @@ class RolloutWorker:
         self.engine.load_weights(state, version=version)
 
     # -- requests --------------------------------------------------------------------------------------
-    def run(self, request: RolloutRequest) -> list[Episode]:
-        """Play ``request`` to the end and return its episodes (one event loop per request)."""
-        return asyncio.run(self.play(request))
+    def run(self, request: RolloutRequest, *, on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
+        """Play ``request`` to the end and return its episodes (one event loop per request).
 
-    async def play(self, request: RolloutRequest) -> list[Episode]:
+        ``on_episode(done, total)`` after each episode (or trial) finishes, for a progress display.
+        """
+        return asyncio.run(self.play(request, on_episode=on_episode))
+
+    async def play(self, request: RolloutRequest, *,
+                   on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
         """``run`` inside a running event loop."""
         limits, policy = request.limits(self.spec), request.meta(self.spec)
         demos = self.demo_chooser(request)
+        total, finished = len(request.tasks) * request.group_size, [0]
+
+        def counter(_episode: Episode) -> None:
+            finished[0] += 1
+            if on_episode is not None:
+                on_episode(finished[0], total)
+
         if policy.num_attempts > 1:
             from ctxrl.meta.rollout import run_trials
 
             episodes = await run_trials(self.env_cls, request.tasks, self.engine, self.renderer, limits, policy,
-                                        group_size=request.group_size, seed=request.seed, demos=demos)
+                                        group_size=request.group_size, seed=request.seed, demos=demos,
+                                        on_done=counter)
         elif demos is None:
             episodes = await run_episodes(self.env_cls, request.tasks, self.engine, self.renderer, limits,
-                                          group_size=request.group_size, seed=request.seed)
+                                          group_size=request.group_size, seed=request.seed, on_done=counter)
         else:
             from ctxrl.meta.demos import with_demos
 
             shown = {(i, k): demos(i, k) for i in range(len(request.tasks)) for k in range(request.group_size)}
             episodes = await run_episodes(self.env_cls, request.tasks, self.engine, self.renderer, limits,
-                                          group_size=request.group_size, seed=request.seed,
+                                          group_size=request.group_size, seed=request.seed, on_done=counter,
                                           opening=lambda i, k, messages: with_demos(messages, shown[i, k]))
             for n, episode in enumerate(episodes):  # episodes come in (task, k) order
                 episode.info["demos"] = len(shown[divmod(n, request.group_size)])

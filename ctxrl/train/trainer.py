@@ -42,7 +42,8 @@ import torch
 from ctxrl.algo.estimators import EstimatorSettings, get_estimator
 from ctxrl.algo.filters import informative_groups, void_turn_free
 from ctxrl.config import Config, to_toml
-from ctxrl.errors import CheckpointError, CtxrlError
+from ctxrl.envs.hooks import available_splits
+from ctxrl.errors import CheckpointError, ConfigError, CtxrlError
 from ctxrl.eval.evaluate import evaluate_split
 from ctxrl.report.progress import Progress
 from ctxrl.report.writer import RunWriter
@@ -106,6 +107,10 @@ class Trainer:
         self.spec = RolloutSpec.from_config(config)
         self.device = self.spec.model.device
         self.env_cls = spec_env_class(self.spec)
+        self.splits = available_splits(self.env_cls)
+        if "train" not in self.splits:
+            raise ConfigError(f"environment {config.env.name!r} has no 'train' tasks (it has {list(self.splits)}); "
+                              "training needs some: label tasks \"split\": \"train\" or leave them unlabelled")
         self.context_demos = context_demos(config, self.env_cls)
         check_trial_demos(config, self.env_cls)
         self.renderer = spec_renderer(self.spec)
@@ -117,6 +122,7 @@ class Trainer:
         self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
         self.writer = RunWriter(run_dir)
         self.writer.write_config(to_toml(config))
+        self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum)
         self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config))
         self.manager = get_manager(config.context.manager)
@@ -155,8 +161,8 @@ class Trainer:
                 first = 0
                 if every:  # the warm start is expensive: resumable from here on
                     checkpoint.save(self, 0)
-            self.progress.message(f"after warm start: heldout {before['heldout']['success']:.2f}  "
-                                  f"ood {before['ood']['success']:.2f}")
+            self.progress.message("after warm start: " + "  ".join(
+                f"{split} {before[split]['success']:.2f}" for split in ("heldout", "ood") if split in before))
             steps = config.train.steps
             self.progress.rl_start(f"RL ({config.algo.advantage}, {config.algo.loss})", steps, first)
             done = first
@@ -174,7 +180,8 @@ class Trainer:
                 info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
                         f"{row['time_step']:.1f}s/step")
                 if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
-                    info += f" | heldout {self.evaluate(done, splits=('heldout',))['heldout']['success']:.2f}"
+                    for split, result in self.evaluate(done, splits=("heldout",)).items():
+                        info += f" | {split} {result['success']:.2f}"
                 if every and done % every == 0:
                     checkpoint.save(self, done)
                 self.progress.rl_step(info)
@@ -242,8 +249,18 @@ class Trainer:
         return row
 
     def evaluate(self, step: int, splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, float]]:
-        """Success (and tool use) on ``eval.tasks`` tasks of each split, greedy by default; logged per split."""
-        return evaluate_splits(self.worker, self.config, self.writer, step, splits)
+        """Success (and tool use) on ``eval.tasks`` tasks of each split, greedy by default; logged per split.
+
+        A split the environment has no tasks for (``splits()``) is skipped, and said so once.
+        """
+        missing = [s for s in SPLITS if s not in self.splits]
+        if missing and not self._skipped_reported:
+            self._skipped_reported = True
+            self.progress.message(f"note: environment {self.config.env.name!r} has no {' or '.join(missing)} tasks: "
+                                  "evaluation skips " + ("that split" if len(missing) == 1 else "those splits"))
+            self.writer.log_metrics({"phase": "note", "step": step, "skipped_splits": missing})
+        return evaluate_splits(self.worker, self.config, self.writer, step,
+                               tuple(s for s in splits if s in self.splits), self.progress)
 
     def make_learner(self) -> Learner:
         """The learner over ``model``: AdamW, a frozen reference (``algo.kl_coef``), a critic (``needs_critic``)."""
@@ -442,6 +459,8 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
           resume: bool = False) -> dict[str, Any]:
     """Check ``run_dir``, build a ``Trainer`` and ``fit`` it: what ``ctxrl train`` runs."""
     run_dir = Path(run_dir)
+    progress = progress or Progress()
+    prepare_model(config.model.name, progress)
     if resume and not (run_dir / "checkpoints").exists():
         raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
     metrics = run_dir / "metrics.jsonl"
@@ -451,15 +470,30 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
     return Trainer(config, run_dir, progress=progress).fit(resume=resume)
 
 
+def prepare_model(name: str, progress: Progress) -> None:
+    """Build the tiny model now if it is not cached yet, showing how far the build is (minutes on a CPU)."""
+    from ctxrl.models.loader import parse_tiny, resolve
+    from ctxrl.models.tiny import cache_root, is_built
+
+    spec = parse_tiny(name)
+    if spec is None or is_built(spec):
+        return
+    progress.message(f"building the tiny model {name!r} once (a few minutes on a CPU; cached in {cache_root()})")
+    resolve(name, on_progress=progress.stage)
+
+
 def evaluate_splits(worker: RolloutWorker, config: Config, writer: RunWriter, step: int,
-                    splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, float]]:
+                    splits: tuple[str, ...] = SPLITS, progress: Progress | None = None) -> dict[str, dict[str, float]]:
     """Evaluate ``splits`` with ``worker`` and log each (``ctxrl eval`` and the trainer)."""
     results = {}
     trials = config.meta.eval_trials
     for split in splits:
         t0 = time.perf_counter()
+        name = f"evaluation (step {step}, {split})"
         summary, episodes = evaluate_split(worker, split, config.eval.tasks, seed=config.eval.seed,
-                                           trials_per_task=trials)
+                                           trials_per_task=trials,
+                                           on_episode=None if progress is None else
+                                           lambda done, total, name=name: progress.stage(name, done, total))
         if any(e.info.get("demos") for e in episodes):
             raise RuntimeError("an evaluation episode was shown demonstrations; evaluation must be zero-shot")
         summary["seconds"] = time.perf_counter() - t0
@@ -589,22 +623,23 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 
 def _summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """The before/after figures of a run's summary."""
-    out = {
-        "heldout_success_before": before["heldout"]["success"],
-        "heldout_success_after": after["heldout"]["success"],
-        "ood_success_before": before["ood"]["success"],
-        "ood_success_after": after["ood"]["success"],
-        "train_success_before": before["train"]["success"],
-        "train_success_after": after["train"]["success"],
-        # generalisation gap: success on training-distribution tasks minus success on the split
-        "gap_heldout_after": after["train"]["success"] - after["heldout"]["success"],
-        "gap_ood_after": after["train"]["success"] - after["ood"]["success"],
-        "tool_calls_before": before["heldout"]["tool_calls"],
-        "tool_calls_after": after["heldout"]["tool_calls"],
-    }
+    """The before/after figures of a run's summary (None for a split the environment has no tasks for)."""
+
+    def get(results: dict, split: str, key: str) -> float | None:
+        return results[split][key] if split in results else None
+
+    out: dict[str, Any] = {}
+    for split in SPLITS:
+        out[f"{split}_success_before"] = get(before, split, "success")
+        out[f"{split}_success_after"] = get(after, split, "success")
+    for split in ("heldout", "ood"):  # generalisation gap: success on the training distribution minus the split's
+        train, other = get(after, "train", "success"), get(after, split, "success")
+        out[f"gap_{split}_after"] = None if train is None or other is None else train - other
+    source = "heldout" if "heldout" in after else "train"
+    out["tool_calls_before"] = get(before, source, "tool_calls")
+    out["tool_calls_after"] = get(after, source, "tool_calls")
     for split in ("heldout", "ood"):  # trials at evaluation (meta): success by the last attempt, next to attempt 1's
-        if "trial_success" in after[split]:
+        if "trial_success" in after.get(split, {}):
             out[f"{split}_trial_success_before"] = before[split].get("trial_success")
             out[f"{split}_trial_success_after"] = after[split]["trial_success"]
     return out
