@@ -416,6 +416,7 @@ def validate(config: Config) -> None:
     from ctxrl.algo.estimators import estimator_names, get_estimator
     from ctxrl.rollout.managers import get_manager, manager_names
 
+    import_plugins(config.run.plugins)  # their registrations are what the names below are checked against
     _validate_fields(config)
     _registered("algo.advantage", config.algo.advantage, estimator_names())
     _registered("context.manager", config.context.manager, manager_names())
@@ -540,13 +541,13 @@ def _validate_meta(config: Config, estimator: type) -> None:
                               "algo.agg=token-mean, where a "
                               "token weighs the same however a trial is cut into attempts")
         if a.void_turn_filter:
-            raise ConfigError("algo.void_turn_filter drops whole episodes; with algo.advantage=meta it would drop "
-                              "whole trials for one void turn, so it is not supported; set it to false")
+            raise ConfigError(f"algo.void_turn_filter drops whole episodes; with algo.advantage={a.advantage} it "
+                              "would drop whole trials for one void turn, so it is not supported; set it to false")
         rc = config.reward
         if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight:
-            raise ConfigError("algo.advantage=meta credits each attempt with the environment's own reward; reward "
-                              "shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight) shapes whole "
-                              "episodes and is not supported with it; leave [reward] at its defaults")
+            raise ConfigError(f"algo.advantage={a.advantage} credits each attempt with the environment's own reward; "
+                              "reward shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight) shapes "
+                              "whole episodes and is not supported with it; leave [reward] at its defaults")
     if m.demos_max > 0:
         if m.demos_steps <= 0:
             raise ConfigError(f"meta.demos_max={m.demos_max} needs meta.demos_steps > 0, the RL step at which the "
@@ -613,8 +614,6 @@ def from_dict(data: dict[str, Any]) -> Config:
                                   f"{_nearest(f'{name}.{key}', [f'{name}.{f}' for f in fields])}")
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
         built[name] = cls(**kwargs)
-    if "run" in built:  # before validation, which looks their names up
-        import_plugins(built["run"].plugins)
     return Config(**built)
 
 

@@ -6,8 +6,11 @@ dicts and lists; ``from_plain(cls, data)`` rebuilds it from the field types, so 
 ``json.dumps`` / ``json.loads`` unchanged (Python writes the shortest text that reads back as the
 same double, ``NaN`` and ``Infinity`` included). ``to_json`` / ``from_json`` wrap both.
 
-What it does not do: arbitrary objects, tensors, or dict keys that are not strings. A value it
-cannot represent is a ``TypeError`` naming the field, never a silent ``str()``.
+What it does not do: arbitrary objects, tensors, dict keys that are not strings, or unions of
+structured types (which one to rebuild?). A value it cannot represent is a ``TypeError`` naming
+the field, never a silent ``str()``. A tuple inside a field typed ``Any`` comes back as a list (JSON
+has no tuples): values in such fields (``Task.data``, ``Episode.info``) should be lists, and
+``check-env`` checks that an environment's tasks round-trip.
 """
 
 from __future__ import annotations
@@ -58,10 +61,17 @@ def from_plain(cls: Any, data: Any, where: str | None = None) -> Any:
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
             return from_plain(options[0], data, where)
+        if any(dataclasses.is_dataclass(a) or typing.get_origin(a) is not None for a in options):
+            raise TypeError(f"{where}: a union of {options} cannot be rebuilt from JSON (which one was it?); "
+                            "give the field one structured type")
         return data  # a union of scalars (``int | float``): JSON kept the type
     if origin in (list, tuple):
         if not isinstance(data, list):
             raise TypeError(f"{where}: expected a list, got {type(data).__name__}")
+        if origin is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple: a type per position
+            if len(args) != len(data):
+                raise TypeError(f"{where}: expected {len(args)} items, got {len(data)}")
+            return tuple(from_plain(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
         item = args[0] if args else Any
         values = [from_plain(item, v, f"{where}[{i}]") for i, v in enumerate(data)]
         return tuple(values) if origin is tuple else values

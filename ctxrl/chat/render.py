@@ -38,7 +38,8 @@ from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.errors import CtxrlError
 from ctxrl.types import Message
 
-_MARKER = "\ue000ctxrl-{}\ue001"
+_MARKER_START = "\ue000"
+_MARKER = _MARKER_START + "ctxrl-{}\ue001"
 _MARKERS = re.compile("\ue000ctxrl-(\\d+)\ue001")
 
 
@@ -59,9 +60,13 @@ class ChatRenderer:
             raise TemplateError(f"tokenizer {self.template_name!r} has no eos_token to end assistant turns")
         self.eos_text: str = eos
         self.eos_id: int = tokenizer.convert_tokens_to_ids(eos)
-        # longest first, so that a special token that contains another is replaced whole
-        self.special_tokens: list[str] = sorted(set(getattr(tokenizer, "all_special_tokens", []) or []),
-                                                key=len, reverse=True)
+        # Every special token: the named ones (all_special_tokens) and added tokens marked special that no
+        # name lists (Llama 3's <|start_header_id|> kind). Longest first, so that one that contains another
+        # is replaced whole.
+        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        specials |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+                     if getattr(t, "special", False)}
+        self.special_tokens: list[str] = sorted(specials, key=len, reverse=True)
 
     # -- text --------------------------------------------------------------------------------
     def text(self, messages: list[Message], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
@@ -83,18 +88,23 @@ class ChatRenderer:
 
         Returns the messages and the strings the markers stand for (marker ``i`` for ``strings[i]``),
         numbered in message order, so that renderings of a conversation and of a longer one agree.
+        The marker's own first character is replaced too, in every message, so that no text can
+        pass for a marker.
         """
         strings: list[str] = []
         if not self.special_tokens:
             return messages, strings
-        pattern = re.compile("|".join(re.escape(t) for t in self.special_tokens))
+        others = re.compile("|".join(re.escape(t) for t in [*self.special_tokens, _MARKER_START]))
+        assistant = re.compile(re.escape(_MARKER_START))
+
+        def mark(match: re.Match) -> str:
+            strings.append(match.group(0))
+            return _MARKER.format(len(strings) - 1)
+
         out = []
         for m in messages:
-            if m.role != "assistant" and pattern.search(m.content):
-                def mark(match: re.Match) -> str:
-                    strings.append(match.group(0))
-                    return _MARKER.format(len(strings) - 1)
-
+            pattern = assistant if m.role == "assistant" else others
+            if pattern.search(m.content):
                 m = dataclasses.replace(m, content=pattern.sub(mark, m.content))
             out.append(m)
         return out, strings

@@ -19,6 +19,7 @@ It does not check that rewards are *only* 1.0 for right answers; test that in th
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -108,6 +109,17 @@ def _check_sampling(env_cls: type, split: str, n: int, seed: int, problems: list
         problems.append(f"{where} must return a list of {n} ctxrl.types.Task, got {type(first).__name__} "
                         f"of length {len(first) if hasattr(first, '__len__') else '?'}")
         return None
+    for task in first:  # tasks cross process boundaries (rollout workers) as JSON
+        try:
+            back = Task.from_dict(json.loads(json.dumps(task.to_dict())))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{where}: task {task.id} is not plain data ({exc}); keep Task.data and Task.context "
+                            "to JSON values: dicts with string keys, lists, strings, numbers, booleans, None")
+            break
+        if back != task:
+            problems.append(f"{where}: task {task.id} changes on a JSON round trip (a tuple comes back as a list); "
+                            "keep Task.data and Task.context to JSON values (lists, not tuples)")
+            break
     again = _call(problems, where, env_cls.sample_tasks, split, n, seed)
     if again is not None and [t.to_dict() for t in again] != [t.to_dict() for t in first]:
         problems.append(f"{where} is not reproducible: two calls returned different tasks; draw everything "

@@ -78,6 +78,12 @@ class OptionalHooks(Protocol):
     def splits(cls) -> tuple[str, ...]: ...
 
 
+def declare_hook(name: str, signature: str, enables: str) -> None:
+    """Add a hook to ``HOOKS`` (a context manager whose side requests an environment scripts: its ``scripted_hook``)."""
+    if name not in HOOKS:
+        HOOKS[name] = Hook(name, signature, enables)
+
+
 def hook(env: Any, name: str) -> Callable[..., Any] | None:
     """The environment's ``name`` hook (on its class or an instance), or None if it does not define one."""
     if name not in HOOKS:

@@ -122,7 +122,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
             board = render(size, revealed, counts(mines, size))
             prompt = (f"Minesweeper, {size}x{size}, {n_mines} mines. ? is hidden; a digit counts the mines "
                       f"around that cell. Reveal every safe cell.\n{board}")
-            return prompt, str(n_mines), {"mines": sorted(mines), "start": list(start),
+            return prompt, str(n_mines), {"mines": [list(c) for c in sorted(mines)], "start": list(start),
                                           "rounds": [[list(c) for c in r] for r in rounds]}
     raise EnvError(f"could not make a minesweeper board solvable by logic for {context}")
 

@@ -10,7 +10,11 @@ same spec, weights and request (fp32, CPU, the same number of threads).
 
 Use: ``with ProcessWorker(spec) as worker: worker.load_weights(model.state_dict(), version=1);
 episodes = worker.run(request)``. An exception in the child comes back as a ``WorkerError`` with
-the child's traceback; a child that died is a ``WorkerError`` too, never a hang.
+the child's traceback, and the worker goes on. A child that died, or that gave no answer within
+``timeout_s`` (``start_timeout_s`` for building the worker: loading a model), is a ``WorkerError``
+too, never a hang: the child is killed, and every later call says the worker is gone (start a new
+one). Each request carries a sequence number that its reply must echo, so a reply can never be
+taken for another's.
 """
 
 from __future__ import annotations
@@ -32,19 +36,26 @@ class WorkerError(RuntimeError):
 class ProcessWorker:
     """Plays requests in a spawned process (see the module docstring)."""
 
-    def __init__(self, spec: RolloutSpec, *, threads: int | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, spec: RolloutSpec, *, threads: int | None = None, timeout_s: float = 600.0,
+                 start_timeout_s: float = 1800.0) -> None:
         import torch
 
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._timeout_s = timeout_s
         self._version = 0
+        self._sequence = 0
+        self._gone: str | None = None
         self._process = context.Process(target=_serve, args=(child, json.dumps(spec.to_dict()),
                                                              threads or torch.get_num_threads()),
                                         name="ctxrl-rollout-worker", daemon=True)
         self._process.start()
         child.close()
-        self._call({"op": "ready"})
+        try:
+            self._call({"op": "ready"}, timeout_s=start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def policy_version(self) -> int:
@@ -75,6 +86,7 @@ class ProcessWorker:
         return [Episode.from_dict(e) for e in reply["episodes"]]
 
     def close(self) -> None:
+        """Ask the child to stop (kill it if it does not within 10 s); safe to call more than once."""
         if self._process.is_alive():
             try:
                 self._send({"op": "close"})
@@ -83,6 +95,8 @@ class ProcessWorker:
             self._process.join(timeout=10)
             if self._process.is_alive():
                 self._process.kill()
+                self._process.join(timeout=10)
+        self._gone = self._gone or "closed"
         self._conn.close()
 
     def __enter__(self) -> ProcessWorker:
@@ -95,19 +109,37 @@ class ProcessWorker:
         self._conn.send_bytes(json.dumps(header).encode())
         self._conn.send_bytes(payload)
 
-    def _call(self, header: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:
+    def _call(self, header: dict[str, Any], payload: bytes = b"", *, timeout_s: float | None = None) -> dict[str, Any]:
+        if self._gone is not None:
+            raise WorkerError(f"the rollout worker process is gone ({self._gone}); start a new ProcessWorker")
+        self._sequence += 1
+        header = {**header, "seq": self._sequence}
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
         try:
             self._send(header, payload)
-            if not self._conn.poll(self._timeout_s):
-                raise WorkerError(f"the rollout worker process gave no answer to {header['op']!r} in "
-                                  f"{self._timeout_s:g} s")
+            if not self._conn.poll(timeout_s):
+                self._kill(f"it gave no answer to {header['op']!r} in {timeout_s:g} s")
+                raise WorkerError(f"the rollout worker process gave no answer to {header['op']!r} in {timeout_s:g} s;"
+                                  " it was stopped (raise timeout_s for longer requests)")
             reply = json.loads(self._conn.recv_bytes())
-        except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as exc:
+            self._kill(f"it died while handling {header['op']!r}")
             raise WorkerError(f"the rollout worker process is gone (exit code {self._process.exitcode}); "
                               f"it failed while handling {header['op']!r}") from exc
+        if reply.get("seq") != self._sequence:  # cannot happen while every timeout kills the child
+            self._kill(f"reply {reply.get('seq')} to request {self._sequence}")
+            raise WorkerError(f"the rollout worker process answered request {reply.get('seq')} when asked "
+                              f"{self._sequence}; it was stopped")
         if "error" in reply:
             raise WorkerError(f"the rollout worker process failed on {header['op']!r}:\n{reply['error']}")
         return reply
+
+    def _kill(self, why: str) -> None:
+        """Stop the child for good: a request it may still be working on must never answer a later one."""
+        self._gone = why
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=10)
 
 
 def _serve(conn, spec_json: str, threads: int) -> None:
@@ -148,4 +180,4 @@ def _serve(conn, spec_json: str, threads: int) -> None:
                 reply = {"error": f"unknown operation {op!r}"}
         except Exception:  # noqa: BLE001 - sent to the parent, which raises it as a WorkerError
             reply = {"error": traceback.format_exc()}
-        conn.send_bytes(json.dumps(reply).encode())
+        conn.send_bytes(json.dumps({**reply, "seq": header.get("seq")}).encode())

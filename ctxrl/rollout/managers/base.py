@@ -139,7 +139,11 @@ def register_manager(cls: M) -> M:
         raise ValueError(f"{cls.__qualname__} needs a class attribute name to register as a context manager")
     MANAGERS.register(cls.name, cls)
     if cls.scripted_hook is not None:
+        from ctxrl.envs.hooks import declare_hook
+
         register_purpose(cls.scripted_hook)  # its side requests are generated with this purpose
+        declare_hook(cls.scripted_hook, f"{cls.scripted_hook}(task, messages) -> str",
+                     f"warm-start demos under context.manager={cls.name} (sft.context_demos)")
     return cls
 
 
