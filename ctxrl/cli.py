@@ -96,7 +96,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
         f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
-    writer = RunWriter(run_dir)
+    from ctxrl.report.sinks import make_sinks
+
+    writer = RunWriter(run_dir, sinks=make_sinks(config.report, run_dir, name=f"eval-{config.run.name}",
+                                                 config=config.to_dict()))
     writer.write_config(to_toml(config))
     from ctxrl.envs.hooks import available_splits
 

@@ -1,7 +1,8 @@
 """Run configuration: flat, typed dataclasses with a docstring per field, loaded from TOML.
 
 A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[context]``,
-``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[eval]``, ``[run]``);
+``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[eval]``, ``[run]``,
+``[report]``);
 the command line overrides any field as ``section.field=value`` (the value is read as a TOML literal, or as a
 string if it is not one).
 An unknown section or field, or a value of the wrong type or out of range, is a ``ConfigError``
@@ -340,6 +341,17 @@ class RunConfig:
 
 
 @dataclass
+class ReportConfig:
+    sinks: str = "jsonl"
+    """Where metrics go, comma-separated: ``jsonl`` (metrics.jsonl and samples.jsonl, always), ``tensorboard``
+    (RUN/tensorboard; needs ``pip install 'ctxrl[tensorboard]'``) and ``wandb`` (RUN/wandb; ``ctxrl[wandb]``)."""
+    wandb_project: str = "ctxrl"
+    """The Weights & Biases project a run logs to."""
+    wandb_mode: str = "offline"
+    """``offline`` (no account needed; ``wandb sync`` uploads later), ``online`` or ``disabled``."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -353,6 +365,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -400,7 +413,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
             "curriculum.kind": CURRICULA, "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
             "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
-            "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES}
+            "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
+            "report.wandb_mode": ("offline", "online", "disabled")}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:
@@ -414,10 +428,12 @@ def _registered(key: str, value: str, names: list[str]) -> None:
 def validate(config: Config) -> None:
     """Every check of a whole configuration; the first problem is a ``ConfigError`` naming the key."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
+    from ctxrl.report.sinks import sink_names
     from ctxrl.rollout.managers import get_manager, manager_names
 
     import_plugins(config.run.plugins)  # their registrations are what the names below are checked against
     _validate_fields(config)
+    sink_names(config.report.sinks)
     _registered("algo.advantage", config.algo.advantage, estimator_names())
     _registered("context.manager", config.context.manager, manager_names())
     estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)

@@ -26,8 +26,11 @@ class LogRewindError(RuntimeError):
 
 
 class RunWriter:
-    def __init__(self, run_dir: str | Path) -> None:
+    """The run directory's logs; every row and sample also goes to the run's ``sinks`` (``ctxrl.report.sinks``)."""
+
+    def __init__(self, run_dir: str | Path, *, sinks: list | None = None) -> None:
         self.dir = Path(run_dir)
+        self.sinks = list(sinks or [])
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "checkpoints").mkdir(exist_ok=True)
         (self.dir / "plots").mkdir(exist_ok=True)
@@ -40,11 +43,16 @@ class RunWriter:
     def log_metrics(self, row: dict[str, Any]) -> None:
         self._metrics.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
         self._metrics.flush()
+        for sink in self.sinks:
+            sink.log_metrics(row)
 
     def log_samples(self, step: int, episodes: list[Episode], decode, *, phase: str = "train") -> None:
-        for ep in episodes:
-            self._samples.write(json.dumps(episode_record(ep, decode, step=step, phase=phase)) + "\n")
+        records = [episode_record(ep, decode, step=step, phase=phase) for ep in episodes]
+        for record in records:
+            self._samples.write(json.dumps(record) + "\n")
         self._samples.flush()
+        for sink in self.sinks:
+            sink.log_samples(records)
 
     def offsets(self) -> dict[str, int]:
         """Byte length of each log now (everything flushed): where a checkpoint's logs end."""
@@ -55,7 +63,7 @@ class RunWriter:
             out[name] = os.fstat(handle.fileno()).st_size  # not tell(): wrong after a rewind
         return out
 
-    def rewind(self, offsets: dict[str, int]) -> dict[str, int]:
+    def rewind(self, offsets: dict[str, int], step: int | None = None) -> dict[str, int]:
         """Cut each log back to ``offsets`` (a checkpoint's); the cut lines go to ``NAME.orphaned.jsonl``.
 
         Nothing is lost: lines written after the checkpoint (by steps the resumed run will redo)
@@ -88,11 +96,16 @@ class RunWriter:
                 finally:
                     os.close(fd)
             moved[name] = size - keep
+        if step is not None:
+            for sink in self.sinks:
+                sink.rewind(step)
         return moved
 
     def close(self) -> None:
         self._metrics.close()
         self._samples.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def mask_spans(episode: Episode) -> list[tuple[int, int, int]]:

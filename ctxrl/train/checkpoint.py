@@ -42,7 +42,8 @@ FORMAT = 1
 RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
                      "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
                      "context.eval_max_summaries", "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.",
-                     "eval.", "meta.eval_attempts", "meta.eval_trials")
+                     "eval.", "meta.eval_attempts", "meta.eval_trials", "report.", "run.plugins",
+                     "rollout.sandbox_workers")
 
 
 def config_differences(saved: Config, current: Config) -> list[str]:
@@ -155,7 +156,7 @@ def resume(trainer: Trainer) -> int:
     trainer.consecutive_skips = int(state["consecutive_skips"])
     trainer.curriculum.load_state_dict(state["curriculum"])
     try:
-        trainer.writer.rewind(state["logs"])
+        trainer.writer.rewind(state["logs"], step=int(state["step"]))
     except LogRewindError as exc:
         raise CheckpointError(str(exc)) from None
     return int(state["step"])

@@ -46,6 +46,7 @@ from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError, CtxrlError
 from ctxrl.eval.evaluate import evaluate_split
 from ctxrl.report.progress import Progress
+from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.managers import get_manager
 from ctxrl.rollout.managers.stats import context_stats, scheduled_budget
@@ -120,7 +121,8 @@ class Trainer:
         engine = HFEngine(copy.deepcopy(self.model), pad_token_id=self.tokenizer.pad_token_id,
                           max_batch_size=self.spec.max_batch_size, seed=self.spec.engine_seed)
         self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
-        self.writer = RunWriter(run_dir)
+        self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
+                                                          config=config.to_dict()))
         self.writer.write_config(to_toml(config))
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum)
