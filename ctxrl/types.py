@@ -19,19 +19,26 @@ SPLITS = ("train", "heldout", "ood")
 
 @dataclass
 class ToolCall(PlainData):
-    """One parsed tool call: ``{"name": ..., "arguments": {...}}`` in the Hermes/Qwen format."""
+    """One parsed tool call: the tool's name and its arguments, whatever format the model wrote it in.
+
+    ``id`` is the tool-call id the model wrote with the call (Mistral's v3 layout), else None; the
+    renderer gives the template a deterministic one where the template needs it (``ctxrl.chat.render``).
+    """
 
     name: str
     arguments: dict[str, Any]
+    id: str | None = None
 
 
 @dataclass
 class Message(PlainData):
     """A chat message.
 
-    ``tool_calls`` holds calls parsed from an assistant message; ``tool_call_errors`` holds one
-    human-readable error per malformed ``<tool_call>`` block (the episode continues and the
-    error is shown to the model as an observation). ``name`` is the tool name on tool messages.
+    ``tool_calls`` holds calls parsed from an assistant message (its ``content`` keeps the raw
+    sampled text, calls included); ``tool_call_errors`` holds one human-readable error per
+    malformed call (the episode continues and the error is shown to the model as an
+    observation). ``name`` is the tool name on tool messages, ``tool_call_id`` the id of the call
+    a tool message answers when it is known (the renderer fills it in for templates otherwise).
     """
 
     role: str
@@ -39,17 +46,21 @@ class Message(PlainData):
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_errors: list[str] = field(default_factory=list)
     name: str | None = None
+    tool_call_id: str | None = None
 
     def to_chat(self) -> dict[str, Any]:
-        """The dict a HF chat template expects."""
+        """The dict a HF chat template expects (the OpenAI layout)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                {**({"id": c.id} if c.id is not None else {}), "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}
                 for c in self.tool_calls
             ]
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -102,8 +113,9 @@ class Segment(PlainData):
     """One closed, token-faithful sequence of an episode whose context was rewritten (e.g. summarised).
 
     Same invariants as ``Episode``'s own arrays; ``messages`` is the conversation it rendered, and
-    ``ended_by`` says what closed it (``summary``, ``window``, ``fold``, ``attempt``, ``reflection``;
-    ``end`` for the live sequence ``Episode.sequences()`` lists last).
+    ``ended_by`` says what closed it (``summary``, ``window``, ``fold``, ``attempt``, ``reflection``,
+    ``template`` (a chat template that rewrites earlier turns, ``ctxrl.chat.render``); ``end`` for the
+    live sequence ``Episode.sequences()`` lists last).
     """
 
     input_ids: list[int]

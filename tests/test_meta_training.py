@@ -199,3 +199,32 @@ def test_a_renamed_key_is_read_under_its_new_name_with_a_warning():
     with pytest.warns(DeprecationWarning, match="meta.context was renamed meta.carry"):
         config = load_config(None, ["meta.context=attempts"])
     assert config.meta.carry == "attempts"
+
+
+def test_an_attempt_cut_into_segments_by_its_template_trains_every_segment_with_its_credit():
+    """A history-rewriting chat template can cut an attempt in two (``ended_by="template"``): both segments
+    carry the attempt's advantage, and the reflection (in the attempt's last segment) its own."""
+    e = Episode(task=Task(id="t0", prompt="p", answer="a"), group_id=0, reward=1.0, success=True)
+    rec = Recorder(e)
+    rec.write_ids(PROMPT, sampled=False, turn=-1)
+    rec.write_ids(TURN, sampled=True, turn=0, logprobs=[-1.0] * 3)
+    rec.close_segment(ended_by="template")  # attempt 0, first segment
+    rec.write_ids(PROMPT, sampled=False, turn=-1)
+    rec.write_ids(TURN, sampled=True, turn=1, logprobs=[-1.0] * 3)
+    rec.write_ids(FEEDBACK, sampled=False, turn=1)
+    start = len(e.input_ids)
+    rec.write_ids(REFLECTION, sampled=True, turn=2, logprobs=[-1.0] * 2)
+    rec.close_segment(ended_by="reflection")  # attempt 0, second segment (with the reflection)
+    rec.write_ids(PROMPT, sampled=False, turn=-1)
+    rec.write_ids(TURN, sampled=True, turn=0, logprobs=[-1.0] * 3)  # attempt 1
+    e.info.update({"attempts": [{"reward": 0.0, "reflection_start": start, "segments": 2},
+                                {"reward": 1.0, "reflection_start": None, "segments": 1}], "num_attempts": 2})
+    [rows] = expand_rows([e], [[-0.5, 0.5]])
+    assert len(rows) == 3
+    first, second, last = ([a for a, m in zip(r.advantages, r.loss_mask) if m] for r in rows)
+    assert first == [-0.5] * 3  # attempt 0's advantage in its first segment
+    assert second == [-0.5] * 3 + [0.5] * 2  # ... and in its second, whose reflection gets attempt 1's
+    assert last == [0.5] * 3
+    e.info["attempts"][0]["segments"] = 1  # records that do not account for every segment are refused
+    with pytest.raises(ValueError, match="one per attempt"):
+        expand_rows([e], [[-0.5, 0.5]])

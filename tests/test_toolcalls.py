@@ -104,3 +104,25 @@ def test_parse_assistant():
     assert len(msg.tool_call_errors) == 1 and msg.tool_call_errors[0].startswith("malformed tool call")
     plain = parse_assistant("<answer>5</answer>")
     assert plain.tool_calls == [] and plain.tool_call_errors == []
+
+
+def test_error_texts_are_stable():
+    """The errors are observations the policy reads: their exact text is part of what demos and runs tokenise."""
+    assert parse_tool_calls("<tool_call>\n{not json}\n</tool_call>")[1] == [
+        'malformed tool call: invalid JSON (Expecting property name enclosed in double quotes at char 1); '
+        'write {"name": ..., "arguments": {...}} inside <tool_call></tool_call>']
+    assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')[1] == [
+        'malformed tool call: expected a JSON object with a string "name"']
+    assert parse_tool_calls('<tool_call>{"name": "calc", "arguments": [1]}</tool_call>')[1] == [
+        'malformed tool call to \'calc\': "arguments" must be a JSON object']
+
+
+def test_wrappers_are_the_hermes_format():
+    from ctxrl.chat.formats import get_format
+    from ctxrl.chat.toolcalls import content_without_tool_calls
+
+    hermes = get_format("hermes")
+    text = "Sure.\n" + format_tool_call("a", {"x": [1, {"y": None}]}) + "\n<tool_call>oops</tool_call> done"
+    assert parse_tool_calls(text) == hermes.parse(text)
+    assert content_without_tool_calls(text) == hermes.content_without_calls(text) == "Sure.\n\n done"
+    assert format_tool_call("a", {"x": 1}) == hermes.render([ToolCall("a", {"x": 1})])

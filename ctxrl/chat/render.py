@@ -15,8 +15,22 @@ turn (ending with its end-of-turn token), the next prompt is built by appending 
    are exactly those the whole text would get.
 
 ``verify_prefix_preserving`` checks all of this once at start-up on a canned tool conversation
-and raises ``TemplateError`` naming the template otherwise (e.g. templates that strip earlier
-reasoning from history are not prefix-preserving).
+(its calls written in the renderer's tool-call format) and raises ``TemplateError`` naming the
+template otherwise.
+
+Templates that rewrite history when a new user message arrives (Qwen3 drops the ``<think>``
+blocks of earlier assistant turns) break step 2 there, and only there: ``continuation_ids``
+raises ``HistoryRewritten`` and the episode's ``Recorder`` starts a new segment from the
+template's full rendering of the conversation (docs/tool-formats.md). A template that breaks
+step 2 within one tool exchange (tool results, no new user message) is refused: every turn
+would have to restart.
+
+The renderer owns the policy's tool-call format (``tool_format``; ``ctxrl.chat.formats``): sampled
+text is parsed with it, and the conversation handed to the template carries what the family's
+template needs. An assistant message whose text already writes its calls is given to the template
+as that text alone (templates that also render ``tool_calls`` would show them twice, or rewrite
+them); every call gets an id and every tool result the id of the call it answers (Mistral
+templates require them).
 
 Text the policy did not write (system prompts, tasks, tool output, environment replies) is
 encoded with its special tokens as plain text: a tool that prints ``<|im_end|>`` and
@@ -34,9 +48,19 @@ import dataclasses
 import re
 from typing import Any
 
-from ctxrl.chat.toolcalls import format_tool_call
+from ctxrl.chat.formats import (
+    ToolFormat,
+    call_id,
+    choose_format,
+    format_names,
+    markers_text,
+    rewrite_calls,
+    with_prose,
+)
+from ctxrl.chat.formats import parse_assistant as parse_with
+from ctxrl.chat.toolcalls import HERMES
 from ctxrl.errors import CtxrlError
-from ctxrl.types import Message
+from ctxrl.types import Message, ToolCall
 
 _MARKER_START = "\ue000"
 _MARKER = _MARKER_START + "ctxrl-{}\ue001"
@@ -49,17 +73,34 @@ class TemplateError(CtxrlError, RuntimeError):
     kind = "chat template error"
 
 
-class ChatRenderer:
-    """Renders messages to ids through a HF tokenizer's chat template, incrementally."""
+class HistoryRewritten(TemplateError):
+    """The template rendered earlier messages differently once a new user message followed them.
 
-    def __init__(self, tokenizer: Any, *, template_name: str = "") -> None:
+    Not a failure: the episode's ``Recorder`` starts a new segment from a fresh rendering.
+    """
+
+
+class ChatRenderer:
+    """Renders messages to ids through a HF tokenizer's chat template, incrementally.
+
+    ``tool_format``: how the policy writes tool calls, by name (``ctxrl.chat.formats``), or
+    ``auto`` to read it from the chat template (what runs do: ``model.tool_format``). The
+    default is ``hermes``, the format of ctxrl's tiny model.
+    """
+
+    def __init__(self, tokenizer: Any, *, template_name: str = "", end_ids: tuple[int, ...] | list[int] = (),
+                 tool_format: str = "hermes") -> None:
         self.tokenizer = tokenizer
         self.template_name = template_name or getattr(tokenizer, "name_or_path", "") or "<chat template>"
+        self._format: ToolFormat | None = choose_format(tool_format, self.template_text)
         eos = tokenizer.eos_token
         if eos is None:
             raise TemplateError(f"tokenizer {self.template_name!r} has no eos_token to end assistant turns")
         self.eos_text: str = eos
         self.eos_id: int = tokenizer.convert_tokens_to_ids(eos)
+        self.end_ids: tuple[int, ...] = tuple(dict.fromkeys((self.eos_id, *(int(i) for i in end_ids))))
+        """Ids that end an assistant turn: the template's end-of-turn token first, then the model's other end
+        ids (``generation_config.json``'s ``eos_token_id``)."""
         # Every special token: the named ones (all_special_tokens) and added tokens marked special that no
         # name lists (Llama 3's <|start_header_id|> kind). Longest first, so that one that contains another
         # is replaced whole.
@@ -68,11 +109,81 @@ class ChatRenderer:
                      if getattr(t, "special", False)}
         self.special_tokens: list[str] = sorted(specials, key=len, reverse=True)
 
+    # -- tool calls ----------------------------------------------------------------------------
+    @property
+    def template_text(self) -> str:
+        """The tokenizer's chat template (all of its named templates, if it has several)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else str(template)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The policy's tool-call format; a ``TemplateError`` naming the choices when ``auto`` found none."""
+        if self._format is None:
+            raise self.tool_format_error()
+        return self._format
+
+    def tool_format_error(self) -> TemplateError:
+        """The error for a conversation with tools when no tool-call format was given or found."""
+        return TemplateError(f"cannot tell how the policy writes tool calls: chat template {self.template_name!r} "
+                             f"shows none of the markers ctxrl looks for ({markers_text()}); set model.tool_format "
+                             f"to one of {', '.join(format_names())} (docs/tool-formats.md)")
+
+    @property
+    def has_tool_format(self) -> bool:
+        """Whether a format was given or found (a conversation without tools needs none)."""
+        return self._format is not None
+
+    def parse_assistant(self, text: str) -> Message:
+        """Sampled assistant text as a ``Message``, its calls parsed with the policy's format (none without one)."""
+        if self._format is None:
+            return Message(role="assistant", content=text)
+        return parse_with(self._format, text)
+
+    def rewrite_hermes(self, text: str) -> str:
+        """A scripted text (environments write calls in the Hermes format) with its calls in the policy's format."""
+        if self._format is None:
+            return text
+        return rewrite_calls(text, self._format, HERMES)
+
+    def chat(self, messages: list[Message]) -> list[dict[str, Any]]:
+        """``messages`` as the dicts the chat template gets (see the module docstring).
+
+        An assistant message whose text writes its calls goes without ``tool_calls``; one whose calls
+        are only structured (built by hand) keeps them, each with an id. A tool message without a
+        ``tool_call_id`` gets the id of the first call of the latest assistant message it can answer
+        (same tool name, not answered yet), else one of its own. Ids are ``call_id``s, so rendering a
+        conversation and a longer one gives its messages the same ids.
+        """
+        out: list[dict[str, Any]] = []
+        pending: list[tuple[str, str]] = []  # (tool name, call id) of the latest assistant calls not answered yet
+        answered = 0
+        for m in messages:
+            chat = m.to_chat()
+            if m.role == "assistant":
+                written = self._format.parse(m.content)[0] if self._format is not None else []
+                calls = written or m.tool_calls
+                ids = [c.id or call_id(c.name, c.arguments, i) for i, c in enumerate(calls)]
+                pending, answered = [(c.name, i) for c, i in zip(calls, ids)], 0
+                if written:
+                    chat.pop("tool_calls", None)
+                elif "tool_calls" in chat:
+                    for entry, i in zip(chat["tool_calls"], ids):
+                        entry["id"] = i
+            elif m.role == "tool" and m.tool_call_id is None:
+                match = next((k for k, (name, _) in enumerate(pending) if name == m.name), None)
+                if match is not None:
+                    chat["tool_call_id"] = pending.pop(match)[1]
+                else:  # an error about a malformed call, or an observation the environment added
+                    chat["tool_call_id"] = call_id(m.name or "", {"content": m.content}, answered)
+                answered += 1
+            out.append(chat)
+        return out
+
     # -- text --------------------------------------------------------------------------------
     def text(self, messages: list[Message], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            [m.to_chat() for m in messages], tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            self.chat(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -139,6 +250,11 @@ class ChatRenderer:
         """Ids of the initial conversation followed by the assistant generation prompt."""
         return self._encode_marked(*self._render(messages, tools, add_generation_prompt=True))
 
+    def conversation_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+        """Ids of a whole conversation, no generation prompt: what a token-faithful sequence of it holds,
+        up to what the template prints after its last end of turn."""
+        return self._encode_marked(*self._render(messages, tools, add_generation_prompt=False))
+
     def continuation_ids(self, history: list[Message], new: list[Message], tools: list[dict] | None,
                          *, closed: bool = True) -> list[int]:
         """Ids to append after the sampled ids of ``history[-1]`` (an assistant message).
@@ -151,6 +267,9 @@ class ChatRenderer:
         before, _ = self._render(history, tools, add_generation_prompt=False)
         after, strings = self._render(history + new, tools, add_generation_prompt=True)
         if not after.startswith(before):
+            if any(m.role == "user" for m in new):
+                raise HistoryRewritten(f"chat template {self.template_name!r} rewrites earlier messages once a new "
+                                       "user message follows them; the episode goes on in a new segment")
             raise TemplateError(self._prefix_message())
         end = before.rfind(self.eos_text)
         if end < 0:
@@ -166,25 +285,57 @@ class ChatRenderer:
 
     def _prefix_message(self) -> str:
         return (f"chat template {self.template_name!r} is not prefix-preserving for tool conversations: "
-                "rendering more messages changes the text of earlier ones, so ctxrl cannot append "
-                "new turns without re-tokenizing. Use a template that renders history verbatim "
+                "rendering more messages changes the text of earlier ones within one tool exchange (tool "
+                "results, no new user message), so ctxrl cannot append new turns without re-tokenizing. "
+                "ctxrl starts a new segment where a template rewrites history at a new user message (as "
+                "Qwen3's drops earlier reasoning), but not on every turn: each turn would re-encode the whole "
+                "conversation. Use a template that renders assistant turns verbatim "
                 "(set model.chat_template to a Jinja file).")
 
     # -- start-up check --------------------------------------------------------------------------
+    def canned_conversation(self) -> list[Message]:
+        """The tool conversation ``verify_prefix_preserving`` plays, written as the policy's family writes it.
+
+        Calls are in the renderer's format (without one, the turns are prose); a template that knows
+        ``<think>`` gets turns that open with a reasoning block, as a thinking model writes them.
+        """
+        think = "<think>\nThe key comes first.\n</think>\n\n" if "<think>" in self.template_text else ""
+
+        def call(key: str, prose: str = "") -> str:
+            if self._format is None:
+                return think + (prose or f"Key {key}.")
+            return think + with_prose(prose, self._format.render([ToolCall("lookup", {"key": key})]))
+
+        return [
+            Message("system", "You are a careful agent."),
+            Message("user", "Find the value of key a."),
+            Message("assistant", call("a", "Looking it up.")),
+            Message("tool", "b", name="lookup"),
+            Message("assistant", call("b")),
+            Message("tool", "42", name="lookup"),
+            Message("assistant", think + "The value is 42."),
+        ]
+
+    def rewrites_history(self) -> bool:
+        """Whether the template renders earlier turns differently once a new user message follows them.
+
+        Such a template (Qwen3's drops earlier reasoning) cuts an episode into segments wherever the
+        conversation gets a user message: a reflection request, a summary request, an environment
+        that replies as the user. The trainer checks at start-up that the run can train segments.
+        """
+        convo = self.canned_conversation()
+        try:
+            self.continuation_ids(convo, [Message("user", "And the value of key c?")], None)
+        except HistoryRewritten:
+            return True
+        return False
+
     def verify_prefix_preserving(self) -> None:
-        """Raise ``TemplateError`` unless incremental rendering equals whole rendering."""
+        """Raise ``TemplateError`` unless incremental rendering equals whole rendering within a tool exchange."""
         tools = [{"type": "function", "function": {
             "name": "lookup", "description": "Look a key up.",
             "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
-        convo = [
-            Message("system", "You are a careful agent."),
-            Message("user", "Find the value of key a."),
-            Message("assistant", "Looking it up.\n" + format_tool_call("lookup", {"key": "a"})),
-            Message("tool", "b", name="lookup"),
-            Message("assistant", format_tool_call("lookup", {"key": "b"})),
-            Message("tool", "42", name="lookup"),
-            Message("assistant", "The value is 42."),
-        ]
+        convo = self.canned_conversation()
         ids = self.prompt_ids(convo[:2], tools)
         for k, message in enumerate(convo[2:], start=2):
             if message.role == "assistant":

@@ -4,6 +4,12 @@ Supervised warm-start data and the token-faithfulness tests go through the very 
 as RL rollouts: the scripted engine returns the ids of the next scripted text followed by the
 end-of-turn token, with log-prob 0, exactly as if the policy had sampled them.
 
+Environments write their scripted solutions with Hermes tool calls (``format_tool_call``); the
+engine rewrites the calls of every scripted text into the renderer's tool-call format
+(``ChatRenderer.rewrite_hermes``: parsed as Hermes, rendered as the policy's family writes them,
+the prose kept before them), so a demonstration for a Llama or Mistral policy shows calls the way
+that policy writes them. For a Hermes policy the texts are played exactly as given.
+
 A side request (``purpose`` other than ``turn``: the ``summarize`` manager's ``summary``, the meta
 loop's ``reflection``) is answered by the script given for that purpose, and does not use up a
 turn: the next turn request gets the next scripted text. The engine never reads its prompt to
@@ -33,7 +39,7 @@ class ScriptedEngine:
                  reflection: Callable[[], str] | None = None,
                  scripts: Mapping[str, Callable[[], str]] | None = None) -> None:
         self._renderer = renderer
-        self._turns = [renderer.assistant_ids(text) for text in texts]
+        self._turns = [self._ids(text) for text in texts]
         self._scripts: dict[str, Callable[[], str]] = dict(scripts or {})
         if summary is not None:
             self._scripts["summary"] = summary
@@ -53,7 +59,11 @@ class ScriptedEngine:
 
     def extend(self, texts: list[str]) -> None:
         """Script more turns after the ones given so far (a demo whose next attempt follows its reflection)."""
-        self._turns += [self._renderer.assistant_ids(text) for text in texts]
+        self._turns += [self._ids(text) for text in texts]
+
+    def _ids(self, text: str) -> list[int]:
+        """A scripted text's ids as the policy would sample them, its calls in the policy's format."""
+        return self._renderer.assistant_ids(self._renderer.rewrite_hermes(text))
 
     def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
         raise TypeError("a ScriptedEngine replays texts and has no weights to load")
@@ -66,7 +76,7 @@ class ScriptedEngine:
                                    f"{params.purpose} script "
                                    f"(ScriptedEngine(..., scripts={{{params.purpose!r}: ...}}))")
             self.asides.setdefault(params.purpose, []).append(script())
-            ids = self._renderer.assistant_ids(self.asides[params.purpose][-1])
+            ids = self._ids(self.asides[params.purpose][-1])
         else:
             if self._turns_played >= len(self._turns):
                 raise RuntimeError(f"scripted engine has only {len(self._turns)} turns")

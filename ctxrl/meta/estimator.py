@@ -77,12 +77,16 @@ def expand_trials(trials: list[Episode], advantages: list[list[float]]) -> list[
             attempt_adv = attempt_adv * len(sequences)
             reflection_adv = [0.0] * len(sequences)
         else:
-            if len(sequences) != len(records) or len(attempt_adv) != len(records):
+            counts = [r.get("segments", 1) for r in records]  # (a history-rewriting template cuts attempts)
+            if len(sequences) != sum(counts) or len(attempt_adv) != len(records):
                 raise ValueError(f"trial of task {trial.task.id} has {len(sequences)} sequences, {len(records)} "
-                                 f"attempt records and {len(attempt_adv)} advantages; they must agree (one per "
-                                 "attempt)")
-            starts = [r["reflection_start"] for r in records]
-            reflection_adv = reflection_advantages(attempt_adv, len(records))
+                                 f"attempt records ({sum(counts)} segments) and {len(attempt_adv)} advantages; they "
+                                 "must agree (one per attempt; an attempt's segments in order)")
+            per_attempt = reflection_advantages(attempt_adv, len(records))
+            starts, reflection_adv, attempt_adv = [], [], [a for a, n in zip(attempt_adv, counts) for _ in range(n)]
+            for record, n, r in zip(records, counts, per_attempt):  # the reflection is in an attempt's last segment
+                starts += [None] * (n - 1) + [record["reflection_start"]]
+                reflection_adv += [r] * n
         rows = []
         for seq, a, r, start in zip(sequences, attempt_adv, reflection_adv, starts):
             if not any(seq.loss_mask):

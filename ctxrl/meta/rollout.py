@@ -40,6 +40,7 @@ attempt are not supported (``full`` only).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ from ctxrl.rollout.messages import task_with, text_only
 from ctxrl.rollout.recorder import Recorder, join
 from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
 from ctxrl.seeds import ATTEMPT_SALT, REFLECTION_SALT, derive_seed, episode_seed
-from ctxrl.types import Episode, Message, Segment, Task
+from ctxrl.types import Episode, Message, Task
 
 
 def feedback_text(k: int, num_attempts: int, reward: float, success: bool) -> str:
@@ -237,17 +238,26 @@ async def _reflect(episode: Episode, observations: list[Message], record: dict[s
         record["reflection_skipped"] = True  # no room left in this sequence: the next attempt carries the feedback
         return
     record["reflection_start"], record["reflection_tokens"] = aside.start, aside.tokens
-    record["reflection"], record["reflection_truncated"] = aside.text, not aside.closed
+    record["reflection"], record["reflection_truncated"] = aside.text, aside.truncated
 
 
 def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int, attempts: list[Episode],
                    records: list[dict[str, Any]], failure, limits: RolloutLimits, seconds: float,
                    demos: int) -> Episode:
-    """One Episode for the trial: attempts 0..n-2 as closed segments, the last one live."""
+    """One Episode for the trial: attempts 0..n-2 as closed segments, the last one live.
+
+    An attempt that a history-rewriting chat template cut into segments (``ctxrl.chat.render``)
+    brings all of them, in order; ``records[k]["segments"]`` says how many, and its reflection
+    (``reflection_start``) is in the last.
+    """
     trial = Episode(task=task, group_id=group_id, policy_version=engine.policy_version)
     ends = ["reflection" if r["reflection_start"] is not None else "attempt" for r in records[:len(attempts) - 1]]
-    join(trial, [Segment(a.input_ids, a.loss_mask, a.behavior_logprobs, a.turn_index, a.messages, end)
-                 for a, end in zip(attempts, [*ends, "end"])])
+    segments = []
+    for a, end, record in zip(attempts, [*ends, "end"], records):
+        *earlier, live = a.sequences()
+        record["segments"] = len(earlier) + 1
+        segments += [*earlier, dataclasses.replace(live, ended_by=end)]
+    join(trial, segments)
     if attempts:
         trial.truncation = attempts[-1].truncation
     trial.turns = [t for a in attempts for t in a.turns]

@@ -11,7 +11,10 @@ That is what makes the trajectory's invariants (``ctxrl.types.Episode``) checkab
 - ``observation_ids(messages)`` then ``observe(messages, ids, turn)``: text the policy did not
   write, rendered *alone* through the chat template and appended (mask 0). The renderer encodes
   its special-token strings as plain text (``ctxrl.chat.render``), so tool output cannot forge a
-  turn boundary;
+  turn boundary. Where the template rewrites history at a new user message (Qwen3 drops earlier
+  reasoning), the ids are a ``Rerendered`` fresh prompt of the whole conversation instead, and
+  ``observe`` closes the live sequence as a segment (``ended_by="template"``, counted in
+  ``info["template_restarts"]``) and starts a new one from them;
 - ``restart(messages, ended_by)``: close the live sequence as a ``Segment`` and start a new one
   from ``messages`` (a summary, a window, the next attempt);
 - ``open_branch`` / ``close_branch``: pause the live sequence, run another in its place, then close
@@ -26,9 +29,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ctxrl.chat.render import ChatRenderer
+from ctxrl.chat.render import ChatRenderer, HistoryRewritten
 from ctxrl.engine.base import Completion
 from ctxrl.types import Episode, Message, Segment
+
+
+class Rerendered(list):
+    """``observation_ids``' answer where the template rewrote history: the ids of a fresh rendering of the
+    whole conversation, observations included, which ``observe`` starts a new segment with."""
 
 
 @dataclass
@@ -49,6 +57,8 @@ class Recorder:
         self.episode = episode
         self.renderer = renderer
         self.tools = tools
+        self.closed = not episode.turns or episode.turns[-1].finish_reason == "stop"
+        """Whether the last sampled completion ended with its end-of-turn token (``observation_ids``' default)."""
 
     # -- reading -----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -77,17 +87,38 @@ class Recorder:
         """Append the sampled ids with their behaviour log-probs (mask 1) and the message they decode to."""
         self._write(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
         self.episode.messages.append(message)
+        self.closed = completion.closed
 
-    def observation_ids(self, messages: list[Message], *, closed: bool = True) -> list[int]:
+    def observation_ids(self, messages: list[Message], *, closed: bool | None = None) -> list[int]:
         """The ids ``observe`` would append for ``messages`` after the last assistant message (nothing appended).
 
         ``closed``: whether the last sampled turn ended with its end-of-turn token (if not, the
-        renderer adds it, as context).
+        renderer adds it, as context); None: as the last ``assistant`` completion did.
         """
-        return self.renderer.continuation_ids(self.episode.messages, messages, self.tools, closed=closed)
+        if closed is None:
+            closed = self.closed
+        try:
+            return self.renderer.continuation_ids(self.episode.messages, messages, self.tools, closed=closed)
+        except HistoryRewritten:
+            return Rerendered(self.renderer.prompt_ids([*self.episode.messages, *messages], self.tools))
+
+    def length_after(self, ids: list[int]) -> int:
+        """Tokens the live sequence will hold once ``observe`` has taken ``ids`` (from ``observation_ids``)."""
+        return len(ids) if isinstance(ids, Rerendered) else len(self) + len(ids)
 
     def observe(self, messages: list[Message], ids: list[int], turn: int) -> None:
-        """Append ``messages`` as context (mask 0): ``ids`` must be ``observation_ids(messages)``."""
+        """Append ``messages`` as context (mask 0): ``ids`` must be ``observation_ids(messages)``.
+
+        ``Rerendered`` ids start a new segment instead: the closed one keeps its sampled tokens
+        (trained), the new one is the template's rendering of the whole conversation (mask 0, turn -1).
+        """
+        if isinstance(ids, Rerendered):
+            conversation = [*self.episode.messages, *messages]
+            self.close_segment(ended_by="template")
+            self.episode.messages = conversation
+            self._write(ids, sampled=False, turn=-1)
+            self.episode.info["template_restarts"] = self.episode.info.get("template_restarts", 0) + 1
+            return
         self._write(ids, sampled=False, turn=turn)
         self.episode.messages.extend(messages)
 

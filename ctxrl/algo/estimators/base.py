@@ -118,8 +118,9 @@ def unsegmented(name: str, episodes: list[Episode]) -> None:
     cut = [e.task.id for e in episodes if e.segments]
     if cut:
         raise ValueError(f"the {name} estimator computes per-token advantages over one sequence per episode, but "
-                         f"{len(cut)} episodes have segments (e.g. task {cut[0]}); use an estimator with "
-                         "one_per_episode (grpo, dr_grpo, rloo) with a context manager")
+                         f"{len(cut)} episodes have segments (e.g. task {cut[0]}: a context manager rewrote its "
+                         "context, or its chat template rewrote history at a user message); use an estimator "
+                         "with one_per_episode (grpo, dr_grpo, rloo)")
 
 
 def register_estimator(cls: E) -> E:

@@ -108,7 +108,7 @@ class Fold(ContextManager):
             return
         recorder = play.recorder
         delta = recorder.observation_ids([observation])
-        if len(recorder) + len(delta) >= play.limits.max_total_tokens:
+        if recorder.length_after(delta) >= play.limits.max_total_tokens:
             play.episode.truncation = "max_total_tokens"
             return
         recorder.observe([observation], delta, turn)

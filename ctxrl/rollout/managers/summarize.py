@@ -52,7 +52,7 @@ class Summarize(ContextManager):
             return False
         episode.info["summaries"] = done + 1
         episode.info["summary_tokens"] = episode.info.get("summary_tokens", 0) + aside.tokens
-        if not aside.closed:
+        if aside.truncated:
             hit_total = len(play.recorder) >= play.limits.max_total_tokens
             episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"
             return False
