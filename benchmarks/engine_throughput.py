@@ -35,19 +35,13 @@ from ctxrl.engine.base import SamplingParams
 from ctxrl.engine.hf import HFEngine
 from ctxrl.train.learner import token_logprobs
 
-QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                 tie_word_embeddings=True, rope_theta=1_000_000.0, use_sliding_window=False)
-
 
 def load(name: str, dtype: torch.dtype, device: str):
     """(model, pad_token_id) for a named benchmark model or any HF path / hub name."""
     if name == "qwen2-0.5b":
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from ctxrl.models.shapes import random_model
 
-        torch.manual_seed(0)
-        config = Qwen2Config(**QWEN2_05B, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-        return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval(), 0
+        return random_model("qwen2.5-0.5b", dtype, device).eval(), 0
     from ctxrl.models.loader import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(name)

@@ -74,7 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and not args.run_dir:
         raise CheckpointError("--resume needs --run-dir: the directory of the run to continue")
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
-    summary = _train(config, run_dir, resume=args.resume)
+    summary = _train(config, run_dir, resume=args.resume, quiet=args.json and not sys.stderr.isatty())
     print_table(summary)
     if args.json:
         print(json.dumps(summary))
@@ -91,7 +91,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ctxrl.rollout.worker import RolloutWorker
     from ctxrl.train.trainer import evaluate_splits
 
-    overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false"]
+    # (a LoRA checkpoint loads as its base with the adapters merged in: nothing to wrap again)
+    overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false", "lora.rank=0"]
     config = load_config(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
         f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -110,6 +111,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     skipped = [s for s in ("train", "heldout", "ood") if s not in have and not args.split]
     if skipped:
         print(f"note: no {' or '.join(skipped)} tasks: skipped", file=sys.stderr)
+        writer.log_metrics({"phase": "note", "step": 0, "skipped_splits": skipped})
     splits = (args.split,) if args.split else tuple(s for s in ("train", "heldout", "ood") if s in have)
     from ctxrl.report.progress import ConsoleProgress
 
@@ -144,6 +146,15 @@ def cmd_config(args: argparse.Namespace) -> int:
         resolve(config.model.name)  # a local path that does not exist or holds no weights is an error now
     print(to_toml(config), end="")
     print(f"# valid: environment {config.env.name!r}, model {config.model.name!r}", file=sys.stderr)
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Merge a LoRA run's adapters into their base: a plain checkpoint to serve."""
+    from ctxrl.train.policy import export_merged
+
+    out = export_merged(args.adapters, args.out, dtype=args.dtype)
+    print(f"merged {args.adapters} into its base: {out}")
     return 0
 
 
@@ -188,7 +199,7 @@ def cmd_check_env(args: argparse.Namespace) -> int:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2
     notes: list[str] = []
-    problems = check_env(cls, n_tasks=args.tasks, seed=args.seed, notes=notes)
+    problems = check_env(cls, n_tasks=args.tasks, seed=args.seed, notes=notes, tool_format=args.tool_format)
     enabled = features(cls)
     if args.json:
         print(json.dumps({"env": args.name, "ok": not problems, "problems": problems, "notes": notes,
@@ -223,8 +234,9 @@ configuration: a TOML file with one table per section, any field overridden as s
 (every field: docs/configuration.md). Layout of the code: docs/architecture.md.
 errors: a mistake of yours (a bad config, an unknown environment, a model that does not load) is one
 line and exit code 2; --debug (or CTXRL_DEBUG=1) shows its traceback.
-exit codes: 0 done, 1 check-env found problems, 2 a configuration, model or checkpoint error,
-3 the run aborted itself, 128+N stopped by signal N (resumable with --resume)."""
+exit codes: 0 done, 1 check-env found problems (or ctxrl crashed: its traceback is printed), 2 a
+configuration, model or checkpoint error, 3 the run aborted itself, 128+N stopped by signal N
+(resumable with --resume)."""
 
 EXAMPLES = {
     "demo": ".venv/bin/ctxrl demo\n  .venv/bin/ctxrl demo --steps 5 eval.tasks=20 --json",
@@ -236,6 +248,7 @@ EXAMPLES = {
     "config": (".venv/bin/ctxrl config examples/calculator_tiny.toml env.name=kv_chain > my.toml\n"
                "  .venv/bin/ctxrl config my.toml context.manager=summarize   # an error names the key to fix"),
     "envs": ".venv/bin/ctxrl envs",
+    "merge": ".venv/bin/ctxrl merge runs/lora/checkpoints/step-000040 --out runs/lora/merged-40 --dtype bfloat16",
     "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
                   "  .venv/bin/ctxrl check-env mypkg.maze:MazeEnv --json"),
@@ -252,6 +265,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ctxrl.chat.formats import format_names
+
     parser = argparse.ArgumentParser(prog="ctxrl", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ctxrl {_version()}")
@@ -260,9 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=description, allow_abbrev=False,
-                              epilog=f"example:\n  {EXAMPLES[name]}",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(name, help=help, description=description, allow_abbrev=False,
+                           epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        # --debug after the command as well as before it (`ctxrl train X --debug`)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return p
 
     def overrides(p: argparse.ArgumentParser) -> None:
         p.add_argument("overrides", nargs="*", metavar="section.field=value",
@@ -302,6 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("config", help="TOML config file")
     overrides(cfg)
     cfg.set_defaults(fn=cmd_config)
+    merge = command("merge", "merge LoRA adapters into their base model",
+                    "Load the base model named in a LoRA checkpoint's adapter_config.json, merge the adapters in and "
+                    "save a plain HF checkpoint (with the tokenizer) that any engine can serve. A LoRA run writes "
+                    "checkpoints/final-merged itself (lora.export_merged); this does it for any step.")
+    merge.add_argument("adapters", help="a directory holding adapter_config.json and adapter_model.safetensors")
+    merge.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
+    merge.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                       help="dtype of the merged weights (default float32)")
+    merge.set_defaults(fn=cmd_merge)
     envs = command("envs", "list environments and their context spaces",
                    "Every registered environment with its tools and the context parameters its tasks vary in "
                    "(train and OOD ranges).")
@@ -316,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--data", default="", help="task file, for environments built from data (jsonl_tools)")
     check.add_argument("--tools", default="", help="comma-separated built-in tools (jsonl_tools)")
     check.add_argument("--verifier", default="exact", help="answer check (jsonl_tools): exact, numeric, contains")
+    check.add_argument("--tool-format", default="hermes", choices=format_names(),
+                       help="the format the gold solutions' tool calls are written in (docs/tool-formats.md)")
     check.set_defaults(fn=cmd_check_env)
     return parser
 

@@ -1,8 +1,8 @@
 """Run configuration: flat, typed dataclasses with a docstring per field, loaded from TOML.
 
 A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[context]``,
-``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[eval]``, ``[run]``,
-``[report]``);
+``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[lora]``, ``[eval]``,
+``[run]``, ``[report]``);
 the command line overrides any field as ``section.field=value`` (the value is read as a TOML literal, or as a
 string if it is not one).
 An unknown section or field, or a value of the wrong type or out of range, is a ``ConfigError``
@@ -41,11 +41,17 @@ class ModelConfig:
     name: str = "tiny"
     """HF hub name or local checkpoint directory of the policy, or ``tiny`` (built locally)."""
     dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16 or float16."""
+    """Dtype of the weights: float32, bfloat16 or float16. The policy (and a LoRA run's frozen base and adapters)
+    and the engine's copy hold and compute in it; with ``train.master_weights = "float32"`` the optimiser keeps
+    float32 master weights of what trains (docs/precision.md)."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``."""
     chat_template: str = ""
     """Optional Jinja file (or template text) replacing the tokenizer's chat template."""
+    tool_format: str = "auto"
+    """How the policy writes tool calls: ``hermes`` (``<tool_call>{json}</tool_call>``: Qwen2.5, Qwen3, Hermes),
+    ``llama3_json`` (bare ``{"name": ..., "parameters": ...}``: Llama 3.x), ``mistral`` (``[TOOL_CALLS]``),
+    ``pythonic`` (``[f(a=1)]``: Llama 3.2/4), or ``auto`` (chosen from the chat template; docs/tool-formats.md)."""
 
 
 @dataclass
@@ -74,7 +80,13 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
     top_k: int = 0
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off); applied before top-p, as HF and vLLM do."""
+    stop_ids: list[int] = field(default_factory=list)
+    """Token ids that end a turn besides the tokenizer's end-of-turn token and every ``eos_token_id`` of the model's
+    ``generation_config.json`` (kept in the turn, as sampled)."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Texts that end a turn as soon as the sampled text contains one (kept in the turn). The turn is over, not cut
+    off: the episode goes on, with the end-of-turn token added after it as context (mask 0)."""
     max_new_tokens: int = 48
     """Tokens one assistant turn may sample before it is cut off (``max_new_tokens``)."""
     max_total_tokens: int = 512
@@ -313,6 +325,37 @@ class TrainConfig:
     """Resumable step checkpoints kept (the oldest are deleted; 0 = keep all)."""
     max_consecutive_skips: int = 5
     """Abort after this many RL steps in a row whose every update was skipped (non-finite loss or gradient)."""
+    master_weights: str = "float32"
+    """What the optimiser updates: ``float32`` (with model.dtype bfloat16/float16, AdamW keeps float32 master copies
+    of the trained weights and float32 moments, rounds them into the model after each step, and float16 gets loss
+    scaling) or ``model`` (AdamW updates the model.dtype weights directly: bf16 loses small updates;
+    docs/precision.md)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one forward/backward: micro-batches are packed by length so that rows x longest row stays
+    within it (and at most micro_batch_size rows); 0 = micro_batch_size rows at a time."""
+    logprob_chunk_tokens: int = 1024
+    """Log-probs and entropy are computed from the final hidden states in chunks of this many positions, only
+    where the loss needs them, so full-vocabulary logits are never held for a whole sequence (gradients equal
+    the full computation); 0 = the model's full logits."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: less memory, ~30% more
+    compute."""
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0
+    """LoRA rank (PEFT); 0 = full fine-tuning. Only the adapters train; the base stays frozen in model.dtype."""
+    alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input. Keep it 0 for RL: dropout makes the learner's log-probs differ from the
+    sampler's, which biases the PPO ratio."""
+    target_modules: str = "all-linear"
+    """Modules that get adapters: ``all-linear`` (every linear layer but the output head) or comma-separated
+    module names (``q_proj,k_proj,v_proj,o_proj``)."""
+    export_merged: bool = True
+    """Also write the base with the adapters merged in (``checkpoints/final-merged``), ready to serve."""
 
 
 @dataclass
@@ -363,6 +406,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -382,7 +426,7 @@ _POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "r
              "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches",
              "train.micro_batch_size", "eval.tasks",
              "train.max_consecutive_skips", "context.summary_max_tokens", "meta.num_attempts", "meta.eval_trials",
-             "meta.reflection_max_tokens", "meta.demos_pool"}
+             "meta.reflection_max_tokens", "meta.demos_pool", "lora.alpha"}
 _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
                  "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
                  "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
@@ -391,16 +435,19 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
                  "context.budget_steps", "context.max_branches", "context.branch_reward",
                  "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature",
                  "run.samples_per_step", "train.lr", "sft.lr",
-                 "meta.eval_attempts", "meta.max_context_tokens", "meta.demos_max", "meta.demos_steps"}
+                 "meta.eval_attempts", "meta.max_context_tokens", "meta.demos_max", "meta.demos_steps",
+                 "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens", "lora.rank"}
 # key -> (low, high, low bound open): the fields that must lie in an interval
 _RANGES = {"curriculum.self_paced_floor": (0.0, 0.25, True), "rollout.top_p": (0.0, 1.0, True),
            "rollout.max_error_rate": (0.0, 1.0, False), "sft.trial_demos": (0.0, 1.0, False),
-           "sft.shortcut_fraction": (0.0, 1.0, False), "meta.gamma_trial": (0.0, 1.0, False)}
+           "sft.shortcut_fraction": (0.0, 1.0, False), "meta.gamma_trial": (0.0, 1.0, False),
+           "lora.dropout": (0.0, 1.0, False)}
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
+    from ctxrl.chat.formats import format_names
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
     from ctxrl.meta.credit import BASELINES, NORMALIZE_MODES
@@ -414,7 +461,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "curriculum.kind": CURRICULA, "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
             "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
-            "report.wandb_mode": ("offline", "online", "disabled")}
+            "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
+            "train.master_weights": ("float32", "model")}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:
@@ -440,6 +488,7 @@ def validate(config: Config) -> None:
     _validate_algo(config, estimator)
     _validate_meta(config, estimator)
     _validate_context(config, estimator, manager)
+    _validate_training(config, estimator)
     if config.sft.context_demos == "on" and manager.scripted_hook is None:
         raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
                           f"(summarize: its summary hook); context.manager={config.context.manager!r} asks for none; "
@@ -487,6 +536,33 @@ def _validate_algo(config: Config, estimator: type) -> None:
         ungrouped = ", ".join(n for n in estimator_names() if not get_estimator(n).needs_groups)
         raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
                           f"episodes per task (or use an algo.advantage without groups: {ungrouped})")
+
+
+def _validate_training(config: Config, estimator: type) -> None:
+    """Precision, LoRA and stops: what they combine with."""
+    t, lora = config.train, config.lora
+    if config.model.dtype == "float16" and t.master_weights == "model":
+        raise ConfigError("model.dtype=float16 with train.master_weights=model would update float16 weights without "
+                          "loss scaling (small gradients underflow, updates round away); set "
+                          "train.master_weights=float32 (float32 master weights, loss scaling) or "
+                          "model.dtype=bfloat16")
+    if config.model.dtype == "float16" and config.model.device == "cpu":
+        raise ConfigError("model.dtype=float16 trains with loss scaling on CUDA only; on the CPU use bfloat16 or "
+                          "float32")
+    if lora.rank and config.algo.kl_coef > 0 and config.sft.enabled and config.train.steps > 0:
+        raise ConfigError("a LoRA run's KL reference is its base with the adapters switched off, which is the model "
+                          "before the warm start, not after it: the penalty would pull RL back past the warm start. "
+                          "Set sft.enabled=false (a pretrained policy needs none), algo.kl_coef=0, or lora.rank=0")
+    if lora.rank and estimator.needs_critic:
+        raise ConfigError(f"lora.rank > 0 with algo.advantage={config.algo.advantage}: the critic would be a second "
+                          "full copy of the model, which LoRA is meant to avoid; use a critic-free advantage "
+                          "(grpo, rloo, reinforce_pp, ...) or full fine-tuning (lora.rank=0)")
+    if lora.rank and not lora.target_modules.strip():
+        raise ConfigError("lora.target_modules is empty; use all-linear or module names such as q_proj,v_proj")
+    if any(i < 0 for i in config.rollout.stop_ids):
+        raise ConfigError(f"rollout.stop_ids must be token ids (>= 0), got {config.rollout.stop_ids}")
+    if any(not s for s in config.rollout.stop_strings):
+        raise ConfigError("rollout.stop_strings holds an empty string, which would end every turn at once; remove it")
 
 
 def _validate_context(config: Config, estimator: type, manager: type) -> None:
@@ -590,6 +666,11 @@ def _nearest(name: str, options: list[str]) -> str:
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    if typing.get_origin(annotation) is list:  # list[str], list[int]: a TOML array of those
+        item = typing.get_args(annotation)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item.__name__}s (a TOML array such as [1, 2]), got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     expected = {"str": str, "int": int, "float": float, "bool": bool}[annotation if isinstance(annotation, str)
                                                                       else annotation.__name__]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -678,6 +759,8 @@ def to_toml(config: Config) -> str:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -701,7 +784,10 @@ def describe_fields() -> list[tuple[str, str, Any, str]]:
                 docs[prev.target.id] = node.value.value
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            out.append((f"{section}.{f.name}", hints[f.name].__name__, f.default, docs.get(f.name, "")))
+            hint = hints[f.name]
+            name = hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            out.append((f"{section}.{f.name}", name, default, docs.get(f.name, "")))
     return out
 
 

@@ -89,3 +89,33 @@ def test_check_env_passes_and_fails_with_reasons(tmp_path: Path) -> None:
     assert "problem(s)" in proc.stdout and "gold solution" in proc.stdout and "total reward 0.0 != 1.0" in proc.stdout
     proc = ctxrl("check-env", "calculatr", cwd=tmp_path)
     assert proc.returncode == 2 and "did you mean 'calculator'" in proc.stderr
+
+
+def test_version_config_command_debug_and_no_prefix_matching(tmp_path: Path, capsys, monkeypatch) -> None:
+    import pytest
+
+    from ctxrl.cli import main
+    from ctxrl.config import ConfigError
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("ctxrl ")
+    example = str(Path(__file__).parents[1] / "examples" / "calculator_tiny.toml")
+    assert main(["config", example, "env.name=kv_chain", "train.steps=7"]) == 0
+    out = capsys.readouterr()
+    assert 'name = "kv_chain"' in out.out and "steps = 7" in out.out and "valid" in out.err
+    assert main(["config", example, "train.stepz=3"]) == 2  # one line, exit 2
+    err = capsys.readouterr().err
+    assert err.startswith("ctxrl: config error: unknown config key train.stepz") and err.count("\n") == 1
+    with pytest.raises(ConfigError):  # --debug, before or after the command, shows the traceback instead
+        main(["config", example, "train.stepz=3", "--debug"])
+    with pytest.raises(ConfigError):
+        main(["--debug", "config", example, "train.stepz=3"])
+    monkeypatch.setenv("CTXRL_DEBUG", "1")
+    with pytest.raises(ConfigError):
+        main(["config", example, "train.stepz=3"])
+    monkeypatch.delenv("CTXRL_DEBUG")
+    with pytest.raises(SystemExit) as exit_:  # no abbreviations: --step is not --steps
+        main(["demo", "--step", "3"])
+    assert exit_.value.code == 2
+    assert "exit codes" in __import__("ctxrl.cli", fromlist=["EPILOG"]).EPILOG

@@ -164,10 +164,11 @@ def test_describe_fields_documents_every_field():
     assert {row[0] for row in rows} == keys
     assert len(rows) == len(keys)
     for key, type_name, _default, doc in rows:
-        assert type_name in {"str", "int", "float", "bool"}, key
+        assert type_name in {"str", "int", "float", "bool", "list[str]", "list[int]"}, key
         assert isinstance(doc, str) and doc.strip(), f"{key} has no docstring"
     by_key = {row[0]: row for row in rows}
     assert by_key["train.steps"][1:3] == ("int", 40)
+    assert by_key["rollout.stop_strings"][1:3] == ("list[str]", [])
 
 
 def test_configuration_doc_is_generated_from_the_code() -> None:

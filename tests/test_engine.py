@@ -179,9 +179,64 @@ def test_top_k_one_equals_greedy(model, tokenizer):
     topk = _gather(_engine(model, tokenizer, seed=99), prompts,
                    SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6))
     assert [c.token_ids for c in topk] == [c.token_ids for c in greedy]
-    # log-probs are of the untruncated T=1 distribution, i.e. the greedy ones
-    for a, b in zip(topk, greedy):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    # log-probs are of the distribution each token was drawn from: top-1 is a point mass
+    for c in topk:
+        assert c.logprobs == [0.0] * len(c.token_ids)
+
+
+def test_behaviour_logprobs_are_of_the_truncated_distribution(model, tokenizer):
+    """top_k=3 then top_p=0.8: the reported log-prob is log(p_i / kept mass) under the filtered softmax."""
+    prompt = _prompts(len(tokenizer), n=1, seed=21)[0]
+    c = _gather(_engine(model, tokenizer), [prompt], SamplingParams(temperature=0.9, top_k=3, top_p=0.8,
+                                                                    max_new_tokens=1, seed=5))[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float() / 0.9
+    probs = torch.softmax(logits, -1)
+    top = probs.topk(3)
+    renormalised = top.values / top.values.sum()
+    kept = [0]  # top-p over what top-k kept: keep a token while the mass before it is below 0.8
+    for i in range(1, 3):
+        if float(renormalised[:i].sum()) < 0.8:
+            kept.append(i)
+    assert int(c.token_ids[0]) in top.indices[kept].tolist()
+    mass = float(top.values[kept].sum())
+    expected = math.log(float(probs[c.token_ids[0]]) / mass)
+    assert c.logprobs[0] == pytest.approx(expected, abs=1e-5)
+    # without truncation they are the learner's log-probs at the same temperature
+    free = _gather(_engine(model, tokenizer), [prompt], SamplingParams(temperature=0.9, max_new_tokens=4, seed=5))[0]
+    torch.testing.assert_close(torch.tensor(free.logprobs), torch.tensor(_recomputed(model, prompt, free.token_ids,
+                                                                                      0.9)), atol=1e-5, rtol=0)
+
+
+def test_stop_strings_end_the_completion_where_the_text_reaches_them(model, tokenizer):
+    prompt = _prompts(len(tokenizer), n=1, seed=3)[0]
+    decode = tokenizer.decode
+    free = _gather(_engine(model, tokenizer), [prompt], SamplingParams(temperature=0.0, max_new_tokens=24))[0]
+    text = decode(free.token_ids)
+    # a stop string that first appears in the text written by tokens 1..n (n >= 6)
+    n = next(n for n in range(6, len(free.token_ids)) if decode(free.token_ids[:n]).strip()
+             and decode(free.token_ids[n - 2:n]).strip())
+    stop = decode(free.token_ids[n - 2:n])
+    first = next(k for k in range(1, len(free.token_ids) + 1) if stop in decode(free.token_ids[:k]))
+    c = _gather(_engine(model, tokenizer, decode=decode), [prompt],
+                SamplingParams(temperature=0.0, max_new_tokens=24, stop_strings=(stop,)))[0]
+    assert c.finish_reason == "stop_string" and not c.closed and not c.truncated
+    assert c.token_ids == free.token_ids[:first]  # kept as sampled, up to the token that completed it
+    assert text.startswith(decode(c.token_ids))
+    with pytest.raises(ValueError, match="decode"):
+        _gather(_engine(model, tokenizer), [prompt], SamplingParams(stop_strings=("x",)))
+    with pytest.raises(ValueError, match="empty"):
+        SamplingParams(stop_strings=("",))
+
+
+def test_any_stop_id_ends_the_completion(model, tokenizer):
+    prompt = _prompts(len(tokenizer), n=1, seed=9)[0]
+    free = _gather(_engine(model, tokenizer), [prompt], SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    third = free.token_ids[2]
+    first = free.token_ids.index(third)
+    c = _gather(_engine(model, tokenizer), [prompt],
+                SamplingParams(temperature=0.0, max_new_tokens=12, stop_ids=(10**6, third)))[0]
+    assert c.finish_reason == "stop" and c.closed and c.token_ids == free.token_ids[:first + 1]
 
 
 def test_tiny_top_p_equals_greedy(model, tokenizer):

@@ -57,7 +57,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _run(policy, settings, episodes, advantages, ref=None):
-    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), settings, pad_token_id=0, ref_model=ref)
+    learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), settings, pad_token_id=0, reference=ref)
     policy.zero_grad(set_to_none=True)
     metrics = learner.mini_batch_loss(batch_of(episodes, advantages))
     return metrics, _grads(policy)

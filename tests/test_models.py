@@ -191,3 +191,29 @@ def test_tiny_spec_envs_field(tokenizer):
     texts = [tokenizer.decode(seq) for seq in chat]
     # both environments' episodes, mixed in one batch
     assert any('"lookup"' in t for t in texts) and any('"calculator"' in t for t in texts)
+
+
+def test_every_end_id_of_the_generation_config_ends_a_turn(tiny_path, tokenizer, tmp_path):
+    """generation_config.json's eos_token_id (one id or a list) and rollout.stop_ids all stop a turn."""
+    import json
+    import shutil
+
+    from ctxrl.chat.render import ChatRenderer
+    from ctxrl.models.loader import generation_end_ids
+    from ctxrl.rollout.generate import sampling_params
+    from ctxrl.rollout.spec import RolloutLimits
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_path, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert generation_end_ids(str(copy)) == [2, 7]
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert generation_end_ids(str(copy)) == [7]
+    (copy / "generation_config.json").unlink()
+    assert generation_end_ids(str(copy)) == []
+
+    renderer = ChatRenderer(tokenizer, end_ids=[2, 7])
+    assert renderer.end_ids[0] == renderer.eos_id and set(renderer.end_ids) == {renderer.eos_id, 2, 7}
+    params = sampling_params(RolloutLimits(stop_ids=(9, 7), stop_strings=("</answer>",)), renderer, 8, None, 0)
+    assert params.stop_ids == (*renderer.end_ids, 9)  # the template's end first, no repeats
+    assert params.stop_strings == ("</answer>",)

@@ -74,7 +74,7 @@ def test_kl_as_a_reward_penalty(tmp_path, monkeypatch):
                          [*SMALL, "algo.kl_coef=0.5", "algo.kl_placement=reward"])
     trainer = loop.Trainer(config, tmp_path / "run")
     learner = trainer.make_learner()
-    assert learner.settings.kl_coef == 0.0 and learner.ref_model is not None  # not in the loss
+    assert learner.settings.kl_coef == 0.0 and learner.reference is not None  # not in the loss
     with torch.no_grad():  # move the policy off the reference so the KL is not zero
         for p in trainer.model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -102,3 +102,35 @@ def test_turn_level_gae(tmp_path, monkeypatch):
     row = trainer.step(0)
     assert math.isfinite(row["loss"]) and math.isfinite(row["vf_loss"]) and row["vf_loss"] > 0
     assert 0.0 <= row["vf_clip_frac"] <= 1.0
+
+
+MODELS = sorted((Path(__file__).parents[1] / "examples" / "models").glob("*.toml"))
+
+
+def test_real_model_presets_suit_a_pretrained_policy():
+    """No deliberately-bad warm start, an RL learning rate near 1e-6 (1e-5 for LoRA), long turns, bf16."""
+    assert {p.stem for p in MODELS} >= {"qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct-lora"}
+    for preset in MODELS:
+        c = load_config(preset)
+        assert not c.sft.enabled and c.model.dtype == "bfloat16" and c.train.master_weights == "float32", preset
+        assert c.rollout.max_new_tokens >= 256 and c.train.max_tokens_per_microbatch > 0, preset
+        assert c.train.lr <= (1e-5 if c.lora.rank else 2e-6), preset
+        assert c.model.name.startswith("Qwen/"), preset
+    lora = load_config(MODELS[-1])
+    assert lora.lora.rank > 0 and lora.train.gradient_checkpointing
+
+
+@pytest.mark.parametrize("preset", [MODELS[0], MODELS[-1]], ids=lambda p: p.stem)
+def test_a_real_model_preset_trains_the_tiny_model_in_bf16(preset, tmp_path):
+    """The preset as a user runs it, on the tiny model on a CPU: bf16 weights, float32 masters, chunked
+    log-probs, token-budget micro-batches (and LoRA with gradient checkpointing for the 7B preset)."""
+    from ctxrl.train.trainer import train
+
+    summary = train(load_config(preset, ["model.name=tiny:pretrain_steps=0", "model.device=cpu", "train.steps=1",
+                                         "rollout.tasks_per_step=2", "rollout.group_size=2",
+                                         "rollout.max_new_tokens=12", "rollout.max_total_tokens=512",
+                                         "eval.tasks=2", "run.progress=false", "train.max_tokens_per_microbatch=64"]),
+                    tmp_path)
+    assert summary["steps"] == 1 and summary["skipped_updates"] == 0
+    final = Path(summary["checkpoint"])
+    assert (final / ("adapter_model.safetensors" if "lora" in preset.stem else "model.safetensors")).exists()

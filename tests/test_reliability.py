@@ -94,7 +94,7 @@ def test_resume_gives_the_same_losses_rewards_and_weights(tmp_path, learning_sig
 def test_checkpoint_holds_every_piece(tmp_path, learning_signal):
     train(config("train.steps=1", "curriculum.kind=self_paced"), tmp_path)
     path = ckpt.latest_checkpoint(tmp_path / "checkpoints")
-    for name in ckpt.REQUIRED + ("config.json", "tokenizer.json"):
+    for name in ckpt.REQUIRED + ("model.safetensors", "config.json", "tokenizer.json"):
         assert (path / name).exists(), name
     state = json.loads((path / "state.json").read_text())
     assert state["step"] == 1 and state["policy_version"] == 1
@@ -423,7 +423,7 @@ def test_rewriting_the_latest_step_never_leaves_latest_dangling(tmp_path):
 
     def write(text):
         def go(d):
-            for name in ckpt.REQUIRED:
+            for name in (*ckpt.REQUIRED, "model.safetensors"):
                 (d / name).write_text(text)
         return go
 

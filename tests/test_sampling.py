@@ -136,6 +136,18 @@ def testfilter_logits_top_p():
     assert kept[[0, 1, 3]].tolist() == logits[0, [0, 1, 3]].tolist()  # kept values unchanged
 
 
+def testfilter_logits_top_p_counts_mass_after_top_k():
+    """HF / vLLM order: top-p is measured in the distribution renormalised over the top-k tokens."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    inf = float("-inf")
+    # over the top 2 the masses are 0.625 and 0.375: the mass before the second (0.625) reaches 0.6,
+    # so only the first stays (measured in the full distribution it would be 0.5 < 0.6: both would stay)
+    out = filter_logits(logits, [2], torch.tensor([[0.6]]))
+    assert [v != inf for v in out[0].tolist()] == [True, False, False]
+    out = filter_logits(logits, [2], torch.tensor([[0.7]]))
+    assert [v != inf for v in out[0].tolist()] == [True, True, False]
+
+
 def testfilter_logits_per_row():
     logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [0.5, 2.0, -1.0, 1.0]])
     out = filter_logits(logits, [0, 0], torch.tensor([[0.5], [1.0]]))

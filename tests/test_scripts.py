@@ -32,6 +32,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/engine_throughput.py": "tests/test_scripts.py::test_engine_throughput_checks_and_measures_on_the_cpu",
     "benchmarks/env_training.py": "tests/test_scripts.py::test_env_training_reports_before_and_after",
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
+    "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
     "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
@@ -78,6 +79,16 @@ def test_gpu_memory_runs_both_modes_without_a_gpu(tmp_path):
     rows = script("benchmarks/gpu_memory.py").main(["--smoke", "--out", str(tmp_path)])
     assert [r["mode"] for r in rows] == ["cudnn-allowed", "cudnn-off"]
     assert all(r["wall_seconds"] > 0 for r in rows)
+
+
+def test_learner_memory_runs_every_setting_on_the_cpu(capsys):
+    rows = script("benchmarks/learner_memory.py").main(
+        ["--smoke", "--settings", "legacy,mixed,mixed+ckpt,lora,lora+ckpt"])
+    assert [r["setting"] for r in rows] == ["legacy", "mixed", "mixed+ckpt", "lora", "lora+ckpt"]
+    assert all("error" not in r and r["skipped"] == 0.0 and r["step_s"] > 0 for r in rows), rows
+    full, lora = rows[1], rows[3]
+    assert lora["trainable_params"] < full["trainable_params"] and lora["engine_copy_bytes"] < full["engine_copy_bytes"]
+    assert "peak GiB" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fmt", ["plain", "chat", "chat+system"])

@@ -154,9 +154,10 @@ def entropy_from_logits(logits: torch.Tensor, *, chunk_size: int = 1024) -> torc
     logits: [..., V]  ->  [...]
     """
     flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
-        chunk = flat[start:start + chunk_size].float()
+        chunk = flat[start:start + chunk_size].to(dtype)
         logp = torch.log_softmax(chunk, dim=-1)
         out[start:start + chunk_size] = -(logp.exp() * logp).sum(-1)
     return out.reshape(logits.shape[:-1])

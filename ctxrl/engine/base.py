@@ -30,7 +30,8 @@ class SamplingParams:
 
     ``temperature <= 0`` means greedy. ``top_k = 0`` and ``top_p = 1.0`` disable truncation.
     Generation stops after a token in ``stop_ids`` (which is kept in the output, as the model
-    sampled it) or after ``max_new_tokens``. ``seed`` fixes the random draws of this one
+    sampled it), once the sampled text contains one of ``stop_strings`` (the tokens that wrote it
+    are kept too), or after ``max_new_tokens``. ``seed`` fixes the random draws of this one
     completion, whatever else the engine is serving at the time; ``None`` lets the engine pick
     one from its own seeded stream (reproducible only if requests arrive in the same order).
 
@@ -47,6 +48,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 128
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     purpose: str = "turn"
 
@@ -59,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings holds an empty string, which would stop every completion at once")
 
 
 @dataclass
@@ -67,8 +71,20 @@ class Completion:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (a stop id was sampled) or "length"
+    finish_reason: str
+    """``stop``: the last id is a stop id (an end-of-turn token); ``stop_string``: the sampled text reached one of
+    the stop strings (the last id is ordinary text); ``length``: cut off at ``max_new_tokens``."""
     policy_version: int = 0
+
+    @property
+    def closed(self) -> bool:
+        """Whether the completion ends with a stop id (its end-of-turn token)."""
+        return self.finish_reason == "stop"
+
+    @property
+    def truncated(self) -> bool:
+        """Whether it was cut off at its token limit before it ended."""
+        return self.finish_reason == "length"
 
 
 @runtime_checkable
@@ -83,5 +99,8 @@ class Engine(Protocol):
         ...
 
     def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
-        """Replace the engine's weights (a state dict by parameter name) and set the policy version."""
+        """Replace the engine's weights (a state dict by parameter name) and set the policy version.
+
+        An engine that can take only the tensors that changed (a LoRA run's adapters) accepts
+        ``partial=True`` as well."""
         ...

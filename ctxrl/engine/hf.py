@@ -17,9 +17,18 @@ What it is: static batching (a batch runs until its last row stops; requests tha
 meanwhile form the next batch). What it is not: continuous batching or paged attention — for
 those, serve the policy with vLLM/SGLang behind the same ``Engine`` protocol.
 
-Log-probabilities are those of the temperature-scaled distribution *before* top-k / top-p
-truncation (``log_softmax(logits / T)``, with T = 1 for greedy decoding), the quantity the
-learner recomputes.
+Log-probabilities are those of the distribution each token was drawn from: the temperature-scaled
+logits after top-k, then top-p (``log_softmax(filter(logits / T))``), so they are the behaviour
+policy's own. Without truncation (``top_k = 0``, ``top_p = 1``, the training default) that is
+exactly what the learner computes (``log_softmax(logits / T)``). With truncation the learner's
+untruncated log-prob of a kept token is lower by ``-log(kept mass)``, so the PPO ratio of such a
+token starts below 1; ``algo.old_logprobs = "recompute"`` with ``algo.tis_cap`` corrects for it
+(the weight ``exp(learner - behaviour)`` is the kept mass). Greedy decoding (T = 0) reports the
+log-prob under T = 1 without truncation.
+
+Stops: a request ends when it samples one of its ``stop_ids`` (finish ``stop``), when its
+sampled text contains one of its ``stop_strings`` (finish ``stop_string``; the engine needs a
+``decode`` function for these), or at its token budget (``length``).
 
 The engine owns its module: the trainer gives it a copy of the policy and, after every optimiser
 step, copies the new weights in with ``load_weights(state_dict, version=step + 1)`` in memory,
@@ -35,13 +44,14 @@ import dataclasses
 import inspect
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from ctxrl.engine.base import Completion, SamplingParams
-from ctxrl.engine.sampling import filter_logits, sample_inverse_cdf, uniforms
+from ctxrl.engine.sampling import draw
 from ctxrl.models.kernels import attention_kernels
 from ctxrl.seeds import SEED_MODULUS
 
@@ -57,8 +67,9 @@ class HFEngine:
     """Batched in-process generation; see the module docstring."""
 
     def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 64, seed: int = 0,
-                 max_total_tokens: int | None = None) -> None:
+                 max_total_tokens: int | None = None, decode: Callable[[list[int]], str] | None = None) -> None:
         self.model = model
+        self.decode = decode
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens or int(getattr(model.config, "max_position_embeddings", 1 << 30))
@@ -67,7 +78,8 @@ class HFEngine:
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a PEFT model passes it on)
+        self._cache_kw = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
         self._executor: ThreadPoolExecutor | None = None
         self.stats = {"batches": 0, "requests": 0, "forward_passes": 0, "generate_seconds": 0.0}
 
@@ -81,28 +93,18 @@ class HFEngine:
         """The version of the weights the engine samples with (0 before any ``load_weights``)."""
         return self._version
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
-        """Copy new weights into the engine's model in memory (cast to its dtype) and set the policy version."""
-        # Every tensor state_dict() names (non-persistent buffers such as rotary frequencies are not
-        # in it), by any of its names: a tied tensor (lm_head is embed_tokens) needs only one of them.
-        names: dict[int, list[str]] = {}
-        tensors: dict[int, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            names.setdefault(id(tensor), []).append(name)
-            tensors[id(tensor)] = tensor
-        sources = {key: next((n for n in aliases if n in state_dict), None) for key, aliases in names.items()}
-        missing = [names[key][0] for key, source in sources.items() if source is None]
-        if missing:
-            raise KeyError(f"load_weights: state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for key, source in sources.items():
-                tensors[key].copy_(state_dict[source].to(tensors[key].device, tensors[key].dtype))
+    def load_weights(self, state_dict: dict[str, torch.Tensor], *, version: int, partial: bool = False) -> None:
+        """Copy new weights into the engine's model in memory (cast to its dtype) and set the policy version.
+
+        ``partial``: ``state_dict`` holds only the tensors that changed (a LoRA run's adapters); the rest
+        stay as they are. Every name given must be one of the engine's either way.
+        """
+        copy_weights(self.model, state_dict, partial=partial)
         self._version = int(version)
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        if not prompt_ids:
-            raise ValueError("generate: prompt_ids is empty")
+        validate_request(prompt_ids, params, self.decode)
         if len(prompt_ids) >= self.max_total_tokens:
             return Completion([], [], "length", self._version)
         loop = asyncio.get_running_loop()
@@ -189,6 +191,7 @@ class HFEngine:
         top_k = [p.top_k for p in params]
         top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(-1)
         stops = [set(p.stop_ids) for p in params]
+        stop_strings = [StopStrings(p.stop_strings, self.decode) for p in params]
         seeds = torch.tensor([p.seed % SEED_MODULUS for p in params], dtype=torch.long)
 
         sampled: list[list[int]] = [[] for _ in range(batch)]
@@ -204,12 +207,8 @@ class HFEngine:
         self.stats["forward_passes"] += 1
         next_pos = positions[:, -1:] + 1
         for step in range(max(budgets)):
-            scaled = logits / temperature
-            step_logprobs = torch.log_softmax(scaled, dim=-1)
-            probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
-            choice = sample_inverse_cdf(probs, uniforms(seeds, step))
-            choice = torch.where(greedy, scaled.argmax(-1), choice)
-            chosen_lp = step_logprobs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+            # Greedy rows report the untruncated T=1 log-prob; sampled rows that of the distribution drawn from.
+            choice, chosen_lp = draw(logits, temperature, greedy, seeds, step, top_k, top_p)
             ids, lps = choice.tolist(), chosen_lp.tolist()
             for row in range(batch):
                 if finish[row] is not None:
@@ -218,6 +217,8 @@ class HFEngine:
                 logprobs[row].append(lps[row])
                 if ids[row] in stops[row]:
                     finish[row] = "stop"
+                elif stop_strings[row].reached(sampled[row]):
+                    finish[row] = "stop_string"
                 elif len(sampled[row]) >= budgets[row]:
                     finish[row] = "length"
             if all(f is not None for f in finish):
@@ -228,3 +229,62 @@ class HFEngine:
             self.stats["forward_passes"] += 1
             next_pos = next_pos + 1
         return [Completion(sampled[r], logprobs[r], finish[r] or "length", self._version) for r in range(batch)]
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, decode) -> None:
+    """The checks every engine makes before queueing a request."""
+    if not prompt_ids:
+        raise ValueError("generate: prompt_ids is empty")
+    if params.stop_strings and decode is None:
+        raise ValueError("generate: stop_strings need the engine's decode function (Engine(..., decode=...))")
+
+
+def copy_weights(model: torch.nn.Module, state_dict, *, partial: bool = False) -> None:
+    """Copy ``state_dict`` into ``model``'s tensors in place, each cast to the tensor's device and dtype.
+
+    In full mode every tensor ``model.state_dict()`` names must be given, by any of its names (a tied
+    tensor such as ``lm_head`` = ``embed_tokens`` needs one; non-persistent buffers such as rotary
+    frequencies are not in it). ``partial``: only the tensors given change, and each name must exist.
+    """
+    own = model.state_dict(keep_vars=True)
+    if partial:
+        unknown = [name for name in state_dict if name not in own]
+        if unknown:
+            raise KeyError(f"load_weights: the engine's model has no tensors {unknown[:3]} "
+                           f"({len(unknown)} unknown names)")
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                own[name].copy_(value.to(own[name].device, own[name].dtype))
+        return
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in own.items():
+        names.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    sources = {key: next((n for n in aliases if n in state_dict), None) for key, aliases in names.items()}
+    missing = [names[key][0] for key, source in sources.items() if source is None]
+    if missing:
+        raise KeyError(f"load_weights: state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for key, source in sources.items():
+            tensors[key].copy_(state_dict[source].to(tensors[key].device, tensors[key].dtype))
+
+
+class StopStrings:
+    """Whether a row's sampled ids have written one of its stop strings.
+
+    Only the tail is decoded each step: a stop string of ``n`` characters was completed within the
+    last ``2n + 4`` tokens (a byte-level token can hold part of a character), so the check costs
+    the same at token 10 and token 4000.
+    """
+
+    def __init__(self, strings: tuple[str, ...], decode: Callable[[list[int]], str] | None) -> None:
+        self.strings = strings
+        self.decode = decode
+        self.window = 2 * max((len(s) for s in strings), default=0) + 4
+
+    def reached(self, ids: list[int]) -> bool:
+        if not self.strings:
+            return False
+        tail = self.decode(ids[-self.window:])
+        return any(s in tail for s in self.strings)

@@ -28,10 +28,14 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """One float64 in (0, 1) per seed, a pure function of (seed, step); 53 random bits each."""
+def uniforms(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """One float64 in (0, 1) per seed, a pure function of (seed, step); 53 random bits each.
+
+    ``step`` is one token index for every row, or a tensor of each row's own (continuous batching,
+    where rows are at different tokens of their completions)."""
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
-    h = mix32(mix32(mix32(torch.full_like(seeds, step & MASK32)) ^ hi) ^ lo)
+    steps = torch.full_like(seeds, step & MASK32) if isinstance(step, int) else (step.to(seeds) & MASK32)
+    h = mix32(mix32(mix32(steps) ^ hi) ^ lo)
     h2 = mix32(h ^ 0x5BD1E995)
     bits = (h << 21) | (h2 >> 11)  # 32 + 21 = 53 bits
     return (bits.double() + 0.5) / float(1 << 53)
@@ -48,15 +52,39 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p); rows with k=0, p=1 are untouched."""
+    """Mask logits outside each row's top-k, then outside the nucleus (top-p) of what top-k kept.
+
+    The order HF and vLLM use: top-p measures mass in the distribution renormalised over the
+    top-k tokens, not in the full one. Rows with k=0, p=1 are untouched.
+    """
     if all(k <= 0 for k in top_k) and bool((top_p >= 1.0).all()):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
     k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=logits.device).unsqueeze(-1)
     remove = rank >= k
-    probs = torch.softmax(sorted_logits, dim=-1)
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Drop a token once the mass *before* it already reaches top_p (the top token always stays).
     remove |= (probs.cumsum(-1) - probs) >= top_p
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
+         step: int | torch.Tensor, top_k: list[int] | None = None,
+         top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its behaviour log-prob, from float32 ``logits`` ``[rows, vocab]``.
+
+    ``temperature`` ``[rows, 1]``; ``greedy`` ``[rows]`` (argmax, reporting the untruncated T=1
+    log-prob); ``seeds`` and ``step`` give each row's uniform draw (``uniforms``). Without
+    ``top_k``/``top_p`` nothing syncs with the host, so a CUDA graph can hold it.
+    """
+    scaled = logits / temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if top_k is not None and top_p is not None:
+        filtered = filter_logits(scaled, top_k, top_p)
+        if filtered is not scaled:
+            logprobs = torch.where(greedy.unsqueeze(-1), logprobs, torch.log_softmax(filtered, dim=-1))
+    choice = sample_inverse_cdf(logprobs.exp(), uniforms(seeds, step))
+    choice = torch.where(greedy, scaled.argmax(-1), choice)
+    return choice, logprobs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)

@@ -10,7 +10,9 @@ of stopping at the first. The checks:
 - the tools' parameter schemas are JSON-schema objects;
 - ``reset`` returns ``Message`` s and is deterministic for a task and seed;
 - replaying the gold ``solve`` texts through ``parse_assistant`` and ``step`` earns a total
-  reward of exactly 1.0 on every split, and ends the episode;
+  reward of exactly 1.0 on every split, and ends the episode (``tool_format``: the texts' Hermes
+  calls are first rewritten into that format and parsed with it, as a policy of that family
+  would write them);
 - ``step`` after the end raises ``EnvError``; ``close`` can be called twice.
 
 It does not check that rewards are *only* 1.0 for right answers; test that in the env's tests.
@@ -24,7 +26,8 @@ from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ctxrl.chat.toolcalls import parse_assistant
+from ctxrl.chat.formats import get_format, parse_assistant, rewrite_calls
+from ctxrl.chat.toolcalls import HERMES
 from ctxrl.envs.base import Env, EnvError
 from ctxrl.envs.hooks import available_splits
 from ctxrl.tasks.space import ContextError
@@ -50,7 +53,8 @@ def assert_env_ok(env_cls: type, *, n_tasks: int = 8, seed: int = 0) -> None:
         raise CheckEnvError(getattr(env_cls, "__name__", str(env_cls)), problems)
 
 
-def check_env(env_cls: type, *, n_tasks: int = 8, seed: int = 0, notes: list[str] | None = None) -> list[str]:
+def check_env(env_cls: type, *, n_tasks: int = 8, seed: int = 0, notes: list[str] | None = None,
+              tool_format: str = "hermes") -> list[str]:
     """Every problem found with ``env_cls`` (an empty list means it conforms).
 
     ``notes`` (if given) receives what was not checked and why: a split the environment has no
@@ -86,7 +90,7 @@ def check_env(env_cls: type, *, n_tasks: int = 8, seed: int = 0, notes: list[str
         _check_tools(env, problems)
         if tasks:
             _check_reset(env_cls, next(iter(tasks.values()))[0], seed, problems)
-        _run(_check_gold(env_cls, tasks, seed, problems))
+        _run(_check_gold(env_cls, tasks, seed, problems, tool_format))
     finally:
         _close_twice(env, problems)
     return problems
@@ -195,16 +199,17 @@ def _check_reset(env_cls: type, task: Task, seed: int, problems: list[str]) -> N
                         "returned different messages; derive any randomness from the task and seed")
 
 
-async def _check_gold(env_cls: type, tasks: dict[str, list[Task]], seed: int, problems: list[str]) -> None:
+async def _check_gold(env_cls: type, tasks: dict[str, list[Task]], seed: int, problems: list[str],
+                      tool_format: str) -> None:
     for split, split_tasks in tasks.items():
         for task in split_tasks:
-            problem = await _replay_gold(env_cls, task, seed)
+            problem = await _replay_gold(env_cls, task, seed, tool_format)
             if problem:
                 problems.append(f"gold solution on {split} task {task.id} ({task.prompt!r}): {problem}")
                 break  # one example per split is enough to act on
 
 
-async def _replay_gold(env_cls: type, task: Task, seed: int) -> str | None:
+async def _replay_gold(env_cls: type, task: Task, seed: int, tool_format: str = "hermes") -> str | None:
     try:
         texts = env_cls.solve(task)
     except Exception as exc:  # noqa: BLE001
@@ -219,7 +224,7 @@ async def _replay_gold(env_cls: type, task: Task, seed: int) -> str | None:
             if result is not None and result.terminated:
                 return f"the episode terminated after turn {i} but solve() returned {len(texts)} turns"
             try:
-                result = await env.step(parse_assistant(text))
+                result = await env.step(_parsed(text, tool_format))
             except Exception as exc:  # noqa: BLE001
                 return f"step() on gold turn {i} ({text!r}) raised {type(exc).__name__}: {exc}"
             if not isinstance(result, StepResult):
@@ -245,15 +250,17 @@ async def _replay_gold(env_cls: type, task: Task, seed: int) -> str | None:
         env.close()
 
 
-def play_solution(env_cls: type, task: Task, seed: int = 0) -> tuple[list[Message], float]:
+def play_solution(env_cls: type, task: Task, seed: int = 0, tool_format: str = "hermes") -> tuple[list[Message], float]:
     """The episode ``solve(task)`` plays through ``reset`` and ``step``: every message (opening,
-    assistant turns, observations) and the total reward. No checks: see ``check_env`` for those."""
+    assistant turns, observations) and the total reward. No checks: see ``check_env`` for those.
+    ``tool_format``: the format the assistant turns write their calls in (``solve`` writes Hermes)."""
     env = env_cls()
     try:
         messages, reward = list(env.reset(task, seed=seed)), 0.0
         for text in env_cls.solve(task):
-            messages.append(Message(role="assistant", content=text))
-            result = _run(env.step(parse_assistant(text)))
+            message = _parsed(text, tool_format)
+            messages.append(Message(role="assistant", content=message.content))
+            result = _run(env.step(message))
             messages += result.messages
             reward += result.reward
             if result.terminated:
@@ -261,6 +268,12 @@ def play_solution(env_cls: type, task: Task, seed: int = 0) -> tuple[list[Messag
         return messages, reward
     finally:
         env.close()
+
+
+def _parsed(text: str, tool_format: str) -> Message:
+    """A gold text (Hermes calls) as a policy writing ``tool_format`` would write it, parsed with that format."""
+    target = get_format(tool_format)
+    return parse_assistant(target, rewrite_calls(text, target, HERMES))
 
 
 def _close_twice(env: Any, problems: list[str]) -> None:

@@ -57,7 +57,7 @@ def resolve(name_or_path: str, *, on_progress=None) -> str:
         if not path.exists():
             raise ModelLoadError(f"model path {name_or_path!r} does not exist; pass a checkpoint "
                                  "directory, a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or 'tiny'")
-        if path.is_dir() and not any((path / f).exists() for f in WEIGHT_FILES):
+        if path.is_dir() and not any((path / f).exists() for f in (*WEIGHT_FILES, "adapter_config.json")):
             raise ModelLoadError(f"{name_or_path!r} has no model weights (looked for {', '.join(WEIGHT_FILES)}); "
                                  "save the model with save_pretrained() or point at the directory that has them")
         return str(path)
@@ -103,8 +103,31 @@ def load_tokenizer(name_or_path: str, *, chat_template: str | None = None):
     return tokenizer
 
 
+def generation_end_ids(name_or_path: str) -> list[int]:
+    """Every ``eos_token_id`` of the model's ``generation_config.json`` (one id or a list); [] when it has none.
+
+    Chat models often list several (Llama 3.1: ``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``; Qwen2.5:
+    ``<|im_end|>``, ``<|endoftext|>``): generation must stop on any of them, not only the tokenizer's eos.
+    """
+    from transformers import GenerationConfig
+
+    _quiet_transformers()
+    try:
+        config = GenerationConfig.from_pretrained(resolve(name_or_path))
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos is the only end
+        return []
+    ids = config.eos_token_id
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"):
-    """Load a causal LM for training and generation on ``device``."""
+    """Load a causal LM for training and generation on ``device``.
+
+    A directory of LoRA adapters (``adapter_config.json``, what a LoRA run saves) loads as its base
+    with the adapters merged in: a plain model to evaluate or serve.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -112,6 +135,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     resolved = resolve(name_or_path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if (Path(resolved) / "adapter_config.json").exists():
+        return _load_merged(resolved, dtype=dtype, device=device)
     torch_dtype = getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(resolved, dtype=torch_dtype)
@@ -120,3 +145,25 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}") from exc
     return model.to(device)
+
+
+def _load_merged(adapter_dir: str, *, dtype: str, device: str):
+    """The base model an adapter directory names, with its LoRA adapters merged in."""
+    import json
+
+    from peft import PeftModel
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    base_name = config.get("base_model_name_or_path")
+    if not base_name:
+        raise ModelLoadError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; "
+                             "set it to the hub name or directory of the model the adapters were trained on")
+    try:
+        base = load_model(base_name, dtype=dtype, device=device)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"the LoRA adapters in {adapter_dir} were trained on {base_name!r}, which could not be "
+                             f"loaded: {exc}") from exc
+    try:
+        return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise ModelLoadError(f"could not apply the LoRA adapters in {adapter_dir} to {base_name!r}: {exc}") from exc

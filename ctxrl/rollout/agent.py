@@ -1,11 +1,13 @@
 """The agent loop: one token-faithful episode, and many of them at once.
 
 Per turn: the engine samples an assistant turn from the current ids; those ids go into the
-episode with loss mask 1 and their behaviour log-probs; the text is parsed for tool calls and
-handed to ``env.step``; the environment's reply is rendered *alone* and appended with loss
-mask 0. The loss mask is therefore decided where tokens are born and never rebuilt from text.
-Every token is written through the episode's ``Recorder``; what the model sees as the episode
-grows is its context manager's decision (``ctxrl.rollout.managers``).
+episode with loss mask 1 and their behaviour log-probs; the text is parsed for tool calls in the
+policy's format (``ChatRenderer.parse_assistant``) and handed to ``env.step``; the environment's
+reply is rendered *alone* and appended with loss mask 0. The loss mask is therefore decided where
+tokens are born and never rebuilt from text. Every token is written through the episode's
+``Recorder``; what the model sees as the episode grows is its context manager's decision
+(``ctxrl.rollout.managers``), and where the chat template rewrites history at a new user message,
+the ``Recorder`` starts a new segment (``info["template_restarts"]``).
 
 Limits end an episode and are recorded in ``Episode.truncation``: ``max_turns``,
 ``max_new_tokens`` (a turn was cut off before its end-of-turn token), ``max_total_tokens``.
@@ -37,7 +39,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
-from ctxrl.chat.toolcalls import parse_assistant
 from ctxrl.engine.base import Engine
 from ctxrl.rollout.generate import sampling_params
 from ctxrl.rollout.managers.base import Play
@@ -130,6 +131,8 @@ async def reset_env(env: Any, task: Task, seed: int | None, timeout_s: float) ->
 async def _play(env, engine, renderer, limits: RolloutLimits, seed, episode: Episode, opening) -> None:
     manager = limits.context.make()
     tools = [*(tool.schema() for tool in env.tools), *manager.tool_schemas] or None
+    if tools and not renderer.has_tool_format:
+        raise renderer.tool_format_error()  # ctxrl's set-up, not the episode's fault: the run stops and says why
     play = Play(Recorder(episode, renderer, tools), engine, limits, seed, list(opening))
     try:
         await _turns(env, play, manager)
@@ -153,14 +156,13 @@ async def _turns(env, play: Play, manager) -> None:
         params = sampling_params(limits, renderer, min(limits.max_new_tokens, room), play.seed, turn)
         prompt_tokens = len(recorder)
         completion = await engine.generate(recorder.ids, params)
-        closed = completion.finish_reason == "stop"
-        text = renderer.decode(completion.token_ids[:-1] if closed else completion.token_ids)
-        message = parse_assistant(text)
+        text = renderer.decode(completion.token_ids[:-1] if completion.closed else completion.token_ids)
+        message = renderer.parse_assistant(text)
         recorder.assistant(completion, message, turn)
         record = Turn(index=turn, prompt_tokens=prompt_tokens, sampled_tokens=len(completion.token_ids),
                       finish_reason=completion.finish_reason, text=text)
         episode.turns.append(record)
-        if not closed:
+        if completion.truncated:
             hit_total = len(recorder) >= limits.max_total_tokens
             episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"
             return
@@ -186,11 +188,11 @@ async def _turns(env, play: Play, manager) -> None:
             episode.truncation = "max_turns"
             return
         delta = recorder.observation_ids(result.messages)
-        if not manager.fits(len(recorder) + len(delta), limits.max_new_tokens):
+        if not manager.fits(recorder.length_after(delta), limits.max_new_tokens):
             if not await manager.make_room(play, result.messages, turn):
                 return
             continue
-        if len(recorder) + len(delta) >= limits.max_total_tokens:
+        if recorder.length_after(delta) >= limits.max_total_tokens:
             episode.truncation = "max_total_tokens"
             return
         recorder.observe(result.messages, delta, turn)

@@ -29,7 +29,9 @@ def sampling_params(limits: RolloutLimits, renderer: ChatRenderer, max_new_token
                     counter: int, purpose: str = "turn") -> SamplingParams:
     """One generation's sampling settings; a seeded episode seeds it with ``derive_seed(seed, counter)``."""
     return SamplingParams(temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
-                          max_new_tokens=max_new_tokens, stop_ids=(renderer.eos_id,),
+                          max_new_tokens=max_new_tokens,
+                          stop_ids=tuple(dict.fromkeys((*renderer.end_ids, *limits.stop_ids))),
+                          stop_strings=limits.stop_strings,
                           seed=None if seed is None else derive_seed(seed, counter), purpose=purpose)
 
 
@@ -39,7 +41,9 @@ class Aside:
 
     text: str
     closed: bool
-    """Whether it ended with the end-of-turn token (False: cut off at its token limit)."""
+    """Whether it ended with the end-of-turn token."""
+    truncated: bool
+    """Whether it was cut off at its token limit (not closed, and no stop string ended it)."""
     start: int
     """Index of its first sampled token in the live sequence."""
     tokens: int
@@ -55,14 +59,13 @@ async def sample_aside(recorder: Recorder, ask: list[Message], engine: Engine, l
     nothing appended, when the sequence has no room left for it (``limits.max_total_tokens``).
     """
     delta = recorder.observation_ids(ask, closed=closed)
-    room = limits.max_total_tokens - len(recorder) - len(delta)
+    room = limits.max_total_tokens - recorder.length_after(delta)
     if room <= 0:
         return None
     recorder.observe(ask, delta, turn if ask_turn is None else ask_turn)
     start = len(recorder)
     params = sampling_params(limits, recorder.renderer, min(max_new_tokens, room), seed, counter, purpose=purpose)
     completion = await engine.generate(recorder.ids, params)
-    finished = completion.finish_reason == "stop"
-    text = recorder.renderer.decode(completion.token_ids[:-1] if finished else completion.token_ids)
+    text = recorder.renderer.decode(completion.token_ids[:-1] if completion.closed else completion.token_ids)
     recorder.assistant(completion, Message(role="assistant", content=text), turn)
-    return Aside(text, finished, start, len(completion.token_ids))
+    return Aside(text, completion.closed, completion.truncated, start, len(completion.token_ids))

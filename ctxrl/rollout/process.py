@@ -61,8 +61,9 @@ class ProcessWorker:
     def policy_version(self) -> int:
         return self._version
 
-    def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
-        """Send ``state`` (tensors by name) to the worker's engine, as policy ``version``.
+    def load_weights(self, state: Mapping[str, Any], *, version: int, partial: bool = False) -> None:
+        """Send ``state`` (tensors by name) to the worker's engine, as policy ``version`` (``partial``: only the
+        tensors that changed, a LoRA run's adapters).
 
         Aliases (tied embeddings: ``lm_head.weight`` is ``embed_tokens.weight``) are sent once: the
         engine fills a tied tensor from the one it shares storage with.
@@ -77,7 +78,7 @@ class ProcessWorker:
             seen.add(key)
             tensors[name] = value.detach().to("cpu").contiguous()
         payload = save(tensors)
-        self._call({"op": "load_weights", "version": int(version)}, payload)
+        self._call({"op": "load_weights", "version": int(version), "partial": bool(partial)}, payload)
         self._version = int(version)
 
     def run(self, request: RolloutRequest) -> list[Episode]:
@@ -171,7 +172,7 @@ def _serve(conn, spec_json: str, threads: int) -> None:
             elif op == "load_weights":
                 from safetensors.torch import load
 
-                worker.load_weights(load(payload), version=header["version"])
+                worker.load_weights(load(payload), version=header["version"], partial=header.get("partial", False))
                 reply = {"ok": True}
             elif op == "run":
                 episodes = worker.run(RolloutRequest.from_dict(header["request"]))

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctxrl.models.lora import LoRASettings
 from ctxrl.plain import PlainData
 from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.rollout.managers.base import ContextPolicy
@@ -35,6 +36,10 @@ class RolloutLimits(PlainData):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end a turn besides the renderer's end-of-turn ids (``rollout.stop_ids``)."""
+    stop_strings: tuple[str, ...] = ()
+    """Texts that end a turn once sampled (``rollout.stop_strings``)."""
     timeout_s: float = 0.0
     """Wall-clock deadline of the whole episode (set-up, model and tool time); 0 = none."""
     context: ContextPolicy = ContextPolicy()
@@ -73,6 +78,10 @@ class ModelSpec(PlainData):
     dtype: str = "float32"
     device: str = "cpu"
     chat_template: str = ""
+    tool_format: str = "auto"
+    """How the policy writes tool calls (``ctxrl.chat.formats``); ``auto`` reads it from the chat template."""
+    lora: LoRASettings = LoRASettings()
+    """A LoRA run's adapters: a worker wraps the model it loads the same way, so the learner's adapters fit it."""
 
 
 @dataclass(frozen=True)
@@ -146,16 +155,19 @@ class RolloutSpec(PlainData):
 
         train = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                               max_total_tokens=r.max_total_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, timeout_s=r.episode_timeout_s, context=context(c.max_summaries))
+                              top_k=r.top_k, stop_ids=tuple(r.stop_ids), stop_strings=tuple(r.stop_strings),
+                              timeout_s=r.episode_timeout_s, context=context(c.max_summaries))
         evaluation = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                                    max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature,
+                                   stop_ids=tuple(r.stop_ids), stop_strings=tuple(r.stop_strings),
                                    timeout_s=r.episode_timeout_s, context=context(c.eval_max_summaries))
         train_meta = MetaPolicy(num_attempts=m.num_attempts, carry=m.carry, reflect=m.reflect,
                                 stop_on_success=m.stop_on_success, instruction=m.reflection_instruction,
                                 reflection_max_tokens=m.reflection_max_tokens, max_context_tokens=m.max_context_tokens)
         return cls(
             model=ModelSpec(name=config.model.name, dtype=config.model.dtype,
-                            device=resolve_device(config.model.device), chat_template=config.model.chat_template),
+                            device=resolve_device(config.model.device), chat_template=config.model.chat_template,
+                            tool_format=config.model.tool_format, lora=LoRASettings.from_config(config)),
             env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
                         verifier=config.env.verifier),
             train=train, eval=evaluation, train_meta=train_meta,

@@ -17,7 +17,11 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
              "turns": len(e.turns), "sampled_tokens": e.num_sampled_tokens, "truncation": e.truncation}
             for e in episodes]
     errored = sum(e.truncation == "error" for e in episodes)
-    return rates(rows, len(episodes), errored=errored)
+    out = rates(rows, len(episodes), errored=errored)
+    restarts = sum(e.info.get("template_restarts", 0) for e in episodes)
+    if restarts:  # a chat template that rewrites history cut episodes into segments (docs/tool-formats.md)
+        out["template_restarts"] = restarts / len(episodes)
+    return out
 
 
 def rates(rows: list[dict], n: int, *, errored: int, skip_truncations: tuple[str, ...] = ()) -> dict[str, float]:

@@ -58,8 +58,12 @@ class RolloutWorker:
         renderer = spec_renderer(spec)
         if model is None:
             model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
+            if spec.model.lora.rank:  # the learner sends adapters: give the model the same ones to fill
+                from ctxrl.models.lora import wrap_lora
+
+                model = wrap_lora(model, spec.model.lora, adapter_dtype=next(model.parameters()).dtype).eval()
         engine = HFEngine(model, pad_token_id=renderer.tokenizer.pad_token_id, max_batch_size=spec.max_batch_size,
-                          seed=spec.engine_seed)
+                          seed=spec.engine_seed, decode=renderer.decode)
         return cls(spec, engine, renderer, env_cls)
 
     # -- weights ---------------------------------------------------------------------------------------
@@ -67,8 +71,9 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def load_weights(self, state: Mapping[str, Any], *, version: int) -> None:
-        self.engine.load_weights(state, version=version)
+    def load_weights(self, state: Mapping[str, Any], *, version: int, partial: bool = False) -> None:
+        """The engine's new weights; ``partial``: only the tensors that changed (a LoRA run's adapters)."""
+        self.engine.load_weights(state, version=version, **({"partial": True} if partial else {}))
 
     # -- requests --------------------------------------------------------------------------------------
     def run(self, request: RolloutRequest, *, on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
@@ -148,11 +153,13 @@ def spec_env_class(spec: RolloutSpec) -> type:
 
 
 def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
-    """The spec's tokenizer and chat template as a renderer, checked prefix-preserving."""
-    from ctxrl.models.loader import load_tokenizer
+    """The spec's tokenizer and chat template as a renderer with the policy's tool-call format
+    (``model.tool_format``; ``auto`` reads it from the template), checked prefix-preserving."""
+    from ctxrl.models.loader import generation_end_ids, load_tokenizer
 
     tokenizer = load_tokenizer(spec.model.name, chat_template=spec.model.chat_template or None)
-    renderer = ChatRenderer(tokenizer, template_name=spec.model.name)
+    renderer = ChatRenderer(tokenizer, template_name=spec.model.name, end_ids=generation_end_ids(spec.model.name),
+                            tool_format=spec.model.tool_format)
     renderer.verify_prefix_preserving()
     return renderer
 

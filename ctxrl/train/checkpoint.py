@@ -1,13 +1,16 @@
 """Resumable training checkpoints: what one holds, writing it, and continuing a run from it exactly.
 
 ``save(trainer, step)`` writes ``checkpoints/step-NNNNNN`` atomically (``ctxrl.train.checkpoint_io``):
-the policy's weights (``model.safetensors`` with its config and tokenizer, so the directory loads
-like any HF checkpoint), the optimiser, the critic and its optimiser, the reference model, every
-random generator, the learner's counters, the curriculum, the engine's policy version and the byte
-lengths of the logs. ``resume(trainer)`` restores all of it from ``checkpoints/latest``: every piece
-is required, and a configuration change that would alter a step is an error naming it. The logs
-are rewound to the checkpoint (lines written after it move to ``*.orphaned.jsonl``), so after the
-resumed run every step appears exactly once.
+the policy's weights (``model.safetensors`` in ``model.dtype`` with its config and tokenizer, so the
+directory loads like any HF checkpoint; a LoRA run's adapters in PEFT's format instead), the
+optimiser (with the float32 master weights, under mixed precision), the loss scaler, the critic
+and its optimiser, the reference model (a LoRA run's reference is its base: nothing to save),
+every random generator, the learner's counters, the curriculum, the engine's policy version and
+the byte lengths of the logs.
+``resume(trainer)`` restores all of it from ``checkpoints/latest``: every piece is required, and a
+configuration change that would alter a step is an error naming it. The logs are rewound to the
+checkpoint (lines written after it move to ``*.orphaned.jsonl``), so after the resumed run every
+step appears exactly once.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every"
                      "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
                      "context.eval_max_summaries", "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.",
                      "eval.", "meta.eval_attempts", "meta.eval_trials", "report.", "run.plugins",
-                     "rollout.sandbox_workers")
+                     "rollout.sandbox_workers",
+                     # memory settings: the same maths, split differently (float sums may round differently)
+                     "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
+                     "train.gradient_checkpointing", "lora.export_merged")
 
 
 def config_differences(saved: Config, current: Config) -> list[str]:
@@ -91,21 +97,26 @@ def save(trainer: Trainer, step: int) -> Path:
     """A resumable checkpoint after RL step ``step`` (atomic; ``latest`` updated; old ones pruned)."""
     from safetensors.torch import save_model
 
-    learner = trainer.learner
+    learner, policy = trainer.learner, trainer.policy
+    reference = learner.reference.frozen_copy if learner.reference is not None else None
 
     def write(tmp: Path) -> None:
-        save_pretrained(trainer.model, trainer.tokenizer, tmp)
+        if policy.is_lora:
+            policy.save(tmp, trainer.tokenizer)  # adapter_model.safetensors + adapter_config.json, as PEFT writes
+        else:
+            save_pretrained(trainer.model, trainer.tokenizer, tmp)
         save_state(learner.optimizer.state_dict(), tmp, "optimizer")
         if learner.critic is not None:
             save_model(learner.critic, str(tmp / "critic.safetensors"))
             save_state(learner.critic_optimizer.state_dict(), tmp, "critic_optimizer")
-        if learner.ref_model is not None:
-            save_model(learner.ref_model, str(tmp / "reference.safetensors"))
+        if reference is not None:
+            save_model(reference, str(tmp / "reference.safetensors"))
         save_state(rng_state({"learner": learner.generator}), tmp, "rng")
         state = {"format": FORMAT, "step": step, "policy_version": trainer.worker.policy_version,
                  "skipped_updates": learner.skipped_updates, "consecutive_skips": trainer.consecutive_skips,
                  "curriculum": trainer.curriculum.state_dict(), "logs": trainer.writer.offsets(),
-                 "critic": learner.critic is not None, "reference": learner.ref_model is not None,
+                 "critic": learner.critic is not None, "reference": reference is not None,
+                 "lora": policy.is_lora, "loss_scaler": policy.precision.state_dict(),
                  "device": trainer.device, "dtype": trainer.config.model.dtype}
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         (tmp / "config.toml").write_text(to_toml(trainer.config))
@@ -118,7 +129,8 @@ def resume(trainer: Trainer) -> int:
     """Restore ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after."""
     from safetensors.torch import load_model
 
-    learner = trainer.learner
+    learner, policy = trainer.learner, trainer.policy
+    reference = learner.reference.frozen_copy if learner.reference is not None else None
     root = trainer.writer.dir / "checkpoints"
     clean_partial(root)  # temporaries of a save that was killed
     path = latest_checkpoint(root)
@@ -132,8 +144,9 @@ def resume(trainer: Trainer) -> int:
     for flag, have, what, files in (
             ("critic", learner.critic is not None, "a critic (algo.advantage=gae)",
              ("critic.safetensors", "critic_optimizer.safetensors", "critic_optimizer.json")),
-            ("reference", learner.ref_model is not None, "a reference model (algo.kl_coef > 0)",
-             ("reference.safetensors",))):
+            ("reference", reference is not None, "a frozen reference model (algo.kl_coef > 0)",
+             ("reference.safetensors",)),
+            ("lora", policy.is_lora, "LoRA adapters (lora.rank > 0)", ("adapter_model.safetensors",))):
         if bool(state.get(flag)) != have:
             raise CheckpointError(f"{path}: the checkpoint {'has' if state.get(flag) else 'lacks'} {what}, "
                                   "the run does not match it")
@@ -143,13 +156,22 @@ def resume(trainer: Trainer) -> int:
     if state.get("device", trainer.device).split(":")[0] != trainer.device.split(":")[0]:
         warnings.warn(f"resuming on {trainer.device} a run checkpointed on {state['device']}: it continues "
                       "correctly, but not with the numbers an uninterrupted run would have given", stacklevel=2)
-    load_weights(trainer.model, path / "model.safetensors")
-    learner.optimizer.load_state_dict(load_state(path, "optimizer"))
+    if policy.is_lora:
+        from safetensors.torch import load_file
+
+        policy.load_adapter_state(load_file(str(path / "adapter_model.safetensors")), str(path))
+    else:
+        load_weights(trainer.model, path / "model.safetensors")
+    try:
+        learner.optimizer.load_state_dict(load_state(path, "optimizer"))
+    except ValueError as exc:  # e.g. no float32 masters in it: written before, or with other precision settings
+        raise CheckpointError(f"{path}: the optimiser state does not fit this run: {exc}") from None
+    policy.precision.load_state_dict(state.get("loss_scaler") or {})
     if learner.critic is not None:
         load_model(learner.critic, str(path / "critic.safetensors"))
         learner.critic_optimizer.load_state_dict(load_state(path, "critic_optimizer"))
-    if learner.ref_model is not None:
-        load_model(learner.ref_model, str(path / "reference.safetensors"))
+    if reference is not None:
+        load_model(reference, str(path / "reference.safetensors"))
     set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
     trainer.sync_engine(int(state["policy_version"]))
     learner.skipped_updates = int(state["skipped_updates"])

@@ -3,15 +3,18 @@
 A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding
 
 - ``model.safetensors`` + ``config.json`` and the tokenizer files (``save_pretrained``: the
-  directory loads like any HF checkpoint, so ``ctxrl eval --checkpoint`` takes it);
-- ``optimizer.safetensors`` (every tensor of the optimiser state) + ``optimizer.json`` (the rest:
-  parameter groups, non-tensor state); the same pair for the critic's optimiser and
-  ``critic.safetensors`` when the run has a critic;
+  directory loads like any HF checkpoint, so ``ctxrl eval --checkpoint`` takes it): the weights
+  the policy holds (in ``model.dtype``); or, for a LoRA run, ``adapter_model.safetensors`` +
+  ``adapter_config.json`` (PEFT's format) and the tokenizer;
+- ``optimizer.safetensors`` (every tensor of the optimiser state, the float32 master weights of a
+  ``MasterAdamW`` among them) + ``optimizer.json`` (the rest: parameter groups, non-tensor state);
+  the same pair for the critic's optimiser and ``critic.safetensors`` when the run has a critic;
+  ``reference.safetensors`` when the KL reference is a frozen copy;
 - ``rng.safetensors`` (torch CPU, CUDA and learner generator states) + ``rng.json`` (python and
   numpy states);
 - ``state.json``: step, engine policy version, learner counters, curriculum state, the byte
-  lengths of ``metrics.jsonl`` and ``samples.jsonl`` at save time, whether a critic and a
-  reference model are in it, the device and dtype;
+  lengths of ``metrics.jsonl`` and ``samples.jsonl`` at save time, whether a critic, a reference
+  model and LoRA adapters are in it, the loss scaler's state, the device and dtype;
 - ``config.toml``: the resolved config.
 
 Writing: into a temporary sibling directory, every file fsynced, the directory renamed into
@@ -40,8 +43,9 @@ from ctxrl.errors import CheckpointError
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
-REQUIRED = ("model.safetensors", "optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json",
-            "state.json", "config.toml")
+REQUIRED = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "state.json", "config.toml")
+WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
+"""A checkpoint holds one of these: the whole policy, or (LoRA) its adapters."""
 
 
 def step_name(step: int) -> str:
@@ -211,6 +215,8 @@ def latest_checkpoint(root: Path) -> Path:
     if not name or "/" in name or not path.is_dir():
         raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}")
     missing = [f for f in REQUIRED if not (path / f).exists()]
+    if not any((path / f).exists() for f in WEIGHTS):
+        missing.append(" or ".join(WEIGHTS))
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing; it cannot be resumed "
                               "exactly. Point latest at an older step-* directory or start a fresh run")

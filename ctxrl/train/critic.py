@@ -36,12 +36,11 @@ class Critic(torch.nn.Module):
 
 
 @torch.no_grad()
-def episode_values(critic: Critic, episodes: list[Episode], pad_token_id: int, *, micro_batch_size: int = 32
-                   ) -> list[list[float]]:
+def episode_values(critic: Critic, episodes: list[Episode], pad_token_id: int, *, micro_batch_size: int = 32,
+                   max_tokens: int = 0) -> list[list[float]]:
     """Per episode, one value per token aligned with ``input_ids`` (index 0, the first prompt token, gets 0)."""
-    from ctxrl.train.batch import collate
-    from ctxrl.train.learner import per_token_rows
+    from ctxrl.train.batch import collate, per_token_rows
 
     device = next(critic.parameters()).device
     return per_token_rows(collate(episodes, pad_token_id), device, micro_batch_size,
-                          lambda batch: critic(batch.input_ids, batch.attention_mask))
+                          lambda batch: critic(batch.input_ids, batch.attention_mask), max_tokens)

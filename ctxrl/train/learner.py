@@ -6,49 +6,31 @@ into rows with per-token advantages (and critic targets), and ``collate`` into p
 Gradient accumulation is exact: each mini-batch's loss is normalised by the mini-batch's total
 count (mask-1 tokens for ``token-mean``, live sequences for the ``seq-mean-*`` modes), not by each
 micro-batch's, so splitting a mini-batch into micro-batches of uneven lengths changes neither the
-loss nor the gradient.
+loss nor the gradient. Micro-batches are ``micro_batch_size`` rows, or packed by a token budget
+(``max_tokens_per_microbatch``, ``ctxrl.train.batch.pack``).
+
+Memory: log-probs and entropy come from ``ctxrl.train.logprobs`` in chunks of positions, only at
+the sampled tokens, so full-vocabulary logits never exist for a whole micro-batch. The model
+computes in its storage dtype; the optimiser may update float32 masters of its weights, with
+loss scaling for float16 (``ctxrl.train.precision``): clipping is over the tensors the optimiser
+steps on (``trainable_grads``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS, aggregate, entropy_from_logits, gspo_loss, kl_penalty, policy_loss
+from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS, aggregate, gspo_loss, kl_penalty, policy_loss
 from ctxrl.models.kernels import attention_kernels
-from ctxrl.train.batch import Batch, collate
+from ctxrl.train.batch import Batch, collate, micro_batches, per_token_rows
+from ctxrl.train.logprobs import token_logprobs
+from ctxrl.train.policy import Reference
+from ctxrl.train.precision import Precision, trainable_grads
 
-
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
-                   return_logits: bool = False):
-    """Log-probs [B, T-1] of each next token under ``model`` at ``temperature``."""
-    with attention_kernels(input_ids.device):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:]
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return (logprobs, logits) if return_logits else logprobs
-
-
-def micro_batches(batch: Batch, size: int, device: torch.device | str):
-    """Consecutive rows of ``batch``, ``size`` at a time, each cut to its longest row and moved to ``device``."""
-    for start in range(0, len(batch), size):
-        yield batch.select(range(start, min(start + size, len(batch)))).to(device)
-
-
-def per_token_rows(batch: Batch, device, micro_batch_size: int, fn: Callable[[Batch], torch.Tensor]
-                   ) -> list[list[float]]:
-    """``fn(micro_batch) -> [b, T-1]`` over micro-batches, as one list per row aligned with its ``input_ids``
-    (index 0, the first prompt token, gets 0)."""
-    rows: list[list[float]] = []
-    for micro in micro_batches(batch, micro_batch_size, device):
-        values = fn(micro).detach().float().cpu()
-        rows += [[0.0] + values[row, : int(n) - 1].tolist() for row, n in enumerate(micro.lengths.tolist())]
-    return rows
+__all__ = ["Learner", "PPOSettings", "micro_batches", "per_token_rows", "token_logprobs"]
 
 
 @dataclass
@@ -72,6 +54,10 @@ class PPOSettings:
     norm_length: float | None = None
     """The constant of ``seq-mean-token-sum-norm`` (Dr.GRPO): the most sampled tokens an episode can
     have. None falls back to the longest response in each mini-batch (not a constant)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a micro-batch (0: ``micro_batch_size`` rows at a time)."""
+    logprob_chunk_tokens: int = 1024
+    """Positions per chunk of the output head (0: the model's full logits)."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -91,19 +77,30 @@ class PPOSettings:
                    temperature=r.temperature if r.temperature > 0 else 1.0, max_grad_norm=t.max_grad_norm,
                    ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
                    loss=a.loss, dual_clip=a.dual_clip or None, old_logprobs=a.old_logprobs, tis_cap=a.tis_cap,
-                   vf_clip=a.vf_clip, norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens))
+                   vf_clip=a.vf_clip, norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens),
+                   max_tokens_per_microbatch=t.max_tokens_per_microbatch, logprob_chunk_tokens=t.logprob_chunk_tokens)
+
+    def logprobs(self, model, micro: Batch, *, with_entropy: bool = False):
+        """The learner's log-probs (and entropy: with a gradient only when the loss has an entropy bonus) of
+        ``micro``'s sampled tokens under ``model``."""
+        return token_logprobs(model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
+                              mask=micro.loss_mask, chunk=self.logprob_chunk_tokens, with_entropy=with_entropy,
+                              entropy_grad=self.entropy_coef > 0)
 
 
 class Learner:
-    """Owns the policy's optimiser (and an optional frozen reference) and runs PPO updates.
+    """Owns the policy's optimiser (and an optional KL reference) and runs PPO updates.
 
-    With a ``critic`` (and its ``critic_optimizer``) the batch must carry the GAE ``returns`` and
-    the critic's ``old_values`` per token; the critic is trained on the clipped value loss in the
-    same mini-batches, with its own optimiser and gradient clipping.
+    ``reference``: a ``Reference`` (``ctxrl.train.policy``) or a frozen module. ``precision``:
+    loss scaling (default: plain float32); the optimiser may be a ``MasterAdamW``. With a ``critic`` (and its
+    ``critic_optimizer``) the batch must carry the GAE ``returns`` and the critic's ``old_values``
+    per token; the critic is trained on the clipped value loss in the same mini-batches, with its
+    own optimiser and gradient clipping.
     """
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, settings: PPOSettings, *, pad_token_id: int,
-                 ref_model=None, seed: int = 0, critic=None, critic_optimizer=None) -> None:
+                 reference=None, precision: Precision | None = None, seed: int = 0, critic=None,
+                 critic_optimizer=None) -> None:
         if (critic is None) != (critic_optimizer is None):
             raise ValueError("a critic needs its critic_optimizer (and the other way round)")
         self.critic = critic
@@ -112,7 +109,8 @@ class Learner:
         self.optimizer = optimizer
         self.settings = settings
         self.pad_token_id = pad_token_id
-        self.ref_model = ref_model
+        self.reference = reference if reference is None or isinstance(reference, Reference) else Reference(reference)
+        self.precision = precision or Precision()
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped_updates = 0
 
@@ -157,14 +155,14 @@ class Learner:
         sums = {"abs": 0.0, "kl": 0.0, "tokens": 0.0}
 
         def learner_logprobs(micro: Batch) -> torch.Tensor:
-            lp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=s.temperature)
+            lp = s.logprobs(self.model, micro)
             m = micro.loss_mask
             sums["abs"] += float(((lp - micro.old_logprobs) * m).abs().sum())
             sums["kl"] += float((kl_penalty(micro.old_logprobs, lp, "k3") * m).sum())
             sums["tokens"] += float(m.sum())
             return lp * m
 
-        rows = per_token_rows(batch, self.device, s.micro_batch_size, learner_logprobs)
+        rows = per_token_rows(batch, self.device, s.micro_batch_size, learner_logprobs, s.max_tokens_per_microbatch)
         recomputed = torch.zeros_like(batch.old_logprobs)
         for row, values in enumerate(rows):
             recomputed[row, : len(values) - 1] = torch.tensor(values[1:])
@@ -184,54 +182,63 @@ class Learner:
             raise RuntimeError("old_logprobs='recompute': call update(), or recompute_old_logprobs() on this batch "
                                "before mini_batch_loss()")
         sums: dict[str, float] = {}
-        for micro in micro_batches(batch, s.micro_batch_size, self.device):
-            weights = None
-            old = micro.old_logprobs
-            if s.old_logprobs == "recompute":
-                if s.tis_cap:
-                    # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
-                    raw = torch.exp(micro.recomputed - micro.old_logprobs) * micro.loss_mask
-                    weights = raw.clamp(max=s.tis_cap)
-                    sums["tis_weight"] = sums.get("tis_weight", 0.0) + float(weights.sum())
-                    sums["tis_truncated"] = sums.get("tis_truncated", 0.0) + float(
-                        ((raw > s.tis_cap).float() * micro.loss_mask).sum())
-                old = micro.recomputed
-            logprobs, logits = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                              temperature=s.temperature, return_logits=True)
-            if s.loss == "gspo":
-                loss, m = gspo_loss(logprobs, old, micro.advantages, micro.loss_mask,
-                                    clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg,
-                                    norm_length=norm_length, denominator=denominator, token_weights=weights)
-            else:
-                loss, m = policy_loss(logprobs, old, micro.advantages, micro.loss_mask,
-                                      clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip,
-                                      agg=s.agg, norm_length=norm_length, denominator=denominator,
-                                      token_weights=weights)
-            picked = logits[micro.loss_mask.bool()]
-            if s.entropy_coef > 0:
-                entropy_tokens = torch.zeros_like(logprobs)
-                entropy_tokens[micro.loss_mask.bool()] = entropy_from_logits(picked)
-                loss = loss - s.entropy_coef * aggregate(entropy_tokens, micro.loss_mask, s.agg,
-                                                         norm_length=norm_length, denominator=denominator)
-            if s.kl_coef > 0 and self.ref_model is not None:
-                with torch.no_grad():
-                    ref = token_logprobs(self.ref_model, micro.input_ids, micro.attention_mask,
-                                         temperature=s.temperature)
-                kl = kl_penalty(logprobs, ref, s.kl_kind)
-                loss = loss + s.kl_coef * aggregate(kl, micro.loss_mask, s.agg, norm_length=norm_length,
-                                                    denominator=denominator)
-                sums["kl"] = sums.get("kl", 0.0) + float((kl.detach() * micro.loss_mask).sum())
-            loss.backward()
-            if self.critic is not None:
-                self._critic_backward(micro, value_count, sums)
-            n_tok = float(micro.loss_mask.sum())
-            with torch.no_grad():
-                sums["loss"] = sums.get("loss", 0.0) + float(loss)
-                sums["entropy"] = sums.get("entropy", 0.0) + float(entropy_from_logits(picked.detach()).sum())
-                delta = (logprobs.detach() - old).abs() * micro.loss_mask
-                sums["logprob_mismatch"] = sums.get("logprob_mismatch", 0.0) + float(delta.sum())
-                for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
-                    sums[key] = sums.get(key, 0.0) + m[key] * n_tok
+        # backward too: activation checkpointing recomputes attention there, and a different kernel would
+        # not reproduce what the forward pass saved
+        with attention_kernels(self.device):
+            for _, micro in micro_batches(batch, s.micro_batch_size, self.device, s.max_tokens_per_microbatch):
+                self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
+                                  value_count=value_count)
+        return self._mini_batch_metrics(sums, tokens)
+
+    def _micro_batch(self, micro: Batch, s: PPOSettings, sums: dict[str, float], *, denominator: float,
+                     norm_length: float, value_count: float) -> None:
+        """Forward and backward of one micro-batch; its figures are added to ``sums``."""
+        weights = None
+        old = micro.old_logprobs
+        if s.old_logprobs == "recompute":
+            if s.tis_cap:
+                # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
+                raw = torch.exp(micro.recomputed - micro.old_logprobs) * micro.loss_mask
+                weights = raw.clamp(max=s.tis_cap)
+                sums["tis_weight"] = sums.get("tis_weight", 0.0) + float(weights.sum())
+                sums["tis_truncated"] = sums.get("tis_truncated", 0.0) + float(
+                    ((raw > s.tis_cap).float() * micro.loss_mask).sum())
+            old = micro.recomputed
+        logprobs, entropy = s.logprobs(self.model, micro, with_entropy=True)
+        if s.loss == "gspo":
+            loss, m = gspo_loss(logprobs, old, micro.advantages, micro.loss_mask,
+                                clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg,
+                                norm_length=norm_length, denominator=denominator, token_weights=weights)
+        else:
+            loss, m = policy_loss(logprobs, old, micro.advantages, micro.loss_mask,
+                                  clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip,
+                                  agg=s.agg, norm_length=norm_length, denominator=denominator,
+                                  token_weights=weights)
+        if s.entropy_coef > 0:
+            loss = loss - s.entropy_coef * aggregate(entropy, micro.loss_mask, s.agg,
+                                                     norm_length=norm_length, denominator=denominator)
+        if s.kl_coef > 0 and self.reference is not None:
+            ref = self.reference.logprobs(micro.input_ids, micro.attention_mask, temperature=s.temperature,
+                                          mask=micro.loss_mask, chunk=s.logprob_chunk_tokens)
+            kl = kl_penalty(logprobs, ref, s.kl_kind)
+            loss = loss + s.kl_coef * aggregate(kl, micro.loss_mask, s.agg, norm_length=norm_length,
+                                                denominator=denominator)
+            sums["kl"] = sums.get("kl", 0.0) + float((kl.detach() * micro.loss_mask).sum())
+        if loss.requires_grad:  # (a micro-batch without one sampled token has nothing to learn from)
+            self.precision.backward(loss)
+        if self.critic is not None:
+            self._critic_backward(micro, value_count, sums)
+        n_tok = float(micro.loss_mask.sum())
+        with torch.no_grad():
+            sums["loss"] = sums.get("loss", 0.0) + float(loss)
+            sums["entropy"] = sums.get("entropy", 0.0) + float((entropy.detach() * micro.loss_mask).sum())
+            delta = (logprobs.detach() - old).abs() * micro.loss_mask
+            sums["logprob_mismatch"] = sums.get("logprob_mismatch", 0.0) + float(delta.sum())
+            for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
+                sums[key] = sums.get(key, 0.0) + m[key] * n_tok
+
+    @staticmethod
+    def _mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float]:
         out = {"loss": sums["loss"]}
         if "vf_loss" in sums:
             out["vf_loss"] = sums["vf_loss"]
@@ -252,7 +259,7 @@ class Learner:
         values = self.critic(micro.input_ids, micro.attention_mask)
         loss, m = value_loss(values, micro.old_values, micro.returns, mask, clip=self.settings.vf_clip,
                              denominator=denominator)
-        loss.backward()
+        self.precision.backward(loss)
         n_tok = float(mask.sum())
         sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(loss.detach())
         sums["vf_count"] = sums.get("vf_count", 0.0) + n_tok
@@ -265,7 +272,9 @@ class Learner:
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
         metrics = self.mini_batch_loss(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+        precision = self.precision
+        precision.unscale(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_grads(self.optimizer), self.settings.max_grad_norm)
         # A mini-batch whose every advantage is 0 (and no KL, entropy or critic term) has no learning
         # signal: its gradient is 0, and an optimiser step would only replay Adam's momentum, a full
         # learning-rate-sized move per parameter for several steps after one informative batch.
@@ -273,7 +282,15 @@ class Learner:
         no_signal = (self.critic_optimizer is None and s.kl_coef == 0 and s.entropy_coef == 0
                      and not bool((batch.advantages != 0).any()))
         metrics["no_signal"] = 0.0
-        if not torch.isfinite(grad_norm) or not math.isfinite(metrics["loss"]):
+        overflow = (precision.scaler is not None and not torch.isfinite(grad_norm) and math.isfinite(metrics["loss"])
+                    and precision.loss_scale >= 1.0)
+        if overflow:
+            # Loss scaling looking for its scale: the scaled gradients overflowed float16. The step is
+            # skipped and the scale halves (update below); not a failure (the loss is finite, the scale sane).
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics["skipped"] = 0.0
+            metrics["overflow"] = 1.0
+        elif not torch.isfinite(grad_norm) or not math.isfinite(metrics["loss"]):
             # Never let a non-finite step touch the weights or the optimiser state.
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_updates += 1
@@ -283,15 +300,20 @@ class Learner:
             metrics["skipped"] = 0.0
             metrics["no_signal"] = 1.0
         else:
-            self.optimizer.step()
+            precision.step(self.optimizer)
             metrics["skipped"] = 0.0
         metrics["grad_norm"] = float(grad_norm)
         if self.critic_optimizer is not None:
-            critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.settings.max_grad_norm)
+            precision.unscale(self.critic_optimizer)
+            critic_norm = torch.nn.utils.clip_grad_norm_(trainable_grads(self.critic_optimizer),
+                                                         self.settings.max_grad_norm)
             if torch.isfinite(critic_norm) and math.isfinite(metrics.get("vf_loss", 0.0)):
-                self.critic_optimizer.step()
+                precision.step(self.critic_optimizer)
             else:
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 metrics["critic_skipped"] = 1.0
             metrics["critic_grad_norm"] = float(critic_norm)
+        if precision.scaler is not None:
+            precision.update()
+            metrics["loss_scale"] = precision.loss_scale
         return metrics

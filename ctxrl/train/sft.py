@@ -31,11 +31,13 @@ from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.base import pretraining_env
 from ctxrl.envs.hooks import hook
 from ctxrl.envs.recorded import RecordedEnv
+from ctxrl.models.kernels import attention_kernels
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.spec import RolloutLimits
-from ctxrl.train.batch import collate
-from ctxrl.train.learner import token_logprobs
+from ctxrl.train.batch import collate, micro_batches
+from ctxrl.train.logprobs import token_logprobs
+from ctxrl.train.precision import Precision, trainable_grads
 from ctxrl.types import Episode
 
 WORLD_EPISODES = 100
@@ -110,15 +112,21 @@ def _ended_early(episode: Episode, limits: RolloutLimits) -> str:
 
 
 def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int, batch_size: int, lr: float,
-              seed: int = 0, on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
+              seed: int = 0, on_step: Callable[[int, int, float], None] | None = None,
+              precision: Precision | None = None, chunk: int = 0, max_tokens: int = 0) -> list[float]:
     """Cross-entropy on mask-1 tokens, token-mean per batch; returns the loss of every step.
 
     A segmented episode (a demo that summarised) trains each segment as its own sequence, as in RL;
-    ``batch_size`` counts sequences.
+    ``batch_size`` counts sequences. Only parameters with ``requires_grad`` train (LoRA: the
+    adapters). ``precision``: master weights and loss scaling (``ctxrl.train.precision``); ``chunk``:
+    positions per chunk of the output head (``ctxrl.train.logprobs``); ``max_tokens``: split each
+    batch into micro-batches of at most this many padded tokens (0: the whole batch at once); the
+    loss is normalised by the whole batch's token count, so the split changes no gradient.
     """
     episodes = [row for e in episodes for row in broadcast(e, 1.0)]
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    precision = precision or Precision()
+    optimizer = precision.optimizer(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     steps_per_epoch = math.ceil(len(episodes) / batch_size)
     total = steps_per_epoch * epochs
     warmup = max(1, total // 20)
@@ -135,15 +143,29 @@ def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int,
     for _ in range(epochs):
         order = torch.randperm(len(episodes), generator=generator).tolist()
         for start in range(0, len(order), batch_size):
-            batch = collate([episodes[i] for i in order[start:start + batch_size]], pad_token_id, device)
-            logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)
-            loss = -(logprobs * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1.0)
+            batch = collate([episodes[i] for i in order[start:start + batch_size]], pad_token_id)
+            tokens = batch.loss_mask.sum().clamp(min=1.0)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            batch_loss = 0.0
+            with attention_kernels(device):  # (the backward pass too: checkpointing recomputes attention there)
+                for _, micro in micro_batches(batch, batch_size, device, max_tokens):
+                    logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, mask=micro.loss_mask,
+                                              chunk=chunk)
+                    loss = -(logprobs * micro.loss_mask).sum() / tokens
+                    if loss.requires_grad:
+                        precision.backward(loss)
+                    batch_loss += loss.item()
+            precision.unscale(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(trainable_grads(optimizer), 1.0)
+            if torch.isfinite(norm):
+                precision.step(optimizer)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+            precision.update()
             scheduler.step()
-            losses.append(loss.item())
+            losses.append(batch_loss)
             if on_step is not None:
                 on_step(len(losses), total, losses[-1])
+    if hasattr(optimizer, "close"):  # a MasterAdamW's gradient hooks: the RL optimiser comes next
+        optimizer.close()
     return losses

@@ -24,7 +24,6 @@ warm-start policy (off by default), no value function (docs/algorithms.md).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
@@ -57,6 +56,7 @@ from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
 from ctxrl.train import checkpoint
 from ctxrl.train.learner import Learner, PPOSettings
+from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.warm_start import check_trial_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
@@ -92,14 +92,14 @@ class Collected:
 class Trainer:
     """Everything a run holds (see the module docstring); ``fit`` runs it.
 
-    ``model`` is the learner's policy; the worker's engine samples with its own copy, updated after
-    every optimiser step (``sync_engine``). The learner, its reference model and critic are built
-    by ``make_learner`` when RL starts.
+    ``policy`` is the learner's trainable policy (``ctxrl.train.policy``: full or LoRA, its precision)
+    and ``model`` its module; the worker's engine samples with its own copy, updated after every
+    optimiser step (``sync_engine``). The learner, its reference and critic are built by
+    ``make_learner`` when RL starts.
     """
 
     def __init__(self, config: Config, run_dir: str | Path, *, progress: Progress | None = None) -> None:
         from ctxrl.engine.hf import HFEngine
-        from ctxrl.models.loader import load_model
 
         self.config = config
         self.seeds = Seeds(config.run.seed)
@@ -116,10 +116,13 @@ class Trainer:
         check_trial_demos(config, self.env_cls)
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
+        check_template_segments(config, self.renderer)
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
-        self.model = load_model(config.model.name, dtype=config.model.dtype, device=self.device)
-        engine = HFEngine(copy.deepcopy(self.model), pad_token_id=self.tokenizer.pad_token_id,
-                          max_batch_size=self.spec.max_batch_size, seed=self.spec.engine_seed)
+        self.policy = Policy.load(config, self.device)
+        self.model = self.policy.model
+        engine = HFEngine(self.policy.engine_model(), pad_token_id=self.tokenizer.pad_token_id,
+                          max_batch_size=self.spec.max_batch_size, seed=self.spec.engine_seed,
+                          decode=self.renderer.decode)
         self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
         self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
                                                           config=config.to_dict()))
@@ -135,8 +138,9 @@ class Trainer:
         return self.renderer.decode(ids)
 
     def sync_engine(self, version: int) -> None:
-        """Hand the policy's current weights to the worker's engine, as policy ``version``."""
-        self.worker.load_weights(self.model.state_dict(), version=version)
+        """Hand the policy's current weights (LoRA: its adapters) to the worker's engine, as policy ``version``."""
+        state, partial = self.policy.engine_state()
+        self.worker.load_weights(state, version=version, partial=partial)
 
     # -- the outer loop --------------------------------------------------------------------------------
     def fit(self, *, resume: bool = False) -> dict[str, Any]:
@@ -163,7 +167,7 @@ class Trainer:
                 first = 0
                 if every:  # the warm start is expensive: resumable from here on
                     checkpoint.save(self, 0)
-            self.progress.message("after warm start: " + "  ".join(
+            self.progress.message(("after warm start: " if config.sft.enabled else "before RL: ") + "  ".join(
                 f"{split} {before[split]['success']:.2f}" for split in ("heldout", "ood") if split in before))
             steps = config.train.steps
             self.progress.rl_start(f"RL ({config.algo.advantage}, {config.algo.loss})", steps, first)
@@ -244,7 +248,8 @@ class Trainer:
         ``on_step(step, total, loss)`` after each optimiser step (default: the progress display).
         """
         row, demos = warm_start(self.config, self.spec, self.env_cls, self.renderer, self.model,
-                                under_manager=self.context_demos, on_step=on_step or self.progress.sft)
+                                under_manager=self.context_demos, on_step=on_step or self.progress.sft,
+                                precision=self.policy.precision)
         self.sync_engine(0)
         self.writer.log_metrics(row)
         self.writer.log_samples(0, demos[:2], self.decode, phase="sft")
@@ -265,36 +270,35 @@ class Trainer:
                                tuple(s for s in splits if s in self.splits), self.progress)
 
     def make_learner(self) -> Learner:
-        """The learner over ``model``: AdamW, a frozen reference (``algo.kl_coef``), a critic (``needs_critic``)."""
+        """The learner over ``policy``: AdamW on what trains, a KL reference (``algo.kl_coef``: a frozen copy, or the
+        LoRA base with adapters off), a critic (``needs_critic``)."""
         from ctxrl.train.critic import Critic
 
         a, t = self.config.algo, self.config.train
-        ref = None
-        if a.kl_coef > 0:
-            ref = copy.deepcopy(self.model).eval()
-            for p in ref.parameters():
-                p.requires_grad_(False)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                      betas=(0.9, 0.99))
+        reference = self.policy.reference() if a.kl_coef > 0 else None
+        precision = self.policy.precision
         critic = critic_optimizer = None
         if self.estimator.needs_critic:  # the critic starts as a copy of the warm-started policy
-            critic = Critic(copy.deepcopy(self.model)).train()
-            critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay,
-                                                 betas=(0.9, 0.99))
+            critic = Critic(self.policy.trainable_copy()).train()
+            critic_optimizer = precision.optimizer(critic.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
+        optimizer = precision.optimizer(self.policy.trainable_parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.learner = Learner(self.model, optimizer, PPOSettings.from_config(self.config),
-                               pad_token_id=self.tokenizer.pad_token_id, ref_model=ref, seed=self.seeds.learner,
-                               critic=critic, critic_optimizer=critic_optimizer)
+                               pad_token_id=self.tokenizer.pad_token_id, reference=reference,
+                               precision=precision, seed=self.seeds.learner, critic=critic,
+                               critic_optimizer=critic_optimizer)
         return self.learner
 
     def save_final(self, name: str) -> Path:
-        """The policy's weights and tokenizer as an HF checkpoint directory under ``checkpoints/``.
+        """The policy's weights and tokenizer under ``checkpoints/``, for other tools to load.
 
-        In transformers' own layout (which may shard or convert to the hub's names), for other tools
-        to load; resumable step checkpoints keep the module's names (``checkpoint.save_pretrained``).
+        Full fine-tuning: an HF checkpoint in ``model.dtype``, in transformers' own layout (which may
+        shard or convert to the hub's names; resumable step checkpoints keep the module's names).
+        LoRA: the adapters in PEFT's format, and with ``lora.export_merged`` the base with the
+        adapters merged in (``NAME-merged``), ready to serve.
         """
-        path = self.writer.dir / "checkpoints" / name
-        self.model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
+        path = self.policy.save(self.writer.dir / "checkpoints" / name, self.tokenizer)
+        if self.policy.is_lora and self.config.lora.export_merged:
+            export_merged(path, path.with_name(f"{name}-merged"), dtype=self.config.model.dtype)
         return path
 
     # -- one RL step ---------------------------------------------------------------------------------
@@ -393,13 +397,14 @@ class Trainer:
         penalties = values = None
         if a.kl_coef > 0 and a.kl_placement == "reward" and valid:
             penalties, metrics["kl_reward"] = kl_reward_penalties(
-                self.learner.ref_model, valid, self.tokenizer.pad_token_id, coef=a.kl_coef, kind=a.kl_kind,
-                temperature=self.learner.settings.temperature, micro_batch_size=c.train.micro_batch_size)
+                self.learner.reference, valid, self.tokenizer.pad_token_id, coef=a.kl_coef, kind=a.kl_kind,
+                settings=self.learner.settings)
         if self.estimator.needs_critic and valid:
             from ctxrl.train.critic import episode_values
 
             values = episode_values(self.learner.critic, valid, self.tokenizer.pad_token_id,
-                                    micro_batch_size=c.train.micro_batch_size)
+                                    micro_batch_size=c.train.micro_batch_size,
+                                    max_tokens=c.train.max_tokens_per_microbatch)
         policy = self.spec.train.context
         per_episode = self.estimator.estimate(valid, token_rewards=penalties, values=values,
                                               segment_bonus=lambda s: self.manager.segment_bonus(s, policy)
@@ -472,6 +477,35 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
     return Trainer(config, run_dir, progress=progress).fit(resume=resume)
 
 
+def check_template_segments(config: Config, renderer) -> None:
+    """Warn when the chat template cuts episodes with user messages into segments that this run cannot train.
+
+    A template that rewrites history at a user message (``ChatRenderer.rewrites_history``) makes
+    segments wherever an episode gets one. Trials and context managers are validated for segments
+    already (``ctxrl.config``); an environment that replies as the user is not known in advance, so
+    this is a warning now rather than a surprise at the first step that meets one.
+    """
+    from ctxrl.algo.estimators import get_estimator
+
+    estimator = get_estimator(config.algo.advantage)
+    problems = []
+    if not (estimator.one_per_episode or estimator.credits_attempts):
+        problems.append(f"algo.advantage={config.algo.advantage} (needs one advantage per episode)")
+    if config.algo.agg != "token-mean":
+        problems.append(f"algo.agg={config.algo.agg} (a seq-mean aggregation would count segments)")
+    if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
+        problems.append("algo.kl_placement=reward (the penalty would miss closed segments)")
+    if not problems or not renderer.rewrites_history():
+        return
+    import warnings
+
+    warnings.warn(f"the chat template of {config.model.name!r} rewrites earlier turns once a user message follows "
+                  "(docs/tool-formats.md): an episode that gets one trains as segments, which "
+                  + " and ".join(problems) + " cannot do, and the run would stop at that step. If the environment "
+                  "can reply as the user, use an outcome estimator (grpo, rloo, ...) with algo.agg=token-mean and "
+                  "any KL in the loss", stacklevel=2)
+
+
 def prepare_model(name: str, progress: Progress) -> None:
     """Build the tiny model now if it is not cached yet, showing how far the build is (minutes on a CPU)."""
     from ctxrl.models.loader import parse_tiny, resolve
@@ -515,25 +549,26 @@ def estimator_settings(config: Config) -> EstimatorSettings:
 
 
 @torch.no_grad()
-def kl_reward_penalties(ref_model, episodes: list[Episode], pad_token_id: int, *, coef: float, kind: str,
-                        temperature: float, micro_batch_size: int) -> tuple[list[list[float]], float]:
+def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token_id: int, *, coef: float, kind: str,
+                        settings: PPOSettings) -> tuple[list[list[float]], float]:
     """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
     mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
     from ctxrl.algo.losses import kl_penalty
-    from ctxrl.train.batch import collate
-    from ctxrl.train.learner import per_token_rows, token_logprobs
+    from ctxrl.train.batch import collate, per_token_rows
 
     sums = {"kl": 0.0, "tokens": 0.0}
 
     def penalty(batch) -> torch.Tensor:
-        ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, temperature=temperature)
+        ref = reference.logprobs(batch.input_ids, batch.attention_mask, temperature=settings.temperature,
+                                 mask=batch.loss_mask, chunk=settings.logprob_chunk_tokens)
         kl = kl_penalty(batch.old_logprobs, ref, kind) * batch.loss_mask
         sums["kl"] += float(kl.sum())
         sums["tokens"] += float(batch.loss_mask.sum())
         return -coef * kl
 
-    device = next(ref_model.parameters()).device
-    rows = per_token_rows(collate(episodes, pad_token_id), device, micro_batch_size, penalty)
+    device = next(reference.module.parameters()).device
+    rows = per_token_rows(collate(episodes, pad_token_id), device, settings.micro_batch_size, penalty,
+                          settings.max_tokens_per_microbatch)
     return rows, sums["kl"] / max(sums["tokens"], 1.0)
 
 

@@ -28,6 +28,7 @@ from ctxrl.errors import ConfigError
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.spec import RolloutLimits, RolloutSpec
 from ctxrl.seeds import Seeds
+from ctxrl.train.precision import Precision
 from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, sft_train
 from ctxrl.types import Episode
 
@@ -72,9 +73,9 @@ def demo_limits(spec: RolloutSpec, under_manager: bool) -> RolloutLimits | None:
 
 
 def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, model, *,
-               under_manager: bool, on_step: Callable[[int, int, float], None] | None = None
-               ) -> tuple[dict[str, Any], list[Episode]]:
-    """Build the demos and train ``model`` on them; returns the metrics row and the demos."""
+               under_manager: bool, on_step: Callable[[int, int, float], None] | None = None,
+               precision: Precision | None = None) -> tuple[dict[str, Any], list[Episode]]:
+    """Build the demos and train ``model`` on them (under ``precision``); returns the metrics row and the demos."""
     from ctxrl.meta.trial_demos import build_trial_demos
 
     c, seeds = config.sft, Seeds(config.run.seed)
@@ -93,7 +94,8 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
         policy = dataclasses.replace(spec.train_meta, num_attempts=k)
         demos += asyncio.run(build_trial_demos(env_cls, renderer, n_trials, policy, seed=seeds.trial_demos))
     losses = sft_train(model, demos, pad_token_id=renderer.tokenizer.pad_token_id, epochs=c.epochs,
-                       batch_size=c.batch_size, lr=c.lr, seed=seeds.sft_order, on_step=on_step)
+                       batch_size=c.batch_size, lr=c.lr, seed=seeds.sft_order, on_step=on_step, precision=precision,
+                       chunk=config.train.logprob_chunk_tokens, max_tokens=config.train.max_tokens_per_microbatch)
     row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
            "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
            "context_demos": under_manager, "trial_demos": n_trials,

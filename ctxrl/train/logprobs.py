@@ -1,0 +1,163 @@
+"""Per-token log-probs and entropy of a causal LM, without holding full-vocabulary logits.
+
+``token_logprobs(model, ids, attention_mask)`` gives ``log p(ids[t+1] | ids[:t+1])`` for every
+position, as ``[B, T-1]``. Done naively (``model(...).logits``) it materialises ``B x T x V``
+logits in float32: 10 GB for 32 sequences of 512 tokens with Qwen's 152k vocabulary, and a
+second copy for the softmax's backward. Here, given ``chunk > 0``:
+
+1. the backbone runs once and gives the final hidden states ``[B, T, H]`` (``H`` is ~1000x
+   smaller than ``V``);
+2. only the positions the caller needs are kept (``mask``: the loss mask; the rest come back as 0);
+3. the output head, log-softmax and entropy run over ``chunk`` positions at a time, each chunk
+   under activation checkpointing: its logits are freed after the forward pass and recomputed
+   in the backward pass, so at most one chunk's logits exist at any time.
+
+The gradient is the full computation's (the same operations, recomputed), which the tests check.
+The split ``head(backbone(x))`` must reproduce ``model(x).logits``: it is checked once per model
+on a short input; a model whose logits are more than a linear head of the last hidden state
+(final logit soft-capping, a logit scale) falls back to full logits, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ctxrl.algo.losses import entropy_from_logits
+from ctxrl.models.kernels import attention_kernels
+
+_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
+                   mask: torch.Tensor | None = None, chunk: int = 0, with_entropy: bool = False,
+                   entropy_grad: bool = False, return_logits: bool = False):
+    """Log-probs ``[B, T-1]`` of each next token under ``model`` at ``temperature``.
+
+    ``mask`` ``[B, T-1]``: the positions wanted (others are 0, and cost nothing in the chunked path).
+    ``chunk``: positions per chunk of the output head (0 = the model's full logits).
+    ``with_entropy``: also return the entropy ``[B, T-1]`` of each position's distribution, as a
+    figure (no gradient) unless ``entropy_grad``: an entropy the loss never uses must not build a
+    graph, or a checkpointed chunk's recomputation would keep that graph's tensors (a few bytes per
+    vocabulary entry per token) alive until the backward pass ends.
+    ``return_logits`` (full path only, for tests): also return the ``[B, T-1, V]`` logits.
+    """
+    if temperature <= 0:
+        temperature = 1.0
+    split = None if chunk <= 0 or return_logits else _split(model)
+    if split is None:
+        return _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits)
+    backbone, head = split
+    with attention_kernels(input_ids.device):
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    wanted = torch.ones_like(input_ids[:, 1:], dtype=torch.bool) if mask is None else mask.bool()
+    states = hidden[:, :-1][wanted]
+    targets = input_ids[:, 1:][wanted]
+    logprob_parts, entropy_parts = [], []
+    for start in range(0, states.shape[0], chunk):
+        args = (states[start:start + chunk], head.weight, head.bias, targets[start:start + chunk], temperature,
+                with_entropy, entropy_grad)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*args)
+        logprob_parts.append(lp)
+        entropy_parts.append(ent)
+    logprobs = _scatter(logprob_parts, wanted, input_ids.device)
+    if not with_entropy:
+        return logprobs
+    return logprobs, _scatter(entropy_parts, wanted, input_ids.device)
+
+
+def _chunk_stats(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                 temperature: float, with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` and (optionally) entropy at ``states`` [n, H] through the head ``weight``."""
+    logits = _at_least_fp32(F.linear(states, weight, bias))
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not with_entropy:
+        return logprobs, logprobs.new_zeros(())
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprobs, entropy_from_logits(logits)
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax maths in float32 (or float64, for a float64 model: the tests' exact comparisons)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _scatter(parts: list[torch.Tensor], wanted: torch.Tensor, device) -> torch.Tensor:
+    values = torch.cat(parts) if parts else torch.zeros(0)
+    out = torch.zeros(wanted.shape, dtype=values.dtype if parts else torch.float32, device=device)
+    if parts and wanted.any():
+        out = out.masked_scatter(wanted, values)
+    return out
+
+
+def _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits):
+    """The plain computation: the model's full logits."""
+    with attention_kernels(input_ids.device):
+        logits = _at_least_fp32(model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1])
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:]
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if mask is not None:
+        logprobs = logprobs * mask
+    out = [logprobs]
+    if with_entropy:
+        wanted = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.bool()
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = torch.zeros_like(logprobs)
+            entropy[wanted] = entropy_from_logits(logits[wanted])
+        out.append(entropy)
+    if return_logits:
+        out.append(logits)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _split(model):
+    """``(backbone, head)`` with ``model(x).logits == head(backbone(x).last_hidden_state)``, or None."""
+    if model in _SPLITS:
+        return _SPLITS[model]
+    split = _find_split(model)
+    if split is not None and not _agrees(model, *split):
+        warnings.warn(f"{type(model).__name__}'s logits are not a linear head of its last hidden state (e.g. logit "
+                      "soft-capping); computing log-probs from full logits, which needs more memory",
+                      stacklevel=3)
+        split = None
+    _SPLITS[model] = split
+    return split
+
+
+def _find_split(model):
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model wraps the LM
+    prefix = getattr(lm, "base_model_prefix", "")
+    backbone = getattr(lm, prefix, None) if prefix else None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if backbone is None or backbone is lm or not isinstance(head, torch.nn.Linear):
+        return None
+    return backbone, head
+
+
+@torch.no_grad()
+def _agrees(model, backbone, head) -> bool:
+    device = head.weight.device
+    ids = torch.arange(3, 11, device=device).unsqueeze(0) % head.weight.shape[0]
+    attention = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()
+    try:
+        with attention_kernels(device):
+            full = model(input_ids=ids, attention_mask=attention).logits.float()
+            hidden = backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+        split = head(hidden).float()
+    finally:
+        model.train(was_training)
+    scale = full.abs().max().clamp(min=1.0)
+    return bool(((full - split).abs().max() / scale) < 1e-2)
