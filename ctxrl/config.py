@@ -92,7 +92,11 @@ class RolloutConfig:
     max_total_tokens: int = 512
     """Tokens of a whole episode (prompt, turns, observations) (``max_total_tokens``)."""
     max_batch_size: int = 128
-    """Largest batch of concurrent requests the engine decodes together."""
+    """Largest batch of concurrent requests the engine decodes together (the fast engine's number of cache slots)."""
+    engine: str = "auto"
+    """Which engine samples: ``hf`` (batched HF forward passes, the CPU and reference engine), ``fast`` (continuous
+    batching over a slot KV cache with prefix reuse and CUDA graphs; Llama, Qwen2/2.5/3 and Mistral layouts, no
+    LoRA) or ``auto`` (``fast`` on CUDA where it can run this model, else ``hf``). See docs/engine.md."""
     sandbox_workers: int = 8
     """Most sandboxed Python interpreters (the ``python`` tool) running at once in a rollout worker, each allowed
     its memory limit (512 MB); calls beyond it wait for a free one, within their tool timeout."""
@@ -448,6 +452,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
     from ctxrl.chat.formats import format_names
+    from ctxrl.engine.factory import KINDS as ENGINE_KINDS
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
     from ctxrl.meta.credit import BASELINES, NORMALIZE_MODES
@@ -462,7 +467,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
-            "train.master_weights": ("float32", "model")}
+            "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:

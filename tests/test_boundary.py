@@ -153,14 +153,19 @@ def test_a_tool_printing_chat_special_tokens_puts_no_special_ids_in_the_observat
 
 
 # -- the engine samples with the learner's weights ------------------------------------------------
-def test_after_an_update_the_engine_logprobs_equal_the_learners(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "fast"])
+def test_after_an_update_the_engine_logprobs_equal_the_learners(tmp_path, engine):
     from ctxrl.engine.base import SamplingParams
+    from ctxrl.engine.fast import FastEngine
+    from ctxrl.engine.hf import HFEngine
     from ctxrl.train.learner import token_logprobs
     from ctxrl.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, [f"model.name={TINY}", "sft.enabled=false", "rollout.tasks_per_step=2",
                                          "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
-                                         "algo.advantage=test_sign", "train.lr=1e-2"]), tmp_path)
+                                         "algo.advantage=test_sign", "train.lr=1e-2", f"rollout.engine={engine}"]),
+                      tmp_path)
+    assert isinstance(trainer.worker.engine, {"hf": HFEngine, "fast": FastEngine}[engine])
     trainer.make_learner()
     prompt = trainer.renderer.prompt_ids(CalculatorEnv().reset(CalculatorEnv.sample_tasks("train", 1, 3)[0]), None)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)

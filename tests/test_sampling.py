@@ -175,3 +175,109 @@ def test_seeded_episodes_repeat_whatever_the_batching(model, tokenizer, renderer
     assert [e.loss_mask for e in one_batch] == [e.loss_mask for e in small_batches]
     # the two episodes of a group are different samples
     assert any(one_batch[2 * i].input_ids != one_batch[2 * i + 1].input_ids for i in range(3))
+
+
+# -- the two-level draw the fast engine uses ---------------------------------------------------------
+
+def _sparse_weights(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(rows, vocab, generator=g) ** 3
+    w[torch.rand(rows, vocab, generator=g) < 0.3] = 0.0
+    w[:, -1] += (w.sum(-1) == 0).float()  # no all-zero row
+    return w
+
+
+def test_sample_blocked_equals_the_one_level_draw():
+    from ctxrl.engine.sampling import sample_blocked
+
+    for vocab in (1, 5, 300, 1000, 4096, 5000):
+        for block in (1, 7, 16, 1024, 4096):
+            w = _sparse_weights(300, vocab, seed=vocab + block)
+            u = uniforms(torch.arange(300, dtype=torch.long) * 7 + block, vocab)
+            blocked, flat = sample_blocked(w, u, block), sample_inverse_cdf(w, u)
+            # the same draw up to float64 rounding at block edges (none with these draws)
+            assert int((blocked != flat).sum()) <= 1, (vocab, block)
+            assert bool((w.gather(-1, blocked.unsqueeze(-1)) > 0).all()), (vocab, block)
+            assert bool(((blocked >= 0) & (blocked < vocab)).all())
+
+
+def test_sample_blocked_never_picks_a_zero_weight_at_the_edges():
+    from ctxrl.engine.sampling import sample_blocked
+
+    # u at the top and bottom of (0, 1), mass only in the first, last or one middle entry of a
+    # vocabulary whose last block is short (vocab 23 = 3 blocks of 7 + 2)
+    extremes = torch.tensor([2.0 ** -53, 0.5, 1.0 - 2.0 ** -53, 1.0], dtype=torch.float64)
+    for hot in (0, 6, 7, 13, 21, 22):
+        w = torch.zeros(4, 23)
+        w[:, hot] = 0.25
+        for block in (7, 16, 1024):
+            assert sample_blocked(w, extremes, block).tolist() == [hot] * 4
+    # two tokens: u below / above the first's share of the mass
+    w = torch.zeros(2, 23)
+    w[:, 3], w[:, 20] = 1.0, 3.0
+    for block in (1, 7, 16):
+        assert sample_blocked(w, torch.tensor([0.2, 0.3], dtype=torch.float64), block).tolist() == [3, 20]
+
+
+def test_sample_blocked_matches_the_distribution():
+    from ctxrl.engine.sampling import sample_blocked
+
+    probs = torch.tensor([0.05, 0.0, 0.15, 0.0, 0.0, 0.3, 0.1, 0.0, 0.0, 0.4])
+    n = 40_000
+    u = uniforms(torch.arange(n, dtype=torch.long) * 13 + 5, 0)
+    draws = sample_blocked(probs.expand(n, -1).contiguous(), u, 3)
+    freq = torch.bincount(draws, minlength=10).double() / n
+    for f, p in zip(freq.tolist(), probs.tolist()):
+        assert (f == 0) if p == 0 else abs(f - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_draw_with_per_row_steps_equals_one_row_at_a_time():
+    from ctxrl.engine.sampling import draw
+
+    g = torch.Generator().manual_seed(1)
+    rows, vocab = 6, 2500
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = torch.tensor([[1.0], [0.7], [1.0], [1.5], [1.0], [0.3]])
+    greedy = torch.tensor([False, False, True, False, False, False])
+    seeds = torch.tensor([11, 12, 13, 14, 11, (1 << 62) + 3], dtype=torch.long)
+    steps = torch.tensor([0, 5, 2, 100, 1, 7], dtype=torch.long)
+    choice, logprob = draw(logits, temperature, greedy, seeds, steps)
+    for r in range(rows):
+        c, lp = draw(logits[r:r + 1], temperature[r:r + 1], greedy[r:r + 1], seeds[r:r + 1], int(steps[r]))
+        assert int(c) == int(choice[r])
+        assert float(lp) == float(logprob[r])
+    # same seed, other step: another uniform (rows 0 and 4 share seed 11, steps 0 and 1)
+    u = uniforms(seeds, steps)
+    assert u[0] != u[4] and u[0] == uniforms(seeds[:1], 0)[0]
+    # an int step is the same step for every row
+    same, _ = draw(logits, temperature, greedy, seeds, 5)
+    as_tensor, _ = draw(logits, temperature, greedy, seeds, torch.full((rows,), 5, dtype=torch.long))
+    assert torch.equal(same, as_tensor)
+
+
+def test_draw_reports_the_log_prob_of_the_distribution_drawn_from():
+    from ctxrl.engine.sampling import draw
+
+    g = torch.Generator().manual_seed(2)
+    rows, vocab = 5, 3000
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    temperature = torch.tensor([[1.0], [0.5], [2.0], [1.0], [1.0]])  # engines pass T=1 for greedy rows
+    greedy = torch.tensor([False, False, False, True, True])
+    seeds = torch.arange(rows, dtype=torch.long) + 40
+    choice, logprob = draw(logits, temperature, greedy, seeds, 3)
+    # sampled rows: log_softmax(logits / T) at the choice; greedy rows: argmax, and the T=1 log-prob
+    expected_t = torch.log_softmax(logits / temperature, -1).gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprob[:3], expected_t[:3], atol=1e-5, rtol=0)
+    assert choice[3:].tolist() == logits[3:].argmax(-1).tolist()
+    expected_1 = torch.log_softmax(logits, -1).gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprob[3:], expected_1[3:], atol=1e-5, rtol=0)
+    # with truncation: log_softmax of the filtered distribution, and only kept tokens are drawn
+    top_k, top_p = [5, 0, 50, 2, 0], torch.tensor([[1.0], [0.3], [0.9], [1.0], [0.5]])
+    choice, logprob = draw(logits, temperature, greedy, seeds, 3, top_k, top_p)
+    filtered = filter_logits(logits / temperature, top_k, top_p)
+    expected = torch.log_softmax(filtered, -1).gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    assert bool(torch.isfinite(expected[:3]).all())
+    torch.testing.assert_close(logprob[:3], expected[:3], atol=1e-5, rtol=0)
+    # greedy rows ignore truncation
+    assert choice[3:].tolist() == logits[3:].argmax(-1).tolist()
+    torch.testing.assert_close(logprob[3:], expected_1[3:], atol=1e-5, rtol=0)

@@ -70,21 +70,58 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+SAMPLE_BLOCK = 1024
+"""Vocabulary entries per block of the two-level inverse CDF (``sample_blocked``)."""
+
+
+def sample_blocked(weights: torch.Tensor, u: torch.Tensor, block: int = SAMPLE_BLOCK,
+                   with_total: bool = False):
+    """``sample_inverse_cdf`` over unnormalised ``weights`` in two levels, without a full-vocabulary scan.
+
+    Block sums (float64) locate the block holding ``u * total``; the cumulative sum runs only
+    inside that block. Same draw as the one-level form up to float64 rounding at block edges;
+    no host sync, so a CUDA graph can hold it. ``with_total``: also return each row's total weight
+    (float64), which the block sums give for free.
+    """
+    rows, vocab = weights.shape
+    full = vocab // block * block
+    sums = weights[:, :full].reshape(rows, -1, block).sum(-1, dtype=torch.float64)
+    if full < vocab:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True, dtype=torch.float64)], dim=-1)
+    cdf = sums.cumsum(-1)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    which = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)  # [rows, 1]
+    before = torch.where(which > 0, cdf.gather(-1, (which - 1).clamp(min=0)), torch.zeros_like(target))
+    index = which * block + torch.arange(block, device=weights.device)
+    inside = weights.gather(-1, index.clamp(max=vocab - 1)) * (index < vocab)
+    offset = torch.searchsorted(inside.double().cumsum(-1) + before, target, right=True).clamp(max=block - 1)
+    choice = (which * block + offset).squeeze(-1).clamp(max=vocab - 1)
+    # u * total can round up to total itself; fall back to the heaviest token then.
+    zero = weights.gather(-1, choice.unsqueeze(-1)).squeeze(-1) <= 0
+    choice = torch.where(zero, weights.argmax(-1), choice)
+    return (choice, cdf[:, -1]) if with_total else choice
+
+
 def draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
          step: int | torch.Tensor, top_k: list[int] | None = None,
          top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its behaviour log-prob, from float32 ``logits`` ``[rows, vocab]``.
+    """One token per row and its behaviour log-prob, from ``logits`` ``[rows, vocab]`` (any float dtype; the
+    maths runs in float32).
 
     ``temperature`` ``[rows, 1]``; ``greedy`` ``[rows]`` (argmax, reporting the untruncated T=1
-    log-prob); ``seeds`` and ``step`` give each row's uniform draw (``uniforms``). Without
-    ``top_k``/``top_p`` nothing syncs with the host, so a CUDA graph can hold it.
+    log-prob); ``seeds`` and ``step`` give each row's uniform draw (``uniforms``). Sampled rows
+    draw from ``softmax(filter(logits / T))`` by inverse CDF (``sample_blocked``) and report that
+    distribution's log-prob. Without ``top_k``/``top_p`` nothing syncs with the host, so a CUDA
+    graph can hold it; a few passes over the vocabulary, in float32.
     """
-    scaled = logits / temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    target = torch.div(logits, temperature.float())  # float32 even for bf16 logits, in one pass
     if top_k is not None and top_p is not None:
-        filtered = filter_logits(scaled, top_k, top_p)
-        if filtered is not scaled:
-            logprobs = torch.where(greedy.unsqueeze(-1), logprobs, torch.log_softmax(filtered, dim=-1))
-    choice = sample_inverse_cdf(logprobs.exp(), uniforms(seeds, step))
-    choice = torch.where(greedy, scaled.argmax(-1), choice)
-    return choice, logprobs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+        filtered = filter_logits(target, top_k, top_p)
+        if filtered is not target:
+            target = torch.where(greedy.unsqueeze(-1), target, filtered)
+    top, best = target.max(-1, keepdim=True)
+    weights = (target - top).exp_()
+    choice, total = sample_blocked(weights, uniforms(seeds, step), with_total=True)
+    choice = torch.where(greedy, best.squeeze(-1), choice)
+    logprob = target.gather(-1, choice.unsqueeze(-1)).squeeze(-1) - top.squeeze(-1) - total.log().float()
+    return choice, logprob

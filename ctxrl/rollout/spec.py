@@ -135,6 +135,8 @@ class RolloutSpec(PlainData):
     """Most sandboxed Python interpreters running at once in the worker's process (``ctxrl.tools.python``)."""
     engine_seed: int = 0
     """The engine's stream for requests that bring no seed."""
+    engine: str = "auto"
+    """Which engine samples (``rollout.engine``: ``auto``, ``hf`` or ``fast``)."""
     plugins: str = ""
     """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
 
@@ -176,7 +178,18 @@ class RolloutSpec(PlainData):
                            source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
                            choice_seed=seeds.demo_choice),
             max_batch_size=r.max_batch_size, sandbox_workers=r.sandbox_workers, engine_seed=seeds.engine,
+            engine=r.engine,
             plugins=config.run.plugins)
+
+
+def spec_engine(spec: RolloutSpec, model, renderer):
+    """The engine ``spec`` asks for, serving ``model`` (which it takes over) with ``renderer``'s ids."""
+    from ctxrl.engine.factory import make_engine
+
+    return make_engine(model, kind=spec.engine, pad_token_id=renderer.tokenizer.pad_token_id,
+                       max_batch_size=spec.max_batch_size, seed=spec.engine_seed,
+                       max_total_tokens=max(spec.train.max_total_tokens, spec.eval.max_total_tokens),
+                       decode=renderer.decode)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``RolloutWorker``: plays ``RolloutRequest`` s with its own engine; plain data in, episodes out.
 
 A worker is built from a ``RolloutSpec`` (``from_spec``: it resolves the environment, loads the
-tokenizer and checks the chat template, loads the policy into its own ``HFEngine``) or handed an
+tokenizer and checks the chat template, loads the policy into its own engine) or handed an
 engine. ``run(request)`` owns the event loop: it plays the request's episodes (or trials of
 attempts, when the phase's ``MetaPolicy`` has more than one) all at once and returns them.
 ``load_weights(state, version=...)`` replaces the engine's weights between requests.
@@ -25,7 +25,7 @@ from ctxrl.engine.base import Engine
 from ctxrl.envs.registry import configured_env_class
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.agent import run_episodes
-from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
 from ctxrl.tools.python import configure_pool
 from ctxrl.types import Episode
 
@@ -46,12 +46,11 @@ class RolloutWorker:
 
     @classmethod
     def from_spec(cls, spec: RolloutSpec, *, model: Any | None = None) -> RolloutWorker:
-        """Resolve the environment, load the tokenizer (its template checked) and the policy into an ``HFEngine``.
+        """Resolve the environment, load the tokenizer (its template checked) and the policy into its engine.
 
         ``model``: a module to serve instead of loading ``spec.model.name`` (the worker takes it
         over: nothing else may change its weights).
         """
-        from ctxrl.engine.hf import HFEngine
         from ctxrl.models.loader import load_model
 
         env_cls = spec_env_class(spec)
@@ -62,9 +61,7 @@ class RolloutWorker:
                 from ctxrl.models.lora import wrap_lora
 
                 model = wrap_lora(model, spec.model.lora, adapter_dtype=next(model.parameters()).dtype).eval()
-        engine = HFEngine(model, pad_token_id=renderer.tokenizer.pad_token_id, max_batch_size=spec.max_batch_size,
-                          seed=spec.engine_seed, decode=renderer.decode)
-        return cls(spec, engine, renderer, env_cls)
+        return cls(spec, spec_engine(spec, model, renderer), renderer, env_cls)
 
     # -- weights ---------------------------------------------------------------------------------------
     @property

@@ -49,7 +49,7 @@ from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.managers import get_manager
 from ctxrl.rollout.managers.stats import context_stats, scheduled_budget
-from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
 from ctxrl.rollout.summary import summarize
 from ctxrl.rollout.worker import RolloutWorker, build_demo_pool, spec_env_class, spec_renderer
 from ctxrl.seeds import Seeds
@@ -99,7 +99,6 @@ class Trainer:
     """
 
     def __init__(self, config: Config, run_dir: str | Path, *, progress: Progress | None = None) -> None:
-        from ctxrl.engine.hf import HFEngine
 
         self.config = config
         self.seeds = Seeds(config.run.seed)
@@ -120,9 +119,7 @@ class Trainer:
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
-        engine = HFEngine(self.policy.engine_model(), pad_token_id=self.tokenizer.pad_token_id,
-                          max_batch_size=self.spec.max_batch_size, seed=self.spec.engine_seed,
-                          decode=self.renderer.decode)
+        engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer)
         self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
         self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
                                                           config=config.to_dict()))

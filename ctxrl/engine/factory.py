@@ -1,0 +1,46 @@
+"""Which engine serves a run: ``rollout.engine`` = ``hf``, ``fast`` or ``auto``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ctxrl.engine.base import Engine
+
+KINDS = ("auto", "hf", "fast")
+log = logging.getLogger(__name__)
+
+
+def make_engine(model, *, kind: str, pad_token_id: int, max_batch_size: int, seed: int, max_total_tokens: int,
+                decode=None) -> Engine:
+    """An engine serving ``model``: ``auto`` is the fast engine on CUDA where it can run the model, else HF."""
+    from ctxrl.engine.hf import HFEngine
+
+    if kind not in KINDS:
+        raise ValueError(f"rollout.engine must be one of {', '.join(KINDS)}, got {kind!r}")
+    device = next(model.parameters()).device
+    if kind == "auto":
+        from ctxrl.engine.fast import unsupported_reason
+
+        reason = "it runs on CUDA only by default" if device.type != "cuda" else unsupported_reason(
+            model, max_total_tokens)
+        kind = "hf" if reason else "fast"
+        if reason and device.type == "cuda":
+            log.warning("rollout.engine = auto: using the HF engine, not the fast one: %s", reason)
+    if kind == "hf":
+        return HFEngine(model, pad_token_id=pad_token_id, max_batch_size=max_batch_size, seed=seed, decode=decode)
+    from ctxrl.engine.fast import FastEngine
+
+    return FastEngine(model, pad_token_id=pad_token_id, max_batch_size=max_batch_size, seed=seed,
+                      max_total_tokens=max_total_tokens, decode=decode)
+
+
+def cache_fits(nbytes: int, device: torch.device) -> str | None:
+    """Why a KV cache of ``nbytes`` does not fit on ``device`` now (``None``: it does)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes > 0.9 * free:
+        return f"{nbytes / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free"
+    return None

@@ -1,0 +1,195 @@
+"""The decoder forward the fast engine runs: the HF model's own modules, attention over a slot cache.
+
+Embeddings, norms, projections, MLPs and the LM head are the HF modules themselves, called as
+the learner calls them, so the weights (and their in-place updates) are shared and the numerics
+match. Only attention is the engine's: each new token's keys and values are written in place
+into its slot of a preallocated cache (``SlotCache``), and queries attend to their slot's keys
+without expanding grouped K/V to every query head: the query heads that share a KV head are
+folded into the query axis (``[rows, kv_heads, group * queries, head_dim]``), so one
+scaled-dot-product call reads each cached key once.
+
+Supported families: decoders with Llama's layout (Llama, Qwen2, Qwen2.5, Qwen3 with its q/k
+norms, Mistral without a sliding window). ``unsupported_reason`` says why another model cannot
+run here; the engine factory then falls back to ``HFEngine``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ctxrl.engine.fast.attention import decode_attention
+from ctxrl.engine.fast.fused import Fused
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+"""Norms computed as ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)`` (``fused.rms_norm``)."""
+STATIC_ROPE = ("default", "llama3", "linear", "yarn", "longrope", None)
+
+
+def _rope_type(config) -> str | None:
+    for attr in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, attr, None)
+        if isinstance(value, dict):
+            return value.get("rope_type", value.get("type"))
+    return None
+
+
+def unsupported_reason(model, max_len: int) -> str | None:
+    """Why ``model`` cannot run in the fast engine (``None``: it can)."""
+    if hasattr(model, "peft_config"):
+        return "a PEFT (LoRA) model: its adapters are not merged into the weights the fast engine reads"
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model type {kind!r} is not one of the supported families {', '.join(FAMILIES)}"
+    if _rope_type(config) not in STATIC_ROPE:
+        return f"rope type {_rope_type(config)!r} depends on the sequence length"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and max_len > window:
+        return f"sliding-window attention ({window} tokens) shorter than max_total_tokens ({max_len})"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("layers", "norm", "rotary_emb", "embed_tokens")):
+        return "the model does not have Llama's module layout (model.layers, model.norm, model.rotary_emb)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the fast engine fuses SiLU)"
+    layer = inner.layers[0]
+    norms = [inner.norm, layer.input_layernorm, layer.post_attention_layernorm]
+    odd = [type(n).__name__ for n in norms if type(n).__name__ not in RMS_NORMS]
+    if odd:
+        return f"norm {odd[0]} is not one of {', '.join(RMS_NORMS)}"
+    if not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
+        return "the MLP is not a gated (gate_proj, up_proj, down_proj) one"
+    return None
+
+
+def _norm_args(module) -> tuple[torch.Tensor, float]:
+    return module.weight, module.variance_epsilon
+
+
+class SlotCache:
+    """Keys and values of every layer, ``[slots, kv_heads, capacity, head_dim]`` each, written in place."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.slots, self.capacity = slots, capacity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make slot ``dst`` hold the first ``length`` positions of slot ``src``."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length].copy_(k[src, :, :length])
+            v[dst, :, :length].copy_(v[src, :, :length])
+
+
+@dataclass
+class Batch:
+    """Where the tokens of one forward pass go.
+
+    ``tokens``, ``positions`` and ``slots`` are flat (one entry per new token); ``rows`` are the
+    cache slots attended over (``None``: slots ``0..n-1`` in order, the decode layout), ``row_of``
+    and ``offset`` place each token in its row's padded query block of width ``width``, and
+    ``key_len`` is how many cached positions attention reads (a bucket at least as long as the
+    longest row).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor | None
+    row_of: torch.Tensor | None
+    offset: torch.Tensor | None
+    width: int
+    n_rows: int
+    key_len: int
+
+
+class DecoderView:
+    """Runs an HF Llama-layout causal LM over a ``SlotCache``; see the module docstring."""
+
+    def __init__(self, model, max_positions: int, compile: bool = False) -> None:
+        self.model = model
+        self.fused = Fused(compile)
+        self.inner = model.model
+        config = model.config
+        self.layers = list(self.inner.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.q_heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.q_heads
+        self.group = self.q_heads // self.kv_heads
+        self.scaling = attn.scaling
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        # cos/sin for every position, computed by the model's own rotary module (its scaling included).
+        with torch.no_grad():
+            positions = torch.arange(max_positions, device=self.device).unsqueeze(0)
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.inner.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_positions, head_dim]
+
+    def new_cache(self, slots: int, capacity: int) -> SlotCache:
+        return SlotCache(len(self.layers), slots, self.kv_heads, capacity, self.head_dim, self.dtype, self.device)
+
+    def forward(self, batch: Batch, cache: SlotCache, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (in the model's dtype) of the tokens at flat indices ``last`` (all tokens if ``None``)."""
+        f = self.fused
+        x = self.inner.embed_tokens(batch.tokens)  # [T, hidden]
+        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[batch.positions].unsqueeze(1)
+        write_pos = batch.positions.clamp(max=cache.capacity - 1)
+        mask = None
+        if batch.rows is not None:  # prefill: each query sees its slot's positions up to its own
+            keys = torch.arange(batch.key_len, device=x.device)
+            query_pos = torch.zeros(batch.n_rows, batch.width, dtype=torch.long, device=x.device)
+            query_pos[batch.row_of, batch.offset] = batch.positions
+            mask = (keys.view(1, 1, -1) <= query_pos.unsqueeze(-1))  # [n, width, key_len]
+            mask = mask.unsqueeze(1).expand(-1, self.group, -1, -1).reshape(batch.n_rows, 1, -1, batch.key_len)
+        h = f.rms_norm(x, *_norm_args(self.layers[0].input_layernorm))
+        for index, layer in enumerate(self.layers):
+            out = self._attention(layer.self_attn, h, cos, sin, batch, cache, index, write_pos, mask)
+            x, h = f.add_rms_norm(x, out, *_norm_args(layer.post_attention_layernorm))
+            mlp = layer.mlp
+            out = mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            if index + 1 < len(self.layers):
+                x, h = f.add_rms_norm(x, out, *_norm_args(self.layers[index + 1].input_layernorm))
+            else:
+                x = x + out
+        if last is not None:
+            x = x[last]
+        return self.model.lm_head(f.rms_norm(x, *_norm_args(self.inner.norm)))
+
+    def _attention(self, attn, h, cos, sin, batch: Batch, cache: SlotCache, index: int, write_pos, mask):
+        tokens = h.shape[0]
+        q = attn.q_proj(h).view(tokens, self.q_heads, self.head_dim)
+        k = attn.k_proj(h).view(tokens, self.kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+            q, k = self.fused.rms_norm(q, *_norm_args(attn.q_norm)), self.fused.rms_norm(k, *_norm_args(attn.k_norm))
+        q, k = self.fused.rotate(q, cos, sin), self.fused.rotate(k, cos, sin)
+        cache_k, cache_v = cache.k[index], cache.v[index]
+        cache_k[batch.slots, :, write_pos] = k.to(cache_k.dtype)
+        cache_v[batch.slots, :, write_pos] = v.to(cache_v.dtype)
+        n, width, g = batch.n_rows, batch.width, self.group
+        if batch.rows is None:  # decode, width 1: the group is the query axis
+            query = q.view(n, self.kv_heads, g, self.head_dim)
+            out = decode_attention(query, cache_k, cache_v, write_pos, self.scaling, batch.key_len)
+            return attn.o_proj(out.reshape(n, self.q_heads * self.head_dim))
+        keys = cache_k.index_select(0, batch.rows)[:, :, : batch.key_len]
+        values = cache_v.index_select(0, batch.rows)[:, :, : batch.key_len]
+        padded = q.new_zeros(n, width, self.q_heads, self.head_dim)
+        padded[batch.row_of, batch.offset] = q
+        query = padded.view(n, width, self.kv_heads, g, self.head_dim).permute(0, 2, 3, 1, 4)
+        query = query.reshape(n, self.kv_heads, g * width, self.head_dim)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling)
+        out = out.view(n, self.kv_heads, g, width, self.head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(n, width, self.q_heads * self.head_dim)[batch.row_of, batch.offset]
+        return attn.o_proj(out)

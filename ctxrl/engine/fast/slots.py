@@ -1,0 +1,173 @@
+"""Which cache slot each request decodes in, and which finished conversations are kept for reuse.
+
+Pure bookkeeping (no tensors), so every rule is tested on the CPU:
+
+- A slot is **free**, **active** (a request is decoding in it) or **parked**: a finished
+  request's keys and values stay in it, with the ids they belong to, until the slot is needed.
+- A new request takes the parked slot whose ids share the longest prefix with its prompt (an
+  episode's next turn extends its last turn: prompt + sampled + observation), so only the new
+  tail is prefilled. At least the prompt's last token is always prefilled: its logits start
+  the completion. A second request matching the same parked slot gets a free slot and a copy
+  of the matched prefix.
+- With no free slot, the least recently used parked slot is evicted (its ids forgotten; a later
+  request that would have matched recomputes them). With none to evict, the request waits.
+- Lower slots are preferred, so the active rows stay packed at the bottom of the table, where
+  the decode step runs over slots ``0..hi``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BLOCK = 16
+"""Prefixes are indexed by blocks of this many ids; a shared prefix shorter than one block is not reused
+(recomputing it costs less than the bookkeeping)."""
+
+
+def block_hashes(ids) -> list[int]:
+    """Chained hashes of ``ids``' whole blocks: entry ``j`` stands for ``ids[:BLOCK * (j + 1)]``."""
+    out, h = [], 0
+    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+        h = hash((h, tuple(ids[start:start + BLOCK])))
+        out.append(h)
+    return out
+
+
+@dataclass
+class Placement:
+    """Where a request goes: its slot, and how many prompt positions are already there (or copied from ``source``)."""
+
+    slot: int
+    cached: int = 0
+    source: int | None = None
+
+
+@dataclass
+class SlotTable:
+    slots: int
+    free: list[int] = field(default_factory=list)
+    parked: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    last_used: dict[int, int] = field(default_factory=dict)
+    active: set[int] = field(default_factory=set)
+    clock: int = 0
+    index: dict[int, set[int]] = field(default_factory=dict)
+    """Block hash -> parked slots whose ids start with that chain of blocks."""
+    hashes: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"a slot table needs at least one slot, got {self.slots}")
+        self.free = list(range(self.slots))
+
+    def _forget(self, slot: int) -> tuple[int, ...] | None:
+        for h in self.hashes.pop(slot, []):
+            holders = self.index.get(h)
+            if holders is not None:
+                holders.discard(slot)
+                if not holders:
+                    del self.index[h]
+        return self.parked.pop(slot, None)
+
+    def _take_free(self) -> int | None:
+        if self.free:
+            slot = min(self.free)
+            self.free.remove(slot)
+            return slot
+        if self.parked:
+            victim = min(self.parked, key=lambda s: (self.last_used[s], s))
+            self._forget(victim)
+            return victim
+        return None
+
+    def best_match(self, prompt: list[int], also: dict[int, tuple[int, ...]] | None = None) -> tuple[int | None, int]:
+        """The slot whose kept ids share the longest prefix with ``prompt`` (at most ``len(prompt) - 1``).
+
+        Parked slots are searched through the block index, and ``also`` (slots claimed earlier in
+        this admission round, whose kept prefix stays intact until the round's prefill)."""
+        limit = len(prompt) - 1
+        prompt_hashes = block_hashes(prompt[:limit])
+        candidates: set[int] = set()
+        for h in prompt_hashes:  # the deepest block some parked slot shares
+            holders = self.index.get(h)
+            if not holders:
+                break
+            candidates = set(holders)
+        extra = also or {}
+        for slot, ids in extra.items():
+            if len(ids) >= BLOCK and tuple(ids[:BLOCK]) == tuple(prompt[:BLOCK]):
+                candidates.add(slot)
+        best, best_len = None, 0
+        target = tuple(prompt[:limit])
+        for slot in sorted(candidates):
+            ids = self.parked.get(slot, extra.get(slot))
+            length = self.common_prefix(ids, target)
+            if length > best_len:
+                best, best_len = slot, length
+        return (best, best_len) if best_len >= BLOCK else (None, 0)
+
+    @staticmethod
+    def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        """Length of the longest common prefix, by halving slices compared in C."""
+        lo, hi = 0, min(len(a), len(b))
+        if a[:hi] == b[:hi]:
+            return hi
+        while lo < hi:  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1] hold throughout
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def place(self, prompt: list[int], claimed: dict[int, tuple[int, ...]]) -> Placement | None:
+        """A slot for ``prompt`` (``None``: none free now).
+
+        ``claimed`` collects the parked slots taken in this admission round (slot -> kept ids): a
+        later request of the round that matches one gets a free slot and a copy of the prefix,
+        which the engine makes before the round's prefill overwrites anything."""
+        slot, length = self.best_match(prompt, claimed)
+        if slot is not None and slot in self.parked:
+            claimed[slot] = self._forget(slot)
+            placement = Placement(slot, length)
+        else:
+            target = self._take_free()
+            if target is None:
+                return None
+            placement = Placement(target, length, source=slot) if slot is not None else Placement(target)
+        self.clock += 1
+        self.active.add(placement.slot)
+        self.last_used[placement.slot] = self.clock
+        return placement
+
+    def take(self) -> Placement | None:
+        """A slot with nothing reusable in it (``None``: none free now)."""
+        slot = self._take_free()
+        if slot is None:
+            return None
+        self.clock += 1
+        self.active.add(slot)
+        self.last_used[slot] = self.clock
+        return Placement(slot)
+
+    def park(self, slot: int, ids: list[int]) -> None:
+        """Keep ``ids`` (whose keys and values the slot holds) for a later request to extend."""
+        self.active.discard(slot)
+        self._forget(slot)
+        self.clock += 1
+        self.parked[slot] = tuple(ids)
+        self.last_used[slot] = self.clock
+        self.hashes[slot] = block_hashes(ids)
+        for h in self.hashes[slot]:
+            self.index.setdefault(h, set()).add(slot)
+
+    def release(self, slot: int) -> None:
+        """Forget a slot's contents (a failed or cancelled request)."""
+        self.active.discard(slot)
+        self._forget(slot)
+        if slot not in self.free:
+            self.free.append(slot)
+
+    @property
+    def high(self) -> int:
+        """One past the highest active slot: the decode step runs over slots ``0..high``."""
+        return max(self.active) + 1 if self.active else 0
