@@ -54,25 +54,30 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
 
 
 @torch.no_grad()
-def _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low: float, clip_high: float
-                  ) -> dict[str, float]:
-    """Fractions of sampled tokens clipped below / above, approx KL (``0.5 (log r)^2``), mean ratio."""
+def _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low: float, clip_high: float,
+                  on_device: bool = False) -> dict[str, float]:
+    """Fractions of sampled tokens clipped below / above, approx KL (``0.5 (log r)^2``), mean ratio.
+
+    ``on_device``: 0-d tensors where they were computed, so a training loop reads them once per step
+    rather than waiting for the device four times per micro-batch."""
     m = mask.float()
     n = m.sum().clamp(min=1.0)
     low = ((ratio < 1.0 - clip_low) & (advantages < 0)).float()
     high = ((ratio > 1.0 + clip_high) & (advantages > 0)).float()
-    return {
-        "clip_frac_low": float((low * m).sum() / n),
-        "clip_frac_high": float((high * m).sum() / n),
-        "approx_kl": float((0.5 * (logprobs - old_logprobs) ** 2 * m).sum() / n),
-        "ratio_mean": float((ratio * m).sum() / n),
+    out = {
+        "clip_frac_low": (low * m).sum() / n,
+        "clip_frac_high": (high * m).sum() / n,
+        "approx_kl": (0.5 * (logprobs - old_logprobs) ** 2 * m).sum() / n,
+        "ratio_mean": (ratio * m).sum() / n,
     }
+    return out if on_device else {k: float(v) for k, v in out.items()}
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip: float | None = None, agg: str = "token-mean", norm_length: float | None = None,
-                denominator: float | None = None, token_weights: torch.Tensor | None = None
+                denominator: float | None = None, token_weights: torch.Tensor | None = None,
+                on_device: bool = False
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss (Schulman et al. 2017) with clip-higher (DAPO) and dual clip (Ye et al. 2020).
 
@@ -96,14 +101,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, mask, agg, norm_length=norm_length, denominator=denominator)
-    return loss, _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low, clip_high)
+    return loss, _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low, clip_high, on_device)
 
 
 
 def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               *, clip_low: float = 3e-4, clip_high: float = 4e-4, agg: str = "seq-mean-token-mean",
               norm_length: float | None = None, denominator: float | None = None,
-              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              token_weights: torch.Tensor | None = None,
+              on_device: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: sequence-level importance ratios (Zheng et al. 2025, "Group Sequence Policy Optimization").
 
     ``s_i = exp(mean_t (logprobs - old_logprobs))`` over sequence ``i``'s mask-1 tokens (the
@@ -127,7 +133,7 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, mask, agg, norm_length=norm_length, denominator=denominator)
-    return loss, _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low, clip_high)
+    return loss, _clip_metrics(logprobs, old_logprobs, ratio, advantages, mask, clip_low, clip_high, on_device)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
