@@ -137,15 +137,59 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved configuration and check it (and what it names) without loading a model."""
     from ctxrl.config import to_toml
-    from ctxrl.envs.registry import configured_env_class
     from ctxrl.models.loader import parse_tiny, resolve
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import spec_env_class
 
     config = load_config(args.config, args.overrides)
-    configured_env_class(config.env.name, data=config.env.data, tools=config.env.tools, verifier=config.env.verifier)
+    spec_env_class(RolloutSpec.from_config(config))
     if parse_tiny(config.model.name) is None:
         resolve(config.model.name)  # a local path that does not exist or holds no weights is an error now
     print(to_toml(config), end="")
     print(f"# valid: environment {config.env.name!r}, model {config.model.name!r}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from ctxrl.rollout.spec import RolloutSpec, spec_engine
+    from ctxrl.rollout.worker import spec_renderer
+
+    try:
+        import uvicorn
+
+        from ctxrl.serve.server import Server
+    except ImportError as exc:
+        raise ConfigError(f"ctxrl serve needs the serve extra ({exc.name} is missing): "
+                          "pip install 'ctxrl[serve]'") from None
+    if args.train:  # training: the harnesses are in other processes; they claim episodes over HTTP
+        args.overrides = [*args.overrides, "env.name=harness", f'env.harness="remote:{args.port}"']
+        if args.checkpoint:
+            args.overrides.append(f"model.name={json.dumps(str(args.checkpoint))}")
+        args.resume, args.steps, args.json = False, None, False
+        return cmd_train(args)
+    overrides = list(args.overrides)
+    if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
+        overrides += [f"model.name={json.dumps(str(args.checkpoint))}", "lora.rank=0"]
+    config = load_config(args.config, overrides)
+    spec = RolloutSpec.from_config(config)
+    renderer = spec_renderer(spec)
+    from ctxrl.models.loader import load_model
+
+    model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
+    engine = spec_engine(spec, model, renderer)
+    api_key = args.api_key or os.environ.get("CTXRL_API_KEY") or None
+    name = args.model_name or (Path(str(args.checkpoint)).name if args.checkpoint else config.model.name)
+    server = Server(engine, renderer, model_name=name, max_total_tokens=config.rollout.max_total_tokens,
+                    max_new_tokens=config.rollout.max_new_tokens, stop_ids=tuple(config.rollout.stop_ids),
+                    api_key=api_key, max_concurrency=args.max_concurrency,
+                    session_timeout_s=args.session_timeout, aliases=(config.model.name,) if args.checkpoint else ())
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
+    print(f"ctxrl serve: model {name!r} on http://{args.host}:{args.port}/v1 "
+          f"(sessions: http://{args.host}:{args.port}/sessions/<id>/v1)", file=sys.stderr)
+    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -248,6 +292,8 @@ EXAMPLES = {
     "config": (".venv/bin/ctxrl config examples/calculator_tiny.toml env.name=kv_chain > my.toml\n"
                "  .venv/bin/ctxrl config my.toml context.manager=summarize   # an error names the key to fix"),
     "envs": ".venv/bin/ctxrl envs",
+    "serve": (".venv/bin/ctxrl serve examples/calculator_tiny.toml --port 8000\n"
+              "  .venv/bin/ctxrl serve examples/calculator_tiny.toml --checkpoint runs/calc/checkpoints/final"),
     "merge": ".venv/bin/ctxrl merge runs/lora/checkpoints/step-000040 --out runs/lora/merged-40 --dtype bfloat16",
     "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
@@ -328,6 +374,25 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                        help="dtype of the merged weights (default float32)")
     merge.set_defaults(fn=cmd_merge)
+    serve = command("serve", "an OpenAI-compatible endpoint that records sessions as episodes",
+                    "Serve the config's model (or --checkpoint) with the OpenAI Chat Completions API. A client with "
+                    "base_url http://HOST:PORT/sessions/<id>/v1 has its calls recorded as one token-faithful episode "
+                    "(GET /sessions/<id>/episode; POST /sessions/<id>/reward). See docs/serve.md.")
+    serve.add_argument("config", help="TOML config file (model, rollout limits)")
+    serve.add_argument("--checkpoint", help="checkpoint directory to serve instead of model.name")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", help="require Authorization: Bearer KEY (also CTXRL_API_KEY)")
+    serve.add_argument("--model-name", help="the model name clients send (default: model.name or the checkpoint's)")
+    serve.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
+    serve.add_argument("--session-timeout", type=float, default=600.0,
+                       help="seconds a session may stay idle before it is closed (default 600)")
+    serve.add_argument("--train", action="store_true",
+                       help="train on episodes played by harnesses in other processes: they take one with GET "
+                            "/train/next and end it with POST /sessions/<id>/finish (env.data names the tasks)")
+    serve.add_argument("--run-dir", help="with --train: the run directory (default runs/<run.name>-<time>)")
+    overrides(serve)
+    serve.set_defaults(fn=cmd_serve)
     envs = command("envs", "list environments and their context spaces",
                    "Every registered environment with its tools and the context parameters its tasks vary in "
                    "(train and OOD ranges).")

@@ -66,6 +66,11 @@ class EnvConfig:
     """Comma-separated built-in tools for ``jsonl_tools`` (``calculator``, ``python``)."""
     verifier: str = "exact"
     """Answer check for ``jsonl_tools``: ``exact``, ``numeric`` or ``contains``."""
+    harness: str = ""
+    """For ``env.name = "harness"``: the agent to train, an ``async def rollout(client, task)`` given as
+    ``package.module:function`` or ``path/to/file.py:function``; its OpenAI client's calls are the episode and its
+    return value the reward. ``env.data`` is then ``env:NAME`` (a registered environment's tasks) or a JSONL task
+    file (docs/serve.md)."""
 
 
 @dataclass

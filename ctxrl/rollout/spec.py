@@ -92,6 +92,7 @@ class EnvSpec(PlainData):
     data: str = ""
     tools: str = ""
     verifier: str = "exact"
+    harness: str = ""
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ class RolloutSpec(PlainData):
                             device=resolve_device(config.model.device), chat_template=config.model.chat_template,
                             tool_format=config.model.tool_format, lora=LoRASettings.from_config(config)),
             env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
-                        verifier=config.env.verifier),
+                        verifier=config.env.verifier, harness=config.env.harness),
             train=train, eval=evaluation, train_meta=train_meta,
             eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,

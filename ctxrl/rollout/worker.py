@@ -92,7 +92,15 @@ class RolloutWorker:
             if on_episode is not None:
                 on_episode(finished[0], total)
 
-        if policy.num_attempts > 1:
+        if getattr(self.env_cls, "harness", None) is not None:
+            if policy.num_attempts > 1 or demos is not None:
+                raise ConfigError("a harness environment plays single episodes: meta.num_attempts = 1 and no "
+                                  "annealed demos (meta.demos_max = 0)")
+            from ctxrl.serve.harness import run_harness
+
+            episodes = await run_harness(self.env_cls, request.tasks, self.engine, self.renderer, limits,
+                                         group_size=request.group_size, seed=request.seed, on_done=counter)
+        elif policy.num_attempts > 1:
             from ctxrl.meta.rollout import run_trials
 
             episodes = await run_trials(self.env_cls, request.tasks, self.engine, self.renderer, limits, policy,
@@ -146,7 +154,10 @@ class RolloutWorker:
 def spec_env_class(spec: RolloutSpec) -> type:
     """The environment class a spec names, bound to its data options."""
     e = spec.env
-    return configured_env_class(e.name, data=e.data, tools=e.tools, verifier=e.verifier)
+    options = {"data": e.data, "tools": e.tools, "verifier": e.verifier}
+    if e.harness or e.name == "harness":
+        options["harness"] = e.harness
+    return configured_env_class(e.name, **options)
 
 
 def spec_renderer(spec: RolloutSpec) -> ChatRenderer:

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible endpoint that records token-faithful episodes from black-box agent harnesses."""

@@ -1,0 +1,271 @@
+"""Train an existing agent: ``env.name = "harness"`` runs a user's ``async def rollout(client, task)``.
+
+``client`` is an official ``openai.AsyncOpenAI`` bound to a fresh session of an in-process
+``ctxrl.serve.Server`` over the rollout worker's own engine (no port, no network: an ASGI
+transport). Everything the harness sends through it is recorded as one token-faithful episode
+(``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number, or a
+dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a
+built-in environment's are, so advantages, filters, context splits, checkpoints and resume all
+apply unchanged.
+
+Configuration::
+
+    [env]
+    name = "harness"
+    harness = "examples/harness_calculator.py:rollout"   # or package.module:rollout
+    data = "env:calculator"     # tasks (and warm-start demonstrations) from a registered environment,
+                                # or a JSONL task file as for jsonl_tools
+
+During training the server samples at the rollout settings (``rollout.temperature``, ``top_p``,
+``top_k``), whatever the harness asks for, with a seed per episode and call, so the behaviour
+policy is the one the learner corrects for and a seeded run repeats. A harness that raises, or
+runs past ``rollout.episode_timeout_s``, gives an errored episode (kind ``step`` or ``deadline``);
+an error inside ctxrl (the engine) stops the run, as it does for built-in environments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ctxrl.envs.registry import configured_env_class, register
+from ctxrl.errors import ConfigError
+from ctxrl.rollout.agent import EnvironmentFailure, notify, record_error
+from ctxrl.seeds import episode_seed
+from ctxrl.types import Episode, Task
+
+
+def load_function(ref: str) -> Callable:
+    """``package.module:name`` or ``path/to/file.py:name`` -> the function."""
+    module_name, _, attr = ref.rpartition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"env.harness must be 'package.module:function' or 'path/to/file.py:function', got {ref!r}")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"env.harness: no file {path}")
+            spec = importlib.util.spec_from_file_location(f"ctxrl_harness_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"env.harness: cannot import {module_name!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ConfigError(f"env.harness: {module_name!r} has no function {attr!r}")
+    if not asyncio.iscoroutinefunction(fn):
+        raise ConfigError(f"env.harness: {ref} must be an async function: async def {attr}(client, task)")
+    return fn
+
+
+@register("harness")
+class HarnessEnv:
+    """Placeholder registered as ``harness``; ``configure`` returns the class a run uses (see the module docstring)."""
+
+    name = "harness"
+    harness: Callable | None = None
+
+    @classmethod
+    def configure(cls, *, data: str = "", tools: str = "", verifier: str = "exact", harness: str = "") -> type:
+        if not harness:
+            raise ConfigError("env.name = 'harness' needs env.harness = 'module:function' (an async "
+                              "def rollout(client, task) -> reward)")
+        if not data:
+            raise ConfigError("env.name = 'harness' needs env.data: 'env:NAME' (a registered environment's tasks) "
+                              "or a JSONL task file")
+        remote = harness.startswith("remote")
+        fn = remote_marker if remote else load_function(harness)
+        port = _remote_port(harness) if remote else None
+        if data.startswith("env:"):
+            source = configured_env_class(data[4:])
+        else:
+            source = configured_env_class("jsonl_tools", data=data, tools=tools, verifier=verifier)
+        # The source environment's class, with its tasks, splits and demonstrations; episodes come from the harness.
+        return type(f"Harness[{getattr(source, 'name', source.__name__)}]", (source,),
+                    {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port})
+
+    @staticmethod
+    def sample_tasks(split: str, n: int, seed: int) -> list[Task]:
+        raise ConfigError("the harness environment needs env.harness and env.data (docs/serve.md)")
+
+
+async def remote_marker(client, task):
+    """``env.harness = "remote:PORT"``: episodes are played by harnesses in other processes (``run_harness``)."""
+    raise RuntimeError("a remote harness is played over HTTP, not called")
+
+
+def _remote_port(ref: str) -> int:
+    _, _, port = ref.partition(":")
+    if not port:
+        return 8000
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"env.harness = {ref!r}: write remote:PORT, e.g. remote:8000")
+    return int(port)
+
+
+class Remote:
+    """The training server for harnesses in other processes: one per process and port, serving until it exits.
+
+    It runs uvicorn in a daemon thread with its own event loop; every engine call of a remote
+    session happens there. A trainer opens sessions (``claims``); a harness takes one with
+    ``GET /train/next``, plays it through ``/sessions/<id>/v1`` and ends it with
+    ``POST /sessions/<id>/finish {"reward": r}``, which resolves the trainer's wait.
+    """
+
+    _servers: dict[int, Remote] = {}
+
+    def __init__(self, engine, renderer, limits, port: int, host: str = "127.0.0.1") -> None:
+        import queue
+        import threading
+
+        import uvicorn
+
+        from ctxrl.serve.server import Server
+
+        self.server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
+                             max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
+                             max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",))
+        self.server.claims = queue.Queue()
+        self.server.on_finish = self._finished
+        self.waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.server.app(), host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, name="ctxrl-train-server", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the training server could not start on {host}:{port} (is the port in use?)")
+            time.sleep(0.01)
+        print(f"ctxrl: harnesses take episodes from http://{host}:{port}/train/next", file=sys.stderr)
+
+    @classmethod
+    def get(cls, engine, renderer, limits, port: int) -> Remote:
+        remote = cls._servers.get(port)
+        if remote is None or remote.server.engine is not engine:
+            if remote is not None:
+                remote.close()
+            remote = cls._servers[port] = cls(engine, renderer, limits, port)
+        s = remote.server
+        s.max_total_tokens, s.max_new_tokens = limits.max_total_tokens, limits.max_new_tokens
+        return remote
+
+    def _finished(self, session) -> None:
+        loop, future = self.waiting.pop(session.id, (None, None))
+        if future is not None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=10)
+        type(self)._servers.pop(self.uvicorn.config.port, None)
+
+
+def _open(server, sid: str, task: Task, group_id: int, k: int, seed: int, limits, engine):
+    """A session for episode ``k`` of group ``group_id``: seeded per call, sampling at the rollout settings."""
+    session = server.store.get(sid, task=task)
+    session.seed = episode_seed(seed, group_id, k)
+    session.sampling = (limits.temperature, limits.top_p, limits.top_k)
+    session.episode.group_id, session.episode.policy_version = group_id, engine.policy_version
+    return session
+
+
+def _close(server, sid: str, episode: Episode, start: float) -> Episode:
+    server.store.pop(sid)
+    if episode.turns and episode.turns[-1].finish_reason == "length" and episode.truncation is None:
+        episode.truncation = "max_new_tokens"
+    episode.info["seconds"] = time.perf_counter() - start
+    episode.info["tool_calls"] = sum(t.tool_calls for t in episode.turns)
+    return episode
+
+
+async def _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done) -> list[Episode]:
+    remote = Remote.get(engine, renderer, limits, env_cls.remote_port)
+    server, loop, run_id = remote.server, asyncio.get_running_loop(), uuid.uuid4().hex[:8]
+    server.stop_strings = tuple(limits.stop_strings)
+
+    async def one(task: Task, group_id: int, k: int) -> Episode:
+        sid = f"{run_id}-{group_id}-{k}"
+        session = _open(server, sid, task, group_id, k, seed, limits, engine)
+        episode = session.episode
+        future = loop.create_future()
+        remote.waiting[sid] = (loop, future)
+        server.claims.put(session)
+        start = time.perf_counter()
+        try:
+            await (asyncio.wait_for(future, limits.timeout_s) if limits.timeout_s > 0 else future)
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            record_error(episode, exc, limits, time.perf_counter() - start)
+        finally:
+            remote.waiting.pop(sid, None)
+        server.raise_internal()
+        return _close(server, sid, episode, start)
+
+    runs = [one(task, group_id, k) for group_id, task in enumerate(tasks) for k in range(group_size)]
+    return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))
+
+
+def _result(value: Any) -> tuple[float, bool | None, dict]:
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"the harness returned {value!r}; return a number (the reward) or "
+                        "{'reward': r, 'success': bool, 'info': {...}}")
+    if isinstance(value, (int, float)):
+        return float(value), None, {}
+    if isinstance(value, dict) and isinstance(value.get("reward"), (int, float)):
+        return float(value["reward"]), value.get("success"), dict(value.get("info") or {})
+    raise TypeError(f"the harness returned {type(value).__name__}; return a number (the reward) or "
+                    "{'reward': r, 'success': bool, 'info': {...}}")
+
+
+async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits, *, group_size: int = 1,
+                      seed: int = 0, on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
+    """``group_size`` harness rollouts per task, concurrently; episode ``k`` of task ``i`` has group ``i``."""
+    if getattr(env_cls, "remote_port", None):
+        return await _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done)
+    import httpx
+    import openai
+
+    from ctxrl.serve.server import Server
+
+    server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
+                    max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
+                    max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",))
+    server.stop_strings = tuple(limits.stop_strings)
+    transport = httpx.ASGITransport(app=server.app(), raise_app_exceptions=False)
+    run_id = uuid.uuid4().hex[:8]
+    async with httpx.AsyncClient(transport=transport, base_url="http://ctxrl", timeout=None) as http:
+
+        async def one(task: Task, group_id: int, k: int) -> Episode:
+            sid = f"{run_id}-{group_id}-{k}"
+            episode = _open(server, sid, task, group_id, k, seed, limits, engine).episode
+            client = openai.AsyncOpenAI(base_url=f"http://ctxrl/sessions/{sid}/v1", api_key="ctxrl",
+                                        http_client=http, max_retries=0)
+            start = time.perf_counter()
+            try:
+                call = env_cls.harness(client, task)
+                value = await (asyncio.wait_for(call, limits.timeout_s) if limits.timeout_s > 0 else call)
+                reward, success, info = _result(value)
+            except (TimeoutError, asyncio.TimeoutError) as exc:
+                server.raise_internal()
+                record_error(episode, exc, limits, time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - the harness's failure: an errored episode
+                server.raise_internal()
+                record_error(episode, EnvironmentFailure("step", exc), limits, time.perf_counter() - start)
+            else:
+                server.raise_internal()
+                episode.reward = reward
+                episode.success = bool(reward > 0) if success is None else bool(success)
+                episode.info.update(info)
+            return _close(server, sid, episode, start)
+
+        runs = [one(task, group_id, k) for group_id, task in enumerate(tasks) for k in range(group_size)]
+        return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))

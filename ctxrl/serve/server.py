@@ -1,0 +1,315 @@
+"""``ctxrl serve``: an OpenAI-compatible Chat Completions endpoint over a ctxrl engine, recording sessions.
+
+Routes (the URL scheme is the contract):
+
+- ``POST /v1/chat/completions`` and ``GET /v1/models``: plain calls, not recorded;
+- ``POST /sessions/<id>/v1/chat/completions`` and ``GET /sessions/<id>/v1/models``: a client built
+  with ``base_url=http://HOST:PORT/sessions/<id>/v1`` has every call recorded into session ``<id>``'s
+  episode (``ctxrl.serve.sessions``), with no custom header;
+- ``POST /sessions/<id>/reward`` ``{"reward": r, "turn_rewards": [...]}``: the episode's reward;
+- ``POST /sessions/<id>/finish`` ``{"reward": r}``: the reward, and the session is done (a harness
+  in another process says so; ``Server.finished`` hands it to whoever trains);
+- ``GET /sessions/<id>/episode``: the recorded episode as JSON (ctxrl's plain-data form).
+
+Safe by default: ``ctxrl serve`` binds 127.0.0.1; ``api_key`` makes every route ask for
+``Authorization: Bearer <key>``; bodies over ``max_body_bytes`` get 413; more than
+``max_concurrency`` requests in flight get 429; a session idle past ``session_timeout_s`` is
+closed and counted (``store.expired``). Errors have OpenAI's body and 4xx codes, and one
+session's bad request never touches another's.
+
+Needs the ``serve`` extra (FastAPI, uvicorn): ``pip install 'ctxrl[serve]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ctxrl.engine.base import SamplingParams
+from ctxrl.plain import to_json
+from ctxrl.rollout.recorder import Rerendered
+from ctxrl.seeds import derive_seed
+from ctxrl.serve.protocol import (
+    APIError,
+    ChatRequest,
+    Choice,
+    bad,
+    completion_json,
+    new_id,
+    parse_request,
+    stream_chunks,
+    view,
+)
+from ctxrl.serve.sessions import Session, SessionStore
+
+
+class Server:
+    """The endpoint's state: engine, renderer, sessions and limits; ``app()`` is the ASGI application."""
+
+    def __init__(self, engine, renderer, *, model_name: str, max_total_tokens: int, max_new_tokens: int = 512,
+                 stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_concurrency: int = 256,
+                 max_body_bytes: int = 4 << 20, session_timeout_s: float = 600.0, max_sessions: int = 4096,
+                 aliases: tuple[str, ...] = ()) -> None:
+        self.engine, self.renderer = engine, renderer
+        self.model_name = model_name
+        self.models = (model_name, *aliases)
+        self.max_total_tokens, self.max_new_tokens = max_total_tokens, max_new_tokens
+        self.stop_ids = tuple(dict.fromkeys((*renderer.end_ids, *stop_ids)))
+        self.api_key = api_key
+        self.max_concurrency, self.max_body_bytes = max_concurrency, max_body_bytes
+        self.store = SessionStore(renderer, max_sessions=max_sessions, timeout_s=session_timeout_s)
+        self.in_flight = 0
+        self.on_finish: Callable[[Session], None] | None = None
+        self.stop_strings: tuple[str, ...] = ()
+        self.claims: queue.Queue[Session] | None = None
+        """Sessions a trainer opened for harnesses in other processes to claim (``GET /train/next``)."""
+        self.internal_errors: list[BaseException] = []
+        """Errors inside ctxrl (the engine, a bug) while serving: a 500 to the client, and kept for the trainer."""
+
+    # -- the work ----------------------------------------------------------------------------------
+    async def chat(self, request: ChatRequest, session_id: str | None) -> tuple[dict | list[dict], int]:
+        """``(response JSON or stream chunks, prompt tokens)`` for one validated request."""
+        if request.model not in self.models:
+            raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.models))}", type="invalid_request_error",
+                           param="model", code="model_not_found")
+        if session_id is None:
+            ids = self._render(request)
+            return await self._sample(request, ids, None, None)
+        if request.n > 1:
+            raise bad("n > 1 in a recorded session: one session is one episode; send n = 1, or open a "
+                      "session per sample", "n")
+        session = self.store.get(session_id)
+        if session.finished:
+            raise APIError(409, f"session {session_id!r} is finished", type="invalid_request_error",
+                           param="session", code="session_finished")
+        async with session.lock:
+            try:
+                kind, ids = session.plan(request.messages, request.views, request.tools)
+                self._check_length(session.length_after(kind, ids))
+            except APIError:
+                if not len(session.recorder) and not session.episode.segments:  # a first call that failed
+                    self.store.pop(session_id)
+                raise
+            # (a template that rewrote history gives the whole conversation anew: Rerendered ids)
+            extends = kind == "extend" and not isinstance(ids, Rerendered)
+            prompt = session.recorder.ids + list(ids) if extends else list(ids)
+            return await self._sample(request, prompt, session, (kind, ids))
+
+    def _render(self, request: ChatRequest) -> list[int]:
+        ids = self.renderer.prompt_ids(request.messages, request.tools)
+        self._check_length(len(ids))
+        return ids
+
+    def _check_length(self, length: int) -> None:
+        if length >= self.max_total_tokens:
+            raise APIError(400, f"this model's maximum context length is {self.max_total_tokens} tokens; the "
+                                f"messages take {length}", param="messages", code="context_length_exceeded")
+
+    async def _sample(self, request: ChatRequest, prompt: list[int], session: Session | None, plan):
+        budget = min(request.max_tokens or self.max_new_tokens, self.max_total_tokens - len(prompt))
+        temperature, top_p, top_k = request.temperature, request.top_p, 0
+        seed = request.seed
+        if session is not None and session.sampling is not None:
+            temperature, top_p, top_k = session.sampling
+        if session is not None and session.seed is not None:
+            seed = derive_seed(session.seed, session.turns)
+        stops = tuple(dict.fromkeys((*self.stop_strings, *request.stop)))
+        params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=budget,
+                                 stop_ids=self.stop_ids, stop_strings=stops,
+                                 seed=None if seed is None else seed + i) for i in range(request.n)]
+        completions = await asyncio.gather(*(self.engine.generate(prompt, p) for p in params))
+        choices, parsed = [], []
+        for completion in completions:
+            text = self.renderer.decode(completion.token_ids[:-1] if completion.closed else completion.token_ids)
+            if completion.finish_reason == "stop_string":  # OpenAI's reply ends before its stop sequence
+                text = text[:min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=len(text))]
+            message = self.renderer.parse_assistant(text)
+            calls = message.tool_calls if request.tools and request.tool_choice != "none" else []
+            content = self.renderer.tool_format.content_without_calls(text) if calls else text
+            finish = "tool_calls" if calls else "length" if completion.truncated else "stop"
+            texts = [self.renderer.decode([t]) for t in completion.token_ids]
+            if completion.closed:
+                texts[-1] = ""  # the end-of-turn token is not part of the reply's text
+            choices.append(Choice(content or (None if calls else ""), calls, finish, texts, completion.logprobs,
+                                  len(completion.token_ids)))
+            parsed.append((completion, message, text, view("assistant", content or "", calls, None)))
+        if session is not None:
+            kind, ids = plan
+            session.commit(kind, ids, request.messages, request.views, request.tools)
+            completion, message, text, client_view = parsed[0]
+            session.reply(completion, message, text, client_view, len(prompt))
+        response_id = new_id()
+        if request.stream:
+            return stream_chunks(request, request.model, choices, len(prompt), response_id), len(prompt)
+        return completion_json(request, request.model, choices, len(prompt), response_id), len(prompt)
+
+    def raise_internal(self) -> None:
+        """Raise the first error inside ctxrl met while serving (a harness saw it as a 500), if any."""
+        if self.internal_errors:
+            raise self.internal_errors[0]
+
+    def set_reward(self, session_id: str, body: Any, *, finish: bool) -> dict:
+        """Check the whole body first: a rejected request changes nothing."""
+        session = self.store.get(session_id, create=False)
+        if not isinstance(body, dict):
+            raise bad("the body must be a JSON object")
+        reward = body.get("reward")
+        if reward is None and not finish:
+            raise bad("reward is required", "reward")
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            raise bad("reward must be a number", "reward")
+        turn_rewards = body.get("turn_rewards")
+        turns = session.episode.turns
+        numbers = isinstance(turn_rewards, list) and all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) for r in turn_rewards)
+        if turn_rewards is not None and (not numbers or len(turn_rewards) != len(turns)):
+            raise bad(f"turn_rewards must be a list of {len(turns)} numbers (one per recorded turn)", "turn_rewards")
+        if "success" in body and not isinstance(body["success"], bool):
+            raise bad("success must be true or false", "success")
+        if reward is not None:
+            session.episode.reward = float(reward)
+            session.episode.success = bool(body.get("success", float(reward) > 0))
+        for turn, r in zip(turns, turn_rewards or []):
+            turn.reward = float(r)
+        if finish:
+            session.finished = True
+            if self.on_finish is not None:
+                self.on_finish(session)
+        return {"session": session_id, "reward": session.episode.reward, "turns": len(session.episode.turns),
+                "finished": session.finished}
+
+    def episode_json(self, session_id: str) -> dict:
+        return json.loads(to_json(self.store.get(session_id, create=False).episode))
+
+    # -- the ASGI app ----------------------------------------------------------------------------
+    def app(self):
+        app = FastAPI(title="ctxrl", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(APIError)
+        async def api_error(_request, exc: APIError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(Exception)
+        async def internal_error(_request, exc: Exception):
+            self.internal_errors.append(exc)
+            return JSONResponse(APIError(500, f"internal error in ctxrl: {type(exc).__name__}: {exc}",
+                                         type="server_error", code="internal_error").body(), status_code=500)
+
+        @app.exception_handler(RequestValidationError)
+        async def validation_error(_request, exc):
+            return JSONResponse(bad(f"invalid request: {exc.errors()[:1]}").body(), status_code=400)
+
+        @app.exception_handler(404)
+        async def not_found(request, _exc):
+            return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}",
+                                         type="not_found_error", code="unknown_url").body(), status_code=404)
+
+        @app.middleware("http")
+        async def guard(request: Request, call_next):
+            if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return JSONResponse(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                             type="authentication_error", code="invalid_api_key").body(),
+                                    status_code=401)
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                return JSONResponse(APIError(413, f"the body is {length} bytes; the limit is {self.max_body_bytes}",
+                                             code="request_too_large").body(), status_code=413)
+            if self.in_flight >= self.max_concurrency:
+                return JSONResponse(APIError(429, f"{self.max_concurrency} requests are in flight; retry shortly",
+                                             type="rate_limit_error", code="too_many_requests").body(),
+                                    status_code=429)
+            self.in_flight += 1
+            try:
+                return await call_next(request)
+            finally:
+                self.in_flight -= 1
+
+        async def body_of(request: Request) -> Any:
+            raw = await request.body()
+            if len(raw) > self.max_body_bytes:
+                raise APIError(413, f"the body is {len(raw)} bytes; the limit is {self.max_body_bytes}",
+                               code="request_too_large")
+            try:
+                return json.loads(raw or b"null")
+            except json.JSONDecodeError as exc:
+                raise bad(f"the body is not JSON: {exc}") from None
+
+        async def completions(request: Request, session_id: str | None):
+            chat = parse_request(await body_of(request))
+            result, _ = await self.chat(chat, session_id)
+            headers = {"x-ctxrl-session": session_id or "none"}
+            if not chat.stream:
+                return JSONResponse(result, headers=headers)
+
+            async def events():
+                for chunk in result:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+        def models() -> dict:
+            return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "ctxrl"}
+                                               for m in self.models]}
+
+        @app.get("/v1/models")
+        async def list_models():
+            return models()
+
+        @app.get("/sessions/{session_id}/v1/models")
+        async def list_models_in_session(session_id: str):
+            return models()
+
+        @app.post("/v1/chat/completions")
+        async def plain(request: Request):
+            return await completions(request, None)
+
+        @app.post("/sessions/{session_id}/v1/chat/completions")
+        async def in_session(session_id: str, request: Request):
+            return await completions(request, session_id)
+
+        @app.post("/sessions/{session_id}/reward")
+        async def reward(session_id: str, request: Request):
+            return self.set_reward(session_id, await body_of(request), finish=False)
+
+        @app.post("/sessions/{session_id}/finish")
+        async def finish(session_id: str, request: Request):
+            return self.set_reward(session_id, await body_of(request), finish=True)
+
+        @app.get("/sessions/{session_id}/episode")
+        async def episode(session_id: str):
+            return self.episode_json(session_id)
+
+        @app.get("/train/next")
+        async def next_task(wait: float = 30.0):
+            """A session a trainer opened, with its task: a harness in another process plays it, then finishes it."""
+            if self.claims is None:
+                raise APIError(404, "this server is not training: start it with ctxrl serve --train",
+                               type="not_found_error", code="not_training")
+            deadline = asyncio.get_running_loop().time() + max(0.0, min(wait, 300.0))
+            while True:
+                try:
+                    session = self.claims.get_nowait()
+                except queue.Empty:
+                    if asyncio.get_running_loop().time() >= deadline:
+                        return JSONResponse({"session": None}, status_code=200)
+                    await asyncio.sleep(0.01)
+                    continue
+                if session.id in self.store.sessions:  # (not given up on by the trainer meanwhile)
+                    task = json.loads(to_json(session.episode.task))
+                    return {"session": session.id, "task": task, "base_url": f"/sessions/{session.id}/v1"}
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions),
+                    "expired_sessions": self.store.expired, "policy_version": self.engine.policy_version}
+
+        return app

@@ -1,0 +1,180 @@
+"""Training an existing agent (``env.name = "harness"``): episodes recorded through the OpenAI endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from ctxrl.config import load_config
+from ctxrl.engine.scripted import ScriptedEngine
+from ctxrl.envs.calculator import CalculatorEnv
+from ctxrl.errors import ConfigError
+from ctxrl.rollout.agent import run_episodes
+from ctxrl.rollout.spec import RolloutSpec
+from ctxrl.rollout.worker import spec_env_class
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+AGENT = "examples/harness/calculator_agent.py:rollout"
+FIXTURES = "tests/fixtures/harness/agents.py"
+
+
+def harness_class(harness: str = AGENT, data: str = "env:calculator") -> type:
+    config = load_config(None, ["env.name=harness", f"env.harness={harness!r}".replace("'", '"'),
+                                f'env.data="{data}"'])
+    return spec_env_class(RolloutSpec.from_config(config))
+
+
+def limits(**changes):
+    spec = RolloutSpec.from_config(load_config(None, []))
+    return dataclasses.replace(spec.train, **changes)
+
+
+def test_a_harness_episode_is_the_built_in_episode_token_for_token(renderer):
+    """The example agent (plain OpenAI SDK) and the built-in calculator environment, given the same scripted
+    policy, produce the same ids, masks and rewards: the endpoint adds nothing and re-tokenises nothing."""
+    from ctxrl.serve.harness import run_harness
+
+    task = CalculatorEnv.sample_tasks("train", 1, seed=3)[0]
+    texts = CalculatorEnv.solve(task)  # a tool call, then the answer
+    lim = limits(temperature=1.0)
+    builtin_engine, harness_engine = ScriptedEngine(texts, renderer), ScriptedEngine(texts, renderer)
+    [builtin] = asyncio.run(run_episodes(CalculatorEnv, [task], builtin_engine, renderer, lim, seed=5))
+    [recorded] = asyncio.run(run_harness(harness_class(), [task], harness_engine, renderer, lim, seed=5))
+    assert len(builtin.turns) == 2 and builtin.reward == 1.0 and builtin.turns[0].text != builtin.turns[1].text
+    assert harness_engine.prompts == builtin_engine.prompts  # every call's prompt, id for id
+    assert recorded.input_ids == builtin.input_ids
+    assert recorded.loss_mask == builtin.loss_mask and recorded.turn_index == builtin.turn_index
+    assert recorded.behavior_logprobs == builtin.behavior_logprobs
+    assert recorded.segments == [] and recorded.reward == builtin.reward == 1.0 and recorded.success
+    assert recorded.group_id == 0 and recorded.info["tool_calls"] == 1
+
+
+def test_harness_results_and_failures(renderer):
+    from ctxrl.serve.harness import run_harness
+
+    task = CalculatorEnv.sample_tasks("train", 1, seed=3)[0]
+    lim = limits(temperature=1.0, timeout_s=1.0)
+
+    def run(name: str):
+        engine = ScriptedEngine(["<answer>1</answer>"] * 4, renderer)
+        return asyncio.run(run_harness(harness_class(f"{FIXTURES}:{name}"), [task], engine, renderer, lim))[0]
+
+    rich = run("richer")
+    assert rich.reward == 0.5 and rich.success and rich.info["note"] == "ok" and len(rich.turns) == 1
+    broke = run("raises")
+    assert broke.truncation == "error" and broke.info["error_kind"] == "step" and "the harness broke" in \
+        broke.info["error"]
+    assert sum(broke.loss_mask) > 0  # what it recorded before failing is kept (and left out of the loss by kind)
+    text = run("returns_text")
+    assert text.info["error_kind"] == "step" and "return a number" in text.info["error"]
+    slow = run("sleeps")
+    assert slow.info["error_kind"] == "deadline"
+
+
+def test_an_error_inside_ctxrl_stops_the_run_rather_than_erroring_an_episode(renderer):
+    from ctxrl.serve.harness import run_harness
+
+    class Broken(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    task = CalculatorEnv.sample_tasks("train", 1, seed=3)[0]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        asyncio.run(run_harness(harness_class(), [task], Broken([], renderer), renderer, limits()))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=harness", 'env.data="env:calculator"'], "needs env.harness"),
+    (["env.name=harness", f'env.harness="{AGENT}"'], "needs env.data"),
+    (["env.name=harness", 'env.data="env:calculator"', 'env.harness="no/such/file.py:rollout"'], "no file"),
+    (["env.name=harness", 'env.data="env:calculator"', f'env.harness="{FIXTURES}:missing"'], "has no function"),
+    (["env.name=harness", 'env.data="env:calculator"', f'env.harness="{FIXTURES}:not_async"'], "async function"),
+    (["env.name=harness", 'env.data="env:calculator"', 'env.harness="rollout"'], "module:function"),
+])
+def test_a_misconfigured_harness_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        spec_env_class(RolloutSpec.from_config(load_config(None, overrides)))
+
+
+def test_a_harness_trains_like_a_built_in_environment(tmp_path):
+    from conftest import TINY
+
+    from ctxrl.train.trainer import Trainer
+
+    config = load_config("examples/harness/calculator.toml", [f"model.name={TINY}", "sft.enabled=false",
+                                                              "rollout.tasks_per_step=2", "rollout.group_size=2",
+                                                              "rollout.max_new_tokens=8", "run.progress=false"])
+    trainer = Trainer(config, tmp_path)
+    trainer.make_learner()
+    row = trainer.step(0)
+    assert row["skipped"] == 0.0 and trainer.worker.policy_version == 1
+    assert row["errored"] == 0.0 and row["turns"] >= 1.0 and row["sampled_tokens"] > 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_harnesses_in_another_process_train_through_the_http_server(tmp_path):
+    """ctxrl serve --train: the trainer opens sessions; an outside harness (here a thread speaking HTTP with the
+    sync OpenAI client) claims each, plays it and finishes it with a reward."""
+    import threading
+
+    import httpx
+    import openai
+    from conftest import TINY
+
+    from ctxrl.serve.harness import Remote
+    from ctxrl.train.trainer import Trainer
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    stop, played, errors = threading.Event(), [], []
+
+    def harness() -> None:
+        while not stop.is_set():
+            try:
+                claim = httpx.get(f"{base}/train/next", params={"wait": 0.2}, timeout=5).json()
+            except httpx.HTTPError:
+                continue  # the server is not up yet
+            if claim["session"] is None:
+                continue
+            try:
+                client = openai.OpenAI(base_url=base + claim["base_url"], api_key="x", max_retries=0)
+                reply = client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": claim["task"]["prompt"]}], max_tokens=6)
+                reward = float(len(reply.choices[0].message.content or "") % 2)
+                done = httpx.post(f"{base}/sessions/{claim['session']}/finish", json={"reward": reward}, timeout=5)
+                played.append((claim["session"], reward, done.status_code))
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+    config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness="remote:{port}"',
+                                'env.data="env:calculator"', "sft.enabled=false", "rollout.tasks_per_step=2",
+                                "rollout.group_size=2", "rollout.max_new_tokens=6", "run.progress=false",
+                                "rollout.episode_timeout_s=60"])
+    thread = threading.Thread(target=harness, daemon=True)
+    thread.start()
+    try:
+        trainer = Trainer(config, tmp_path)
+        trainer.make_learner()
+        row = trainer.step(0)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        Remote._servers[port].close()
+    assert not errors, errors
+    assert len(played) == 4 and all(code == 200 for _, _, code in played)
+    assert row["skipped"] == 0.0 and trainer.worker.policy_version == 1
+    rewards = sorted(r for _, r, _ in played)
+    assert row["reward"] == pytest.approx(sum(rewards) / 4) and row["turns"] == 1.0 and row["errored"] == 0.0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/train/next", timeout=2)  # the server stopped with close()
