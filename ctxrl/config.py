@@ -346,6 +346,10 @@ class TrainConfig:
     """Log-probs and entropy are computed from the final hidden states in chunks of this many positions, only
     where the loss needs them, so full-vocabulary logits are never held for a whole sequence (gradients equal
     the full computation); 0 = the model's full logits."""
+    pack_sequences: bool = False
+    """Run the policy's forward and backward passes on sequences packed without padding (several per row, each
+    with its own positions and a block-diagonal mask; docs/performance.md). The loss is computed as without
+    packing; it saves the compute spent on padding when a micro-batch's lengths differ."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them: less memory, ~30% more
     compute."""

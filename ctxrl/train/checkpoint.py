@@ -49,7 +49,7 @@ RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every"
                      "rollout.sandbox_workers",
                      # memory settings: the same maths, split differently (float sums may round differently)
                      "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
-                     "train.gradient_checkpointing", "lora.export_merged")
+                     "train.gradient_checkpointing", "train.pack_sequences", "lora.export_merged")
 
 
 def config_differences(saved: Config, current: Config) -> list[str]:

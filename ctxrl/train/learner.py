@@ -27,6 +27,7 @@ from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS, aggregate, gspo_loss, kl_pen
 from ctxrl.models.kernels import attention_kernels
 from ctxrl.train.batch import Batch, collate, micro_batches, per_token_rows
 from ctxrl.train.logprobs import token_logprobs
+from ctxrl.train.packing import pack
 from ctxrl.train.policy import Reference
 from ctxrl.train.precision import Precision, trainable_grads
 
@@ -58,6 +59,8 @@ class PPOSettings:
     """Token budget of a micro-batch (0: ``micro_batch_size`` rows at a time)."""
     logprob_chunk_tokens: int = 1024
     """Positions per chunk of the output head (0: the model's full logits)."""
+    pack_sequences: bool = False
+    """Run the policy's forward pass on sequences packed without padding (``ctxrl.train.packing``)."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -78,14 +81,27 @@ class PPOSettings:
                    ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
                    loss=a.loss, dual_clip=a.dual_clip or None, old_logprobs=a.old_logprobs, tis_cap=a.tis_cap,
                    vf_clip=a.vf_clip, norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens),
-                   max_tokens_per_microbatch=t.max_tokens_per_microbatch, logprob_chunk_tokens=t.logprob_chunk_tokens)
+                   max_tokens_per_microbatch=t.max_tokens_per_microbatch, logprob_chunk_tokens=t.logprob_chunk_tokens,
+                   pack_sequences=t.pack_sequences)
 
     def logprobs(self, model, micro: Batch, *, with_entropy: bool = False):
         """The learner's log-probs (and entropy: with a gradient only when the loss has an entropy bonus) of
-        ``micro``'s sampled tokens under ``model``."""
-        return token_logprobs(model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
-                              mask=micro.loss_mask, chunk=self.logprob_chunk_tokens, with_entropy=with_entropy,
-                              entropy_grad=self.entropy_coef > 0)
+        ``micro``'s sampled tokens under ``model``; with ``pack_sequences`` the forward pass runs on packed rows
+        and the results come back in ``micro``'s padded layout."""
+        if not self.pack_sequences:
+            return token_logprobs(model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
+                                  mask=micro.loss_mask, chunk=self.logprob_chunk_tokens, with_entropy=with_entropy,
+                                  entropy_grad=self.entropy_coef > 0)
+        dtype = next(model.parameters()).dtype
+        packed = pack(micro.input_ids, micro.lengths, pad_id=0,
+                      dtype=dtype if dtype.is_floating_point else torch.float32)
+        out = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature=self.temperature,
+                             mask=packed.to_packed(micro.loss_mask), chunk=self.logprob_chunk_tokens,
+                             with_entropy=with_entropy, entropy_grad=self.entropy_coef > 0,
+                             position_ids=packed.position_ids)
+        if with_entropy:
+            return packed.unpack(out[0]), packed.unpack(out[1])
+        return packed.unpack(out)
 
 
 class Learner:

@@ -35,7 +35,7 @@ _SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
                    mask: torch.Tensor | None = None, chunk: int = 0, with_entropy: bool = False,
-                   entropy_grad: bool = False, return_logits: bool = False):
+                   entropy_grad: bool = False, return_logits: bool = False, position_ids: torch.Tensor | None = None):
     """Log-probs ``[B, T-1]`` of each next token under ``model`` at ``temperature``.
 
     ``mask`` ``[B, T-1]``: the positions wanted (others are 0, and cost nothing in the chunked path).
@@ -45,15 +45,20 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     graph, or a checkpointed chunk's recomputation would keep that graph's tensors (a few bytes per
     vocabulary entry per token) alive until the backward pass ends.
     ``return_logits`` (full path only, for tests): also return the ``[B, T-1, V]`` logits.
+    ``position_ids``: positions per token, for packed rows (``ctxrl.train.packing``), whose
+    ``attention_mask`` is then the 4D block-diagonal one.
     """
     if temperature <= 0:
         temperature = 1.0
     split = None if chunk <= 0 or return_logits else _split(model)
     if split is None:
-        return _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits)
+        return _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits,
+                     position_ids)
     backbone, head = split
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     with attention_kernels(input_ids.device):
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+    hidden = hidden.last_hidden_state
     wanted = torch.ones_like(input_ids[:, 1:], dtype=torch.bool) if mask is None else mask.bool()
     states = hidden[:, :-1][wanted]
     targets = input_ids[:, 1:][wanted]
@@ -99,10 +104,12 @@ def _scatter(parts: list[torch.Tensor], wanted: torch.Tensor, device) -> torch.T
     return out
 
 
-def _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits):
+def _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits,
+          position_ids=None):
     """The plain computation: the model's full logits."""
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     with attention_kernels(input_ids.device):
-        logits = _at_least_fp32(model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1])
+        logits = _at_least_fp32(model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1])
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, 1:]
