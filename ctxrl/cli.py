@@ -56,6 +56,8 @@ def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if getattr(args, "distributed", None):
+        overrides.append(f"distributed.backend={args.distributed}")
     return load_config(path, overrides)
 
 
@@ -167,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, "env.name=harness", f'env.harness="remote:{args.port}"']
         if args.checkpoint:
             args.overrides.append(f"model.name={json.dumps(str(args.checkpoint))}")
-        args.resume, args.steps, args.json = False, None, False
+        args.resume, args.steps, args.json, args.distributed = False, None, False, None
         return cmd_train(args)
     overrides = list(args.overrides)
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
@@ -335,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--run-dir", help="run directory (default runs/<run.name>-<time>); new unless --resume")
         p.add_argument("--steps", type=int, help="RL steps (the same as train.steps=N)")
         p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+        p.add_argument("--distributed", choices=("none", "ray"),
+                       help="where rollouts run (the same as distributed.backend=...; docs/scaling.md)")
         overrides(p)
 
     demo = command("demo", "train the tiny model on the calculator env and show it improve",

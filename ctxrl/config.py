@@ -408,6 +408,24 @@ class ReportConfig:
 
 
 @dataclass
+class DistributedConfig:
+    backend: str = "none"
+    """Where rollouts run: ``none`` (in this process) or ``ray`` (``rollout_workers`` Ray actors, each with its
+    own engine; ``ctxrl train --distributed ray``; needs ``pip install 'ctxrl[ray]'``; docs/scaling.md)."""
+    rollout_workers: int = 2
+    """Ray rollout actors; a request's tasks are split among them (the episodes are those of one process)."""
+    address: str = ""
+    """Ray cluster to join (``ray start --head`` prints it; ``auto`` finds a local one); empty: a local Ray."""
+    max_staleness: int = 0
+    """How many policy versions older than the learner's an episode may be (eta). 0: synchronous on-policy
+    training. 1: the next step's rollouts are generated while this step trains (needs
+    ``algo.old_logprobs = "recompute"``: the decoupled PPO objective); episodes older than eta are dropped and
+    counted."""
+    timeout_s: float = 600.0
+    """Longest wait for a rollout worker (a request, a weight load, a restart) before the run stops."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -423,6 +441,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -476,7 +495,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
-            "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS}
+            "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
+            "distributed.backend": ("none", "ray")}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:
@@ -503,6 +523,7 @@ def validate(config: Config) -> None:
     _validate_meta(config, estimator)
     _validate_context(config, estimator, manager)
     _validate_training(config, estimator)
+    _validate_distributed(config)
     if config.sft.context_demos == "on" and manager.scripted_hook is None:
         raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
                           f"(summarize: its summary hook); context.manager={config.context.manager!r} asks for none; "
@@ -527,6 +548,23 @@ def _validate_fields(config: Config) -> None:
         value = getattr(getattr(config, section), name)
         if not (low < value if low_open else low <= value) or not value <= high:
             raise ConfigError(f"{key} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
+
+
+def _validate_distributed(config: Config) -> None:
+    d = config.distributed
+    if d.rollout_workers < 1 or d.max_staleness < 0 or d.timeout_s <= 0:
+        raise ConfigError("distributed.rollout_workers must be >= 1, distributed.max_staleness >= 0 and "
+                          "distributed.timeout_s > 0")
+    if d.max_staleness > 0:
+        if d.backend != "ray":
+            raise ConfigError("distributed.max_staleness > 0 (asynchronous rollouts) needs distributed.backend = "
+                              "\"ray\": in one process the rollout and the update cannot overlap")
+        if config.algo.old_logprobs != "recompute":
+            raise ConfigError("distributed.max_staleness > 0 trains on episodes of older policies: set "
+                              "algo.old_logprobs = \"recompute\" (the decoupled PPO objective: clip against the "
+                              "learner's recomputed log-probs, weight by the behaviour ratio with algo.tis_cap)")
+        if config.algo.dynamic_sampling:
+            raise ConfigError("distributed.max_staleness > 0 does not combine with algo.dynamic_sampling yet")
 
 
 def _validate_algo(config: Config, estimator: type) -> None:

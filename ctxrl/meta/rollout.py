@@ -281,12 +281,12 @@ def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int,
 async def run_trials(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
                      limits: RolloutLimits, policy: MetaPolicy, *, group_size: int = 1, seed: int = 0,
                      demos: Callable[[int, int], list[Demo]] | None = None,
-                     on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
-    """Play ``group_size`` trials per task concurrently; trial ``k`` of task ``i`` has group ``i`` (the
-    group statistics of the credit are over trials). Seeds as ``run_episodes``'s, so attempt 0 of a
+                     on_done: Callable[[Episode], None] | None = None, first_group: int = 0) -> list[Episode]:
+    """Play ``group_size`` trials per task concurrently; trial ``k`` of task ``i`` has group ``first_group + i``
+    (the group statistics of the credit are over trials). Seeds as ``run_episodes``'s, so attempt 0 of a
     trial samples what the single episode with the same seed would. ``demos`` as in ``run_episodes``."""
     jobs = []
-    for group_id, task in enumerate(tasks):
+    for group_id, task in enumerate(tasks, start=first_group):
         for k in range(group_size):
             chosen = demos(group_id, k) if demos is not None else []
             jobs.append(run_trial(make_env, task, engine, renderer, limits, policy,

@@ -219,8 +219,10 @@ def _record_step(episode: Episode, record: Turn, result) -> None:
 async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
                        limits: RolloutLimits, *, group_size: int = 1, seed: int = 0,
                        opening: Callable[[int, int, list[Message]], list[Message]] | None = None,
-                       on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
-    """Play ``group_size`` episodes per task concurrently; episode ``k`` of task ``i`` has group ``i``.
+                       on_done: Callable[[Episode], None] | None = None, first_group: int = 0) -> list[Episode]:
+    """Play ``group_size`` episodes per task concurrently; episode ``k`` of task ``i`` has group
+    ``first_group + i`` and is seeded as that group's (a shard of a larger request plays its episodes
+    exactly as the whole request would).
 
     Every environment is built and reset first, all of them before any generation: the engine's
     first batch then holds every episode whatever each reset took, so seeded runs repeat exactly.
@@ -232,7 +234,7 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
     ``on_done(episode)``: called as each episode finishes (a progress display).
     """
     jobs = []
-    for group_id, task in enumerate(tasks):
+    for group_id, task in enumerate(tasks, start=first_group):
         for k in range(group_size):
             jobs.append((task, group_id, k, episode_seed(seed, group_id, k)))
 

@@ -197,8 +197,8 @@ def spec_engine(spec: RolloutSpec, model, renderer):
 class RolloutRequest(PlainData):
     """One batch to play: ``group_size`` episodes (or trials) of each task, all concurrently.
 
-    Episode ``k`` of ``tasks[i]`` gets group id ``group_offset + i`` and seed
-    ``episode_seed(seed, i, k)``. ``phase`` picks the spec's training or evaluation settings;
+    Episode ``k`` of ``tasks[i]`` gets group id ``group_offset + task_offset + i`` and seed
+    ``episode_seed(seed, task_offset + i, k)``. ``phase`` picks the spec's training or evaluation settings;
     training prompts get annealed demonstrations by ``step`` (episode ``first_episode + i *
     group_size + k`` of the step), evaluation never does. ``max_turns`` and ``context_budget``
     override the phase's (a curriculum's value for this step); None keeps them.
@@ -213,6 +213,10 @@ class RolloutRequest(PlainData):
     group_offset: int = 0
     max_turns: int | None = None
     context_budget: int | None = None
+    task_offset: int = 0
+    """These tasks are a shard of a larger request, from its task ``task_offset`` on: episode ``k`` of
+    ``tasks[i]`` is played (seeded, grouped, given demonstrations) as task ``task_offset + i`` of the whole
+    (``ctxrl.distributed``: a request split across rollout workers plays exactly the episodes it would whole)."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

@@ -85,6 +85,7 @@ class RolloutWorker:
         """``run`` inside a running event loop."""
         limits, policy = request.limits(self.spec), request.meta(self.spec)
         demos = self.demo_chooser(request)
+        first = request.task_offset  # (a shard plays its tasks as the whole request would)
         total, finished = len(request.tasks) * request.group_size, [0]
 
         def counter(_episode: Episode) -> None:
@@ -99,25 +100,30 @@ class RolloutWorker:
             from ctxrl.serve.harness import run_harness
 
             episodes = await run_harness(self.env_cls, request.tasks, self.engine, self.renderer, limits,
-                                         group_size=request.group_size, seed=request.seed, on_done=counter)
+                                         group_size=request.group_size, seed=request.seed, on_done=counter,
+                                         first_group=first)
         elif policy.num_attempts > 1:
             from ctxrl.meta.rollout import run_trials
 
             episodes = await run_trials(self.env_cls, request.tasks, self.engine, self.renderer, limits, policy,
                                         group_size=request.group_size, seed=request.seed, demos=demos,
-                                        on_done=counter)
+                                        on_done=counter, first_group=first)
         elif demos is None:
             episodes = await run_episodes(self.env_cls, request.tasks, self.engine, self.renderer, limits,
-                                          group_size=request.group_size, seed=request.seed, on_done=counter)
+                                          group_size=request.group_size, seed=request.seed, on_done=counter,
+                                          first_group=first)
         else:
             from ctxrl.meta.demos import with_demos
 
-            shown = {(i, k): demos(i, k) for i in range(len(request.tasks)) for k in range(request.group_size)}
+            shown = {(i, k): demos(i, k) for i in range(first, first + len(request.tasks))
+                     for k in range(request.group_size)}
             episodes = await run_episodes(self.env_cls, request.tasks, self.engine, self.renderer, limits,
                                           group_size=request.group_size, seed=request.seed, on_done=counter,
-                                          opening=lambda i, k, messages: with_demos(messages, shown[i, k]))
+                                          opening=lambda i, k, messages: with_demos(messages, shown[i, k]),
+                                          first_group=first)
             for n, episode in enumerate(episodes):  # episodes come in (task, k) order
-                episode.info["demos"] = len(shown[divmod(n, request.group_size)])
+                i, k = divmod(n, request.group_size)
+                episode.info["demos"] = len(shown[first + i, k])
         for episode in episodes:
             episode.group_id += request.group_offset
         return episodes
@@ -142,8 +148,8 @@ class RolloutWorker:
 
         pool, schedule = self.demo_pool(), spec.schedule()
 
-        def choose(i: int, k: int) -> list:
-            candidates = demos_excluding(pool, request.tasks[i])
+        def choose(i: int, k: int) -> list:  # i: the task's index in the whole request
+            candidates = demos_excluding(pool, request.tasks[i - request.task_offset])
             picked = sample_demos(schedule, step=request.step, pool_size=len(candidates), seed=spec.choice_seed,
                                   episode_index=request.first_episode + i * request.group_size + k, evaluation=False)
             return [candidates[j] for j in picked]

@@ -188,7 +188,8 @@ def _close(server, sid: str, episode: Episode, start: float) -> Episode:
     return episode
 
 
-async def _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done) -> list[Episode]:
+async def _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done,
+                      first_group: int = 0) -> list[Episode]:
     remote = Remote.get(engine, renderer, limits, env_cls.remote_port)
     server, loop, run_id = remote.server, asyncio.get_running_loop(), uuid.uuid4().hex[:8]
     server.stop_strings = tuple(limits.stop_strings)
@@ -210,7 +211,8 @@ async def _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed
         server.raise_internal()
         return _close(server, sid, episode, start)
 
-    runs = [one(task, group_id, k) for group_id, task in enumerate(tasks) for k in range(group_size)]
+    runs = [one(task, group_id, k) for group_id, task in enumerate(tasks, start=first_group)
+                for k in range(group_size)]
     return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))
 
 
@@ -227,10 +229,12 @@ def _result(value: Any) -> tuple[float, bool | None, dict]:
 
 
 async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits, *, group_size: int = 1,
-                      seed: int = 0, on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
-    """``group_size`` harness rollouts per task, concurrently; episode ``k`` of task ``i`` has group ``i``."""
+                      seed: int = 0, on_done: Callable[[Episode], None] | None = None,
+                      first_group: int = 0) -> list[Episode]:
+    """``group_size`` harness rollouts per task, concurrently; episode ``k`` of task ``i`` has group
+    ``first_group + i``."""
     if getattr(env_cls, "remote_port", None):
-        return await _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done)
+        return await _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done, first_group)
     import httpx
     import openai
 
@@ -267,5 +271,6 @@ async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits
                 episode.info.update(info)
             return _close(server, sid, episode, start)
 
-        runs = [one(task, group_id, k) for group_id, task in enumerate(tasks) for k in range(group_size)]
+        runs = [one(task, group_id, k) for group_id, task in enumerate(tasks, start=first_group)
+                for k in range(group_size)]
         return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))

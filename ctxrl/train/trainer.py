@@ -119,8 +119,17 @@ class Trainer:
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
-        engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer)
-        self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
+        d = config.distributed
+        if d.backend == "ray":  # rollout actors, each loading the model itself; the weights follow by load_weights
+            from ctxrl.distributed.pool import RayRolloutPool
+
+            self.worker = RayRolloutPool(self.spec, workers=d.rollout_workers, address=d.address or None,
+                                         timeout_s=d.timeout_s)
+        else:
+            engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer)
+            self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
+        self._prefetched: tuple[int, Any] | None = None  # (step, submitted request): asynchronous rollouts
+        self._staleness: dict[str, float] = {}
         self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
                                                           config=config.to_dict()))
         self.writer.write_config(to_toml(config))
@@ -134,10 +143,19 @@ class Trainer:
     def decode(self, ids: list[int]) -> str:
         return self.renderer.decode(ids)
 
+    def close(self) -> None:
+        """Stop the rollout workers that live outside this process (Ray actors); in-process ones need nothing."""
+        close = getattr(self.worker, "close", None)
+        if close is not None and self.config.distributed.backend != "none":
+            close()
+
     def sync_engine(self, version: int) -> None:
         """Hand the policy's current weights (LoRA: its adapters) to the worker's engine, as policy ``version``."""
         state, partial = self.policy.engine_state()
-        self.worker.load_weights(state, version=version, partial=partial)
+        if self.config.distributed.max_staleness > 0:  # the actors take it after what they are playing now
+            self.worker.load_weights(state, version=version, partial=partial, wait=False)
+        else:
+            self.worker.load_weights(state, version=version, partial=partial)
 
     # -- the outer loop --------------------------------------------------------------------------------
     def fit(self, *, resume: bool = False) -> dict[str, Any]:
@@ -193,6 +211,7 @@ class Trainer:
             after = self.evaluate(steps) if steps else before
         final = self.save_final("final")
         self.writer.close()
+        self.close()
         from ctxrl.report.plots import plot_run
 
         plots = plot_run(run_dir)
@@ -235,6 +254,7 @@ class Trainer:
         else:
             hint = "no checkpoint was written (train.checkpoint_every=0), so it cannot be resumed"
         self.writer.close()
+        self.close()
         raise RunStopped(f"stopped by {signal.Signals(signum).name} after step {done} of {self.config.train.steps}; "
                          f"{hint}", 128 + signum)
 
@@ -320,15 +340,45 @@ class Trainer:
         sampling) draw new ones, and their group ids follow on from the earlier rounds'.
         """
         c = self.config
-        n, g = c.rollout.tasks_per_step, c.rollout.group_size
-        tasks = self.curriculum.sample_tasks(self.env_cls, n, self.seeds.tasks(step, round_), step)
-        request = RolloutRequest(tasks=tasks, group_size=g, seed=self.seeds.rollout(step, round_), phase="train",
-                                 step=step, first_episode=round_ * n * g, group_offset=round_ * n,
-                                 max_turns=self.curriculum.max_turns(step, c.env.max_turns),
-                                 context_budget=self.context_budget(step))
-        episodes = self.worker.run(request)
+        if c.distributed.max_staleness > 0:
+            episodes = self.asynchronous_round(step)
+        else:
+            episodes = self.worker.run(self.rollout_request(step, round_))
         shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
         return episodes
+
+    def rollout_request(self, step: int, round_: int) -> RolloutRequest:
+        c = self.config
+        n, g = c.rollout.tasks_per_step, c.rollout.group_size
+        tasks = self.curriculum.sample_tasks(self.env_cls, n, self.seeds.tasks(step, round_), step)
+        return RolloutRequest(tasks=tasks, group_size=g, seed=self.seeds.rollout(step, round_), phase="train",
+                              step=step, first_episode=round_ * n * g, group_offset=round_ * n,
+                              max_turns=self.curriculum.max_turns(step, c.env.max_turns),
+                              context_budget=self.context_budget(step))
+
+    def asynchronous_round(self, step: int) -> list[Episode]:
+        """Step ``step``'s episodes, started during the previous step's update, and the next step's started now.
+
+        The actors play the next step's request with the weights they hold until this step's
+        ``load_weights`` reaches them (it queues behind that request), so its episodes are one version
+        old: staleness 1. Episodes more than ``distributed.max_staleness`` versions behind the learner's
+        are dropped (counted in ``stale_dropped``); the decoupled objective corrects the rest.
+        """
+        if self._prefetched is not None and self._prefetched[0] == step:
+            submitted = self._prefetched[1]
+        else:
+            submitted = self.worker.submit(self.rollout_request(step, 0))
+        self._prefetched = None
+        if step + 1 < self.config.train.steps:
+            self._prefetched = (step + 1, self.worker.submit(self.rollout_request(step + 1, 0)))
+        episodes = self.worker.collect(submitted)
+        current, eta = self.worker.policy_version, self.config.distributed.max_staleness
+        kept = [e for e in episodes if current - e.policy_version <= eta]
+        ages = [current - e.policy_version for e in episodes]
+        self._staleness = {"staleness_mean": sum(ages) / max(len(ages), 1),
+                           "staleness_max": float(max(ages, default=0)),
+                           "stale_dropped": float(len(episodes) - len(kept))}
+        return kept
 
     def context_budget(self, step: int) -> int:
         """The working-context budget of RL step ``step`` (the budget curriculum, if any)."""
@@ -430,7 +480,9 @@ class Trainer:
         """Phase 5: the step's metrics row and samples; abort after too many skipped updates in a row."""
         c, episodes = self.config, collected.episodes
         sampled = [x for r in rows for x, m in zip(r.advantages, r.loss_mask) if m]
+        staleness, self._staleness = self._staleness, {}
         row = {"phase": "rl", "step": step + 1, **summarize(episodes), **_mean_terms(episodes), **collected.metrics,
+               **staleness,
                **(context_stats(episodes) if self.manager.rewrites_context else {}),
                **(self._trial_stats(episodes) if self.spec.train_meta.num_attempts > 1 else {}),
                **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}

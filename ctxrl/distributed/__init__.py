@@ -1,0 +1,1 @@
+"""Scale-out: rollout workers on Ray (``pool``), asynchronous training with bounded staleness."""
