@@ -29,6 +29,7 @@ def script(path: str):
 
 SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
+    "benchmarks/async_rollouts.py": "tests/test_scripts.py::test_async_rollouts_runs_both_arms_on_a_local_ray",
     "benchmarks/engine_throughput.py": "tests/test_scripts.py::test_engine_throughput_checks_and_measures_on_the_cpu",
     "benchmarks/env_training.py": "tests/test_scripts.py::test_env_training_reports_before_and_after",
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
@@ -123,3 +124,12 @@ def test_tiny_skills_scores_each_format(fmt):
         path = resolve(TINY)
         tasks = CalculatorEnv.sample_tasks("heldout", 2, 5)
         assert 0.0 <= module.transcription_accuracy(load_model(path), load_tokenizer(path), fmt, tasks) <= 1.0
+
+
+def test_async_rollouts_runs_both_arms_on_a_local_ray(capsys):
+    pytest.importorskip("ray")
+    rows = script("benchmarks/async_rollouts.py").main(["--smoke"])
+    assert [r["arm"] for r in rows] == ["sync", "async"]
+    assert rows[0]["staleness_max"] == 0.0 and rows[1]["staleness_max"] == 1.0
+    assert all(r["steps"] == 2 and r["step_s"] > 0 for r in rows)
+    assert "async / sync step time" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Rollout workers on Ray: a request split across N actors, each a ``RolloutWorker`` with its own engine.
 
 ``RayRolloutPool`` has the ``RolloutWorker`` interface the trainer uses (``run``, ``load_weights``,
-``policy_version``, ``spec``, ``env_cls``), so a run switches with ``distributed.backend = "ray"``:
+``policy_version``, ``spec``, ``env_cls``, ``renderer``), so a run switches with ``distributed.backend = "ray"``:
 
 - **Sharding without changing the episodes.** A request's tasks are cut into contiguous shards,
   one per worker; a shard carries ``task_offset``, so each episode is seeded, grouped and given
@@ -74,7 +74,7 @@ class RayRolloutPool:
                  retries: int = 2, num_cpus: float = 1.0, num_gpus: float = 0.0) -> None:
         import ray
 
-        from ctxrl.rollout.worker import spec_env_class
+        from ctxrl.rollout.worker import spec_env_class, spec_renderer
 
         if workers < 1:
             raise ValueError(f"a rollout pool needs at least one worker, got {workers}")
@@ -84,6 +84,7 @@ class RayRolloutPool:
         self.ray = ray
         self.spec = spec
         self.env_cls = spec_env_class(spec)
+        self.renderer = spec_renderer(spec)  # (the trainer decodes samples for its logs with it)
         self.timeout_s, self.retries = timeout_s, retries
         self._remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_Actor)
         self._spec_json = to_json(spec)

@@ -68,6 +68,16 @@ def register_format(cls: F) -> F:
     return FORMATS.register(cls.name, cls)
 
 
+def gather(scanned) -> tuple[list[ToolCall], list[str]]:
+    """The calls and parse errors of ``(start, end, calls, errors)`` spans, in order (a format's ``parse``)."""
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for _, _, found, problems in scanned:
+        calls.extend(found)
+        errors.extend(problems)
+    return calls, errors
+
+
 def parse_assistant(tool_format: ToolFormat, text: str) -> Message:
     """Sampled assistant text as a ``Message``: the raw text as content, with its parsed calls and parse errors."""
     calls, errors = tool_format.parse(text)

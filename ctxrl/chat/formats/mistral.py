@@ -26,7 +26,7 @@ import json
 import re
 from typing import Any, ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, arguments_of, call_id, json_error, register_format
+from ctxrl.chat.formats.base import MALFORMED, arguments_of, call_id, gather, json_error, register_format
 from ctxrl.types import ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -48,12 +48,7 @@ class Mistral:
     example: ClassVar[str] = f'{TOOL_CALLS} [{{"name": "f", "arguments": {{"x": 1}}, "id": "a1b2c3d4e"}}]'
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:
-        calls: list[ToolCall] = []
-        errors: list[str] = []
-        for _, _, found, problems in _scan(text):
-            calls.extend(found)
-            errors.extend(problems)
-        return calls, errors
+        return gather(_scan(text))
 
     def render(self, calls: list[ToolCall]) -> str:
         if not calls:

@@ -17,7 +17,7 @@ import ast
 import re
 from typing import Any, ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, register_format
+from ctxrl.chat.formats.base import MALFORMED, gather, register_format
 from ctxrl.types import ToolCall
 
 _START = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_.]*\s*\(")
@@ -35,12 +35,7 @@ class Pythonic:
     example: ClassVar[str] = "[f(x=1)]"
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:
-        calls: list[ToolCall] = []
-        errors: list[str] = []
-        for _, _, found, problems in _scan(text):
-            calls.extend(found)
-            errors.extend(problems)
-        return calls, errors
+        return gather(_scan(text))
 
     def render(self, calls: list[ToolCall]) -> str:
         if not calls:
