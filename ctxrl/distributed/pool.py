@@ -150,12 +150,12 @@ class RayRolloutPool:
         return self._remote.remote(self._spec_json)
 
     def _result(self, shard: RolloutRequest, ref, index: int) -> list[str]:
-        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, WorkerCrashedError
+        from ray.exceptions import GetTimeoutError, RayActorError, WorkerCrashedError
 
         for attempt in range(self.retries + 1):
             try:
                 return self.ray.get(ref, timeout=self.timeout_s)
-            except (RayActorError, ActorDiedError, WorkerCrashedError) as exc:
+            except (RayActorError, WorkerCrashedError) as exc:  # (ActorDiedError is a RayActorError)
                 if attempt == self.retries:
                     raise WorkerFailure(f"rollout worker {index} died {attempt + 1} times playing tasks "
                                         f"{shard.task_offset}..{shard.task_offset + len(shard.tasks) - 1}: "

@@ -99,6 +99,17 @@ class HarnessEnv:
         raise ConfigError("the harness environment needs env.harness and env.data (docs/serve.md)")
 
 
+def training_server(engine, renderer, limits):
+    """A ``Server`` for a trainer's own sessions: the rollout limits, no caps of its own (the trainer bounds them)."""
+    from ctxrl.serve.server import Server
+
+    server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
+                    max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
+                    max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",))
+    server.stop_strings = tuple(limits.stop_strings)
+    return server
+
+
 async def remote_marker(client, task):
     """``env.harness = "remote:PORT"``: episodes are played by harnesses in other processes (``run_harness``)."""
     raise RuntimeError("a remote harness is played over HTTP, not called")
@@ -130,11 +141,8 @@ class Remote:
 
         import uvicorn
 
-        from ctxrl.serve.server import Server
 
-        self.server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
-                             max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
-                             max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",))
+        self.server = training_server(engine, renderer, limits)
         self.server.claims = queue.Queue()
         self.server.on_finish = self._finished
         self.waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -155,8 +163,9 @@ class Remote:
             if remote is not None:
                 remote.close()
             remote = cls._servers[port] = cls(engine, renderer, limits, port)
-        s = remote.server
+        s = remote.server  # (evaluation and training requests differ in their limits)
         s.max_total_tokens, s.max_new_tokens = limits.max_total_tokens, limits.max_new_tokens
+        s.stop_strings = tuple(limits.stop_strings)
         return remote
 
     def _finished(self, session) -> None:
@@ -192,7 +201,6 @@ async def _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed
                       first_group: int = 0) -> list[Episode]:
     remote = Remote.get(engine, renderer, limits, env_cls.remote_port)
     server, loop, run_id = remote.server, asyncio.get_running_loop(), uuid.uuid4().hex[:8]
-    server.stop_strings = tuple(limits.stop_strings)
 
     async def one(task: Task, group_id: int, k: int) -> Episode:
         sid = f"{run_id}-{group_id}-{k}"
@@ -238,12 +246,8 @@ async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits
     import httpx
     import openai
 
-    from ctxrl.serve.server import Server
 
-    server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
-                    max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
-                    max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",))
-    server.stop_strings = tuple(limits.stop_strings)
+    server = training_server(engine, renderer, limits)
     transport = httpx.ASGITransport(app=server.app(), raise_app_exceptions=False)
     run_id = uuid.uuid4().hex[:8]
     async with httpx.AsyncClient(transport=transport, base_url="http://ctxrl", timeout=None) as http:

@@ -135,9 +135,11 @@ class Server:
             calls = message.tool_calls if request.tools and request.tool_choice != "none" else []
             content = self.renderer.tool_format.content_without_calls(text) if calls else text
             finish = "tool_calls" if calls else "length" if completion.truncated else "stop"
-            texts = [self.renderer.decode([t]) for t in completion.token_ids]
-            if completion.closed:
-                texts[-1] = ""  # the end-of-turn token is not part of the reply's text
+            texts = []  # each token's text: only a stream or log-probs show it
+            if request.stream or request.logprobs:
+                texts = [self.renderer.decode([t]) for t in completion.token_ids]
+                if completion.closed:
+                    texts[-1] = ""  # the end-of-turn token is not part of the reply's text
             choices.append(Choice(content or (None if calls else ""), calls, finish, texts, completion.logprobs,
                                   len(completion.token_ids)))
             parsed.append((completion, message, text, view("assistant", content or "", calls, None)))

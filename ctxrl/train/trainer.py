@@ -129,7 +129,6 @@ class Trainer:
             engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer)
             self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
         self._prefetched: tuple[int, Any] | None = None  # (step, submitted request): asynchronous rollouts
-        self._staleness: dict[str, float] = {}
         self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
                                                           config=config.to_dict()))
         self.writer.write_config(to_toml(config))
@@ -340,10 +339,7 @@ class Trainer:
         sampling) draw new ones, and their group ids follow on from the earlier rounds'.
         """
         c = self.config
-        if c.distributed.max_staleness > 0:
-            episodes = self.asynchronous_round(step)
-        else:
-            episodes = self.worker.run(self.rollout_request(step, round_))
+        episodes = self.worker.run(self.rollout_request(step, round_))
         shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
         return episodes
 
@@ -356,7 +352,7 @@ class Trainer:
                               max_turns=self.curriculum.max_turns(step, c.env.max_turns),
                               context_budget=self.context_budget(step))
 
-    def asynchronous_round(self, step: int) -> list[Episode]:
+    def asynchronous_round(self, step: int) -> Collected:
         """Step ``step``'s episodes, started during the previous step's update, and the next step's started now.
 
         The actors play the next step's request with the weights they hold until this step's
@@ -375,10 +371,10 @@ class Trainer:
         current, eta = self.worker.policy_version, self.config.distributed.max_staleness
         kept = [e for e in episodes if current - e.policy_version <= eta]
         ages = [current - e.policy_version for e in episodes]
-        self._staleness = {"staleness_mean": sum(ages) / max(len(ages), 1),
-                           "staleness_max": float(max(ages, default=0)),
-                           "stale_dropped": float(len(episodes) - len(kept))}
-        return kept
+        shape_rewards(kept, self.config.reward, max_total_tokens=self.config.rollout.max_total_tokens)
+        return Collected(kept, kept, {"staleness_mean": sum(ages) / max(len(ages), 1),
+                                      "staleness_max": float(max(ages, default=0)),
+                                      "stale_dropped": float(len(episodes) - len(kept))})
 
     def context_budget(self, step: int) -> int:
         """The working-context budget of RL step ``step`` (the budget curriculum, if any)."""
@@ -388,6 +384,8 @@ class Trainer:
     def collect(self, step: int) -> Collected:
         """Phase 1: play the step's episodes; with dynamic sampling, rounds until enough groups are informative."""
         c = self.config
+        if c.distributed.max_staleness > 0:
+            return self.asynchronous_round(step)
         if not c.algo.dynamic_sampling:
             episodes = self.rollout_round(step, 0)
             return Collected(episodes, episodes)
@@ -480,9 +478,7 @@ class Trainer:
         """Phase 5: the step's metrics row and samples; abort after too many skipped updates in a row."""
         c, episodes = self.config, collected.episodes
         sampled = [x for r in rows for x, m in zip(r.advantages, r.loss_mask) if m]
-        staleness, self._staleness = self._staleness, {}
         row = {"phase": "rl", "step": step + 1, **summarize(episodes), **_mean_terms(episodes), **collected.metrics,
-               **staleness,
                **(context_stats(episodes) if self.manager.rewrites_context else {}),
                **(self._trial_stats(episodes) if self.spec.train_meta.num_attempts > 1 else {}),
                **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}

@@ -78,6 +78,16 @@ def gather(scanned) -> tuple[list[ToolCall], list[str]]:
     return calls, errors
 
 
+def without_spans(text: str, scanned) -> str:
+    """``text`` with the ``(start, end, calls, errors)`` spans cut out, stripped (a format's prose around its calls)."""
+    pieces, last = [], 0
+    for start, end, _, _ in scanned:
+        pieces.append(text[last:start])
+        last = end
+    pieces.append(text[last:])
+    return "".join(pieces).strip()
+
+
 def parse_assistant(tool_format: ToolFormat, text: str) -> Message:
     """Sampled assistant text as a ``Message``: the raw text as content, with its parsed calls and parse errors."""
     calls, errors = tool_format.parse(text)

@@ -26,7 +26,7 @@ import json
 import re
 from typing import Any, ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, arguments_of, call_id, gather, json_error, register_format
+from ctxrl.chat.formats.base import MALFORMED, arguments_of, call_id, gather, json_error, register_format, without_spans
 from ctxrl.types import ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -59,12 +59,7 @@ class Mistral:
         return f"{TOOL_CALLS} [{', '.join(items)}]"
 
     def content_without_calls(self, text: str) -> str:
-        pieces, last = [], 0
-        for start, end, _, _ in _scan(text):
-            pieces.append(text[last:start])
-            last = end
-        pieces.append(text[last:])
-        return "".join(pieces).strip()
+        return without_spans(text, _scan(text))
 
 
 def _scan(text: str):

@@ -17,7 +17,7 @@ import ast
 import re
 from typing import Any, ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, gather, register_format
+from ctxrl.chat.formats.base import MALFORMED, gather, register_format, without_spans
 from ctxrl.types import ToolCall
 
 _START = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_.]*\s*\(")
@@ -45,12 +45,7 @@ class Pythonic:
         return f"[{', '.join(written)}]"
 
     def content_without_calls(self, text: str) -> str:
-        pieces, last = [], 0
-        for start, end, _, _ in _scan(text):
-            pieces.append(text[last:start])
-            last = end
-        pieces.append(text[last:])
-        return "".join(pieces).strip()
+        return without_spans(text, _scan(text))
 
 
 def _literal(value: Any) -> str:
