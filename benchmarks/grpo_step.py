@@ -31,8 +31,10 @@ Four sections, chosen with ``--sections``:
    weights and AdamW state, chunked log-probs, micro-batches of ``--learner-max-tokens`` tokens; one
    warm-up update (it creates the optimiser state), then the median of ``--learner-updates``. Reported:
    tokens/s and MFU against 989 TFLOP/s (H100 SXM dense bf16) and against a bf16 8192^3 matmul timed in
-   the same process. ``--packed`` also runs the learner's packed mode where it has one (a ``packed`` /
-   ``pack_sequences`` setting; where it has none the arm says so).
+   the same process. Arms: ``padded`` (HF's forward pass on right-padded rows), ``flat`` (the sequences laid
+   end to end through ``ctxrl.models.flat``, ``train.flat_forward = on``; it also reports how far its
+   log-probs are from the HF pass's on the same tokens); ``--packed`` adds HF's forward pass on packed rows
+   with a block-diagonal mask (``train.pack_sequences``).
 4. **grpo**: the whole step, ``--prompts`` (64) prompts x ``--generations`` (8) completions of
    ``--prompt-tokens`` ids and up to ``--completion-tokens`` (256) new ones (the ``fixed`` variant) or a
    budget per completion drawn uniformly in ``--ragged-range`` (64,1024; seeded; the ``ragged`` variant).
@@ -92,7 +94,7 @@ if str(ROOT) not in sys.path:  # run as a file from anywhere, ctxrl installed or
 SECTIONS = ("decode", "agentic", "learner", "grpo")
 DECODE_ARMS = ("hf_eager", "hf_static_compile", "hfengine", "fastengine")
 AGENTIC_ARMS = ("hfengine", "fastengine")
-LEARNER_ARMS = ("padded", "packed")
+LEARNER_ARMS = ("padded", "packed", "flat")
 GRPO_ARMS = ("ctxrl", "trl_default", "trl_bf16_nockpt", "trl_paged")
 VARIANTS = ("fixed", "ragged")
 PEAK_BF16 = 989e12  # H100 SXM, dense bf16
@@ -426,6 +428,9 @@ def make_learner(args, model, precision, rows: int):
     policy = Policy(model, precision)
     settings = PPOSettings(mini_batches=1, micro_batch_size=rows, max_tokens_per_microbatch=args.learner_max_tokens,
                            logprob_chunk_tokens=args.chunk)
+    flat_mode = getattr(args, "flat_mode", None)  # the learner arms say; the GRPO arm keeps ctxrl's default
+    if flat_mode is not None and "flat_forward" in {f.name for f in dataclasses.fields(PPOSettings)}:
+        settings = dataclasses.replace(settings, flat_forward=flat_mode)
     kwargs = {}
     if getattr(args, "packed_arm", False):
         name = packed_setting()
@@ -462,6 +467,7 @@ def learner_arm(args, arm: str) -> dict:
     from ctxrl.models.shapes import random_model
 
     args.packed_arm = arm == "packed"
+    args.flat_mode = "on" if arm == "flat" else "off"
     precision = make_precision(args, cuda)
     model = random_model(args.model, precision.storage, device)
     info = shape_info(model)
@@ -473,6 +479,7 @@ def learner_arm(args, arm: str) -> dict:
     behaviour = (-torch.rand(S, T - prompt, generator=g) * 4).tolist()
     data = episodes([r[:prompt] for r in ids], [r[prompt:] for r in ids], behaviour,
                     [1.0 if i % 2 else -1.0 for i in range(S)])
+    agreement = flat_agreement(learner, model, data, cuda) if arm == "flat" else {}
     reset_peak(cuda)
     times = []
     for _ in range(max(1, args.learner_updates) + 1):
@@ -482,13 +489,65 @@ def learner_arm(args, arm: str) -> dict:
         sync(cuda)
         times.append(time.perf_counter() - t0)
     t = statistics.median(times[1:])
+    profile = profile_update(learner, data, cuda) if getattr(args, "profile", False) else {}
     body, with_head = train_flops(info, [T] * S, S * (T - prompt))
     peak_mm = matmul_flops(cuda, args.matmul_size)
     return {"arm": arm, "seqs": S, "tokens": T, "first_s": round(times[0], 2), "seconds": round(t, 3),
             "tok_s": round(S * T / t), "tflops": round(body / t / 1e12, 1), "mfu": round(body / t / PEAK_BF16, 4),
             "mfu_head": round(with_head / t / PEAK_BF16, 4), "matmul_tflops": round(peak_mm / 1e12, 1),
             "mfu_vs_matmul": round(body / t / peak_mm, 4), "loss": metrics.get("loss"),
-            "peak_gib": peak_gib(cuda), "non_embedding_params": info["non_embedding_params"]}
+            "peak_gib": peak_gib(cuda), "non_embedding_params": info["non_embedding_params"], **agreement, **profile}
+
+
+def profile_update(learner, data, cuda: bool, top: int = 12) -> dict:
+    """One more update under ``torch.profiler``: device time by kind of kernel and the busiest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        learner.update(data)
+        sync(cuda)
+    from torch.autograd import DeviceType
+
+    # kernels only (an operator's entry also carries its kernels' time)
+    events = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+                                                  if cuda else e.self_cpu_time_total > 0)]
+    key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    busy = sum(key(e) for e in events) / 1e6
+
+    def kind(name: str) -> str:
+        low = name.lower()
+        if any(w in low for w in ("gemm", "matmul", "cutlass", "nvjet", "xmma", "aten::mm", "addmm", "bmm")):
+            return "matmul"
+        if "flash" in low or "attention" in low or "fmha" in low:
+            return "attention"
+        if "triton" in low:
+            return "compiled (triton)"
+        return "other"
+
+    kinds: dict[str, float] = {}
+    for e in events:
+        kinds[kind(e.key)] = kinds.get(kind(e.key), 0.0) + key(e) / 1e6
+    busiest = sorted(events, key=key, reverse=True)[:top]
+    return {"profile_busy_s": round(busy, 3), "profile_by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
+            "profile_top": [[e.key[:80], round(key(e) / 1e6, 4), e.count] for e in busiest]}
+
+
+def flat_agreement(learner, model, data, cuda: bool) -> dict:
+    """|flat - HF| log-probs of the first 4 sequences' sampled tokens (no gradient): the two forward passes agree."""
+    import dataclasses
+
+    import torch
+
+    from ctxrl.train.batch import micro_batches
+
+    _, micro = next(micro_batches(data.select(list(range(min(4, len(data))))), 4, learner.device))
+    with torch.no_grad():
+        flat = learner.settings.logprobs(model, micro)
+        hf = dataclasses.replace(learner.settings, flat_forward="off").logprobs(model, micro)
+    delta = ((flat - hf).abs() * micro.loss_mask)[micro.loss_mask.bool()].float()
+    return {"flat_vs_hf_logprob_mean": round(float(delta.mean()), 5),
+            "flat_vs_hf_logprob_max": round(float(delta.max()), 5)}
 
 
 # -- 4. grpo -------------------------------------------------------------------------------------------
@@ -786,6 +845,7 @@ def arms_of(args) -> list[tuple[str, str, str]]:
             out += [("agentic", a, "") for a in args.agentic_arms]
         elif section == "learner":
             out += [("learner", "padded", "")] + ([("learner", "packed", "")] if args.packed else [])
+            out += [("learner", "flat", "")]
         else:
             out += [("grpo", a, v) for v in args.variants for a in args.grpo_arms
                     if v == "fixed" or a in args.ragged_arms]
@@ -921,6 +981,7 @@ def parser() -> argparse.ArgumentParser:
     learner.add_argument("--learner-updates", type=int, default=3, help="timed updates, after one warm-up")
     learner.add_argument("--chunk", type=int, default=1024, help="positions per chunk of the output head")
     learner.add_argument("--matmul-size", type=int, default=8192)
+    learner.add_argument("--profile", action="store_true", help="profile one more update per learner arm")
     learner.add_argument("--packed", action="store_true",
                          help="also the learner's packed-sequences mode (an error row where it has none)")
     g = ap.add_argument_group("grpo")

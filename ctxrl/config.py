@@ -350,6 +350,12 @@ class TrainConfig:
     """Run the policy's forward and backward passes on sequences packed without padding (several per row, each
     with its own positions and a block-diagonal mask; docs/performance.md). The loss is computed as without
     packing; it saves the compute spent on padding when a micro-batch's lengths differ."""
+    flat_forward: str = "auto"
+    """The learner's forward pass: ``auto`` (on CUDA, for Llama-layout models: Llama, Qwen2/2.5/3, Mistral) runs the
+    micro-batch's sequences laid end to end without padding through ctxrl's own decoder forward (variable-length
+    flash attention, compiled norms and activations; checked against the HF forward pass once), else HF's forward
+    pass; ``on`` forces it (an error if the model cannot), ``off`` always uses HF's. Same loss and gradients up to
+    kernel rounding (docs/performance.md)."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them: less memory, ~30% more
     compute."""
@@ -485,6 +491,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.meta.anneal import MODES as DEMO_MODES
     from ctxrl.meta.credit import BASELINES, NORMALIZE_MODES
     from ctxrl.meta.estimator import CREDITS
+    from ctxrl.models.flat import MODES as FLAT_MODES
     from ctxrl.models.loader import DTYPES
     from ctxrl.rollout.spec import CARRIES
     from ctxrl.tasks.curriculum import KINDS as CURRICULA
@@ -496,7 +503,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
-            "distributed.backend": ("none", "ray")}
+            "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:

@@ -870,7 +870,7 @@ def test_a_failing_prefill_frees_its_slot(fast):
 def test_fused_steps_equal_the_hf_modules(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-    from ctxrl.engine.fast import fused
+    from ctxrl.models import fused
 
     torch.manual_seed(0)
     norm = LlamaRMSNorm(32, eps=1e-5).to(dtype)
@@ -891,7 +891,7 @@ def test_fused_steps_equal_the_hf_modules(dtype):
 
 
 def test_a_fused_step_that_fails_to_compile_runs_eagerly(monkeypatch, caplog):
-    from ctxrl.engine.fast import fused
+    from ctxrl.models import fused
 
     def broken(fn, **_):
         def call(*args):

@@ -49,7 +49,8 @@ RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every"
                      "rollout.sandbox_workers",
                      # memory settings: the same maths, split differently (float sums may round differently)
                      "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
-                     "train.gradient_checkpointing", "train.pack_sequences", "lora.export_merged",
+                     "train.gradient_checkpointing", "train.pack_sequences", "train.flat_forward",
+                     "lora.export_merged",
                      # where rollouts run: the same episodes
                      "distributed.backend", "distributed.rollout_workers", "distributed.address",
                      "distributed.timeout_s")

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS, aggregate, gspo_loss, kl_penalty, policy_loss
+from ctxrl.models.flat import MODES as FLAT_MODES
+from ctxrl.models.flat import training_decoder
 from ctxrl.models.kernels import attention_kernels
 from ctxrl.train.batch import Batch, collate, micro_batches, per_token_rows
-from ctxrl.train.logprobs import token_logprobs
+from ctxrl.train.logprobs import flat_token_logprobs, token_logprobs
 from ctxrl.train.packing import pack
 from ctxrl.train.policy import Reference
 from ctxrl.train.precision import Precision, trainable_grads
@@ -61,12 +63,17 @@ class PPOSettings:
     """Positions per chunk of the output head (0: the model's full logits)."""
     pack_sequences: bool = False
     """Run the policy's forward pass on sequences packed without padding (``ctxrl.train.packing``)."""
+    flat_forward: str = "auto"
+    """``auto``/``on``/``off``: the forward pass over flat sequences (``ctxrl.models.flat``); it takes precedence over
+    ``pack_sequences`` where it runs."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"unknown policy loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, not {self.old_logprobs!r}")
+        if self.flat_forward not in FLAT_MODES:
+            raise ValueError(f"flat_forward must be one of {', '.join(FLAT_MODES)}, not {self.flat_forward!r}")
         if self.tis_cap and self.old_logprobs != "recompute":
             raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
                              "set old_logprobs='recompute'")
@@ -82,12 +89,18 @@ class PPOSettings:
                    loss=a.loss, dual_clip=a.dual_clip or None, old_logprobs=a.old_logprobs, tis_cap=a.tis_cap,
                    vf_clip=a.vf_clip, norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens),
                    max_tokens_per_microbatch=t.max_tokens_per_microbatch, logprob_chunk_tokens=t.logprob_chunk_tokens,
-                   pack_sequences=t.pack_sequences)
+                   pack_sequences=t.pack_sequences, flat_forward=t.flat_forward)
 
     def logprobs(self, model, micro: Batch, *, with_entropy: bool = False):
         """The learner's log-probs (and entropy: with a gradient only when the loss has an entropy bonus) of
         ``micro``'s sampled tokens under ``model``; with ``pack_sequences`` the forward pass runs on packed rows
-        and the results come back in ``micro``'s padded layout."""
+        and the results come back in ``micro``'s padded layout; with a flat decoder (``flat_forward``) they run laid
+        end to end."""
+        decoder = training_decoder(model, self.flat_forward)
+        if decoder is not None:
+            return flat_token_logprobs(decoder, micro.input_ids, micro.lengths, mask=micro.loss_mask,
+                                       temperature=self.temperature, chunk=self.logprob_chunk_tokens,
+                                       with_entropy=with_entropy, entropy_grad=self.entropy_coef > 0)
         if not self.pack_sequences:
             return token_logprobs(model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
                                   mask=micro.loss_mask, chunk=self.logprob_chunk_tokens, with_entropy=with_entropy,
@@ -107,7 +120,9 @@ class PPOSettings:
 class Learner:
     """Owns the policy's optimiser (and an optional KL reference) and runs PPO updates.
 
-    ``reference``: a ``Reference`` (``ctxrl.train.policy``) or a frozen module. ``precision``:
+    ``parallel``: data-parallel ranks (``ctxrl.distributed.data_parallel``); every rank is given the same
+    batch and computes the same update. ``reference``: a ``Reference`` (``ctxrl.train.policy``) or a frozen
+    module. ``precision``:
     loss scaling (default: plain float32); the optimiser may be a ``MasterAdamW``. With a ``critic`` (and its
     ``critic_optimizer``) the batch must carry the GAE ``returns`` and the critic's ``old_values``
     per token; the critic is trained on the clipped value loss in the same mini-batches, with its
@@ -116,7 +131,7 @@ class Learner:
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, settings: PPOSettings, *, pad_token_id: int,
                  reference=None, precision: Precision | None = None, seed: int = 0, critic=None,
-                 critic_optimizer=None) -> None:
+                 critic_optimizer=None, parallel=None) -> None:
         if (critic is None) != (critic_optimizer is None):
             raise ValueError("a critic needs its critic_optimizer (and the other way round)")
         self.critic = critic
@@ -129,6 +144,9 @@ class Learner:
         self.precision = precision or Precision()
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped_updates = 0
+        self.parallel = parallel
+        """A ``ctxrl.distributed.data_parallel.DataParallel``: this rank trains on its share of each mini-batch's
+        rows, the loss normalised by the whole mini-batch's counts, gradients and figures summed across ranks."""
 
     @property
     def device(self) -> torch.device:
@@ -178,10 +196,15 @@ class Learner:
             sums["tokens"] += float(m.sum())
             return lp * m
 
-        rows = per_token_rows(batch, self.device, s.micro_batch_size, learner_logprobs, s.max_tokens_per_microbatch)
+        mine = self._my_rows(batch)
+        rows = per_token_rows(batch.select(mine), self.device, s.micro_batch_size, learner_logprobs,
+                              s.max_tokens_per_microbatch) if mine else []
         recomputed = torch.zeros_like(batch.old_logprobs)
-        for row, values in enumerate(rows):
+        for row, values in zip(mine, rows):
             recomputed[row, : len(values) - 1] = torch.tensor(values[1:])
+        if self.parallel is not None:  # each rank filled its own rows: the sum is the whole batch's
+            recomputed = self.parallel.sum_(recomputed.to(self.device)).to(recomputed.device)
+            sums = self.parallel.sum_figures(sums, self.device)
         tokens = max(sums["tokens"], 1.0)
         return (Batch(**{**batch.__dict__, "recomputed": recomputed}),
                 {"mismatch_abs_before_update": sums["abs"] / tokens, "mismatch_kl_before_update": sums["kl"] / tokens})
@@ -198,13 +221,36 @@ class Learner:
             raise RuntimeError("old_logprobs='recompute': call update(), or recompute_old_logprobs() on this batch "
                                "before mini_batch_loss()")
         sums: dict[str, float] = {}
+        mine = self._my_rows(batch)  # (the denominators above are the whole mini-batch's, on every rank)
         # backward too: activation checkpointing recomputes attention there, and a different kernel would
         # not reproduce what the forward pass saved
         with attention_kernels(self.device):
-            for _, micro in micro_batches(batch, s.micro_batch_size, self.device, s.max_tokens_per_microbatch):
-                self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
-                                  value_count=value_count)
+            if mine:
+                local = batch if len(mine) == len(batch) else batch.select(mine)
+                for _, micro in micro_batches(local, s.micro_batch_size, self.device, s.max_tokens_per_microbatch):
+                    self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
+                                      value_count=value_count)
+        if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
+            sums = self.parallel.sum_figures({k: sums.get(k, 0.0) for k in self._figure_keys()}, self.device)
         return self._mini_batch_metrics(sums, tokens)
+
+    def _my_rows(self, batch: Batch) -> list[int]:
+        """The rows of ``batch`` this learner trains on: all of them, or this rank's share."""
+        if self.parallel is None:
+            return list(range(len(batch)))
+        return self.parallel.shard(batch.lengths.tolist())
+
+    def _figure_keys(self) -> list[str]:
+        """The sums a mini-batch accumulates under these settings (``_micro_batch``, ``_critic_backward``)."""
+        s = self.settings
+        keys = ["loss", "entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"]
+        if s.old_logprobs == "recompute" and s.tis_cap:
+            keys += ["tis_weight", "tis_truncated"]
+        if s.kl_coef > 0 and self.reference is not None:
+            keys.append("kl")
+        if self.critic is not None:
+            keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
+        return keys
 
     def _micro_batch(self, micro: Batch, s: PPOSettings, sums: dict[str, float], *, denominator: float,
                      norm_length: float, value_count: float) -> None:
@@ -294,6 +340,10 @@ class Learner:
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
         metrics = self.mini_batch_loss(batch)
+        if self.parallel is not None:  # each rank's gradient is its share of the whole mini-batch's: sum them
+            self.parallel.sum_gradients(trainable_grads(self.optimizer))
+            if self.critic_optimizer is not None:
+                self.parallel.sum_gradients(trainable_grads(self.critic_optimizer))
         precision = self.precision
         precision.unscale(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable_grads(self.optimizer), self.settings.max_grad_norm)

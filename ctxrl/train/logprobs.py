@@ -8,9 +8,11 @@ second copy for the softmax's backward. Here, given ``chunk > 0``:
 1. the backbone runs once and gives the final hidden states ``[B, T, H]`` (``H`` is ~1000x
    smaller than ``V``);
 2. only the positions the caller needs are kept (``mask``: the loss mask; the rest come back as 0);
-3. the output head, log-softmax and entropy run over ``chunk`` positions at a time, each chunk
-   under activation checkpointing: its logits are freed after the forward pass and recomputed
-   in the backward pass, so at most one chunk's logits exist at any time.
+3. the output head, log-softmax and entropy run over ``chunk`` positions at a time
+   (``ctxrl.train.head.linear_logprobs``: one pass over the vocabulary, the logits freed after the
+   forward pass and recomputed in the backward pass), so at most one chunk's logits exist at any
+   time; an entropy with a gradient (an entropy bonus) runs through autograd's own operations under
+   activation checkpointing instead.
 
 The gradient is the full computation's (the same operations, recomputed), which the tests check.
 The split ``head(backbone(x))`` must reproduce ``model(x).logits``: it is checked once per model
@@ -29,6 +31,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ctxrl.algo.losses import entropy_from_logits
 from ctxrl.models.kernels import attention_kernels
+from ctxrl.train.head import linear_logprobs
+from ctxrl.train.packing import flatten
 
 _SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -60,10 +64,39 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = hidden.last_hidden_state
     wanted = torch.ones_like(input_ids[:, 1:], dtype=torch.bool) if mask is None else mask.bool()
-    states = hidden[:, :-1][wanted]
-    targets = input_ids[:, 1:][wanted]
+    return _head_stats(hidden[:, :-1][wanted], input_ids[:, 1:][wanted], head, wanted, temperature=temperature,
+                       chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+
+def flat_token_logprobs(decoder, input_ids: torch.Tensor, lengths: torch.Tensor, *, mask: torch.Tensor,
+                        temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False,
+                        entropy_grad: bool = False):
+    """``token_logprobs`` through a ``FlatDecoder`` (``ctxrl.models.flat``): the rows of ``input_ids`` ([B, T],
+    right-padded to ``lengths``) run laid end to end, without padding; the results come back ``[B, T-1]``.
+    ``mask`` is required and must lie within each row's length (a loss mask does)."""
+    if temperature <= 0:
+        temperature = 1.0
+    flat = flatten(input_ids, lengths)
+    with attention_kernels(input_ids.device):
+        hidden = decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest)
+    wanted = mask.bool()
+    at = flat.index(wanted)
+    return _head_stats(hidden[at], flat.ids[at + 1], decoder.head, wanted, temperature=temperature,
+                       chunk=chunk if chunk > 0 else max(int(at.numel()), 1), with_entropy=with_entropy,
+                       entropy_grad=entropy_grad)
+
+
+def _head_stats(states, targets, head, wanted, *, temperature, chunk, with_entropy, entropy_grad):
+    """Log-probs (and entropy) of ``targets`` at hidden ``states`` [n, H], ``chunk`` at a time, scattered into
+    ``wanted``'s shape."""
     logprob_parts, entropy_parts = [], []
     for start in range(0, states.shape[0], chunk):
+        if not (with_entropy and entropy_grad):  # the fused head: one pass over the vocabulary, no checkpoint
+            lp, ent = linear_logprobs(states[start:start + chunk], head.weight, head.bias,
+                                      targets[start:start + chunk], temperature, with_entropy)
+            logprob_parts.append(lp)
+            entropy_parts.append(ent)
+            continue
         args = (states[start:start + chunk], head.weight, head.bias, targets[start:start + chunk], temperature,
                 with_entropy, entropy_grad)
         if torch.is_grad_enabled():
@@ -72,10 +105,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             lp, ent = _chunk_stats(*args)
         logprob_parts.append(lp)
         entropy_parts.append(ent)
-    logprobs = _scatter(logprob_parts, wanted, input_ids.device)
+    logprobs = _scatter(logprob_parts, wanted, wanted.device)
     if not with_entropy:
         return logprobs
-    return logprobs, _scatter(entropy_parts, wanted, input_ids.device)
+    return logprobs, _scatter(entropy_parts, wanted, wanted.device)
 
 
 def _chunk_stats(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

@@ -98,3 +98,35 @@ def pack(input_ids: torch.Tensor, lengths: torch.Tensor, pad_id: int, dtype: tor
 
     return Packed(ids, positions, mask.unsqueeze(1), (index(src_rows), index(src_cols)),
                   (index(dst_rows), index(dst_cols)), (input_ids.shape[0], input_ids.shape[1] - 1))
+
+
+@dataclass
+class Flat:
+    """A micro-batch's sequences laid end to end: one row, no padding (``ctxrl.models.flat``)."""
+
+    ids: torch.Tensor
+    """[N] every sequence's tokens, one after another."""
+    positions: torch.Tensor
+    """[N] each token's position within its sequence."""
+    cu_seqlens: torch.Tensor
+    """[S + 1] int32: where each sequence starts, then N."""
+    longest: int
+    starts: torch.Tensor
+    """[S] long: where each sequence starts."""
+
+    def index(self, wanted: torch.Tensor) -> torch.Tensor:
+        """Flat index of each True entry of a padded shifted ``[S, T-1]`` mask (row-major order): the
+        position whose hidden state predicts that entry's token (the token itself is at index + 1)."""
+        rows, cols = wanted.nonzero(as_tuple=True)
+        return self.starts[rows] + cols
+
+
+def flatten(input_ids: torch.Tensor, lengths: torch.Tensor) -> Flat:
+    """Lay the right-padded rows of ``input_ids`` ([S, T], row ``i`` holding ``lengths[i]`` tokens) end to end."""
+    steps = torch.arange(input_ids.shape[1], device=input_ids.device)
+    lengths = lengths.to(input_ids.device)
+    live = steps.unsqueeze(0) < lengths.unsqueeze(1)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=input_ids.device)
+    cu[1:] = lengths.cumsum(0)
+    return Flat(input_ids[live], steps.expand_as(input_ids)[live], cu, int(lengths.max()) if len(lengths) else 0,
+                cu[:-1].long())

@@ -9,8 +9,8 @@ folded into the query axis (``[rows, kv_heads, group * queries, head_dim]``), so
 scaled-dot-product call reads each cached key once.
 
 Supported families: decoders with Llama's layout (Llama, Qwen2, Qwen2.5, Qwen3 with its q/k
-norms, Mistral without a sliding window). ``unsupported_reason`` says why another model cannot
-run here; the engine factory then falls back to ``HFEngine``.
+norms, Mistral without a sliding window; ``ctxrl.models.layout``). ``unsupported_reason`` says why
+another model cannot run here; the engine factory then falls back to ``HFEngine``.
 """
 
 from __future__ import annotations
@@ -21,52 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ctxrl.engine.fast.attention import decode_attention
-from ctxrl.engine.fast.fused import Fused
+from ctxrl.models.fused import Fused
+from ctxrl.models.layout import norm_args as _norm_args
+from ctxrl.models.layout import unsupported_reason
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
-"""Norms computed as ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)`` (``fused.rms_norm``)."""
-STATIC_ROPE = ("default", "llama3", "linear", "yarn", "longrope", None)
-
-
-def _rope_type(config) -> str | None:
-    for attr in ("rope_parameters", "rope_scaling"):
-        value = getattr(config, attr, None)
-        if isinstance(value, dict):
-            return value.get("rope_type", value.get("type"))
-    return None
-
-
-def unsupported_reason(model, max_len: int) -> str | None:
-    """Why ``model`` cannot run in the fast engine (``None``: it can)."""
-    if hasattr(model, "peft_config"):
-        return "a PEFT (LoRA) model: its adapters are not merged into the weights the fast engine reads"
-    config = getattr(model, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind not in FAMILIES:
-        return f"model type {kind!r} is not one of the supported families {', '.join(FAMILIES)}"
-    if _rope_type(config) not in STATIC_ROPE:
-        return f"rope type {_rope_type(config)!r} depends on the sequence length"
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and max_len > window:
-        return f"sliding-window attention ({window} tokens) shorter than max_total_tokens ({max_len})"
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("layers", "norm", "rotary_emb", "embed_tokens")):
-        return "the model does not have Llama's module layout (model.layers, model.norm, model.rotary_emb)"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} (the fast engine fuses SiLU)"
-    layer = inner.layers[0]
-    norms = [inner.norm, layer.input_layernorm, layer.post_attention_layernorm]
-    odd = [type(n).__name__ for n in norms if type(n).__name__ not in RMS_NORMS]
-    if odd:
-        return f"norm {odd[0]} is not one of {', '.join(RMS_NORMS)}"
-    if not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
-        return "the MLP is not a gated (gate_proj, up_proj, down_proj) one"
-    return None
-
-
-def _norm_args(module) -> tuple[torch.Tensor, float]:
-    return module.weight, module.variance_epsilon
+__all__ = ["Batch", "DecoderView", "SlotCache", "unsupported_reason"]
 
 
 class SlotCache:

@@ -1,0 +1,236 @@
+"""The decoder's forward pass over sequences laid end to end, for the learner.
+
+HF's forward pass over a right-padded batch spends compute on padding, builds a mask per call,
+and runs a dozen small element-wise kernels per norm, rotation and activation; on a 0.5B model
+those kernels, not the matrix products, were most of a training step (docs/performance.md).
+``FlatDecoder`` runs the same model differently:
+
+- **No padding.** The micro-batch's sequences are concatenated into one ``[N]`` row of tokens
+  with positions restarting at each sequence (``ctxrl.train.packing.flatten``); attention is
+  causal within each sequence, from cumulative sequence lengths (flash attention's variable-
+  length kernel on CUDA; one causal SDPA call per sequence elsewhere). Grouped K/V is read as it
+  is where the kernel allows (``enable_gqa``), expanded otherwise.
+- **The model's own modules.** Embeddings, projections, MLPs and the output head are the HF
+  modules, called on ``[N, hidden]``, so the weights, their gradients and the optimiser are the
+  ones the rest of ctxrl uses. Norms, rotary embedding, residual adds and the gated SiLU use
+  ``ctxrl.models.fused`` (the same arithmetic as the HF modules, compiled into few kernels on
+  CUDA, forward and backward).
+- **Checked.** The first use compares it with the HF forward pass on a short input; a model it
+  does not reproduce (``check_tolerance``) is refused, and the learner uses the HF path.
+
+Layer by layer activation checkpointing follows the model's own setting
+(``gradient_checkpointing_enable``). Supported models: ``ctxrl.models.layout``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ctxrl.models.fused import Fused
+from ctxrl.models.layout import norm_args, unsupported_reason
+
+log = logging.getLogger(__name__)
+
+
+class FlatDecoder:
+    """Final hidden states of a Llama-layout HF causal LM over flat packed sequences (module docstring)."""
+
+    def __init__(self, model, *, compile: bool = False) -> None:
+        reason = unsupported_reason(model, 0, training=True)
+        if reason is not None:
+            raise ValueError(f"{type(model).__name__} cannot run through the flat forward pass: {reason}")
+        self._model = weakref.ref(model)  # (the cache of decoders is keyed weakly by the model)
+        self.head = model.lm_head
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        self.fused = Fused(compile)
+        config = model.config
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.q_heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.q_heads
+        self.scaling = attn.scaling
+        self._cos = self._sin = None
+
+    def rotary(self, positions: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[N, 1, head_dim]`` of each token's position, by the model's own rotary module."""
+        if self._cos is None or self._cos.shape[0] < longest:
+            size = 1 << max(longest - 1, 1).bit_length()  # grown by powers of two: few recomputations
+            param = self.inner.embed_tokens.weight
+            with torch.no_grad():
+                probe = torch.zeros(1, dtype=param.dtype, device=param.device)
+                cos, sin = self.inner.rotary_emb(probe, torch.arange(size, device=param.device).unsqueeze(0))
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                      longest: int) -> torch.Tensor:
+        """``[N, hidden]`` final (normed) hidden states of the flat tokens ``ids`` ``[N]``.
+
+        ``positions`` ``[N]``: each token's position in its sequence; ``cu_seqlens`` ``[S + 1]`` int32:
+        where each sequence starts (and the total); ``longest``: the longest sequence.
+        """
+        cos, sin = self.rotary(positions, longest)
+        x = self.inner.embed_tokens(ids)
+        model = self._model()
+        recompute = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
+                                                    for m in (model, self.inner, self.layers[0]))
+        for layer in self.layers:
+            if recompute:
+                x = checkpoint(self._block, layer, x, cos, sin, cu_seqlens, longest, use_reentrant=False)
+            else:
+                x = self._block(layer, x, cos, sin, cu_seqlens, longest)
+        return self.fused.rms_norm(x, *norm_args(self.inner.norm))
+
+    def _block(self, layer, x, cos, sin, cu_seqlens, longest):
+        f = self.fused
+        h = f.rms_norm(x, *norm_args(layer.input_layernorm))
+        out = self._attention(layer.self_attn, h, cos, sin, cu_seqlens, longest)
+        x, h = f.add_rms_norm(x, out, *norm_args(layer.post_attention_layernorm))
+        mlp = layer.mlp
+        return x + mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+
+    def _attention(self, attn, h, cos, sin, cu_seqlens, longest):
+        n = h.shape[0]
+        q = attn.q_proj(h).view(n, self.q_heads, self.head_dim)
+        k = attn.k_proj(h).view(n, self.kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(n, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+            q, k = self.fused.rms_norm(q, *norm_args(attn.q_norm)), self.fused.rms_norm(k, *norm_args(attn.k_norm))
+        q, k = self.fused.rotate(q, cos, sin), self.fused.rotate(k, cos, sin)
+        out = causal_attention(q, k, v, cu_seqlens, longest, self.scaling)
+        return attn.o_proj(out.reshape(n, self.q_heads * self.head_dim))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
+                     scale: float) -> torch.Tensor:
+    """Causal attention within each sequence of flat ``q`` ``[N, Hq, D]``, ``k``/``v`` ``[N, Hkv, D]``."""
+    varlen = _varlen() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    if varlen is not None:
+        fn, causal, gqa, takes_scale = varlen
+        if takes_scale or abs(scale - q.shape[-1] ** -0.5) < 1e-12:  # (an older kernel scales by 1/sqrt(D))
+            if not gqa and k.shape[1] != q.shape[1]:
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            extra = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
+            if takes_scale:
+                extra["scale"] = scale
+            return fn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, **causal, **extra)
+    return per_sequence_attention(q, k, v, cu_seqlens, scale)
+
+
+def per_sequence_attention(q, k, v, cu_seqlens, scale):
+    """The reference (and CPU) path: one causal SDPA call per sequence."""
+    group = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        if group > 1:
+            ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(out) if out else q.new_zeros(q.shape)
+
+
+@functools.cache
+def _varlen():
+    """``(varlen_attn, its causal keyword, whether it takes enable_gqa, whether it takes scale)``, or None where
+    torch has none (its signature changed between torch 2.10 and 2.12)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+
+
+MODES = ("auto", "on", "off")
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def training_decoder(model, mode: str) -> FlatDecoder | None:
+    """The ``FlatDecoder`` the learner uses for ``model`` under ``train.flat_forward = mode``, or None (the HF path).
+
+    ``auto``: on CUDA, for a supported model that the check reproduces; ``on``: wherever supported (an error
+    names why not); ``off``: never. Built once per model.
+    """
+    if mode not in MODES:
+        raise ValueError(f"train.flat_forward must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "off":
+        return None
+    device = next(model.parameters()).device
+    if mode == "auto" and device.type != "cuda":
+        return None
+    if model not in _DECODERS:
+        _DECODERS[model] = _checked_decoder(model, device)
+    decoder, reason = _DECODERS[model]
+    if decoder is None and mode == "on":
+        from ctxrl.errors import ConfigError
+
+        raise ConfigError(f"train.flat_forward=on, but {type(model).__name__} cannot use it: {reason}; set "
+                          "train.flat_forward=auto (or off) to train through the HF forward pass")
+    if decoder is None:
+        log.info("learner: the HF forward pass (flat forward unavailable: %s)", reason)
+    return decoder
+
+
+def _checked_decoder(model, device: torch.device) -> tuple[FlatDecoder | None, str | None]:
+    reason = unsupported_reason(model, 0, training=True)
+    if reason is not None:
+        return None, reason
+    decoder = FlatDecoder(model, compile=device.type == "cuda")
+    try:
+        error = _disagreement(model, decoder)
+    except Exception as exc:  # noqa: BLE001 - a kernel this machine lacks: the HF path still works
+        return None, f"its check run failed ({type(exc).__name__}: {exc})"
+    if error > check_tolerance(next(model.parameters()).dtype):
+        return None, f"it does not reproduce the model's own forward pass (relative error {error:.2g} on a check input)"
+    return decoder, None
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    """How far (relative to the largest value) the flat pass's hidden states may be from HF's on the check input.
+
+    In bfloat16 two correct forward passes that round in a different order differ by 2-3% of the largest hidden
+    value after 24 layers (Qwen2.5-0.5B's shape: HF's own bf16 pass is 2.2% from its float32 pass), while the
+    errors the check is for (attention across sequences, a wrong scale) are 80-140%; in float32 the flat pass is
+    within 1e-6.
+    """
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 0.25
+
+
+@torch.no_grad()
+def _disagreement(model, decoder: FlatDecoder) -> float:
+    """Largest relative difference of final hidden states, flat vs HF forward, on two short sequences."""
+    param = next(model.parameters())
+    vocab = model.config.vocab_size
+    lengths = [5, 9]
+    ids = (torch.arange(sum(lengths), device=param.device) * 7 + 3) % vocab
+    padded = torch.zeros(2, max(lengths), dtype=torch.long, device=param.device)
+    padded[0, :5], padded[1] = ids[:5], ids[5:]
+    attention = (torch.arange(max(lengths), device=param.device) < torch.tensor(lengths, device=param.device)
+                 .unsqueeze(1)).long()
+    was_training = model.training
+    model.eval()
+    try:
+        want = model.model(input_ids=padded, attention_mask=attention, use_cache=False).last_hidden_state
+        want = torch.cat([want[0, :5], want[1]])
+        positions = torch.cat([torch.arange(n, device=param.device) for n in lengths])
+        cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=param.device)
+        got = decoder.hidden_states(ids, positions, cu, max(lengths))
+    finally:
+        model.train(was_training)
+    scale = want.float().abs().max().clamp(min=1.0)
+    return float((got.float() - want.float()).abs().max() / scale)
