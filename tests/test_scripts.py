@@ -30,6 +30,7 @@ def script(path: str):
 SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
     "benchmarks/async_rollouts.py": "tests/test_scripts.py::test_async_rollouts_runs_both_arms_on_a_local_ray",
+    "benchmarks/data_parallel.py": "tests/test_scripts.py::test_data_parallel_runs_one_and_two_ranks_over_gloo",
     "benchmarks/engine_throughput.py": "tests/test_scripts.py::test_engine_throughput_checks_and_measures_on_the_cpu",
     "benchmarks/env_training.py": "tests/test_scripts.py::test_env_training_reports_before_and_after",
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
@@ -96,8 +97,12 @@ def test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu(tmp_path, capsys):
     for arm in ("fastengine",):  # skipped (with a note) while ctxrl.engine.fast does not import
         assert "skipped" in decode[arm] or all("error" not in row for row in decode[arm]["rows"]), decode[arm]
         assert "skipped" in agentic[arm] or agentic[arm]["episodes_s"] > 0, agentic[arm]
-    [learner] = report["sections"]["learner"]
-    assert "error" not in learner and learner["tok_s"] > 0 and learner["mfu"] >= 0
+    learners = {r["arm"]: r for r in report["sections"]["learner"]}
+    assert learners.keys() == {"padded", "flat"}
+    for learner in learners.values():
+        assert "error" not in learner and learner["tok_s"] > 0 and learner["mfu"] >= 0, learner
+    assert learners["flat"]["flat_vs_hf_logprob_max"] < 1e-4  # the same model through both forward passes
+    assert learners["flat"]["loss"] == pytest.approx(learners["padded"]["loss"], abs=1e-5)
     assert "learner: one PPO update" in capsys.readouterr().out
 
 
@@ -133,3 +138,13 @@ def test_async_rollouts_runs_both_arms_on_a_local_ray(capsys):
     assert rows[0]["staleness_max"] == 0.0 and rows[1]["staleness_max"] == 1.0
     assert all(r["steps"] == 2 and r["step_s"] > 0 for r in rows)
     assert "async / sync step time" in capsys.readouterr().out
+
+
+def test_data_parallel_runs_one_and_two_ranks_over_gloo(tmp_path, capsys):
+    rows = script("benchmarks/data_parallel.py").main(["--smoke", "--gpus", "1,2", "--out", str(tmp_path / "dp.json")])
+    assert [r["world"] for r in rows] == [1, 2] and all("error" not in r for r in rows), rows
+    one, two = rows
+    assert sum(two["tokens_per_rank"]) == one["tokens"] == two["tokens"]
+    assert two["first_loss"] == pytest.approx(one["first_loss"], abs=1e-6)  # float32: the same loss, two ranks
+    assert two["first_grad_norm"] == pytest.approx(one["first_grad_norm"], rel=1e-4)
+    assert "learner, data-parallel" in capsys.readouterr().out

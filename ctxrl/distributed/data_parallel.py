@@ -1,0 +1,106 @@
+"""A data-parallel learner over torch.distributed: every rank holds the model, each trains on a share of the rows.
+
+``DataParallel`` is the learner's view of its process group (started by ``torchrun`` or any
+launcher that sets ``torch.distributed`` up). Every rank holds the same whole batch (the rows are
+plain data) and the same weights; in each mini-batch:
+
+1. the denominators of the loss (tokens for ``token-mean``, live sequences and the length constant
+   for the ``seq-mean`` modes) are computed from the **whole** mini-batch, identically on every
+   rank, so no rank's share is normalised by its own count;
+2. each rank runs forward and backward on its share of the rows (``shard``: by decreasing length,
+   each row to the rank with the fewest tokens so far, so shares are balanced but uneven);
+3. the gradients of what the optimiser steps on (float32 masters included) are summed across
+   ranks (``all_reduce``, in buckets), as are the metric sums;
+
+so the summed gradient is the single-process gradient of the whole mini-batch, whatever the
+token counts per rank (``tests/test_data_parallel.py`` checks it on 2 processes with gloo), and
+every rank takes the same optimiser step. Recomputed old log-probs are computed on the shares and
+summed into the whole batch on every rank. A model that fits one device is replicated (DDP's
+arrangement, without its module wrapper, which ctxrl's own forward pass would bypass); sharding
+the weights (FSDP) is not implemented.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 64 << 20
+
+
+class DataParallel:
+    """This process's rank among ``world`` learner ranks, and the collectives the learner needs."""
+
+    def __init__(self, group=None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DataParallel needs torch.distributed initialised (torchrun, or "
+                               "torch.distributed.init_process_group) before the learner is built")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    @classmethod
+    def from_environment(cls, device: torch.device | str | None = None) -> DataParallel | None:
+        """Join the group ``torchrun`` describes (``WORLD_SIZE`` > 1): NCCL on CUDA, gloo elsewhere; None alone."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        if not dist.is_initialized():
+            cuda = device is not None and torch.device(device).type == "cuda"
+            dist.init_process_group("nccl" if cuda else "gloo")
+        return cls()
+
+    def shard(self, lengths: list[int]) -> list[int]:
+        """The rows (indices into ``lengths``) this rank trains on: longest first, each to the least-loaded rank."""
+        loads = [0] * self.world
+        mine = []
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            rank = min(range(self.world), key=lambda r: (loads[r], r))
+            loads[rank] += lengths[i]
+            if rank == self.rank:
+                mine.append(i)
+        return sorted(mine)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` across ranks, in place; returns it."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Sum the ``.grad`` of ``params`` across ranks (a missing gradient counts as zeros), in buckets."""
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads:
+            if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device
+                           or size + g.numel() * g.element_size() > BUCKET_BYTES):
+                self._sum_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket:
+            self._sum_bucket(bucket)
+
+    def _sum_bucket(self, bucket: list[torch.Tensor]) -> None:
+        if len(bucket) == 1:
+            self.sum_(bucket[0])
+            return
+        flat = self.sum_(torch.cat([g.reshape(-1) for g in bucket]))
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def sum_figures(self, sums: dict, device) -> dict:
+        """Every number of ``sums`` (floats or 0-d tensors) summed across ranks, in one collective."""
+        keys = sorted(sums)
+        if not keys:
+            return sums
+        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device).detach().reshape(())
+                              for k in keys])
+        return dict(zip(keys, self.sum_(values).tolist()))

@@ -1,0 +1,114 @@
+"""The data-parallel learner (``ctxrl.distributed.data_parallel``): 2 processes over gloo on the CPU take exactly
+the single-process update, with uneven token counts per rank, several mini-batches and micro-batches, recomputed
+old log-probs, the sequence-mean aggregations, and a rank whose share of a mini-batch is empty."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ctxrl.distributed.data_parallel import DataParallel
+from ctxrl.train.batch import collate
+from ctxrl.train.learner import Learner, PPOSettings
+from ctxrl.types import Episode, Task
+
+LENGTHS = [12, 5, 9, 3, 14, 7, 4]  # 7 rows: shares of 4 and 3 rows, 27 and 27 tokens... see the shard test
+CASES = {
+    "token-mean": dict(agg="token-mean", mini_batches=2, micro_batch_size=2, old_logprobs="recompute"),
+    "seq-mean": dict(agg="seq-mean-token-sum-norm", mini_batches=1, micro_batch_size=3),
+    "one-row-mini-batches": dict(agg="token-mean", mini_batches=7, micro_batch_size=1, ppo_epochs=2),
+    "entropy-and-tis": dict(agg="seq-mean-token-mean", mini_batches=2, entropy_coef=0.01, old_logprobs="recompute",
+                            tis_cap=2.0),
+}
+
+
+def _model():
+    from ctxrl.models.shapes import random_model
+
+    return random_model("qwen2-test", torch.float64, "cpu", seed=0)
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for i, n in enumerate(LENGTHS):
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        prompt = max(1, n // 3)
+        behaviour = (-torch.rand(n, generator=g)).tolist()
+        rows.append(Episode(task=Task(id=str(i), prompt="p", answer="a"), input_ids=ids,
+                            loss_mask=[0] * prompt + [1] * (n - prompt),
+                            behavior_logprobs=[0.0] * prompt + behaviour[prompt:], turn_index=[0] * n))
+    return collate(rows, 0, advantages=[1.0, -1.0, 0.5, -0.5, 2.0, 0.25, -1.5])
+
+
+def _update(case: str, parallel=None):
+    model = _model()
+    settings = PPOSettings(logprob_chunk_tokens=4, flat_forward="off", **CASES[case])
+    learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), settings, pad_token_id=0, seed=5,
+                      parallel=parallel)
+    metrics = learner.update(_batch(model.config.vocab_size))
+    return metrics, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        parallel = DataParallel()
+        results = {case: _update(case, parallel) for case in CASES}
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp")
+    init = f"file://{tmp / 'rendezvous'}"
+    mp.start_processes(_rank, args=(2, init, str(tmp / "result")), nprocs=2, join=True, start_method="spawn")
+    return [torch.load(tmp / f"result.{r}") for r in range(2)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_take_exactly_the_single_process_update(two_ranks, case):
+    want_metrics, want_weights = _update(case)
+    before = torch.cat([p.detach().flatten() for p in _model().parameters()])
+    assert not torch.allclose(want_weights, before)
+    for rank_metrics, rank_weights in (r[case] for r in two_ranks):
+        torch.testing.assert_close(rank_weights, want_weights, atol=1e-10, rtol=1e-9)
+        for key, value in want_metrics.items():
+            # recomputed old log-probs are kept as float32 per row (per_token_rows): a row computed in another
+            # micro-batch may round differently there, which the TIS weights (exp of the difference) show
+            rel = 1e-6 if key.startswith("tis_") else 1e-8
+            assert rank_metrics[key] == pytest.approx(value, rel=rel, abs=1e-12), key
+    assert torch.equal(two_ranks[0][case][1], two_ranks[1][case][1])  # both ranks hold the same weights
+
+
+def test_shares_are_disjoint_balanced_and_uneven():
+    class Fake(DataParallel):
+        def __init__(self, rank: int, world: int) -> None:
+            self.rank, self.world, self.group = rank, world, None
+
+    shares = [Fake(r, 2).shard(LENGTHS) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(len(LENGTHS)))
+    tokens = [sum(LENGTHS[i] for i in share) for share in shares]
+    assert tokens == [26, 28] and [len(s) for s in shares] == [3, 4]  # uneven in rows and tokens
+    assert Fake(1, 2).shard([5]) == [] and Fake(0, 2).shard([5]) == [0]  # a one-row mini-batch: rank 1 idle
+
+
+def test_without_a_process_group_it_says_what_to_start(monkeypatch):
+    monkeypatch.setitem(os.environ, "WORLD_SIZE", "1")
+    assert DataParallel.from_environment("cpu") is None
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        DataParallel()
+
+
+def test_a_copy_of_the_batch_is_what_every_rank_needs():
+    # the learner selects its share itself: the same (whole) batch object goes to every rank
+    batch = _batch(_model().config.vocab_size)
+    assert copy.deepcopy(batch).lengths.tolist() == LENGTHS
