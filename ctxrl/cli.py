@@ -25,7 +25,8 @@ def _train(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool =
     from ctxrl.report.progress import ConsoleProgress
     from ctxrl.train.trainer import train
 
-    with ConsoleProgress(quiet=quiet or not config.run.progress) as progress:
+    follower = int(os.environ.get("RANK", "0")) > 0  # a data-parallel learner rank under torchrun: rank 0 reports
+    with ConsoleProgress(quiet=quiet or follower or not config.run.progress) as progress:
         return train(config, run_dir, progress=progress, resume=resume)
 
 
@@ -77,6 +78,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise CheckpointError("--resume needs --run-dir: the directory of the run to continue")
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
     summary = _train(config, run_dir, resume=args.resume, quiet=args.json and not sys.stderr.isatty())
+    if summary.get("follower"):  # rank > 0 under torchrun: rank 0 prints the run's results
+        return 0
     print_table(summary)
     if args.json:
         print(json.dumps(summary))

@@ -16,6 +16,7 @@ from ctxrl.train.batch import collate
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.types import Episode, Task
 
+EXAMPLE = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "calculator_tiny.toml"
 LENGTHS = [12, 5, 9, 3, 14, 7, 4]  # 7 rows: shares of 4 and 3 rows, 27 and 27 tokens... see the shard test
 CASES = {
     "token-mean": dict(agg="token-mean", mini_batches=2, micro_batch_size=2, old_logprobs="recompute"),
@@ -112,3 +113,36 @@ def test_a_copy_of_the_batch_is_what_every_rank_needs():
     # the learner selects its share itself: the same (whole) batch object goes to every rank
     batch = _batch(_model().config.vocab_size)
     assert copy.deepcopy(batch).lengths.tolist() == LENGTHS
+
+
+def test_ctxrl_train_under_torchrun_matches_one_process(tmp_path):
+    """``torchrun -m ctxrl train`` with 2 gloo ranks: rank 0 warm-starts, collects and reports; both ranks update on
+    their shares. Its first RL update equals the one-process run's (same episodes, same loss and gradient norm),
+    and only rank 0 writes the run directory."""
+    import json
+    import subprocess
+    import sys
+
+    overrides = ["model.name=tiny:pretrain_steps=0", "sft.demos=8", "sft.epochs=1", "sft.batch_size=4",
+                 "eval.tasks=2", "rollout.tasks_per_step=3", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                 "run.samples_per_step=0", "train.mini_batches=2", "train.micro_batch_size=2", "model.device=cpu",
+                 "run.progress=false", "algo.entropy_coef=0.01"]  # (a gradient even when every reward is 0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for world in (1, 2):
+        run_dir = tmp_path / f"world{world}"
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+                    if world > 1 else [sys.executable])
+        done = subprocess.run([*launcher, "-m", "ctxrl", "train", str(EXAMPLE), "--steps", "2", "--run-dir",
+                               str(run_dir), *overrides], capture_output=True, text=True, timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("success per split") == 1  # one table, from rank 0
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[world] = [r for r in rows if r.get("phase") == "rl"]
+    one, two = runs[1], runs[2]
+    assert len(one) == len(two) == 2
+    assert two[0]["reward"] == one[0]["reward"]  # rank 0 played the same episodes
+    assert one[0]["grad_norm"] > 0
+    for key in ("loss", "grad_norm", "entropy"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-7), key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["world1", "world2"]  # no directory from rank 1

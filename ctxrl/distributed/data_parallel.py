@@ -23,11 +23,14 @@ the weights (FSDP) is not implemented.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 64 << 20
+CONTROL_TIMEOUT_S = 3600
+"""How long a follower rank waits for the leader's next message (rollouts and evaluation run in between)."""
 
 
 class DataParallel:
@@ -40,6 +43,34 @@ class DataParallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self._control = None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def control(self):
+        """A gloo group for plain-data messages (rows, commands): on the CPU, with a long timeout, whatever the
+        tensors' backend. Created on first use, which every rank must reach together."""
+        if self._control is None:
+            self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+        return self._control
+
+    def broadcast_object(self, obj=None):
+        """The leader's ``obj`` on every rank (the leader passes it, the others pass nothing)."""
+        box = [obj if self.leader else None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """Give every rank the leader's parameters and buffers (after a warm start only the leader ran)."""
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0, group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
 
     @classmethod
     def from_environment(cls, device: torch.device | str | None = None) -> DataParallel | None:
@@ -48,6 +79,8 @@ class DataParallel:
             return None
         if not dist.is_initialized():
             cuda = device is not None and torch.device(device).type == "cuda"
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # "cuda" is this rank's own GPU
             dist.init_process_group("nccl" if cuda else "gloo")
         return cls()
 

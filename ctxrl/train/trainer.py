@@ -98,7 +98,8 @@ class Trainer:
     ``make_learner`` when RL starts.
     """
 
-    def __init__(self, config: Config, run_dir: str | Path, *, progress: Progress | None = None) -> None:
+    def __init__(self, config: Config, run_dir: str | Path, *, progress: Progress | None = None,
+                 parallel=None) -> None:
 
         self.config = config
         self.seeds = Seeds(config.run.seed)
@@ -119,8 +120,14 @@ class Trainer:
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
+        self.parallel = parallel
+        """Data-parallel learner ranks (``torchrun``): rank 0 (the leader) does everything else; the others only
+        take the leader's rows and update with it (``ctxrl.distributed.data_parallel``)."""
+        self.leader = parallel is None or parallel.leader
         d = config.distributed
-        if d.backend == "ray":  # rollout actors, each loading the model itself; the weights follow by load_weights
+        if not self.leader:  # a follower: no engine, no run directory
+            self.worker = None
+        elif d.backend == "ray":  # rollout actors, each loading the model itself; the weights follow by load_weights
             from ctxrl.distributed.pool import RayRolloutPool
 
             self.worker = RayRolloutPool(self.spec, workers=d.rollout_workers, address=d.address or None,
@@ -129,9 +136,11 @@ class Trainer:
             engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer)
             self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
         self._prefetched: tuple[int, Any] | None = None  # (step, submitted request): asynchronous rollouts
-        self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
-                                                          config=config.to_dict()))
-        self.writer.write_config(to_toml(config))
+        self.writer = None
+        if self.leader:
+            self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
+                                                              config=config.to_dict()))
+            self.writer.write_config(to_toml(config))
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum)
         self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config))
@@ -164,6 +173,16 @@ class Trainer:
         before RL is read back from ``metrics.jsonl``). RL checkpoints are written every
         ``train.checkpoint_every`` steps and when a signal stops the run.
         """
+        if not self.leader:
+            return self.follow()
+        if self.parallel is None:
+            return self._fit(resume)
+        try:
+            return self._fit(resume)
+        finally:
+            self._release_followers()
+
+    def _fit(self, resume: bool) -> dict[str, Any]:
         config, run_dir = self.config, self.writer.dir
         started = time.perf_counter()
         self.progress.message(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {self.device} | "
@@ -177,6 +196,7 @@ class Trainer:
                 if config.sft.enabled:
                     summary["sft_loss_last"] = self.warm_start()["sft_loss_last"]
                 before = self.evaluate(0)
+                self._start_followers()
                 self.make_learner()
                 first = 0
                 if every:  # the warm start is expensive: resumable from here on
@@ -220,6 +240,36 @@ class Trainer:
                         "plots": [str(p) for p in plots], "device": self.device,
                         "wall_seconds": round(time.perf_counter() - started, 1)})
         return summary
+
+    # -- data-parallel ranks ---------------------------------------------------------------------------
+    def _start_followers(self) -> None:
+        """Tell the follower ranks RL starts, and give them the (warm-started) weights."""
+        if self.parallel is not None:
+            self.parallel.broadcast_object(("start", None))
+            self.parallel.broadcast_module(self.model)
+            self._followers_started = True
+
+    def _release_followers(self) -> None:
+        """Tell the follower ranks the run is over (also when it failed: they would otherwise wait)."""
+        if self.parallel is not None and not getattr(self, "_followers_released", False):
+            self._followers_released = True
+            self.parallel.broadcast_object(("stop", None))
+
+    def follow(self) -> dict[str, Any]:
+        """A follower rank's run: take the leader's weights, then update on the leader's rows until told to stop."""
+        kind, _ = self.parallel.broadcast_object()
+        updates = 0
+        if kind == "start":
+            self.parallel.broadcast_module(self.model)
+            self.make_learner()
+            while True:
+                kind, rows = self.parallel.broadcast_object()
+                if kind != "update":
+                    break
+                if rows:
+                    self.learner.update(self.learner.collate(rows))
+                updates += 1
+        return {"follower": True, "rank": self.parallel.rank, "updates": updates}
 
     def _resume(self) -> tuple[int, dict[str, dict[str, float]]]:
         self.make_learner()
@@ -301,7 +351,7 @@ class Trainer:
         self.learner = Learner(self.model, optimizer, PPOSettings.from_config(self.config),
                                pad_token_id=self.tokenizer.pad_token_id, reference=reference,
                                precision=precision, seed=self.seeds.learner, critic=critic,
-                               critic_optimizer=critic_optimizer)
+                               critic_optimizer=critic_optimizer, parallel=self.parallel)
         return self.learner
 
     def save_final(self, name: str) -> Path:
@@ -464,6 +514,8 @@ class Trainer:
     def update(self, rows: list[TrainSequence], step: int) -> dict[str, float]:
         """Phase 4: PPO updates on the collated rows; the engine gets the new weights as version ``step + 1``."""
         learner = self.learner
+        if self.parallel is not None:  # the follower ranks train on their shares of the same rows
+            self.parallel.broadcast_object(("update", rows))
         update = learner.update(learner.collate(rows)) if rows else {}
         if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
             self.consecutive_skips += 1
@@ -512,14 +564,45 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
     """Check ``run_dir``, build a ``Trainer`` and ``fit`` it: what ``ctxrl train`` runs."""
     run_dir = Path(run_dir)
     progress = progress or Progress()
-    prepare_model(config.model.name, progress)
-    if resume and not (run_dir / "checkpoints").exists():
-        raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
-    metrics = run_dir / "metrics.jsonl"
-    if not resume and metrics.exists() and metrics.stat().st_size > 0:
-        raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with --resume, "
-                              "or choose another --run-dir: a new run would mix its logs with the old one's")
-    return Trainer(config, run_dir, progress=progress).fit(resume=resume)
+    parallel = data_parallel(config, resume)
+    problem = None
+    if parallel is None or parallel.leader:  # (the followers load what the leader prepared)
+        try:
+            prepare_model(config.model.name, progress)
+            if resume and not (run_dir / "checkpoints").exists():
+                raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
+            metrics = run_dir / "metrics.jsonl"
+            if not resume and metrics.exists() and metrics.stat().st_size > 0:
+                raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with "
+                                      "--resume, or choose another --run-dir: a new run would mix its logs with the "
+                                      "old one's")
+        except CtxrlError as exc:
+            problem = exc
+    if parallel is not None:
+        message = parallel.broadcast_object(None if problem is None else str(problem))
+        if message is not None and problem is None:
+            raise TrainingAborted(f"rank 0 stopped before training: {message}")
+    if problem is not None:
+        raise problem
+    return Trainer(config, run_dir, progress=progress, parallel=parallel).fit(resume=resume)
+
+
+def data_parallel(config: Config, resume: bool = False):
+    """The learner's data-parallel ranks when ``torchrun`` started this process (``WORLD_SIZE`` > 1), else None."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if config.distributed.backend != "none":
+        raise ConfigError("a data-parallel learner (torchrun) runs its rollouts in rank 0's process; it cannot be "
+                          f"combined with distributed.backend={config.distributed.backend!r} yet")
+    if resume:
+        raise ConfigError("--resume under torchrun is not supported yet: resume the run in one process (the "
+                          "checkpoint is the same whatever the number of learner ranks)")
+    from ctxrl.distributed.data_parallel import DataParallel
+    from ctxrl.models.loader import resolve_device
+
+    return DataParallel.from_environment(resolve_device(config.model.device))
 
 
 def check_template_segments(config: Config, renderer) -> None:
