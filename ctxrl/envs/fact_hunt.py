@@ -1,10 +1,12 @@
-"""The ``fact_hunt`` environment: read a trail of pages; the answer combines the first page's fact and the last's.
+"""The ``fact_hunt`` environment: read a trail of pages; the answer is the first page's fact and the last's.
 
 Each task hides a trail of ``pages`` pages. The prompt names the first page; the ``read`` tool
 returns a page's lines in a shuffled order: its fact (``code 731``), ``distractors`` other
 numbers (``other 482``), ``filler`` words of text, and where the trail goes (``next P4821``, or
-``end`` on the last page). The answer is **the sum of the first page's code and the last page's
-code**: ``<answer>1213</answer>``.
+``end`` on the last page). The answer is **the first page's code and the last page's code**, in
+that order: ``<answer>731 482</answer>``. (Joined rather than summed: the task is about carrying a
+fact through a long episode, and a small model that cannot add three-digit numbers could then not
+show it; the check reads the numbers of the answer, so ``731, 482`` is right too.)
 
 Why it exists: it is the task where keeping only the newest turns fails by construction. The
 first code is seen once, in the first observation, and is needed only at the end, after every
@@ -17,8 +19,8 @@ Context: ``pages`` (train 2-4, ood 6-8), ``distractors`` (other numbers per page
 and ``filler`` (words of filler text per page, 0-12; ood 8-16: longer observations fill a budget
 sooner). An episode needs ``pages + 1`` turns, so set ``env.max_turns`` accordingly.
 
-Reward: 1 for the right sum in ``<answer>...</answer>``, else 0; the episode ends at the first turn
-without a tool call. Reading an unknown page is an ``Error:`` observation.
+Reward: 1 when the numbers in ``<answer>...</answer>`` are the first and the last code, else 0; the
+episode ends at the first turn without a tool call. Reading an unknown page is an ``Error:`` observation.
 
 Scripted summaries (``summary``, for warm-start demos under ``context.manager=summarize``):
 ``Pages read: 2. First code: 731. Next page: P4821.``, and after the last page
@@ -40,9 +42,9 @@ from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.types import Message, Task
 
-PROMPTS = ("Read the pages from {start} to the end with the read tool. Answer the first page's code plus the last "
+PROMPTS = ("Read the pages from {start} to the end with the read tool. Answer the first page's code and the last "
            "page's code.",
-           "Start at page {start} and follow the trail to its last page. What is the first code plus the last code?")
+           "Start at page {start} and follow the trail to its last page. What are the first code and the last code?")
 WORDS = ("the", "river", "old", "map", "shows", "a", "quiet", "town", "near", "hills", "where", "people", "trade",
          "wool", "and", "salt", "every", "spring")
 
@@ -71,7 +73,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
         lines.append(f"next {trail[i + 1]}" if i + 1 < n else "end")
         pages[name] = "\n".join(lines)
     prompt = rng.choice(PROMPTS).format(start=trail[0])
-    return prompt, str(codes[0] + codes[n - 1]), {"pages": pages, "trail": trail, "codes": codes[:n]}
+    return prompt, f"{codes[0]} {codes[n - 1]}", {"pages": pages, "trail": trail, "codes": codes[:n]}
 
 
 _CARRIED = (r"Pages read: (\d+)", r"First code: (\d+)", r"Next page: (P\d+)")
@@ -87,11 +89,11 @@ def _code(text: str) -> str | None:
 
 @register("fact_hunt")
 class FactHuntEnv(ToolAnswerEnv):
-    """Read ``pages`` pages through the ``read`` tool; reward 1 for the first code plus the last code."""
+    """Read ``pages`` pages through the ``read`` tool; reward 1 for the first code and the last code."""
 
     name: ClassVar[str] = "fact_hunt"
-    system_prompt: ClassVar[str] = ("Use the read tool to follow the pages. Reply with <answer>N</answer>, the first "
-                                    "page's code plus the last page's code.")
+    system_prompt: ClassVar[str] = ("Use the read tool to follow the pages. Reply with <answer>FIRST LAST</answer>: "
+                                    "the first page's code and the last page's code.")
     heldout_fraction: ClassVar[float] = 0.2
     context_space: ClassVar[ContextSpace] = ContextSpace([
         ContextParam("pages", "int", low=2, high=4, default=3, ood_low=6, ood_high=8,
@@ -120,11 +122,11 @@ class FactHuntEnv(ToolAnswerEnv):
         return pages[page]
 
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
-        return given.strip() == task.answer, {}
+        return re.findall(r"\d+", given) == task.answer.split(), {}
 
     @classmethod
     def solve(cls, task: Task) -> list[str]:
-        """One ``read`` per page of the trail, then the sum."""
+        """One ``read`` per page of the trail, then the two codes."""
         trail = task.data.get("trail")
         if not isinstance(trail, list) or not trail:
             raise EnvError(f"task {task.id} has no data['trail']; fact_hunt tasks need it to be solved")
