@@ -4,6 +4,7 @@ Two experiments, one command each (results in ``--out``: ``summary.json``, ``tab
 
     python experiments/meta.py reflection                          # minesweeper, tiny model, CPU
     python experiments/meta.py reflection --env bandit
+    python experiments/meta.py reflection --env codebreak --model tiny:envs=calculator+codebreak
     python experiments/meta.py demos                               # python_math, no warm start
     python experiments/meta.py reflection --model Qwen/Qwen2.5-0.5B-Instruct --steps 100 model.dtype=bfloat16
     python experiments/meta.py summarize runs/seed0 runs/seed1 runs/seed2    # mean table over reflection runs
@@ -48,6 +49,7 @@ MODELS = {"reflection": "tiny:envs=calculator+minesweeper+bandit",
 ENV_OVERRIDES = {
     "minesweeper": ["env.max_turns=6", "rollout.max_new_tokens=48", "rollout.max_total_tokens=1536"],
     "bandit": ["env.max_turns=8", "rollout.max_new_tokens=32", "rollout.max_total_tokens=1536"],
+    "codebreak": ["env.max_turns=6", "rollout.max_new_tokens=32", "rollout.max_total_tokens=1536"],
     "python_math": ["env.max_turns=4", "rollout.max_new_tokens=160", "rollout.max_total_tokens=2048"],
 }
 COMMON = ["run.progress=false", "train.eval_every=0", "rollout.tasks_per_step=4", "rollout.group_size=4",
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=("reflection", "demos", "summarize"),
                         help="summarize: a table over the --out directories of reflection runs given as arguments")
-    parser.add_argument("--env", help="reflection: minesweeper (default) or bandit; demos: python_math (default)")
+    parser.add_argument("--env", help="reflection: minesweeper (default), bandit or codebreak; "
+                                      "demos: python_math (default)")
     parser.add_argument("--model", help="default: the tiny model pre-trained on the experiment's environments")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per trained arm (default 12; demos 40)")
     parser.add_argument("--attempts", type=int, default=3, help="K, attempts per trial")
