@@ -80,8 +80,26 @@ def test_a_failed_attempts_note_finishes_the_second_attempt():
         note = CodebreakEnv.reflection(task, transcript)
         assert note.startswith("Known: ")
         second = _play(env, task, CodebreakEnv.solve_after(task, note))
+        assert first.reward == 0.0, task.data["code"]  # the scripted first attempt always fails
         symbols, guesses = task.context["symbols"], task.context["guesses"]
         if symbols <= 2 * guesses:
             assert second.reward == 1.0, (task.data["code"], note)
         needed_two += first.reward == 0.0 and second.reward == 1.0
     assert needed_two >= len(tasks) // 2  # for most tasks one attempt is not enough and two are
+
+
+def test_a_win_stays_a_win_and_a_repeated_digit_code_still_fails_its_probe():
+    from ctxrl.chat.toolcalls import format_tool_call
+    from ctxrl.types import Task
+
+    task = Task(id="t", prompt="p", answer="222", data={"code": "222"},
+                context={"length": 3, "symbols": 5, "guesses": 3})
+    env = CodebreakEnv()
+    env.reset(task)
+    both = parse_assistant(format_tool_call("guess", {"code": "222"}) + "\n"
+                           + format_tool_call("guess", {"code": "111"}))
+    result = asyncio.run(env.step(both))
+    assert result.terminated and result.reward == 1.0  # the second call of the turn cannot undo the win
+    assert "already found" in result.messages[1].content
+    probes = [parse_assistant(t).tool_calls[0].arguments["code"] for t in CodebreakEnv.failure(task)]
+    assert probes == ["111", "333", "444"] and _play(env, task, CodebreakEnv.failure(task)).reward == 0.0

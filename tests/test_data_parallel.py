@@ -17,7 +17,7 @@ from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.types import Episode, Task
 
 EXAMPLE = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "calculator_tiny.toml"
-LENGTHS = [12, 5, 9, 3, 14, 7, 4]  # 7 rows: shares of 4 and 3 rows, 27 and 27 tokens... see the shard test
+LENGTHS = [12, 5, 9, 3, 14, 7, 4]  # 7 rows: shares of 3 and 4 rows, 26 and 28 tokens (test_shares_...)
 CASES = {
     "token-mean": dict(agg="token-mean", mini_batches=2, micro_batch_size=2, old_logprobs="recompute"),
     "seq-mean": dict(agg="seq-mean-token-sum-norm", mini_batches=1, micro_batch_size=3),
@@ -48,11 +48,15 @@ def _batch(vocab: int):
 
 def _update(case: str, parallel=None):
     model = _model()
+    # a parameter no forward pass uses: no rank has its gradient, so AdamW (with weight decay) must skip it on every
+    # rank as it does in one process
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(3, dtype=torch.float64)))
     settings = PPOSettings(logprob_chunk_tokens=4, flat_forward="off", **CASES[case])
-    learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), settings, pad_token_id=0, seed=5,
-                      parallel=parallel)
+    learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), settings,
+                      pad_token_id=0, seed=5, parallel=parallel)
     metrics = learner.update(_batch(model.config.vocab_size))
-    return metrics, torch.cat([p.detach().flatten() for p in model.parameters()])
+    metrics["unused_after"] = model.unused.detach().tolist()
+    return metrics, torch.cat([p.detach().flatten() for name, p in model.named_parameters() if name != "unused"])
 
 
 def _rank(rank: int, world: int, init: str, out: str) -> None:
@@ -79,10 +83,13 @@ def two_ranks(tmp_path_factory):
 def test_two_ranks_take_exactly_the_single_process_update(two_ranks, case):
     want_metrics, want_weights = _update(case)
     before = torch.cat([p.detach().flatten() for p in _model().parameters()])
-    assert not torch.allclose(want_weights, before)
+    assert not torch.allclose(want_weights, before) and want_metrics["unused_after"] == [1.0, 1.0, 1.0]
     for rank_metrics, rank_weights in (r[case] for r in two_ranks):
         torch.testing.assert_close(rank_weights, want_weights, atol=1e-10, rtol=1e-9)
+        assert rank_metrics.pop("unused_after") == [1.0, 1.0, 1.0]  # no gradient anywhere: not decayed either
         for key, value in want_metrics.items():
+            if key == "unused_after":
+                continue
             # recomputed old log-probs are kept as float32 per row (per_token_rows): a row computed in another
             # micro-batch may round differently there, which the TIS weights (exp of the difference) show
             rel = 1e-6 if key.startswith("tis_") else 1e-8

@@ -87,6 +87,7 @@ def test_summaries_carry_the_first_code_through_restarts_to_the_answer():
     assert FactHuntEnv.summary(task, [Message(role="user", content=second)]) == second  # nothing new read
     final = FactHuntEnv.summary(task, [Message(role="user", content=second)] + _reads(task, trail[4:]))
     assert final == f"Pages read: {len(trail)}. First code: {codes[0]}. Last code: {codes[-1]}."
+    assert FactHuntEnv.summary(task, [Message(role="user", content=final)]) == final  # summarised again: kept
     found = dict(re.findall(r"(First|Last) code: (\d+)", final))
     assert f"{found['First']} {found['Last']}" == task.answer  # the final summary alone answers it
 

@@ -86,8 +86,8 @@ def test_hidden_states_equal_the_hf_forward_pass_at_every_real_position(family):
 
 @pytest.mark.parametrize("family,checkpointing", [("qwen2", False), ("qwen2", True), ("llama", False),
                                                   ("qwen3", True)])
-@pytest.mark.parametrize("chunk", [0, 5])
-def test_logprobs_entropy_and_gradients_equal_the_padded_hf_path(family, checkpointing, chunk):
+@pytest.mark.parametrize("chunk,entropy_coef", [(0, 0.01), (5, 0.01), (5, 0.0)])  # (0.0: the fused head)
+def test_logprobs_entropy_and_gradients_equal_the_padded_hf_path(family, checkpointing, chunk, entropy_coef):
     model = _build(family)
     lengths = [9, 4, 13, 6, 3, 13]
     batch = collate(_episodes(model.config.vocab_size, lengths), 0, advantages=[1.0, -1.0, 0.5, 2.0, -0.5, 1.0])
@@ -96,10 +96,10 @@ def test_logprobs_entropy_and_gradients_equal_the_padded_hf_path(family, checkpo
         m = copy.deepcopy(model).train()
         if checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        settings = PPOSettings(logprob_chunk_tokens=chunk, flat_forward=mode, entropy_coef=0.01)
+        settings = PPOSettings(logprob_chunk_tokens=chunk, flat_forward=mode, entropy_coef=entropy_coef)
         assert (training_decoder(m, mode) is None) == (mode == "off")
         lp, ent = settings.logprobs(m, batch, with_entropy=True)
-        loss = -(lp * batch.advantages * batch.loss_mask).sum() - 0.01 * (ent * batch.loss_mask).sum()
+        loss = -(lp * batch.advantages * batch.loss_mask).sum() - entropy_coef * (ent * batch.loss_mask).sum()
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         results.append((lp.detach(), ent.detach(), grads))
@@ -154,6 +154,23 @@ def test_auto_uses_the_hf_path_off_cuda_and_on_refuses_what_it_cannot_run():
     dropout.config.attention_dropout = 0.1
     with pytest.raises(ConfigError, match="attention dropout"):
         training_decoder(dropout, "on")
+
+
+def test_a_mask_past_a_rows_end_is_refused_not_scored_on_the_next_sequence():
+    from ctxrl.train.logprobs import flat_token_logprobs
+
+    model = _build("qwen2")
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # row 0 has 3 tokens: its last prediction is column 1
+    with pytest.raises(ValueError, match="past its row's last token"):
+        flat_token_logprobs(FlatDecoder(model), ids, torch.tensor([3, 4]), mask=mask)
+
+
+def test_a_sliding_window_shorter_than_the_sequences_sends_them_to_the_hf_pass():
+    decoder = FlatDecoder(_build("llama"))
+    assert decoder.window is None and decoder.fits(10_000)
+    decoder.window = 8
+    assert decoder.fits(8) and not decoder.fits(9)
 
 
 def test_a_decoder_that_does_not_reproduce_the_model_is_refused(monkeypatch):

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 64 << 20
-CONTROL_TIMEOUT_S = 3600
-"""How long a follower rank waits for the leader's next message (rollouts and evaluation run in between)."""
+CONTROL_TIMEOUT_S = 7 * 24 * 3600
+"""How long a follower rank waits for the leader's next message (the warm start, rollouts and evaluations run in
+between). Long on purpose: if the leader dies, torchrun ends the other ranks anyway."""
 
 
 class DataParallel:
@@ -101,9 +102,17 @@ class DataParallel:
         return tensor
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
-        """Sum the ``.grad`` of ``params`` across ranks (a missing gradient counts as zeros), in buckets."""
+        """Sum the ``.grad`` of ``params`` across ranks, in buckets. A parameter with a gradient on some rank gets
+        the sum (zeros where a rank had none); one with a gradient on no rank keeps ``None``, as it would in one
+        process (AdamW then leaves it alone: no weight decay, no moment update)."""
+        if not params:
+            return
+        device = params[0].device
+        has = self.sum_(torch.tensor([float(p.grad is not None) for p in params], device=device)).tolist()
         grads = []
-        for p in params:
+        for p, anywhere in zip(params, has):
+            if not anywhere:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)

@@ -127,11 +127,13 @@ class CodebreakEnv(ToolAnswerEnv):
         length, symbols = self._task.context["length"], self._task.context["symbols"]
         if len(code) != length or any(not ch.isdigit() or not 1 <= int(ch) <= symbols for ch in code):
             raise ValueError(f"a guess is {length} digits, each 1..{symbols}; got {code!r}")
+        if self._solved:
+            raise ValueError("the code is already found")
         if self._used >= self._task.context["guesses"]:
             raise ValueError("no guesses left")
         self._used += 1
         marks = feedback(self._task.data["code"], code)
-        self._solved = marks == "=" * length
+        self._solved = marks == "=" * length  # (a later call of the same turn is refused: a win stays a win)
         self.note_action(f"guess {code}", failed=not self._solved)
         left = self._task.context["guesses"] - self._used
         return f"{marks} ({left} guesses left)"
@@ -154,11 +156,15 @@ class CodebreakEnv(ToolAnswerEnv):
 
     @classmethod
     def failure(cls, task: Task) -> list[str]:
-        """A first attempt that probes one digit at a time (1111, 2222, ...) until its guesses run out."""
+        """A first attempt that probes one digit at a time (1111, 2222, ...) until its guesses run out; it never
+        finds the code."""
         if "code" not in task.data:
             raise EnvError(f"task {task.id} has no data['code']; draw codebreak tasks with sample_tasks")
-        length, guesses = task.context["length"], task.context["guesses"]
-        return [format_tool_call("guess", {"code": str(d) * length}) for d in range(1, guesses + 1)]
+        length, guesses, symbols = task.context["length"], task.context["guesses"], task.context["symbols"]
+        code = task.data["code"]
+        # (a code of one repeated digit would be found by its probe: probe the digits after it instead)
+        digits = [d for d in range(1, symbols + 1) if str(d) * length != code][:guesses]
+        return [format_tool_call("guess", {"code": str(d) * length}) for d in digits]
 
     @classmethod
     def reflection(cls, task: Task, messages: list[Message]) -> str:

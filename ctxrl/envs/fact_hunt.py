@@ -76,7 +76,7 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
     return prompt, f"{codes[0]} {codes[n - 1]}", {"pages": pages, "trail": trail, "codes": codes[:n]}
 
 
-_CARRIED = (r"Pages read: (\d+)", r"First code: (\d+)", r"Next page: (P\d+)")
+_CARRIED = (r"Pages read: (\d+)", r"First code: (\d+)", r"Next page: (P\d+)", r"Last code: (\d+)")
 
 
 def _code(text: str) -> str | None:
@@ -142,13 +142,16 @@ class FactHuntEnv(ToolAnswerEnv):
         """
         reads = [m.content for m in messages
                  if m.role == "tool" and m.name == "read" and not m.content.startswith("Error")]
-        done, first, carried = 0, None, "?"
+        done, first, carried, ended = 0, None, "?", None
         for m in messages:  # a summary from before: "Pages read: 2. First code: 731. Next page: P4821."
             if m.role == "user" and "Pages read:" in m.content:
-                count, code, nxt = (re.search(pattern, m.content) for pattern in _CARRIED)
+                count, code, nxt, last_code = (re.search(pattern, m.content) for pattern in _CARRIED)
                 done = int(count.group(1)) if count else done
                 first = code.group(1) if code else first
                 carried = nxt.group(1) if nxt else carried
+                ended = last_code.group(1) if last_code else ended
+        if not reads and ended is not None:  # the trail had ended before: nothing new to add
+            return f"Pages read: {done}. First code: {first}. Last code: {ended}."
         if not reads and first is None:
             trail = task.data.get("trail") or ["?"]
             return f"No pages read yet. Next page: {trail[0]}."

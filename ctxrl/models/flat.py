@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ctxrl.models.fused import Fused
-from ctxrl.models.layout import norm_args, unsupported_reason
+from ctxrl.models.layout import norm_args, rope_type, unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,23 @@ class FlatDecoder:
         self.q_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.q_heads
         self.scaling = attn.scaling
+        window = getattr(config, "sliding_window", None)
+        self.window = int(window) if window and getattr(config, "use_sliding_window", True) else None
+        """Sequences longer than a sliding window are not for this pass (``fits``): the HF pass applies the window."""
+        self.exact_rotary = rope_type(config) == "longrope"  # its tables depend on the length: never rounded up
         self._cos = self._sin = None
+
+    def fits(self, longest: int) -> bool:
+        """Whether sequences of ``longest`` tokens run here exactly (not past a sliding window)."""
+        return self.window is None or longest <= self.window
 
     def rotary(self, positions: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[N, 1, head_dim]`` of each token's position, by the model's own rotary module."""
-        if self._cos is None or self._cos.shape[0] < longest:
-            size = 1 << max(longest - 1, 1).bit_length()  # grown by powers of two: few recomputations
+        stale = self._cos is None or self._cos.shape[0] < longest or (self.exact_rotary and
+                                                                      self._cos.shape[0] != longest)
+        if stale:
+            # grown by powers of two: few recomputations (longrope: exactly ``longest``, as HF computes it)
+            size = longest if self.exact_rotary else 1 << max(longest - 1, 1).bit_length()
             param = self.inner.embed_tokens.weight
             with torch.no_grad():
                 probe = torch.zeros(1, dtype=param.dtype, device=param.device)
@@ -163,26 +174,28 @@ _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def training_decoder(model, mode: str) -> FlatDecoder | None:
     """The ``FlatDecoder`` the learner uses for ``model`` under ``train.flat_forward = mode``, or None (the HF path).
 
-    ``auto``: on CUDA, for a supported model that the check reproduces; ``on``: wherever supported (an error
-    names why not); ``off``: never. Built once per model.
+    ``auto``: on CUDA in bf16/fp16 where torch has the variable-length flash kernel, for a supported model that
+    the check reproduces; ``on``: wherever supported (an error names why not); ``off``: never. Built once per
+    model.
     """
     if mode not in MODES:
         raise ValueError(f"train.flat_forward must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "off":
         return None
-    device = next(model.parameters()).device
-    if mode == "auto" and device.type != "cuda":
-        return None
+    param = next(model.parameters())
+    if mode == "auto" and (param.device.type != "cuda" or param.dtype not in (torch.bfloat16, torch.float16)
+                           or _varlen() is None):
+        return None  # (auto: only where the variable-length flash kernel runs; elsewhere HF's pass is faster)
     if model not in _DECODERS:
-        _DECODERS[model] = _checked_decoder(model, device)
+        _DECODERS[model] = _checked_decoder(model, param.device)
+        if _DECODERS[model][0] is None and mode == "auto":
+            log.info("learner: the HF forward pass (flat forward unavailable: %s)", _DECODERS[model][1])
     decoder, reason = _DECODERS[model]
     if decoder is None and mode == "on":
         from ctxrl.errors import ConfigError
 
         raise ConfigError(f"train.flat_forward=on, but {type(model).__name__} cannot use it: {reason}; set "
                           "train.flat_forward=auto (or off) to train through the HF forward pass")
-    if decoder is None:
-        log.info("learner: the HF forward pass (flat forward unavailable: %s)", reason)
     return decoder
 
 

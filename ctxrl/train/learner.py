@@ -97,7 +97,7 @@ class PPOSettings:
         and the results come back in ``micro``'s padded layout; with a flat decoder (``flat_forward``) they run laid
         end to end."""
         decoder = training_decoder(model, self.flat_forward)
-        if decoder is not None:
+        if decoder is not None and decoder.fits(int(micro.lengths.max())):  # (else a sliding window: HF's pass)
             return flat_token_logprobs(decoder, micro.input_ids, micro.lengths, mask=micro.loss_mask,
                                        temperature=self.temperature, chunk=self.logprob_chunk_tokens,
                                        with_entropy=with_entropy, entropy_grad=self.entropy_coef > 0)
@@ -147,6 +147,7 @@ class Learner:
         self.parallel = parallel
         """A ``ctxrl.distributed.data_parallel.DataParallel``: this rank trains on its share of each mini-batch's
         rows, the loss normalised by the whole mini-batch's counts, gradients and figures summed across ranks."""
+        training_decoder(model, settings.flat_forward)  # decided now, on every rank alike (an error here, not later)
 
     @property
     def device(self) -> torch.device:
@@ -232,6 +233,8 @@ class Learner:
                                       value_count=value_count)
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
             sums = self.parallel.sum_figures({k: sums.get(k, 0.0) for k in self._figure_keys()}, self.device)
+            if self.precision.scaler is not None:  # (a rank that scaled no loss yet must still unscale with the rest)
+                self.precision.scaler.scale(torch.zeros((), device=self.device))
         return self._mini_batch_metrics(sums, tokens)
 
     def _my_rows(self, batch: Batch) -> list[int]:

@@ -77,6 +77,10 @@ def flat_token_logprobs(decoder, input_ids: torch.Tensor, lengths: torch.Tensor,
     if temperature <= 0:
         temperature = 1.0
     flat = flatten(input_ids, lengths)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    if bool((mask.bool() & (columns.unsqueeze(0) >= lengths.to(mask.device).unsqueeze(1) - 1)).any()):
+        raise ValueError("a mask entry lies past its row's last token: the flat layout would score the next "
+                         "sequence's token there")
     with attention_kernels(input_ids.device):
         hidden = decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest)
     wanted = mask.bool()

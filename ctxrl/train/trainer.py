@@ -25,6 +25,7 @@ warm-start policy (off by default), no value function (docs/algorithms.md).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -60,6 +61,8 @@ from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.warm_start import check_trial_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
+
+log = logging.getLogger(__name__)
 
 
 class TrainingAborted(RuntimeError):
@@ -245,21 +248,26 @@ class Trainer:
     def _start_followers(self) -> None:
         """Tell the follower ranks RL starts, and give them the (warm-started) weights."""
         if self.parallel is not None:
-            self.parallel.broadcast_object(("start", None))
+            scaler = self.policy.precision.scaler  # (the warm start may have moved the loss scale: rank 0's holds)
+            self.parallel.broadcast_object(("start", None if scaler is None else scaler.state_dict()))
             self.parallel.broadcast_module(self.model)
-            self._followers_started = True
 
     def _release_followers(self) -> None:
         """Tell the follower ranks the run is over (also when it failed: they would otherwise wait)."""
         if self.parallel is not None and not getattr(self, "_followers_released", False):
             self._followers_released = True
-            self.parallel.broadcast_object(("stop", None))
+            try:
+                self.parallel.broadcast_object(("stop", None))
+            except Exception as exc:  # noqa: BLE001 - never hide the error that ended the run
+                log.warning("could not tell the follower ranks to stop (%s); torchrun ends them with this rank", exc)
 
     def follow(self) -> dict[str, Any]:
         """A follower rank's run: take the leader's weights, then update on the leader's rows until told to stop."""
-        kind, _ = self.parallel.broadcast_object()
+        kind, scaler_state = self.parallel.broadcast_object()
         updates = 0
         if kind == "start":
+            if scaler_state is not None:
+                self.policy.precision.scaler.load_state_dict(scaler_state)
             self.parallel.broadcast_module(self.model)
             self.make_learner()
             while True:
@@ -576,7 +584,7 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
                 raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with "
                                       "--resume, or choose another --run-dir: a new run would mix its logs with the "
                                       "old one's")
-        except CtxrlError as exc:
+        except Exception as exc:  # noqa: BLE001 - the followers must hear of any failure, then it is raised here
             problem = exc
     if parallel is not None:
         message = parallel.broadcast_object(None if problem is None else str(problem))
