@@ -40,3 +40,26 @@ def renderer(tokenizer):
     from ctxrl.chat.render import ChatRenderer
 
     return ChatRenderer(tokenizer, template_name="tiny")
+
+
+def _scored_episodes(vocab: int, lengths: list[int], seed: int = 0):
+    """Episodes of random ids of the given lengths: the first third prompt, the rest sampled with random
+    behaviour log-probs (the learner's inputs, for tests of its forward passes)."""
+    from ctxrl.types import Episode, Task
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        prompt = max(1, n // 3)
+        behaviour = (-torch.rand(n, generator=g)).tolist()
+        out.append(Episode(task=Task(id=str(i), prompt="p", answer="a"), input_ids=ids,
+                           loss_mask=[0] * prompt + [1] * (n - prompt),
+                           behavior_logprobs=[0.0] * prompt + behaviour[prompt:], turn_index=[0] * n))
+    return out
+
+
+@pytest.fixture(scope="session")
+def scored_episodes():
+    """``scored_episodes(vocab, lengths, seed=0)``: random episodes for the learner's tests."""
+    return _scored_episodes

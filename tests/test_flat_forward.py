@@ -16,7 +16,6 @@ from ctxrl.models.flat import FlatDecoder, training_decoder
 from ctxrl.train.batch import collate
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.packing import flatten
-from ctxrl.types import Episode, Task
 
 
 def _build(family: str, seed: int = 0):
@@ -40,19 +39,6 @@ def _build(family: str, seed: int = 0):
         config = transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **common)
         return transformers.Qwen3ForCausalLM(config).double()
     raise ValueError(family)
-
-
-def _episodes(vocab: int, lengths: list[int], seed: int = 0) -> list[Episode]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-        prompt = max(1, n // 3)
-        behaviour = (-torch.rand(n, generator=g)).tolist()
-        out.append(Episode(task=Task(id=str(i), prompt="p", answer="a"), input_ids=ids,
-                           loss_mask=[0] * prompt + [1] * (n - prompt),
-                           behavior_logprobs=[0.0] * prompt + behaviour[prompt:], turn_index=[0] * n))
-    return out
 
 
 def test_flatten_lays_rows_end_to_end_with_restarting_positions_by_hand():
@@ -87,10 +73,11 @@ def test_hidden_states_equal_the_hf_forward_pass_at_every_real_position(family):
 @pytest.mark.parametrize("family,checkpointing", [("qwen2", False), ("qwen2", True), ("llama", False),
                                                   ("qwen3", True)])
 @pytest.mark.parametrize("chunk,entropy_coef", [(0, 0.01), (5, 0.01), (5, 0.0)])  # (0.0: the fused head)
-def test_logprobs_entropy_and_gradients_equal_the_padded_hf_path(family, checkpointing, chunk, entropy_coef):
+def test_logprobs_entropy_and_gradients_equal_the_padded_hf_path(family, checkpointing, chunk, entropy_coef,
+                                                                 scored_episodes):
     model = _build(family)
     lengths = [9, 4, 13, 6, 3, 13]
-    batch = collate(_episodes(model.config.vocab_size, lengths), 0, advantages=[1.0, -1.0, 0.5, 2.0, -0.5, 1.0])
+    batch = collate(scored_episodes(model.config.vocab_size, lengths), 0, advantages=[1.0, -1.0, 0.5, 2.0, -0.5, 1.0])
     results = []
     for mode in ("off", "on"):
         m = copy.deepcopy(model).train()
@@ -113,9 +100,9 @@ def test_logprobs_entropy_and_gradients_equal_the_padded_hf_path(family, checkpo
     assert g_a.abs().sum() > 0
 
 
-def test_a_learner_update_through_the_flat_forward_matches_the_hf_update():
+def test_a_learner_update_through_the_flat_forward_matches_the_hf_update(scored_episodes):
     model = _build("qwen2")
-    batch = collate(_episodes(model.config.vocab_size, [12, 5, 8, 3, 10], seed=2), 0,
+    batch = collate(scored_episodes(model.config.vocab_size, [12, 5, 8, 3, 10], seed=2), 0,
                     advantages=[1.0, -1.0, 0.5, -0.5, 0.25])
     out = []
     for mode in ("off", "on"):

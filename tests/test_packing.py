@@ -10,7 +10,6 @@ import torch
 from ctxrl.train.batch import collate
 from ctxrl.train.learner import PPOSettings
 from ctxrl.train.packing import bins, pack
-from ctxrl.types import Episode, Task
 
 
 def test_bins_fill_rows_first_fit_by_decreasing_length_never_past_the_longest():
@@ -35,23 +34,10 @@ def test_pack_layout_positions_and_mask_by_hand():
     assert back.tolist() == [[0.0, 1.0, 0.0], [4.0, 0.0, 0.0], [8.0, 9.0, 10.0]]  # only real predictions survive
 
 
-def _episodes(vocab: int, lengths: list[int]) -> list[Episode]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-        prompt = max(1, n // 3)
-        behaviour = (-torch.rand(n, generator=g)).tolist()
-        out.append(Episode(task=Task(id=str(i), prompt="p", answer="a"), input_ids=ids,
-                           loss_mask=[0] * prompt + [1] * (n - prompt),
-                           behavior_logprobs=[0.0] * prompt + behaviour[prompt:], turn_index=[0] * n))
-    return out
-
-
 @pytest.mark.parametrize("chunk", [0, 4])
-def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(model, chunk):
+def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(model, chunk, scored_episodes):
     lengths = [9, 4, 13, 6, 3, 13]
-    batch = collate(_episodes(model.config.vocab_size, lengths), 0, advantages=[1.0, -1.0, 0.5, 2.0, -0.5, 1.0])
+    batch = collate(scored_episodes(model.config.vocab_size, lengths), 0, advantages=[1.0, -1.0, 0.5, 2.0, -0.5, 1.0])
     results = []
     for packed in (False, True):
         m = copy.deepcopy(model).double().train()
@@ -68,10 +54,10 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_ones(model, chun
     assert torch.allclose(g_a, g_b, atol=1e-9) and g_a.abs().sum() > 0
 
 
-def test_a_learner_update_with_packing_matches_the_padded_update(model):
+def test_a_learner_update_with_packing_matches_the_padded_update(model, scored_episodes):
     from ctxrl.train.learner import Learner
 
-    batch = collate(_episodes(model.config.vocab_size, [12, 5, 8, 3]), 0, advantages=[1.0, -1.0, 0.5, -0.5])
+    batch = collate(scored_episodes(model.config.vocab_size, [12, 5, 8, 3]), 0, advantages=[1.0, -1.0, 0.5, -0.5])
     out = []
     for packed in (False, True):
         m = copy.deepcopy(model).double()
