@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import _scored_episodes  # (a plain function: the spawned ranks import this module too)
 
 from ctxrl.distributed.data_parallel import DataParallel
 from ctxrl.train.batch import collate
 from ctxrl.train.learner import Learner, PPOSettings
-from ctxrl.types import Episode, Task
 
 EXAMPLE = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "calculator_tiny.toml"
 LENGTHS = [12, 5, 9, 3, 14, 7, 4]  # 7 rows: shares of 3 and 4 rows, 26 and 28 tokens (test_shares_...)
@@ -34,16 +34,7 @@ def _model():
 
 
 def _batch(vocab: int):
-    g = torch.Generator().manual_seed(4)
-    rows = []
-    for i, n in enumerate(LENGTHS):
-        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-        prompt = max(1, n // 3)
-        behaviour = (-torch.rand(n, generator=g)).tolist()
-        rows.append(Episode(task=Task(id=str(i), prompt="p", answer="a"), input_ids=ids,
-                            loss_mask=[0] * prompt + [1] * (n - prompt),
-                            behavior_logprobs=[0.0] * prompt + behaviour[prompt:], turn_index=[0] * n))
-    return collate(rows, 0, advantages=[1.0, -1.0, 0.5, -0.5, 2.0, 0.25, -1.5])
+    return collate(_scored_episodes(vocab, LENGTHS, seed=4), 0, advantages=[1.0, -1.0, 0.5, -0.5, 2.0, 0.25, -1.5])
 
 
 def _update(case: str, parallel=None):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ctxrl.models.fused import Fused
+from ctxrl.models.fused import Fused, rotated_qkv
 from ctxrl.models.layout import norm_args, rope_type, unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -109,15 +109,9 @@ class FlatDecoder:
         return x + mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
 
     def _attention(self, attn, h, cos, sin, cu_seqlens, longest):
-        n = h.shape[0]
-        q = attn.q_proj(h).view(n, self.q_heads, self.head_dim)
-        k = attn.k_proj(h).view(n, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(n, self.kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
-            q, k = self.fused.rms_norm(q, *norm_args(attn.q_norm)), self.fused.rms_norm(k, *norm_args(attn.k_norm))
-        q, k = self.fused.rotate(q, cos, sin), self.fused.rotate(k, cos, sin)
+        q, k, v = rotated_qkv(self.fused, attn, h, cos, sin, self.q_heads, self.kv_heads, self.head_dim)
         out = causal_attention(q, k, v, cu_seqlens, longest, self.scaling)
-        return attn.o_proj(out.reshape(n, self.q_heads * self.head_dim))
+        return attn.o_proj(out.reshape(h.shape[0], self.q_heads * self.head_dim))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,

@@ -40,6 +40,20 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rotated_qkv(fused, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Llama-layout attention module's queries, keys and values of flat tokens ``h`` ``[T, hidden]``:
+    ``[T, heads, head_dim]`` each, q and k rotated (after Qwen3's per-head norms), by ``fused``'s steps."""
+    tokens = h.shape[0]
+    q = attn.q_proj(h).view(tokens, q_heads, head_dim)
+    k = attn.k_proj(h).view(tokens, kv_heads, head_dim)
+    v = attn.v_proj(h).view(tokens, kv_heads, head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+        q = fused.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+        k = fused.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+    return fused.rotate(q, cos, sin), fused.rotate(k, cos, sin), v
+
+
 class Fused:
     """The functions above, compiled on first use when ``compile`` is set, eager otherwise."""
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxrl.engine.fast.attention import decode_attention
-from ctxrl.models.fused import Fused
+from ctxrl.models.fused import Fused, rotated_qkv
 from ctxrl.models.layout import norm_args as _norm_args
 from ctxrl.models.layout import unsupported_reason
 
@@ -127,13 +127,7 @@ class DecoderView:
         return self.model.lm_head(f.rms_norm(x, *_norm_args(self.inner.norm)))
 
     def _attention(self, attn, h, cos, sin, batch: Batch, cache: SlotCache, index: int, write_pos, mask):
-        tokens = h.shape[0]
-        q = attn.q_proj(h).view(tokens, self.q_heads, self.head_dim)
-        k = attn.k_proj(h).view(tokens, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
-            q, k = self.fused.rms_norm(q, *_norm_args(attn.q_norm)), self.fused.rms_norm(k, *_norm_args(attn.k_norm))
-        q, k = self.fused.rotate(q, cos, sin), self.fused.rotate(k, cos, sin)
+        q, k, v = rotated_qkv(self.fused, attn, h, cos, sin, self.q_heads, self.kv_heads, self.head_dim)
         cache_k, cache_v = cache.k[index], cache.v[index]
         cache_k[batch.slots, :, write_pos] = k.to(cache_k.dtype)
         cache_v[batch.slots, :, write_pos] = v.to(cache_v.dtype)
