@@ -89,7 +89,7 @@ def worker(args) -> None:
                             behavior_logprobs=[0.0] * prompt + behaviour, turn_index=[0] * n))
     batch = collate(rows, 0, advantages=[1.0 if i % 2 else -1.0 for i in range(args.seqs)])
     tokens = int(batch.lengths.sum())
-    mine = learner._my_rows(batch)
+    mine, _ = learner._share(batch)
     times, metrics = [], []
     for _ in range(args.updates + 1):
         if args.device == "cuda":

@@ -29,7 +29,6 @@ Scripted summaries (``summary``, for warm-start demos under ``context.manager=su
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from typing import Any, ClassVar
@@ -163,12 +162,3 @@ class FactHuntEnv(ToolAnswerEnv):
             return f"Pages read: {done}. First code: {first}. Last code: {_code(last) or '?'}."
         nxt = last.rstrip().rpartition("next ")[2] if "next " in last else carried
         return f"Pages read: {done}. First code: {first}. Next page: {nxt}."
-
-    @classmethod
-    def corpus(cls, n: int, seed: int) -> list[str]:
-        """Plain-text transcripts of solved train tasks, for pre-training the tiny model."""
-        texts = [cls.system_prompt, json.dumps(cls().tools[0].schema())]
-        for task in cls.sample_tasks("train", n, seed):
-            steps = [f"{format_tool_call('read', {'page': p})}\n{task.data['pages'][p]}" for p in task.data["trail"]]
-            texts.append("\n".join([task.prompt, *steps, f"<answer>{task.answer}</answer>"]))
-        return texts

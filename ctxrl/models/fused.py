@@ -54,6 +54,28 @@ def rotated_qkv(fused, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return fused.rotate(q, cos, sin), fused.rotate(k, cos, sin), v
 
 
+def guarded_compile(fn, name: str, *, fullgraph: bool = True, on_failure=None):
+    """``fn`` compiled (``torch.compile``, dynamic shapes) on first call; if compiling fails, a warning and ``fn``
+    itself from then on (slower, same numbers), and ``on_failure()`` once."""
+    compiled = torch.compile(fn, dynamic=True, fullgraph=fullgraph)
+    state = {"fn": compiled, "tried": False}
+
+    def call(*args):
+        if state["tried"]:
+            return state["fn"](*args)
+        state["tried"] = True
+        try:
+            return compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - fall back to eager: slower, same numbers
+            log.warning("torch.compile of %s failed (%s); running it eagerly", name, exc)
+            state["fn"] = fn
+            if on_failure is not None:
+                on_failure()
+            return fn(*args)
+
+    return call
+
+
 class Fused:
     """The functions above, compiled on first use when ``compile`` is set, eager otherwise."""
 
@@ -63,22 +85,7 @@ class Fused:
         self.compiled = compile
         for name in self.NAMES:
             fn = globals()[name]
-            setattr(self, name, self._guarded(name, fn) if compile else fn)
+            setattr(self, name, guarded_compile(fn, name, on_failure=self._failed) if compile else fn)
 
-    def _guarded(self, name: str, fn):
-        compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        state = {"fn": compiled, "tried": False}
-
-        def call(*args):
-            if state["tried"]:
-                return state["fn"](*args)
-            state["tried"] = True
-            try:
-                return compiled(*args)
-            except Exception as exc:  # noqa: BLE001 - fall back to eager: slower, same numbers
-                log.warning("fast engine: torch.compile of %s failed (%s); running it eagerly", name, exc)
-                state["fn"] = fn
-                self.compiled = False
-                return fn(*args)
-
-        return call
+    def _failed(self) -> None:
+        self.compiled = False

@@ -25,12 +25,11 @@ An entropy the loss differentiates (``algo.entropy_coef > 0``) uses the unfused 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from ctxrl.models.fused import guarded_compile
 
 
 def _stats_fn(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
@@ -55,26 +54,17 @@ def _grad_fn(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, gra
     return ((onehot.to(x.dtype) - p) * (grad / temperature).unsqueeze(-1)).to(logits.dtype)
 
 
+_EAGER = {"stats": _stats_fn, "grad": _grad_fn}
+
+
 @functools.cache
 def _compiled(name: str):
-    fn = {"stats": _stats_fn, "grad": _grad_fn}[name]
-    return torch.compile(fn, dynamic=True)
-
-
-_FAILED: set[str] = set()
+    return guarded_compile(_EAGER[name], f"the output head's {name}", fullgraph=False)
 
 
 def _run(name: str, *args):
-    """The compiled element-wise step on CUDA (eager if compilation fails, once warned), eager elsewhere."""
-    eager = {"stats": _stats_fn, "grad": _grad_fn}[name]
-    if not args[0].is_cuda or name in _FAILED:
-        return eager(*args)
-    try:
-        return _compiled(name)(*args)
-    except Exception as exc:  # noqa: BLE001 - slower, same numbers
-        log.warning("output head: torch.compile of %s failed (%s); running it eagerly", name, exc)
-        _FAILED.add(name)
-        return eager(*args)
+    """The compiled element-wise step on CUDA (eager if compilation fails), eager elsewhere."""
+    return (_compiled(name) if args[0].is_cuda else _EAGER[name])(*args)
 
 
 class _LinearLogprobs(torch.autograd.Function):

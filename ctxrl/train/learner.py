@@ -97,7 +97,8 @@ class PPOSettings:
         and the results come back in ``micro``'s padded layout; with a flat decoder (``flat_forward``) they run laid
         end to end."""
         decoder = training_decoder(model, self.flat_forward)
-        if decoder is not None and decoder.fits(int(micro.lengths.max())):  # (else a sliding window: HF's pass)
+        # (a micro-batch is cut to its longest row: its width; past a sliding window, HF's pass)
+        if decoder is not None and decoder.fits(micro.input_ids.shape[1]):
             return flat_token_logprobs(decoder, micro.input_ids, micro.lengths, mask=micro.loss_mask,
                                        temperature=self.temperature, chunk=self.logprob_chunk_tokens,
                                        with_entropy=with_entropy, entropy_grad=self.entropy_coef > 0)
@@ -197,8 +198,8 @@ class Learner:
             sums["tokens"] += float(m.sum())
             return lp * m
 
-        mine = self._my_rows(batch)
-        rows = per_token_rows(batch.select(mine), self.device, s.micro_batch_size, learner_logprobs,
+        mine, share = self._share(batch)
+        rows = per_token_rows(share, self.device, s.micro_batch_size, learner_logprobs,
                               s.max_tokens_per_microbatch) if mine else []
         recomputed = torch.zeros_like(batch.old_logprobs)
         for row, values in zip(mine, rows):
@@ -222,13 +223,12 @@ class Learner:
             raise RuntimeError("old_logprobs='recompute': call update(), or recompute_old_logprobs() on this batch "
                                "before mini_batch_loss()")
         sums: dict[str, float] = {}
-        mine = self._my_rows(batch)  # (the denominators above are the whole mini-batch's, on every rank)
+        mine, share = self._share(batch)  # (the denominators above are the whole mini-batch's, on every rank)
         # backward too: activation checkpointing recomputes attention there, and a different kernel would
         # not reproduce what the forward pass saved
         with attention_kernels(self.device):
             if mine:
-                local = batch if len(mine) == len(batch) else batch.select(mine)
-                for _, micro in micro_batches(local, s.micro_batch_size, self.device, s.max_tokens_per_microbatch):
+                for _, micro in micro_batches(share, s.micro_batch_size, self.device, s.max_tokens_per_microbatch):
                     self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
                                       value_count=value_count)
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
@@ -237,11 +237,12 @@ class Learner:
                 self.precision.scaler.scale(torch.zeros((), device=self.device))
         return self._mini_batch_metrics(sums, tokens)
 
-    def _my_rows(self, batch: Batch) -> list[int]:
-        """The rows of ``batch`` this learner trains on: all of them, or this rank's share."""
+    def _share(self, batch: Batch) -> tuple[list[int], Batch]:
+        """The rows of ``batch`` this learner trains on (all of them, or this rank's share), and those rows."""
         if self.parallel is None:
-            return list(range(len(batch)))
-        return self.parallel.shard(batch.lengths.tolist())
+            return list(range(len(batch))), batch
+        mine = self.parallel.shard(batch.lengths.tolist())
+        return mine, batch.select(mine)
 
     def _figure_keys(self) -> list[str]:
         """The sums a mini-batch accumulates under these settings (``_micro_batch``, ``_critic_backward``)."""

@@ -77,14 +77,10 @@ def flat_token_logprobs(decoder, input_ids: torch.Tensor, lengths: torch.Tensor,
     if temperature <= 0:
         temperature = 1.0
     flat = flatten(input_ids, lengths)
-    columns = torch.arange(mask.shape[1], device=mask.device)
-    if bool((mask.bool() & (columns.unsqueeze(0) >= lengths.to(mask.device).unsqueeze(1) - 1)).any()):
-        raise ValueError("a mask entry lies past its row's last token: the flat layout would score the next "
-                         "sequence's token there")
+    wanted = mask.bool()
+    at = flat.index(wanted)  # (refuses a mask past a row's end)
     with attention_kernels(input_ids.device):
         hidden = decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest)
-    wanted = mask.bool()
-    at = flat.index(wanted)
     return _head_stats(hidden[at], flat.ids[at + 1], decoder.head, wanted, temperature=temperature,
                        chunk=chunk if chunk > 0 else max(int(at.numel()), 1), with_entropy=with_entropy,
                        entropy_grad=entropy_grad)

@@ -111,6 +111,7 @@ class Flat:
     cu_seqlens: torch.Tensor
     """[S + 1] int32: where each sequence starts, then N."""
     longest: int
+    """At least the longest sequence: the padded width (no host sync to find the true longest)."""
     starts: torch.Tensor
     """[S] long: where each sequence starts."""
 
@@ -118,6 +119,10 @@ class Flat:
         """Flat index of each True entry of a padded shifted ``[S, T-1]`` mask (row-major order): the
         position whose hidden state predicts that entry's token (the token itself is at index + 1)."""
         rows, cols = wanted.nonzero(as_tuple=True)
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        if bool((cols >= lengths[rows] - 1).any()):
+            raise ValueError("a mask entry lies past its row's last token: the flat layout would score the next "
+                             "sequence's token there")
         return self.starts[rows] + cols
 
 
@@ -128,5 +133,4 @@ def flatten(input_ids: torch.Tensor, lengths: torch.Tensor) -> Flat:
     live = steps.unsqueeze(0) < lengths.unsqueeze(1)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=input_ids.device)
     cu[1:] = lengths.cumsum(0)
-    return Flat(input_ids[live], steps.expand_as(input_ids)[live], cu, int(lengths.max()) if len(lengths) else 0,
-                cu[:-1].long())
+    return Flat(input_ids[live], steps.expand_as(input_ids)[live], cu, input_ids.shape[1], cu[:-1].long())

@@ -178,12 +178,10 @@ class Trainer:
         """
         if not self.leader:
             return self.follow()
-        if self.parallel is None:
-            return self._fit(resume)
         try:
             return self._fit(resume)
         finally:
-            self._release_followers()
+            self._release_followers()  # (nothing to do in one process)
 
     def _fit(self, resume: bool) -> dict[str, Any]:
         config, run_dir = self.config, self.writer.dir
@@ -597,8 +595,6 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
 
 def data_parallel(config: Config, resume: bool = False):
     """The learner's data-parallel ranks when ``torchrun`` started this process (``WORLD_SIZE`` > 1), else None."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     if config.distributed.backend != "none":
