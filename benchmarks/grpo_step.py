@@ -408,17 +408,6 @@ def agentic_arm(args, arm: str) -> dict:
 
 
 # -- 3. learner ----------------------------------------------------------------------------------------
-def packed_setting() -> str | None:
-    """The name of the learner's packed-sequences switch, if it has one."""
-    import dataclasses
-    import inspect
-
-    from ctxrl.train.learner import Learner, PPOSettings
-
-    fields = {f.name for f in dataclasses.fields(PPOSettings)} | set(inspect.signature(Learner).parameters)
-    return next((name for name in ("packed", "pack_sequences") if name in fields), None)
-
-
 def make_learner(args, model, precision, rows: int):
     import dataclasses
 
@@ -429,19 +418,12 @@ def make_learner(args, model, precision, rows: int):
     settings = PPOSettings(mini_batches=1, micro_batch_size=rows, max_tokens_per_microbatch=args.learner_max_tokens,
                            logprob_chunk_tokens=args.chunk)
     flat_mode = getattr(args, "flat_mode", None)  # the learner arms say; the GRPO arm keeps ctxrl's default
-    if flat_mode is not None and "flat_forward" in {f.name for f in dataclasses.fields(PPOSettings)}:
+    if flat_mode is not None:
         settings = dataclasses.replace(settings, flat_forward=flat_mode)
-    kwargs = {}
     if getattr(args, "packed_arm", False):
-        name = packed_setting()
-        if name is None:
-            raise SystemExit("ctxrl's learner has no packed mode (no `packed` / `pack_sequences` setting)")
-        if name in {f.name for f in dataclasses.fields(PPOSettings)}:
-            settings = dataclasses.replace(settings, **{name: True})
-        else:
-            kwargs[name] = True
+        settings = dataclasses.replace(settings, pack_sequences=True)
     learner = Learner(model, precision.optimizer(policy.trainable_parameters(), lr=1e-6), settings, pad_token_id=PAD,
-                      precision=precision, **kwargs)
+                      precision=precision)
     return policy, learner
 
 
@@ -858,8 +840,6 @@ def skip_reason(section: str, arm: str, args, checks: dict) -> str | None:
         return checks["fast"]
     if arm.startswith("trl"):
         return checks["trl"]
-    if arm == "packed" and packed_setting() is None:
-        return "ctxrl's learner has no packed mode yet (no `packed` / `pack_sequences` setting in ctxrl/train/)"
     return None
 
 
@@ -983,7 +963,7 @@ def parser() -> argparse.ArgumentParser:
     learner.add_argument("--matmul-size", type=int, default=8192)
     learner.add_argument("--profile", action="store_true", help="profile one more update per learner arm")
     learner.add_argument("--packed", action="store_true",
-                         help="also the learner's packed-sequences mode (an error row where it has none)")
+                         help="also the learner's packed-sequences mode (train.pack_sequences)")
     g = ap.add_argument_group("grpo")
     g.add_argument("--grpo-arms", type=csv(str, GRPO_ARMS), default=list(GRPO_ARMS))
     g.add_argument("--variants", type=csv(str, VARIANTS), default=list(VARIANTS))
