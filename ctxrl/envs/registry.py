@@ -21,7 +21,8 @@ from ctxrl.registry import Registry
 
 ENTRY_POINT_GROUP = "ctxrl.envs"
 ENVIRONMENTS: Registry[type] = Registry(
-    "environment", ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.fact_hunt", "ctxrl.envs.bandit",
+    "environment", ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.fact_hunt", "ctxrl.envs.search_join",
+                    "ctxrl.envs.bandit",
                     "ctxrl.envs.python_math", "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper",
                     "ctxrl.envs.codebreak", "ctxrl.envs.jsonl_tools", "ctxrl.serve.harness"),
     entry_point_group=ENTRY_POINT_GROUP, error=EnvError)
