@@ -103,3 +103,27 @@ def test_a_win_stays_a_win_and_a_repeated_digit_code_still_fails_its_probe():
     assert "already found" in result.messages[1].content
     probes = [parse_assistant(t).tool_calls[0].arguments["code"] for t in CodebreakEnv.failure(task)]
     assert probes == ["111", "333", "444"] and _play(env, task, CodebreakEnv.failure(task)).reward == 0.0
+
+
+def test_the_failed_attempt_uses_every_guess_so_it_ends_by_running_out():
+    """With as many guesses as symbols and a one-digit code skipped, the probes would run short and a scripted
+    trial demo would ask its engine for a turn it does not have (seen on a GPU run): the last probe repeats."""
+    from ctxrl.types import Task
+
+    task = Task(id="t", prompt="p", answer="3333", data={"code": "3333"},
+                context={"length": 4, "symbols": 4, "guesses": 4})
+    probes = [parse_assistant(t).tool_calls[0].arguments["code"] for t in CodebreakEnv.failure(task)]
+    assert probes == ["1111", "2222", "4444", "4444"]
+    assert _play(CodebreakEnv(), task, CodebreakEnv.failure(task)).reward == 0.0
+    for task in CodebreakEnv.sample_tasks("train", 300, seed=4) + CodebreakEnv.sample_tasks("ood", 100, seed=4):
+        assert len(CodebreakEnv.failure(task)) == task.context["guesses"]
+
+
+def test_trial_demos_play_on_many_tasks_with_the_experiments_limits(renderer):
+    from ctxrl.meta.trial_demos import build_trial_demos
+    from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+
+    limits = RolloutLimits(max_turns=6, max_new_tokens=32, max_total_tokens=1536)  # experiments/meta.py's
+    trials = asyncio.run(build_trial_demos(CodebreakEnv, renderer, 60, MetaPolicy(num_attempts=3,
+                                           reflection_max_tokens=96), seed=0, limits=limits))
+    assert len(trials) == 60

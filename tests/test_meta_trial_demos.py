@@ -10,6 +10,7 @@ from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.config import ConfigError, load_config
 from ctxrl.envs.bandit import BanditEnv
 from ctxrl.envs.calculator import CalculatorEnv
+from ctxrl.envs.codebreak import CodebreakEnv
 from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.envs.minesweeper import MinesweeperEnv
 from ctxrl.meta.trial_demos import build_trial_demos
@@ -24,7 +25,7 @@ def _trained_text(renderer, seq) -> str:
     return renderer.decode([i for i, m in zip(seq.input_ids, seq.loss_mask) if m])
 
 
-@pytest.mark.parametrize("env_cls", [MinesweeperEnv, BanditEnv])
+@pytest.mark.parametrize("env_cls", [MinesweeperEnv, BanditEnv, CodebreakEnv])
 def test_a_trial_demo_trains_the_reflection_and_the_solution_only(renderer, env_cls):
     trials = asyncio.run(build_trial_demos(env_cls, renderer, 6, POLICY, seed=2))
     assert len(trials) == 6

@@ -164,6 +164,9 @@ class CodebreakEnv(ToolAnswerEnv):
         code = task.data["code"]
         # (a code of one repeated digit would be found by its probe: probe the digits after it instead)
         digits = [d for d in range(1, symbols + 1) if str(d) * length != code][:guesses]
+        # Every guess is used, so the attempt ends by running out of them: with as few symbols as
+        # guesses and a one-digit code skipped, the last probe is repeated (it cannot find the code).
+        digits += digits[-1:] * (guesses - len(digits))
         return [format_tool_call("guess", {"code": str(d) * length}) for d in digits]
 
     @classmethod
