@@ -1,12 +1,15 @@
 """The ``fact_hunt`` environment: read a trail of pages; the answer is the first page's fact and the last's.
 
 Each task hides a trail of ``pages`` pages. The prompt names the first page; the ``read`` tool
-returns a page's lines in a shuffled order: its fact (``code 731``), ``distractors`` other
-numbers (``other 482``), ``filler`` words of text, and where the trail goes (``next P4821``, or
-``end`` on the last page). The answer is **the first page's code and the last page's code**, in
-that order: ``<answer>731 482</answer>``. (Joined rather than summed: the task is about carrying a
-fact through a long episode, and a small model that cannot add three-digit numbers could then not
-show it; the check reads the numbers of the answer, so ``731, 482`` is right too.)
+returns a page's lines: first its fact (``code 731``), then ``distractors`` other numbers
+(``other 482``) and ``filler`` words of text in a shuffled order, and last where the trail goes
+(``next P4821``, or ``end`` on the last page). The fact leads its page because the skill measured
+is carrying it, not finding it: with the fact shuffled among the other numbers, the 5.2M tiny
+model followed every trail but picked the wrong number (0.05 held-out even with the whole history).
+The answer is **the first page's code and the last page's code**, in that order:
+``<answer>731 482</answer>``. (Joined rather than summed: the task is about carrying a fact through
+a long episode, and a small model that cannot add three-digit numbers could then not show it; the
+check reads the numbers of the answer, so ``731, 482`` is right too.)
 
 Why it exists: it is the task where keeping only the newest turns fails by construction. The
 first code is seen once, in the first observation, and is needed only at the end, after every
@@ -65,11 +68,12 @@ def generate(context: dict[str, Any], rng: random.Random) -> tuple[str, str, dic
     pages: dict[str, str] = {}
     for i, name in enumerate(trail):
         others = codes[n + i * distractors: n + (i + 1) * distractors]
-        lines = [f"code {codes[i]}", *(f"other {x}" for x in others)]
+        lines = [f"other {x}" for x in others]
         if filler:
             lines.append(" ".join(rng.choice(WORDS) for _ in range(filler)))
         rng.shuffle(lines)
-        lines.append(f"next {trail[i + 1]}" if i + 1 < n else "end")
+        # The code leads its page: finding it is not the skill measured; carrying it is.
+        lines = [f"code {codes[i]}", *lines, f"next {trail[i + 1]}" if i + 1 < n else "end"]
         pages[name] = "\n".join(lines)
     prompt = rng.choice(PROMPTS).format(start=trail[0])
     return prompt, f"{codes[0]} {codes[n - 1]}", {"pages": pages, "trail": trail, "codes": codes[:n]}
