@@ -1,0 +1,258 @@
+"""Run a plan of experiment processes on the GPUs of one machine: tiny models built once, then N runs per GPU.
+
+A plan is a TOML file (``experiments/plans/`` holds the ones the docs quote)::
+
+    [vars]                                   # text reused below as {name}
+    big = "hidden_size=256,num_layers=6,intermediate_size=768,pretrain_steps=1500,pretrain_lr=2e-3"
+
+    [models]                                 # tiny models, each built once before the runs that name it
+    fh_b0 = "tiny:envs=calculator+fact_hunt,{big},seed=0"
+
+    [[run]]
+    name = "fh-b0-s0-window"                 # its directory: OUT/runs/NAME ({out} in cmd)
+    cmd = "python experiments/context.py --model {fh_b0} --managers window --out {out} run.seed=0"
+
+Every model is built first, each in its own process, spread over the GPUs. A run starts once the
+models it names are built, on the GPU with the fewest processes, while that GPU has fewer than
+``--per-gpu``; it sees one GPU (``CUDA_VISIBLE_DEVICES``) and writes its output to ``OUT/runs/NAME/log.txt``.
+A run whose model failed to build is skipped, not started. At ``--minutes`` every process still
+running is stopped (its directory keeps what it wrote so far). ``OUT/status.json`` says, at every
+moment, which process is where and how it ended.
+
+    python experiments/batch.py run experiments/plans/issue21.toml --gpus 0,1,2,3 --per-gpu 8 --minutes 22
+    python experiments/batch.py pack runs/batch results.tgz      # the results without checkpoints
+
+``pack`` leaves out model weights and optimizer state, so what it writes stays small enough to copy
+off a lent machine while the runs go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomllib
+
+BUILD = "from ctxrl.models.loader import resolve; import sys; print(resolve(sys.argv[1]), flush=True)"
+HEAVY = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy")
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message names the entry and the fix."""
+
+
+@dataclass
+class Job:
+    name: str
+    argv: list[str]
+    needs: list[str] = field(default_factory=list)
+    kind: str = "run"
+    state: str = "waiting"  # waiting -> running -> done | failed | stopped | skipped
+    gpu: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    returncode: int | None = None
+    process: subprocess.Popen | None = None
+
+    def report(self, t0: float) -> dict:
+        def rel(t):
+            return None if t is None else round(t - t0, 1)
+
+        return {"name": self.name, "kind": self.kind, "state": self.state, "gpu": self.gpu, "needs": self.needs,
+                "started_s": rel(self.started), "ended_s": rel(self.ended), "returncode": self.returncode,
+                "argv": self.argv}
+
+
+def _fill(text: str, values: dict[str, str], where: str) -> str:
+    def one(match: re.Match) -> str:
+        key = match.group(1)
+        if key not in values:
+            raise PlanError(f"{where}: unknown placeholder {{{key}}}; define it under [vars] or [models]")
+        return values[key]
+
+    return PLACEHOLDER.sub(one, text)
+
+
+def load_plan(path: Path, out: Path, python: str = sys.executable) -> list[Job]:
+    """Build jobs (model builds first, then runs) from a plan file; every error names its entry."""
+    try:
+        plan = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise PlanError(f"cannot read plan {path}: {exc}") from None
+    unknown = set(plan) - {"vars", "models", "run"}
+    if unknown:
+        raise PlanError(f"{path}: unknown sections {sorted(unknown)}; a plan has [vars], [models] and [[run]]")
+    variables = {k: str(v) for k, v in plan.get("vars", {}).items()}
+    models = {k: _fill(str(v), variables, f"[models] {k}") for k, v in plan.get("models", {}).items()}
+    clash = set(models) & set(variables)
+    if clash:
+        raise PlanError(f"{path}: {sorted(clash)} named in both [vars] and [models]; rename one")
+    jobs = [Job(f"build-{key}", [python, "-c", BUILD, spec], kind="build") for key, spec in models.items()]
+    names = set()
+    for i, run in enumerate(plan.get("run", [])):
+        name, cmd = run.get("name"), run.get("cmd")
+        if not name or not cmd or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise PlanError(f"{path}: [[run]] #{i + 1} needs a name (letters, digits, . _ -) and a cmd")
+        if name in names:
+            raise PlanError(f"{path}: two runs are named {name!r}; names must be unique")
+        names.add(name)
+        needs = [m for m in dict.fromkeys(PLACEHOLDER.findall(cmd)) if m in models]
+        text = _fill(cmd, {**variables, **models, "out": str(out / "runs" / name)}, f"run {name}")
+        argv = shlex.split(text)
+        if argv and argv[0] == "python":
+            argv[0] = python  # the interpreter running the batch, so a venv carries over
+        jobs.append(Job(name, argv, needs=[f"build-{m}" for m in needs]))
+    if not any(j.kind == "run" for j in jobs):
+        raise PlanError(f"{path}: no [[run]] entries")
+    return jobs
+
+
+def _status(jobs: list[Job], out: Path, t0: float) -> None:
+    counts = {}
+    for j in jobs:
+        counts[j.state] = counts.get(j.state, 0) + 1
+    tmp = out / "status.json.tmp"
+    tmp.write_text(json.dumps({"elapsed_s": round(time.time() - t0, 1), "counts": counts,
+                               "jobs": [j.report(t0) for j in jobs]}, indent=1))
+    tmp.replace(out / "status.json")
+
+
+def _stop(job: Job) -> None:
+    if job.process and job.process.poll() is None:
+        try:
+            os.killpg(job.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes: float, poll: float = 2.0) -> list[Job]:
+    """Run ``jobs`` (see the module docstring) and return them with their final states."""
+    if per_gpu < 1 or not gpus:
+        raise PlanError("need at least one GPU (--gpus) and --per-gpu >= 1")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    deadline = t0 + minutes * 60
+    by_name = {j.name: j for j in jobs}
+    load = {g: 0 for g in gpus}
+    try:
+        while True:
+            for job in jobs:
+                if job.state == "running" and job.process.poll() is not None:
+                    job.returncode, job.ended = job.process.returncode, time.time()
+                    job.state = "done" if job.returncode == 0 else "failed"
+                    load[job.gpu] -= 1
+                    print(f"[{job.ended - t0:7.0f}s] {job.state:6s} {job.name} (gpu {job.gpu}, "
+                          f"{job.ended - job.started:.0f}s, rc {job.returncode})", flush=True)
+            for job in jobs:
+                if job.state == "waiting" and any(by_name[n].state in ("failed", "skipped", "stopped")
+                                                  for n in job.needs):
+                    job.state = "skipped"
+                    print(f"skipped {job.name}: a model it needs did not build", flush=True)
+            if time.time() >= deadline:
+                for job in jobs:
+                    if job.state == "running":
+                        _stop(job)
+                        job.state, job.ended = "stopped", time.time()
+                    elif job.state == "waiting":
+                        job.state = "skipped"
+                print(f"[{time.time() - t0:7.0f}s] deadline of {minutes:g} minutes: stopped what was running",
+                      flush=True)
+                break
+            for job in jobs:
+                if job.state != "waiting" or any(by_name[n].state != "done" for n in job.needs):
+                    continue
+                gpu = min(gpus, key=lambda g: load[g])
+                if load[gpu] >= per_gpu:
+                    break
+                directory = out / ("builds" if job.kind == "build" else "runs") / job.name
+                directory.mkdir(parents=True, exist_ok=True)
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
+                log = open(directory / "log.txt", "w")  # noqa: SIM115 - the child writes it until it ends
+                job.process = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True)
+                log.close()
+                job.state, job.gpu, job.started = "running", gpu, time.time()
+                load[gpu] += 1
+                print(f"[{job.started - t0:7.0f}s] start  {job.name} on gpu {gpu}", flush=True)
+            _status(jobs, out, t0)
+            if all(j.state not in ("waiting", "running") for j in jobs):
+                break
+            time.sleep(poll)
+    finally:
+        for job in jobs:
+            _stop(job)
+        _status(jobs, out, t0)
+    return jobs
+
+
+def pack(directory: Path, target: Path) -> Path:
+    """A gzipped tar of ``directory`` without weights or optimizer state (``HEAVY`` suffixes)."""
+    if not directory.is_dir():
+        raise SystemExit(f"nothing to pack: {directory} is not a directory")
+
+    def keep(info: tarfile.TarInfo):
+        return None if info.name.endswith(HEAVY) else info
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(target, "w:gz") as tar:
+        tar.add(directory, arcname=directory.name, filter=keep)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a plan")
+    run.add_argument("plan", type=Path)
+    run.add_argument("--out", type=Path, default=Path("runs/batch"))
+    run.add_argument("--gpus", default=None, help="GPU ids, comma-separated (default: every visible GPU, or 'cpu')")
+    run.add_argument("--per-gpu", type=int, default=4, help="processes at once per GPU")
+    run.add_argument("--minutes", type=float, default=60.0, help="stop everything still running after this long")
+    run.add_argument("--only", default=None, help="run only the runs whose name matches this regular expression")
+    packer = sub.add_parser("pack", help="tar.gz a batch directory without checkpoints")
+    packer.add_argument("directory", type=Path)
+    packer.add_argument("target", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "pack":
+        print(pack(args.directory, args.target))
+        return 0
+    try:
+        jobs = load_plan(args.plan, args.out)
+    except PlanError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.only:
+        keep = [j for j in jobs if j.kind == "run" and re.search(args.only, j.name)]
+        needed = {n for j in keep for n in j.needs}
+        jobs = [j for j in jobs if j.name in needed] + keep
+    gpus = args.gpus.split(",") if args.gpus else _visible_gpus()
+    jobs = run_plan(jobs, args.out, gpus, args.per_gpu, args.minutes)
+    states = {}
+    for j in jobs:
+        states[j.state] = states.get(j.state, 0) + 1
+    print("finished:", ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
+    return 0 if all(j.state == "done" for j in jobs) else 1
+
+
+def _visible_gpus() -> list[str]:
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except ImportError:
+        count = 0
+    return [str(i) for i in range(count)] or ["cpu"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""experiments/batch.py: plans, the scheduler (builds first, slots per GPU, deadline) and packing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("batch", Path(__file__).parents[1] / "experiments" / "batch.py")
+batch = importlib.util.module_from_spec(_spec)
+sys.modules["batch"] = batch  # its dataclasses look their module up
+_spec.loader.exec_module(batch)
+
+
+def write_plan(tmp_path, text: str):
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    return path
+
+
+def fake_build(jobs, code: str = "print('built')"):
+    """Replace the model builds' command (a real build pre-trains a model) with ``code``."""
+    for job in jobs:
+        if job.kind == "build":
+            job.argv = [sys.executable, "-c", code]
+    return jobs
+
+
+def test_plan_fills_vars_models_and_out_and_runs_need_their_models(tmp_path):
+    plan = write_plan(tmp_path, """
+[vars]
+steps = "3"
+[models]
+a = "tiny:seed=0"
+b = "tiny:seed=1"
+[[run]]
+name = "r1"
+cmd = "python x.py --model {a} --steps {steps} --out {out}"
+[[run]]
+name = "r2"
+cmd = "python x.py --model {b} --again {b}"
+""")
+    jobs = batch.load_plan(plan, tmp_path / "out")
+    assert [j.name for j in jobs] == ["build-a", "build-b", "r1", "r2"]
+    r1, r2 = jobs[2], jobs[3]
+    assert r1.argv == [sys.executable, "x.py", "--model", "tiny:seed=0", "--steps", "3", "--out",
+                       str(tmp_path / "out" / "runs" / "r1")]
+    assert r1.needs == ["build-a"] and r2.needs == ["build-b"]
+    assert jobs[0].argv[-1] == "tiny:seed=0" and jobs[0].kind == "build"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[[run]]\nname = "r"\ncmd = "python x.py {nope}"', "unknown placeholder {nope}"),
+    ('[[run]]\nname = "r"\ncmd = "a"\n[[run]]\nname = "r"\ncmd = "b"', "two runs are named 'r'"),
+    ('[[run]]\nname = "bad name"\ncmd = "a"', "needs a name"),
+    ('[models]\na = "tiny"', "no [[run]] entries"),
+    ('[stuff]\nx = 1', "unknown sections ['stuff']"),
+    ('[vars]\na = "1"\n[models]\na = "tiny"\n[[run]]\nname = "r"\ncmd = "x"', "both [vars] and [models]"),
+    ('[[run]\n', "cannot read plan"),
+])
+def test_bad_plans_name_the_problem(tmp_path, text, message):
+    with pytest.raises(batch.PlanError, match=message.replace("[", r"\[").replace("{", r"\{").replace("(", r"\(")):
+        batch.load_plan(write_plan(tmp_path, text), tmp_path / "out")
+
+
+def test_runs_wait_for_builds_and_a_failed_build_skips_its_runs(tmp_path):
+    plan = write_plan(tmp_path, """
+[models]
+good = "tiny:seed=0"
+bad = "tiny:seed=1"
+[[run]]
+name = "uses-good"
+cmd = "python -c \\"import os; print('gpu', os.environ['CUDA_VISIBLE_DEVICES'])\\" {good}"
+[[run]]
+name = "uses-bad"
+cmd = "python -c pass {bad}"
+[[run]]
+name = "fails"
+cmd = "python -c \\"raise SystemExit(3)\\""
+""")
+    out = tmp_path / "out"
+    jobs = fake_build(batch.load_plan(plan, out))
+    jobs[1].argv = [sys.executable, "-c", "raise SystemExit(1)"]  # the build of 'bad' fails
+    jobs = batch.run_plan(jobs, out, ["0", "1"], per_gpu=1, minutes=5, poll=0.05)
+    states = {j.name: j.state for j in jobs}
+    assert states == {"build-good": "done", "build-bad": "failed", "uses-good": "done", "uses-bad": "skipped",
+                      "fails": "failed"}
+    by_name = {j.name: j for j in jobs}
+    assert by_name["uses-good"].started >= by_name["build-good"].ended
+    assert by_name["fails"].returncode == 3
+    log = (out / "runs" / "uses-good" / "log.txt").read_text()
+    assert log.strip() in ("gpu 0", "gpu 1")
+    status = json.loads((out / "status.json").read_text())
+    assert status["counts"] == {"done": 2, "failed": 2, "skipped": 1}
+
+
+def test_no_gpu_runs_more_than_per_gpu_at_once(tmp_path):
+    runs = "\n".join(f'[[run]]\nname = "r{i}"\ncmd = "python -c \\"import time; time.sleep(0.3)\\""' for i in range(4))
+    out = tmp_path / "out"
+    jobs = batch.run_plan(batch.load_plan(write_plan(tmp_path, runs), out), out, ["7"], per_gpu=2, minutes=5,
+                          poll=0.02)
+    assert all(j.state == "done" and j.gpu == "7" for j in jobs)
+    spans = sorted((j.started, j.ended) for j in jobs)
+    for t, _ in spans:  # at any start, at most 2 runs are alive
+        assert sum(1 for s, e in spans if s <= t < e) <= 2
+
+
+def test_the_deadline_stops_running_jobs_and_skips_waiting_ones(tmp_path):
+    runs = "\n".join(f'[[run]]\nname = "r{i}"\ncmd = "python -c \\"import time; time.sleep(60)\\""' for i in range(2))
+    out = tmp_path / "out"
+    jobs = batch.run_plan(batch.load_plan(write_plan(tmp_path, runs), out), out, ["0"], per_gpu=1,
+                          minutes=1.5 / 60, poll=0.05)
+    assert [j.state for j in jobs] == ["stopped", "skipped"]
+    assert jobs[0].process.wait(timeout=10) is not None  # the process is really gone
+
+
+def test_pack_leaves_out_weights(tmp_path):
+    run = tmp_path / "batch" / "runs" / "r"
+    (run / "final").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "final" / "model.safetensors").write_bytes(b"x" * 1000)
+    (run / "final" / "config.json").write_text("{}")
+    target = batch.pack(tmp_path / "batch", tmp_path / "r.tgz")
+    with tarfile.open(target) as tar:
+        names = tar.getnames()
+    assert "batch/runs/r/metrics.jsonl" in names and "batch/runs/r/final/config.json" in names
+    assert not any(n.endswith(".safetensors") for n in names)
+
+
+def test_only_keeps_matching_runs_and_their_builds(tmp_path, capsys):
+    plan = write_plan(tmp_path, """
+[models]
+a = "tiny:seed=0"
+b = "tiny:seed=1"
+[[run]]
+name = "x-a"
+cmd = "python -c pass {a}"
+[[run]]
+name = "y-b"
+cmd = "python -c pass {b}"
+""")
+    original = batch.load_plan
+    batch.load_plan = lambda *a, **k: fake_build(original(*a, **k))
+    try:
+        code = batch.main(["run", str(plan), "--out", str(tmp_path / "out"), "--gpus", "cpu", "--only", "^x-"])
+    finally:
+        batch.load_plan = original
+    assert code == 0
+    status = json.loads((tmp_path / "out" / "status.json").read_text())
+    assert [j["name"] for j in status["jobs"]] == ["build-a", "x-a"]
