@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 MANAGERS: Registry[type[ContextManager]] = Registry(
     "context manager", ("ctxrl.rollout.managers.full", "ctxrl.rollout.managers.window",
-                        "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold"),
+                        "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold",
+                        "ctxrl.rollout.managers.select"),
     entry_point_group="ctxrl.managers")
 
 M = TypeVar("M", bound="type[ContextManager]")
