@@ -119,15 +119,18 @@ class ContextConfig:
     turns when the next turn would not fit), ``summarize`` (SUPO / ReSum: the policy summarises its
     history when the next turn would not fit, and goes on from the summary), ``fold``
     (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent),
+    ``select`` (ECHO-style: the policy names the earlier turns to keep verbatim when the next turn would not fit),
     or any manager registered with ``ctxrl.rollout.managers.register_manager``."""
     max_context_tokens: int = 0
-    """Working-context budget in tokens for ``window`` and ``summarize`` (must not exceed rollout.max_total_tokens)."""
+    """Working-context budget in tokens for ``window``, ``summarize`` and ``select`` (must not exceed
+    rollout.max_total_tokens)."""
     max_summaries: int = 2
-    """Summaries an episode may write in training; past them an over-budget episode ends (``max_context``)."""
+    """Summaries (``select``: selections) an episode may make in training; past them an over-budget episode ends
+    (``max_context``)."""
     eval_max_summaries: int = 2
-    """Summaries allowed at evaluation (test-time scaling: may exceed max_summaries)."""
+    """Summaries (``select``: selections) allowed at evaluation (test-time scaling: may exceed max_summaries)."""
     summary_max_tokens: int = 64
-    """Tokens one summary may take."""
+    """Tokens one summary (``select``: one reply naming the turns to keep) may take."""
     summary_instruction: str = SUMMARY_INSTRUCTION
     """The user message that asks for a summary."""
     max_branches: int = 4
@@ -209,7 +212,8 @@ class SFTConfig:
     context_demos: str = "auto"
     """Play demos under the run's context manager: ``auto`` does so when context.manager=summarize and the env
     has a ``summary`` hook (kv_chain, search_qa), so demos show summary requests answered with the env's scripted
-    summaries; ``on`` insists (a config error if the env has no hook); ``off`` plays full-context demos."""
+    summaries (``select``: a ``select`` hook, or selections derived from ``summary``); ``on`` insists (a config
+    error if the env has no hook); ``off`` plays full-context demos."""
     trial_demos: float = 0.0
     """Fraction of the demos played as scripted trials: a failed attempt, its reflection, then the solution
     (ctxrl.meta.trial_demos; only the reflection and the solution train). Teaches the format of trials before

@@ -15,6 +15,10 @@ SUMMARY_INSTRUCTION = ("Your context is nearly full. Write a short summary of wh
 """The user message that asks for a summary (``summarize``)."""
 SUMMARY_HEADER = "\n\nYour summary of the work so far:\n"
 """Appended to the task, before the summary, in the prompt a ``summarize`` segment restarts from."""
+SELECT_INSTRUCTION = ("Context full. Earlier turns:\n{turns}\nReply with the numbers of the earlier turns to keep, "
+                      "e.g. <keep>1 3</keep>.")
+"""The user message that asks which earlier turns to keep (``select``; ``{turns}``: one ``N: call`` line per
+turn). Fixed, like the headers: a trained policy learns its numbering and reply format."""
 BRANCH_HEADER = "\n\nYour sub-task (work on it, then call return with its result):\n"
 """Appended to the task, before the goal, in the prompt a ``fold`` branch starts from."""
 REFLECTION_INSTRUCTION = ("Reflect on this attempt in one or two sentences: what went wrong, and what will you do "

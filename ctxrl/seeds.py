@@ -30,6 +30,8 @@ REFLECTION_SALT = 2_000_000
 ATTEMPT_SALT = 3_000_000
 """Attempt ``k >= 1`` of a trial plays with episode seed ``derive_seed(seed, ATTEMPT_SALT + k)``
 (attempt 0 with ``seed``)."""
+SELECT_SALT = 4_000_000
+"""Selection ``k`` of an episode (``select``) samples with ``derive_seed(seed, SELECT_SALT + k)``."""
 
 
 def derive_seed(seed: int, *salt: int) -> int:

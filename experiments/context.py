@@ -9,6 +9,7 @@ a table on stdout and ``--out/context.png``.
 
     python experiments/context.py                                  # tiny model, CPU: about 25 minutes on 2 cores
     python experiments/context.py --budget 320 --managers window,summarize     # 15 minutes
+    python experiments/context.py --managers window,select         # select: the policy keeps chosen turns (ECHO)
     python experiments/context.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 100 model.dtype=bfloat16 \
         eval.tasks=100 sft.demos=2000                              # a GPU
 
@@ -65,6 +66,7 @@ def main() -> None:
                             "ood_after": summary["ood_success_after"],
                             "peak_context": final.get("context_peak_tokens_max"),
                             "summaries_per_episode": final.get("summaries_per_episode"),
+                            "selections_per_episode": final.get("selections_per_episode"),
                             "truncated_max_context": final.get("truncated_max_context", 0.0)}
         if manager == "summarize":
             scaling = {}

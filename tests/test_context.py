@@ -268,20 +268,27 @@ def test_budget_curriculum_shrinks_linearly_to_the_final_budget():
 
 
 def test_context_experiment_runs_end_to_end(tmp_path):
-    """experiments/context.py on the random-init model: every manager trains, the summary sweep evaluates."""
+    """experiments/context.py on the random-init model: every manager trains, the summary sweep evaluates.
+
+    The script runs with this checkout's ctxrl first on its path (a worktree's, not an installed copy's)."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parents[1] / "experiments" / "context.py"
+    root = Path(__file__).parents[1]
+    script = root / "experiments" / "context.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(script), "--model", "tiny:pretrain_steps=0", "--steps", "1",
-                           "--budget", "384", "--eval-summaries", "0,2", "--out", str(tmp_path), "sft.demos=4",
-                           "sft.epochs=1", "sft.batch_size=4", "eval.tasks=2", "rollout.tasks_per_step=2",
-                           "rollout.group_size=2"], capture_output=True, text=True, timeout=600)
+                           "--budget", "384", "--eval-summaries", "0,2", "--managers", "full,window,summarize,select",
+                           "--out", str(tmp_path), "sft.demos=4", "sft.epochs=1", "sft.batch_size=4", "eval.tasks=2",
+                           "rollout.tasks_per_step=2", "rollout.group_size=2"],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "summary.json").read_text())
-    assert set(results) == {"full", "window", "summarize"}
+    assert set(results) == {"full", "window", "summarize", "select"}
+    assert results["select"]["selections_per_episode"] is not None
     assert set(results["summarize"]["heldout_by_eval_summaries"]) == {"0", "2"}
     assert set(results["summarize"]["ood_by_eval_summaries"]) == {"0", "2"}
     assert results["window"]["peak_context"] is not None and results["full"]["peak_context"] is None

@@ -66,8 +66,8 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
                                           shortcut_fraction=shortcut_fraction, limits=limits)
         return episodes
     limits = limits or RolloutLimits(max_turns=DEMO_MAX_TURNS, max_new_tokens=4096, max_total_tokens=1 << 20)
-    purpose = get_manager(limits.context.manager).scripted_hook
-    script = hook(env_cls, purpose) if purpose is not None else None
+    manager = get_manager(limits.context.manager)
+    purpose, script = manager.scripted_hook, manager.demo_script(env_cls)
     if purpose is not None and script is None:
         raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {purpose}(task, messages) "
                          f"hook, so its demos cannot show the {limits.context.manager} manager's {purpose} requests; "
@@ -101,7 +101,8 @@ def _ended_early(episode: Episode, limits: RolloutLimits) -> str:
     if not get_manager(limits.context.manager).uses_budget:
         return f"{what}; check the env's solve() and the rollout limits"
     if episode.truncation == "max_context":
-        return (f"{what} after {episode.info.get('summaries', 0)} scripted summaries: the demo needs more than "
+        done = episode.info.get("summaries", 0) + episode.info.get("selections", 0)
+        return (f"{what} after {done} scripted summaries or selections: the demo needs more than "
                 f"context.max_summaries={limits.context.max_summaries}, or task + summary leave no room for a turn "
                 f"in context.max_context_tokens={limits.context.max_context_tokens}; raise one of them")
     if episode.truncation in ("max_new_tokens", "max_total_tokens"):

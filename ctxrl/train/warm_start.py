@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
-from ctxrl.envs.hooks import has_trial_hooks, hook
+from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.spec import RolloutLimits, RolloutSpec
@@ -39,10 +39,11 @@ def context_demos(config: Any, env_cls: type) -> bool:
     ``on`` with an environment that cannot script the manager's requests is a config error, raised
     before the model loads; ``auto`` then plays full-context demos, and the warm start says so once.
     """
-    purpose = get_manager(config.context.manager).scripted_hook
+    manager = get_manager(config.context.manager)
+    purpose = manager.scripted_hook
     if config.sft.context_demos == "off" or purpose is None:
         return False
-    if hook(env_cls, purpose) is not None:
+    if manager.demo_script(env_cls) is not None:
         return True
     if config.sft.context_demos == "on":
         raise ConfigError(f"sft.context_demos=on, but environment {config.env.name!r} has no {purpose}(task, messages) "

@@ -1,6 +1,6 @@
 """Context managers: what the model sees before each generation as an episode grows.
 
-One file per manager (``full``, ``window``, ``summarize``, ``fold``), each registered by name;
+One file per manager (``full``, ``window``, ``summarize``, ``fold``, ``select``), each registered by name;
 ``base`` holds the protocol, the ``ContextPolicy`` settings and the registry.
 """
 

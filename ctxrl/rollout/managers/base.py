@@ -25,6 +25,7 @@ Built-in managers are imported on first lookup (``ctxrl.registry``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -32,7 +33,7 @@ from ctxrl.engine.base import register_purpose
 from ctxrl.plain import PlainData
 from ctxrl.prompts import SUMMARY_INSTRUCTION
 from ctxrl.registry import Registry
-from ctxrl.types import Message, Segment
+from ctxrl.types import Message, Segment, Task
 
 if TYPE_CHECKING:
     from ctxrl.engine.base import Engine
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
 
 MANAGERS: Registry[type[ContextManager]] = Registry(
     "context manager", ("ctxrl.rollout.managers.full", "ctxrl.rollout.managers.window",
-                        "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold"),
+                        "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold",
+                        "ctxrl.rollout.managers.select"),
     entry_point_group="ctxrl.managers")
 
 M = TypeVar("M", bound="type[ContextManager]")
@@ -131,6 +133,16 @@ class ContextManager:
     def segment_bonus(cls, segment: Segment, policy: ContextPolicy) -> float:
         """An extra advantage for every sampled token of ``segment`` (a process reward; 0 by default)."""
         return 0.0
+
+    @classmethod
+    def demo_script(cls, env_cls: type) -> Callable[[Task, list[Message]], str] | None:
+        """What answers this manager's side requests in scripted demos, given the task and the conversation so
+        far: the environment's hook named ``scripted_hook``; None when it has none (no demos under the manager)."""
+        if cls.scripted_hook is None:
+            return None
+        from ctxrl.envs.hooks import hook
+
+        return hook(env_cls, cls.scripted_hook)
 
 
 def register_manager(cls: M) -> M:

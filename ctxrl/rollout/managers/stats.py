@@ -1,7 +1,7 @@
 """Working-context figures of a batch of episodes, and the budget curriculum.
 
 ``context_stats`` is what the trainer and the evaluation log when a manager rewrites the context:
-tokens per generation, the peak context, summaries, windows and branches per episode, how many
+tokens per generation, the peak context, summaries, windows, branches and selections per episode, how many
 tokens the manager kept out of the context, and success with and without a summary.
 ``scheduled_budget`` is the shrinking-budget curriculum (BACM-style, ``context.budget_start_tokens``).
 """
@@ -17,6 +17,7 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
         return {}
     peaks = [max(len(s.input_ids) for s in e.sequences()) for e in episodes]
     summaries = [e.info.get("summaries", 0) for e in episodes]
+    selections = [e.info.get("selections", 0) for e in episodes]
     total_summary_tokens = sum(e.info.get("summary_tokens", 0) for e in episodes)
     full = [sum(len(s.input_ids) for s in e.sequences()) for e in episodes]
     n = len(episodes)
@@ -28,6 +29,9 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
         "branches_per_episode": sum(e.info.get("branches", 0) for e in episodes) / n,
         "branches_returned_per_episode": sum(s.ended_by == "fold" for e in episodes for s in e.segments) / n,
         "summary_tokens_mean": total_summary_tokens / max(sum(summaries), 1),
+        "selections_per_episode": sum(selections) / n,
+        "turns_kept_per_selection": sum(e.info.get("turns_kept", 0) for e in episodes) / max(sum(selections), 1),
+        "select_fallbacks_per_episode": sum(e.info.get("select_fallbacks", 0) for e in episodes) / n,
         "context_tokens_saved": (sum(full) - sum(peaks)) / n,
         "success_with_summary": _rate([e.success for e, k in zip(episodes, summaries) if k]),
         "success_without_summary": _rate([e.success for e, k in zip(episodes, summaries) if not k]),
