@@ -40,6 +40,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
+    "experiments/tables.py": "tests/test_tables.py::test_collecting_again_replaces_records_and_reports_write_plots",
 }
 
 

@@ -1,0 +1,344 @@
+"""Tables and plots from ``experiments/batch.py`` runs: means with standard errors over builds and seeds.
+
+Run names follow the plans' pattern ``TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]]`` (``fh26-b1-s0-window320``:
+fact_hunt, the 26M model, build 1, RL seed 0, the window manager at 320 tokens). ``collect`` reads a
+batch directory's runs into one JSON file of plain records, small enough to keep in the docs:
+
+- ``experiments/context.py`` runs: held-out before and after RL, OOD after, peak context,
+  summaries and selections per episode, success by evaluation-time summary limit;
+- ``experiments/meta.py reflection`` runs: one record per arm (attempt-1 success, success at and
+  by attempt K, the sampled pass@K);
+- ``benchmarks/env_training.py`` runs (read from ``metrics.jsonl``, so a run stopped after its last
+  evaluation counts): held-out before and after, tool calls per episode over the last 10 RL steps,
+  void-turn rate, the largest gradient norm.
+
+A build is named by the machine that made it too (``--machine``): GPU pre-training is not
+reproducible across machines, so ``b0`` on two machines is two builds.
+
+    python experiments/tables.py collect runs/batch --machine h100x4 --out results.json
+    python experiments/tables.py report results.json --plots docs/experiments    # markdown on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import tomllib
+
+NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
+                  r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?$")
+TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math"}
+SIZES = {"1": "1M", "5": "5.2M", "26": "26M"}
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample standard deviation / sqrt(n); 0 for one value)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def _budget(run_dir: Path) -> int | None:
+    for path in run_dir.glob("*/config.toml"):
+        budget = tomllib.loads(path.read_text()).get("context", {}).get("max_context_tokens")
+        return budget or None
+    return None
+
+
+def _context_records(base: dict, summary: dict, run_dir: Path) -> list[dict]:
+    records = []
+    for manager, r in summary.items():
+        records.append({**base, "kind": "context", "arm": manager, "budget": _budget(run_dir),
+                        "heldout_before": r["heldout_before"], "heldout_after": r["heldout_after"],
+                        "ood_after": r["ood_after"], "peak_context": r.get("peak_context"),
+                        "summaries_per_episode": r.get("summaries_per_episode"),
+                        "selections_per_episode": r.get("selections_per_episode"),
+                        "heldout_by_eval_summaries": r.get("heldout_by_eval_summaries"),
+                        "ood_by_eval_summaries": r.get("ood_by_eval_summaries")})
+    return records
+
+
+def _meta_records(base: dict, summary: dict) -> list[dict]:
+    k = summary["attempts"]
+    records = []
+    for arm, r in summary["arms"].items():
+        h, s = r["heldout"], r.get("sampled", {})
+        records.append({**base, "kind": "meta", "arm": arm, "attempts": k, "steps": summary["steps"],
+                        "attempt1": h.get("success"), "success_by_k": h.get(f"success_by_{k}"),
+                        "success_at_k": h.get(f"success_at_{k}"), "tool_errors_at_1": h.get("tool_errors_at_1"),
+                        "pass_at_k_sampled": s.get(f"pass_at_{k}"), "success_by_k_sampled": s.get(f"success_by_{k}")})
+    return records
+
+
+def _training_record(base: dict, metrics: Path) -> dict | None:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    heldout = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
+    if not rl or len(heldout) < 2:
+        return None
+    last = rl[-10:]
+    return {**base, "kind": "training", "steps": len(rl),
+            "heldout_before": heldout[0]["success"], "heldout_after": heldout[-1]["success"],
+            "heldout_calls_after": heldout[-1].get("tool_calls"),
+            "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last),
+            "void_turn_rate_last10": sum(r.get("void_turn_rate", 0.0) for r in last) / len(last),
+            "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl)}
+
+
+def collect(batch: Path, machine: str) -> list[dict]:
+    """Records of every finished run under ``batch/runs`` (see the module docstring); others are skipped."""
+    records = []
+    for run_dir in sorted((batch / "runs").iterdir()):
+        match = NAME.match(run_dir.name)
+        if not match:
+            continue
+        g = match.groupdict()
+        base = {"name": run_dir.name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
+                "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"])}
+        summary_path = run_dir / "summary.json"
+        if summary_path.is_file():
+            summary = json.loads(summary_path.read_text())
+            if summary.get("experiment") == "reflection":
+                records += _meta_records(base, summary)
+                continue
+            if summary and all(isinstance(v, dict) and "heldout_after" in v for v in summary.values()):
+                records += _context_records(base, summary, run_dir)
+                continue
+        metrics = sorted(run_dir.glob("*/metrics.jsonl"))
+        if metrics and g["arm"]:
+            record = _training_record({**base, "arm": g["arm"]}, metrics[0])
+            if record:
+                records.append(record)
+    return records
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
+def _cell(values: list[float]) -> str:
+    m, se = mean_se(values)
+    return f"{_fmt(m)} ± {_fmt(se)}" if len(values) > 1 else _fmt(m)
+
+
+def _groups(records: list[dict], kind: str, keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == kind:
+            groups[tuple(r.get(k) for k in keys)].append(r)
+    return groups
+
+
+def _runs(group: list[dict], field: str) -> str:
+    """Per-run values, labelled machine/build and seed: ``h100x4/b1 s0: 0.97``."""
+    return ", ".join(f"{r['build']} s{r['seed']}: {_fmt(r[field])}" for r in group)
+
+
+def context_table(records: list[dict]) -> str:
+    lines = ["| task | model | manager | budget | runs | held-out before RL | held-out after RL | OOD after | "
+             "summaries / ep | selections / ep | held-out after, per run |", "|---" * 11 + "|"]
+    groups = _groups(records, "context", ("task", "size", "arm", "budget"))
+    for (task, size, arm, budget), group in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        def col(field, group=group):
+            return [r[field] for r in group if r.get(field) is not None]
+
+        lines.append(f"| {task} | {size} | {arm} | {budget or '–'} | {len(group)} | {_cell(col('heldout_before'))} | "
+                     f"{_cell(col('heldout_after'))} | {_cell(col('ood_after'))} | "
+                     f"{_cell(col('summaries_per_episode'))} | {_cell(col('selections_per_episode'))} | "
+                     f"{_runs(group, 'heldout_after')} |")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_table(records: list[dict]) -> str:
+    lines = ["| task | model | budget | run | held-out by summaries allowed at evaluation | OOD by summaries allowed |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        if r["kind"] == "context" and r.get("heldout_by_eval_summaries"):
+            lines.append(f"| {r['task']} | {r['size']} | {r['budget']} | {r['build']} s{r['seed']} | "
+                         + ", ".join(f"{k}: {_fmt(v)}" for k, v in r["heldout_by_eval_summaries"].items()) + " | "
+                         + ", ".join(f"{k}: {_fmt(v)}" for k, v in r["ood_by_eval_summaries"].items()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def meta_table(records: list[dict]) -> str:
+    lines = ["| task | model | arm | runs | attempt-1 success | success by attempt K | gain (by K − at 1) | "
+             "pass@K sampled | success by K sampled |", "|---|---|---|---|---|---|---|---|---|"]
+    for (task, size, arm), group in _groups(records, "meta", ("task", "size", "arm")).items():
+        gains = [r["success_by_k"] - r["attempt1"] for r in group]
+        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {_cell([r['attempt1'] for r in group])} | "
+                     f"{_cell([r['success_by_k'] for r in group])} | {_cell(gains)} | "
+                     f"{_cell([r['pass_at_k_sampled'] for r in group if r['pass_at_k_sampled'] is not None])} | "
+                     f"{_cell([r['success_by_k_sampled'] for r in group if r['success_by_k_sampled'] is not None])} |")
+    return "\n".join(lines) + "\n"
+
+
+def training_table(records: list[dict]) -> str:
+    lines = ["| task | model | arm | runs | held-out before | held-out after | tool calls / ep, last 10 RL steps | "
+             "void-turn rate, last 10 | largest grad norm | held-out after, per run |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (task, size, arm), group in _groups(records, "training", ("task", "size", "arm")).items():
+        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {_cell([r['heldout_before'] for r in group])} | "
+                     f"{_cell([r['heldout_after'] for r in group])} | "
+                     f"{_cell([r['train_calls_last10'] for r in group])} | "
+                     f"{_cell([r['void_turn_rate_last10'] for r in group])} | "
+                     f"{_cell([r['grad_norm_max'] for r in group])} | {_runs(group, 'heldout_after')} |")
+    return "\n".join(lines) + "\n"
+
+
+def paired(records: list[dict], kind: str, field: str, arm: str, baseline: str, **where) -> tuple[float, float, int]:
+    """Mean and standard error of ``field`` (arm − baseline) over runs matched by build, seed and ``where``."""
+    def pick(name):
+        return {(r["build"], r["seed"]): r[field] for r in records
+                if r["kind"] == kind and r["arm"] == name and all(r.get(k) == v for k, v in where.items())
+                and r.get(field) is not None}
+
+    a, b = pick(arm), pick(baseline)
+    diffs = [a[k] - b[k] for k in sorted(set(a) & set(b))]
+    m, se = mean_se(diffs)
+    return m, se, len(diffs)
+
+
+def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Path | None:
+    """Held-out success before and after RL per manager and budget (mean ± SE), for one task and model size."""
+    groups = {k: g for k, g in _groups(records, "context", ("task", "size", "arm", "budget")).items()
+              if k[0] == task and k[1] == size}
+    if not groups:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(groups, key=lambda k: (k[3] or 0, k[2]))
+    labels = [f"{k[2]}\n{k[3] or 'no budget'}" for k in keys]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(keys)), 3.6))
+    for offset, field, label in ((-0.2, "heldout_before", "after warm start"), (0.2, "heldout_after", "after RL")):
+        stats = [mean_se([r[field] for r in groups[k]]) for k in keys]
+        ax.bar([i + offset for i in range(len(keys))], [m for m, _ in stats], width=0.4,
+               yerr=[se for _, se in stats], capsize=3, label=label)
+    ax.set_xticks(range(len(keys)), labels, fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("held-out success")
+    ax.set_title(f"{task}, {size} model: mean ± SE over builds and seeds", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_ladder(records: list[dict], path: Path, *, task: str) -> Path | None:
+    """Held-out success with the whole history (the ``full`` manager) by model size: one point per build."""
+    points = [(r["size"], r["heldout_before"], r["heldout_after"]) for r in records
+              if r["kind"] == "context" and r["task"] == task and r["arm"] == "full"]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = sorted({p[0] for p in points}, key=lambda s: float(s.rstrip("M")))
+    fig, ax = plt.subplots(figsize=(4.5, 3.4))
+    for j, (field, label, marker) in enumerate(((1, "after warm start", "o"), (2, "after RL", "s"))):
+        ax.scatter([order.index(p[0]) + (j - 0.5) * 0.12 for p in points], [p[field] for p in points],
+                   marker=marker, label=label)
+    ax.set_xticks(range(len(order)), order)
+    ax.set_xlabel("tiny model size (parameters)")
+    ax.set_ylabel("held-out success, whole history")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(f"{task}: the model ladder (one point per build)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def contrasts(records: list[dict]) -> str:
+    """Paired differences (same build, seed and budget): each manager against window, each RL arm against
+    grpo, meta-RL's attempt-K gain against single-episode RL's."""
+    lines = ["| comparison | figure | pairs | mean difference ± SE |", "|---|---|---|---|"]
+
+    def add(label, field, kind, arm, baseline, **where):
+        m, se, n = paired(records, kind, field, arm, baseline, **where)
+        if n:
+            lines.append(f"| {label} | {field} | {n} | {m:+.2f} ± {se:.2f} |")
+
+    for task, size, budget in sorted({(r["task"], r["size"], r["budget"]) for r in records
+                                      if r["kind"] == "context" and r["budget"]}, key=str):
+        for arm in sorted({r["arm"] for r in records if r["kind"] == "context" and r["task"] == task
+                           and r["size"] == size and r["budget"] == budget} - {"window", "full"}):
+            for field in ("heldout_before", "heldout_after"):
+                add(f"{task} {size}, budget {budget}: {arm} − window", field, "context", arm, "window",
+                    task=task, size=size, budget=budget)
+    for task, size in sorted({(r["task"], r["size"]) for r in records if r["kind"] == "training"}):
+        for arm in sorted({r["arm"] for r in records if r["kind"] == "training" and r["task"] == task} - {"grpo"}):
+            for field in ("heldout_after", "train_calls_last10", "void_turn_rate_last10", "grad_norm_max"):
+                add(f"{task} {size}: {arm} − grpo", field, "training", arm, "grpo", task=task, size=size)
+    for task, size in sorted({(r["task"], r["size"]) for r in records if r["kind"] == "meta"}):
+        for r in records:
+            if r["kind"] == "meta":
+                r["gain"] = r["success_by_k"] - r["attempt1"]
+        add(f"{task} {size}: meta − single", "gain", "meta", "meta", "single", task=task, size=size)
+    return "\n".join(lines) + "\n"
+
+
+def report(records: list[dict]) -> str:
+    parts = []
+    if any(r["kind"] == "context" for r in records):
+        parts += ["## Context managers\n", context_table(records), "\n### Success by summaries allowed at evaluation\n",
+                  sweep_table(records)]
+    if any(r["kind"] == "meta" for r in records):
+        parts += ["\n## Learning across episodes\n", meta_table(records)]
+    if any(r["kind"] == "training" for r in records):
+        parts += ["\n## RL on an environment\n", training_table(records)]
+    parts += ["\n## Paired comparisons\n", contrasts(records)]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect", help="read batch directories into a JSON file of records (appends)")
+    c.add_argument("batches", nargs="+", type=Path)
+    c.add_argument("--machine", required=True, help="a label for the machine that built these runs' models")
+    c.add_argument("--out", type=Path, required=True)
+    r = sub.add_parser("report", help="markdown tables (and plots) from collected records")
+    r.add_argument("records", type=Path)
+    r.add_argument("--plots", type=Path, default=None, help="write PNGs here")
+    args = parser.parse_args(argv)
+    if args.command == "collect":
+        missing = [str(b) for b in args.batches if not (b / "runs").is_dir()]
+        if missing:
+            raise SystemExit(f"not batch directories (no runs/ inside): {', '.join(missing)}")
+        old = json.loads(args.out.read_text()) if args.out.is_file() else []
+        new = [rec for b in args.batches for rec in collect(b, args.machine)]
+        keep = [o for o in old if (o["machine"], o["name"]) not in {(n["machine"], n["name"]) for n in new}]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(keep + new, indent=1))
+        print(f"{len(new)} records from {len(args.batches)} batch(es); {len(keep) + len(new)} in {args.out}")
+        return 0
+    records = json.loads(args.records.read_text())
+    print(report(records))
+    if args.plots:
+        args.plots.mkdir(parents=True, exist_ok=True)
+        for task, size in sorted({(x["task"], x["size"]) for x in records if x["kind"] == "context"}):
+            plot_context(records, args.plots / f"context-{task}-{size}.png", task=task, size=size)
+        for task in sorted({x["task"] for x in records if x["kind"] == "context"}):
+            plot_ladder(records, args.plots / f"ladder-{task}.png", task=task)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

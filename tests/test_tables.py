@@ -1,0 +1,102 @@
+"""experiments/tables.py: records from batch runs, means with standard errors, paired comparisons, plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("tables", Path(__file__).parents[1] / "experiments" / "tables.py")
+tables = importlib.util.module_from_spec(_spec)
+sys.modules["tables"] = tables
+_spec.loader.exec_module(tables)
+
+
+def context_run(batch: Path, name: str, manager: str, before: float, after: float, budget: int | None) -> None:
+    run = batch / "runs" / name
+    (run / manager).mkdir(parents=True)
+    (run / manager / "config.toml").write_text(f"[context]\nmax_context_tokens = {budget or 0}\n")
+    summary = {"heldout_before": before, "heldout_after": after, "ood_after": 0.0, "peak_context": 300,
+               "summaries_per_episode": 1.0 if manager == "summarize" else 0.0}
+    if manager == "summarize":
+        summary |= {"heldout_by_eval_summaries": {"0": 0.1, "2": after}, "ood_by_eval_summaries": {"0": 0.0, "2": 0.0}}
+    (run / "summary.json").write_text(json.dumps({manager: summary}))
+
+
+def training_run(batch: Path, name: str, calls: float, success: float) -> None:
+    run = batch / "runs" / name / "python_math-s0"
+    run.mkdir(parents=True)
+    rows = [{"phase": "eval", "split": "heldout", "step": 0, "success": 0.0, "tool_calls": 0.0}]
+    rows += [{"phase": "rl", "step": i, "tool_calls": 9.0 if i < 5 else calls, "void_turn_rate": 0.1,
+              "grad_norm": 0.5 + i / 100} for i in range(20)]
+    rows += [{"phase": "eval", "split": "heldout", "step": 20, "success": success, "tool_calls": calls}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def meta_run(batch: Path, name: str, single_gain: float, meta_gain: float) -> None:
+    run = batch / "runs" / name
+    run.mkdir(parents=True)
+    arms = {arm: {"heldout": {"success": 0.1, "success_by_3": 0.1 + gain, "success_at_3": 0.05}}
+            for arm, gain in (("single", single_gain), ("meta", meta_gain))}
+    (run / "summary.json").write_text(json.dumps({"experiment": "reflection", "attempts": 3, "steps": 5, "arms": arms}))
+
+
+@pytest.fixture
+def records(tmp_path):
+    batch = tmp_path / "batch"
+    for seed, (w, s) in enumerate(((0.2, 0.6), (0.3, 0.5), (0.1, 0.7))):
+        context_run(batch, f"fh26-b1-s{seed}-window320", "window", w, w, 320)
+        context_run(batch, f"fh26-b1-s{seed}-summarize320", "summarize", s, s, 320)
+    context_run(batch, "fh26-b1-s0-full", "full", 1.0, 0.9, None)
+    training_run(batch, "pm5-b0-s0-grpo", 1.2, 0.5)
+    training_run(batch, "pm5-b0-s0-otc", 1.0, 0.5)
+    meta_run(batch, "cb26-b0-s0", 0.1, 0.3)
+    (batch / "runs" / "not-a-plan-name").mkdir()
+    (batch / "runs" / "fh26-b1-s9-window320").mkdir()  # a run that wrote nothing: skipped
+    out = tmp_path / "records.json"
+    assert tables.main(["collect", str(batch), "--machine", "m1", "--out", str(out)]) == 0
+    return json.loads(out.read_text()), out
+
+
+def test_collect_reads_each_kind_of_run_with_its_build_seed_and_budget(records):
+    recs, _ = records
+    kinds = sorted((r["kind"], r["arm"]) for r in recs)
+    assert kinds.count(("context", "window")) == 3 and ("context", "full") in kinds
+    assert ("training", "otc") in kinds and ("meta", "meta") in kinds and ("meta", "single") in kinds
+    window = next(r for r in recs if r["name"] == "fh26-b1-s1-window320")
+    assert (window["task"], window["size"], window["build"], window["seed"], window["budget"]) == \
+        ("fact_hunt", "26M", "m1/b1", 1, 320)
+    otc = next(r for r in recs if r["arm"] == "otc")
+    assert otc["train_calls_last10"] == 1.0 and otc["heldout_after"] == 0.5 and otc["steps"] == 20
+    assert math.isclose(otc["grad_norm_max"], 0.69)
+
+
+def test_means_standard_errors_and_paired_differences_are_hand_checked(records):
+    recs, _ = records
+    assert tables.mean_se([0.6, 0.5, 0.7]) == pytest.approx((0.6, 0.1 / math.sqrt(3)))
+    assert tables.mean_se([0.4]) == (0.4, 0.0)
+    # summarize - window per seed: 0.4, 0.2, 0.6 -> mean 0.4, sd 0.2, se 0.2/sqrt(3)
+    m, se, n = tables.paired(recs, "context", "heldout_after", "summarize", "window", budget=320)
+    assert (n, m, se) == (3, pytest.approx(0.4), pytest.approx(0.2 / math.sqrt(3)))
+    assert tables.paired(recs, "training", "train_calls_last10", "otc", "grpo")[:2] == (pytest.approx(-0.2), 0.0)
+    text = tables.report(recs)
+    assert "| fact_hunt | 26M | summarize | 320 | 3 | 0.60 ± 0.06 |" in text
+    assert "python_math 5.2M: otc − grpo | train_calls_last10 | 1 | -0.20 ± 0.00 |" in text
+    assert "codebreak 26M: meta − single | gain | 1 | +0.20 ± 0.00 |" in text
+    assert "0: 0.10, 2: 0.60" in text  # the evaluation-time summary sweep
+
+
+def test_collecting_again_replaces_records_and_reports_write_plots(records, tmp_path):
+    recs, out = records
+    batch = tmp_path / "batch"
+    assert tables.main(["collect", str(batch), "--machine", "m1", "--out", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == len(recs)  # the same runs, not twice
+    assert tables.main(["report", str(out), "--plots", str(tmp_path / "png")]) == 0
+    assert (tmp_path / "png" / "context-fact_hunt-26M.png").stat().st_size > 0
+    assert (tmp_path / "png" / "ladder-fact_hunt.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="not batch directories"):
+        tables.main(["collect", str(tmp_path), "--machine", "m1", "--out", str(out)])
