@@ -189,3 +189,26 @@ def test_context_experiment_runs_on_search_join(tmp_path):
     assert set(results) == {"window", "summarize"}
     assert set(results["summarize"]["heldout_by_eval_summaries"]) == {"0", "3"}
     assert results["window"]["peak_context"] is not None
+
+
+def test_select_demos_keep_the_searches_that_showed_the_firms(renderer):
+    """Its facts are names, which select's derivation from summaries (numbers and ids) cannot match: its own
+    select hook keeps A's and B's searches, and scripted select demos then carry both firms to the answer."""
+    import dataclasses
+
+    from ctxrl.rollout.managers.base import ContextPolicy, get_manager
+    from ctxrl.train.sft import build_demos
+
+    task = SearchJoinEnv.sample_tasks("train", 1, seed=3)[0]
+    messages, _ = play_solution(SearchJoinEnv, task, seed=0)
+    assert SearchJoinEnv.select(task, messages[:-1]) == "<keep>1 2</keep>"  # the trail's searches are not kept
+    select = get_manager("select")
+    assert select.demo_script(SearchJoinEnv) == SearchJoinEnv.select
+    limits = RolloutLimits(max_turns=10, max_new_tokens=48, max_total_tokens=4096,
+                           context=ContextPolicy(manager="select", max_context_tokens=900, max_summaries=3))
+    demos = asyncio.run(build_demos(SearchJoinEnv, renderer, 12, seed=0, limits=limits))
+    assert all(d.success for d in demos) and sum(d.info.get("selections", 0) for d in demos) > 0
+    assert all(d.info.get("select_fallbacks", 0) == 0 for d in demos)
+    no_hooks = dataclasses.make_dataclass("NoHooks", [])
+    with pytest.raises(ValueError, match=r"has no select\(task, messages\) hook or a summary\(task, messages\) hook"):
+        asyncio.run(build_demos(no_hooks, renderer, 1, limits=limits))

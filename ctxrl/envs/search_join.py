@@ -37,6 +37,9 @@ Reward: 1 when the words of ``<answer>...</answer>`` are the two firms and the c
 case, ``and`` and punctuation ignored), else 0; the episode ends at the first turn without a tool
 call. A search that matches nothing returns ``No results.``
 
+Scripted selections (``select``, for ``context.manager=select``): keep the turns whose search
+showed A's or B's firm.
+
 Scripted summaries (``summary``, for warm-start demos under ``context.manager=summarize``): the
 firms found so far and where the search stands, e.g. ``Found: Dara works at Voss. Kelo works at
 Brin. Next: Tam.``, and after the trail's end ``Found: Dara works at Voss. Kelo works at Brin.
@@ -148,6 +151,22 @@ class SearchJoinEnv(ToolAnswerEnv):
         if not isinstance(searches, list) or not searches:
             raise EnvError(f"task {task.id} has no data['searches']; search_join tasks need it to be solved")
         return [format_tool_call("search", {"query": q}) for q in searches] + [f"<answer>{task.answer}</answer>"]
+
+    @classmethod
+    def select(cls, task: Task, messages: list[Message]) -> str:
+        """The earlier turns to keep under ``context.manager=select``: those whose search showed A's or B's firm.
+
+        Turns are numbered as the ``select`` manager numbers them (1 = the first assistant message of
+        ``messages``); the newest turn is always kept by the manager, so it is never named. (The
+        manager's own derivation from ``summary`` looks for numbers and ids, and these facts are names.)
+        """
+        from ctxrl.rollout.managers.window import split_turns
+
+        firms = [str(f) for f in (task.data.get("facts") or [])[:2]]
+        _, turns = split_turns(messages)
+        keep = [n for n, turn in enumerate(turns[:-1], start=1)
+                if any(f"works at {firm}." in m.content for m in turn[1:] for firm in firms)]
+        return f"<keep>{' '.join(map(str, keep))}</keep>"
 
     @classmethod
     def summary(cls, task: Task, messages: list[Message]) -> str:

@@ -69,7 +69,7 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
     manager = get_manager(limits.context.manager)
     purpose, script = manager.scripted_hook, manager.demo_script(env_cls)
     if purpose is not None and script is None:
-        raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {purpose}(task, messages) "
+        raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {manager.demo_hooks()} "
                          f"hook, so its demos cannot show the {limits.context.manager} manager's {purpose} requests; "
                          "give it one (docs/environments.md) or play the demos with the full context "
                          "(sft.context_demos=off)")

@@ -46,7 +46,7 @@ def context_demos(config: Any, env_cls: type) -> bool:
     if manager.demo_script(env_cls) is not None:
         return True
     if config.sft.context_demos == "on":
-        raise ConfigError(f"sft.context_demos=on, but environment {config.env.name!r} has no {purpose}(task, messages) "
+        raise ConfigError(f"sft.context_demos=on, but environment {config.env.name!r} has no {manager.demo_hooks()} "
                           "hook to script its demos; add one (docs/environments.md) or set sft.context_demos=auto "
                           "or off")
     return False
@@ -81,9 +81,10 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
 
     c, seeds = config.sft, Seeds(config.run.seed)
     t0 = time.perf_counter()
-    purpose = get_manager(config.context.manager).scripted_hook
+    manager = get_manager(config.context.manager)
+    purpose = manager.scripted_hook
     if purpose and not under_manager and c.context_demos == "auto":
-        warnings.warn(f"environment {config.env.name!r} has no {purpose}(task, messages) hook: its warm-start demos "
+        warnings.warn(f"environment {config.env.name!r} has no {manager.demo_hooks()} hook: its warm-start demos "
                       f"use the full context and show no {purpose} requests (sft.context_demos=auto)", stacklevel=2)
     limits = demo_limits(spec, under_manager)
     n_trials = round(c.demos * c.trial_demos)

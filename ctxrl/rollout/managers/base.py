@@ -144,6 +144,11 @@ class ContextManager:
 
         return hook(env_cls, cls.scripted_hook)
 
+    @classmethod
+    def demo_hooks(cls) -> str:
+        """The environment hooks ``demo_script`` can use, for error messages: ``summary(task, messages)``."""
+        return f"{cls.scripted_hook}(task, messages)"
+
 
 def register_manager(cls: M) -> M:
     """Class decorator: make ``context.manager = cls.name`` choose ``cls``."""

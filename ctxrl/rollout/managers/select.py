@@ -36,7 +36,7 @@ from collections.abc import Callable
 from ctxrl.prompts import SELECT_INSTRUCTION
 from ctxrl.rollout.generate import sample_aside
 from ctxrl.rollout.managers.base import ContextManager, ContextPolicy, Play, register_manager
-from ctxrl.rollout.managers.window import split_turns
+from ctxrl.rollout.managers.window import group_turns, leaves_room, split_turns
 from ctxrl.rollout.messages import text_only
 from ctxrl.seeds import SELECT_SALT
 from ctxrl.types import Message, Task
@@ -123,6 +123,10 @@ class Select(ContextManager):
             return None
         return lambda task, messages: scripted_selection(messages, summary(task, messages))
 
+    @classmethod
+    def demo_hooks(cls) -> str:
+        return "select(task, messages) hook or a summary(task, messages)"
+
     async def make_room(self, play: Play, observations: list[Message], turn: int) -> bool:
         episode, policy, recorder = play.episode, self.policy, play.recorder
         done = episode.info.get("selections", 0)
@@ -137,8 +141,7 @@ class Select(ContextManager):
             return [*play.opening, *(text_only(m) for _, t in kept for m in t), *(text_only(m) for m in newest)]
 
         def fits(kept: list[tuple[int, list[Message]]]) -> bool:
-            prompt = recorder.renderer.prompt_ids(candidate(kept), recorder.tools)
-            return len(prompt) + play.limits.max_new_tokens <= policy.max_context_tokens
+            return leaves_room(play, policy.max_context_tokens, candidate(kept))
 
         def newest_that_fit(pool: list[tuple[int, list[Message]]]) -> list[tuple[int, list[Message]]]:
             return next(pool[start:] for start in range(len(pool) + 1) if fits(pool[start:]))
@@ -172,11 +175,6 @@ class Select(ContextManager):
 
     def _turns(self, play: Play, turn: int) -> list[tuple[int, list[Message]]]:
         """The live sequence's turns after the opening, each with its episode turn number (the last is ``turn + 1``)."""
-        turns: list[list[Message]] = []
-        for m in play.recorder.messages[len(play.opening):]:
-            if m.role == "assistant" or not turns:
-                turns.append([m])
-            else:
-                turns[-1].append(m)
+        turns = group_turns(play.recorder.messages[len(play.opening):])
         fresh = len(turns) - len(self.numbers)  # turns played since the restart, numbered up to this one
         return list(zip([*self.numbers, *range(turn + 2 - fresh, turn + 2)], turns))

@@ -32,6 +32,7 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
         "selections_per_episode": sum(selections) / n,
         "turns_kept_per_selection": sum(e.info.get("turns_kept", 0) for e in episodes) / max(sum(selections), 1),
         "select_fallbacks_per_episode": sum(e.info.get("select_fallbacks", 0) for e in episodes) / n,
+        "select_tokens_mean": sum(e.info.get("select_tokens", 0) for e in episodes) / max(sum(selections), 1),
         "context_tokens_saved": (sum(full) - sum(peaks)) / n,
         "success_with_summary": _rate([e.success for e, k in zip(episodes, summaries) if k]),
         "success_without_summary": _rate([e.success for e, k in zip(episodes, summaries) if not k]),

@@ -15,18 +15,29 @@ from ctxrl.rollout.messages import text_only
 from ctxrl.types import Message
 
 
+def group_turns(messages: list[Message]) -> list[list[Message]]:
+    """Messages after an opening as turns: each an assistant message and the replies after it."""
+    turns: list[list[Message]] = []
+    for m in messages:
+        if m.role == "assistant" or not turns:
+            turns.append([m])
+        else:
+            turns[-1].append(m)
+    return turns
+
+
 def split_turns(messages: list[Message]) -> tuple[list[Message], list[list[Message]]]:
     """(the opening: up to the first user message, the turns after it: each an assistant message + replies)."""
     first_user = next((i for i, m in enumerate(messages) if m.role == "user"), None)
     if first_user is None:
         raise ValueError("a conversation to window needs a user message (the task)")
-    head, turns = messages[: first_user + 1], []
-    for m in messages[first_user + 1:]:
-        if m.role == "assistant" or not turns:
-            turns.append([m])
-        else:
-            turns[-1].append(m)
-    return head, turns
+    return messages[: first_user + 1], group_turns(messages[first_user + 1:])
+
+
+def leaves_room(play: Play, budget: int, messages: list[Message]) -> bool:
+    """Whether a prompt of ``messages`` leaves room for the next turn (``max_new_tokens``) within ``budget``."""
+    prompt = play.recorder.renderer.prompt_ids(messages, play.recorder.tools)
+    return len(prompt) + play.limits.max_new_tokens <= budget
 
 
 def window_messages(messages: list[Message], fits) -> list[Message] | None:
@@ -54,13 +65,9 @@ class Window(ContextManager):
     rewrites_context = True
 
     async def make_room(self, play: Play, observations: list[Message], turn: int) -> bool:
-        recorder, limits = play.recorder, play.limits
-
-        def fits(messages: list[Message]) -> bool:
-            prompt = recorder.renderer.prompt_ids(messages, recorder.tools)
-            return len(prompt) + limits.max_new_tokens <= self.policy.max_context_tokens
-
-        kept = window_messages([*recorder.messages, *observations], fits)
+        recorder = play.recorder
+        kept = window_messages([*recorder.messages, *observations],
+                               lambda messages: leaves_room(play, self.policy.max_context_tokens, messages))
         if kept is None:
             play.episode.truncation = "max_context"
             return False
