@@ -9,15 +9,16 @@ A plan is a TOML file (``experiments/plans/`` holds the ones the docs quote)::
     fh_b0 = "tiny:envs=calculator+fact_hunt,{big},seed=0"
 
     [[run]]
-    name = "fh-b0-s0-window"                 # its directory: OUT/runs/NAME ({out} in cmd)
+    name = "fh5-b0-s0-window"                # its directory: OUT/runs/NAME ({out} in cmd)
     cmd = "python experiments/context.py --model {fh_b0} --managers window --out {out} run.seed=0"
 
-Every model is built first, each in its own process, spread over the GPUs. A run starts once the
-models it names are built, on the GPU with the fewest processes, while that GPU has fewer than
-``--per-gpu``; it sees one GPU (``CUDA_VISIBLE_DEVICES``) and writes its output to ``OUT/runs/NAME/log.txt``.
-A run whose model failed to build is skipped, not started. At ``--minutes`` every process still
-running is stopped (its directory keeps what it wrote so far). ``OUT/status.json`` says, at every
-moment, which process is where and how it ended.
+Every model is built once, in its own process, the builds spread over the GPUs. A run starts once
+the models it names are built (at once if it names none), on the GPU with the fewest processes,
+while that GPU has fewer than ``--per-gpu``; it sees one GPU (``CUDA_VISIBLE_DEVICES``) and writes
+its output to ``OUT/runs/NAME/log.txt``. A run whose model failed to build is skipped, and one
+whose command cannot start fails alone. At ``--minutes`` every process still running is stopped
+(SIGTERM, then SIGKILL after 10 s; its directory keeps what it wrote so far). ``OUT/status.json``
+says, at every moment, which process is where and how it ended.
 
     python experiments/batch.py run experiments/plans/issue21.toml --gpus 0,1,2,3 --per-gpu 8 --minutes 22
     python experiments/batch.py pack runs/batch results.tgz      # the results without checkpoints
@@ -128,12 +129,27 @@ def _status(jobs: list[Job], out: Path, t0: float) -> None:
     tmp.replace(out / "status.json")
 
 
-def _stop(job: Job) -> None:
-    if job.process and job.process.poll() is None:
-        try:
-            os.killpg(job.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+def _stop(jobs: list[Job], grace: float = 10.0) -> None:
+    """SIGTERM each live job's process group, wait up to ``grace`` seconds, then SIGKILL what is left.
+
+    A trainer stuck in CUDA or in a checkpoint write must not keep a lent GPU after the batch ends.
+    """
+    live = [j for j in jobs if j.process is not None and j.process.poll() is None]
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for job in live:
+            try:
+                os.killpg(job.process.pid, signum)
+            except ProcessLookupError:
+                pass
+        end = time.time() + grace
+        while live and time.time() < end:
+            live = [j for j in live if j.process.poll() is None]
+            time.sleep(0.05)
+        if not live:
+            break
+    for job in jobs:
+        if job.process is not None and job.returncode is None:
+            job.returncode = job.process.wait()
 
 
 def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes: float, poll: float = 2.0) -> list[Job]:
@@ -162,7 +178,6 @@ def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes:
             if time.time() >= deadline:
                 for job in jobs:
                     if job.state == "running":
-                        _stop(job)
                         job.state, job.ended = "stopped", time.time()
                     elif job.state == "waiting":
                         job.state = "skipped"
@@ -178,20 +193,28 @@ def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes:
                 directory = out / ("builds" if job.kind == "build" else "runs") / job.name
                 directory.mkdir(parents=True, exist_ok=True)
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
-                log = open(directory / "log.txt", "w")  # noqa: SIM115 - the child writes it until it ends
-                job.process = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True)
-                log.close()
-                job.state, job.gpu, job.started = "running", gpu, time.time()
+                job.gpu, job.started = gpu, time.time()
+                with open(directory / "log.txt", "w") as log:  # the child keeps its own handle
+                    try:
+                        job.process = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                       start_new_session=True)
+                    except OSError as exc:  # a command that cannot start fails alone, not the batch
+                        log.write(f"could not start {job.argv[0]!r}: {exc}\n")
+                        job.state, job.ended = "failed", time.time()
+                        print(f"[{job.ended - t0:7.0f}s] failed {job.name}: could not start: {exc}", flush=True)
+                        continue
+                job.state = "running"
                 load[gpu] += 1
                 print(f"[{job.started - t0:7.0f}s] start  {job.name} on gpu {gpu}", flush=True)
             _status(jobs, out, t0)
             if all(j.state not in ("waiting", "running") for j in jobs):
                 break
             time.sleep(poll)
-    finally:
+    finally:  # also on an exception or Ctrl-C: nothing keeps running, and the status file says so
         for job in jobs:
-            _stop(job)
+            if job.state == "running":
+                job.state, job.ended = "stopped", time.time()
+        _stop(jobs)
         _status(jobs, out, t0)
     return jobs
 
@@ -233,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {exc}") from None
     if args.only:
         keep = [j for j in jobs if j.kind == "run" and re.search(args.only, j.name)]
+        if not keep:
+            raise SystemExit(f"error: --only {args.only!r} matches no run of {args.plan}")
         needed = {n for j in keep for n in j.needs}
         jobs = [j for j in jobs if j.name in needed] + keep
     gpus = args.gpus.split(",") if args.gpus else _visible_gpus()

@@ -152,3 +152,34 @@ cmd = "python -c pass {b}"
     assert code == 0
     status = json.loads((tmp_path / "out" / "status.json").read_text())
     assert [j["name"] for j in status["jobs"]] == ["build-a", "x-a"]
+
+
+def test_a_command_that_cannot_start_fails_alone_and_a_deaf_process_is_killed(tmp_path):
+    plan = write_plan(tmp_path, """
+[[run]]
+name = "typo"
+cmd = "no-such-program-here -c 1"
+[[run]]
+name = "deaf"
+cmd = "python -c \\"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)\\""
+""")
+    out = tmp_path / "out"
+    jobs = batch.load_plan(plan, out)
+    original = batch._stop
+    batch._stop = lambda js: original(js, grace=0.5)  # SIGTERM is ignored: SIGKILL after the grace
+    try:
+        jobs = batch.run_plan(jobs, out, ["0"], per_gpu=2, minutes=5 / 60, poll=0.05)  # time to ignore SIGTERM
+    finally:
+        batch._stop = original
+    typo, deaf = jobs
+    log = (out / "runs" / "typo" / "log.txt").read_text()
+    assert typo.state == "failed" and "could not start 'no-such-program-here'" in log
+    assert deaf.state == "stopped" and deaf.returncode == -9  # killed, and reaped
+    status = json.loads((out / "status.json").read_text())
+    assert {j["name"]: j["state"] for j in status["jobs"]} == {"typo": "failed", "deaf": "stopped"}
+
+
+def test_only_that_matches_nothing_is_an_error(tmp_path):
+    plan = write_plan(tmp_path, '[[run]]\nname = "a"\ncmd = "python -c pass"')
+    with pytest.raises(SystemExit, match="matches no run"):
+        batch.main(["run", str(plan), "--out", str(tmp_path / "out"), "--gpus", "cpu", "--only", "zzz"])
