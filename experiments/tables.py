@@ -37,28 +37,29 @@ SIZES = {"1": "1M", "5": "5.2M", "26": "26M"}
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error (sample standard deviation / sqrt(n); 0 for one value)."""
+    """Mean and standard error (sample standard deviation / sqrt(n)); the error is NaN for one value."""
     n = len(values)
     if n == 0:
         return math.nan, math.nan
     mean = sum(values) / n
     if n == 1:
-        return mean, 0.0
+        return mean, math.nan
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
 
 
-def _budget(run_dir: Path) -> int | None:
-    for path in run_dir.glob("*/config.toml"):
-        budget = tomllib.loads(path.read_text()).get("context", {}).get("max_context_tokens")
-        return budget or None
-    return None
+def _budget(run_dir: Path, manager: str) -> int | None:
+    """The manager's working-context budget, from its run's config (None: unlimited or unknown)."""
+    path = run_dir / manager / "config.toml"
+    if not path.is_file():
+        return None
+    return tomllib.loads(path.read_text()).get("context", {}).get("max_context_tokens") or None
 
 
 def _context_records(base: dict, summary: dict, run_dir: Path) -> list[dict]:
     records = []
     for manager, r in summary.items():
-        records.append({**base, "kind": "context", "arm": manager, "budget": _budget(run_dir),
+        records.append({**base, "kind": "context", "arm": manager, "budget": _budget(run_dir, manager),
                         "heldout_before": r["heldout_before"], "heldout_after": r["heldout_after"],
                         "ood_after": r["ood_after"], "peak_context": r.get("peak_context"),
                         "summaries_per_episode": r.get("summaries_per_episode"),
@@ -73,8 +74,10 @@ def _meta_records(base: dict, summary: dict) -> list[dict]:
     records = []
     for arm, r in summary["arms"].items():
         h, s = r["heldout"], r.get("sampled", {})
+        first, by_k = h.get("success"), h.get(f"success_by_{k}")
         records.append({**base, "kind": "meta", "arm": arm, "attempts": k, "steps": summary["steps"],
-                        "attempt1": h.get("success"), "success_by_k": h.get(f"success_by_{k}"),
+                        "attempt1": first, "success_by_k": by_k,
+                        "gain": None if first is None or by_k is None else by_k - first,
                         "success_at_k": h.get(f"success_at_{k}"), "tool_errors_at_1": h.get("tool_errors_at_1"),
                         "pass_at_k_sampled": s.get(f"pass_at_{k}"), "success_by_k_sampled": s.get(f"success_by_{k}")})
     return records
@@ -160,13 +163,14 @@ def context_table(records: list[dict]) -> str:
 
 
 def sweep_table(records: list[dict]) -> str:
-    lines = ["| task | model | budget | run | held-out by summaries allowed at evaluation | OOD by summaries allowed |",
-             "|---|---|---|---|---|---|"]
-    for r in records:
-        if r["kind"] == "context" and r.get("heldout_by_eval_summaries"):
-            lines.append(f"| {r['task']} | {r['size']} | {r['budget']} | {r['build']} s{r['seed']} | "
-                         + ", ".join(f"{k}: {_fmt(v)}" for k, v in r["heldout_by_eval_summaries"].items()) + " | "
-                         + ", ".join(f"{k}: {_fmt(v)}" for k, v in r["ood_by_eval_summaries"].items()) + " |")
+    lines = ["| task | model | manager | budget | run | held-out by summaries allowed at evaluation "
+             "| OOD by summaries allowed |", "|---|---|---|---|---|---|---|"]
+    swept = [r for r in records if r["kind"] == "context" and r.get("heldout_by_eval_summaries")]
+    for r in sorted(swept, key=lambda r: (r["task"], r["size"], r["arm"], r["budget"] or 0, r["build"], r["seed"])):
+        heldout = ", ".join(f"{k}: {_fmt(v)}" for k, v in r["heldout_by_eval_summaries"].items())
+        ood = ", ".join(f"{k}: {_fmt(v)}" for k, v in r["ood_by_eval_summaries"].items())
+        lines.append(f"| {r['task']} | {r['size']} | {r['arm']} | {r['budget']} | {r['build']} s{r['seed']} | "
+                     f"{heldout} | {ood} |")
     return "\n".join(lines) + "\n"
 
 
@@ -174,9 +178,11 @@ def meta_table(records: list[dict]) -> str:
     lines = ["| task | model | arm | runs | attempt-1 success | success by attempt K | gain (by K − at 1) | "
              "pass@K sampled | success by K sampled |", "|---|---|---|---|---|---|---|---|---|"]
     for (task, size, arm), group in _groups(records, "meta", ("task", "size", "arm")).items():
-        gains = [r["success_by_k"] - r["attempt1"] for r in group]
-        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {_cell([r['attempt1'] for r in group])} | "
-                     f"{_cell([r['success_by_k'] for r in group])} | {_cell(gains)} | "
+        def col(field, group=group):
+            return [r[field] for r in group if r.get(field) is not None]
+
+        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {_cell(col('attempt1'))} | "
+                     f"{_cell(col('success_by_k'))} | {_cell(col('gain'))} | "
                      f"{_cell([r['pass_at_k_sampled'] for r in group if r['pass_at_k_sampled'] is not None])} | "
                      f"{_cell([r['success_by_k_sampled'] for r in group if r['success_by_k_sampled'] is not None])} |")
     return "\n".join(lines) + "\n"
@@ -225,7 +231,7 @@ def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Pa
     for offset, field, label in ((-0.2, "heldout_before", "after warm start"), (0.2, "heldout_after", "after RL")):
         stats = [mean_se([r[field] for r in groups[k]]) for k in keys]
         ax.bar([i + offset for i in range(len(keys))], [m for m, _ in stats], width=0.4,
-               yerr=[se for _, se in stats], capsize=3, label=label)
+               yerr=[0.0 if math.isnan(se) else se for _, se in stats], capsize=3, label=label)
     ax.set_xticks(range(len(keys)), labels, fontsize=8)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("held-out success")
@@ -273,7 +279,8 @@ def contrasts(records: list[dict]) -> str:
     def add(label, field, kind, arm, baseline, **where):
         m, se, n = paired(records, kind, field, arm, baseline, **where)
         if n:
-            lines.append(f"| {label} | {field} | {n} | {m:+.2f} ± {se:.2f} |")
+            spread = f" ± {se:.2f}" if n > 1 else " (one pair: no error estimate)"
+            lines.append(f"| {label} | {field} | {n} | {m:+.2f}{spread} |")
 
     for task, size, budget in sorted({(r["task"], r["size"], r["budget"]) for r in records
                                       if r["kind"] == "context" and r["budget"]}, key=str):
@@ -287,9 +294,6 @@ def contrasts(records: list[dict]) -> str:
             for field in ("heldout_after", "train_calls_last10", "void_turn_rate_last10", "grad_norm_max"):
                 add(f"{task} {size}: {arm} − grpo", field, "training", arm, "grpo", task=task, size=size)
     for task, size in sorted({(r["task"], r["size"]) for r in records if r["kind"] == "meta"}):
-        for r in records:
-            if r["kind"] == "meta":
-                r["gain"] = r["success_by_k"] - r["attempt1"]
         add(f"{task} {size}: meta − single", "gain", "meta", "meta", "single", task=task, size=size)
     return "\n".join(lines) + "\n"
 

@@ -78,16 +78,30 @@ def test_collect_reads_each_kind_of_run_with_its_build_seed_and_budget(records):
 def test_means_standard_errors_and_paired_differences_are_hand_checked(records):
     recs, _ = records
     assert tables.mean_se([0.6, 0.5, 0.7]) == pytest.approx((0.6, 0.1 / math.sqrt(3)))
-    assert tables.mean_se([0.4]) == (0.4, 0.0)
+    mean, se = tables.mean_se([0.4])
+    assert mean == 0.4 and math.isnan(se)  # one value has no error estimate
     # summarize - window per seed: 0.4, 0.2, 0.6 -> mean 0.4, sd 0.2, se 0.2/sqrt(3)
     m, se, n = tables.paired(recs, "context", "heldout_after", "summarize", "window", budget=320)
     assert (n, m, se) == (3, pytest.approx(0.4), pytest.approx(0.2 / math.sqrt(3)))
-    assert tables.paired(recs, "training", "train_calls_last10", "otc", "grpo")[:2] == (pytest.approx(-0.2), 0.0)
+    m, se, n = tables.paired(recs, "training", "train_calls_last10", "otc", "grpo")
+    assert (n, m) == (1, pytest.approx(-0.2)) and math.isnan(se)
     text = tables.report(recs)
     assert "| fact_hunt | 26M | summarize | 320 | 3 | 0.60 ± 0.06 |" in text
-    assert "python_math 5.2M: otc − grpo | train_calls_last10 | 1 | -0.20 ± 0.00 |" in text
-    assert "codebreak 26M: meta − single | gain | 1 | +0.20 ± 0.00 |" in text
+    assert "python_math 5.2M: otc − grpo | train_calls_last10 | 1 | -0.20 (one pair: no error estimate) |" in text
+    assert "codebreak 26M: meta − single | gain | 1 | +0.20 (one pair: no error estimate) |" in text
     assert "0: 0.10, 2: 0.60" in text  # the evaluation-time summary sweep
+
+
+def test_each_manager_of_a_run_gets_its_own_budget(tmp_path):
+    batch = tmp_path / "batch"
+    context_run(batch, "fh26-b0-s0", "window", 0.2, 0.2, 320)
+    (batch / "runs" / "fh26-b0-s0" / "full").mkdir()
+    (batch / "runs" / "fh26-b0-s0" / "full" / "config.toml").write_text("[context]\nmax_context_tokens = 0\n")
+    summary = json.loads((batch / "runs" / "fh26-b0-s0" / "summary.json").read_text())
+    summary["full"] = {"heldout_before": 1.0, "heldout_after": 1.0, "ood_after": 0.0}
+    (batch / "runs" / "fh26-b0-s0" / "summary.json").write_text(json.dumps(summary))
+    budgets = {r["arm"]: r["budget"] for r in tables.collect(batch, "m")}
+    assert budgets == {"window": 320, "full": None}
 
 
 def test_collecting_again_replaces_records_and_reports_write_plots(records, tmp_path):
