@@ -183,3 +183,12 @@ def test_only_that_matches_nothing_is_an_error(tmp_path):
     plan = write_plan(tmp_path, '[[run]]\nname = "a"\ncmd = "python -c pass"')
     with pytest.raises(SystemExit, match="matches no run"):
         batch.main(["run", str(plan), "--out", str(tmp_path / "out"), "--gpus", "cpu", "--only", "zzz"])
+
+
+def test_the_plans_the_docs_quote_load(tmp_path):
+    for plan in sorted((Path(__file__).parents[1] / "experiments" / "plans").glob("*.toml")):
+        jobs = batch.load_plan(plan, tmp_path)
+        builds = {j.name for j in jobs if j.kind == "build"}
+        runs = [j for j in jobs if j.kind == "run"]
+        assert runs and all(set(j.needs) <= builds for j in runs), plan
+        assert all(j.argv[1].startswith(("experiments/", "benchmarks/")) for j in runs), plan
