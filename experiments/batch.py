@@ -14,7 +14,8 @@ A plan is a TOML file (``experiments/plans/`` holds the ones the docs quote)::
 
 Every model is built once, in its own process, the builds spread over the GPUs. A run starts once
 the models it names are built (at once if it names none), on the GPU with the fewest processes,
-while that GPU has fewer than ``--per-gpu``; it sees one GPU (``CUDA_VISIBLE_DEVICES``) and writes
+while that GPU has fewer than ``--per-gpu`` (a build's log ends with its pre-training loss, first and
+last steps: a build whose loss barely fell is one to rebuild); it sees one GPU (``CUDA_VISIBLE_DEVICES``) and writes
 its output to ``OUT/runs/NAME/log.txt``. A run whose model failed to build is skipped, and one
 whose command cannot start fails alone. At ``--minutes`` every process still running is stopped
 (SIGTERM, then SIGKILL after 10 s; its directory keeps what it wrote so far). ``OUT/status.json``
@@ -44,7 +45,9 @@ from pathlib import Path
 
 import tomllib
 
-BUILD = "from ctxrl.models.loader import resolve; import sys; print(resolve(sys.argv[1]), flush=True)"
+BUILD = ("import json, sys, pathlib; from ctxrl.models.loader import resolve; "
+         "path = pathlib.Path(resolve(sys.argv[1])); print(path); "
+         "print(json.loads((path / 'ctxrl_tiny.json').read_text()).get('pretraining_loss'), flush=True)")
 HEAVY = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 

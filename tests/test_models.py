@@ -217,3 +217,19 @@ def test_every_end_id_of_the_generation_config_ends_a_turn(tiny_path, tokenizer,
     params = sampling_params(RolloutLimits(stop_ids=(9, 7), stop_strings=("</answer>",)), renderer, 8, None, 0)
     assert params.stop_ids == (*renderer.end_ids, 9)  # the template's end first, no repeats
     assert params.stop_strings == ("</answer>",)
+
+
+def test_a_build_records_how_its_pretraining_went(tmp_path):
+    """ctxrl_tiny.json keeps the pre-training loss of the first and last steps beside the spec, so that a build
+    whose loss barely fell can be told from a good one (builds of one spec differ)."""
+    import json
+
+    from ctxrl.models.tiny import build_tiny, pretraining_record
+
+    assert pretraining_record([]) == {}
+    assert pretraining_record([4.0, 3.0, 2.0, 1.0], window=2) == {
+        "pretraining_loss": {"steps": 4, "first": 3.5, "last": 1.5}}
+    spec = TinySpec(pretrain_steps=2, pretrain_batch_size=4, pretrain_chat_batch_size=2)
+    saved = json.loads((build_tiny(spec, tmp_path / "tiny") / "ctxrl_tiny.json").read_text())
+    assert saved["pretrain_steps"] == 2 and saved["pretraining_loss"]["steps"] == 2
+    assert 0 < saved["pretraining_loss"]["last"] < 20

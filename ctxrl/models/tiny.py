@@ -215,9 +215,11 @@ def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = Non
         device = "cuda" if torch.cuda.is_available() else "cpu"
         report("tiny model: pre-training data", 0, 0)
         batches = pretraining_batches(tokenizer, spec)
-        pretrain(model.to(device), tokenizer, batches, spec,
-                 on_step=lambda step, total: report("tiny model: pre-training", step, total))
+        losses = pretrain(model.to(device), tokenizer, batches, spec,
+                          on_step=lambda step, total: report("tiny model: pre-training", step, total))
         model.to("cpu")
+    else:
+        losses = []
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
@@ -226,7 +228,8 @@ def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = Non
         if spec.arch == "llama":  # as in Llama 3 checkpoints: keep tokenizer.json's own pre-tokenizer
             _set_tokenizer_class(tmp, "PreTrainedTokenizerFast")
         model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "ctxrl_tiny.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+        (tmp / "ctxrl_tiny.json").write_text(json.dumps({**dataclasses.asdict(spec), **pretraining_record(losses)},
+                                                        indent=2))
         try:
             tmp.rename(path)
         except OSError:  # another process won the race; its copy is equally good
@@ -235,6 +238,16 @@ def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def pretraining_record(losses: list[float], window: int = 10) -> dict:
+    """How pre-training went, saved beside the spec in ``ctxrl_tiny.json``: the mean loss of the first and
+    the last ``window`` steps. Builds of one spec differ (GPU pre-training is not reproducible), and a
+    build whose loss barely fell is one to rebuild rather than to train on (docs/experiments/context.md)."""
+    if not losses:
+        return {}
+    head, tail = losses[:window], losses[-window:]
+    return {"pretraining_loss": {"steps": len(losses), "first": sum(head) / len(head), "last": sum(tail) / len(tail)}}
 
 
 def _set_tokenizer_class(path: Path, name: str) -> None:
