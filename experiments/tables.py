@@ -142,6 +142,11 @@ def _groups(records: list[dict], kind: str, keys: tuple[str, ...]) -> dict[tuple
     return groups
 
 
+def _values(group: list[dict], field: str) -> list[float]:
+    """``field`` of every record in ``group`` that has it."""
+    return [r[field] for r in group if r.get(field) is not None]
+
+
 def _runs(group: list[dict], field: str) -> str:
     """Per-run values, labelled machine/build and seed: ``h100x4/b1 s0: 0.97``."""
     return ", ".join(f"{r['build']} s{r['seed']}: {_fmt(r[field])}" for r in group)
@@ -152,12 +157,9 @@ def context_table(records: list[dict]) -> str:
              "summaries / ep | selections / ep | held-out after, per run |", "|---" * 11 + "|"]
     groups = _groups(records, "context", ("task", "size", "arm", "budget"))
     for (task, size, arm, budget), group in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
-        def col(field, group=group):
-            return [r[field] for r in group if r.get(field) is not None]
-
-        lines.append(f"| {task} | {size} | {arm} | {budget or '–'} | {len(group)} | {_cell(col('heldout_before'))} | "
-                     f"{_cell(col('heldout_after'))} | {_cell(col('ood_after'))} | "
-                     f"{_cell(col('summaries_per_episode'))} | {_cell(col('selections_per_episode'))} | "
+        cells = " | ".join(_cell(_values(group, f)) for f in ("heldout_before", "heldout_after", "ood_after",
+                                                                "summaries_per_episode", "selections_per_episode"))
+        lines.append(f"| {task} | {size} | {arm} | {budget or '–'} | {len(group)} | {cells} | "
                      f"{_runs(group, 'heldout_after')} |")
     return "\n".join(lines) + "\n"
 
@@ -178,13 +180,9 @@ def meta_table(records: list[dict]) -> str:
     lines = ["| task | model | arm | runs | attempt-1 success | success by attempt K | gain (by K − at 1) | "
              "pass@K sampled | success by K sampled |", "|---|---|---|---|---|---|---|---|---|"]
     for (task, size, arm), group in _groups(records, "meta", ("task", "size", "arm")).items():
-        def col(field, group=group):
-            return [r[field] for r in group if r.get(field) is not None]
-
-        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {_cell(col('attempt1'))} | "
-                     f"{_cell(col('success_by_k'))} | {_cell(col('gain'))} | "
-                     f"{_cell([r['pass_at_k_sampled'] for r in group if r['pass_at_k_sampled'] is not None])} | "
-                     f"{_cell([r['success_by_k_sampled'] for r in group if r['success_by_k_sampled'] is not None])} |")
+        cells = " | ".join(_cell(_values(group, f)) for f in ("attempt1", "success_by_k", "gain", "pass_at_k_sampled",
+                                                                "success_by_k_sampled"))
+        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -193,11 +191,9 @@ def training_table(records: list[dict]) -> str:
              "void-turn rate, last 10 | largest grad norm | held-out after, per run |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (task, size, arm), group in _groups(records, "training", ("task", "size", "arm")).items():
-        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {_cell([r['heldout_before'] for r in group])} | "
-                     f"{_cell([r['heldout_after'] for r in group])} | "
-                     f"{_cell([r['train_calls_last10'] for r in group])} | "
-                     f"{_cell([r['void_turn_rate_last10'] for r in group])} | "
-                     f"{_cell([r['grad_norm_max'] for r in group])} | {_runs(group, 'heldout_after')} |")
+        cells = " | ".join(_cell(_values(group, f)) for f in ("heldout_before", "heldout_after", "train_calls_last10",
+                                                                "void_turn_rate_last10", "grad_norm_max"))
+        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {cells} | {_runs(group, 'heldout_after')} |")
     return "\n".join(lines) + "\n"
 
 
