@@ -160,13 +160,14 @@ class SearchJoinEnv(ToolAnswerEnv):
         ``messages``); the newest turn is always kept by the manager, so it is never named. (The
         manager's own derivation from ``summary`` looks for numbers and ids, and these facts are names.)
         """
-        from ctxrl.rollout.managers.window import split_turns
-
-        firms = [str(f) for f in (task.data.get("facts") or [])[:2]]
-        _, turns = split_turns(messages)
-        keep = [n for n, turn in enumerate(turns[:-1], start=1)
-                if any(f"works at {firm}." in m.content for m in turn[1:] for firm in firms)]
-        return f"<keep>{' '.join(map(str, keep))}</keep>"
+        firms = [f"works at {f}." for f in (task.data.get("facts") or [])[:2]]
+        turn, keep = 0, []
+        for m in messages:
+            if m.role == "assistant":
+                turn += 1
+            elif m.role == "tool" and turn and any(firm in m.content for firm in firms) and turn not in keep:
+                keep.append(turn)
+        return f"<keep>{' '.join(str(n) for n in keep if n < turn)}</keep>"
 
     @classmethod
     def summary(cls, task: Task, messages: list[Message]) -> str:
