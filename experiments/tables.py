@@ -1,8 +1,10 @@
 """Tables and plots from ``experiments/batch.py`` runs: means with standard errors over builds and seeds.
 
-Run names follow the plans' pattern ``TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]]`` (``fh26-b1-s0-window320``:
-fact_hunt, the 26M model, build 1, RL seed 0, the window manager at 320 tokens). ``collect`` reads a
-batch directory's runs into one JSON file of plain records, small enough to keep in the docs:
+Run names follow the plans' pattern ``TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]][-VARIANT]``
+(``fh26-b1-s0-window320``: fact_hunt, the 26M model, build 1, RL seed 0, the window manager at 320
+tokens; ``fh26-b1-s0-select352-lr2e-5`` is the same arm with another setting, grouped and compared
+apart from the plain arm). ``collect`` reads a batch directory's runs into one JSON file of plain
+records, small enough to keep in the docs; it names every run it skips and why:
 
 - ``experiments/context.py`` runs: held-out before and after RL, OOD after, peak context,
   summaries and selections per episode, success by evaluation-time summary limit;
@@ -25,13 +27,14 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import tomllib
 
 NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
-                  r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?$")
+                  r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z0-9.+-]+))?$")
 TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math"}
 SIZES = {"1": "1M", "5": "5.2M", "26": "26M"}
 
@@ -98,16 +101,21 @@ def _training_record(base: dict, metrics: Path) -> dict | None:
             "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl)}
 
 
-def collect(batch: Path, machine: str) -> list[dict]:
-    """Records of every finished run under ``batch/runs`` (see the module docstring); others are skipped."""
+def collect(batch: Path, machine: str, skipped: list[str] | None = None) -> list[dict]:
+    """Records of every finished run under ``batch/runs`` (see the module docstring). A run that is not
+    read is added to ``skipped`` with the reason."""
     records = []
-    for run_dir in sorted((batch / "runs").iterdir()):
+    for run_dir in sorted(p for p in (batch / "runs").iterdir() if p.is_dir()):
         match = NAME.match(run_dir.name)
         if not match:
+            if skipped is not None:
+                skipped.append(f"{run_dir.name}: not a TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]][-VARIANT] name")
             continue
         g = match.groupdict()
         base = {"name": run_dir.name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
-                "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"])}
+                "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"]),
+                "variant": g["variant"]}
+        found = len(records)
         summary_path = run_dir / "summary.json"
         if summary_path.is_file():
             summary = json.loads(summary_path.read_text())
@@ -122,6 +130,9 @@ def collect(batch: Path, machine: str) -> list[dict]:
             record = _training_record({**base, "arm": g["arm"]}, metrics[0])
             if record:
                 records.append(record)
+        if len(records) == found and skipped is not None:
+            skipped.append(f"{run_dir.name}: no results (no summary.json, or metrics.jsonl without an evaluation "
+                           "after RL): it failed or was stopped")
     return records
 
 
@@ -147,6 +158,11 @@ def _values(group: list[dict], field: str) -> list[float]:
     return [r[field] for r in group if r.get(field) is not None]
 
 
+def _arm(arm: str, variant: str | None) -> str:
+    """An arm's label: ``select``, or ``select lr2e-5`` for a variant."""
+    return f"{arm} {variant}" if variant else arm
+
+
 def _runs(group: list[dict], field: str) -> str:
     """Per-run values, labelled machine/build and seed: ``h100x4/b1 s0: 0.97``."""
     return ", ".join(f"{r['build']} s{r['seed']}: {_fmt(r[field])}" for r in group)
@@ -155,11 +171,12 @@ def _runs(group: list[dict], field: str) -> str:
 def context_table(records: list[dict]) -> str:
     lines = ["| task | model | manager | budget | runs | held-out before RL | held-out after RL | OOD after | "
              "summaries / ep | selections / ep | held-out after, per run |", "|---" * 11 + "|"]
-    groups = _groups(records, "context", ("task", "size", "arm", "budget"))
-    for (task, size, arm, budget), group in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+    groups = _groups(records, "context", ("task", "size", "arm", "variant", "budget"))
+    for (task, size, arm, variant, budget), group in sorted(groups.items(),
+                                                            key=lambda kv: tuple(str(x) for x in kv[0])):
         cells = " | ".join(_cell(_values(group, f)) for f in ("heldout_before", "heldout_after", "ood_after",
                                                                 "summaries_per_episode", "selections_per_episode"))
-        lines.append(f"| {task} | {size} | {arm} | {budget or '–'} | {len(group)} | {cells} | "
+        lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {budget or '–'} | {len(group)} | {cells} | "
                      f"{_runs(group, 'heldout_after')} |")
     return "\n".join(lines) + "\n"
 
@@ -168,10 +185,12 @@ def sweep_table(records: list[dict]) -> str:
     lines = ["| task | model | manager | budget | run | held-out by summaries allowed at evaluation "
              "| OOD by summaries allowed |", "|---|---|---|---|---|---|---|"]
     swept = [r for r in records if r["kind"] == "context" and r.get("heldout_by_eval_summaries")]
-    for r in sorted(swept, key=lambda r: (r["task"], r["size"], r["arm"], r["budget"] or 0, r["build"], r["seed"])):
+    for r in sorted(swept, key=lambda r: (r["task"], r["size"], r["arm"], r.get("variant") or "", r["budget"] or 0,
+                                          r["build"], r["seed"])):
         heldout = ", ".join(f"{k}: {_fmt(v)}" for k, v in r["heldout_by_eval_summaries"].items())
         ood = ", ".join(f"{k}: {_fmt(v)}" for k, v in r["ood_by_eval_summaries"].items())
-        lines.append(f"| {r['task']} | {r['size']} | {r['arm']} | {r['budget']} | {r['build']} s{r['seed']} | "
+        lines.append(f"| {r['task']} | {r['size']} | {_arm(r['arm'], r.get('variant'))} | {r['budget']} | "
+                     f"{r['build']} s{r['seed']} | "
                      f"{heldout} | {ood} |")
     return "\n".join(lines) + "\n"
 
@@ -179,10 +198,10 @@ def sweep_table(records: list[dict]) -> str:
 def meta_table(records: list[dict]) -> str:
     lines = ["| task | model | arm | runs | attempt-1 success | success by attempt K | gain (by K − at 1) | "
              "pass@K sampled | success by K sampled |", "|---|---|---|---|---|---|---|---|---|"]
-    for (task, size, arm), group in _groups(records, "meta", ("task", "size", "arm")).items():
+    for (task, size, arm, variant), group in _groups(records, "meta", ("task", "size", "arm", "variant")).items():
         cells = " | ".join(_cell(_values(group, f)) for f in ("attempt1", "success_by_k", "gain", "pass_at_k_sampled",
                                                                 "success_by_k_sampled"))
-        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {cells} |")
+        lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {len(group)} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,10 +209,11 @@ def training_table(records: list[dict]) -> str:
     lines = ["| task | model | arm | runs | held-out before | held-out after | tool calls / ep, last 10 RL steps | "
              "void-turn rate, last 10 | largest grad norm | held-out after, per run |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for (task, size, arm), group in _groups(records, "training", ("task", "size", "arm")).items():
+    for (task, size, arm, variant), group in _groups(records, "training", ("task", "size", "arm", "variant")).items():
         cells = " | ".join(_cell(_values(group, f)) for f in ("heldout_before", "heldout_after", "train_calls_last10",
                                                                 "void_turn_rate_last10", "grad_norm_max"))
-        lines.append(f"| {task} | {size} | {arm} | {len(group)} | {cells} | {_runs(group, 'heldout_after')} |")
+        lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {len(group)} | {cells} | "
+                     f"{_runs(group, 'heldout_after')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +232,7 @@ def paired(records: list[dict], kind: str, field: str, arm: str, baseline: str, 
 
 def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Path | None:
     """Held-out success before and after RL per manager and budget (mean ± SE), for one task and model size."""
-    groups = {k: g for k, g in _groups(records, "context", ("task", "size", "arm", "budget")).items()
+    groups = {k: g for k, g in _groups(records, "context", ("task", "size", "arm", "budget", "variant")).items()
               if k[0] == task and k[1] == size}
     if not groups:
         return None
@@ -221,8 +241,8 @@ def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted(groups, key=lambda k: (k[3] or 0, k[2]))
-    labels = [f"{k[2]}\n{k[3] or 'no budget'}" for k in keys]
+    keys = sorted(groups, key=lambda k: (k[3] or 0, k[2], k[4] or ""))
+    labels = [f"{_arm(k[2], k[4])}\n{k[3] or 'no budget'}" for k in keys]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(keys)), 3.6))
     for offset, field, label in ((-0.2, "heldout_before", "after warm start"), (0.2, "heldout_after", "after RL")):
         stats = [mean_se([r[field] for r in groups[k]]) for k in keys]
@@ -268,7 +288,7 @@ def plot_ladder(records: list[dict], path: Path, *, task: str) -> Path | None:
 
 
 def contrasts(records: list[dict]) -> str:
-    """Paired differences (same build, seed and budget): each manager against window, each RL arm against
+    """Paired differences (same build, seed, budget and variant): each manager against window, each RL arm against
     grpo, meta-RL's attempt-K gain against single-episode RL's."""
     lines = ["| comparison | figure | pairs | mean difference ± SE |", "|---|---|---|---|"]
 
@@ -278,19 +298,30 @@ def contrasts(records: list[dict]) -> str:
             spread = f" ± {se:.2f}" if n > 1 else " (one pair: no error estimate)"
             lines.append(f"| {label} | {field} | {n} | {m:+.2f}{spread} |")
 
-    for task, size, budget in sorted({(r["task"], r["size"], r["budget"]) for r in records
-                                      if r["kind"] == "context" and r["budget"]}, key=str):
-        for arm in sorted({r["arm"] for r in records if r["kind"] == "context" and r["task"] == task
-                           and r["size"] == size and r["budget"] == budget} - {"window", "full"}):
+    def combos(kind, *keys):
+        return sorted({tuple(r.get(k) for k in keys) for r in records if r["kind"] == kind
+                       and (kind != "context" or r["budget"])}, key=str)
+
+    def arms(kind, **where):
+        return {r["arm"] for r in records if r["kind"] == kind and all(r.get(k) == v for k, v in where.items())}
+
+    def setting(variant):
+        return f" ({variant})" if variant else ""
+
+    for task, size, budget, variant in combos("context", "task", "size", "budget", "variant"):
+        where = {"task": task, "size": size, "budget": budget, "variant": variant}
+        for arm in sorted(arms("context", **where) - {"window", "full"}):
             for field in ("heldout_before", "heldout_after"):
-                add(f"{task} {size}, budget {budget}: {arm} − window", field, "context", arm, "window",
-                    task=task, size=size, budget=budget)
-    for task, size in sorted({(r["task"], r["size"]) for r in records if r["kind"] == "training"}):
-        for arm in sorted({r["arm"] for r in records if r["kind"] == "training" and r["task"] == task} - {"grpo"}):
+                add(f"{task} {size}, budget {budget}{setting(variant)}: {arm} − window", field, "context", arm,
+                    "window", **where)
+    for task, size, variant in combos("training", "task", "size", "variant"):
+        where = {"task": task, "size": size, "variant": variant}
+        for arm in sorted(arms("training", **where) - {"grpo"}):
             for field in ("heldout_after", "train_calls_last10", "void_turn_rate_last10", "grad_norm_max"):
-                add(f"{task} {size}: {arm} − grpo", field, "training", arm, "grpo", task=task, size=size)
-    for task, size in sorted({(r["task"], r["size"]) for r in records if r["kind"] == "meta"}):
-        add(f"{task} {size}: meta − single", "gain", "meta", "meta", "single", task=task, size=size)
+                add(f"{task} {size}{setting(variant)}: {arm} − grpo", field, "training", arm, "grpo", **where)
+    for task, size, variant in combos("meta", "task", "size", "variant"):
+        add(f"{task} {size}{setting(variant)}: meta − single", "gain", "meta", "meta", "single",
+            task=task, size=size, variant=variant)
     return "\n".join(lines) + "\n"
 
 
@@ -323,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"not batch directories (no runs/ inside): {', '.join(missing)}")
         old = json.loads(args.out.read_text()) if args.out.is_file() else []
-        new = [rec for b in args.batches for rec in collect(b, args.machine)]
+        skipped: list[str] = []
+        new = [rec for b in args.batches for rec in collect(b, args.machine, skipped)]
+        for line in skipped:
+            print(f"skipped {line}", file=sys.stderr)
         keep = [o for o in old if (o["machine"], o["name"]) not in {(n["machine"], n["name"]) for n in new}]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(keep + new, indent=1))
