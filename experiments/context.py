@@ -78,6 +78,8 @@ def main() -> None:
                 evaluated = trainer.evaluate(args.steps, splits=("heldout", "ood"))
                 scaling[k] = {split: r["success"] for split, r in evaluated.items()}
                 trainer.writer.close()
+                trainer.close()
+                del trainer  # before the next one is built: two engines' caches need not fit at once
             results[manager]["heldout_by_eval_summaries"] = {k: v["heldout"] for k, v in scaling.items()}
             results[manager]["ood_by_eval_summaries"] = {k: v["ood"] for k, v in scaling.items()}
     out.mkdir(parents=True, exist_ok=True)

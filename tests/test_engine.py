@@ -346,3 +346,25 @@ def test_attention_kernels_keep_cuda_off_cudnn(monkeypatch):
     monkeypatch.setattr(kernels, "ALLOW_CUDNN_ATTENTION", True)  # what benchmarks/gpu_memory.py compares against
     with kernels.attention_kernels("cuda"):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_cache_fits_hands_back_the_allocator_cache_before_refusing(monkeypatch):
+    """Memory a process freed (an earlier engine) sits in torch's cache, which mem_get_info does not count as
+    free: cache_fits must empty the cache and ask again before it refuses, and still refuse what never fits."""
+    from ctxrl.engine.factory import cache_fits
+
+    gib = 2**30
+    state = {"free": 2 * gib, "cached": 6 * gib, "emptied": 0}
+
+    def empty_cache():
+        state["free"] += state["cached"]
+        state["cached"] = 0
+        state["emptied"] += 1
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], 80 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    cuda = torch.device("cuda", 0)
+    assert cache_fits(1 * gib, cuda) is None and state["emptied"] == 0  # fits: the cache is left alone
+    assert cache_fits(4 * gib, cuda) is None and state["emptied"] == 1  # fits once the cache is handed back
+    assert cache_fits(9 * gib, cuda) == "9.0 GiB needed, 8.0 GiB free"
+    assert cache_fits(9 * gib, torch.device("cpu")) is None  # no CUDA: nothing to check

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -37,10 +38,18 @@ def make_engine(model, *, kind: str, pad_token_id: int, max_batch_size: int, see
 
 
 def cache_fits(nbytes: int, device: torch.device) -> str | None:
-    """Why a KV cache of ``nbytes`` does not fit on ``device`` now (``None``: it does)."""
+    """Why a KV cache of ``nbytes`` does not fit on ``device`` now (``None``: it does).
+
+    Memory this process freed stays in torch's allocator cache, which the device's free figure does not
+    count: a run that builds a second engine (an evaluation after training) would be refused room it
+    holds itself. So before refusing, collect garbage, hand the cache back and ask again."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
+    if nbytes > 0.9 * free:
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
     if nbytes > 0.9 * free:
         return f"{nbytes / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free"
     return None
