@@ -72,6 +72,25 @@ def _context_records(base: dict, summary: dict, run_dir: Path) -> list[dict]:
     return records
 
 
+def _context_from_metrics(base: dict, manager: str, run_dir: Path) -> dict | None:
+    """A context run that wrote no summary (its evaluation-time sweep failed or was cut off) but finished
+    RL and the evaluation after it: the record from its ``metrics.jsonl``, without the sweep."""
+    steps = tomllib.loads((run_dir / manager / "config.toml").read_text()).get("train", {}).get("steps")
+    rows = [json.loads(x) for x in (run_dir / manager / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = {split: [r for r in rows if r.get("phase") == "eval" and r.get("split") == split]
+             for split in ("heldout", "ood")}
+    if len(evals["heldout"]) < 2 or not evals["ood"] or \
+            not evals["heldout"][-1]["step"] == evals["ood"][-1]["step"] == steps:
+        return None
+    final = evals["heldout"][-1]
+    return {**base, "kind": "context", "arm": manager, "budget": _budget(run_dir, manager),
+            "heldout_before": evals["heldout"][0]["success"], "heldout_after": final["success"],
+            "ood_after": evals["ood"][-1]["success"], "peak_context": final.get("context_peak_tokens_max"),
+            "summaries_per_episode": final.get("summaries_per_episode"),
+            "selections_per_episode": final.get("selections_per_episode"),
+            "heldout_by_eval_summaries": None, "ood_by_eval_summaries": None}
+
+
 def _meta_records(base: dict, summary: dict) -> list[dict]:
     k = summary["attempts"]
     records = []
@@ -125,6 +144,13 @@ def collect(batch: Path, machine: str, skipped: list[str] | None = None) -> list
             if summary and all(isinstance(v, dict) and "heldout_after" in v for v in summary.values()):
                 records += _context_records(base, summary, run_dir)
                 continue
+        if g["arm"] and (run_dir / g["arm"] / "metrics.jsonl").is_file():  # a context run cut short
+            record = _context_from_metrics(base, g["arm"], run_dir)
+            if record:
+                records.append(record)
+            if len(records) == found and skipped is not None:
+                skipped.append(f"{run_dir.name}: stopped before its evaluation after RL")
+            continue
         metrics = sorted(run_dir.glob("*/metrics.jsonl"))
         if metrics and g["arm"]:
             record = _training_record({**base, "arm": g["arm"]}, metrics[0])
@@ -218,7 +244,9 @@ def training_table(records: list[dict]) -> str:
 
 
 def paired(records: list[dict], kind: str, field: str, arm: str, baseline: str, **where) -> tuple[float, float, int]:
-    """Mean and standard error of ``field`` (arm − baseline) over runs matched by build, seed and ``where``."""
+    """Mean and standard error of ``field`` (arm − baseline) over runs matched by build, seed and ``where``
+    (plain runs unless ``where`` names a ``variant``)."""
+    where.setdefault("variant", None)
     def pick(name):
         return {(r["build"], r["seed"]): r[field] for r in records
                 if r["kind"] == kind and r["arm"] == name and all(r.get(k) == v for k, v in where.items())

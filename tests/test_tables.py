@@ -57,6 +57,8 @@ def records(tmp_path):
     meta_run(batch, "cb26-b0-s0", 0.1, 0.3)
     (batch / "runs" / "not-a-plan-name").mkdir()
     (batch / "runs" / "fh26-b1-s9-window320").mkdir()  # a run that wrote nothing: skipped
+    context_run(batch, "fh26-b1-s0-window320-lr2e-5", "window", 0.3, 0.4, 320)  # the same arm, another setting
+    context_run(batch, "fh26-b1-s0-summarize320-lr2e-5", "summarize", 0.5, 0.5, 320)
     out = tmp_path / "records.json"
     assert tables.main(["collect", str(batch), "--machine", "m1", "--out", str(out)]) == 0
     return json.loads(out.read_text()), out
@@ -64,12 +66,15 @@ def records(tmp_path):
 
 def test_collect_reads_each_kind_of_run_with_its_build_seed_and_budget(records):
     recs, _ = records
-    kinds = sorted((r["kind"], r["arm"]) for r in recs)
+    kinds = sorted((r["kind"], r["arm"]) for r in recs if not r["variant"])
     assert kinds.count(("context", "window")) == 3 and ("context", "full") in kinds
     assert ("training", "otc") in kinds and ("meta", "meta") in kinds and ("meta", "single") in kinds
     window = next(r for r in recs if r["name"] == "fh26-b1-s1-window320")
-    assert (window["task"], window["size"], window["build"], window["seed"], window["budget"]) == \
-        ("fact_hunt", "26M", "m1/b1", 1, 320)
+    assert (window["task"], window["size"], window["build"], window["seed"], window["budget"], window["variant"]) == \
+        ("fact_hunt", "26M", "m1/b1", 1, 320, None)
+    variant = next(r for r in recs if r["name"] == "fh26-b1-s0-window320-lr2e-5")
+    assert (variant["arm"], variant["budget"], variant["variant"], variant["heldout_after"]) == \
+        ("window", 320, "lr2e-5", 0.4)
     otc = next(r for r in recs if r["arm"] == "otc")
     assert otc["train_calls_last10"] == 1.0 and otc["heldout_after"] == 0.5 and otc["steps"] == 20
     assert math.isclose(otc["grad_norm_max"], 0.69)
@@ -90,6 +95,10 @@ def test_means_standard_errors_and_paired_differences_are_hand_checked(records):
     assert "python_math 5.2M: otc − grpo | train_calls_last10 | 1 | -0.20 (one pair: no error estimate) |" in text
     assert "codebreak 26M: meta − single | gain | 1 | +0.20 (one pair: no error estimate) |" in text
     assert "0: 0.10, 2: 0.60" in text  # the evaluation-time summary sweep
+    # a variant is its own row and is paired only with the same variant: 0.5 - 0.4
+    assert "| fact_hunt | 26M | window lr2e-5 | 320 | 1 | 0.30 | 0.40 |" in text
+    assert "| fact_hunt 26M, budget 320 (lr2e-5): summarize − window | heldout_after | 1 | +0.10 (one pair" in text
+    assert "| fact_hunt 26M, budget 320: summarize − window | heldout_after | 3 | +0.40 ± 0.12 |" in text
 
 
 def test_each_manager_of_a_run_gets_its_own_budget(tmp_path):
@@ -114,3 +123,31 @@ def test_collecting_again_replaces_records_and_reports_write_plots(records, tmp_
     assert (tmp_path / "png" / "ladder-fact_hunt.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="not batch directories"):
         tables.main(["collect", str(tmp_path), "--machine", "m1", "--out", str(out)])
+
+
+def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_are_named(tmp_path, capsys):
+    """A run whose evaluation-time sweep failed has no summary.json, but its RL and the evaluation after it
+    finished: its record comes from metrics.jsonl. One stopped during RL is skipped, and collect says why."""
+    batch = tmp_path / "batch"
+
+    def cut_run(name, manager, last_step):
+        run = batch / "runs" / name / manager
+        run.mkdir(parents=True)
+        (run / "config.toml").write_text("[context]\nmax_context_tokens = 352\n[train]\nsteps = 40\n")
+        rows = [{"phase": "eval", "step": step, "split": split, "success": success,
+                 "summaries_per_episode": 0.7, "context_peak_tokens_max": 340.0}
+                for step, success in ((0, 0.5), (last_step, 0.6)) for split in ("train", "heldout", "ood")]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    cut_run("fh26-b0-s0-summarize352", "summarize", 40)
+    cut_run("fh26-b0-s1-summarize352", "summarize", 20)  # an evaluation mid-RL is not "after RL"
+    (batch / "runs" / "odd name").mkdir()
+    out = tmp_path / "records.json"
+    assert tables.main(["collect", str(batch), "--machine", "m1", "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert (record["kind"], record["arm"], record["budget"], record["heldout_before"], record["heldout_after"],
+            record["ood_after"], record["summaries_per_episode"], record["heldout_by_eval_summaries"]) == \
+        ("context", "summarize", 352, 0.5, 0.6, 0.6, 0.7, None)
+    err = capsys.readouterr().err
+    assert "skipped fh26-b0-s1-summarize352: stopped before its evaluation after RL" in err
+    assert "skipped odd name: not a TASK SIZE-bBUILD-sSEED" in err
