@@ -207,6 +207,35 @@ def context_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def spread(values_by_build: dict[str, list[float]]) -> tuple[float, float]:
+    """Two sources of variance: the pooled standard deviation between RL seeds of one build, and the
+    standard deviation of the build means (NaN where there are too few seeds or builds)."""
+    dof = sum(len(v) - 1 for v in values_by_build.values())
+    within = sum((x - sum(v) / len(v)) ** 2 for v in values_by_build.values() for x in v)
+    means = [sum(v) / len(v) for v in values_by_build.values()]
+    between = mean_se(means)[1] * math.sqrt(len(means)) if len(means) > 1 else math.nan
+    return (math.sqrt(within / dof) if dof else math.nan), between
+
+
+def variance_table(records: list[dict]) -> str:
+    """Held-out after RL: spread between seeds of one build against spread between builds, per arm with
+    more than one build."""
+    lines = ["| task | model | manager | budget | builds | runs | SD between seeds (pooled within builds) | "
+             "SD between build means |", "|---|---|---|---|---|---|---|---|"]
+    groups = _groups(records, "context", ("task", "size", "arm", "variant", "budget"))
+    for (task, size, arm, variant, budget), group in sorted(groups.items(),
+                                                            key=lambda kv: tuple(str(x) for x in kv[0])):
+        by_build: dict[str, list[float]] = defaultdict(list)
+        for r in group:
+            by_build[r["build"]].append(r["heldout_after"])
+        if len(by_build) < 2:
+            continue
+        within, between = spread(by_build)
+        lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {budget or '–'} | {len(by_build)} | {len(group)} | "
+                     f"{_fmt(within)} | {_fmt(between)} |")
+    return "\n".join(lines) + "\n"
+
+
 def sweep_table(records: list[dict]) -> str:
     lines = ["| task | model | manager | budget | run | held-out by summaries allowed at evaluation "
              "| OOD by summaries allowed |", "|---|---|---|---|---|---|---|"]
@@ -356,8 +385,8 @@ def contrasts(records: list[dict]) -> str:
 def report(records: list[dict]) -> str:
     parts = []
     if any(r["kind"] == "context" for r in records):
-        parts += ["## Context managers\n", context_table(records), "\n### Success by summaries allowed at evaluation\n",
-                  sweep_table(records)]
+        parts += ["## Context managers\n", context_table(records), "\n### Seeds against builds\n",
+                  variance_table(records), "\n### Success by summaries allowed at evaluation\n", sweep_table(records)]
     if any(r["kind"] == "meta" for r in records):
         parts += ["\n## Learning across episodes\n", meta_table(records)]
     if any(r["kind"] == "training" for r in records):

@@ -151,3 +151,16 @@ def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_ar
     err = capsys.readouterr().err
     assert "skipped fh26-b0-s1-summarize352: stopped before its evaluation after RL" in err
     assert "skipped odd name: not a TASK SIZE-bBUILD-sSEED" in err
+
+
+def test_seed_and_build_spreads_are_hand_checked():
+    # build a: 0.2, 0.4 (mean 0.3, squares 0.01 + 0.01); build b: 0.6, 0.7, 0.8 (mean 0.7, squares 0.01 + 0 + 0.01)
+    within, between = tables.spread({"a": [0.2, 0.4], "b": [0.6, 0.7, 0.8]})
+    assert within == pytest.approx(math.sqrt(0.04 / 3))  # 3 degrees of freedom
+    assert between == pytest.approx(math.sqrt(0.08))  # sd of 0.3 and 0.7
+    within, between = tables.spread({"a": [0.5]})
+    assert math.isnan(within) and math.isnan(between)
+    recs = [{"kind": "context", "task": "fact_hunt", "size": "26M", "arm": "select", "variant": None, "budget": 352,
+             "build": build, "seed": i, "heldout_after": x}
+            for build, xs in (("m/b1", (0.2, 0.4)), ("m/b2", (0.6, 0.7, 0.8))) for i, x in enumerate(xs)]
+    assert "| fact_hunt | 26M | select | 352 | 2 | 5 | 0.12 | 0.28 |" in tables.variance_table(recs)
