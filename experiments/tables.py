@@ -83,12 +83,27 @@ def _context_from_metrics(base: dict, manager: str, run_dir: Path) -> dict | Non
             not evals["heldout"][-1]["step"] == evals["ood"][-1]["step"] == steps:
         return None
     final = evals["heldout"][-1]
+    sweep = _partial_sweep(run_dir, manager)
     return {**base, "kind": "context", "arm": manager, "budget": _budget(run_dir, manager),
             "heldout_before": evals["heldout"][0]["success"], "heldout_after": final["success"],
             "ood_after": evals["ood"][-1]["success"], "peak_context": final.get("context_peak_tokens_max"),
             "summaries_per_episode": final.get("summaries_per_episode"),
             "selections_per_episode": final.get("selections_per_episode"),
-            "heldout_by_eval_summaries": None, "ood_by_eval_summaries": None}
+            "heldout_by_eval_summaries": {k: v["heldout"] for k, v in sweep.items()} or None,
+            "ood_by_eval_summaries": {k: v["ood"] for k, v in sweep.items()} or None}
+
+
+def _partial_sweep(run_dir: Path, manager: str) -> dict[str, dict[str, float]]:
+    """The evaluation-time limits of a cut-short run's sweep (``MANAGER-eval-K`` directories, as
+    ``experiments/context.py`` writes them) that finished both splits."""
+    sweep = {}
+    for path in run_dir.glob(f"{manager}-eval-*/metrics.jsonl"):
+        limit = path.parent.name.rsplit("-", 1)[1]
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        success = {r["split"]: r["success"] for r in rows if r.get("phase") == "eval"}
+        if limit.isdigit() and {"heldout", "ood"} <= set(success):
+            sweep[limit] = {"heldout": success["heldout"], "ood": success["ood"]}
+    return dict(sorted(sweep.items(), key=lambda kv: int(kv[0])))
 
 
 def _meta_records(base: dict, summary: dict) -> list[dict]:

@@ -127,7 +127,8 @@ def test_collecting_again_replaces_records_and_reports_write_plots(records, tmp_
 
 def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_are_named(tmp_path, capsys):
     """A run whose evaluation-time sweep failed has no summary.json, but its RL and the evaluation after it
-    finished: its record comes from metrics.jsonl. One stopped during RL is skipped, and collect says why."""
+    finished: its record comes from metrics.jsonl, with the sweep's finished limits. One stopped during RL
+    is skipped, and collect says why."""
     batch = tmp_path / "batch"
 
     def cut_run(name, manager, last_step):
@@ -140,6 +141,12 @@ def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_ar
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
     cut_run("fh26-b0-s0-summarize352", "summarize", 40)
+    for limit, heldout, splits in ((0, 0.4, ("heldout", "ood")), (2, 0.6, ("heldout", "ood")), (3, 0.6, ("heldout",))):
+        sweep = batch / "runs" / "fh26-b0-s0-summarize352" / f"summarize-eval-{limit}"  # 3 was cut off mid-way
+        sweep.mkdir()
+        rows = [{"phase": "eval", "step": 40, "split": split, "success": heldout if split == "heldout" else 0.1}
+                for split in splits]
+        (sweep / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cut_run("fh26-b0-s1-summarize352", "summarize", 20)  # an evaluation mid-RL is not "after RL"
     (batch / "runs" / "odd name").mkdir()
     out = tmp_path / "records.json"
@@ -147,7 +154,8 @@ def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_ar
     (record,) = json.loads(out.read_text())
     assert (record["kind"], record["arm"], record["budget"], record["heldout_before"], record["heldout_after"],
             record["ood_after"], record["summaries_per_episode"], record["heldout_by_eval_summaries"]) == \
-        ("context", "summarize", 352, 0.5, 0.6, 0.6, 0.7, None)
+        ("context", "summarize", 352, 0.5, 0.6, 0.6, 0.7, {"0": 0.4, "2": 0.6})
+    assert record["ood_by_eval_summaries"] == {"0": 0.1, "2": 0.1}
     err = capsys.readouterr().err
     assert "skipped fh26-b0-s1-summarize352: stopped before its evaluation after RL" in err
     assert "skipped odd name: not a TASK SIZE-bBUILD-sSEED" in err
