@@ -3,8 +3,9 @@
 For each manager the script trains the same warm-started model with the demo's pipeline on
 ``kv_chain`` chains longer than the budget holds in full (``full`` gets an unlimited budget: the
 reference), then reports held-out success, the peak working context and summaries per episode.
-For ``summarize`` it also evaluates the final checkpoint with growing evaluation-time summary
-limits (SUPO's test-time scaling), on held-out and OOD tasks. Results go to ``--out/summary.json``,
+For ``summarize`` and ``select`` it also evaluates the final checkpoint with growing
+evaluation-time limits on summaries (selections) per episode (SUPO's test-time scaling), on
+held-out and OOD tasks, each limit in ``--out/MANAGER-eval-K``. Results go to ``--out/summary.json``,
 a table on stdout and ``--out/context.png``.
 
     python experiments/context.py                                  # tiny model, CPU: about 25 minutes on 2 cores
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 MODEL = "tiny:envs=calculator+kv_chain"
+SWEPT = ("summarize", "select")  # managers with a per-episode limit that evaluation can raise
 CPU_SIZED = ["eval.tasks=30", "sft.demos=800"]  # defaults; command-line overrides come later and win
 COMMON = [*CPU_SIZED, "env.name=kv_chain", "env.max_turns=10", "rollout.max_new_tokens=48",
           "rollout.max_total_tokens=2048", "run.progress=false", "train.eval_every=0"]
@@ -46,7 +48,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--budget", type=int, default=384, help="context.max_context_tokens for window / summarize")
     parser.add_argument("--max-summaries", type=int, default=2, help="summaries per episode in training")
-    parser.add_argument("--eval-summaries", default="0,1,2,4,8", help="evaluation-time summary limits to sweep")
+    parser.add_argument("--eval-summaries", default="0,1,2,4,8",
+                        help="evaluation-time limits on summaries (select: selections) to sweep")
     parser.add_argument("--managers", default="full,window,summarize")
     parser.add_argument("--out", default="runs/experiment-context")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, section.key=value")
@@ -68,13 +71,13 @@ def main() -> None:
                             "summaries_per_episode": final.get("summaries_per_episode"),
                             "selections_per_episode": final.get("selections_per_episode"),
                             "truncated_max_context": final.get("truncated_max_context", 0.0)}
-        if manager == "summarize":
+        if manager in SWEPT:
             scaling = {}
             for k in (int(x) for x in args.eval_summaries.split(",")):
                 cfg = load_config(None, [f"model.name={summary['checkpoint']}", f"run.name=eval-{k}", *COMMON,
                                          *manager_overrides(manager, args.budget, args.max_summaries),
                                          f"context.eval_max_summaries={k}", "train.steps=0", *args.overrides])
-                trainer = Trainer(cfg, out / f"summarize-eval-{k}")
+                trainer = Trainer(cfg, out / f"{manager}-eval-{k}")
                 evaluated = trainer.evaluate(args.steps, splits=("heldout", "ood"))
                 scaling[k] = {split: r["success"] for split, r in evaluated.items()}
                 trainer.writer.close()
@@ -96,12 +99,13 @@ def main() -> None:
               f"{peak:>9s} {summ:>8s} {r['truncated_max_context']:6.2f}")
         if "heldout_by_eval_summaries" in r:
             for split in ("heldout", "ood"):
-                print(f"  summarize, {split} by eval-time summary limit: "
+                print(f"  {manager}, {split} by eval-time limit: "
                       + ", ".join(f"{k}: {v:.2f}" for k, v in r[f"{split}_by_eval_summaries"].items()))
 
 
 def plot_results(results: dict[str, dict], path: Path, *, title: str = "") -> Path:
-    """Left: held-out and OOD success after RL per manager; right: summarize's success by eval-time summary limit."""
+    """Left: held-out and OOD success after RL per manager; right: success by the evaluation-time limit on
+    summaries (selections), for each manager swept."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,14 +120,15 @@ def plot_results(results: dict[str, dict], path: Path, *, title: str = "") -> Pa
     left.set_ylim(0, 1.05)
     left.set_ylabel("success after RL")
     left.legend(fontsize=8)
-    sweep = results.get("summarize", {})
-    for split in ("heldout", "ood"):
-        curve = sweep.get(f"{split}_by_eval_summaries")
-        if curve:
-            limits = sorted(curve, key=int)
-            right.plot([int(k) for k in limits], [curve[k] for k in limits], marker="o", label=split)
-    right.set_xlabel("summaries allowed at evaluation")
-    right.set_ylabel("summarize: success")
+    for manager in SWEPT:
+        for split, style in (("heldout", "-"), ("ood", "--")):
+            curve = results.get(manager, {}).get(f"{split}_by_eval_summaries")
+            if curve:
+                limits = sorted(curve, key=int)
+                right.plot([int(k) for k in limits], [curve[k] for k in limits], style, marker="o",
+                           label=f"{manager}, {split}")
+    right.set_xlabel("summaries (selections) allowed at evaluation")
+    right.set_ylabel("success")
     right.set_ylim(0, 1.05)
     right.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)

@@ -252,8 +252,8 @@ def variance_table(records: list[dict]) -> str:
 
 
 def sweep_table(records: list[dict]) -> str:
-    lines = ["| task | model | manager | budget | run | held-out by summaries allowed at evaluation "
-             "| OOD by summaries allowed |", "|---|---|---|---|---|---|---|"]
+    lines = ["| task | model | manager | budget | run | held-out by summaries (selections) allowed at evaluation "
+             "| OOD by summaries (selections) allowed |", "|---|---|---|---|---|---|---|"]
     swept = [r for r in records if r["kind"] == "context" and r.get("heldout_by_eval_summaries")]
     for r in sorted(swept, key=lambda r: (r["task"], r["size"], r["arm"], r.get("variant") or "", r["budget"] or 0,
                                           r["build"], r["seed"])):
@@ -401,7 +401,7 @@ def report(records: list[dict]) -> str:
     parts = []
     if any(r["kind"] == "context" for r in records):
         parts += ["## Context managers\n", context_table(records), "\n### Seeds against builds\n",
-                  variance_table(records), "\n### Success by summaries allowed at evaluation\n", sweep_table(records)]
+                  variance_table(records), "\n### Success by summaries (selections) allowed at evaluation\n", sweep_table(records)]
     if any(r["kind"] == "meta" for r in records):
         parts += ["\n## Learning across episodes\n", meta_table(records)]
     if any(r["kind"] == "training" for r in records):

@@ -291,6 +291,8 @@ def test_context_experiment_runs_end_to_end(tmp_path):
     assert results["select"]["selections_per_episode"] is not None
     assert set(results["summarize"]["heldout_by_eval_summaries"]) == {"0", "2"}
     assert set(results["summarize"]["ood_by_eval_summaries"]) == {"0", "2"}
+    assert set(results["select"]["heldout_by_eval_summaries"]) == {"0", "2"}  # select's limit is swept too
+    assert "heldout_by_eval_summaries" not in results["window"]
     assert results["window"]["peak_context"] is not None and results["full"]["peak_context"] is None
     assert (tmp_path / "context.png").stat().st_size > 0
 
