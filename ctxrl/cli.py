@@ -250,9 +250,10 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     notes: list[str] = []
     problems = check_env(cls, n_tasks=args.tasks, seed=args.seed, notes=notes, tool_format=args.tool_format)
     enabled = features(cls)
+    lengths = _episode_lengths(cls, args) if args.lengths and not problems else None
     if args.json:
         print(json.dumps({"env": args.name, "ok": not problems, "problems": problems, "notes": notes,
-                          "features": enabled}))
+                          "features": enabled, **({"lengths": lengths} if lengths else {})}))
         return 1 if problems else 0
     if problems:
         print(f"{args.name}: {len(problems)} problem(s)")
@@ -266,7 +267,31 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     print("features its hooks enable (ctxrl/envs/hooks.py):")
     for name, on in enabled.items():
         print(f"  [{'x' if on else ' '}] {name}")
+    if lengths:
+        from ctxrl.envs.lengths import lengths_table
+
+        print(f"token lengths of the scripted episodes with {args.lengths}'s tokenizer and chat template "
+              f"({args.tasks} tasks per split; a reply also needs rollout.max_new_tokens free):")
+        print(lengths_table(lengths))
+    elif args.lengths:
+        print("token lengths: not measured, the environment has problems (above)")
     return 1 if problems else 0
+
+
+def _episode_lengths(cls: type, args: argparse.Namespace) -> dict:
+    """``episode_lengths`` with the renderer of the model ``--lengths`` names (a tiny spec that is not
+    built yet: its tokenizer twin, built in seconds without pre-training)."""
+    from ctxrl.chat.render import ChatRenderer
+    from ctxrl.envs.lengths import episode_lengths
+    from ctxrl.models.loader import generation_end_ids, load_tokenizer, parse_tiny
+    from ctxrl.models.tiny import is_built, tiny_path, tokenizer_twin
+
+    name = args.lengths
+    spec = parse_tiny(name)
+    if spec is not None and not is_built(spec):
+        name = str(tiny_path(tokenizer_twin(spec)))
+    renderer = ChatRenderer(load_tokenizer(name), template_name=args.lengths, end_ids=generation_end_ids(name))
+    return episode_lengths(cls, renderer, n_tasks=args.tasks, seed=args.seed, tool_format=args.tool_format)
 
 
 DESCRIPTION = """\
@@ -301,6 +326,7 @@ EXAMPLES = {
               "  .venv/bin/ctxrl serve examples/calculator_tiny.toml --checkpoint runs/calc/checkpoints/final"),
     "merge": ".venv/bin/ctxrl merge runs/lora/checkpoints/step-000040 --out runs/lora/merged-40 --dtype bfloat16",
     "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
+                  "  .venv/bin/ctxrl check-env fact_hunt --lengths tiny:envs=calculator+fact_hunt\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
                   "  .venv/bin/ctxrl check-env mypkg.maze:MazeEnv --json"),
 }
@@ -411,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tasks", type=int, default=8, help="tasks per split to check (default 8)")
     check.add_argument("--seed", type=int, default=0, help="seed of the tasks drawn (default 0)")
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    check.add_argument("--lengths", metavar="MODEL", default="",
+                       help="also print the token lengths of scripted episodes (opening, one turn, whole episode) "
+                            "with this model's tokenizer and chat template: an HF name, a path or a tiny spec")
     check.add_argument("--data", default="", help="task file, for environments built from data (jsonl_tools)")
     check.add_argument("--tools", default="", help="comma-separated built-in tools (jsonl_tools)")
     check.add_argument("--verifier", default="exact", help="answer check (jsonl_tools): exact, numeric, contains")

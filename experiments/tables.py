@@ -401,7 +401,8 @@ def report(records: list[dict]) -> str:
     parts = []
     if any(r["kind"] == "context" for r in records):
         parts += ["## Context managers\n", context_table(records), "\n### Seeds against builds\n",
-                  variance_table(records), "\n### Success by summaries (selections) allowed at evaluation\n", sweep_table(records)]
+                  variance_table(records), "\n### Success by summaries (selections) allowed at evaluation\n",
+                  sweep_table(records)]
     if any(r["kind"] == "meta" for r in records):
         parts += ["\n## Learning across episodes\n", meta_table(records)]
     if any(r["kind"] == "training" for r in records):

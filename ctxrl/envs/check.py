@@ -254,9 +254,17 @@ def play_solution(env_cls: type, task: Task, seed: int = 0, tool_format: str = "
     """The episode ``solve(task)`` plays through ``reset`` and ``step``: every message (opening,
     assistant turns, observations) and the total reward. No checks: see ``check_env`` for those.
     ``tool_format``: the format the assistant turns write their calls in (``solve`` writes Hermes)."""
+    messages, reward, _ = play_solution_with_tools(env_cls, task, seed, tool_format)
+    return messages, reward
+
+
+def play_solution_with_tools(env_cls: type, task: Task, seed: int = 0,
+                             tool_format: str = "hermes") -> tuple[list[Message], float, list[dict]]:
+    """``play_solution`` and the tool schemas the episode offered (read after ``reset``)."""
     env = env_cls()
     try:
         messages, reward = list(env.reset(task, seed=seed)), 0.0
+        schemas = [tool.schema() for tool in env.tools]
         for text in env_cls.solve(task):
             message = _parsed(text, tool_format)
             messages.append(Message(role="assistant", content=message.content))
@@ -265,7 +273,7 @@ def play_solution(env_cls: type, task: Task, seed: int = 0, tool_format: str = "
             reward += result.reward
             if result.terminated:
                 break
-        return messages, reward
+        return messages, reward, schemas
     finally:
         env.close()
 

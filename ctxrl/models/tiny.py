@@ -115,6 +115,16 @@ def tiny_path(spec: TinySpec | None = None, *, build: bool = True, on_progress: 
     return path
 
 
+def tokenizer_twin(spec: TinySpec) -> TinySpec:
+    """The cheapest spec with ``spec``'s tokenizer, to measure token counts without pre-training a
+    large model: the tokenizer depends only on ``arch``, ``vocab_size``, ``seed``, ``envs`` and
+    ``max_position_embeddings``, so the default shape with no pre-training steps builds it in seconds."""
+    defaults = TinySpec()
+    return dataclasses.replace(spec, hidden_size=defaults.hidden_size, num_layers=defaults.num_layers,
+                               num_heads=defaults.num_heads, num_kv_heads=defaults.num_kv_heads,
+                               intermediate_size=defaults.intermediate_size, pretrain_steps=0)
+
+
 def is_built(spec: TinySpec) -> bool:
     """Whether the cache already holds ``spec``'s checkpoint."""
     return (cache_root() / f"tiny-{spec.key()}" / "config.json").exists()
