@@ -290,7 +290,8 @@ def _episode_lengths(cls: type, args: argparse.Namespace) -> dict:
     spec = parse_tiny(name)
     if spec is not None and not is_built(spec):
         name = str(tiny_path(tokenizer_twin(spec)))
-    renderer = ChatRenderer(load_tokenizer(name), template_name=args.lengths, end_ids=generation_end_ids(name))
+    renderer = ChatRenderer(load_tokenizer(name), template_name=args.lengths, end_ids=generation_end_ids(name),
+                            tool_format=args.tool_format)
     return episode_lengths(cls, renderer, n_tasks=args.tasks, seed=args.seed, tool_format=args.tool_format)
 
 

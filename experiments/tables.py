@@ -34,7 +34,7 @@ from pathlib import Path
 import tomllib
 
 NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
-                  r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z0-9.+-]+))?$")
+                  r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z][A-Za-z0-9.+]*(?:-[A-Za-z0-9.+]+)*))?$")
 TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math"}
 SIZES = {"1": "1M", "5": "5.2M", "26": "26M"}
 
@@ -51,32 +51,35 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def _budget(run_dir: Path, manager: str) -> int | None:
-    """The manager's working-context budget, from its run's config (None: unlimited or unknown)."""
+def _config(run_dir: Path, manager: str) -> dict:
+    """The manager's run config (``MANAGER/config.toml``; empty if there is none)."""
     path = run_dir / manager / "config.toml"
-    if not path.is_file():
-        return None
-    return tomllib.loads(path.read_text()).get("context", {}).get("max_context_tokens") or None
+    return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
+def _rows(path: Path) -> list[dict]:
+    """The JSON lines of a ``metrics.jsonl``."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _context_record(base: dict, manager: str, run_dir: Path, r: dict) -> dict:
+    """One context manager's record from its figures ``r`` (the names of ``summary.json``)."""
+    budget = _config(run_dir, manager).get("context", {}).get("max_context_tokens") or None  # None: unlimited
+    return {**base, "kind": "context", "arm": manager, "budget": budget,
+            "heldout_before": r["heldout_before"], "heldout_after": r["heldout_after"], "ood_after": r["ood_after"],
+            **{k: r.get(k) for k in ("peak_context", "summaries_per_episode", "selections_per_episode",
+                                     "heldout_by_eval_summaries", "ood_by_eval_summaries")}}
 
 
 def _context_records(base: dict, summary: dict, run_dir: Path) -> list[dict]:
-    records = []
-    for manager, r in summary.items():
-        records.append({**base, "kind": "context", "arm": manager, "budget": _budget(run_dir, manager),
-                        "heldout_before": r["heldout_before"], "heldout_after": r["heldout_after"],
-                        "ood_after": r["ood_after"], "peak_context": r.get("peak_context"),
-                        "summaries_per_episode": r.get("summaries_per_episode"),
-                        "selections_per_episode": r.get("selections_per_episode"),
-                        "heldout_by_eval_summaries": r.get("heldout_by_eval_summaries"),
-                        "ood_by_eval_summaries": r.get("ood_by_eval_summaries")})
-    return records
+    return [_context_record(base, manager, run_dir, r) for manager, r in summary.items()]
 
 
 def _context_from_metrics(base: dict, manager: str, run_dir: Path) -> dict | None:
     """A context run that wrote no summary (its evaluation-time sweep failed or was cut off) but finished
-    RL and the evaluation after it: the record from its ``metrics.jsonl``, without the sweep."""
-    steps = tomllib.loads((run_dir / manager / "config.toml").read_text()).get("train", {}).get("steps")
-    rows = [json.loads(x) for x in (run_dir / manager / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    RL and the evaluation after it: the record from its ``metrics.jsonl``, with the sweep's finished limits."""
+    steps = _config(run_dir, manager).get("train", {}).get("steps")
+    rows = _rows(run_dir / manager / "metrics.jsonl")
     evals = {split: [r for r in rows if r.get("phase") == "eval" and r.get("split") == split]
              for split in ("heldout", "ood")}
     if len(evals["heldout"]) < 2 or not evals["ood"] or \
@@ -84,13 +87,13 @@ def _context_from_metrics(base: dict, manager: str, run_dir: Path) -> dict | Non
         return None
     final = evals["heldout"][-1]
     sweep = _partial_sweep(run_dir, manager)
-    return {**base, "kind": "context", "arm": manager, "budget": _budget(run_dir, manager),
-            "heldout_before": evals["heldout"][0]["success"], "heldout_after": final["success"],
-            "ood_after": evals["ood"][-1]["success"], "peak_context": final.get("context_peak_tokens_max"),
-            "summaries_per_episode": final.get("summaries_per_episode"),
-            "selections_per_episode": final.get("selections_per_episode"),
-            "heldout_by_eval_summaries": {k: v["heldout"] for k, v in sweep.items()} or None,
-            "ood_by_eval_summaries": {k: v["ood"] for k, v in sweep.items()} or None}
+    return _context_record(base, manager, run_dir, {
+        "heldout_before": evals["heldout"][0]["success"], "heldout_after": final["success"],
+        "ood_after": evals["ood"][-1]["success"], "peak_context": final.get("context_peak_tokens_max"),
+        "summaries_per_episode": final.get("summaries_per_episode"),
+        "selections_per_episode": final.get("selections_per_episode"),
+        "heldout_by_eval_summaries": {k: v["heldout"] for k, v in sweep.items()} or None,
+        "ood_by_eval_summaries": {k: v["ood"] for k, v in sweep.items()} or None})
 
 
 def _partial_sweep(run_dir: Path, manager: str) -> dict[str, dict[str, float]]:
@@ -99,8 +102,7 @@ def _partial_sweep(run_dir: Path, manager: str) -> dict[str, dict[str, float]]:
     sweep = {}
     for path in run_dir.glob(f"{manager}-eval-*/metrics.jsonl"):
         limit = path.parent.name.rsplit("-", 1)[1]
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        success = {r["split"]: r["success"] for r in rows if r.get("phase") == "eval"}
+        success = {r["split"]: r["success"] for r in _rows(path) if r.get("phase") == "eval"}
         if limit.isdigit() and {"heldout", "ood"} <= set(success):
             sweep[limit] = {"heldout": success["heldout"], "ood": success["ood"]}
     return dict(sorted(sweep.items(), key=lambda kv: int(kv[0])))
@@ -121,7 +123,7 @@ def _meta_records(base: dict, summary: dict) -> list[dict]:
 
 
 def _training_record(base: dict, metrics: Path) -> dict | None:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = _rows(metrics)
     rl = [r for r in rows if r.get("phase") == "rl"]
     heldout = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
     if not rl or len(heldout) < 2:
@@ -137,44 +139,48 @@ def _training_record(base: dict, metrics: Path) -> dict | None:
 
 def collect(batch: Path, machine: str, skipped: list[str] | None = None) -> list[dict]:
     """Records of every finished run under ``batch/runs`` (see the module docstring). A run that is not
-    read is added to ``skipped`` with the reason."""
+    read (an odd name, no results, a file that does not parse) is added to ``skipped`` with the reason."""
     records = []
     for run_dir in sorted(p for p in (batch / "runs").iterdir() if p.is_dir()):
-        match = NAME.match(run_dir.name)
-        if not match:
+        try:
+            records += _read_run(run_dir, machine)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON and TOML errors are ValueErrors
             if skipped is not None:
-                skipped.append(f"{run_dir.name}: not a TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]][-VARIANT] name")
-            continue
-        g = match.groupdict()
-        base = {"name": run_dir.name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
-                "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"]),
-                "variant": g["variant"]}
-        found = len(records)
-        summary_path = run_dir / "summary.json"
-        if summary_path.is_file():
-            summary = json.loads(summary_path.read_text())
-            if summary.get("experiment") == "reflection":
-                records += _meta_records(base, summary)
-                continue
-            if summary and all(isinstance(v, dict) and "heldout_after" in v for v in summary.values()):
-                records += _context_records(base, summary, run_dir)
-                continue
-        if g["arm"] and (run_dir / g["arm"] / "metrics.jsonl").is_file():  # a context run cut short
-            record = _context_from_metrics(base, g["arm"], run_dir)
-            if record:
-                records.append(record)
-            if len(records) == found and skipped is not None:
-                skipped.append(f"{run_dir.name}: stopped before its evaluation after RL")
-            continue
-        metrics = sorted(run_dir.glob("*/metrics.jsonl"))
-        if metrics and g["arm"]:
-            record = _training_record({**base, "arm": g["arm"]}, metrics[0])
-            if record:
-                records.append(record)
-        if len(records) == found and skipped is not None:
-            skipped.append(f"{run_dir.name}: no results (no summary.json, or metrics.jsonl without an evaluation "
-                           "after RL): it failed or was stopped")
+                skipped.append(f"{run_dir.name}: {exc}" if isinstance(exc, _Skip) else
+                               f"{run_dir.name}: could not be read ({type(exc).__name__}: {exc})")
     return records
+
+
+class _Skip(ValueError):
+    """Why a run directory gives no records."""
+
+
+def _read_run(run_dir: Path, machine: str) -> list[dict]:
+    match = NAME.match(run_dir.name)
+    if not match or (match["variant"] and not match["arm"]):
+        raise _Skip("not a TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]][-VARIANT] name")
+    g = match.groupdict()
+    base = {"name": run_dir.name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
+            "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"]),
+            "variant": g["variant"]}
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        if summary.get("experiment") == "reflection":
+            return _meta_records(base, summary)
+        if summary and all(isinstance(v, dict) and "heldout_after" in v for v in summary.values()):
+            return _context_records(base, summary, run_dir)
+    if g["arm"] and (run_dir / g["arm"] / "metrics.jsonl").is_file():  # a context run cut short
+        record = _context_from_metrics(base, g["arm"], run_dir)
+        if not record:
+            raise _Skip("stopped before its evaluation after RL")
+        return [record]
+    metrics = sorted(run_dir.glob("*/metrics.jsonl"))
+    record = _training_record({**base, "arm": g["arm"]}, metrics[0]) if metrics and g["arm"] else None
+    if not record:
+        raise _Skip("no results (no summary.json, or metrics.jsonl without an evaluation after RL): it failed "
+                    "or was stopped")
+    return [record]
 
 
 def _fmt(x: float | None) -> str:
@@ -209,12 +215,16 @@ def _runs(group: list[dict], field: str) -> str:
     return ", ".join(f"{r['build']} s{r['seed']}: {_fmt(r[field])}" for r in group)
 
 
+def _arms(records: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    """Context records grouped by (task, size, arm, variant, budget), in a stable order."""
+    groups = _groups(records, "context", ("task", "size", "arm", "variant", "budget"))
+    return sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+
+
 def context_table(records: list[dict]) -> str:
     lines = ["| task | model | manager | budget | runs | held-out before RL | held-out after RL | OOD after | "
              "summaries / ep | selections / ep | held-out after, per run |", "|---" * 11 + "|"]
-    groups = _groups(records, "context", ("task", "size", "arm", "variant", "budget"))
-    for (task, size, arm, variant, budget), group in sorted(groups.items(),
-                                                            key=lambda kv: tuple(str(x) for x in kv[0])):
+    for (task, size, arm, variant, budget), group in _arms(records):
         cells = " | ".join(_cell(_values(group, f)) for f in ("heldout_before", "heldout_after", "ood_after",
                                                                 "summaries_per_episode", "selections_per_episode"))
         lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {budget or '–'} | {len(group)} | {cells} | "
@@ -234,20 +244,20 @@ def spread(values_by_build: dict[str, list[float]]) -> tuple[float, float]:
 
 def variance_table(records: list[dict]) -> str:
     """Held-out after RL: spread between seeds of one build against spread between builds, per arm with
-    more than one build."""
+    more than one build. A build mean over few seeds carries their noise, so the second figure
+    overstates the builds' own spread somewhat; a pooled seed SD on 1-2 degrees of freedom is rough."""
     lines = ["| task | model | manager | budget | builds | runs | SD between seeds (pooled within builds) | "
-             "SD between build means |", "|---|---|---|---|---|---|---|---|"]
-    groups = _groups(records, "context", ("task", "size", "arm", "variant", "budget"))
-    for (task, size, arm, variant, budget), group in sorted(groups.items(),
-                                                            key=lambda kv: tuple(str(x) for x in kv[0])):
+             "its degrees of freedom | SD between build means |", "|---|---|---|---|---|---|---|---|---|"]
+    for (task, size, arm, variant, budget), group in _arms(records):
         by_build: dict[str, list[float]] = defaultdict(list)
         for r in group:
             by_build[r["build"]].append(r["heldout_after"])
         if len(by_build) < 2:
             continue
         within, between = spread(by_build)
+        dof = sum(len(v) - 1 for v in by_build.values())
         lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {budget or '–'} | {len(by_build)} | {len(group)} | "
-                     f"{_fmt(within)} | {_fmt(between)} |")
+                     f"{_fmt(within)} | {dof} | {_fmt(between)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -304,8 +314,7 @@ def paired(records: list[dict], kind: str, field: str, arm: str, baseline: str, 
 
 def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Path | None:
     """Held-out success before and after RL per manager and budget (mean ± SE), for one task and model size."""
-    groups = {k: g for k, g in _groups(records, "context", ("task", "size", "arm", "budget", "variant")).items()
-              if k[0] == task and k[1] == size}
+    groups = {k: g for k, g in _arms(records) if k[0] == task and k[1] == size}
     if not groups:
         return None
     import matplotlib
@@ -313,8 +322,8 @@ def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted(groups, key=lambda k: (k[3] or 0, k[2], k[4] or ""))
-    labels = [f"{_arm(k[2], k[4])}\n{k[3] or 'no budget'}" for k in keys]
+    keys = sorted(groups, key=lambda k: (k[4] or 0, k[2], k[3] or ""))  # by budget, then manager and variant
+    labels = [f"{_arm(k[2], k[3])}\n{k[4] or 'no budget'}" for k in keys]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(keys)), 3.6))
     for offset, field, label in ((-0.2, "heldout_before", "after warm start"), (0.2, "heldout_after", "after RL")):
         stats = [mean_se([r[field] for r in groups[k]]) for k in keys]
@@ -333,8 +342,8 @@ def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Pa
 
 def plot_ladder(records: list[dict], path: Path, *, task: str) -> Path | None:
     """Held-out success with the whole history (the ``full`` manager) by model size: one point per build."""
-    points = [(r["size"], r["heldout_before"], r["heldout_after"]) for r in records
-              if r["kind"] == "context" and r["task"] == task and r["arm"] == "full"]
+    points = [(r["size"], r["heldout_before"], r["heldout_after"]) for r in records  # plain runs, no variants
+              if r["kind"] == "context" and r["task"] == task and r["arm"] == "full" and not r.get("variant")]
     if not points:
         return None
     import matplotlib

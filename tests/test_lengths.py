@@ -45,11 +45,23 @@ def test_lengths_follow_from_the_scripted_messages():
         episode_lengths(FactHuntEnv, CountingRenderer(), n_tasks=0)
 
 
+def test_lengths_cover_only_the_splits_an_environment_has(tmp_path):
+    from ctxrl.envs.registry import configured_env_class
+
+    path = tmp_path / "mine.jsonl"  # a task file without OOD tasks: jsonl_tools says so through its splits hook
+    path.write_text("\n".join(json.dumps({"prompt": f"What is {a} plus {b}?", "answer": str(a + b)})
+                              for a in range(10) for b in range(5)) + "\n")
+    env_cls = configured_env_class("jsonl_tools", data=str(path), tools="calculator", verifier="numeric")
+    lengths = episode_lengths(env_cls, CountingRenderer(), n_tasks=3)
+    assert set(lengths) == {"train", "heldout"} and lengths["train"]["tasks"] == 3
+
+
 def test_a_tiny_specs_tokenizer_twin_has_its_tokenizer_without_its_pre_training(tmp_path, monkeypatch):
     from ctxrl.models.tiny import TinySpec, tiny_path, tokenizer_twin
 
     monkeypatch.setenv("CTXRL_CACHE", str(tmp_path))
-    big = TinySpec(envs="calculator+fact_hunt", hidden_size=64, num_layers=2, intermediate_size=128, pretrain_steps=0)
+    big = TinySpec(envs="calculator+fact_hunt", hidden_size=64, num_layers=2, intermediate_size=128, pretrain_steps=1,
+                   pretrain_batch_size=2, pretrain_chat_batch_size=2)  # pre-trained (one step), the twin is not
     twin = tokenizer_twin(TinySpec(envs="calculator+fact_hunt", hidden_size=512, num_layers=8, pretrain_steps=1500))
     assert (twin.hidden_size, twin.pretrain_steps, twin.envs) == (TinySpec().hidden_size, 0, "calculator+fact_hunt")
     a, b = tiny_path(big), tiny_path(twin)

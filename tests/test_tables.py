@@ -149,6 +149,9 @@ def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_ar
         (sweep / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cut_run("fh26-b0-s1-summarize352", "summarize", 20)  # an evaluation mid-RL is not "after RL"
     (batch / "runs" / "odd name").mkdir()
+    (batch / "runs" / "fh26-b0-s2-window352x").mkdir()  # no arm parses: not read as a variant of nothing
+    context_run(batch, "fh26-b0-s3-window352", "window", 0.1, 0.1, 352)
+    (batch / "runs" / "fh26-b0-s3-window352" / "summary.json").write_text("{not json")  # a broken file
     out = tmp_path / "records.json"
     assert tables.main(["collect", str(batch), "--machine", "m1", "--out", str(out)]) == 0
     (record,) = json.loads(out.read_text())
@@ -159,6 +162,12 @@ def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_ar
     err = capsys.readouterr().err
     assert "skipped fh26-b0-s1-summarize352: stopped before its evaluation after RL" in err
     assert "skipped odd name: not a TASK SIZE-bBUILD-sSEED" in err
+    assert "skipped fh26-b0-s2-window352x: not a TASK SIZE-bBUILD-sSEED" in err
+    assert "skipped fh26-b0-s3-window352: could not be read (JSONDecodeError" in err
+    for name, variant in (("fh26-b1-s0-select352-lr2e-5", "lr2e-5"), ("sj26-b0-s0-full-sft6", "sft6"),
+                          ("pm5-b0-s0-grpo", None), ("fh26-b0-s0", None)):
+        assert tables.NAME.match(name)["variant"] == variant
+    assert tables.NAME.match("fh26-b0-s0-select352-") is None and tables.NAME.match("fh26-b0-s0-select352--x") is None
 
 
 def test_seed_and_build_spreads_are_hand_checked():
@@ -171,4 +180,4 @@ def test_seed_and_build_spreads_are_hand_checked():
     recs = [{"kind": "context", "task": "fact_hunt", "size": "26M", "arm": "select", "variant": None, "budget": 352,
              "build": build, "seed": i, "heldout_after": x}
             for build, xs in (("m/b1", (0.2, 0.4)), ("m/b2", (0.6, 0.7, 0.8))) for i, x in enumerate(xs)]
-    assert "| fact_hunt | 26M | select | 352 | 2 | 5 | 0.12 | 0.28 |" in tables.variance_table(recs)
+    assert "| fact_hunt | 26M | select | 352 | 2 | 5 | 0.12 | 3 | 0.28 |" in tables.variance_table(recs)

@@ -20,19 +20,20 @@ from statistics import median
 from typing import Any
 
 from ctxrl.envs.check import play_solution_with_tools
-
-SPLITS = ("train", "heldout", "ood")
+from ctxrl.envs.hooks import available_splits
 
 
 def episode_lengths(env_cls: type, renderer: Any, *, n_tasks: int = 8, seed: int = 0, tool_format: str = "hermes",
-                    splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, Any]]:
-    """Token lengths of ``n_tasks`` scripted episodes per split (see the module docstring)."""
+                    splits: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
+    """Token lengths of ``n_tasks`` scripted episodes per split (see the module docstring); ``splits``
+    defaults to those the environment has (its ``splits`` hook)."""
     if n_tasks < 1:
         raise ValueError(f"n_tasks must be at least 1, got {n_tasks}")
     result = {}
-    for split in splits:
+    for split in splits or available_splits(env_cls):
         openings, steps, totals, replies = [], [], [], []
-        for task in env_cls.sample_tasks(split, n_tasks, seed):
+        tasks = env_cls.sample_tasks(split, n_tasks, seed)
+        for task in tasks:
             messages, _, tools = play_solution_with_tools(env_cls, task, seed, tool_format)
             starts = [i for i, m in enumerate(messages) if m.role == "assistant"]
             if not starts:
@@ -42,7 +43,7 @@ def episode_lengths(env_cls: type, renderer: Any, *, n_tasks: int = 8, seed: int
             steps += [b - a for a, b in zip(prefix, prefix[1:])]
             totals.append(len(renderer.conversation_ids(messages, tools or None)))
             replies.append(len(starts))
-        result[split] = {"tasks": n_tasks, "opening": median(openings), "turn": median(steps) if steps else None,
+        result[split] = {"tasks": len(tasks), "opening": median(openings), "turn": median(steps) if steps else None,
                          "episode": [min(totals), median(totals), max(totals)], "turns": median(replies)}
     return result
 
