@@ -173,6 +173,37 @@ def test_a_tiny_spec_pretrains_on_search_join_transcripts(tokenizer):
     assert any('"search"' in t and "<answer>" in t for t in chats) and any('"calculator"' in t for t in chats)
 
 
+def test_the_gold_solution_writes_each_name_with_the_tokens_it_was_read_in(tmp_path, monkeypatch):
+    """Names follow a space where the observations print them; the scripted queries and answer write them after a
+    space too, so a warm-started policy copies token ids, not a respelling (after a quote, ``Nozu`` is other tokens)."""
+    from transformers import AutoTokenizer
+
+    from ctxrl.models.tiny import TinySpec, tiny_path, tokenizer_twin
+
+    monkeypatch.setenv("CTXRL_CACHE", str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path(tokenizer_twin(TinySpec(envs="calculator+search_join"))))
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def holds(seq, sub):
+        return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+    for task in SearchJoinEnv.sample_tasks("train", 4, 0):
+        messages, reward = play_solution(SearchJoinEnv, task)
+        assert reward == 1.0
+        read = [ids(m.content) for m in messages if m.role in ("user", "tool")]
+        texts = SearchJoinEnv.solve(task)
+        names = [(text, name) for text, name in zip(texts, task.data["searches"])]
+        names += [(texts[-1], word) for word in task.answer.split()]
+        for text, name in names:
+            name_ids = ids(f" {name}")
+            assert holds(ids(text), name_ids), (text, name)
+            assert any(holds(seen, name_ids) for seen in read), name
+        assert not holds(ids(format_tool_call("search", {"query": task.data["searches"][1]})),
+                         ids(f" {task.data['searches'][1]}"))  # without the space: other tokens
+
+
 def test_context_experiment_runs_on_search_join(tmp_path):
     """experiments/context.py on search_join with the random-init model, window and summarize, the smallest sizes (a
     budget above 448: the default tokenizer spells the invented names out, so its episodes are longer)."""

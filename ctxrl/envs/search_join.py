@@ -33,6 +33,10 @@ and 610-980 / 1,350-1,900 with the default tiny tokenizer, which spells the name
 letter. At a budget of 448 tokens, ``window`` has dropped both firms before the answer on every
 train task, and scripted ``summarize`` demos need 1-2 summaries.
 
+The scripted solution writes every name after a space, in its queries and its answer
+(``{"query": " Kelo"}``, ``<answer> Voss Brin Zeph</answer>``), so that it copies the tokens the
+observation showed: a BPE tokenizer spells a name differently after a quote or a ``>``.
+
 Reward: 1 when the words of ``<answer>...</answer>`` are the two firms and the code (any order,
 case, ``and`` and punctuation ignored), else 0; the episode ends at the first turn without a tool
 call. A search that matches nothing returns ``No results.``
@@ -146,11 +150,17 @@ class SearchJoinEnv(ToolAnswerEnv):
 
     @classmethod
     def solve(cls, task: Task) -> list[str]:
-        """Search A, B and each name of the trail, then answer the two firms and the code."""
+        """Search A, B and each name of the trail, then answer the two firms and the code.
+
+        Every name is written after a space (``{"query": " Kelo"}``, ``<answer> Voss Brin Zeph</answer>``),
+        as the observations print it (``partner is Kelo.``): a BPE tokenizer spells a word differently
+        after a space, a quote or a ``>`` (``' Ro' 'gu'`` against ``'>R' 'o' 'gu'``), so copying the
+        name the observation showed is then copying its tokens. The search and the check ignore the space.
+        """
         searches = task.data.get("searches")
         if not isinstance(searches, list) or not searches:
             raise EnvError(f"task {task.id} has no data['searches']; search_join tasks need it to be solved")
-        return [format_tool_call("search", {"query": q}) for q in searches] + [f"<answer>{task.answer}</answer>"]
+        return [format_tool_call("search", {"query": f" {q}"}) for q in searches] + [f"<answer> {task.answer}</answer>"]
 
     @classmethod
     def select(cls, task: Task, messages: list[Message]) -> str:

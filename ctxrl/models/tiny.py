@@ -46,7 +46,8 @@ TINY_RECIPE_VERSION = 9
 # added; other sets are chosen per spec (``TinySpec.envs``).
 PRETRAIN_ENVS = ("calculator",)
 # Bump when pre-training on other environments changes (their key only: the default model's stays).
-OTHER_ENVS_RECIPE_VERSION = 3  # 3: fact_hunt's code leads its page
+# 3: fact_hunt's code leads its page; 4: search_join's solutions write names after a space
+OTHER_ENVS_RECIPE_VERSION = 4
 
 # Qwen2's pre-tokenizer splits digits one by one; Llama 3's groups them in runs of up to three.
 QWEN2_PRETOKENIZE_REGEX = (
