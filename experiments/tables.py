@@ -312,16 +312,31 @@ def paired(records: list[dict], kind: str, field: str, arm: str, baseline: str, 
     return m, se, len(diffs)
 
 
-def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Path | None:
-    """Held-out success before and after RL per manager and budget (mean ± SE), for one task and model size."""
-    groups = {k: g for k, g in _arms(records) if k[0] == task and k[1] == size}
-    if not groups:
-        return None
+def _pyplot():
+    """matplotlib's pyplot, drawing to files only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, ax, path: Path) -> Path:
+    """Legend, layout, ``path`` written, figure closed."""
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Path | None:
+    """Held-out success before and after RL per manager and budget (mean ± SE), for one task and model size."""
+    groups = {k: g for k, g in _arms(records) if k[0] == task and k[1] == size}
+    if not groups:
+        return None
+    plt = _pyplot()
     keys = sorted(groups, key=lambda k: (k[4] or 0, k[2], k[3] or ""))  # by budget, then manager and variant
     labels = [f"{_arm(k[2], k[3])}\n{k[4] or 'no budget'}" for k in keys]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(keys)), 3.6))
@@ -333,11 +348,7 @@ def plot_context(records: list[dict], path: Path, *, task: str, size: str) -> Pa
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("held-out success")
     ax.set_title(f"{task}, {size} model: mean ± SE over builds and seeds", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def plot_ladder(records: list[dict], path: Path, *, task: str) -> Path | None:
@@ -346,11 +357,7 @@ def plot_ladder(records: list[dict], path: Path, *, task: str) -> Path | None:
               if r["kind"] == "context" and r["task"] == task and r["arm"] == "full" and not r.get("variant")]
     if not points:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     order = sorted({p[0] for p in points}, key=lambda s: float(s.rstrip("M")))
     fig, ax = plt.subplots(figsize=(4.5, 3.4))
     for j, (field, label, marker) in enumerate(((1, "after warm start", "o"), (2, "after RL", "s"))):
@@ -361,11 +368,7 @@ def plot_ladder(records: list[dict], path: Path, *, task: str) -> Path | None:
     ax.set_ylabel("held-out success, whole history")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title(f"{task}: the model ladder (one point per build)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def contrasts(records: list[dict]) -> str:
