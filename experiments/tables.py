@@ -232,10 +232,15 @@ def context_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _seed_dof(values_by_build: dict[str, list[float]]) -> int:
+    """Degrees of freedom of the pooled between-seed SD: seeds beyond the first, summed over builds."""
+    return sum(len(v) - 1 for v in values_by_build.values())
+
+
 def spread(values_by_build: dict[str, list[float]]) -> tuple[float, float]:
     """Two sources of variance: the pooled standard deviation between RL seeds of one build, and the
     standard deviation of the build means (NaN where there are too few seeds or builds)."""
-    dof = sum(len(v) - 1 for v in values_by_build.values())
+    dof = _seed_dof(values_by_build)
     within = sum((x - sum(v) / len(v)) ** 2 for v in values_by_build.values() for x in v)
     means = [sum(v) / len(v) for v in values_by_build.values()]
     between = mean_se(means)[1] * math.sqrt(len(means)) if len(means) > 1 else math.nan
@@ -255,9 +260,8 @@ def variance_table(records: list[dict]) -> str:
         if len(by_build) < 2:
             continue
         within, between = spread(by_build)
-        dof = sum(len(v) - 1 for v in by_build.values())
         lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {budget or '–'} | {len(by_build)} | {len(group)} | "
-                     f"{_fmt(within)} | {dof} | {_fmt(between)} |")
+                     f"{_fmt(within)} | {_seed_dof(by_build)} | {_fmt(between)} |")
     return "\n".join(lines) + "\n"
 
 
