@@ -15,7 +15,12 @@ records, small enough to keep in the docs; it names every run it skips and why:
   void-turn rate, the largest gradient norm.
 
 A build is named by the machine that made it too (``--machine``): GPU pre-training is not
-reproducible across machines, so ``b0`` on two machines is two builds.
+reproducible across machines, so ``b0`` on two machines is two builds. A run named in several batches
+of one ``collect`` (run again after a failure) is taken from the last of them.
+
+``report --plots DIR`` draws, per task and model size, held-out success per manager and budget
+(``context-*.png``) and success by the evaluation-time limit (``limits-*.png``), and per task the
+model ladder (``ladder-*.png``).
 
     python experiments/tables.py collect runs/batch --machine h100x4 --out results.json
     python experiments/tables.py report results.json --plots docs/experiments    # markdown on stdout
@@ -375,6 +380,55 @@ def plot_ladder(records: list[dict], path: Path, *, task: str) -> Path | None:
     return _save(fig, ax, path)
 
 
+Curve = list[tuple[int, float, float, int]]  # (limit, mean, SE, runs)
+
+
+def limit_curves(records: list[dict], *, task: str, size: str) -> dict[str, dict[str, Curve]]:
+    """Success by the number of summaries (or selections) allowed at evaluation, per manager, budget and variant:
+    ``{label: {"heldout"|"ood": [(limit, mean, SE, runs), ...]}}``. Only runs that reached every limit of their
+    group count, so each point of a curve averages the same runs (a run whose sweep was cut off would otherwise move
+    the curve where it stops)."""
+    curves: dict[str, dict[str, Curve]] = {}
+    for (t, s, arm, variant, budget), group in _arms(records):
+        swept = [r for r in group if r.get("heldout_by_eval_summaries")]
+        if t != task or s != size or not swept:
+            continue
+        limits = set().union(*(r["heldout_by_eval_summaries"].keys() | (r.get("ood_by_eval_summaries") or {}).keys()
+                               for r in swept))
+        swept = [r for r in swept if all(set(r.get(f"{split}_by_eval_summaries") or {}) == limits
+                                         for split in ("heldout", "ood"))]
+        if not swept:
+            continue
+        label = f"{_arm(arm, variant)}, {budget or 'no budget'} ({len(swept)} run{'s' * (len(swept) > 1)})"
+        curves[label] = {}
+        for split in ("heldout", "ood"):
+            by_limit: dict[int, list[float]] = {}
+            for r in swept:
+                for limit, value in (r.get(f"{split}_by_eval_summaries") or {}).items():
+                    by_limit.setdefault(int(limit), []).append(value)
+            curves[label][split] = [(k, *mean_se(v), len(v)) for k, v in sorted(by_limit.items())]
+    return curves
+
+
+def plot_limits(records: list[dict], path: Path, *, task: str, size: str) -> Path | None:
+    """Held-out and OOD success by the number of summaries (selections) allowed at evaluation, mean ± SE."""
+    curves = limit_curves(records, task=task, size=size)
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, split, title in zip(axes, ("heldout", "ood"), ("held-out", "OOD (longer than training)")):
+        for label, by_split in curves.items():
+            points = by_split[split]
+            ax.errorbar([p[0] for p in points], [p[1] for p in points], marker="o", capsize=3, label=label,
+                        yerr=[0.0 if math.isnan(p[2]) else p[2] for p in points])
+        ax.set_xlabel("summaries (selections) allowed at evaluation")
+        ax.set_title(f"{task}, {size}: {title}", fontsize=9)
+        ax.set_ylim(-0.05, 1.05)
+    axes[0].set_ylabel("success, mean ± SE over runs")
+    return _save(fig, axes[1], path)
+
+
 def contrasts(records: list[dict]) -> str:
     """Paired differences (same build, seed, budget and variant): each manager against window, each RL arm against
     grpo, meta-RL's attempt-K gain against single-episode RL's."""
@@ -444,7 +498,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"not batch directories (no runs/ inside): {', '.join(missing)}")
         old = json.loads(args.out.read_text()) if args.out.is_file() else []
         skipped: list[str] = []
-        new = [rec for b in args.batches for rec in collect(b, args.machine, skipped)]
+        new: list[dict] = []
+        for batch in args.batches:  # a run repeated in a later batch (after a failure) replaces the earlier one
+            records = collect(batch, args.machine, skipped)
+            again = {r["name"] for r in records} & {r["name"] for r in new}
+            for name in sorted(again):
+                skipped.append(f"{name} of an earlier batch: {batch} ran it again")
+            new = [r for r in new if r["name"] not in again] + records
         for line in skipped:
             print(f"skipped {line}", file=sys.stderr)
         keep = [o for o in old if (o["machine"], o["name"]) not in {(n["machine"], n["name"]) for n in new}]
@@ -458,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         args.plots.mkdir(parents=True, exist_ok=True)
         for task, size in sorted({(x["task"], x["size"]) for x in records if x["kind"] == "context"}):
             plot_context(records, args.plots / f"context-{task}-{size}.png", task=task, size=size)
+            plot_limits(records, args.plots / f"limits-{task}-{size}.png", task=task, size=size)
         for task in sorted({x["task"] for x in records if x["kind"] == "context"}):
             plot_ladder(records, args.plots / f"ladder-{task}.png", task=task)
     return 0

@@ -121,8 +121,29 @@ def test_collecting_again_replaces_records_and_reports_write_plots(records, tmp_
     assert tables.main(["report", str(out), "--plots", str(tmp_path / "png")]) == 0
     assert (tmp_path / "png" / "context-fact_hunt-26M.png").stat().st_size > 0
     assert (tmp_path / "png" / "ladder-fact_hunt.png").stat().st_size > 0
+    assert (tmp_path / "png" / "limits-fact_hunt-26M.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="not batch directories"):
         tables.main(["collect", str(tmp_path), "--machine", "m1", "--out", str(out)])
+
+
+def test_a_run_repeated_in_a_later_batch_replaces_the_earlier_one(tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    context_run(first, "fh26-b0-s0-summarize352", "summarize", 0.0, 0.1, 352)  # say its sweep failed for memory
+    context_run(first, "fh26-b0-s0-window352", "window", 0.0, 0.2, 352)
+    meta_run(first, "cb26-b0-s0", 0.1, 0.2)  # one run, one record per arm
+    context_run(second, "fh26-b0-s0-summarize352", "summarize", 0.0, 0.5, 352)
+    meta_run(second, "cb26-b0-s0", 0.1, 0.4)
+    out = tmp_path / "records.json"
+    assert tables.main(["collect", str(first), str(second), "--machine", "m1", "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert sorted((r["name"], r["arm"]) for r in recs) == [
+        ("cb26-b0-s0", "meta"), ("cb26-b0-s0", "single"),
+        ("fh26-b0-s0-summarize352", "summarize"), ("fh26-b0-s0-window352", "window")]
+    assert {r["arm"]: r.get("heldout_after", r.get("gain")) for r in recs}["summarize"] == 0.5
+    assert {r["arm"]: r.get("gain") for r in recs}["meta"] == pytest.approx(0.4)
+    err = capsys.readouterr().err
+    assert f"skipped fh26-b0-s0-summarize352 of an earlier batch: {second} ran it again" in err
+    assert f"skipped cb26-b0-s0 of an earlier batch: {second} ran it again" in err
 
 
 def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_are_named(tmp_path, capsys):
@@ -168,6 +189,31 @@ def test_a_context_run_cut_short_after_rl_is_read_from_its_metrics_and_others_ar
                           ("pm5-b0-s0-grpo", None), ("fh26-b0-s0", None)):
         assert tables.NAME.match(name)["variant"] == variant
     assert tables.NAME.match("fh26-b0-s0-select352-") is None and tables.NAME.match("fh26-b0-s0-select352--x") is None
+
+
+def test_success_by_evaluation_limit_is_averaged_over_the_runs_that_reached_every_limit():
+    def run(seed, arm, heldout, ood, variant=None):
+        return {"kind": "context", "task": "fact_hunt", "size": "26M", "arm": arm, "variant": variant, "budget": 352,
+                "build": "m/b0", "seed": seed, "heldout_by_eval_summaries": heldout, "ood_by_eval_summaries": ood}
+
+    records = [run(0, "select", {"0": 0.2, "3": 0.8, "8": 0.8}, {"0": 0.0, "3": 0.0, "8": 0.6}),
+               run(1, "select", {"0": 0.4, "3": 0.9, "8": 0.9}, {"0": 0.0, "3": 0.0, "8": 0.4}),
+               run(2, "select", {"0": 0.9, "3": 0.9}, {"0": 0.5, "3": 0.5}),  # cut off before 8: left out
+               run(3, "select", {"0": 0.9, "3": 0.9, "8": 0.9}, {"0": 0.5, "3": 0.5}),  # OOD cut off: left out
+               run(0, "summarize", {"0": 0.1, "3": 0.5}, {"0": 0.0, "3": 0.3}, variant="lr2e-5"),
+               {**run(1, "summarize", {}, {}), "heldout_by_eval_summaries": None},  # no sweep: not a curve
+               {**run(0, "select", {"0": 1.0}, {"0": 1.0}), "task": "search_join"}]
+    curves = tables.limit_curves(records, task="fact_hunt", size="26M")
+    assert set(curves) == {"select, 352 (2 runs)", "summarize lr2e-5, 352 (1 run)"}
+    heldout = curves["select, 352 (2 runs)"]["heldout"]
+    assert [(k, n) for k, _, _, n in heldout] == [(0, 2), (3, 2), (8, 2)]
+    # limit 0: mean (0.2 + 0.4) / 2 = 0.3, SD sqrt(0.02) = 0.1414, SE 0.1414 / sqrt(2) = 0.1
+    assert heldout[0][1:3] == pytest.approx((0.3, 0.1))
+    assert heldout[1][1:3] == pytest.approx((0.85, 0.05))
+    ood = curves["select, 352 (2 runs)"]["ood"]
+    assert [p[1:3] for p in ood] == [(0.0, 0.0), (0.0, 0.0), pytest.approx((0.5, 0.1))]
+    ood = curves["summarize lr2e-5, 352 (1 run)"]["ood"]  # one run: no error estimate
+    assert [(k, m, n) for k, m, _, n in ood] == [(0, 0.0, 1), (3, 0.3, 1)] and all(math.isnan(p[2]) for p in ood)
 
 
 def test_seed_and_build_spreads_are_hand_checked():
