@@ -40,7 +40,7 @@ import tomllib
 
 NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
                   r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z][A-Za-z0-9.+]*(?:-[A-Za-z0-9.+]+)*))?$")
-TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math"}
+TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math", "sq": "search_qa"}
 SIZES = {"1": "1M", "5": "5.2M", "26": "26M"}
 
 

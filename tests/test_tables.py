@@ -227,3 +227,21 @@ def test_seed_and_build_spreads_are_hand_checked():
              "build": build, "seed": i, "heldout_after": x}
             for build, xs in (("m/b1", (0.2, 0.4)), ("m/b2", (0.6, 0.7, 0.8))) for i, x in enumerate(xs)]
     assert "| fact_hunt | 26M | select | 352 | 2 | 5 | 0.12 | 3 | 0.28 |" in tables.variance_table(recs)
+
+
+def test_every_run_of_the_kept_plans_is_named_so_that_tables_can_read_it():
+    batch = sys.modules.get("batch")  # tests/test_batch.py may have loaded it
+    if batch is None:
+        spec = importlib.util.spec_from_file_location("batch", Path(__file__).parents[1] / "experiments" / "batch.py")
+        batch = importlib.util.module_from_spec(spec)
+        sys.modules["batch"] = batch  # its dataclasses look their module up
+        spec.loader.exec_module(batch)
+    plans = sorted((Path(__file__).parents[1] / "experiments" / "plans").glob("*.toml"))
+    assert plans
+    for plan in plans:
+        runs = [job for job in batch.load_plan(plan, Path("/nonexistent")) if job.kind != "build"]
+        assert runs, plan
+        for job in runs:
+            match = tables.NAME.match(job.name)
+            assert match, f"{plan.name}: {job.name}"
+            assert match["task"] in tables.TASKS and match["size"] in tables.SIZES, f"{plan.name}: {job.name}"
