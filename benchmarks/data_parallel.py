@@ -118,7 +118,7 @@ def worker(args) -> None:
             "card": torch.cuda.get_device_name(local) if args.device == "cuda" else "cpu",
             "torch": torch.__version__}))
     if parallel is not None:
-        dist.destroy_process_group()
+        parallel.close()  # (exiting with gloo still up is now and then aborted at exit)
 
 
 def run_world(args, world: int, argv: list[str]) -> dict:

@@ -107,6 +107,56 @@ def test_without_a_process_group_it_says_what_to_start(monkeypatch):
         DataParallel()
 
 
+def _closing_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Three ways to end: a group from_environment started (close destroys it), one the caller started (close
+    leaves it), and a rank that never arrives (close gives up after its timeout and leaves the group)."""
+    import time
+
+    import torch.distributed as dist
+
+    from ctxrl.distributed import data_parallel
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    seen = {}
+    parallel = DataParallel.from_environment("cpu")
+    seen["owned"] = parallel.owns_group
+    seen["message"] = parallel.broadcast_object("from rank 0" if rank == 0 else None)
+    parallel.close()
+    seen["after_owned_close"] = dist.is_initialized()
+
+    dist.init_process_group("gloo", init_method=f"file://{out}.rendezvous", rank=rank, world_size=world)
+    parallel = DataParallel.from_environment("cpu")
+    seen["caller_owned"] = parallel.owns_group
+    parallel.close()
+    seen["after_caller_close"] = dist.is_initialized()
+
+    data_parallel.CLOSE_TIMEOUT_S = 2
+    if rank == 0:
+        parallel.close()  # rank 1 is not coming: a warning, not a hang or a teardown under its feet
+        seen["after_timed_out_close"] = dist.is_initialized()
+    else:
+        time.sleep(4)
+    torch.save(seen, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_close_waits_for_every_rank_and_destroys_only_the_group_it_started(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_closing_rank, args=(2, port, str(tmp_path / "r")), nprocs=2, join=True, start_method="spawn")
+    seen = [torch.load(tmp_path / f"r.{rank}") for rank in range(2)]
+    for rank in range(2):
+        assert seen[rank]["owned"] and not seen[rank]["caller_owned"]
+        assert seen[rank]["message"] == "from rank 0"
+        assert seen[rank]["after_owned_close"] is False  # destroyed: a clean exit
+        assert seen[rank]["after_caller_close"] is True  # the caller's group is the caller's to destroy
+    assert seen[0]["after_timed_out_close"] is True
+
+
 def test_a_copy_of_the_batch_is_what_every_rank_needs():
     # the learner selects its share itself: the same (whole) batch object goes to every rank
     batch = _batch(_model().config.vocab_size)

@@ -571,6 +571,14 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
     run_dir = Path(run_dir)
     progress = progress or Progress()
     parallel = data_parallel(config, resume)
+    try:
+        return _train(config, run_dir, progress, resume, parallel)
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, parallel) -> dict[str, Any]:
     problem = None
     if parallel is None or parallel.leader:  # (the followers load what the leader prepared)
         try:
