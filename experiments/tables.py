@@ -400,13 +400,8 @@ def limit_curves(records: list[dict], *, task: str, size: str) -> dict[str, dict
         if not swept:
             continue
         label = f"{_arm(arm, variant)}, {budget or 'no budget'} ({len(swept)} run{'s' * (len(swept) > 1)})"
-        curves[label] = {}
-        for split in ("heldout", "ood"):
-            by_limit: dict[int, list[float]] = {}
-            for r in swept:
-                for limit, value in (r.get(f"{split}_by_eval_summaries") or {}).items():
-                    by_limit.setdefault(int(limit), []).append(value)
-            curves[label][split] = [(k, *mean_se(v), len(v)) for k, v in sorted(by_limit.items())]
+        curves[label] = {split: [(int(k), *mean_se([r[f"{split}_by_eval_summaries"][k] for r in swept]), len(swept))
+                                 for k in sorted(limits, key=int)] for split in ("heldout", "ood")}
     return curves
 
 
