@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -156,6 +157,18 @@ def collect(batch: Path, machine: str, skipped: list[str] | None = None) -> list
     return records
 
 
+def collect_batches(batches: list[Path], machine: str, skipped: list[str]) -> list[dict]:
+    """``collect`` over several batches; a run named in more than one (run again after a failure) is taken from
+    the last, and the one it replaces is added to ``skipped``."""
+    records: list[dict] = []
+    for batch in batches:
+        new = collect(batch, machine, skipped)
+        again = {r["name"] for r in new} & {r["name"] for r in records}
+        skipped += [f"{name} of an earlier batch: {batch} ran it again" for name in sorted(again)]
+        records = [r for r in records if r["name"] not in again] + new
+    return records
+
+
 class _Skip(ValueError):
     """Why a run directory gives no records."""
 
@@ -248,7 +261,7 @@ def spread(values_by_build: dict[str, list[float]]) -> tuple[float, float]:
     dof = _seed_dof(values_by_build)
     within = sum((x - sum(v) / len(v)) ** 2 for v in values_by_build.values() for x in v)
     means = [sum(v) / len(v) for v in values_by_build.values()]
-    between = mean_se(means)[1] * math.sqrt(len(means)) if len(means) > 1 else math.nan
+    between = statistics.stdev(means) if len(means) > 1 else math.nan
     return (math.sqrt(within / dof) if dof else math.nan), between
 
 
@@ -493,13 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"not batch directories (no runs/ inside): {', '.join(missing)}")
         old = json.loads(args.out.read_text()) if args.out.is_file() else []
         skipped: list[str] = []
-        new: list[dict] = []
-        for batch in args.batches:  # a run repeated in a later batch (after a failure) replaces the earlier one
-            records = collect(batch, args.machine, skipped)
-            again = {r["name"] for r in records} & {r["name"] for r in new}
-            for name in sorted(again):
-                skipped.append(f"{name} of an earlier batch: {batch} ran it again")
-            new = [r for r in new if r["name"] not in again] + records
+        new = collect_batches(args.batches, args.machine, skipped)
         for line in skipped:
             print(f"skipped {line}", file=sys.stderr)
         keep = [o for o in old if (o["machine"], o["name"]) not in {(n["machine"], n["name"]) for n in new}]

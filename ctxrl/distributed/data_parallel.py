@@ -42,7 +42,7 @@ CLOSE_TIMEOUT_S = 300
 class DataParallel:
     """This process's rank among ``world`` learner ranks, and the collectives the learner needs."""
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, *, owns_group: bool = False) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialised (torchrun, or "
                                "torch.distributed.init_process_group) before the learner is built")
@@ -50,8 +50,8 @@ class DataParallel:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._control = None
-        self.owns_group = False
-        """Whether ``from_environment`` started the process group (then ``close`` destroys it)."""
+        self.owns_group = owns_group
+        """Whether this object's maker started the process group (``from_environment``): ``close`` then destroys it."""
 
     @property
     def leader(self) -> bool:
@@ -90,9 +90,7 @@ class DataParallel:
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # "cuda" is this rank's own GPU
             dist.init_process_group("nccl" if cuda else "gloo")
-            parallel = cls()
-            parallel.owns_group = True
-            return parallel
+            return cls(owns_group=True)
         return cls()
 
     def close(self) -> None:
