@@ -206,6 +206,10 @@ class SFTConfig:
     shortcut_fraction: float = 0.65
     """Fraction of demos that answer without the tool (the env's ``shortcut``): imperfect on purpose.
     Above one half, the greedy warm-started policy prefers answering unaided; RL has to find the tool."""
+    redundant_fraction: float = 0.0
+    """Fraction of demos that solve the task with one tool call too many (the env's ``redundant``: search_qa
+    searches the answer again, python_math runs its code twice): a warm start that over-calls, for testing
+    what OTC's reward (reward.otc_weight) cuts. Drawn after the shortcut's share; the two may not exceed 1."""
     other_worlds: bool = True
     """Draw demos from the env's ``pretraining_variant`` where it has one (``search_qa``: other invented
     worlds), so the warm start teaches the skill and not the training split's answers."""
@@ -482,7 +486,8 @@ _NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.
 # key -> (low, high, low bound open): the fields that must lie in an interval
 _RANGES = {"curriculum.self_paced_floor": (0.0, 0.25, True), "rollout.top_p": (0.0, 1.0, True),
            "rollout.max_error_rate": (0.0, 1.0, False), "sft.trial_demos": (0.0, 1.0, False),
-           "sft.shortcut_fraction": (0.0, 1.0, False), "meta.gamma_trial": (0.0, 1.0, False),
+           "sft.shortcut_fraction": (0.0, 1.0, False),
+           "sft.redundant_fraction": (0.0, 1.0, False), "meta.gamma_trial": (0.0, 1.0, False),
            "lora.dropout": (0.0, 1.0, False)}
 
 

@@ -76,3 +76,17 @@ def test_shortcut_and_replayed_pretraining_variant(renderer):
     episode = asyncio.run(run_episode(ReplayedPythonMathEnv(), tasks[0], ScriptedEngine(texts, renderer), renderer,
                                       limits, seed=0))
     assert episode.messages[3].content == "42"
+
+
+def test_redundant_script_runs_the_code_twice_and_is_right(renderer):
+    """The over-calling demo: the same call twice, the same answer, one tool call more than ``solve``."""
+    from ctxrl.envs.python_math import ReplayedPythonMathEnv
+
+    limits = RolloutLimits(max_turns=4, max_new_tokens=256, max_total_tokens=4096)
+    task = PythonMathEnv.sample_tasks("train", 5, seed=4)[0]
+    texts = PythonMathEnv.redundant(task)
+    assert texts == [PythonMathEnv.solve(task)[0], *PythonMathEnv.solve(task)]
+    episode = asyncio.run(run_episode(ReplayedPythonMathEnv(), task, ScriptedEngine(texts, renderer), renderer,
+                                      limits, seed=0))
+    assert episode.success and episode.tool_calls == 2
+    assert episode.messages[3].content == episode.messages[5].content == task.answer

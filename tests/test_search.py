@@ -116,6 +116,45 @@ def test_demos_from_other_worlds_never_hold_the_training_worlds_facts(renderer):
     assert all(d.task.data["lookups"][0] in own for d in own_demos)
 
 
+def test_redundant_demos_search_the_answer_again_and_keep_their_share(renderer):
+    """sft.redundant_fraction: right answers with one search more than solve, drawn after the shortcut's share."""
+    from ctxrl.train.sft import build_demos
+
+    limits = RolloutLimits(max_turns=5, max_new_tokens=64, max_total_tokens=4096)
+    task = next(t for t in SearchQAEnv.sample_tasks("train", 20, seed=1) if t.context["hops"] == 2)
+    texts = SearchQAEnv.redundant(task)
+    assert texts[:2] == SearchQAEnv.solve(task)[:2] and task.answer in texts[2] and len(texts) == 4
+    episode = asyncio.run(run_episode(SearchQAEnv(), task, ScriptedEngine(texts, renderer), renderer, limits, seed=0))
+    assert episode.success and episode.tool_calls == 3
+    assert task.answer in episode.messages[7].content  # the extra search finds the answer's own document
+
+    n = 60
+    plain = asyncio.run(build_demos(SearchQAEnv, renderer, n, seed=5, shortcut_fraction=0.3))
+    mixed = asyncio.run(build_demos(SearchQAEnv, renderer, n, seed=5, shortcut_fraction=0.3, redundant_fraction=0.5))
+    assert [d.task.id for d in plain] == [d.task.id for d in mixed]  # the same tasks; only their scripts differ
+    hops = [d.task.context["hops"] for d in plain]
+    extra = [m.tool_calls - p.tool_calls for m, p in zip(mixed, plain)]
+    # the shortcut's share is untouched (the same draws); others gain one call, or all of solve's calls
+    shortcut = [p.tool_calls == 1 and h == 2 and not p.success for p, h in zip(plain, hops)]
+    for was_short, more, m, h in zip(shortcut, extra, mixed, hops):
+        assert (more == 0) if was_short else (more in (0, 1) and m.success and m.tool_calls in (h, h + 1))
+    redundant = sum(m.tool_calls == h + 1 for m, h in zip(mixed, hops))
+    assert 0.3 * n <= redundant <= 0.7 * n  # about half of 60 draws
+    assert sum(d.tool_calls for d in mixed) == sum(d.tool_calls for d in plain) + redundant
+    only = asyncio.run(build_demos(SearchQAEnv, renderer, 10, seed=5, shortcut_fraction=0.0, redundant_fraction=1.0))
+    assert all(d.success and d.tool_calls == d.task.context["hops"] + 1 for d in only)
+
+
+def test_redundant_demos_are_refused_where_they_cannot_be_played(renderer):
+    from ctxrl.envs.calculator import CalculatorEnv
+    from ctxrl.train.sft import build_demos
+
+    with pytest.raises(ValueError, match="no redundant hook.*sft.redundant_fraction=0"):
+        asyncio.run(build_demos(CalculatorEnv, renderer, 2, redundant_fraction=0.5))
+    with pytest.raises(ValueError, match="more than 1"):
+        asyncio.run(build_demos(SearchQAEnv, renderer, 2, shortcut_fraction=0.7, redundant_fraction=0.5))
+
+
 def test_bm25s_never_starts_jax(tmp_path):
     """bm25s runs JAX at import when it is installed, and JAX then takes 75% of the GPU's memory."""
     fake = tmp_path / "site" / "jax"
@@ -134,3 +173,20 @@ def test_bm25s_never_starts_jax(tmp_path):
     (tmp_path / "jax-imported").unlink()
     subprocess.run([sys.executable, "-c", code.replace("import jax  #", "pass  #")], check=True, env=env, cwd=root)
     assert not (tmp_path / "jax-imported").exists()
+
+
+def test_redundant_fraction_is_checked_before_the_model_loads():
+    from ctxrl.config import load_config
+    from ctxrl.envs.calculator import CalculatorEnv
+    from ctxrl.errors import ConfigError
+    from ctxrl.train.warm_start import check_demos
+
+    ok = load_config(None, ["env.name=search_qa", "sft.shortcut_fraction=0.3", "sft.redundant_fraction=0.5"])
+    check_demos(ok, SearchQAEnv)
+    with pytest.raises(ConfigError, match="has no redundant hook"):
+        check_demos(load_config(None, ["sft.redundant_fraction=0.5"]), CalculatorEnv)
+    with pytest.raises(ConfigError, match="sft.shortcut_fraction=0.65 plus sft.redundant_fraction=0.5 is more than 1"):
+        check_demos(load_config(None, ["env.name=search_qa", "sft.redundant_fraction=0.5"]), SearchQAEnv)
+    check_demos(load_config(None, ["sft.redundant_fraction=0.5", "sft.enabled=false"]), CalculatorEnv)
+    with pytest.raises(ConfigError, match="sft.redundant_fraction"):
+        load_config(None, ["sft.redundant_fraction=1.5"])

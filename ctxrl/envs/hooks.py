@@ -1,7 +1,7 @@
 """The optional hooks an environment class may define, declared in one place, and what each one enables.
 
 The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an
-environment opts into features by defining hooks: ``shortcut``, ``pretraining_variant``,
+environment opts into features by defining hooks: ``shortcut``, ``redundant``, ``pretraining_variant``,
 ``summary``, ``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits`` (their types are
 ``OptionalHooks``; what each enables is ``HOOKS``) and the ``names_actions`` flag (``FLAGS``). ctxrl
 looks them up only through ``hook`` and ``flag`` here, never with a bare ``getattr`` elsewhere, so
@@ -31,6 +31,8 @@ class Hook:
 
 HOOKS: dict[str, Hook] = {h.name: h for h in (
     Hook("shortcut", "shortcut(task) -> list[str]", "imperfect warm-start demos (sft.shortcut_fraction)"),
+    Hook("redundant", "redundant(task) -> list[str]",
+         "warm-start demos that make one tool call too many (sft.redundant_fraction)"),
     Hook("pretraining_variant", "pretraining_variant(seed) -> type",
          "warm-start demos from other worlds (sft.other_worlds)"),
     Hook("summary", "summary(task, messages) -> str", "warm-start demos that summarise (sft.context_demos)"),
@@ -52,6 +54,9 @@ class OptionalHooks(Protocol):
 
     @staticmethod
     def shortcut(task: Task) -> list[str]: ...
+
+    @staticmethod
+    def redundant(task: Task) -> list[str]: ...
 
     @classmethod
     def pretraining_variant(cls, seed: int) -> type: ...
@@ -120,6 +125,7 @@ def features(env_cls: type) -> dict[str, bool]:
     return {
         "warm start (scripted solve)": callable(getattr(env_cls, "solve", None)),
         "imperfect warm start (shortcut)": hook(env_cls, "shortcut") is not None,
+        "over-calling warm start (redundant)": hook(env_cls, "redundant") is not None,
         "demos from other worlds (pretraining_variant)": hook(env_cls, "pretraining_variant") is not None,
         "summary demos (summary)": hook(env_cls, "summary") is not None,
         "trial demos (failure + reflection)": has_trial_hooks(env_cls),

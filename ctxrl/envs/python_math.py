@@ -156,6 +156,15 @@ class PythonMathEnv(ToolAnswerEnv):
         return [f"<answer>{task.answer}</answer>"]
 
     @classmethod
+    def redundant(cls, task: Task) -> list[str]:
+        """Run the reference code twice, then answer: right, with one call too many (sft.redundant_fraction).
+
+        Rerunning code whose output is already on screen is the over-calling OTC's reward cuts.
+        """
+        call, answer = cls.solve(task)
+        return [call, call, answer]
+
+    @classmethod
     def pretraining_variant(cls, seed: int) -> type[PythonMathEnv]:
         """For pre-training text: the reference code's output is known, so it is replayed, not run.
 

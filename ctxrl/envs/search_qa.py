@@ -185,6 +185,16 @@ class SearchQAEnv(ToolAnswerEnv):
         first = lookups[1] if len(lookups) > 1 else task.answer  # what the first search reveals
         return [format_tool_call("search", {"query": lookups[0]}), f"<answer>{first}</answer>"]
 
+    @classmethod
+    def redundant(cls, task: Task) -> list[str]:
+        """Solve, then search the answer once more before giving it: right, with one search too many.
+
+        Checking a found answer with another search is the over-calling that OTC (Wang et al. 2025)
+        trains away; demos that do it give OTC's reward something to cut (sft.redundant_fraction).
+        """
+        return [*cls.solve(task)[:-1], format_tool_call("search", {"query": task.answer}),
+                f"<answer>{task.answer}</answer>"]
+
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         return exact_match(given, task.answer), {"f1": token_f1(given, task.answer)}
 

@@ -4,7 +4,9 @@ Demonstrations are played through the real agent loop with a ``ScriptedEngine``,
 masks and observations are built exactly like RL rollouts; the loss is cross-entropy on the
 mask-1 (assistant) tokens only. ``shortcut_fraction`` of the demos use the environment's
 ``shortcut`` (an answer without the tool) when it has one: the warm start is imperfect on
-purpose, so RL has something real to fix.
+purpose, so RL has something real to fix. ``redundant_fraction`` of them use its ``redundant``
+script (right, with one tool call too many): a policy that over-calls, which only a reward for
+fewer calls (OTC) has reason to change.
 
 Demos played under a context manager with a ``scripted_hook`` (``summarize``: ``summary``) show
 the model what RL will ask of it: when the next turn would not fit the budget, the agent loop
@@ -38,7 +40,7 @@ from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.train.batch import collate, micro_batches
 from ctxrl.train.logprobs import token_logprobs
 from ctxrl.train.precision import Precision, trainable_grads
-from ctxrl.types import Episode
+from ctxrl.types import Episode, Task
 
 WORLD_EPISODES = 100
 """Demos drawn from one world before the next, when demos come from other worlds."""
@@ -47,8 +49,12 @@ DEMO_MAX_TURNS = 16
 
 
 async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fraction: float = 0.0,
-                      seed: int = 0, limits: RolloutLimits | None = None, other_worlds: bool = False) -> list[Episode]:
+                      redundant_fraction: float = 0.0, seed: int = 0, limits: RolloutLimits | None = None,
+                      other_worlds: bool = False) -> list[Episode]:
     """Play ``n`` scripted episodes on training tasks; raises if a script does not fit the limits.
+
+    Each demo is the environment's ``shortcut`` with probability ``shortcut_fraction`` (when it
+    has one), else its ``redundant`` script with probability ``redundant_fraction``, else ``solve``.
 
     ``limits``: the demos' rollout limits (default: generous, full context). Under a context
     manager with a ``scripted_hook`` (``summarize``) the environment needs that hook; each of the
@@ -63,7 +69,8 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
         for start in range(0, n, WORLD_EPISODES):
             world = pretraining_env(env_cls, seed * 100_003 + start // WORLD_EPISODES)
             episodes += await build_demos(world, renderer, min(WORLD_EPISODES, n - start), seed=seed + start,
-                                          shortcut_fraction=shortcut_fraction, limits=limits)
+                                          shortcut_fraction=shortcut_fraction,
+                                          redundant_fraction=redundant_fraction, limits=limits)
         return episodes
     limits = limits or RolloutLimits(max_turns=DEMO_MAX_TURNS, max_new_tokens=4096, max_total_tokens=1 << 20)
     manager = get_manager(limits.context.manager)
@@ -73,13 +80,11 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
                          f"hook, so its demos cannot show the {limits.context.manager} manager's {purpose} requests; "
                          "give it one (docs/environments.md) or play the demos with the full context "
                          "(sft.context_demos=off)")
+    pick = _demo_scripts(env_cls, shortcut_fraction, redundant_fraction, random.Random(seed))
     tasks = env_cls.sample_tasks("train", n, seed)
-    rng = random.Random(seed)
-    shortcut = hook(env_cls, "shortcut")
     jobs = []
     for task in tasks:
-        use_shortcut = shortcut is not None and rng.random() < shortcut_fraction
-        texts = shortcut(task) if use_shortcut else env_cls.solve(task)
+        texts = pick(task)
         if script is not None:
             env = RecordedEnv(env_cls())
             engine = ScriptedEngine(texts, renderer,
@@ -92,6 +97,30 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
         if ep.truncation is not None:
             raise RuntimeError(_ended_early(ep, limits))
     return episodes
+
+
+def _demo_scripts(env_cls, shortcut_fraction: float, redundant_fraction: float,
+                  rng: random.Random) -> Callable[[Task], list[str]]:
+    """Which script plays each demo: one draw of ``rng`` per task decides shortcut, redundant or solve."""
+    name = getattr(env_cls, "name", env_cls.__name__)
+    shortcut, redundant = hook(env_cls, "shortcut"), hook(env_cls, "redundant")
+    if redundant_fraction > 0 and redundant is None:
+        raise ValueError(f"environment {name!r} has no redundant hook, so no demo can make a tool call too many; "
+                         "give it one (docs/environments.md) or set sft.redundant_fraction=0")
+    low = shortcut_fraction if shortcut is not None else 0.0
+    if low + redundant_fraction > 1.0 + 1e-9:
+        raise ValueError(f"sft.shortcut_fraction={shortcut_fraction:g} plus sft.redundant_fraction="
+                         f"{redundant_fraction:g} is more than 1 for environment {name!r}; lower one of them")
+
+    def pick(task: Task) -> list[str]:
+        if shortcut is None and not redundant_fraction:
+            return env_cls.solve(task)  # no draw: the demos' tasks and order stay as they always were
+        u = rng.random()
+        if u < low:
+            return shortcut(task)
+        return redundant(task) if u < low + redundant_fraction else env_cls.solve(task)
+
+    return pick
 
 
 def _ended_early(episode: Episode, limits: RolloutLimits) -> str:

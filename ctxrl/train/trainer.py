@@ -59,7 +59,7 @@ from ctxrl.train import checkpoint
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.rewards import shape_rewards
-from ctxrl.train.warm_start import check_trial_demos, context_demos, warm_start
+from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Trainer:
             raise ConfigError(f"environment {config.env.name!r} has no 'train' tasks (it has {list(self.splits)}); "
                               "training needs some: label tasks \"split\": \"train\" or leave them unlabelled")
         self.context_demos = context_demos(config, self.env_cls)
-        check_trial_demos(config, self.env_cls)
+        check_demos(config, self.env_cls)
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
         check_template_segments(config, self.renderer)

@@ -1,7 +1,8 @@
 """The warm start: supervised fine-tuning on scripted demonstrations before RL (``[sft]``).
 
 Demonstrations are the environment's scripted solutions played through the real agent loop
-(``ctxrl.train.sft.build_demos``), ``sft.shortcut_fraction`` of them deliberately imperfect. Two
+(``ctxrl.train.sft.build_demos``), ``sft.shortcut_fraction`` of them deliberately imperfect and
+``sft.redundant_fraction`` of them with a tool call too many. Two
 kinds can join them:
 
 - *context demos* (``sft.context_demos``): played under the run's context manager when its side
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
-from ctxrl.envs.hooks import has_trial_hooks
+from ctxrl.envs.hooks import has_trial_hooks, hook
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.spec import RolloutLimits, RolloutSpec
@@ -52,8 +53,18 @@ def context_demos(config: Any, env_cls: type) -> bool:
     return False
 
 
-def check_trial_demos(config: Any, env_cls: type) -> None:
-    """A config error, before the model loads, when trial demos are asked of an environment that cannot script them."""
+def check_demos(config: Any, env_cls: type) -> None:
+    """A config error, before the model loads, when demos are asked of an environment that cannot script them."""
+    c = config.sft
+    if c.enabled and c.redundant_fraction > 0:
+        if hook(env_cls, "redundant") is None:
+            raise ConfigError(f"sft.redundant_fraction={c.redundant_fraction:g}, but environment {config.env.name!r} "
+                              "has no redundant hook to script a demo with a tool call too many; add one "
+                              "(docs/environments.md) or set sft.redundant_fraction = 0")
+        low = c.shortcut_fraction if hook(env_cls, "shortcut") is not None else 0.0
+        if low + c.redundant_fraction > 1.0 + 1e-9:
+            raise ConfigError(f"sft.shortcut_fraction={c.shortcut_fraction:g} plus sft.redundant_fraction="
+                              f"{c.redundant_fraction:g} is more than 1 (both draw from the same demos); lower one")
     if config.sft.enabled and config.sft.trial_demos > 0 and not has_trial_hooks(env_cls):
         raise ConfigError(f"sft.trial_demos={config.sft.trial_demos:g}, but environment {config.env.name!r} has "
                           "no failure(task) and reflection(task, messages) hooks to script a trial; add them "
@@ -89,7 +100,8 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
     limits = demo_limits(spec, under_manager)
     n_trials = round(c.demos * c.trial_demos)
     demos = asyncio.run(build_demos(env_cls, renderer, c.demos - n_trials, shortcut_fraction=c.shortcut_fraction,
-                                    seed=seeds.warm_start_demos, other_worlds=c.other_worlds, limits=limits))
+                                    redundant_fraction=c.redundant_fraction, seed=seeds.warm_start_demos,
+                                    other_worlds=c.other_worlds, limits=limits))
     if n_trials:
         # the notes say "attempt 2 of K" for the largest K the run plays
         k = max(2, spec.train_meta.num_attempts, spec.eval_meta.num_attempts)
@@ -101,5 +113,6 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
     row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
            "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
            "context_demos": under_manager, "trial_demos": n_trials,
-           "demo_summaries_per_episode": sum(e.info.get("summaries", 0) for e in demos) / len(demos)}
+           "demo_summaries_per_episode": sum(e.info.get("summaries", 0) for e in demos) / len(demos),
+           "demo_tool_calls_per_episode": sum(e.tool_calls for e in demos) / len(demos)}
     return row, demos
