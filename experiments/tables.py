@@ -12,7 +12,8 @@ records, small enough to keep in the docs; it names every run it skips and why:
   by attempt K, the sampled pass@K);
 - ``benchmarks/env_training.py`` runs (read from ``metrics.jsonl``, so a run stopped after its last
   evaluation counts): held-out before and after, tool calls per episode over the last 10 RL steps,
-  void-turn rate, the largest gradient norm.
+  void-turn rate, the largest gradient norm, and every held-out evaluation (step, success, calls), so
+  that an arm is compared with GRPO at a step both runs reached.
 
 A build is named by the machine that made it too (``--machine``): GPU pre-training is not
 reproducible across machines, so ``b0`` on two machines is two builds. A run named in several batches
@@ -140,7 +141,8 @@ def _training_record(base: dict, metrics: Path) -> dict | None:
             "heldout_calls_after": heldout[-1].get("tool_calls"),
             "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last),
             "void_turn_rate_last10": sum(r.get("void_turn_rate", 0.0) for r in last) / len(last),
-            "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl)}
+            "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl),
+            "heldout_curve": [[r["step"], r["success"], r.get("tool_calls")] for r in heldout]}
 
 
 def collect(batch: Path, machine: str, skipped: list[str] | None = None) -> list[dict]:
@@ -203,6 +205,13 @@ def _read_run(run_dir: Path, machine: str) -> list[dict]:
 
 def _fmt(x: float | None) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
+def _signed(mean: float, se: float) -> str:
+    """A difference with its sign and standard error (none for one pair; a dash for no pairs)."""
+    if math.isnan(mean):
+        return "–"
+    return f"{mean:+.2f}" + ("" if math.isnan(se) else f" ± {se:.2f}")
 
 
 def _cell(values: list[float]) -> str:
@@ -437,6 +446,55 @@ def plot_limits(records: list[dict], path: Path, *, task: str, size: str) -> Pat
     return _save(fig, axes[1], path)
 
 
+def paired_at_step(records: list[dict], arm: str, baseline: str, *, which: str = "last",
+                   **where) -> tuple[dict[str, tuple[float, float]], list[int], int]:
+    """Held-out success and tool calls per episode, arm − baseline, from the evaluations on training runs' curves
+    (``heldout_curve``), each pair at one step both runs evaluated: the last such step (``which="last"``), or the
+    first after step 0 (``"first"``). Fair where a run was stopped early: its partner is read at the same step.
+    Returns {field: (mean, SE)} for ``success`` and ``calls``, the steps used, and the number of pairs."""
+    where.setdefault("variant", None)
+
+    def pick(name):
+        return {(r["build"], r["seed"]): {step: (success, calls) for step, success, calls in r["heldout_curve"]}
+                for r in records if r["kind"] == "training" and r["arm"] == name and r.get("heldout_curve")
+                and all(r.get(k) == v for k, v in where.items())}
+
+    a, b = pick(arm), pick(baseline)
+    diffs: dict[str, list[float]] = {"success": [], "calls": []}
+    steps = []
+    for key in sorted(set(a) & set(b)):
+        common = sorted(s for s in set(a[key]) & set(b[key]) if s > 0)
+        if not common:
+            continue
+        step = common[-1] if which == "last" else common[0]
+        (sa, ca), (sb, cb) = a[key][step], b[key][step]
+        steps.append(step)
+        diffs["success"].append(sa - sb)
+        if ca is not None and cb is not None:
+            diffs["calls"].append(ca - cb)
+    return {field: mean_se(values) for field, values in diffs.items()}, steps, len(steps)
+
+
+def step_table(records: list[dict]) -> str:
+    """Each RL arm against grpo on the same build and seed, at a step both evaluated (the first after 0, the last)."""
+    lines = ["| comparison | evaluation | steps | pairs | held-out success, difference | held-out tool calls / ep, "
+             "difference |", "|---|---|---|---|---|---|"]
+    keys = sorted({(r["task"], r["size"], r.get("variant")) for r in records
+                   if r["kind"] == "training" and r.get("heldout_curve")}, key=str)
+    for task, size, variant in keys:
+        where = {"task": task, "size": size, "variant": variant}
+        arms = {r["arm"] for r in records if r["kind"] == "training" and all(r.get(k) == v for k, v in where.items())}
+        for arm in sorted(arms - {"grpo"}):
+            for which in ("first", "last"):
+                figures, steps, n = paired_at_step(records, arm, "grpo", which=which, **where)
+                if not n:
+                    continue
+                cells = " | ".join(_signed(*figures[f]) for f in ("success", "calls"))
+                label = f"{task} {size}" + (f" ({variant})" if variant else "") + f": {arm} − grpo"
+                lines.append(f"| {label} | {which} | {', '.join(map(str, sorted(set(steps))))} | {n} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 def contrasts(records: list[dict]) -> str:
     """Paired differences (same build, seed, budget and variant): each manager against window, each RL arm against
     grpo, meta-RL's attempt-K gain against single-episode RL's."""
@@ -485,6 +543,8 @@ def report(records: list[dict]) -> str:
         parts += ["\n## Learning across episodes\n", meta_table(records)]
     if any(r["kind"] == "training" for r in records):
         parts += ["\n## RL on an environment\n", training_table(records)]
+        if any(r.get("heldout_curve") for r in records if r["kind"] == "training"):
+            parts += ["\n### Against GRPO at a step both runs evaluated\n", step_table(records)]
     parts += ["\n## Paired comparisons\n", contrasts(records)]
     return "\n".join(parts)
 

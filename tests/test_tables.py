@@ -245,3 +245,39 @@ def test_every_run_of_the_kept_plans_is_named_so_that_tables_can_read_it():
             match = tables.NAME.match(job.name)
             assert match, f"{plan.name}: {job.name}"
             assert match["task"] in tables.TASKS and match["size"] in tables.SIZES, f"{plan.name}: {job.name}"
+
+
+def test_arms_are_compared_with_grpo_at_a_step_both_runs_evaluated(tmp_path):
+    """A run stopped early is read against its partner's evaluation at the same step, not at its partner's end."""
+    batch = tmp_path / "batch"
+
+    def run(name, curve):
+        path = batch / "runs" / name / "python_math-s0"
+        path.mkdir(parents=True)
+        rows = [{"phase": "eval", "split": "heldout", "step": step, "success": success, "tool_calls": calls}
+                for step, success, calls in curve]
+        rows.insert(1, {"phase": "rl", "step": 0, "tool_calls": 2.0})
+        (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    # build 0 seed 0: grpo stopped after its step-45 evaluation; otc reached step 60
+    run("pm5-b0-s0-grpo-redundant", [(0, 0.5, 2.0), (15, 0.4, 2.0), (45, 0.6, 1.5)])
+    run("pm5-b0-s0-otc-redundant", [(0, 0.5, 2.0), (15, 0.5, 1.0), (45, 0.5, 1.0), (60, 0.3, 1.0)])
+    run("pm5-b0-s1-grpo-redundant", [(0, 0.5, 2.0), (15, 0.5, 2.0), (45, 0.5, 1.0), (60, 0.5, 1.0)])
+    run("pm5-b0-s1-otc-redundant", [(0, 0.5, 2.0), (15, 0.7, 1.0), (45, 0.6, 1.0), (60, 0.6, 1.0)])
+    run("pm5-b0-s2-otc-redundant", [(0, 0.5, 2.0), (15, 0.7, 1.0)])  # no grpo partner: not paired
+    out = tmp_path / "records.json"
+    assert tables.main(["collect", str(batch), "--machine", "m", "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert next(r for r in recs if r["name"] == "pm5-b0-s0-grpo-redundant")["heldout_curve"][-1] == [45, 0.6, 1.5]
+    last, steps, n = tables.paired_at_step(recs, "otc", "grpo", variant="redundant")
+    # seed 0 at step 45: success 0.5 - 0.6 = -0.1, calls 1.0 - 1.5 = -0.5; seed 1 at step 60: +0.1, 0.0
+    assert (n, sorted(steps)) == (2, [45, 60])
+    assert last["success"] == pytest.approx((0.0, 0.1)) and last["calls"] == pytest.approx((-0.25, 0.25))
+    first, steps, n = tables.paired_at_step(recs, "otc", "grpo", which="first", variant="redundant")
+    # step 15: success +0.1 and +0.2, calls -1.0 and -1.0
+    assert (n, steps) == (2, [15, 15])
+    assert first["success"] == pytest.approx((0.15, 0.05)) and first["calls"] == pytest.approx((-1.0, 0.0))
+    assert tables.paired_at_step(recs, "otc", "grpo")[2] == 0  # plain runs only unless a variant is named
+    text = tables.report(recs)
+    assert "| python_math 5.2M (redundant): otc − grpo | first | 15 | 2 | +0.15 ± 0.05 | -1.00 ± 0.00 |" in text
+    assert "| python_math 5.2M (redundant): otc − grpo | last | 45, 60 | 2 | +0.00 ± 0.10 | -0.25 ± 0.25 |" in text
