@@ -13,6 +13,10 @@ writes is ever executed as Python.
 
 Context: ``family`` (which kind of problem) and ``scale`` (train 1-3, ood 4-5), which sets the
 size of the numbers.
+
+Imperfect warm-start scripts: ``shortcut`` answers without running code
+(``sft.shortcut_fraction``); ``redundant`` runs the code twice before answering
+(``sft.redundant_fraction``), a policy with a call to spare for OTC's reward to cut.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ from ``KB_SEED``) and shared by every split; held-out questions are unseen quest
 Scripted summaries (``summary``, for warm-start demos under ``context.manager=summarize``): the
 latest fact found on the question's path, a sentence copied from the search results, e.g.
 ``Found: Brada Labs is a company headquartered in Keltra.``
+
+Imperfect warm-start scripts: ``shortcut`` answers after the first search
+(``sft.shortcut_fraction``: right on 1-hop questions only); ``redundant`` searches the answer once
+more before giving it (``sft.redundant_fraction``), a policy with a search to spare for OTC's
+reward to cut.
 """
 
 from __future__ import annotations
