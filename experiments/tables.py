@@ -11,9 +11,9 @@ records, small enough to keep in the docs; it names every run it skips and why:
 - ``experiments/meta.py reflection`` runs: one record per arm (attempt-1 success, success at and
   by attempt K, the sampled pass@K);
 - ``benchmarks/env_training.py`` runs (read from ``metrics.jsonl``, so a run stopped after its last
-  evaluation counts): held-out before and after, tool calls per episode over the last 10 RL steps,
-  void-turn rate, the largest gradient norm, and every held-out evaluation (step, success, calls), so
-  that an arm is compared with GRPO at a step both runs reached.
+  evaluation counts): the warm start's last SFT loss, held-out before and after, tool calls per
+  episode over the last 10 RL steps, void-turn rate, the largest gradient norm, and every held-out
+  evaluation (step, success, calls), so that an arm is compared with GRPO at a step both reached.
 
 A build is named by the machine that made it too (``--machine``): GPU pre-training is not
 reproducible across machines, so ``b0`` on two machines is two builds. A run named in several batches
@@ -136,7 +136,8 @@ def _training_record(base: dict, metrics: Path) -> dict | None:
     if not rl or len(heldout) < 2:
         return None
     last = rl[-10:]
-    return {**base, "kind": "training", "steps": len(rl),
+    sft = next((r for r in rows if r.get("phase") == "sft"), {})
+    return {**base, "kind": "training", "steps": len(rl), "sft_loss_last": sft.get("sft_loss_last"),
             "heldout_before": heldout[0]["success"], "heldout_after": heldout[-1]["success"],
             "heldout_calls_after": heldout[-1].get("tool_calls"),
             "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last),

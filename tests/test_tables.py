@@ -30,7 +30,8 @@ def context_run(batch: Path, name: str, manager: str, before: float, after: floa
 def training_run(batch: Path, name: str, calls: float, success: float) -> None:
     run = batch / "runs" / name / "python_math-s0"
     run.mkdir(parents=True)
-    rows = [{"phase": "eval", "split": "heldout", "step": 0, "success": 0.0, "tool_calls": 0.0}]
+    rows = [{"phase": "sft", "step": 0, "sft_loss_last": 0.25},
+            {"phase": "eval", "split": "heldout", "step": 0, "success": 0.0, "tool_calls": 0.0}]
     rows += [{"phase": "rl", "step": i, "tool_calls": 9.0 if i < 5 else calls, "void_turn_rate": 0.1,
               "grad_norm": 0.5 + i / 100} for i in range(20)]
     rows += [{"phase": "eval", "split": "heldout", "step": 20, "success": success, "tool_calls": calls}]
@@ -77,6 +78,7 @@ def test_collect_reads_each_kind_of_run_with_its_build_seed_and_budget(records):
         ("window", 320, "lr2e-5", 0.4)
     otc = next(r for r in recs if r["arm"] == "otc")
     assert otc["train_calls_last10"] == 1.0 and otc["heldout_after"] == 0.5 and otc["steps"] == 20
+    assert otc["sft_loss_last"] == 0.25
     assert math.isclose(otc["grad_norm_max"], 0.69)
 
 
