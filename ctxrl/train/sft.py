@@ -99,18 +99,27 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
     return episodes
 
 
+def demo_mix_problem(env_cls, shortcut_fraction: float, redundant_fraction: float) -> str | None:
+    """Why the environment cannot play this mix of shortcut and redundant demos, or None if it can."""
+    name = getattr(env_cls, "name", env_cls.__name__)
+    if redundant_fraction > 0 and hook(env_cls, "redundant") is None:
+        return (f"environment {name!r} has no redundant hook, so no demo can make a tool call too many; "
+                "give it one (docs/environments.md) or set sft.redundant_fraction=0")
+    low = shortcut_fraction if hook(env_cls, "shortcut") is not None else 0.0
+    if low + redundant_fraction > 1.0 + 1e-9:
+        return (f"sft.shortcut_fraction={shortcut_fraction:g} plus sft.redundant_fraction={redundant_fraction:g} "
+                f"is more than 1 for environment {name!r} (both draw from the same demos); lower one of them")
+    return None
+
+
 def _demo_scripts(env_cls, shortcut_fraction: float, redundant_fraction: float,
                   rng: random.Random) -> Callable[[Task], list[str]]:
     """Which script plays each demo: one draw of ``rng`` per task decides shortcut, redundant or solve."""
-    name = getattr(env_cls, "name", env_cls.__name__)
+    problem = demo_mix_problem(env_cls, shortcut_fraction, redundant_fraction)
+    if problem:
+        raise ValueError(problem)
     shortcut, redundant = hook(env_cls, "shortcut"), hook(env_cls, "redundant")
-    if redundant_fraction > 0 and redundant is None:
-        raise ValueError(f"environment {name!r} has no redundant hook, so no demo can make a tool call too many; "
-                         "give it one (docs/environments.md) or set sft.redundant_fraction=0")
     low = shortcut_fraction if shortcut is not None else 0.0
-    if low + redundant_fraction > 1.0 + 1e-9:
-        raise ValueError(f"sft.shortcut_fraction={shortcut_fraction:g} plus sft.redundant_fraction="
-                         f"{redundant_fraction:g} is more than 1 for environment {name!r}; lower one of them")
 
     def pick(task: Task) -> list[str]:
         if shortcut is None and not redundant_fraction:

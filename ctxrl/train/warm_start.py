@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
-from ctxrl.envs.hooks import has_trial_hooks, hook
+from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.spec import RolloutLimits, RolloutSpec
 from ctxrl.seeds import Seeds
 from ctxrl.train.precision import Precision
-from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, sft_train
+from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, demo_mix_problem, sft_train
 from ctxrl.types import Episode
 
 
@@ -56,15 +56,9 @@ def context_demos(config: Any, env_cls: type) -> bool:
 def check_demos(config: Any, env_cls: type) -> None:
     """A config error, before the model loads, when demos are asked of an environment that cannot script them."""
     c = config.sft
-    if c.enabled and c.redundant_fraction > 0:
-        if hook(env_cls, "redundant") is None:
-            raise ConfigError(f"sft.redundant_fraction={c.redundant_fraction:g}, but environment {config.env.name!r} "
-                              "has no redundant hook to script a demo with a tool call too many; add one "
-                              "(docs/environments.md) or set sft.redundant_fraction = 0")
-        low = c.shortcut_fraction if hook(env_cls, "shortcut") is not None else 0.0
-        if low + c.redundant_fraction > 1.0 + 1e-9:
-            raise ConfigError(f"sft.shortcut_fraction={c.shortcut_fraction:g} plus sft.redundant_fraction="
-                              f"{c.redundant_fraction:g} is more than 1 (both draw from the same demos); lower one")
+    problem = demo_mix_problem(env_cls, c.shortcut_fraction, c.redundant_fraction) if c.enabled else None
+    if problem:
+        raise ConfigError(problem)
     if config.sft.enabled and config.sft.trial_demos > 0 and not has_trial_hooks(env_cls):
         raise ConfigError(f"sft.trial_demos={config.sft.trial_demos:g}, but environment {config.env.name!r} has "
                           "no failure(task) and reflection(task, messages) hooks to script a trial; add them "
