@@ -329,14 +329,18 @@ def training_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _where(records: list[dict], kind: str, **where) -> list[dict]:
+    """The records of ``kind`` whose fields equal every value in ``where``."""
+    return [r for r in records if r["kind"] == kind and all(r.get(k) == v for k, v in where.items())]
+
+
 def paired(records: list[dict], kind: str, field: str, arm: str, baseline: str, **where) -> tuple[float, float, int]:
     """Mean and standard error of ``field`` (arm − baseline) over runs matched by build, seed and ``where``
     (plain runs unless ``where`` names a ``variant``)."""
     where.setdefault("variant", None)
     def pick(name):
-        return {(r["build"], r["seed"]): r[field] for r in records
-                if r["kind"] == kind and r["arm"] == name and all(r.get(k) == v for k, v in where.items())
-                and r.get(field) is not None}
+        return {(r["build"], r["seed"]): r[field] for r in _where(records, kind, arm=name, **where)
+                if r.get(field) is not None}
 
     a, b = pick(arm), pick(baseline)
     diffs = [a[k] - b[k] for k in sorted(set(a) & set(b))]
@@ -457,8 +461,7 @@ def paired_at_step(records: list[dict], arm: str, baseline: str, *, which: str =
 
     def pick(name):
         return {(r["build"], r["seed"]): {step: (success, calls) for step, success, calls in r["heldout_curve"]}
-                for r in records if r["kind"] == "training" and r["arm"] == name and r.get("heldout_curve")
-                and all(r.get(k) == v for k, v in where.items())}
+                for r in _where(records, "training", arm=name, **where) if r.get("heldout_curve")}
 
     a, b = pick(arm), pick(baseline)
     diffs: dict[str, list[float]] = {"success": [], "calls": []}
@@ -484,7 +487,7 @@ def step_table(records: list[dict]) -> str:
                    if r["kind"] == "training" and r.get("heldout_curve")}, key=str)
     for task, size, variant in keys:
         where = {"task": task, "size": size, "variant": variant}
-        arms = {r["arm"] for r in records if r["kind"] == "training" and all(r.get(k) == v for k, v in where.items())}
+        arms = {r["arm"] for r in _where(records, "training", **where)}
         for arm in sorted(arms - {"grpo"}):
             for which in ("first", "last"):
                 figures, steps, n = paired_at_step(records, arm, "grpo", which=which, **where)
@@ -512,7 +515,7 @@ def contrasts(records: list[dict]) -> str:
                        and (kind != "context" or r["budget"])}, key=str)
 
     def arms(kind, **where):
-        return {r["arm"] for r in records if r["kind"] == kind and all(r.get(k) == v for k, v in where.items())}
+        return {r["arm"] for r in _where(records, kind, **where)}
 
     def setting(variant):
         return f" ({variant})" if variant else ""

@@ -56,11 +56,13 @@ def context_demos(config: Any, env_cls: type) -> bool:
 def check_demos(config: Any, env_cls: type) -> None:
     """A config error, before the model loads, when demos are asked of an environment that cannot script them."""
     c = config.sft
-    problem = demo_mix_problem(env_cls, c.shortcut_fraction, c.redundant_fraction) if c.enabled else None
+    if not c.enabled:
+        return
+    problem = demo_mix_problem(env_cls, c.shortcut_fraction, c.redundant_fraction)
     if problem:
         raise ConfigError(problem)
-    if config.sft.enabled and config.sft.trial_demos > 0 and not has_trial_hooks(env_cls):
-        raise ConfigError(f"sft.trial_demos={config.sft.trial_demos:g}, but environment {config.env.name!r} has "
+    if c.trial_demos > 0 and not has_trial_hooks(env_cls):
+        raise ConfigError(f"sft.trial_demos={c.trial_demos:g}, but environment {config.env.name!r} has "
                           "no failure(task) and reflection(task, messages) hooks to script a trial; add them "
                           "(docs/meta.md) or set sft.trial_demos = 0")
 
