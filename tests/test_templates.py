@@ -212,23 +212,45 @@ def test_history_rewrite_within_an_exchange_is_refused(tokenizer):
 
 # -- no format in the template ------------------------------------------------------------------------
 
-PLAIN = ("{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+PLAIN_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + "
+                "'<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+PLAIN = ("{% for message in messages %}{{ '### ' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+         "{% endfor %}{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}")
 
 
 def test_template_without_a_format(tokenizer, task):
+    """No marker and not ChatML: no format, plain conversations render, tools are refused naming the choices."""
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = PLAIN
     renderer = ChatRenderer(tok, template_name="plain", tool_format="auto")
-    assert not renderer.has_tool_format
+    assert not renderer.has_tool_format and renderer.notices == []
     renderer.verify_prefix_preserving()  # a plain conversation still renders
     assert renderer.parse_assistant("<tool_call>{}</tool_call>").tool_calls == []
     with pytest.raises(TemplateError, match="model.tool_format to one of hermes, mistral, pythonic, llama3_json"):
         play(renderer, task, CalculatorEnv.solve(task))
     named = ChatRenderer(tok, template_name="plain", tool_format="llama3_json")
     assert named.tool_format.name == "llama3_json"
-    episode, _ = play(named, task, CalculatorEnv.solve(task))
+    episode, engine = play(named, task, CalculatorEnv.solve(task))
     assert episode.success and '"parameters"' in episode.messages[2].content
+    # the template ignores tools: the renderer told the policy its tools and how to call one in its format
+    first = named.decode(engine.prompts[0])
+    assert first.startswith("### system\n") and '{"name": "calculator", "parameters": {"expression": "..."}}' in first
+
+
+def test_chatml_template_without_a_format_gets_hermes(tokenizer, task):
+    """No marker but ChatML (SmolLM2's kind, tests/test_tool_prompt.py): hermes, said in a notice."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = PLAIN_CHATML
+    renderer = ChatRenderer(tok, template_name="plain-chatml", tool_format="auto")
+    assert renderer.tool_format.name == "hermes"
+    assert [n.split(":")[0] for n in renderer.notices] == [
+        "chat template 'plain-chatml' shows none of the tool-call markers ctxrl looks for, but it is ChatML "
+        "(<|im_start|>)", "chat template 'plain-chatml' ignores tools"]
+    renderer.verify_prefix_preserving()
+    episode, _ = play(renderer, task, CalculatorEnv.solve(task))
+    assert episode.success and episode.messages[2].tool_calls[0].name == "calculator"
+    assert_is_fresh_rendering(renderer, episode.input_ids, episode.messages)
 
 
 # -- the configured path: model.tool_format through the spec ------------------------------------------

@@ -40,6 +40,17 @@ before rendering, every special-token string inside such a message is replaced b
 rendered text is encoded piece by piece, each marker as the plain-text ids of the string it
 stands for. Text without special-token strings (nearly all of it) renders and encodes exactly as
 before. Assistant messages keep theirs: what the policy sampled is its own.
+
+Templates that ignore ``tools`` (SmolLM2's plain ChatML renders the same text with and without
+them) would train a policy that is never told its tools. The renderer finds out once, by rendering
+a one-tool conversation both ways, and then writes the tools itself into the system turn
+(``ctxrl.chat.tool_prompt``: the schemas and the calling convention of its tool-call format),
+appended to the conversation's system message or as a system message of its own, and renders with
+no ``tools``. It does so before the special-token guard, so the tools text is plain text like any
+other text the policy did not write (a ``<|im_end|>`` in a tool's description, or Mistral's
+``[TOOL_CALLS]`` in the example call, gets the ids of its characters), and in ``text`` too, so the
+start-up check covers it. ``notices`` says what it decided. A template that cannot take a system
+turn (Gemma's raises on one) is refused then, naming the fix.
 """
 
 from __future__ import annotations
@@ -48,16 +59,21 @@ import dataclasses
 import re
 from typing import Any
 
+import jinja2
+
 from ctxrl.chat.formats import (
+    CHATML,
     ToolFormat,
     call_id,
     choose_format,
+    detect_format,
     format_names,
     markers_text,
     rewrite_calls,
     with_prose,
 )
 from ctxrl.chat.formats import parse_assistant as parse_with
+from ctxrl.chat.tool_prompt import tools_system_text
 from ctxrl.chat.toolcalls import HERMES
 from ctxrl.errors import CtxrlError
 from ctxrl.types import Message, ToolCall
@@ -65,6 +81,11 @@ from ctxrl.types import Message, ToolCall
 _MARKER_START = "\ue000"
 _MARKER = _MARKER_START + "ctxrl-{}\ue001"
 _MARKERS = re.compile("\ue000ctxrl-(\\d+)\ue001")
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a key up.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
+"""The one tool of the renderer's checks: does the template render tools, and is it prefix-preserving."""
+_PROBE_SYSTEM = "ctxrl probes whether this template prints the system turn."
 
 
 class TemplateError(CtxrlError, RuntimeError):
@@ -86,6 +107,9 @@ class ChatRenderer:
     ``tool_format``: how the policy writes tool calls, by name (``ctxrl.chat.formats``), or
     ``auto`` to read it from the chat template (what runs do: ``model.tool_format``). The
     default is ``hermes``, the format of ctxrl's tiny model.
+
+    ``notices``: what the renderer decided about the template that its user should hear of (a
+    format ``auto`` chose without a marker, tools written into the system turn), one sentence each.
     """
 
     def __init__(self, tokenizer: Any, *, template_name: str = "", end_ids: tuple[int, ...] | list[int] = (),
@@ -93,6 +117,14 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template_name = template_name or getattr(tokenizer, "name_or_path", "") or "<chat template>"
         self._format: ToolFormat | None = choose_format(tool_format, self.template_text)
+        self._format_notices: list[str] = []
+        if tool_format == "auto" and self._format is not None and detect_format(self.template_text) is None:
+            self._format_notices.append(
+                f"chat template {self.template_name!r} shows none of the tool-call markers ctxrl looks for, but it "
+                f"is ChatML ({CHATML}): ctxrl uses the {self._format.name} tool-call format, which ChatML families "
+                f"write; set model.tool_format to choose another ({', '.join(format_names())})")
+        self._ignores_tools: bool | None = None  # probed on first need (ignores_tools)
+        self._system_turn_problem: str | None = None  # why the template cannot take a system turn, once probed
         eos = tokenizer.eos_token
         if eos is None:
             raise TemplateError(f"tokenizer {self.template_name!r} has no eos_token to end assistant turns")
@@ -133,6 +165,63 @@ class ChatRenderer:
     def has_tool_format(self) -> bool:
         """Whether a format was given or found (a conversation without tools needs none)."""
         return self._format is not None
+
+    @property
+    def notices(self) -> list[str]:
+        """What the renderer decided about the chat template, one sentence each, for its user to hear once
+        (``spec_renderer`` logs them): the format ``auto`` chose on a ChatML template without markers;
+        tools written into the system turn because the template ignores them."""
+        inlined = []
+        if self._format is not None and self.ignores_tools:
+            inlined.append(f"chat template {self.template_name!r} ignores tools: ctxrl writes the tool schemas and "
+                           f"the {self._format.name} calling convention into the system turn (docs/tool-formats.md)")
+        return [*self._format_notices, *inlined]
+
+    @property
+    def ignores_tools(self) -> bool:
+        """Whether the template renders a conversation with tools as it renders it without (probed once)."""
+        if self._ignores_tools is None:
+            probe = [{"role": "user", "content": "Find the value of key a."}]
+            self._ignores_tools = self._apply(probe, PROBE_TOOLS) == self._apply(probe, None)
+        return self._ignores_tools
+
+    def _apply(self, chat: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _check_system_turn(self) -> None:
+        """Raise ``TemplateError`` unless the template prints a system message's content (probed once)."""
+        if self._system_turn_problem is None:
+            chat = [{"role": "system", "content": _PROBE_SYSTEM}, {"role": "user", "content": "Hello."}]
+            try:
+                printed = _PROBE_SYSTEM in self._apply(chat, None)
+                self._system_turn_problem = "" if printed else "it drops the system message's content"
+            except jinja2.TemplateError as exc:
+                self._system_turn_problem = f"it raises {str(exc)!r} on a system message"
+        if self._system_turn_problem:
+            raise TemplateError(
+                f"chat template {self.template_name!r} ignores tools, so ctxrl writes them into the system turn, but "
+                f"the template cannot take a system turn: {self._system_turn_problem}. Set model.chat_template to "
+                "a Jinja file that renders a system turn (or the tools themselves); docs/tool-formats.md")
+
+    def with_tools_inlined(self, messages: list[Message],
+                           tools: list[dict] | None) -> tuple[list[Message], list[dict] | None]:
+        """``messages`` and ``tools`` as the template is given them (see the module docstring).
+
+        Unchanged when there are no tools, no format to call them in, or the template renders tools
+        itself. Otherwise the tools text (``tools_system_text``) is appended to the first message's
+        content when that is a system message (a blank line between), or is a system message put
+        first, and the tools are None: a second pass changes nothing.
+        """
+        if not tools or self._format is None or not self.ignores_tools:
+            return messages, tools
+        self._check_system_turn()
+        text = tools_system_text(tools, self._format)
+        if messages and messages[0].role == "system":
+            first = messages[0]
+            content = f"{first.content}\n\n{text}" if first.content else text
+            return [dataclasses.replace(first, content=content), *messages[1:]], None
+        return [Message("system", text), *messages], None
 
     def parse_assistant(self, text: str) -> Message:
         """Sampled assistant text as a ``Message``, its calls parsed with the policy's format (none without one)."""
@@ -182,9 +271,9 @@ class ChatRenderer:
 
     # -- text --------------------------------------------------------------------------------
     def text(self, messages: list[Message], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            self.chat(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
-        )
+        """The template's rendering of ``messages`` and ``tools`` (in the system turn when it ignores them)."""
+        messages, tools = self.with_tools_inlined(messages, tools)
+        return self._apply(self.chat(messages), tools or None, add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``, its special-token strings as special tokens (template text, policy text)."""
@@ -234,6 +323,8 @@ class ChatRenderer:
 
     def _render(self, messages: list[Message], tools: list[dict] | None, *,
                 add_generation_prompt: bool) -> tuple[str, list[str]]:
+        # Tools first, so that special-token strings in their descriptions are guarded like any other text.
+        messages, tools = self.with_tools_inlined(messages, tools)
         guarded, strings = self._guarded(messages)
         text = self.text(guarded, tools, add_generation_prompt=add_generation_prompt)
         if strings and len(_MARKERS.findall(text)) != len(strings):
@@ -332,9 +423,7 @@ class ChatRenderer:
 
     def verify_prefix_preserving(self) -> None:
         """Raise ``TemplateError`` unless incremental rendering equals whole rendering within a tool exchange."""
-        tools = [{"type": "function", "function": {
-            "name": "lookup", "description": "Look a key up.",
-            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
+        tools = PROBE_TOOLS
         convo = self.canned_conversation()
         ids = self.prompt_ids(convo[:2], tools)
         for k, message in enumerate(convo[2:], start=2):

@@ -168,13 +168,21 @@ def spec_env_class(spec: RolloutSpec) -> type:
 
 def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
     """The spec's tokenizer and chat template as a renderer with the policy's tool-call format
-    (``model.tool_format``; ``auto`` reads it from the template), checked prefix-preserving."""
+    (``model.tool_format``; ``auto`` reads it from the template), checked prefix-preserving.
+
+    What the renderer decided on its own (a format chosen without a marker, tools written into the
+    system turn of a template that ignores them) is logged once, as a warning: the run trains on it.
+    """
+    import logging
+
     from ctxrl.models.loader import generation_end_ids, load_tokenizer
 
     tokenizer = load_tokenizer(spec.model.name, chat_template=spec.model.chat_template or None)
     renderer = ChatRenderer(tokenizer, template_name=spec.model.name, end_ids=generation_end_ids(spec.model.name),
                             tool_format=spec.model.tool_format)
     renderer.verify_prefix_preserving()
+    for notice in renderer.notices:
+        logging.getLogger(__name__).warning("%s", notice)
     return renderer
 
 

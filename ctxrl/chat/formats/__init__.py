@@ -10,8 +10,10 @@ writes them for scripted demonstrations (``ctxrl.chat.formats.base``):
 
 ``model.tool_format = "auto"`` (the default) picks the first format, in that order, whose marker
 the chat template contains (``<tool_call>``; ``[TOOL_CALLS]``; a ``[func_name(...)]`` example;
-``<|python_tag|>`` or ``ipython``). A template that shows none of them gets no format: a
-conversation without tools still renders, and one with tools is refused with a message naming the
+``<|python_tag|>`` or ``ipython``). A template that shows none of them but is ChatML (it opens turns
+with ``<|im_start|>``, as SmolLM2's plain template does) gets ``hermes``, the format ChatML families
+write (the renderer says so in its ``notices``). Any other template without a marker gets no format:
+a conversation without tools still renders, and one with tools is refused with a message naming the
 choices (``ChatRenderer.tool_format``).
 """
 
@@ -28,8 +30,9 @@ from ctxrl.chat.formats.base import (
     with_prose,
 )
 
-__all__ = ["FORMATS", "MALFORMED", "ToolFormat", "call_id", "choose_format", "detect_format", "format_names",
-           "get_format", "markers_text", "parse_assistant", "register_format", "rewrite_calls", "with_prose"]
+__all__ = ["CHATML", "CHATML_FORMAT", "FORMATS", "MALFORMED", "ToolFormat", "call_id", "choose_format",
+           "detect_format", "format_names", "get_format", "markers_text", "parse_assistant", "register_format",
+           "rewrite_calls", "with_prose"]
 
 
 def format_names() -> list[str]:
@@ -56,11 +59,23 @@ def detect_format(template: str) -> ToolFormat | None:
     return None
 
 
+CHATML = "<|im_start|>"
+"""What marks a ChatML template, which ``auto`` gives ``CHATML_FORMAT`` when it shows no format's marker."""
+CHATML_FORMAT = "hermes"
+"""The format ChatML families (Qwen, Hermes) write, for ChatML templates that show none."""
+
+
 def choose_format(requested: str, template: str) -> ToolFormat | None:
-    """``requested`` (a name, or ``auto`` to read ``template``) as a format; None when ``auto`` finds none."""
-    if requested == "auto":
-        return detect_format(template)
-    return get_format(requested)
+    """``requested`` (a name, or ``auto`` to read ``template``) as a format; None when ``auto`` finds none.
+
+    ``auto`` on a ChatML template without markers is ``CHATML_FORMAT`` (see the module docstring).
+    """
+    if requested != "auto":
+        return get_format(requested)
+    found = detect_format(template)
+    if found is None and CHATML in template:
+        return get_format(CHATML_FORMAT)
+    return found
 
 
 def markers_text() -> str:
