@@ -39,19 +39,30 @@ RENAMED = {"meta.context": "meta.carry"}
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """HF hub name or local checkpoint directory of the policy, or ``tiny`` (built locally)."""
+    """HF hub name or local checkpoint directory of the policy, a ``.gguf`` file (converted once to a cached
+    checkpoint), a named real model installed from a Python package (``smollm2-135m-instruct``), or ``tiny`` (built
+    locally); docs/real-models.md."""
     dtype: str = "float32"
     """Dtype of the weights: float32, bfloat16 or float16. The policy (and a LoRA run's frozen base and adapters)
     and the engine's copy hold and compute in it; with ``train.master_weights = "float32"`` the optimiser keeps
     float32 master weights of what trains (docs/precision.md)."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``."""
+    gpu_memory_fraction: float = 0.0
+    """Share of the CUDA device's total memory this run may use, for several runs on one card: torch's allocator
+    is capped at it (less the CUDA context) and the fast engine's KV pool, its prefill chunk and the learner's
+    tokens per micro-batch are sized to fill it. 0 = no cap: the run plans what it needs, with micro-batches of
+    4096 tokens (fewer where their activations would pass 4 GiB) unless train.max_tokens_per_microbatch says
+    otherwise. A run that cannot fit stops before it loads the model, naming the settings to change. Ignored on
+    the CPU (docs/performance.md)."""
     chat_template: str = ""
     """Optional Jinja file (or template text) replacing the tokenizer's chat template."""
     tool_format: str = "auto"
     """How the policy writes tool calls: ``hermes`` (``<tool_call>{json}</tool_call>``: Qwen2.5, Qwen3, Hermes),
     ``llama3_json`` (bare ``{"name": ..., "parameters": ...}``: Llama 3.x), ``mistral`` (``[TOOL_CALLS]``),
-    ``pythonic`` (``[f(a=1)]``: Llama 3.2/4), or ``auto`` (chosen from the chat template; docs/tool-formats.md)."""
+    ``pythonic`` (``[f(a=1)]``: Llama 3.2/4), or ``auto`` (chosen from the chat template; a ChatML template that
+    shows no tool markers gets ``hermes``; docs/tool-formats.md). A template that ignores ``tools`` gets the tool
+    schemas and the format's calling convention in its system turn."""
 
 
 @dataclass
@@ -488,7 +499,7 @@ _RANGES = {"curriculum.self_paced_floor": (0.0, 0.25, True), "rollout.top_p": (0
            "rollout.max_error_rate": (0.0, 1.0, False), "sft.trial_demos": (0.0, 1.0, False),
            "sft.shortcut_fraction": (0.0, 1.0, False),
            "sft.redundant_fraction": (0.0, 1.0, False), "meta.gamma_trial": (0.0, 1.0, False),
-           "lora.dropout": (0.0, 1.0, False)}
+           "lora.dropout": (0.0, 1.0, False), "model.gpu_memory_fraction": (0.0, 1.0, False)}
 
 
 def _choices() -> dict[str, tuple[str, ...]]:

@@ -36,6 +36,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
     "benchmarks/grpo_step.py": "tests/test_scripts.py::test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu",
     "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
+    "benchmarks/shared_gpu.py": "tests/test_scripts.py::test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu",
     "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
@@ -116,6 +117,16 @@ def test_learner_memory_runs_every_setting_on_the_cpu(capsys):
     full, lora = rows[1], rows[3]
     assert lora["trainable_params"] < full["trainable_params"] and lora["engine_copy_bytes"] < full["engine_copy_bytes"]
     assert "peak GiB" in capsys.readouterr().out
+
+
+def test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu(tmp_path, capsys):
+    rows = script("benchmarks/shared_gpu.py").main(["--dry-run", "--run-root", str(tmp_path), "--out",
+                                                    str(tmp_path / "shared.json")])
+    assert [(r["run"], r["rc"]) for r in rows] == [(0, 0), (1, 0)], rows
+    assert all(r["wall_s"] > 0 and r["planned_gib"] is None and r["peak_gib"] is None for r in rows)  # no plan on CPU
+    assert all((tmp_path / f"run-{i}" / "checkpoints" / "final").is_dir() for i in range(2))
+    assert json.loads((tmp_path / "shared.json").read_text())["rows"] == rows
+    assert "planned GiB" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fmt", ["plain", "chat", "chat+system"])

@@ -10,12 +10,20 @@ import torch
 from ctxrl.engine.base import Engine
 
 KINDS = ("auto", "hf", "fast")
+DECODE_CHUNK = 8
+"""Decode steps the fast engine queues per visit of the host (``FastEngine(decode_chunk=...)``'s default)."""
+PREFILL_TOKENS = 16384
+"""New tokens the fast engine prefills together at most (its default; a memory plan may set fewer:
+``ctxrl.train.memory``)."""
 log = logging.getLogger(__name__)
 
 
 def make_engine(model, *, kind: str, pad_token_id: int, max_batch_size: int, seed: int, max_total_tokens: int,
-                decode=None) -> Engine:
-    """An engine serving ``model``: ``auto`` is the fast engine on CUDA where it can run the model, else HF."""
+                decode=None, prefill_tokens: int | None = None) -> Engine:
+    """An engine serving ``model``: ``auto`` is the fast engine on CUDA where it can run the model, else HF.
+
+    ``prefill_tokens``: the fast engine's largest prefill (None: its default); a memory plan sets it
+    (``ctxrl.train.memory``). The HF engine has no such setting."""
     from ctxrl.engine.hf import HFEngine
 
     if kind not in KINDS:
@@ -33,8 +41,15 @@ def make_engine(model, *, kind: str, pad_token_id: int, max_batch_size: int, see
         return HFEngine(model, pad_token_id=pad_token_id, max_batch_size=max_batch_size, seed=seed, decode=decode)
     from ctxrl.engine.fast import FastEngine
 
+    sizes = {} if prefill_tokens is None else {"prefill_tokens": prefill_tokens}
     return FastEngine(model, pad_token_id=pad_token_id, max_batch_size=max_batch_size, seed=seed,
-                      max_total_tokens=max_total_tokens, decode=decode)
+                      max_total_tokens=max_total_tokens, decode=decode, **sizes)
+
+
+def slot_capacity(max_total_tokens: int, decode_chunk: int = DECODE_CHUNK) -> int:
+    """Cache positions per slot of the fast engine: ``max_total_tokens``, and room for the steps a row runs past
+    its end (the rest of its decode chunk and the next one, queued before the host has read where it ended)."""
+    return max_total_tokens + 2 * decode_chunk + 1
 
 
 def cache_fits(nbytes: int, device: torch.device) -> str | None:

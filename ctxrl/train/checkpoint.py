@@ -50,6 +50,7 @@ RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every"
                      # memory settings: the same maths, split differently (float sums may round differently)
                      "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
                      "train.gradient_checkpointing", "train.pack_sequences", "train.flat_forward",
+                     "model.gpu_memory_fraction",
                      "lora.export_merged",
                      # where rollouts run: the same episodes
                      "distributed.backend", "distributed.rollout_workers", "distributed.address",

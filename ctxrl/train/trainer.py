@@ -57,6 +57,7 @@ from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
 from ctxrl.train import checkpoint
 from ctxrl.train.learner import Learner, PPOSettings
+from ctxrl.train.memory import MemoryPlan, with_learner_tokens
 from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.rewards import shape_rewards
 from ctxrl.train.warm_start import check_demos, context_demos, warm_start
@@ -121,6 +122,13 @@ class Trainer:
         self.tokenizer = self.renderer.tokenizer
         check_template_segments(config, self.renderer)
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
+        # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
+        self.memory = memory_plan(config, self.device, engine=(parallel is None or parallel.leader)
+                                  and config.distributed.backend == "none",
+                                  critic=get_estimator(config.algo.advantage).needs_critic)
+        if self.memory is not None:
+            self.progress.message(self.memory.summary())
+            self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
         self.parallel = parallel
@@ -136,7 +144,7 @@ class Trainer:
             self.worker = RayRolloutPool(self.spec, workers=d.rollout_workers, address=d.address or None,
                                          timeout_s=d.timeout_s)
         else:
-            engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer)
+            engine = planned_engine(self.spec, self.policy.engine_model(), self.renderer, self.memory)
             self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
         self._prefetched: tuple[int, Any] | None = None  # (step, submitted request): asynchronous rollouts
         self.writer = None
@@ -202,6 +210,8 @@ class Trainer:
                 first = 0
                 if every:  # the warm start is expensive: resumable from here on
                     checkpoint.save(self, 0)
+            if self.memory is not None:  # what each run records of its plan (benchmarks/shared_gpu.py reads it)
+                self.writer.log_metrics({"phase": "memory", "step": first, **self.memory.figures()})
             self.progress.message(("after warm start: " if config.sft.enabled else "before RL: ") + "  ".join(
                 f"{split} {before[split]['success']:.2f}" for split in ("heldout", "ood") if split in before))
             steps = config.train.steps
@@ -547,7 +557,7 @@ class Trainer:
                "zero_variance_groups": _zero_variance_groups(valid),
                **update,
                "tokens": sum(len(s.input_ids) for e in episodes for s in e.sequences()),
-               **times, "time_step": time.perf_counter() - t0}
+               **times, "time_step": time.perf_counter() - t0, **peak_memory(self.device)}
         self.writer.log_metrics(row)
         if c.run.samples_per_step:
             self.writer.log_samples(step + 1, episodes[: c.run.samples_per_step], self.decode, phase="rl")
@@ -617,6 +627,63 @@ def data_parallel(config: Config, resume: bool = False):
     return DataParallel.from_environment(resolve_device(config.model.device))
 
 
+def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> MemoryPlan | None:
+    """The run's memory plan on CUDA (``ctxrl.train.memory``), its allocator cap applied; None on the CPU.
+
+    The model's shape comes from its HF config and its parameter count from the model built on the
+    ``meta`` device (no memory), so a run that cannot fit stops before its weights are loaded. A plan
+    that exceeds what the card has free now is a ``ConfigError`` too. ``engine``: the rollout engine
+    lives in this process (not on a follower rank, not in Ray actors).
+    """
+    if torch.device(device).type != "cuda":
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ctxrl.engine.factory import slot_capacity
+    from ctxrl.models.loader import resolve
+    from ctxrl.train.memory import ModelShape, RunSizes, check_free, plan_memory
+
+    try:
+        hf = AutoConfig.from_pretrained(resolve(config.model.name))
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+        shape = ModelShape.from_hf_config(hf, parameters)
+    except Exception as exc:  # noqa: BLE001 - a LoRA adapter directory, an architecture without the sizes: said once
+        log.warning("no memory plan for %s (%s): the KV pool and micro-batches keep the config's sizes, and "
+                    "model.gpu_memory_fraction is not applied", config.model.name, exc)
+        return None
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index  # (the cap needs one: "cuda" is not)
+    free, total = torch.cuda.mem_get_info(index)
+    positions = min(config.rollout.max_total_tokens, getattr(hf, "max_position_embeddings", None) or 10**9)
+    plan = plan_memory(RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
+                                            kv_tokens_per_slot=slot_capacity(positions)))
+    check_free(plan, free)
+    if plan.capped:
+        torch.cuda.set_per_process_memory_fraction(plan.budget_bytes / total, index)
+    return plan
+
+
+def planned_engine(spec: RolloutSpec, model, renderer, plan: MemoryPlan | None):
+    """``spec_engine``'s engine, with the memory plan's KV slots and prefill chunk when there is a plan."""
+    if plan is None:
+        return spec_engine(spec, model, renderer)
+    from ctxrl.engine.factory import make_engine
+
+    return make_engine(model, kind=spec.engine, pad_token_id=renderer.tokenizer.pad_token_id,
+                       max_batch_size=plan.kv_slots, seed=spec.engine_seed,
+                       max_total_tokens=max(spec.train.max_total_tokens, spec.eval.max_total_tokens),
+                       decode=renderer.decode, prefill_tokens=plan.prefill_tokens)
+
+
+def peak_memory(device: str) -> dict[str, float]:
+    """``peak_gpu_gib``: the most device memory torch's allocator has reserved so far (what the card sees of it,
+    without the CUDA context); nothing on the CPU."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"peak_gpu_gib": torch.cuda.max_memory_reserved(torch.device(device)) / 2**30}
+
+
 def check_template_segments(config: Config, renderer) -> None:
     """Warn when the chat template cuts episodes with user messages into segments that this run cannot train.
 
@@ -647,14 +714,19 @@ def check_template_segments(config: Config, renderer) -> None:
 
 
 def prepare_model(name: str, progress: Progress) -> None:
-    """Build the tiny model now if it is not cached yet, showing how far the build is (minutes on a CPU)."""
+    """Build the tiny model, or convert a GGUF checkpoint (a named real model's included), now if it is not
+    cached yet, showing how far it is (minutes on a CPU for the tiny model, seconds for a GGUF)."""
+    from ctxrl.models.cache import cache_root
+    from ctxrl.models.gguf import is_gguf
     from ctxrl.models.loader import parse_tiny, resolve
-    from ctxrl.models.tiny import cache_root, is_built
+    from ctxrl.models.named import named_model
+    from ctxrl.models.tiny import is_built
 
     spec = parse_tiny(name)
-    if spec is None or is_built(spec):
+    if spec is not None and not is_built(spec):
+        progress.message(f"building the tiny model {name!r} once (a few minutes on a CPU; cached in {cache_root()})")
+    elif spec is None and not (named_model(name) or is_gguf(name)):
         return
-    progress.message(f"building the tiny model {name!r} once (a few minutes on a CPU; cached in {cache_root()})")
     resolve(name, on_progress=progress.stage)
 
 

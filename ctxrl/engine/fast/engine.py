@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ctxrl.engine.base import Completion, SamplingParams
-from ctxrl.engine.factory import cache_fits
+from ctxrl.engine.factory import DECODE_CHUNK, PREFILL_TOKENS, cache_fits, slot_capacity
 from ctxrl.engine.fast.attention import triton_ready
 from ctxrl.engine.fast.model import Batch, DecoderView, unsupported_reason
 from ctxrl.engine.fast.slots import Placement, SlotTable
@@ -129,8 +129,8 @@ class FastEngine:
     """Continuous-batching engine for Llama-layout models; see the module docstring."""
 
     def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 64, seed: int = 0,
-                 max_total_tokens: int | None = None, decode=None, decode_chunk: int = 8,
-                 prefill_tokens: int = 16384, cuda_graphs: bool | None = None,
+                 max_total_tokens: int | None = None, decode=None, decode_chunk: int = DECODE_CHUNK,
+                 prefill_tokens: int = PREFILL_TOKENS, cuda_graphs: bool | None = None,
                  compile: bool | None = None) -> None:
         limit = int(getattr(model.config, "max_position_embeddings", DEFAULT_MAX_TOTAL_TOKENS))
         self.max_total_tokens = min(max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS, limit)
@@ -146,9 +146,7 @@ class FastEngine:
         self.max_batch_size = max_batch_size
         self.decode_chunk = decode_chunk
         self.prefill_tokens = prefill_tokens
-        # Room for the steps a row runs past its end: the rest of its chunk and the next one, queued
-        # before the host has read where it ended.
-        self.capacity = self.max_total_tokens + 2 * decode_chunk + 1
+        self.capacity = slot_capacity(self.max_total_tokens, decode_chunk)
         on_cuda = next(model.parameters()).device.type == "cuda"
         self.view = DecoderView(model, self.capacity, compile=on_cuda if compile is None else compile)
         self.device = self.view.device

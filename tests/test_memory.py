@@ -1,0 +1,280 @@
+"""The memory plan (ctxrl/train/memory.py): its numbers derived by hand, its choices, its errors, the config field.
+
+The shapes are SmolLM2-135M's (Llama: 30 layers, hidden 576, MLP 1536, 9 query / 3 KV heads of 64, vocabulary
+49152, tied embeddings) and Qwen2.5-0.5B's (``ctxrl.models.shapes``); their parameter counts are checked against
+the real HF modules built on the ``meta`` device, which is how the trainer counts them. No CUDA is needed: the
+plan is pure arithmetic, and on the CPU the trainer makes none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from ctxrl.config import load_config
+from ctxrl.errors import ConfigError
+from ctxrl.train.memory import (
+    CUDA_CONTEXT_BYTES,
+    DEFAULT_LEARNER_TOKENS,
+    GIB,
+    HEADROOM,
+    RUNTIME_BYTES,
+    ModelShape,
+    RunSizes,
+    activation_bytes_per_token,
+    allocator_cap,
+    check_free,
+    kv_pool_bytes,
+    lora_parameters,
+    optimizer_bytes,
+    plan_memory,
+    smallest_fraction,
+    weights_bytes,
+    with_learner_tokens,
+)
+
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
+N_135M = 49152 * 576 + 30 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576
+"""Embeddings (tied: counted once); per layer q, k, v, o, gate / up / down and two norms; the final norm."""
+N_05B = 151936 * 896 + 24 * (896 * 896 + 896 + 2 * (896 * 128 + 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896) + 896
+"""Qwen2's q, k and v have biases."""
+CARD = 80 * GIB
+H100_80GB = int(79.19 * GIB)
+"""What torch reports as an H100 80GB HBM3's total capacity (``torch.cuda.mem_get_info``, its OOM messages)."""
+
+
+def meta_parameters(config_cls, model_cls, **shape) -> tuple[object, int]:
+    config = config_cls(**shape)
+    with torch.device("meta"):
+        model = model_cls(config)
+    return config, sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ModelShape:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config, n = meta_parameters(LlamaConfig, LlamaForCausalLM, **SMOLLM2_135M)
+    return ModelShape.from_hf_config(config, n)
+
+
+@pytest.fixture(scope="module")
+def qwen05() -> ModelShape:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ctxrl.models.shapes import SHAPES
+
+    config, n = meta_parameters(Qwen2Config, Qwen2ForCausalLM, **SHAPES["qwen2.5-0.5b"])
+    return ModelShape.from_hf_config(config, n)
+
+
+def default_run(shape: ModelShape, dtype_bytes: int = 4, **kw) -> RunSizes:
+    """The defaults of ``[rollout]`` and ``[train]``: 100 slots (max_batch_size 128, at most eval.tasks = 100
+    requests in flight) of 512 + 17 positions, micro_batch_size 32, 1024-position head chunks."""
+    sizes = dict(shape=shape, dtype_bytes=dtype_bytes, max_total_tokens=512, micro_batch_size=32, kv_slots=100,
+                 kv_tokens_per_slot=529, float32_masters=dtype_bytes == 2, device_bytes=CARD)
+    return RunSizes(**{**sizes, **kw})
+
+
+# -- the shapes ------------------------------------------------------------------------------------------
+def test_shapes_and_parameter_counts_are_the_real_models(smollm2, qwen05):
+    assert N_135M == 134_515_008 and N_05B == 494_032_768
+    assert smollm2 == ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64,
+                                 vocab=49152, parameters=N_135M)
+    assert (qwen05.layers, qwen05.heads, qwen05.kv_heads, qwen05.head_dim, qwen05.parameters) == (24, 14, 2, 64, N_05B)
+
+
+def test_a_config_without_the_sizes_says_which():
+    from transformers import PretrainedConfig
+
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelShape.from_hf_config(PretrainedConfig(), 1)
+
+
+# -- the parts --------------------------------------------------------------------------------------------
+def test_kv_pool_of_the_135m_shape_by_hand(smollm2):
+    # 128 slots x 512 positions x (keys and values) x 30 layers x 3 KV heads x 64 x 2 bytes (bf16)
+    assert kv_pool_bytes(smollm2, 128, 512, 2) == 128 * 512 * 2 * 30 * 3 * 64 * 2 == 1_509_949_440
+
+
+def test_activations_per_token_by_hand(smollm2, qwen05):
+    # per layer: 4 H + 3 q + 3 kv + 4 I = 2304 + 1728 + 576 + 6144 elements
+    assert smollm2.layer_activations() == 10_752
+    assert activation_bytes_per_token(default_run(smollm2, 2)) == (30 * 10_752 + 3 * 576) * 2 == 648_576
+    # checkpointing: every layer's input, one layer recomputed
+    checkpointed = default_run(smollm2, 2, gradient_checkpointing=True)
+    assert activation_bytes_per_token(checkpointed) == (30 * 576 + 10_752 + 3 * 576) * 2 == 59_520
+    # a KL reference in the loss: one more layer while the policy's activations are held
+    assert activation_bytes_per_token(default_run(smollm2, 2, reference=True)) == 648_576 + 10_752 * 2
+    # full logits (no chunks): the head's cost per token, logits and gradient in bf16 and two float32 copies
+    assert activation_bytes_per_token(default_run(smollm2, 2, logprob_chunk_tokens=0)) == 648_576 + 49152 * 12
+    # float32: no flash kernel, so attention keeps each head's scores over the longest row (9 x 512 per layer)
+    assert activation_bytes_per_token(default_run(smollm2, 4)) == (30 * (10_752 + 9 * 512) + 3 * 576) * 4 == 1_850_112
+    # Qwen2.5-0.5B: 4 x 896 + 3 x 896 + 3 x 128 + 4 x 4864 = 26112 per layer; 1.26 MB per token in bf16
+    assert activation_bytes_per_token(default_run(qwen05, 2)) == (24 * 26_112 + 3 * 896) * 2 == 1_258_752
+
+
+def test_weights_and_optimiser_by_hand(smollm2, qwen05):
+    n = N_135M
+    bf16 = default_run(smollm2, 2)
+    assert weights_bytes(bf16) == 2 * n * 2  # the policy and the engine's copy
+    assert optimizer_bytes(bf16) == 16 * n  # float32 master, float32 gradient, two float32 moments
+    fp32 = default_run(smollm2, 4)
+    assert (weights_bytes(fp32), optimizer_bytes(fp32)) == (2 * n * 4, 12 * n)  # gradient and two moments
+    assert weights_bytes(default_run(smollm2, 2, reference=True)) == 3 * n * 2
+    assert weights_bytes(default_run(smollm2, 2, kv_slots=0)) == n * 2  # no engine in this process
+    critic = default_run(smollm2, 2, critic=True)
+    assert (weights_bytes(critic), optimizer_bytes(critic)) == (3 * n * 2, 2 * 16 * n)
+    # Qwen2.5-0.5B in bf16 with masters: 20 bytes a parameter before any activation (9.2 GiB)
+    assert weights_bytes(default_run(qwen05, 2)) + optimizer_bytes(default_run(qwen05, 2)) == 20 * N_05B
+
+
+def test_lora_adapters_and_what_they_save(smollm2):
+    # rank 16 on q, k, v, o, gate, up, down: 16 x ((576+576) + 2 (576+192) + (576+576) + 2 (576+1536) + (1536+576))
+    adapters = 30 * 16 * 10_176
+    assert lora_parameters(smollm2, 16) == adapters == 4_884_480
+    assert lora_parameters(smollm2, 16, "q_proj, v_proj") == 30 * 16 * ((576 + 576) + (576 + 192))
+    lora = default_run(smollm2, 2, lora_rank=16, reference=True)
+    # base + adapters, the engine's adapters (it shares the base), no reference copy (the base is the reference)
+    assert weights_bytes(lora) == (N_135M + adapters) * 2 + adapters * 2
+    assert optimizer_bytes(lora) == 16 * adapters
+
+
+# -- the plan ------------------------------------------------------------------------------------------------
+def test_default_plan_lets_six_135m_runs_share_an_80gb_card(smollm2):
+    # float32 (model.dtype's default): 4096 tokens' activations (7.6 GB) would pass 4 GiB; 2304 do not
+    tokens = {4: 4 * GIB // 1_850_112 // 256 * 256, 2: DEFAULT_LEARNER_TOKENS}
+    for dtype_bytes in (4, 2):
+        plan = plan_memory(default_run(smollm2, dtype_bytes))
+        assert not plan.capped and plan.learner_tokens == tokens[dtype_bytes]
+        assert (plan.kv_slots, plan.kv_tokens_per_slot, plan.prefill_tokens) == (100, 529, 16384)
+        per_run = plan.planned_bytes + CUDA_CONTEXT_BYTES
+        assert 6 * per_run <= H100_80GB, f"{per_run / GIB:.2f} GiB per run"
+    fp32 = plan_memory(default_run(smollm2, 4))
+    parts = (2 * N_135M * 4 + 12 * N_135M + RUNTIME_BYTES  # weights, optimiser, workspaces
+             + 100 * 529 * 2 * 30 * 3 * 64 * 4 + 100 * 49152 * 4 * 4  # KV pool, the decode step's logits
+             + 2304 * 1_850_112 + 1024 * 49152 * (2 * 4 + 8))  # activations, one head chunk
+    assert fp32.planned_bytes == fp32.budget_bytes == math.ceil(parts / (1 - HEADROOM))
+    assert 10.5 * GIB < fp32.planned_bytes < 11 * GIB  # (six such runs measured 9.4 GiB reserved each on an H200)
+
+
+def test_default_learner_tokens_never_exceed_what_a_micro_batch_holds(smollm2):
+    # 4 rows of 512 tokens at most: 2048; a row longer than the default is a micro-batch of its own
+    assert plan_memory(default_run(smollm2, micro_batch_size=4)).learner_tokens == 2048
+    assert plan_memory(default_run(smollm2, max_total_tokens=8192)).learner_tokens == 8192
+
+
+def test_default_learner_tokens_keep_activations_within_4_gib(qwen05):
+    # Qwen2.5-0.5B in bf16: 1_258_752 bytes a token, so 3412 tokens fit 4 GiB: 3328 in multiples of 256
+    assert plan_memory(default_run(qwen05, 2, max_total_tokens=1024)).learner_tokens == 3328
+
+
+def test_a_capped_plan_fills_its_budget_in_order(smollm2):
+    run = default_run(smollm2, 2, gpu_memory_fraction=0.1)
+    plan = plan_memory(run)
+    budget = 8 * GIB - GIB  # a tenth of 80 GiB, less the CUDA context
+    usable = int(budget * 0.9)  # 6_764_573_491
+    fixed = 2 * N_135M * 2 + 16 * N_135M + 256 * 2**20  # weights, optimiser, workspaces: 2_958_735_616
+    per_slot = 529 * 23_040 + 49152 * 16  # a slot's keys and values (2 x 30 x 192 x 2 bytes), its decode logits
+    first_batch = 512 * 648_576 + 1024 * 49152 * 12  # one row of 512 tokens and one head chunk: 936_050_688
+    room = usable - fixed - first_batch - 100 * per_slot  # every slot fits: 1_572_327_987 left
+    tokens = (512 + room // 648_576) // 64 * 64  # (512 + 2424) rounded down to 64
+    assert (plan.budget_bytes, plan.kv_slots, plan.learner_tokens) == (budget, 100, tokens) == (budget, 100, 2880)
+    assert plan.capped and plan.headroom_bytes == budget - usable
+    assert plan.planned_bytes <= plan.budget_bytes
+    # a smaller share: the KV pool shrinks before the learner goes below one row
+    tight = plan_memory(dataclasses.replace(run, gpu_memory_fraction=0.065))
+    assert 8 <= tight.kv_slots < 100 and tight.learner_tokens == 512
+    # a larger one: the learner grows to the most a micro-batch can hold (32 rows of 512)
+    assert plan_memory(dataclasses.replace(run, gpu_memory_fraction=0.5)).learner_tokens == 32 * 512
+
+
+def test_the_fraction_cap_in_bytes():
+    assert allocator_cap(0.25, CARD) == 20 * GIB - CUDA_CONTEXT_BYTES
+    assert allocator_cap(1.0, CARD) == CARD - CUDA_CONTEXT_BYTES
+
+
+def test_an_explicit_micro_batch_is_kept_and_one_that_cannot_fit_is_an_error(smollm2):
+    assert plan_memory(default_run(smollm2, max_tokens_per_microbatch=2000)).learner_tokens == 2000
+    capped = default_run(smollm2, 2, gpu_memory_fraction=0.1, max_tokens_per_microbatch=2000)
+    assert plan_memory(capped).learner_tokens == 2000
+    with pytest.raises(ConfigError, match=r"a micro-batch of 16384 tokens \(train.max_tokens_per_microbatch=16384\)"):
+        plan_memory(dataclasses.replace(capped, max_tokens_per_microbatch=16384))
+
+
+def test_a_run_that_cannot_fit_names_the_figures_and_the_settings(smollm2):
+    run = default_run(smollm2, 4, gpu_memory_fraction=0.05)
+    with pytest.raises(ConfigError) as error:
+        plan_memory(run)
+    message = str(error.value)
+    for setting in ("model.gpu_memory_fraction", "rollout.max_batch_size", "rollout.max_total_tokens",
+                    "train.max_tokens_per_microbatch", "lora.rank", "train.gradient_checkpointing"):
+        assert setting in message, setting
+    assert f"model.gpu_memory_fraction >= {smallest_fraction(run):.2f} would fit it" in message
+    assert "the smallest KV pool (8 slots of 529 tokens)" in message
+    assert plan_memory(dataclasses.replace(run, gpu_memory_fraction=smallest_fraction(run))).kv_slots >= 8
+
+
+def test_a_plan_larger_than_the_free_memory_is_an_error(smollm2):
+    plan = plan_memory(default_run(smollm2))
+    check_free(plan, plan.budget_bytes)
+    with pytest.raises(ConfigError, match="GiB free now"):
+        check_free(plan, plan.budget_bytes - 1)
+
+
+# -- the config --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["nan", "1.5", "-0.1", "inf"])
+def test_gpu_memory_fraction_outside_0_to_1_is_a_config_error(value):
+    with pytest.raises(ConfigError, match=r"model.gpu_memory_fraction must be in \[0, 1\]"):
+        load_config(None, [f"model.gpu_memory_fraction={value}"])
+
+
+def test_gpu_memory_fraction_defaults_to_no_cap_and_may_change_on_resume():
+    from ctxrl.train.checkpoint import config_differences
+
+    config = load_config(None, [])
+    assert config.model.gpu_memory_fraction == 0.0
+    assert config_differences(config, load_config(None, ["model.gpu_memory_fraction=0.2"])) == []
+
+
+def test_run_sizes_from_a_config(smollm2):
+    config = load_config(None, ["model.dtype=bfloat16", "algo.kl_coef=0.01", "sft.enabled=false"])
+    run = RunSizes.from_config(config, smollm2, device_bytes=CARD, kv_tokens_per_slot=529, engine=True, critic=False)
+    # 128 slots asked for, but at most max(8 tasks x 8 samples, 100 evaluation tasks) requests are in flight
+    assert (run.kv_slots, run.dtype_bytes, run.float32_masters, run.reference) == (100, 2, True, True)
+    follower = RunSizes.from_config(config, smollm2, device_bytes=CARD, kv_tokens_per_slot=529, engine=False,
+                                    critic=False)
+    assert (follower.kv_slots, follower.kv_tokens_per_slot) == (0, 0)
+    assert plan_memory(follower).prefill_tokens == 0
+
+
+def test_the_learner_gets_the_planned_tokens_unless_the_user_set_some(smollm2):
+    config = load_config(None, [])
+    plan = plan_memory(default_run(smollm2))
+    sized = with_learner_tokens(config, plan)
+    assert sized.train.max_tokens_per_microbatch == plan.learner_tokens == 2304
+    assert config.train.max_tokens_per_microbatch == 0  # (the user's config is not changed)
+    explicit = load_config(None, ["train.max_tokens_per_microbatch=2000"])
+    kept = plan_memory(default_run(smollm2, max_tokens_per_microbatch=2000))
+    assert with_learner_tokens(explicit, kept) is explicit
+
+
+def test_no_plan_on_the_cpu():
+    from ctxrl.train.trainer import memory_plan
+
+    assert memory_plan(load_config(None, []), "cpu", engine=True, critic=False) is None
+
+
+def test_the_engine_holds_the_kv_pool_the_plan_counts(model):
+    """The fast engine (on the CPU here) with the plan's slots and prefill chunk: its cache is the plan's bytes."""
+    from ctxrl.engine.factory import make_engine, slot_capacity
+
+    engine = make_engine(model, kind="fast", pad_token_id=0, max_batch_size=3, seed=0, max_total_tokens=64,
+                         prefill_tokens=100)
+    shape = ModelShape.from_hf_config(model.config, sum(p.numel() for p in model.parameters()))
+    assert engine.prefill_tokens == 100 and engine.capacity == slot_capacity(64) == 64 + 17
+    assert engine.cache.nbytes == kv_pool_bytes(shape, 3, slot_capacity(64), 4)
