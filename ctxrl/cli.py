@@ -63,6 +63,12 @@ def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.model:  # a named real model: its preset first, so that the command line still overrides it
+        from ctxrl.models.loader import resolve_device
+        from ctxrl.models.presets import preset_overrides
+
+        where = "gpu" if resolve_device("auto") == "cuda" else "cpu"
+        args.overrides = [*preset_overrides(args.model, where), *args.overrides]
     config = _config_from_args(None, args)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
     summary = _train(config, run_dir, quiet=args.json and not sys.stderr.isatty())
@@ -142,14 +148,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved configuration and check it (and what it names) without loading a model."""
     from ctxrl.config import to_toml
-    from ctxrl.models.loader import parse_tiny, resolve
+    from ctxrl.models.loader import check_available
     from ctxrl.rollout.spec import RolloutSpec
     from ctxrl.rollout.worker import spec_env_class
 
     config = load_config(args.config, args.overrides)
     spec_env_class(RolloutSpec.from_config(config))
-    if parse_tiny(config.model.name) is None:
-        resolve(config.model.name)  # a local path that does not exist or holds no weights is an error now
+    check_available(config.model.name)  # a missing path, package or GGUF reader is an error now
     print(to_toml(config), end="")
     print(f"# valid: environment {config.env.name!r}, model {config.model.name!r}", file=sys.stderr)
     return 0
@@ -314,7 +319,8 @@ configuration, model or checkpoint error, 3 the run aborted itself, 128+N stoppe
 (resumable with --resume)."""
 
 EXAMPLES = {
-    "demo": ".venv/bin/ctxrl demo\n  .venv/bin/ctxrl demo --steps 5 eval.tasks=20 --json",
+    "demo": (".venv/bin/ctxrl demo\n  .venv/bin/ctxrl demo --steps 5 eval.tasks=20 --json\n"
+             "  .venv/bin/ctxrl demo --model smollm2-135m-instruct"),
     "train": (".venv/bin/ctxrl train examples/calculator_tiny.toml --run-dir runs/calc\n"
               "  .venv/bin/ctxrl train examples/presets/dapo.toml train.steps=100 model.dtype=bfloat16\n"
               "  .venv/bin/ctxrl train examples/calculator_tiny.toml --run-dir runs/calc --resume"),
@@ -371,9 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where rollouts run (the same as distributed.backend=...; docs/scaling.md)")
         overrides(p)
 
-    demo = command("demo", "train the tiny model on the calculator env and show it improve",
+    demo = command("demo", "train the tiny model (or a named real one) on the calculator env and show it improve",
                    "The default configuration on the locally built tiny model (built once, a few minutes on a "
-                   "CPU): warm start, evaluation, 40 GRPO steps, evaluation, a before/after table.")
+                   "CPU): warm start, evaluation, 40 GRPO steps, evaluation, a before/after table. With --model "
+                   "smollm2-135m-instruct: the real SmolLM2-135M-Instruct with its preset (examples/models/), "
+                   "smaller on a CPU (docs/real-models.md).")
+    demo.add_argument("--model", help="a named real model with a preset: smollm2-135m-instruct")
     common(demo)
     demo.set_defaults(fn=cmd_demo)
     train = command("train", "train from a TOML config",

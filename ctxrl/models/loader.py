@@ -1,8 +1,10 @@
 """Load a policy and its tokenizer by HF hub name or local path, with errors that say what to do.
 
-``"tiny"`` (or ``"tiny:hidden_size=192,num_layers=6"``) names the locally built tiny model; it
-resolves to a cached checkpoint directory and then goes through the same ``from_pretrained``
-calls as ``Qwen/Qwen2.5-0.5B-Instruct`` or ``/path/to/llama``.
+``"tiny"`` (or ``"tiny:hidden_size=192,num_layers=6"``) names the locally built tiny model, a named
+real model (``smollm2-135m-instruct``, ``ctxrl.models.named``) the GGUF file a Python package ships,
+and ``path/to/model.gguf`` a GGUF file (``ctxrl.models.gguf``). Each resolves to a cached checkpoint
+directory and then goes through the same ``from_pretrained`` calls as ``Qwen/Qwen2.5-0.5B-Instruct``
+or ``/path/to/llama``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import dataclasses
 from pathlib import Path
 
 from ctxrl.errors import CtxrlError
+from ctxrl.models.gguf import convert as convert_gguf
+from ctxrl.models.gguf import file_sha256, is_gguf, require_gguf_support
+from ctxrl.models.named import NAMED_MODELS, check_named_file, named_file, named_model
 from ctxrl.models.tiny import TinySpec, tiny_path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,22 +51,52 @@ def parse_tiny(name: str) -> TinySpec | None:
 
 
 def resolve(name_or_path: str, *, on_progress=None) -> str:
-    """Map ``tiny`` to its cached directory (building it the first time: ``on_progress(stage, done, total)``
-    hears how far it is) and check that a local path holds weights."""
+    """Map ``tiny``, a named model or a ``.gguf`` file to its cached directory (building or converting it the
+    first time: ``on_progress(stage, done, total)`` hears how far it is) and check that a local path holds
+    weights."""
     spec = parse_tiny(name_or_path)
     if spec is not None:
         return str(tiny_path(spec, on_progress=on_progress))
+    named = named_model(name_or_path)
+    if named is not None:
+        path = named_file(named)
+        check_named_file(named, file_sha256(path), path)
+        return str(convert_gguf(path, on_progress=on_progress))
     path = Path(name_or_path).expanduser()
+    if is_gguf(name_or_path):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
+        return str(convert_gguf(path, on_progress=on_progress))
     looks_local = name_or_path.startswith((".", "/", "~")) or path.exists()
     if looks_local:
         if not path.exists():
-            raise ModelLoadError(f"model path {name_or_path!r} does not exist; pass a checkpoint "
-                                 "directory, a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or 'tiny'")
+            raise ModelLoadError(f"model path {name_or_path!r} does not exist; pass a checkpoint directory, a .gguf "
+                                 "file, a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', 'tiny', or a named model "
+                                 f"({', '.join(NAMED_MODELS)})")
         if path.is_dir() and not any((path / f).exists() for f in (*WEIGHT_FILES, "adapter_config.json")):
             raise ModelLoadError(f"{name_or_path!r} has no model weights (looked for {', '.join(WEIGHT_FILES)}); "
                                  "save the model with save_pretrained() or point at the directory that has them")
         return str(path)
     return name_or_path
+
+
+def check_available(name_or_path: str) -> None:
+    """What ``resolve`` would refuse, found without building, converting or loading anything: a named model
+    whose package is missing, a GGUF file that does not exist or cannot be read here, a local path without
+    weights (``ctxrl config`` and the checks that run before a model loads)."""
+    if parse_tiny(name_or_path) is not None:
+        return
+    named = named_model(name_or_path)
+    if named is not None:
+        named_file(named)
+        require_gguf_support()
+        return
+    if is_gguf(name_or_path):
+        if not Path(name_or_path).expanduser().is_file():
+            raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
+        require_gguf_support()
+        return
+    resolve(name_or_path)
 
 
 def resolve_device(name: str) -> str:
@@ -144,6 +179,10 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         model = AutoModelForCausalLM.from_pretrained(resolved, torch_dtype=torch_dtype)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}") from exc
+    if resolved != name_or_path:
+        # A name ctxrl resolves (tiny, a named model, a GGUF file) stays the model's name, so that what is saved
+        # from it (a LoRA run's adapter_config.json) names the model, not this machine's cache directory.
+        model.name_or_path = name_or_path
     return model.to(device)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ctxrl.chat.template import CHATML_TOOLS_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS
+from ctxrl.models.cache import cache_root
 
 # Bump when the corpus, template or build recipe changes, so old caches are not reused.
 TINY_RECIPE_VERSION = 9
@@ -97,10 +97,6 @@ class TinySpec:
             fields["envs_recipe"] = OTHER_ENVS_RECIPE_VERSION
         blob = json.dumps({**fields, "recipe": TINY_RECIPE_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CTXRL_CACHE", Path.home() / ".cache" / "ctxrl")).expanduser()
 
 
 Progress = Callable[[str, int, int], None]
