@@ -154,6 +154,9 @@ def test_a_lora_run_trains_checkpoints_and_resumes_exactly(tmp_path, monkeypatch
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     start = load_file(str(full / "checkpoints" / "step-000000" / "adapter_model.safetensors"))
     assert any(not torch.equal(start[k], a[k]) for k in a)  # RL moved the adapters
+    # the base is named as the user named it, not by this machine's cache directory
+    adapter_config = json.loads((full / "checkpoints" / "final" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "tiny:pretrain_steps=0"
     rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows if r["phase"] == "rl"] == [0.0, 0.0, 0.0]
     assert (full / "checkpoints" / "final-merged" / "model.safetensors").exists()  # lora.export_merged

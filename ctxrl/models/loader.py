@@ -179,10 +179,6 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         model = AutoModelForCausalLM.from_pretrained(resolved, torch_dtype=torch_dtype)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}") from exc
-    if resolved != name_or_path:
-        # A name ctxrl resolves (tiny, a named model, a GGUF file) stays the model's name, so that what is saved
-        # from it (a LoRA run's adapter_config.json) names the model, not this machine's cache directory.
-        model.name_or_path = name_or_path
     return model.to(device)
 
 

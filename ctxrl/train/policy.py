@@ -40,6 +40,23 @@ from ctxrl.train.precision import Precision
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
+def name_base_as_configured(adapter_config: Path, name: str) -> None:
+    """Write ``name`` as the adapters' base when it is a name ctxrl resolves to a cache directory (``tiny``, a named
+    real model, a ``.gguf`` file): PEFT records the directory the base was loaded from, which exists only on this
+    machine, while ``ctxrl merge`` and ``ctxrl eval`` resolve the name anywhere."""
+    import json
+
+    from ctxrl.models.gguf import is_gguf
+    from ctxrl.models.loader import parse_tiny
+    from ctxrl.models.named import named_model
+
+    if not name or not (parse_tiny(name) or named_model(name) or is_gguf(name)) or not adapter_config.exists():
+        return
+    data = json.loads(adapter_config.read_text())
+    data["base_model_name_or_path"] = name
+    adapter_config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 class Reference:
     """The KL reference policy's log-probs: a frozen module, or the policy with its adapters switched off."""
 
@@ -116,6 +133,7 @@ class Policy:
         path = Path(path)
         if self.is_lora:
             self.model.save_pretrained(path)
+            name_base_as_configured(path / "adapter_config.json", self.name)
             config = getattr(self.model.get_base_model(), "generation_config", None)
             if config is not None:  # the base's end ids, for whoever samples from the adapters (generation_end_ids)
                 config.save_pretrained(path)
