@@ -5,7 +5,7 @@ A plan is a TOML file (``experiments/plans/`` holds the ones the docs quote)::
     [vars]                                   # text reused below as {name}
     big = "hidden_size=256,num_layers=6,intermediate_size=768,pretrain_steps=1500,pretrain_lr=2e-3"
 
-    [models]                                 # tiny models, each built once before the runs that name it
+    [models]                                 # models built (tiny) or converted (GGUF) once, before the runs naming them
     fh_b0 = "tiny:envs=calculator+fact_hunt,{big},seed=0"
 
     [[run]]
@@ -45,9 +45,10 @@ from pathlib import Path
 
 import tomllib
 
+# A tiny model's build ends with its pre-training loss; a named real model or a .gguf file is converted once.
 BUILD = ("import json, sys, pathlib; from ctxrl.models.loader import resolve; "
-         "path = pathlib.Path(resolve(sys.argv[1])); print(path); "
-         "print(json.loads((path / 'ctxrl_tiny.json').read_text()).get('pretraining_loss'), flush=True)")
+         "path = pathlib.Path(resolve(sys.argv[1])); print(path); tiny = path / 'ctxrl_tiny.json'; "
+         "print(json.loads(tiny.read_text()).get('pretraining_loss') if tiny.exists() else 'converted', flush=True)")
 HEAVY = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 

@@ -192,3 +192,14 @@ def test_the_plans_the_docs_quote_load(tmp_path):
         runs = [j for j in jobs if j.kind == "run"]
         assert runs and all(set(j.needs) <= builds for j in runs), plan
         assert all(j.argv[1].startswith(("experiments/", "benchmarks/")) for j in runs), plan
+
+
+def test_a_plan_can_name_a_real_model_which_is_converted_once():
+    """A named real model under [models] is converted (not pre-trained): its build prints the cached directory."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", batch.BUILD, "smollm2-135m-instruct"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    path, last = proc.stdout.split()[-2:]
+    assert last == "converted" and (Path(path) / "ctxrl_gguf.json").exists()
