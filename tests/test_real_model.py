@@ -228,3 +228,18 @@ def test_demo_of_a_model_without_a_preset_is_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip() == "ctxrl: config error: no preset for model 'gpt-5'; models with one: " \
                                   "smollm2-135m-instruct"
+
+
+def test_a_file_that_is_not_gguf_is_one_clear_error_and_leaves_no_cache_entry(gguf_file, tmp_path, monkeypatch):
+    from ctxrl.models.gguf import GGUFError
+    from ctxrl.models.loader import resolve
+
+    monkeypatch.setenv("CTXRL_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model\n")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(gguf_file.read_bytes()[:2000])
+    for bad in (text, truncated):
+        with pytest.raises(GGUFError, match="is not a GGUF file the gguf package can read"):
+            resolve(str(bad))
+    assert not any(p.name != "hashes" for p in (tmp_path / "cache" / "gguf").iterdir())

@@ -189,8 +189,12 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None)
 
     _quiet_transformers()
     stage = f"converting {path.name} (GGUF, dequantised to float32, once)"
+    try:
+        metadata = gguf_metadata(path)
+    except Exception as exc:  # noqa: BLE001 - the reader's own errors are terse ("GGUF magic invalid")
+        raise GGUFError(f"{str(path)!r} is not a GGUF file the gguf package can read ({exc}); pass a .gguf model "
+                        "file, or a checkpoint directory") from exc
     _say(on_progress, stage, 0, 3, f"{stage} into {out.with_name(sha[:16])}")
-    metadata = gguf_metadata(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         _say(on_progress, stage, 1, 3, "")
