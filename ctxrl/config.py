@@ -551,10 +551,10 @@ def validate(config: Config) -> None:
     _validate_context(config, estimator, manager)
     _validate_training(config, estimator)
     _validate_distributed(config)
-    if config.sft.context_demos == "on" and manager.scripted_hook is None:
+    if config.sft.context_demos == "on" and not manager.scripts_demos():
         raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
-                          f"(summarize: its summary hook); context.manager={config.context.manager!r} asks for none; "
-                          "use sft.context_demos=auto or off")
+                          f"(summarize: its summary hook; fold: its folded hook); context.manager="
+                          f"{config.context.manager!r} asks for none; use sft.context_demos=auto or off")
 
 
 def _validate_fields(config: Config) -> None:
@@ -650,7 +650,7 @@ def _validate_context(config: Config, estimator: type, manager: type) -> None:
     from ctxrl.rollout.managers import get_manager, manager_names
 
     ctx, total = config.context, config.rollout.max_total_tokens
-    if manager.uses_budget:
+    if manager.keeps_budget(ctx.max_context_tokens):  # fold's is optional: checked when set
         if ctx.max_context_tokens <= 0:
             raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 "
                               "(the working budget)")
@@ -666,8 +666,10 @@ def _validate_context(config: Config, estimator: type, manager: type) -> None:
                               f"rollout.max_new_tokens ({config.rollout.max_new_tokens}): no turn would ever fit")
     elif ctx.budget_start_tokens:
         budgeted = ", ".join(n for n in manager_names() if get_manager(n).uses_budget)
+        optional = ", ".join(n for n in manager_names() if get_manager(n).budget_optional)
+        budgeted += f"; {optional} with context.max_context_tokens > 0" if optional else ""
         raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget ({budgeted}), "
-                          f"not {ctx.manager!r}; set it to 0")
+                          f"not {ctx.manager!r} without one; set it to 0")
     if ctx.branch_reward and not manager.process_reward:
         payers = "/".join(n for n in manager_names() if get_manager(n).process_reward)
         raise ConfigError(f"context.branch_reward is a process reward of the managers that pay one, so it applies to "

@@ -28,6 +28,12 @@ episode ends at the first turn without a tool call. Reading an unknown page is a
 Scripted summaries (``summary``, for warm-start demos under ``context.manager=summarize``):
 ``Pages read: 2. First code: 731. Next page: P4821.``, and after the last page
 ``Pages read: 4. First code: 731. Last code: 482.`` Only what the episode has shown.
+
+Scripted folding (``folded``, for warm-start demos under ``context.manager=fold``): read the first
+page, then ``branch`` into following the trail from the next page, read the rest inside the branch,
+``return`` its last code, and answer from the first page (still in the main context) and the
+branch's result. The main context never holds the later pages. ``pages + 3`` turns (``pages + 1``
+for a 1-page trail, which has nothing to branch into).
 """
 
 from __future__ import annotations
@@ -134,6 +140,22 @@ class FactHuntEnv(ToolAnswerEnv):
         if not isinstance(trail, list) or not trail:
             raise EnvError(f"task {task.id} has no data['trail']; fact_hunt tasks need it to be solved")
         return [format_tool_call("read", {"page": p}) for p in trail] + [f"<answer>{task.answer}</answer>"]
+
+    @classmethod
+    def folded(cls, task: Task) -> list[str]:
+        """``solve`` played under ``fold``: read the first page, branch into the rest, return the last code.
+
+        The branch's goal names the page it starts from (the branch's context is only the task and
+        the goal, so it must), and its result is the last code alone: the first code stays in the
+        main context, which the answer reads.
+        """
+        *reads, answer = cls.solve(task)
+        trail = task.data["trail"]
+        if len(trail) < 2:
+            return [*reads, answer]  # one page: nothing follows it, nothing to fold away
+        goal = f"Follow the trail from {trail[1]} to its last page; return the last code."
+        return [reads[0], format_tool_call("branch", {"goal": goal}), *reads[1:],
+                format_tool_call("return", {"result": task.answer.split()[-1]}), answer]
 
     @classmethod
     def summary(cls, task: Task, messages: list[Message]) -> str:

@@ -3,7 +3,8 @@
 The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an
 environment opts into features by defining hooks: ``shortcut``, ``redundant``, ``pretraining_variant``,
 ``summary``, ``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits`` (their types are
-``OptionalHooks``; what each enables is ``HOOKS``) and the ``names_actions`` flag (``FLAGS``). ctxrl
+``OptionalHooks``; what each enables is ``HOOKS``), the hooks context managers declare when they register
+(``select``, ``folded``: ``declare_hook``) and the ``names_actions`` flag (``FLAGS``). ctxrl
 looks them up only through ``hook`` and ``flag`` here, never with a bare ``getattr`` elsewhere, so
 this file is the complete list. ``ctxrl check-env NAME`` prints which features an environment's
 hooks enable (``features``).
@@ -27,6 +28,8 @@ class Hook:
     name: str
     signature: str
     enables: str
+    feature: str | None = None
+    """How ``features`` names what a declared hook enables (None: ``features`` does not list it)."""
 
 
 HOOKS: dict[str, Hook] = {h.name: h for h in (
@@ -83,10 +86,11 @@ class OptionalHooks(Protocol):
     def splits(cls) -> tuple[str, ...]: ...
 
 
-def declare_hook(name: str, signature: str, enables: str) -> None:
-    """Add a hook to ``HOOKS`` (a context manager whose side requests an environment scripts: its ``scripted_hook``)."""
+def declare_hook(name: str, signature: str, enables: str, *, feature: str | None = None) -> None:
+    """Add a hook to ``HOOKS``: a context manager's ``scripted_hook`` (its side requests an environment scripts) or
+    ``solution_hook`` (a whole solution played under it). ``feature``: its line in ``features``, if any."""
     if name not in HOOKS:
-        HOOKS[name] = Hook(name, signature, enables)
+        HOOKS[name] = Hook(name, signature, enables, feature)
 
 
 def hook(env: Any, name: str) -> Callable[..., Any] | None:
@@ -122,12 +126,17 @@ def available_splits(env_cls: type) -> tuple[str, ...]:
 
 def features(env_cls: type) -> dict[str, bool]:
     """Which optional features an environment's hooks enable (what ``check-env`` prints)."""
+    from ctxrl.rollout.managers import manager_names
+
+    manager_names()  # the built-in managers declare their hooks (folded) as they register
+    declared = {h.feature: hook(env_cls, h.name) is not None for h in HOOKS.values() if h.feature}
     return {
         "warm start (scripted solve)": callable(getattr(env_cls, "solve", None)),
         "imperfect warm start (shortcut)": hook(env_cls, "shortcut") is not None,
         "over-calling warm start (redundant)": hook(env_cls, "redundant") is not None,
         "demos from other worlds (pretraining_variant)": hook(env_cls, "pretraining_variant") is not None,
         "summary demos (summary)": hook(env_cls, "summary") is not None,
+        **declared,
         "trial demos (failure + reflection)": has_trial_hooks(env_cls),
         "note-following trial demos (solve_after)": (has_trial_hooks(env_cls)
                                                      and hook(env_cls, "solve_after") is not None),

@@ -16,6 +16,11 @@ summary with the script's next turn. Every segment trains, its summary tokens in
 An environment without the hook cannot show summaries: ``build_demos`` under such a manager is an
 error; the warm start decides beforehand (``sft.context_demos``: ``on`` makes it a config error,
 ``auto`` plays full-context demos and says so in a warning).
+
+Under a manager with a ``solution_hook`` (``fold``: ``folded``) every demo that the draw gives to
+``solve`` is played from that hook instead: a whole solution whose turns use the manager's own
+tools (``branch`` and ``return``), which the manager handles as in RL. Shortcut and redundant
+draws keep their scripts. An environment without the hook cannot show them, as above.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
 
     ``limits``: the demos' rollout limits (default: generous, full context). Under a context
     manager with a ``scripted_hook`` (``summarize``) the environment needs that hook; each of the
-    manager's side requests is answered with it.
+    manager's side requests is answered with it. Under one with a ``solution_hook`` (``fold``:
+    ``folded``) the environment needs that hook, and it plays the demos drawn for ``solve``.
 
     ``other_worlds``: for an environment with a ``pretraining_variant`` (``search_qa``), draw the
     demos from a fresh variant every ``WORLD_EPISODES`` episodes (many invented worlds), so they
@@ -80,7 +86,13 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
                          f"hook, so its demos cannot show the {limits.context.manager} manager's {purpose} requests; "
                          "give it one (docs/environments.md) or play the demos with the full context "
                          "(sft.context_demos=off)")
-    pick = _demo_scripts(env_cls, shortcut_fraction, redundant_fraction, random.Random(seed))
+    solution = manager.demo_solution(env_cls)
+    if manager.solution_hook is not None and solution is None:
+        raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {manager.solution_hook}"
+                         f"(task) hook, so its demos cannot be played under the {limits.context.manager} manager; "
+                         "give it one (docs/environments.md) or play the demos with the full context "
+                         "(sft.context_demos=off)")
+    pick = _demo_scripts(env_cls, shortcut_fraction, redundant_fraction, random.Random(seed), solve=solution)
     tasks = env_cls.sample_tasks("train", n, seed)
     jobs = []
     for task in tasks:
@@ -112,22 +124,26 @@ def demo_mix_problem(env_cls, shortcut_fraction: float, redundant_fraction: floa
     return None
 
 
-def _demo_scripts(env_cls, shortcut_fraction: float, redundant_fraction: float,
-                  rng: random.Random) -> Callable[[Task], list[str]]:
-    """Which script plays each demo: one draw of ``rng`` per task decides shortcut, redundant or solve."""
+def _demo_scripts(env_cls, shortcut_fraction: float, redundant_fraction: float, rng: random.Random,
+                  solve: Callable[[Task], list[str]] | None = None) -> Callable[[Task], list[str]]:
+    """Which script plays each demo: one draw of ``rng`` per task decides shortcut, redundant or solve.
+
+    ``solve``: what plays the solve draws (a manager's ``solution_hook``); None: the environment's ``solve``.
+    """
     problem = demo_mix_problem(env_cls, shortcut_fraction, redundant_fraction)
     if problem:
         raise ValueError(problem)
     shortcut, redundant = hook(env_cls, "shortcut"), hook(env_cls, "redundant")
     low = shortcut_fraction if shortcut is not None else 0.0
+    solve = solve or env_cls.solve
 
     def pick(task: Task) -> list[str]:
         if shortcut is None and not redundant_fraction:
-            return env_cls.solve(task)  # no draw: the demos' tasks and order stay as they always were
+            return solve(task)  # no draw: the demos' tasks and order stay as they always were
         u = rng.random()
         if u < low:
             return shortcut(task)
-        return redundant(task) if u < low + redundant_fraction else env_cls.solve(task)
+        return redundant(task) if u < low + redundant_fraction else solve(task)
 
     return pick
 
@@ -136,8 +152,12 @@ def _ended_early(episode: Episode, limits: RolloutLimits) -> str:
     """Why a demo did not finish, and which setting to change."""
     what = f"demonstration for task {episode.task.id} ended early ({episode.truncation}"
     what += f": {episode.info['error']})" if episode.info.get("error") else ")"
-    if not get_manager(limits.context.manager).uses_budget:
+    manager = get_manager(limits.context.manager)
+    if not manager.keeps_budget(limits.context.max_context_tokens):
         return f"{what}; check the env's solve() and the rollout limits"
+    if episode.truncation == "max_context" and manager.scripted_hook is None:
+        return (f"{what}: its live context leaves no room for a turn of rollout.max_new_tokens={limits.max_new_tokens} "
+                f"in context.max_context_tokens={limits.context.max_context_tokens}; raise the budget")
     if episode.truncation == "max_context":
         done = episode.info.get("summaries", 0) + episode.info.get("selections", 0)
         return (f"{what} after {done} scripted summaries or selections: the demo needs more than "

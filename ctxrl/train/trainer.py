@@ -481,7 +481,7 @@ class Trainer:
         episodes = collected.episodes
         metrics.update(self.curriculum.update([e for e in episodes if e.truncation != "error"]))
         metrics["max_turns"] = self.curriculum.max_turns(step, c.env.max_turns)
-        if self.manager.uses_budget:
+        if self.manager.keeps_budget(c.context.max_context_tokens):
             metrics["context_budget"] = self.context_budget(step)
         errored = [e for e in episodes if e.truncation == "error"]
         if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says

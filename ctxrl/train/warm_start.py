@@ -7,7 +7,8 @@ kinds can join them:
 
 - *context demos* (``sft.context_demos``): played under the run's context manager when its side
   requests can be scripted (``summarize`` with the environment's ``summary`` hook), so the policy
-  has seen a summary request before RL asks for one;
+  has seen a summary request before RL asks for one, or when the manager's whole solutions can be
+  (``fold`` with the environment's ``folded`` hook: demos that branch and return);
 - *trial demos* (``sft.trial_demos``): a fraction played as scripted trials, a failed attempt, its
   reflection, the solution (``ctxrl.meta.trial_demos``).
 
@@ -41,10 +42,9 @@ def context_demos(config: Any, env_cls: type) -> bool:
     before the model loads; ``auto`` then plays full-context demos, and the warm start says so once.
     """
     manager = get_manager(config.context.manager)
-    purpose = manager.scripted_hook
-    if config.sft.context_demos == "off" or purpose is None:
+    if config.sft.context_demos == "off" or not manager.scripts_demos():
         return False
-    if manager.demo_script(env_cls) is not None:
+    if manager.demo_ready(env_cls):
         return True
     if config.sft.context_demos == "on":
         raise ConfigError(f"sft.context_demos=on, but environment {config.env.name!r} has no {manager.demo_hooks()} "
@@ -90,9 +90,10 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
     t0 = time.perf_counter()
     manager = get_manager(config.context.manager)
     purpose = manager.scripted_hook
-    if purpose and not under_manager and c.context_demos == "auto":
+    if manager.scripts_demos() and not under_manager and c.context_demos == "auto":
+        shown = f"{purpose} requests" if purpose else f"{manager.name} solutions"
         warnings.warn(f"environment {config.env.name!r} has no {manager.demo_hooks()} hook: its warm-start demos "
-                      f"use the full context and show no {purpose} requests (sft.context_demos=auto)", stacklevel=2)
+                      f"use the full context and show no {shown} (sft.context_demos=auto)", stacklevel=2)
     limits = demo_limits(spec, under_manager)
     n_trials = round(c.demos * c.trial_demos)
     demos = asyncio.run(build_demos(env_cls, renderer, c.demos - n_trials, shortcut_fraction=c.shortcut_fraction,
@@ -110,5 +111,6 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
            "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
            "context_demos": under_manager, "trial_demos": n_trials,
            "demo_summaries_per_episode": sum(e.info.get("summaries", 0) for e in demos) / len(demos),
+           "demo_branches_per_episode": sum(e.info.get("branches", 0) for e in demos) / len(demos),
            "demo_tool_calls_per_episode": sum(e.tool_calls for e in demos) / len(demos)}
     return row, demos

@@ -19,7 +19,7 @@ manager: everything fits, nothing is intercepted.
 Adding a manager is one file: a subclass with a ``name`` and the hooks it changes, decorated
 with ``@register_manager`` (or a ``ctxrl.managers`` entry point of a package). ``context.manager``
 accepts every registered name, the configuration checks read the class attributes
-(``uses_budget``, ``rewrites_context``, ...), and docs/context.md shows a complete example.
+(``uses_budget``, ``budget_optional``, ``rewrites_context``, ...), and docs/context.md shows a complete example.
 Built-in managers are imported on first lookup (``ctxrl.registry``).
 """
 
@@ -55,7 +55,7 @@ class ContextPolicy(PlainData):
 
     manager: str = "full"
     max_context_tokens: int = 0
-    """Working-context budget in tokens (managers with ``uses_budget``); 0 = unlimited."""
+    """Working-context budget in tokens (managers with ``uses_budget``, or ``budget_optional`` ones); 0 = unlimited."""
     max_summaries: int = 0
     """Summaries an episode may write before it ends with truncation ``max_context`` (``summarize``)."""
     summary_max_tokens: int = 64
@@ -97,7 +97,10 @@ class ContextManager:
 
     name: ClassVar[str] = ""
     uses_budget: ClassVar[bool] = False
-    """Whether it keeps the context within ``max_context_tokens`` (``fits`` then checks that budget)."""
+    """Whether it keeps the context within ``max_context_tokens`` (``fits`` then checks that budget) and needs one."""
+    budget_optional: ClassVar[bool] = False
+    """Whether it keeps the context within ``max_context_tokens`` when one is set (> 0) and runs without a budget
+    at 0 (``fold``). ``keeps_budget`` says which applies; the budget's checks and curriculum follow it."""
     rewrites_context: ClassVar[bool] = False
     """Whether it cuts episodes into segments: training then needs one advantage per episode, broadcast to
     its segments (an outcome estimator) and ``token-mean`` aggregation."""
@@ -105,6 +108,9 @@ class ContextManager:
     """The purpose of this manager's side requests (``summarize``: ``summary``), which is also the name of
     the environment hook that answers them in scripted demonstrations; None if it makes none. With the
     hook, warm-start demos can play under the manager."""
+    solution_hook: ClassVar[str | None] = None
+    """The environment hook that scripts a whole solution played under this manager (``fold``: ``folded``, whose
+    turns branch and return), used in place of ``solve`` for warm-start demos; None if ``solve`` serves."""
     tool_schemas: ClassVar[list[dict[str, Any]]] = []
     """Tools the manager offers the policy besides the environment's (``fold``: branch and return)."""
     process_reward: ClassVar[bool] = False
@@ -115,7 +121,14 @@ class ContextManager:
 
     def fits(self, context_tokens: int, next_turn_tokens: int) -> bool:
         """Whether a context of ``context_tokens`` leaves room for a turn of ``next_turn_tokens``."""
-        return not self.uses_budget or context_tokens + next_turn_tokens <= self.policy.max_context_tokens
+        budget = self.policy.max_context_tokens
+        return not self.keeps_budget(budget) or context_tokens + next_turn_tokens <= budget
+
+    @classmethod
+    def keeps_budget(cls, max_context_tokens: int) -> bool:
+        """Whether, given ``context.max_context_tokens``, it keeps a working-context budget: ``fits`` checks it,
+        the budget's config checks and curriculum apply, the trainer logs ``context_budget``."""
+        return cls.uses_budget or (cls.budget_optional and max_context_tokens > 0)
 
     async def on_assistant(self, play: Play, message: Message, turn: int) -> bool | None:
         """Handle ``message`` instead of the environment (return whether it was an error), or None."""
@@ -145,9 +158,33 @@ class ContextManager:
         return hook(env_cls, cls.scripted_hook)
 
     @classmethod
+    def demo_solution(cls, env_cls: type) -> Callable[[Task], list[str]] | None:
+        """What scripts a whole demo under this manager: the environment's hook named ``solution_hook``; None when
+        the manager has none (``solve`` serves) or the environment lacks it."""
+        if cls.solution_hook is None:
+            return None
+        from ctxrl.envs.hooks import hook
+
+        return hook(env_cls, cls.solution_hook)
+
+    @classmethod
+    def scripts_demos(cls) -> bool:
+        """Whether its warm-start demos differ from full-context ones (a ``scripted_hook`` or a ``solution_hook``)."""
+        return cls.scripted_hook is not None or cls.solution_hook is not None
+
+    @classmethod
+    def demo_ready(cls, env_cls: type) -> bool:
+        """Whether ``env_cls`` has every hook that demos under this manager need."""
+        return ((cls.scripted_hook is None or cls.demo_script(env_cls) is not None)
+                and (cls.solution_hook is None or cls.demo_solution(env_cls) is not None))
+
+    @classmethod
     def demo_hooks(cls) -> str:
-        """The environment hooks ``demo_script`` can use, for error messages: ``summary(task, messages)``."""
-        return f"{cls.scripted_hook}(task, messages)"
+        """The environment hooks its demos use, for error messages: ``summary(task, messages)``, ``folded(task)``."""
+        hooks = [f"{cls.scripted_hook}(task, messages)"] if cls.scripted_hook is not None else []
+        if cls.solution_hook is not None:
+            hooks.append(f"{cls.solution_hook}(task)")
+        return " and ".join(hooks)
 
 
 def register_manager(cls: M) -> M:
@@ -161,6 +198,12 @@ def register_manager(cls: M) -> M:
         register_purpose(cls.scripted_hook)  # its side requests are generated with this purpose
         declare_hook(cls.scripted_hook, f"{cls.scripted_hook}(task, messages) -> str",
                      f"warm-start demos under context.manager={cls.name} (sft.context_demos)")
+    if cls.solution_hook is not None:
+        from ctxrl.envs.hooks import declare_hook
+
+        declare_hook(cls.solution_hook, f"{cls.solution_hook}(task) -> list[str]",
+                     f"warm-start demos played under context.manager={cls.name} (sft.context_demos)",
+                     feature=f"demos played under {cls.name} ({cls.solution_hook})")
     return cls
 
 

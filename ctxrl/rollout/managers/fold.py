@@ -12,6 +12,17 @@ the same turn, no branches or turns left) is answered with an error observation.
 ``branch_reward`` (FoldGRPO-style process reward, ``segment_bonus``) is added to the advantage
 of every sampled token of a branch that returned a non-empty result. It rewards finishing a
 branch, not being right, so keep it small next to the outcome advantage.
+
+The budget is optional (``budget_optional``). With ``max_context_tokens`` > 0 the *live* sequence
+(the parent's, or the open branch's) keeps room for a turn within it, so ``fold`` compares with
+``window`` / ``summarize`` / ``select`` at an equal working context: an observation, a branch's
+result or a branch's opening that would leave no room ends the episode with truncation
+``max_context`` (nothing is rewritten to make room: folding is the policy's choice, made
+beforehand). With 0 there is no budget, only ``rollout.max_total_tokens``.
+
+Warm-start demos play the environment's ``folded(task)`` hook (``solution_hook``) instead of
+``solve``: a whole solution whose turns call ``branch`` and ``return``, played through the agent
+loop under this manager, so the policy has branched before RL asks it to.
 """
 
 from __future__ import annotations
@@ -42,7 +53,9 @@ class Fold(ContextManager):
     """At most one open branch, and the parent sequence it paused (see the module docstring)."""
 
     name = "fold"
+    budget_optional = True
     rewrites_context = True
+    solution_hook = "folded"
     tool_schemas = FOLD_TOOL_SCHEMAS
     process_reward = True
 
@@ -88,6 +101,8 @@ class Fold(ContextManager):
             return False
         self.parent = play.recorder.open_branch(branch_messages(play.opening, value))
         e.info["branches"] = e.info.get("branches", 0) + 1
+        if not self.fits(len(play.recorder), play.limits.max_new_tokens):
+            e.truncation = "max_context"  # the branch's task + goal leave no room for a turn
         return False
 
     def finish(self, play: Play) -> None:
@@ -103,11 +118,15 @@ class Fold(ContextManager):
         self._observe(play, Message(role="tool", content=result, name="branch"), turn, last)
 
     def _observe(self, play: Play, observation: Message, turn: int, last: bool) -> None:
-        """Append an observation to the live sequence, unless no generation would ever see it."""
+        """Append an observation to the live sequence, unless no generation would ever see it; one that leaves
+        no room for a turn in the budget ends the episode (``max_context``), one past ``max_total_tokens`` too."""
         if last:
             return
         recorder = play.recorder
         delta = recorder.observation_ids([observation])
+        if not self.fits(recorder.length_after(delta), play.limits.max_new_tokens):
+            play.episode.truncation = "max_context"  # as make_room's default: the budget ends the episode
+            return
         if recorder.length_after(delta) >= play.limits.max_total_tokens:
             play.episode.truncation = "max_total_tokens"
             return
