@@ -243,3 +243,31 @@ def test_a_file_that_is_not_gguf_is_one_clear_error_and_leaves_no_cache_entry(gg
         with pytest.raises(GGUFError, match="is not a GGUF file the gguf package can read"):
             resolve(str(bad))
     assert not any(p.name != "hashes" for p in (tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_a_real_model_on_the_cpu_gets_micro_batches_its_activations_fit():
+    """No memory plan off CUDA, but 32 rows of a real model's activations do not fit a 24 GB machine (a summarize
+    warm start was killed at 24 GB): the learner's token budget is bounded, by hand for SmolLM2 in float32 with rows
+    of 1024 tokens: a layer keeps 4*576 + 3*576 + 3*192 + 4*1536 = 10752 elements per token, plus 9 heads x 1024
+    attention scores (float32 runs the math kernel) = 19968; per token (30 * 19968 + 3 * 576) * 4 = 2403072 bytes;
+    4 GiB of them is 1787 tokens, 1536 in whole 256s. The tiny model, and a budget the user set, are left alone."""
+    from ctxrl.config import load_config
+    from ctxrl.report.progress import Progress
+    from ctxrl.train.trainer import bounded_micro_batches
+
+    said = []
+
+    class Heard(Progress):
+        def message(self, text: str) -> None:
+            said.append(text)
+
+    config = load_config(None, [f"model.name={NAME}", "rollout.max_total_tokens=1024"])
+    bounded = bounded_micro_batches(config, "cpu", Heard(), critic=False)
+    assert bounded.train.max_tokens_per_microbatch == 1536 and bounded.train.micro_batch_size == 32
+    assert said == ["learner micro-batches of at most 1536 tokens (2.29 MiB of activations per token); "
+                    "train.max_tokens_per_microbatch sets another budget"]
+    mine = load_config(None, [f"model.name={NAME}", "train.max_tokens_per_microbatch=4096"])
+    assert bounded_micro_batches(mine, "cpu", Heard(), critic=False) is mine
+    tiny = load_config(None, ["model.name=tiny:pretrain_steps=0"])
+    assert bounded_micro_batches(tiny, "cpu", Heard(), critic=False) is tiny
+    assert len(said) == 1

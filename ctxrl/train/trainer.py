@@ -24,6 +24,7 @@ warm-start policy (off by default), no value function (docs/algorithms.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -129,6 +130,9 @@ class Trainer:
         if self.memory is not None:
             self.progress.message(self.memory.summary())
             self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
+        else:
+            self.config = bounded_micro_batches(config, self.device, self.progress,
+                                                critic=get_estimator(config.algo.advantage).needs_critic)
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
         self.parallel = parallel
@@ -627,6 +631,50 @@ def data_parallel(config: Config, resume: bool = False):
     return DataParallel.from_environment(resolve_device(config.model.device))
 
 
+def model_shape(config: Config):
+    """``(hf_config, ModelShape)`` of ``config``'s model, read from its HF config and a ``meta``-device build (no
+    memory); None, with a warning saying what is not sized, when its config lacks the sizes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ctxrl.models.loader import resolve
+    from ctxrl.train.memory import ModelShape
+
+    try:
+        hf = AutoConfig.from_pretrained(resolve(config.model.name))
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+        return hf, ModelShape.from_hf_config(hf, parameters)
+    except Exception as exc:  # noqa: BLE001 - a LoRA adapter directory, an architecture without the sizes: said once
+        log.warning("no memory plan for %s (%s): the KV pool and micro-batches keep the config's sizes, and "
+                    "model.gpu_memory_fraction is not applied", config.model.name, exc)
+        return None
+
+
+def bounded_micro_batches(config: Config, device: str, progress: Progress, *, critic: bool) -> Config:
+    """Off CUDA (no memory plan): ``config`` with a token budget per learner micro-batch when
+    ``train.micro_batch_size`` rows of ``rollout.max_total_tokens`` would hold more activations than
+    ``DEFAULT_ACTIVATION_BYTES`` (4 GiB), said once; otherwise, or with the user's own budget, unchanged.
+
+    A real model on a CPU needs it: SmolLM2-135M keeps about 1.9 MB of float32 activations per token, so 32
+    rows of 500 tokens (a summarize warm start's segments) took 24 GB and the kernel killed the run. The tiny
+    models never come near the bound, so their micro-batches stay as configured."""
+    if torch.device(device).type == "cuda" or config.train.max_tokens_per_microbatch > 0:
+        return config
+    found = model_shape(config)
+    if found is None:
+        return config
+    from ctxrl.train.memory import DEFAULT_ACTIVATION_BYTES, RunSizes, activation_bytes_per_token
+
+    run = RunSizes.from_config(config, found[1], device_bytes=0, engine=False, critic=critic, kv_tokens_per_slot=0)
+    per_token = activation_bytes_per_token(run)
+    tokens = max(DEFAULT_ACTIVATION_BYTES // per_token // 256 * 256, config.rollout.max_total_tokens)
+    if tokens >= config.train.micro_batch_size * config.rollout.max_total_tokens:
+        return config
+    progress.message(f"learner micro-batches of at most {tokens} tokens ({per_token / 2**20:.2f} MiB of activations "
+                     f"per token); train.max_tokens_per_microbatch sets another budget")
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_tokens_per_microbatch=tokens))
+
+
 def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> MemoryPlan | None:
     """The run's memory plan on CUDA (``ctxrl.train.memory``), its allocator cap applied; None on the CPU.
 
@@ -637,21 +685,13 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     """
     if torch.device(device).type != "cuda":
         return None
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from ctxrl.engine.factory import slot_capacity
-    from ctxrl.models.loader import resolve
-    from ctxrl.train.memory import ModelShape, RunSizes, check_free, plan_memory
+    from ctxrl.train.memory import RunSizes, check_free, plan_memory
 
-    try:
-        hf = AutoConfig.from_pretrained(resolve(config.model.name))
-        with torch.device("meta"):
-            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
-        shape = ModelShape.from_hf_config(hf, parameters)
-    except Exception as exc:  # noqa: BLE001 - a LoRA adapter directory, an architecture without the sizes: said once
-        log.warning("no memory plan for %s (%s): the KV pool and micro-batches keep the config's sizes, and "
-                    "model.gpu_memory_fraction is not applied", config.model.name, exc)
+    found = model_shape(config)
+    if found is None:
         return None
+    hf, shape = found
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index  # (the cap needs one: "cuda" is not)
     free, total = torch.cuda.mem_get_info(index)
