@@ -42,8 +42,9 @@ import tomllib
 
 NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
                   r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z][A-Za-z0-9.+]*(?:-[A-Za-z0-9.+]+)*))?$")
-TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math", "sq": "search_qa"}
-SIZES = {"1": "1M", "5": "5.2M", "26": "26M"}
+TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math", "sq": "search_qa",
+         "hw": "hidden_word", "ca": "calculator"}
+SIZES = {"1": "1M", "5": "5.2M", "26": "26M", "135": "135M"}  # 135: SmolLM2-135M-Instruct, the real model
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -69,10 +70,19 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def first_step(metrics: Path) -> dict[str, float | None]:
+    """What RL met right after the warm start: the first RL step's policy entropy and how many of its groups had
+    no reward variance (groups that teach nothing); None where the run has no RL row."""
+    rl = [r for r in _rows(metrics) if r.get("phase") == "rl"] if metrics.is_file() else []
+    first = rl[0] if rl else {}
+    return {"entropy_first": first.get("entropy"), "zero_variance_first": first.get("zero_variance_groups")}
+
+
 def _context_record(base: dict, manager: str, run_dir: Path, r: dict) -> dict:
     """One context manager's record from its figures ``r`` (the names of ``summary.json``)."""
     budget = _config(run_dir, manager).get("context", {}).get("max_context_tokens") or None  # None: unlimited
     return {**base, "kind": "context", "arm": manager, "budget": budget,
+            **first_step(run_dir / manager / "metrics.jsonl"),
             "heldout_before": r["heldout_before"], "heldout_after": r["heldout_after"], "ood_after": r["ood_after"],
             **{k: r.get(k) for k in ("peak_context", "summaries_per_episode", "selections_per_episode",
                                      "heldout_by_eval_summaries", "ood_by_eval_summaries")}}
@@ -138,6 +148,7 @@ def _training_record(base: dict, metrics: Path) -> dict | None:
     last = rl[-10:]
     sft = next((r for r in rows if r.get("phase") == "sft"), {})
     return {**base, "kind": "training", "steps": len(rl), "sft_loss_last": sft.get("sft_loss_last"),
+            **first_step(metrics),
             "heldout_before": heldout[0]["success"], "heldout_after": heldout[-1]["success"],
             "heldout_calls_after": heldout[-1].get("tool_calls"),
             "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last),

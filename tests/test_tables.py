@@ -283,3 +283,20 @@ def test_arms_are_compared_with_grpo_at_a_step_both_runs_evaluated(tmp_path):
     text = tables.report(recs)
     assert "| python_math 5.2M (redundant): otc − grpo | first | 15 | 2 | +0.15 ± 0.05 | -1.00 ± 0.00 |" in text
     assert "| python_math 5.2M (redundant): otc − grpo | last | 45, 60 | 2 | +0.00 ± 0.10 | -0.25 ± 0.25 |" in text
+
+
+def test_first_step_keeps_what_rl_met_after_the_warm_start(tmp_path):
+    """The first RL row's entropy and zero-variance groups (issue 31: a warm start that leaves RL nothing to do
+    shows entropy near 0 and every group without variance); a run without RL rows gives None."""
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"phase": "sft", "step": 0}, {"phase": "eval", "step": 0, "split": "heldout", "success": 0.6},
+            {"phase": "rl", "step": 1, "entropy": 0.012, "zero_variance_groups": 16},
+            {"phase": "rl", "step": 2, "entropy": 0.3, "zero_variance_groups": 4}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert tables.first_step(metrics) == {"entropy_first": 0.012, "zero_variance_first": 16}
+    metrics.write_text(json.dumps(rows[0]) + "\n")
+    assert tables.first_step(metrics) == {"entropy_first": None, "zero_variance_first": None}
+    assert tables.first_step(tmp_path / "missing.jsonl") == {"entropy_first": None, "zero_variance_first": None}
+    assert tables.NAME.match("fh135-b0-s2-summarize384-d1500lr1e-5").groupdict() == {
+        "task": "fh", "size": "135", "build": "0", "seed": "2", "arm": "summarize", "budget": "384",
+        "variant": "d1500lr1e-5"}
