@@ -183,14 +183,18 @@ class RolloutSpec(PlainData):
             plugins=config.run.plugins)
 
 
-def spec_engine(spec: RolloutSpec, model, renderer):
-    """The engine ``spec`` asks for, serving ``model`` (which it takes over) with ``renderer``'s ids."""
+def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | None = None,
+                prefill_tokens: int | None = None):
+    """The engine ``spec`` asks for, serving ``model`` (which it takes over) with ``renderer``'s ids.
+
+    ``max_batch_size`` and ``prefill_tokens`` replace the spec's batch and the fast engine's default prefill
+    chunk (a CUDA run's memory plan sizes them: ``ctxrl.train.memory``)."""
     from ctxrl.engine.factory import make_engine
 
     return make_engine(model, kind=spec.engine, pad_token_id=renderer.tokenizer.pad_token_id,
-                       max_batch_size=spec.max_batch_size, seed=spec.engine_seed,
+                       max_batch_size=max_batch_size or spec.max_batch_size, seed=spec.engine_seed,
                        max_total_tokens=max(spec.train.max_total_tokens, spec.eval.max_total_tokens),
-                       decode=renderer.decode)
+                       decode=renderer.decode, prefill_tokens=prefill_tokens)
 
 
 @dataclass(frozen=True)

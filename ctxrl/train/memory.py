@@ -350,12 +350,16 @@ def prefill_tokens(run: RunSizes, room: int) -> int:
     return max(min(PREFILL_TOKENS, room // per_token), min(run.max_total_tokens, PREFILL_TOKENS))
 
 
+def fitting_tokens(run: RunSizes) -> int:
+    """The most tokens (in multiples of 256) whose activations stay within ``DEFAULT_ACTIVATION_BYTES``."""
+    return DEFAULT_ACTIVATION_BYTES // activation_bytes_per_token(run) // 256 * 256
+
+
 def default_learner_tokens(run: RunSizes) -> int:
-    """Tokens per micro-batch without a cap or a user's value: ``DEFAULT_LEARNER_TOKENS``, fewer (in multiples of
-    256) where their activations would pass ``DEFAULT_ACTIVATION_BYTES``, never fewer than one longest row and never
-    more than a micro-batch holds."""
-    fitting = DEFAULT_ACTIVATION_BYTES // activation_bytes_per_token(run) // 256 * 256
-    return learner_peak_tokens(run, min(DEFAULT_LEARNER_TOKENS, fitting))
+    """Tokens per micro-batch without a cap or a user's value: ``DEFAULT_LEARNER_TOKENS``, fewer where their
+    activations would pass ``DEFAULT_ACTIVATION_BYTES`` (``fitting_tokens``), never fewer than one longest row and
+    never more than a micro-batch holds."""
+    return learner_peak_tokens(run, min(DEFAULT_LEARNER_TOKENS, fitting_tokens(run)))
 
 
 def allocator_cap(fraction: float, device_bytes: int) -> int:

@@ -124,15 +124,14 @@ class Trainer:
         check_template_segments(config, self.renderer)
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
         # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
+        critic = get_estimator(config.algo.advantage).needs_critic
         self.memory = memory_plan(config, self.device, engine=(parallel is None or parallel.leader)
-                                  and config.distributed.backend == "none",
-                                  critic=get_estimator(config.algo.advantage).needs_critic)
+                                  and config.distributed.backend == "none", critic=critic)
         if self.memory is not None:
             self.progress.message(self.memory.summary())
             self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
         else:
-            self.config = bounded_micro_batches(config, self.device, self.progress,
-                                                critic=get_estimator(config.algo.advantage).needs_critic)
+            self.config = bounded_micro_batches(config, self.device, self.progress, critic=critic)
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
         self.parallel = parallel
@@ -148,7 +147,9 @@ class Trainer:
             self.worker = RayRolloutPool(self.spec, workers=d.rollout_workers, address=d.address or None,
                                          timeout_s=d.timeout_s)
         else:
-            engine = planned_engine(self.spec, self.policy.engine_model(), self.renderer, self.memory)
+            sizes = {} if self.memory is None else {"max_batch_size": self.memory.kv_slots,
+                                                     "prefill_tokens": self.memory.prefill_tokens}
+            engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer, **sizes)
             self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
         self._prefetched: tuple[int, Any] | None = None  # (step, submitted request): asynchronous rollouts
         self.writer = None
@@ -633,7 +634,7 @@ def data_parallel(config: Config, resume: bool = False):
 
 def model_shape(config: Config):
     """``(hf_config, ModelShape)`` of ``config``'s model, read from its HF config and a ``meta``-device build (no
-    memory); None, with a warning saying what is not sized, when its config lacks the sizes."""
+    memory), or the reason it cannot be (a LoRA adapter directory, an architecture without the sizes) as a string."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ctxrl.models.loader import resolve
@@ -644,10 +645,8 @@ def model_shape(config: Config):
         with torch.device("meta"):
             parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
         return hf, ModelShape.from_hf_config(hf, parameters)
-    except Exception as exc:  # noqa: BLE001 - a LoRA adapter directory, an architecture without the sizes: said once
-        log.warning("no memory plan for %s (%s): the KV pool and micro-batches keep the config's sizes, and "
-                    "model.gpu_memory_fraction is not applied", config.model.name, exc)
-        return None
+    except Exception as exc:  # noqa: BLE001 - the caller says what goes unsized
+        return str(exc)
 
 
 def bounded_micro_batches(config: Config, device: str, progress: Progress, *, critic: bool) -> Config:
@@ -661,13 +660,13 @@ def bounded_micro_batches(config: Config, device: str, progress: Progress, *, cr
     if torch.device(device).type == "cuda" or config.train.max_tokens_per_microbatch > 0:
         return config
     found = model_shape(config)
-    if found is None:
+    if isinstance(found, str):  # nothing to size it by: the micro-batches stay as configured
         return config
-    from ctxrl.train.memory import DEFAULT_ACTIVATION_BYTES, RunSizes, activation_bytes_per_token
+    from ctxrl.train.memory import RunSizes, activation_bytes_per_token, fitting_tokens
 
     run = RunSizes.from_config(config, found[1], device_bytes=0, engine=False, critic=critic, kv_tokens_per_slot=0)
     per_token = activation_bytes_per_token(run)
-    tokens = max(DEFAULT_ACTIVATION_BYTES // per_token // 256 * 256, config.rollout.max_total_tokens)
+    tokens = max(fitting_tokens(run), config.rollout.max_total_tokens)
     if tokens >= config.train.micro_batch_size * config.rollout.max_total_tokens:
         return config
     progress.message(f"learner micro-batches of at most {tokens} tokens ({per_token / 2**20:.2f} MiB of activations "
@@ -689,7 +688,9 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     from ctxrl.train.memory import RunSizes, check_free, plan_memory
 
     found = model_shape(config)
-    if found is None:
+    if isinstance(found, str):
+        log.warning("no memory plan for %s (%s): the KV pool and micro-batches keep the config's sizes, and "
+                    "model.gpu_memory_fraction is not applied", config.model.name, found)
         return None
     hf, shape = found
     index = torch.device(device).index
@@ -702,18 +703,6 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     if plan.capped:
         torch.cuda.set_per_process_memory_fraction(plan.budget_bytes / total, index)
     return plan
-
-
-def planned_engine(spec: RolloutSpec, model, renderer, plan: MemoryPlan | None):
-    """``spec_engine``'s engine, with the memory plan's KV slots and prefill chunk when there is a plan."""
-    if plan is None:
-        return spec_engine(spec, model, renderer)
-    from ctxrl.engine.factory import make_engine
-
-    return make_engine(model, kind=spec.engine, pad_token_id=renderer.tokenizer.pad_token_id,
-                       max_batch_size=plan.kv_slots, seed=spec.engine_seed,
-                       max_total_tokens=max(spec.train.max_total_tokens, spec.eval.max_total_tokens),
-                       decode=renderer.decode, prefill_tokens=plan.prefill_tokens)
 
 
 def peak_memory(device: str) -> dict[str, float]:
