@@ -135,12 +135,13 @@ def fix_special_tokens(tokenizer, metadata: dict[str, Any]) -> list[str]:
     return fixes
 
 
-def convert(path: str | Path, *, on_progress: Progress | None = None) -> Path:
-    """The cached checkpoint directory of the GGUF file ``path``, converting it the first time."""
+def convert(path: str | Path, *, sha256: str | None = None, on_progress: Progress | None = None) -> Path:
+    """The cached checkpoint directory of the GGUF file ``path``, converting it the first time (``sha256``: the
+    file's hash, when the caller has it already)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise GGUFError(f"GGUF file {str(path)!r} does not exist")
-    sha = file_sha256(path)
+    sha = sha256 or file_sha256(path)
     target = cache_root() / "gguf" / sha[:16]
     if _complete(target):
         return target

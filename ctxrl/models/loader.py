@@ -60,13 +60,12 @@ def resolve(name_or_path: str, *, on_progress=None) -> str:
     named = named_model(name_or_path)
     if named is not None:
         path = named_file(named)
-        check_named_file(named, file_sha256(path), path)
-        return str(convert_gguf(path, on_progress=on_progress))
+        sha = file_sha256(path)
+        check_named_file(named, sha, path)
+        return str(convert_gguf(path, sha256=sha, on_progress=on_progress))
+    if is_gguf(name_or_path):  # (a missing file is convert's error)
+        return str(convert_gguf(name_or_path, on_progress=on_progress))
     path = Path(name_or_path).expanduser()
-    if is_gguf(name_or_path):
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
-        return str(convert_gguf(path, on_progress=on_progress))
     looks_local = name_or_path.startswith((".", "/", "~")) or path.exists()
     if looks_local:
         if not path.exists():
@@ -78,6 +77,12 @@ def resolve(name_or_path: str, *, on_progress=None) -> str:
                                  "save the model with save_pretrained() or point at the directory that has them")
         return str(path)
     return name_or_path
+
+
+def resolves_to_cache(name: str) -> bool:
+    """Whether ``name`` is one ctxrl resolves to a directory of its own cache (``tiny``, a named real model, a
+    ``.gguf`` file) rather than a hub name or a checkpoint directory of the user's."""
+    return parse_tiny(name) is not None or named_model(name) is not None or is_gguf(name)
 
 
 def check_available(name_or_path: str) -> None:

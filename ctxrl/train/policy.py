@@ -46,11 +46,9 @@ def name_base_as_configured(adapter_config: Path, name: str) -> None:
     machine, while ``ctxrl merge`` and ``ctxrl eval`` resolve the name anywhere."""
     import json
 
-    from ctxrl.models.gguf import is_gguf
-    from ctxrl.models.loader import parse_tiny
-    from ctxrl.models.named import named_model
+    from ctxrl.models.loader import resolves_to_cache
 
-    if not name or not (parse_tiny(name) or named_model(name) or is_gguf(name)) or not adapter_config.exists():
+    if not name or not resolves_to_cache(name) or not adapter_config.exists():
         return
     data = json.loads(adapter_config.read_text())
     data["base_model_name_or_path"] = name
