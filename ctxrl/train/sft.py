@@ -80,18 +80,11 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
         return episodes
     limits = limits or RolloutLimits(max_turns=DEMO_MAX_TURNS, max_new_tokens=4096, max_total_tokens=1 << 20)
     manager = get_manager(limits.context.manager)
-    purpose, script = manager.scripted_hook, manager.demo_script(env_cls)
-    if purpose is not None and script is None:
+    if not manager.demo_ready(env_cls):
         raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {manager.demo_hooks()} "
-                         f"hook, so its demos cannot show the {limits.context.manager} manager's {purpose} requests; "
-                         "give it one (docs/environments.md) or play the demos with the full context "
-                         "(sft.context_demos=off)")
-    solution = manager.demo_solution(env_cls)
-    if manager.solution_hook is not None and solution is None:
-        raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {manager.solution_hook}"
-                         f"(task) hook, so its demos cannot be played under the {limits.context.manager} manager; "
-                         "give it one (docs/environments.md) or play the demos with the full context "
-                         "(sft.context_demos=off)")
+                         f"hook, so its demos cannot be played under the {limits.context.manager} manager; give it "
+                         "one (docs/environments.md) or play the demos with the full context (sft.context_demos=off)")
+    purpose, script, solution = manager.scripted_hook, manager.demo_script(env_cls), manager.demo_solution(env_cls)
     pick = _demo_scripts(env_cls, shortcut_fraction, redundant_fraction, random.Random(seed), solve=solution)
     tasks = env_cls.sample_tasks("train", n, seed)
     jobs = []
