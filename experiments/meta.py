@@ -51,6 +51,8 @@ ENV_OVERRIDES = {
     "bandit": ["env.max_turns=8", "rollout.max_new_tokens=32", "rollout.max_total_tokens=1536"],
     "codebreak": ["env.max_turns=6", "rollout.max_new_tokens=32", "rollout.max_total_tokens=1536",
                   "meta.reflection_max_tokens=96"],  # notes of 5-digit codes run to ~70 tokens
+    "hidden_word": ["env.max_turns=5", "rollout.max_new_tokens=32", "rollout.max_total_tokens=1536",
+                    "meta.reflection_max_tokens=64"],  # notes run to ~45 tokens with SmolLM2's tokenizer
     "python_math": ["env.max_turns=4", "rollout.max_new_tokens=160", "rollout.max_total_tokens=2048"],
 }
 COMMON = ["run.progress=false", "train.eval_every=0", "rollout.tasks_per_step=4", "rollout.group_size=4",
