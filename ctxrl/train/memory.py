@@ -20,8 +20,8 @@ What is counted (bytes; ``b`` is ``model.dtype``'s size, ``N`` the parameters):
   output head (``logprob_chunk_tokens x vocab x (2 b + 8)``: the logits and their gradient in the model's
   dtype, two float32 temporaries); with ``logprob_chunk_tokens = 0`` that cost is per token;
 - **workspaces**: ``RUNTIME_BYTES`` that no formula here counts (cuBLAS, compiled kernels, CUDA graph pools);
-- **headroom**: ``HEADROOM`` of the budget, for the caching allocator's fragmentation and the transient
-  tensors the formulas leave out.
+- **headroom**: ``HEADROOM`` of the budget (``CAPPED_HEADROOM`` under a cap), for the caching allocator's
+  fragmentation and the transient tensors the formulas leave out.
 
 The fast engine's prefill does not run while the learner does, so it uses the learner's room: its
 chunk is as many tokens as one layer's activations of them fit there (at most ``PREFILL_TOKENS``).
@@ -87,7 +87,13 @@ RUNTIME_BYTES = 256 * MIB
 """Workspaces no formula here counts (cuBLAS, compiled kernels, CUDA graph pools, small buffers): a tiny model's
 run reserved 0.23 GiB more than its parts."""
 HEADROOM = 0.10
-"""Share of the budget kept free for fragmentation and workspaces the formulas leave out; to calibrate."""
+"""Share of the budget kept free for fragmentation and workspaces the formulas leave out, where nothing caps the
+allocator (a plan's estimate, not a limit: the run may pass it)."""
+CAPPED_HEADROOM = 0.20
+"""The same share under ``model.gpu_memory_fraction``, where the cap is a limit and fragmentation counts against it.
+Measured (issue 31's first batch, H100s, SmolLM2-135M in bf16, six capped runs a card): runs that planned 10% OOMed
+with 9.57 GiB allocated and 1.29 GiB reserved but unallocated under a 10.88 GiB cap: fragmentation alone took 12%.
+Capped runs also turn on the allocator's expandable segments (``ctxrl.train.trainer.memory_plan``)."""
 DECODE_LOGIT_COPIES = 4
 """Float32 ``[slots, vocab]`` tensors of one decode step (logits, probabilities, the sampler's temporaries)."""
 LOGIT_FLOAT32_COPIES = 2
@@ -405,7 +411,7 @@ def plan_memory(run: RunSizes) -> MemoryPlan:
         headroom = budget - used
     else:  # fill the cap: the smallest useful run, then the KV pool's slots, then the learner's tokens
         budget = allocator_cap(run.gpu_memory_fraction, run.device_bytes)
-        usable = int(budget * (1 - HEADROOM))
+        usable = int(budget * (1 - CAPPED_HEADROOM))
         headroom = budget - usable
         if least.total > usable:
             raise ConfigError(_does_not_fit(run, budget, least))
@@ -431,7 +437,7 @@ def plan_memory(run: RunSizes) -> MemoryPlan:
 def smallest_fraction(run: RunSizes) -> float:
     """The smallest ``model.gpu_memory_fraction`` that fits ``run``'s smallest useful plan, rounded up to a hundredth
     (above 1: no share of this card does)."""
-    need = _least(run).total / (1 - HEADROOM) + CUDA_CONTEXT_BYTES
+    need = _least(run).total / (1 - CAPPED_HEADROOM) + CUDA_CONTEXT_BYTES
     return math.ceil(100 * need / run.device_bytes) / 100 if run.device_bytes else math.inf
 
 
@@ -444,7 +450,7 @@ def _does_not_fit(run: RunSizes, budget: int, least: _Least) -> str:
               f"{gib(least.slots * least.per_slot)} GiB" if least.slots else "")
     return (f"the run does not fit model.gpu_memory_fraction={run.gpu_memory_fraction:g} of this "
             f"{gib(run.device_bytes)} GiB card ({gib(budget)} GiB for torch after the CUDA context, "
-            f"{gib(budget * (1 - HEADROOM))} GiB after {HEADROOM:.0%} headroom): weights "
+            f"{gib(budget * (1 - CAPPED_HEADROOM))} GiB after {CAPPED_HEADROOM:.0%} headroom): weights "
             f"{gib(weights_bytes(run))} GiB + optimiser {gib(optimizer_bytes(run))} GiB + workspaces "
             f"{gib(RUNTIME_BYTES)} GiB{engine} + a micro-batch of "
             f"{least.tokens} tokens ({what}) {gib(least.learner)} GiB = {gib(least.total)} GiB; {hint}. "

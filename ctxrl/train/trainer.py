@@ -702,7 +702,18 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     check_free(plan, free)
     if plan.capped:
         torch.cuda.set_per_process_memory_fraction(plan.budget_bytes / total, index)
+        expandable_segments()
     return plan
+
+
+def expandable_segments() -> bool:
+    """Let torch's allocator grow segments in place (less fragmentation: under a cap it counts against the run,
+    ``ctxrl.train.memory.CAPPED_HEADROOM``), unless the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF``).
+    True when it was turned on here."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return False
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return True
 
 
 def peak_memory(device: str) -> dict[str, float]:
