@@ -8,6 +8,7 @@ end to end and report what they say they report.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 from pathlib import Path
@@ -28,6 +29,7 @@ def script(path: str):
 
 
 SMOKE_RUNS = {  # script -> the test that runs it
+    "benchmarks/code_shape.py": "tests/test_scripts.py::test_code_shape_counts_what_it_says",
     "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
     "benchmarks/async_rollouts.py": "tests/test_scripts.py::test_async_rollouts_runs_both_arms_on_a_local_ray",
     "benchmarks/data_parallel.py": "tests/test_scripts.py::test_data_parallel_runs_one_and_two_ranks_over_gloo",
@@ -127,6 +129,24 @@ def test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu(tmp_path, capsys)
     assert all((tmp_path / f"run-{i}" / "checkpoints" / "final").is_dir() for i in range(2))
     assert json.loads((tmp_path / "shared.json").read_text())["rows"] == rows
     assert "planned GiB" in capsys.readouterr().out
+
+
+def test_code_shape_counts_what_it_says(tmp_path, capsys):
+    shape = script("benchmarks/code_shape.py")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(70))
+    (pkg / "a.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n\n\nclass Small:\n    pass\n"
+                              "\n\ndef from_config(c):\n    return dict(lr=c.lr, steps=c.train.steps, other=c.steps)\n"
+                              "\n\ndef elsewhere(x):\n    return dict(lr=x.lr, n=config.rollout.n)\n")
+    assert shape.definitions(pkg, ast.FunctionDef, 60) == [(71, "pkg/a.py:long")]  # def line + 70
+    assert shape.definitions(pkg, ast.ClassDef, 2) == []
+    assert shape.definitions(pkg, ast.ClassDef, 1) == [(2, "pkg/a.py:Small")]
+    # lr and steps in from_config (other=c.steps is not a copy); n through a config name; lr=x.lr elsewhere is not
+    assert shape.copied_fields(pkg) == ["pkg/a.py:83 lr", "pkg/a.py:83 steps", "pkg/a.py:87 n"]
+    figures = shape.main(["--json"])  # the repository itself
+    assert figures["config_fields"] > 100 and figures["trainer_constructions_in_tests"] >= 1
+    assert json.loads(capsys.readouterr().out)["classes_over_limit"] == figures["classes_over_limit"]
 
 
 @pytest.mark.parametrize("fmt", ["plain", "chat", "chat+system"])

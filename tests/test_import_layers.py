@@ -1,0 +1,151 @@
+"""The import direction docs/architecture.md promises, read from the source (no module is imported).
+
+Every package has a layer (``LAYERS``); a module may import its own package and any package of a lower or
+equal layer. An import counts wherever it is written: at the top of a file, inside a function (a lazy
+import), or as a module named in a string (a registry's built-ins, ``"ctxrl.meta.estimator"``). The imports
+that still point upward are listed in ``UPWARD`` by module: the redesign removes them, and this test
+fails both when a new one appears and when a listed one is gone (so the list only shrinks, and stays true).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "ctxrl"
+
+LAYERS = {
+    # plain data, errors, the registry every extension point uses, prompts, seeds
+    "plain": 0, "types": 0, "errors": 0, "registry": 0, "plugins": 0, "prompts": 0, "seeds": 0,
+    # chat templates, tools, task spaces, the algorithms' maths, metric sinks and plots
+    "chat": 1, "tools": 1, "tasks": 1, "algo": 1, "report": 1,
+    "models": 2, "engine": 3, "envs": 4, "rollout": 5,
+    "meta": 6, "eval": 6,
+    "config": 7, "distributed": 7, "train": 8, "serve": 9, "cli": 10, "__main__": 11,
+}
+
+# Module (without "ctxrl.") -> the packages above its own that it still imports. To remove, not to extend.
+UPWARD = {
+    "algo.estimators.base": ["meta"],  # names "ctxrl.meta.estimator" among its built-ins, so advantage=meta resolves
+    "envs.hooks": ["rollout"],  # the context managers' demo hooks are looked up on the env class
+    "envs.registry": ["serve"],  # names "ctxrl.serve.harness" among its built-ins (the harness environment)
+    "models.tiny": ["envs", "train"],  # pre-training data from scripted episodes; the pre-training loss
+    "report.episode_figure": ["engine", "envs", "models", "rollout"],  # plays an episode to draw it
+    "rollout.spec": ["meta"],  # the trial and annealed-demo settings are meta's dataclasses
+    "rollout.worker": ["meta", "serve"],  # dispatches trials, annealed demos and the harness runner
+}
+
+MODULE_NAME = re.compile(r"ctxrl(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imported_names(module: str, path: Path) -> set[str]:
+    """Every ``ctxrl...`` name the file imports or names as a module string, absolute."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or "" if node.level == 0 else ".".join(
+                package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_NAME.fullmatch(node.value):
+            names.add(node.value)
+    return {n for n in names if n.startswith("ctxrl.")}
+
+
+def package_of(name: str) -> str:
+    return name.split(".")[1]
+
+
+def upward_imports() -> dict[str, list[str]]:
+    known = modules()
+    upward = defaultdict(set)
+    for module, path in known.items():
+        if module == "ctxrl":
+            continue
+        source = package_of(module)
+        for name in imported_names(module, path):
+            while name and name not in known:  # "ctxrl.x.y.Class" -> the module "ctxrl.x.y"
+                name = name.rpartition(".")[0]
+            if not name or name == "ctxrl":
+                continue
+            target = package_of(name)
+            if target != source and LAYERS[target] > LAYERS[source]:
+                upward[module.removeprefix("ctxrl.")].add(target)
+    return {module: sorted(targets) for module, targets in sorted(upward.items())}
+
+
+def test_every_package_has_a_layer():
+    packages = {package_of(m) for m in modules() if m != "ctxrl"}
+    missing = sorted(packages - set(LAYERS))
+    assert not missing, f"give {missing} a layer in LAYERS (and in docs/architecture.md's table)"
+
+
+def test_imports_point_down_except_the_listed_debt():
+    found = upward_imports()
+    new = {m: t for m, t in found.items() if UPWARD.get(m) != t}
+    gone = {m: t for m, t in UPWARD.items() if m not in found}
+    assert not new, (f"imports that point up a layer (LAYERS): {new}. Move the code to the lower package, pass "
+                     "the object in, or register it by name from the upper package")
+    assert not gone, f"these upward imports are gone: delete them from UPWARD: {gone}"
+
+
+def test_nothing_imports_the_cli():
+    known = modules()
+    users = [m for m, path in known.items() if m not in ("ctxrl.cli", "ctxrl.__main__")
+             and any(n == "ctxrl.cli" or n.startswith("ctxrl.cli.") for n in imported_names(m, path))]
+    assert users == []
+
+
+def test_no_cycle_among_top_level_imports():
+    """Imports at the top of a file (those run when the module loads) form no cycle."""
+    known = modules()
+    graph = {}
+    for module, path in known.items():
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        targets = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+            elif isinstance(node, ast.Import):
+                base = None
+            else:
+                continue
+            names = [a.name for a in node.names] if base is None else [base, *(f"{base}.{a.name}" for a in node.names)]
+            for name in names:
+                while name and name not in known:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    targets.add(name)
+        graph[module] = targets
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return [*path, module, target]
+            if target not in state and (cycle := visit(target, [*path, module])):
+                return cycle
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            assert (cycle := visit(module, [])) is None, f"an import cycle at load time: {' -> '.join(cycle)}"
