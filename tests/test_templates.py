@@ -314,3 +314,37 @@ def test_a_run_that_cannot_train_template_segments_is_warned_at_start_up(tokeniz
         check_template_segments(load_config(None), qwen3)  # grpo, token-mean: segments train
         check_template_segments(load_config(None, ["meta.num_attempts=2", "algo.advantage=meta",
                                                    "env.name=minesweeper"]), qwen3)  # meta trains them too
+
+
+def test_the_turn_end_is_eos_or_the_end_id_the_template_writes():
+    """Gemma's templates close turns with <end_of_turn> while its eos is <eos>: the renderer ends turns with the token
+    the template writes."""
+    from ctxrl.chat.render import turn_end
+
+    vocab = {"<eos>": 1, "<end_of_turn>": 106, "<other>": 7}
+
+    class Tokenizer:
+        def convert_tokens_to_ids(self, token):
+            return vocab[token]
+
+        def convert_ids_to_tokens(self, i):
+            return {v: k for k, v in vocab.items()}.get(i)
+
+    tok = Tokenizer()
+    assert turn_end(tok, "{{ m.content + '<eos>' }}", "<eos>", [106]) == ("<eos>", 1)
+    assert turn_end(tok, "{{ m.content + '<end_of_turn>' }}", "<eos>", [7, 106]) == ("<end_of_turn>", 106)
+    assert turn_end(tok, "{{ m.content }}", "<eos>", [7, 106]) == ("<eos>", 1)  # neither: the checks will say so
+    assert turn_end(tok, "", "<eos>", [106]) == ("<eos>", 1)
+
+
+def test_the_chatml_template_is_the_turns_template_with_chatml_markers():
+    """The tiny models' template (baked into every built tiny model) is unchanged since it became one case of
+    ``turns_template``: its text's hash is the one it had before."""
+    import hashlib
+
+    from ctxrl.chat.template import CHATML_TOOLS_TEMPLATE, GEMMA_TURNS_TEMPLATE, turns_template
+
+    assert CHATML_TOOLS_TEMPLATE == turns_template("<|im_start|>", "<|im_end|>")
+    assert hashlib.sha256(CHATML_TOOLS_TEMPLATE.encode()).hexdigest()[:16] == "e87ad3fca41e8bbf"
+    assert GEMMA_TURNS_TEMPLATE.startswith("{{ bos_token }}") and "<|im_" not in GEMMA_TURNS_TEMPLATE
+    assert GEMMA_TURNS_TEMPLATE.count("<start_of_turn>model") == 2  # the model's turns and the generation prompt

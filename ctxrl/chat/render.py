@@ -101,6 +101,19 @@ class HistoryRewritten(TemplateError):
     """
 
 
+def turn_end(tokenizer: Any, template: str, eos: str, end_ids: list[int]) -> tuple[str, int]:
+    """The text and id of the token that closes assistant turns: ``eos`` where the template writes it (or no
+    template is given), else the first of ``end_ids`` whose token the template writes, else ``eos`` (and the
+    renderer's checks say what is wrong)."""
+    if not template or eos in template:
+        return eos, tokenizer.convert_tokens_to_ids(eos)
+    for i in end_ids:
+        token = tokenizer.convert_ids_to_tokens(i)
+        if token and token in template:
+            return token, i
+    return eos, tokenizer.convert_tokens_to_ids(eos)
+
+
 class ChatRenderer:
     """Renders messages to ids through a HF tokenizer's chat template, incrementally.
 
@@ -128,9 +141,11 @@ class ChatRenderer:
         eos = tokenizer.eos_token
         if eos is None:
             raise TemplateError(f"tokenizer {self.template_name!r} has no eos_token to end assistant turns")
-        self.eos_text: str = eos
-        self.eos_id: int = tokenizer.convert_tokens_to_ids(eos)
-        self.end_ids: tuple[int, ...] = tuple(dict.fromkeys((self.eos_id, *(int(i) for i in end_ids))))
+        eos_id = tokenizer.convert_tokens_to_ids(eos)
+        self.eos_text, self.eos_id = turn_end(tokenizer, self.template_text, eos, [int(i) for i in end_ids])
+        """The token that closes an assistant turn in the template: the tokenizer's eos, or (when the template
+        never writes it) the first of ``end_ids`` that it does write (Gemma: ``<end_of_turn>``, eos ``<eos>``)."""
+        self.end_ids: tuple[int, ...] = tuple(dict.fromkeys((self.eos_id, eos_id, *(int(i) for i in end_ids))))
         """Ids that end an assistant turn: the template's end-of-turn token first, then the model's other end
         ids (``generation_config.json``'s ``eos_token_id``)."""
         # Every special token: the named ones (all_special_tokens) and added tokens marked special that no

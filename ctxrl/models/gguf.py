@@ -135,21 +135,24 @@ def fix_special_tokens(tokenizer, metadata: dict[str, Any]) -> list[str]:
     return fixes
 
 
-def convert(path: str | Path, *, sha256: str | None = None, on_progress: Progress | None = None) -> Path:
+def convert(path: str | Path, *, sha256: str | None = None, on_progress: Progress | None = None,
+            chat_template: str | None = None, end_tokens: tuple[str, ...] = ()) -> Path:
     """The cached checkpoint directory of the GGUF file ``path``, converting it the first time (``sha256``: the
-    file's hash, when the caller has it already)."""
+    file's hash, when the caller has it already). ``chat_template``: the template to save where the file has
+    none; ``end_tokens``: tokens that also end the model's turn (added to its generation config's eos ids). Either
+    makes a cache entry of its own."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise GGUFError(f"GGUF file {str(path)!r} does not exist")
     sha = sha256 or file_sha256(path)
-    target = cache_root() / "gguf" / sha[:16]
+    target = cache_root() / "gguf" / (sha[:16] + _supplied_key(chat_template, end_tokens))
     if _complete(target):
         return target
     require_gguf_support()
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        info = _convert_into(path, tmp, sha, on_progress)
+        info = _convert_into(path, tmp, sha, on_progress, chat_template=chat_template, end_tokens=end_tokens)
         # Several runs started together may convert the same file at once: the first rename wins, the others
         # find a complete entry and drop their own copy. A damaged entry (no manifest) is replaced.
         if not _complete(target):
@@ -164,6 +167,14 @@ def convert(path: str | Path, *, sha256: str | None = None, on_progress: Progres
     if info["fixes"]:
         print(f"ctxrl: corrected the tokenizer of {path.name}: " + "; ".join(info["fixes"]), file=sys.stderr)
     return target
+
+
+def _supplied_key(chat_template: str | None, end_tokens: tuple[str, ...]) -> str:
+    """The cache entry's suffix: none for a plain conversion, else "-" and 8 hex digits of what ctxrl supplies
+    (a changed template converts anew)."""
+    if not chat_template and not end_tokens:
+        return ""
+    return "-" + hashlib.sha256("\0".join([chat_template or "", *end_tokens]).encode()).hexdigest()[:8]
 
 
 def _complete(target: Path) -> bool:
@@ -181,7 +192,8 @@ def _say(on_progress: Progress | None, stage: str, done: int, total: int, line: 
         print(f"ctxrl: {line}", file=sys.stderr, flush=True)
 
 
-def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None) -> dict[str, Any]:
+def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None, *, chat_template: str | None = None,
+                  end_tokens: tuple[str, ...] = ()) -> dict[str, Any]:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -210,6 +222,10 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None)
     template = metadata.get("tokenizer.chat_template")
     if isinstance(template, str) and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
+    supplied = bool(chat_template) and not getattr(tokenizer, "chat_template", None)
+    if supplied:
+        tokenizer.chat_template = chat_template
+    end_ids = [_token_id(tokenizer, token, path) for token in end_tokens]
     # transformers will not save a model it loaded from GGUF: rebuild it from the config without the
     # quantization record and move the (already dequantised) tensors into it.
     config = copy.deepcopy(loaded.config)
@@ -222,6 +238,9 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None)
     if tokenizer.eos_token_id is not None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.config.eos_token_id = tokenizer.eos_token_id
+    if end_ids:  # generation stops on any of them (ctxrl.models.loader.generation_end_ids)
+        first = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        model.generation_config.eos_token_id = list(dict.fromkeys([*first, *end_ids]))
     if tokenizer.pad_token_id is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True)
@@ -238,10 +257,21 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None)
         "name": metadata.get("general.name"),
         "tensor_types": metadata["_tensor_types"],
         "fixes": fixes,
+        "chat_template": "supplied by ctxrl" if supplied else ("from the file" if tokenizer.chat_template else None),
+        "end_tokens": dict(zip(end_tokens, end_ids)),
     }
     (out / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
     _say(on_progress, stage, 3, 3, "")
     return info
+
+
+def _token_id(tokenizer, token: str, path: Path) -> int:
+    """The id of ``token``, which must be one token of the file's vocabulary."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        raise GGUFError(f"{token!r} is not one token of {path.name}'s vocabulary (it encodes to {ids}), so it cannot "
+                        "end the model's turns")
+    return ids[0]
 
 
 def _write_atomic(path: Path, text: str) -> None:

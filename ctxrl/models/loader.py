@@ -15,7 +15,7 @@ from pathlib import Path
 from ctxrl.errors import CtxrlError
 from ctxrl.models.gguf import convert as convert_gguf
 from ctxrl.models.gguf import file_sha256, is_gguf, require_gguf_support
-from ctxrl.models.named import NAMED_MODELS, check_named_file, named_file, named_model
+from ctxrl.models.named import NAMED_MODELS, check_named_file, chunk_files, named_file, named_model
 from ctxrl.models.tiny import TinySpec, tiny_path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -61,8 +61,13 @@ def resolve(name_or_path: str, *, on_progress=None) -> str:
     if named is not None:
         path = named_file(named)
         sha = file_sha256(path)
+        if sha != named.sha256 and named.parts:  # a damaged copy in the cache: join the chunks again
+            path.unlink()
+            path = named_file(named)
+            sha = file_sha256(path)
         check_named_file(named, sha, path)
-        return str(convert_gguf(path, sha256=sha, on_progress=on_progress))
+        return str(convert_gguf(path, sha256=sha, on_progress=on_progress, chat_template=named.chat_template or None,
+                                end_tokens=named.end_tokens))
     if is_gguf(name_or_path):  # (a missing file is convert's error)
         return str(convert_gguf(name_or_path, on_progress=on_progress))
     path = Path(name_or_path).expanduser()
@@ -93,7 +98,10 @@ def check_available(name_or_path: str) -> None:
         return
     named = named_model(name_or_path)
     if named is not None:
-        named_file(named)
+        if named.parts:
+            chunk_files(named)  # (the chunks are joined only when the model is resolved)
+        else:
+            named_file(named)
         require_gguf_support()
         return
     if is_gguf(name_or_path):
