@@ -20,8 +20,9 @@ reproducible across machines, so ``b0`` on two machines is two builds. A run nam
 of one ``collect`` (run again after a failure) is taken from the last of them.
 
 ``report --plots DIR`` draws, per task and model size, held-out success per manager and budget
-(``context-*.png``) and success by the evaluation-time limit (``limits-*.png``), and per task the
-model ladder (``ladder-*.png``).
+(``context-*.png``), success by the evaluation-time limit (``limits-*.png``) and, for
+``env_training.py`` runs, held-out success and tool calls by RL step per arm (``training-*.png``); per task
+the model ladder (``ladder-*.png``).
 
     python experiments/tables.py collect runs/batch --machine h100x4 --out results.json
     python experiments/tables.py report results.json --plots docs/experiments    # markdown on stdout
@@ -548,6 +549,40 @@ def contrasts(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def training_curves(records: list[dict], *, task: str, size: str) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """Per arm (with its variant) of one task and model size: step -> [(held-out success, held-out calls)] over runs,
+    from each run's held-out evaluations (``heldout_curve``: step, success, calls)."""
+    curves: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if r["kind"] == "training" and r["task"] == task and r["size"] == size:
+            for step, success, calls in r.get("heldout_curve") or []:
+                curves[_arm(r["arm"], r.get("variant"))][step].append((success, calls))
+    return curves
+
+
+def plot_training(records: list[dict], path: Path, *, task: str, size: str) -> Path | None:
+    """Held-out success (left) and tool calls per episode (right) by RL step, mean ± SE over runs, one line per arm,
+    for one task and model size."""
+    curves = training_curves(records, task=task, size=size)
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for arm in sorted(curves):
+        steps = sorted(curves[arm])
+        for ax, index in ((left, 0), (right, 1)):
+            stats = [mean_se([pair[index] for pair in curves[arm][s]]) for s in steps]
+            ax.errorbar(steps, [m for m, _ in stats], yerr=[0.0 if math.isnan(se) else se for _, se in stats],
+                        marker="o", capsize=3, label=f"{arm} ({len(curves[arm][steps[-1]])} runs)")
+    left.set_ylim(-0.02, 1.05)
+    left.set_ylabel("held-out success")
+    right.set_ylabel("held-out tool calls / episode")
+    for ax in (left, right):
+        ax.set_xlabel("RL step")
+    fig.suptitle(f"{task}, {size} model: greedy held-out evaluations, mean ± SE over runs", fontsize=9)
+    return _save(fig, right, path)
+
+
 def report(records: list[dict]) -> str:
     parts = []
     if any(r["kind"] == "context" for r in records):
@@ -598,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
             plot_limits(records, args.plots / f"limits-{task}-{size}.png", task=task, size=size)
         for task in sorted({x["task"] for x in records if x["kind"] == "context"}):
             plot_ladder(records, args.plots / f"ladder-{task}.png", task=task)
+        for task, size in sorted({(x["task"], x["size"]) for x in records if x["kind"] == "training"}):
+            plot_training(records, args.plots / f"training-{task}-{size}.png", task=task, size=size)
     return 0
 
 

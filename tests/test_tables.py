@@ -283,6 +283,13 @@ def test_arms_are_compared_with_grpo_at_a_step_both_runs_evaluated(tmp_path):
     text = tables.report(recs)
     assert "| python_math 5.2M (redundant): otc − grpo | first | 15 | 2 | +0.15 ± 0.05 | -1.00 ± 0.00 |" in text
     assert "| python_math 5.2M (redundant): otc − grpo | last | 45, 60 | 2 | +0.00 ± 0.10 | -0.25 ± 0.25 |" in text
+    # the curves the training plot draws: per arm, step -> (success, calls) of every run that evaluated there
+    curves = tables.training_curves(recs, task="python_math", size="5.2M")
+    assert set(curves) == {"grpo redundant", "otc redundant"}
+    assert curves["otc redundant"][15] == [(0.5, 1.0), (0.7, 1.0), (0.7, 1.0)]
+    assert curves["grpo redundant"][60] == [(0.5, 1.0)]
+    assert tables.plot_training(recs, tmp_path / "t.png", task="python_math", size="5.2M").stat().st_size > 0
+    assert tables.plot_training(recs, tmp_path / "none.png", task="search_qa", size="5.2M") is None
 
 
 def test_first_step_keeps_what_rl_met_after_the_warm_start(tmp_path):
