@@ -61,7 +61,7 @@ from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.memory import MemoryPlan, with_learner_tokens
 from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.rewards import shape_rewards
-from ctxrl.train.warm_start import check_demos, context_demos, warm_start
+from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class Trainer:
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
         check_template_segments(config, self.renderer)
+        check_demos_fit(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
         # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
         critic = get_estimator(config.algo.advantage).needs_critic

@@ -12,7 +12,9 @@ kinds can join them:
 - *trial demos* (``sft.trial_demos``): a fraction played as scripted trials, a failed attempt, its
   reflection, the solution (``ctxrl.meta.trial_demos``).
 
-``context_demos`` decides (and says why not), ``warm_start`` builds the demos and trains.
+``context_demos`` decides (and says why not), ``check_demos_fit`` plays a sample of the demos under the
+manager before the model loads (a budget they cannot fit stops the run before any GPU time), ``warm_start``
+builds the demos and trains.
 """
 
 from __future__ import annotations
@@ -65,6 +67,32 @@ def check_demos(config: Any, env_cls: type) -> None:
         raise ConfigError(f"sft.trial_demos={c.trial_demos:g}, but environment {config.env.name!r} has "
                           "no failure(task) and reflection(task, messages) hooks to script a trial; add them "
                           "(docs/meta.md) or set sft.trial_demos = 0")
+
+
+FIT_SAMPLE = 64
+"""Demos ``check_demos_fit`` plays before the model loads."""
+
+
+def check_demos_fit(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, *,
+                    under_manager: bool) -> None:
+    """A config error, before the model loads, when the warm start's demos do not fit the run's context budget.
+
+    Demos played under a context manager (``context_demos``) must fit its working budget
+    (``context.max_context_tokens``, with a turn of ``rollout.max_new_tokens`` free); found only when the warm
+    start builds them, a misfit would stop the run after its model loaded. Here ``FIT_SAMPLE`` of them are played
+    (scripted, no model: about a second) with ``build_demos``'s own error. Issue 31 lost runs on a GPU to this:
+    ``select`` at 384 tokens with SmolLM2's tokenizer leaves a quarter of fact_hunt's demos no room for a turn.
+    """
+    c = config.sft
+    if not c.enabled or not under_manager or c.demos <= 0:
+        return
+    try:
+        asyncio.run(build_demos(env_cls, renderer, min(FIT_SAMPLE, c.demos), shortcut_fraction=c.shortcut_fraction,
+                                redundant_fraction=c.redundant_fraction, seed=Seeds(config.run.seed).warm_start_demos,
+                                other_worlds=c.other_worlds, limits=demo_limits(spec, True)))
+    except RuntimeError as exc:
+        raise ConfigError(f"the warm start's demos do not fit the context budget (found before loading the model, "
+                          f"on {min(FIT_SAMPLE, c.demos)} of them): {exc}") from exc
 
 
 def demo_limits(spec: RolloutSpec, under_manager: bool) -> RolloutLimits | None:

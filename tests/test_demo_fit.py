@@ -1,0 +1,47 @@
+"""Demos that cannot fit the context budget stop the run before its model loads (issue 31 lost GPU runs to a
+budget found too small only after loading: ``select`` at 384 SmolLM2 tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ctxrl.config import load_config
+from ctxrl.errors import ConfigError
+
+
+def config(manager: str, budget: int, *extra: str):
+    return load_config(None, ["model.name=tiny", "env.name=fact_hunt", "env.max_turns=6", f"context.manager={manager}",
+                              f"context.max_context_tokens={budget}", "context.max_summaries=4",
+                              "rollout.max_new_tokens=48", "rollout.max_total_tokens=1024", "sft.demos=100",
+                              "run.progress=false", *extra])
+
+
+def test_a_budget_the_demos_cannot_fit_stops_before_the_model_loads(tmp_path, monkeypatch):
+    from ctxrl.train import trainer
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(trainer.Policy, "load", no_load)
+    with pytest.raises(ConfigError, match=r"do not fit the context budget \(found before loading the model, on 64 of "
+                                          r"them\): demonstration for task fact_hunt-\w+ ended early \(max_context\)"):
+        trainer.Trainer(config("select", 320), tmp_path / "run")
+
+
+def test_demos_that_fit_or_need_no_manager_pass(tmp_path):
+    from ctxrl.envs.registry import get_env_class
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import spec_renderer
+    from ctxrl.train.warm_start import check_demos_fit
+
+    fits = config("summarize", 448)
+    spec = RolloutSpec.from_config(fits)
+    renderer = spec_renderer(spec)
+    env_cls = get_env_class("fact_hunt")
+    check_demos_fit(fits, spec, env_cls, renderer, under_manager=True)  # summaries keep it within 448
+    tight = config("select", 320)
+    check_demos_fit(tight, RolloutSpec.from_config(tight), env_cls, renderer, under_manager=False)  # full-context demos
+    off = config("select", 320, "sft.enabled=false")
+    check_demos_fit(off, RolloutSpec.from_config(off), env_cls, renderer, under_manager=True)  # no warm start
+    with pytest.raises(ConfigError):
+        check_demos_fit(tight, RolloutSpec.from_config(tight), env_cls, renderer, under_manager=True)
