@@ -32,8 +32,6 @@ UPWARD = {
     "envs.hooks": ["rollout"],  # the context managers' demo hooks are looked up on the env class
     "envs.registry": ["serve"],  # names "ctxrl.serve.harness" among its built-ins (the harness environment)
     "models.tiny": ["envs", "train"],  # pre-training data from scripted episodes; the pre-training loss
-    "report.episode_figure": ["engine", "envs", "models", "rollout"],  # plays an episode to draw it
-    "rollout.spec": ["meta"],  # the trial and annealed-demo settings are meta's dataclasses
     "rollout.worker": ["meta", "serve"],  # dispatches trials, annealed demos and the harness runner
 }
 

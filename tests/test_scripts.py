@@ -30,6 +30,7 @@ def script(path: str):
 
 SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/code_shape.py": "tests/test_scripts.py::test_code_shape_counts_what_it_says",
+    "benchmarks/episode_figure.py": "tests/test_scripts.py::test_episode_figure_draws_the_trajectories_picture",
     "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
     "benchmarks/async_rollouts.py": "tests/test_scripts.py::test_async_rollouts_runs_both_arms_on_a_local_ray",
     "benchmarks/data_parallel.py": "tests/test_scripts.py::test_data_parallel_runs_one_and_two_ranks_over_gloo",
@@ -129,6 +130,14 @@ def test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu(tmp_path, capsys)
     assert all((tmp_path / f"run-{i}" / "checkpoints" / "final").is_dir() for i in range(2))
     assert json.loads((tmp_path / "shared.json").read_text())["rows"] == rows
     assert "planned GiB" in capsys.readouterr().out
+
+
+def test_episode_figure_draws_the_trajectories_picture(tmp_path):
+    figure = script("benchmarks/episode_figure.py")
+    episode, decode = figure.scripted_example()
+    assert episode.success and sum(episode.loss_mask) > 0 and 0 in episode.loss_mask  # sampled and context tokens
+    path = figure.main([str(tmp_path / "episode.png")])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_code_shape_counts_what_it_says(tmp_path, capsys):

@@ -91,6 +91,11 @@ class DemoSchedule:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
+    @classmethod
+    def from_spec(cls, spec) -> DemoSchedule:
+        """The schedule a run's ``ctxrl.rollout.spec.DemoSpec`` describes."""
+        return cls(max_demos=spec.max_demos, steps=spec.steps, kind=spec.kind, mode=spec.mode)
+
 
 def _rng(seed: int, step: int, episode_index: int) -> random.Random:
     # A string seed goes through SHA-512: stable across processes and Python runs, unlike hash().

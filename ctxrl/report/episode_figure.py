@@ -1,13 +1,11 @@
 """Draw an episode's tokens coloured by loss mask: trained (sampled) vs context (never trained).
 
-``python -m ctxrl.report.episode_figure OUT.png`` plays one scripted calculator episode with the
-tiny tokenizer and draws it; the picture in docs/trajectories.md is made this way.
+``benchmarks/episode_figure.py OUT.png`` plays one scripted calculator episode with the tiny tokenizer and
+draws it; the picture in docs/trajectories.md is made this way.
 """
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from pathlib import Path
 
 from ctxrl.types import Episode
@@ -60,25 +58,3 @@ def draw_episode(episode: Episode, decode, path: str | Path, *, width_chars: int
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
-
-
-def _scripted_example() -> tuple[Episode, object]:
-    from ctxrl.chat.render import ChatRenderer
-    from ctxrl.engine.scripted import ScriptedEngine
-    from ctxrl.envs.calculator import CalculatorEnv
-    from ctxrl.models.loader import load_tokenizer
-    from ctxrl.rollout.agent import run_episode
-    from ctxrl.rollout.spec import RolloutLimits
-
-    renderer = ChatRenderer(load_tokenizer("tiny"), template_name="tiny")
-    task = CalculatorEnv.sample_tasks("heldout", 1, 3)[0]
-    texts = ["<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expr\": 1}}\n</tool_call>",
-             *CalculatorEnv.solve(task)]
-    episode = asyncio.run(run_episode(CalculatorEnv(), task, ScriptedEngine(texts, renderer), renderer,
-                                      RolloutLimits(max_turns=4, max_new_tokens=256)))
-    return episode, renderer.decode
-
-
-if __name__ == "__main__":
-    episode, decode = _scripted_example()
-    print(draw_episode(episode, decode, sys.argv[1] if len(sys.argv) > 1 else "episode.png"))

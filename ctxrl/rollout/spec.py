@@ -112,12 +112,6 @@ class DemoSpec(PlainData):
     pool_seed: int = 0
     choice_seed: int = 0
 
-    def schedule(self):
-        """The ``DemoSchedule`` these settings describe."""
-        from ctxrl.meta.anneal import DemoSchedule
-
-        return DemoSchedule(max_demos=self.max_demos, steps=self.steps, kind=self.kind, mode=self.mode)
-
 
 @dataclass(frozen=True)
 class RolloutSpec(PlainData):

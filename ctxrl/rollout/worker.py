@@ -146,10 +146,10 @@ class RolloutWorker:
         spec = self.spec.demos
         if request.phase != "train" or spec.max_demos == 0:
             return None
-        from ctxrl.meta.anneal import sample_demos
+        from ctxrl.meta.anneal import DemoSchedule, sample_demos
         from ctxrl.meta.demos import demos_excluding
 
-        pool, schedule = self.demo_pool(), spec.schedule()
+        pool, schedule = self.demo_pool(), DemoSchedule.from_spec(spec)
 
         def choose(i: int, k: int) -> list:  # i: the task's index in the whole request
             candidates = demos_excluding(pool, request.tasks[i - request.task_offset])
