@@ -218,31 +218,8 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None,
                         f"{arch!r}): {exc}. transformers reads GGUF files of the architectures it lists in "
                         "GGUF_SUPPORTED_ARCHITECTURES; convert other files to a safetensors checkpoint first") from exc
     _say(on_progress, stage, 2, 3, "")
-    fixes = fix_special_tokens(tokenizer, metadata)
-    template = metadata.get("tokenizer.chat_template")
-    if isinstance(template, str) and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = template
-    supplied = bool(chat_template) and not getattr(tokenizer, "chat_template", None)
-    if supplied:
-        tokenizer.chat_template = chat_template
-    end_ids = [_token_id(tokenizer, token, path) for token in end_tokens]
-    # transformers will not save a model it loaded from GGUF: rebuild it from the config without the
-    # quantization record and move the (already dequantised) tensors into it.
-    config = copy.deepcopy(loaded.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), assign=True)
-    model.generation_config = copy.deepcopy(loaded.generation_config)
-    if tokenizer.eos_token_id is not None:
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.config.eos_token_id = tokenizer.eos_token_id
-    if end_ids:  # generation stops on any of them (ctxrl.models.loader.generation_end_ids)
-        first = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        model.generation_config.eos_token_id = list(dict.fromkeys([*first, *end_ids]))
-    if tokenizer.pad_token_id is not None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    fixes, supplied, end_ids = _complete_tokenizer(tokenizer, metadata, path, chat_template, end_tokens)
+    model = _savable(loaded, tokenizer, end_ids)
     out.mkdir(parents=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
@@ -263,6 +240,45 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None,
     (out / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
     _say(on_progress, stage, 3, 3, "")
     return info
+
+
+def _complete_tokenizer(tokenizer, metadata: dict[str, Any], path: Path, chat_template: str | None,
+                        end_tokens: tuple[str, ...]) -> tuple[list[str], bool, list[int]]:
+    """Special tokens fixed from the metadata, the file's template (or ``chat_template`` where it has none), and the
+    ids of ``end_tokens``: (the fixes made, whether the template is ctxrl's, those ids)."""
+    fixes = fix_special_tokens(tokenizer, metadata)
+    template = metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    supplied = bool(chat_template) and not getattr(tokenizer, "chat_template", None)
+    if supplied:
+        tokenizer.chat_template = chat_template
+    return fixes, supplied, [_token_id(tokenizer, token, path) for token in end_tokens]
+
+
+def _savable(loaded, tokenizer, end_ids: list[int]):
+    """transformers will not save a model it loaded from GGUF: the same model rebuilt from its config without the
+    quantization record, the (already dequantised) tensors moved in, its generation config ending at the tokenizer's
+    eos and ``end_ids``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.generation_config = copy.deepcopy(loaded.generation_config)
+    if tokenizer.eos_token_id is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+    if end_ids:  # generation stops on any of them (ctxrl.models.loader.generation_end_ids)
+        first = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        model.generation_config.eos_token_id = list(dict.fromkeys([*first, *end_ids]))
+    if tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
 
 
 def _token_id(tokenizer, token: str, path: Path) -> int:

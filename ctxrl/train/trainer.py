@@ -121,8 +121,7 @@ class Trainer:
         check_demos(config, self.env_cls)
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
-        check_template_segments(config, self.renderer)
-        check_demos_fit(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
+        check_before_load(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
         demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
         # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
         critic = get_estimator(config.algo.advantage).needs_critic
@@ -673,6 +672,13 @@ def bounded_micro_batches(config: Config, device: str, progress: Progress, *, cr
     progress.message(f"learner micro-batches of at most {tokens} tokens ({per_token / 2**20:.2f} MiB of activations "
                      f"per token); train.max_tokens_per_microbatch sets another budget")
     return dataclasses.replace(config, train=dataclasses.replace(config.train, max_tokens_per_microbatch=tokens))
+
+
+def check_before_load(config: Config, spec: RolloutSpec, env_cls: type, renderer, *, under_manager: bool) -> None:
+    """What the tokenizer alone can refuse, before the model loads: a template that splits segments where the run
+    needs them whole, and warm-start demos that do not fit the context budget."""
+    check_template_segments(config, renderer)
+    check_demos_fit(config, spec, env_cls, renderer, under_manager=under_manager)
 
 
 def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> MemoryPlan | None:
