@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxrl.errors import CtxrlError
-from ctxrl.models.cache import cache_root
+from ctxrl.models.cache import cache_root, file_sha256
 
 MANIFEST = "ctxrl_gguf.json"
 # Bump when the conversion changes what it writes, so that old entries are converted again.
@@ -75,24 +75,6 @@ def require_gguf_support() -> None:
     if missing:
         raise GGUFError(f"reading GGUF files needs the {' and '.join(missing)} package(s), which are not installed: "
                         "pip install 'ctxrl[gguf]'")
-
-
-def file_sha256(path: Path) -> str:
-    """The file's SHA-256, remembered per (path, size, mtime) so that a multi-GB file is hashed once."""
-    stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    memo = cache_root() / "gguf" / "hashes" / key
-    if memo.exists():
-        value = memo.read_text().strip()
-        if len(value) == 64:
-            return value
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    value = digest.hexdigest()
-    _write_atomic(memo, value)
-    return value
 
 
 def gguf_metadata(path: Path) -> dict[str, Any]:
@@ -289,9 +271,3 @@ def _token_id(tokenizer, token: str, path: Path) -> int:
                         "end the model's turns")
     return ids[0]
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -13,8 +13,9 @@ import dataclasses
 from pathlib import Path
 
 from ctxrl.errors import CtxrlError
+from ctxrl.models.cache import file_sha256
 from ctxrl.models.gguf import convert as convert_gguf
-from ctxrl.models.gguf import file_sha256, is_gguf, require_gguf_support
+from ctxrl.models.gguf import is_gguf, require_gguf_support
 from ctxrl.models.named import NAMED_MODELS, check_named_file, chunk_files, named_file, named_model
 from ctxrl.models.tiny import TinySpec, tiny_path
 

