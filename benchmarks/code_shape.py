@@ -98,18 +98,9 @@ def trainer_constructions(tests: Path) -> tuple[int, int]:
 
 def lazy_cycles() -> list[list[str]]:
     """Strongly connected groups of modules (more than one) through every import in a file."""
-    from test_import_layers import imported_names, modules
+    from test_import_layers import module_graph
 
-    known = modules()
-    graph = {}
-    for module, path in known.items():
-        targets = set()
-        for name in imported_names(module, path):
-            while name and name not in known:
-                name = name.rpartition(".")[0]
-            if name and name != module:
-                targets.add(name)
-        graph[module] = targets
+    graph = module_graph()
     index, low, stack, on_stack, groups = {}, {}, [], set(), []
 
     def connect(v: str) -> None:  # Tarjan's strongly connected components

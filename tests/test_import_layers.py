@@ -48,11 +48,13 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imported_names(module: str, path: Path) -> set[str]:
-    """Every ``ctxrl...`` name the file imports or names as a module string, absolute."""
+def imported_names(module: str, path: Path, *, load_time_only: bool = False) -> set[str]:
+    """Every ``ctxrl...`` name the file imports or names as a module string, absolute (``load_time_only``: only the
+    imports at the top of the file, which run when it loads)."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    tree = ast.parse(path.read_text())
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in tree.body if load_time_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -65,21 +67,33 @@ def imported_names(module: str, path: Path) -> set[str]:
     return {n for n in names if n.startswith("ctxrl.")}
 
 
+def module_graph(*, load_time_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the other ctxrl modules it imports (a name such as ``ctxrl.x.y.Class`` counts as ``ctxrl.x.y``)."""
+    known = modules()
+    graph = {}
+    for module, path in known.items():
+        targets = set()
+        for name in imported_names(module, path, load_time_only=load_time_only):
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
 def package_of(name: str) -> str:
     return name.split(".")[1]
 
 
 def upward_imports() -> dict[str, list[str]]:
-    known = modules()
     upward = defaultdict(set)
-    for module, path in known.items():
+    for module, targets in module_graph().items():
         if module == "ctxrl":
             continue
         source = package_of(module)
-        for name in imported_names(module, path):
-            while name and name not in known:  # "ctxrl.x.y.Class" -> the module "ctxrl.x.y"
-                name = name.rpartition(".")[0]
-            if not name or name == "ctxrl":
+        for name in targets:
+            if name == "ctxrl":
                 continue
             target = package_of(name)
             if target != source and LAYERS[target] > LAYERS[source]:
@@ -103,35 +117,13 @@ def test_imports_point_down_except_the_listed_debt():
 
 
 def test_nothing_imports_the_cli():
-    known = modules()
-    users = [m for m, path in known.items() if m not in ("ctxrl.cli", "ctxrl.__main__")
-             and any(n == "ctxrl.cli" or n.startswith("ctxrl.cli.") for n in imported_names(m, path))]
+    users = [m for m, targets in module_graph().items() if "ctxrl.cli" in targets and m != "ctxrl.__main__"]
     assert users == []
 
 
 def test_no_cycle_among_top_level_imports():
     """Imports at the top of a file (those run when the module loads) form no cycle."""
-    known = modules()
-    graph = {}
-    for module, path in known.items():
-        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-        targets = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-            elif isinstance(node, ast.Import):
-                base = None
-            else:
-                continue
-            names = [a.name for a in node.names] if base is None else [base, *(f"{base}.{a.name}" for a in node.names)]
-            for name in names:
-                while name and name not in known:
-                    name = name.rpartition(".")[0]
-                if name and name != module:
-                    targets.add(name)
-        graph[module] = targets
+    graph = module_graph(load_time_only=True)
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> list[str] | None:
