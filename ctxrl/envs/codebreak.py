@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 
 from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.envs.base import EnvError
+from ctxrl.envs.guesses import GuessBudgetEnv
 from ctxrl.envs.registry import register
-from ctxrl.envs.tool_answer import ToolAnswerEnv
 from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.types import Message, Task
@@ -91,7 +91,7 @@ def _read_note(note: str, length: int) -> tuple[list[str | None], set[str]]:
 
 
 @register("codebreak")
-class CodebreakEnv(ToolAnswerEnv):
+class CodebreakEnv(GuessBudgetEnv):
     """Find a hidden code through the ``guess`` tool's per-position feedback, within ``guesses`` guesses."""
 
     name: ClassVar[str] = "codebreak"
@@ -106,6 +106,7 @@ class CodebreakEnv(ToolAnswerEnv):
                      description="guesses per attempt"),
     ])
     required_data: ClassVar[tuple[str, ...]] = ("code",)
+    hidden: ClassVar[str] = "code"
     names_actions: ClassVar[bool] = True
     generate = staticmethod(generate)
 
@@ -114,12 +115,6 @@ class CodebreakEnv(ToolAnswerEnv):
                      parameters={"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
                      fn=self._guess, timeout_s=5.0)]
 
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        messages = super().reset(task, seed=seed)
-        self._used = 0
-        self._solved = False
-        return messages
-
     def _guess(self, code: str) -> str:
         if self._task is None:
             raise EnvError("guess before reset")
@@ -127,21 +122,9 @@ class CodebreakEnv(ToolAnswerEnv):
         length, symbols = self._task.context["length"], self._task.context["symbols"]
         if len(code) != length or any(not ch.isdigit() or not 1 <= int(ch) <= symbols for ch in code):
             raise ValueError(f"a guess is {length} digits, each 1..{symbols}; got {code!r}")
-        if self._solved:
-            raise ValueError("the code is already found")
-        if self._used >= self._task.context["guesses"]:
-            raise ValueError("no guesses left")
-        self._used += 1
         marks = feedback(self._task.data["code"], code)
-        self._solved = marks == "=" * length  # (a later call of the same turn is refused: a win stays a win)
-        self.note_action(f"guess {code}", failed=not self._solved)
-        left = self._task.context["guesses"] - self._used
+        left = self.spend_guess(f"guess {code}", solved=marks == "=" * length)
         return f"{marks} ({left} guesses left)"
-
-    def tool_outcome(self) -> bool | None:
-        if self._solved:
-            return True
-        return False if self._task is not None and self._used >= self._task.context["guesses"] else None
 
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         return re.sub(r"\s", "", given) == task.data["code"], {}

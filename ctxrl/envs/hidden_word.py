@@ -50,8 +50,8 @@ from typing import Any, ClassVar
 from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.codebreak import feedback
+from ctxrl.envs.guesses import GuessBudgetEnv
 from ctxrl.envs.registry import register
-from ctxrl.envs.tool_answer import ToolAnswerEnv
 from ctxrl.tasks.space import ContextParam, ContextSpace
 from ctxrl.tools.base import Tool
 from ctxrl.types import Message, Task
@@ -214,7 +214,7 @@ def fits_note(word: str, note: str) -> bool:
 
 
 @register("hidden_word")
-class HiddenWordEnv(ToolAnswerEnv):
+class HiddenWordEnv(GuessBudgetEnv):
     """Find a hidden word among the shown candidates through the ``guess`` tool's English feedback."""
 
     name: ClassVar[str] = "hidden_word"
@@ -229,6 +229,7 @@ class HiddenWordEnv(ToolAnswerEnv):
                      description="guesses per attempt"),
     ])
     required_data: ClassVar[tuple[str, ...]] = ("word", "candidates")
+    hidden: ClassVar[str] = "word"
     names_actions: ClassVar[bool] = True
     generate = staticmethod(generate)
 
@@ -238,12 +239,6 @@ class HiddenWordEnv(ToolAnswerEnv):
                      parameters={"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
                      fn=self._guess, timeout_s=5.0)]
 
-    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
-        messages = super().reset(task, seed=seed)
-        self._used = 0
-        self._solved = False
-        return messages
-
     def _guess(self, word: str) -> str:
         if self._task is None:
             raise EnvError("guess before reset")
@@ -251,23 +246,11 @@ class HiddenWordEnv(ToolAnswerEnv):
         candidates = self._task.data["candidates"]
         if word not in candidates:
             raise ValueError(f"a guess must be one of the {len(candidates)} words shown in the task; got {word!r}")
-        if self._solved:
-            raise ValueError("the word is already found")
-        if self._used >= self._task.context["guesses"]:
-            raise ValueError("no guesses left")
-        self._used += 1
-        self._solved = word == self._task.data["word"]  # (a later call of the same turn is refused: a win stays a win)
-        self.note_action(f"guess {word}", failed=not self._solved)
+        left = self.spend_guess(f"guess {word}", solved=word == self._task.data["word"])
         text = describe(word, marks(self._task.data["word"], word))
         if self._solved:
             return text
-        left = self._task.context["guesses"] - self._used
         return f"{text} {left or 'No'} guess{'' if left == 1 else 'es'} left."
-
-    def tool_outcome(self) -> bool | None:
-        if self._solved:
-            return True
-        return False if self._task is not None and self._used >= self._task.context["guesses"] else None
 
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         return given.strip().lower() == task.data["word"], {}
