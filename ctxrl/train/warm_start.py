@@ -87,12 +87,21 @@ def check_demos_fit(config: Any, spec: RolloutSpec, env_cls: type, renderer: Cha
     if not c.enabled or not under_manager or c.demos <= 0:
         return
     try:
-        asyncio.run(build_demos(env_cls, renderer, min(FIT_SAMPLE, c.demos), shortcut_fraction=c.shortcut_fraction,
-                                redundant_fraction=c.redundant_fraction, seed=Seeds(config.run.seed).warm_start_demos,
-                                other_worlds=c.other_worlds, limits=demo_limits(spec, True)))
+        play_demos(config, spec, env_cls, renderer, min(FIT_SAMPLE, c.demos), under_manager=True)
     except RuntimeError as exc:
         raise ConfigError(f"the warm start's demos do not fit the context budget (found before loading the model, "
                           f"on {min(FIT_SAMPLE, c.demos)} of them): {exc}") from exc
+
+
+def play_demos(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, n: int, *,
+               under_manager: bool) -> list[Episode]:
+    """``n`` of the warm start's scripted demos (``sft``'s mix, its seed), played under the run's context manager
+    or with the full context; ``build_demos``'s error when one cannot finish."""
+    c = config.sft
+    return asyncio.run(build_demos(env_cls, renderer, n, shortcut_fraction=c.shortcut_fraction,
+                                   redundant_fraction=c.redundant_fraction,
+                                   seed=Seeds(config.run.seed).warm_start_demos, other_worlds=c.other_worlds,
+                                   limits=demo_limits(spec, under_manager)))
 
 
 def demo_limits(spec: RolloutSpec, under_manager: bool) -> RolloutLimits | None:
@@ -122,11 +131,8 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
         shown = f"{purpose} requests" if purpose else f"{manager.name} solutions"
         warnings.warn(f"environment {config.env.name!r} has no {manager.demo_hooks()} hook: its warm-start demos "
                       f"use the full context and show no {shown} (sft.context_demos=auto)", stacklevel=2)
-    limits = demo_limits(spec, under_manager)
     n_trials = round(c.demos * c.trial_demos)
-    demos = asyncio.run(build_demos(env_cls, renderer, c.demos - n_trials, shortcut_fraction=c.shortcut_fraction,
-                                    redundant_fraction=c.redundant_fraction, seed=seeds.warm_start_demos,
-                                    other_worlds=c.other_worlds, limits=limits))
+    demos = play_demos(config, spec, env_cls, renderer, c.demos - n_trials, under_manager=under_manager)
     if n_trials:
         # the notes say "attempt 2 of K" for the largest K the run plays
         k = max(2, spec.train_meta.num_attempts, spec.eval_meta.num_attempts)
