@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import tarfile
 from pathlib import Path
@@ -203,3 +204,22 @@ def test_a_plan_can_name_a_real_model_which_is_converted_once():
     assert proc.returncode == 0, proc.stderr
     path, last = proc.stdout.split()[-2:]
     assert last == "converted" and (Path(path) / "ctxrl_gguf.json").exists()
+
+
+def test_each_child_gets_one_gpu_and_its_share_of_the_cores():
+    env = batch.child_environment("3", processes=24, cores=64, environ={"PATH": "/bin"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["PATH"] == "/bin"
+    assert all(env[name] == "2" for name in batch.THREAD_VARIABLES)  # 64 cores / 24 processes, rounded down
+    assert batch.child_environment("0", processes=8, cores=2, environ={})["OMP_NUM_THREADS"] == "1"  # never 0
+    mine = batch.child_environment("0", processes=24, cores=64, environ={"OMP_NUM_THREADS": "5"})
+    assert mine["OMP_NUM_THREADS"] == "5" and mine["MKL_NUM_THREADS"] == "2"  # the user's own setting stays
+
+
+def test_a_child_process_sees_its_thread_share(tmp_path):
+    show = "import os; print(os.environ['OMP_NUM_THREADS'])"
+    plan = write_plan(tmp_path, f'[[run]]\nname = "r"\ncmd = "python -c \\"{show}\\""')
+    out = tmp_path / "out"
+    jobs = batch.run_plan(batch.load_plan(plan, out), out, ["0"], per_gpu=1, minutes=1, poll=0.02)
+    assert jobs[0].state == "done"
+    expected = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    assert (out / "runs" / "r" / "log.txt").read_text().strip() == expected
