@@ -23,6 +23,9 @@ What the conversion does, and why:
   bos / eos / unk / pad ids are checked against the GGUF's own metadata
   (``tokenizer.ggml.*_token_id``) and corrected where they differ; each correction is printed and
   kept in ``ctxrl_gguf.json`` beside the checkpoint.
+- **Vocabulary.** transformers 5.17 turns Gemma 3's SentencePiece BPE vocabulary into a Unigram model that
+  splits every word into characters; such a tokenizer is rebuilt as the BPE model the vocabulary implies
+  (``ctxrl.models.gguf_vocab``), and the rebuild is listed with the fixes.
 
 What it does not do: keep the weights quantised (ctxrl trains them), or read GGUF files
 transformers cannot read (its list of architectures is the limit; the error says so).
@@ -43,10 +46,11 @@ from typing import Any
 
 from ctxrl.errors import CtxrlError
 from ctxrl.models.cache import cache_root, file_sha256
+from ctxrl.models.gguf_vocab import repair as repair_vocabulary
 
 MANIFEST = "ctxrl_gguf.json"
 # Bump when the conversion changes what it writes, so that old entries are converted again.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: SentencePiece vocabularies converted to a degenerate Unigram model are rebuilt
 SPECIAL_TOKEN_KEYS = {  # tokenizer attribute -> the GGUF metadata key that says its id
     "bos_token": "tokenizer.ggml.bos_token_id",
     "eos_token": "tokenizer.ggml.eos_token_id",
@@ -200,7 +204,9 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None,
                         f"{arch!r}): {exc}. transformers reads GGUF files of the architectures it lists in "
                         "GGUF_SUPPORTED_ARCHITECTURES; convert other files to a safetensors checkpoint first") from exc
     _say(on_progress, stage, 2, 3, "")
+    tokenizer, rebuilt = repair_vocabulary(tokenizer, path, metadata)
     fixes, supplied, end_ids = _complete_tokenizer(tokenizer, metadata, path, chat_template, end_tokens)
+    fixes = rebuilt + fixes
     model = _savable(loaded, tokenizer, end_ids)
     out.mkdir(parents=True)
     model.save_pretrained(str(out))
