@@ -216,7 +216,7 @@ def test_trainer_logs_the_context_budget_of_a_budgeted_fold(tmp_path):
         trainer = Trainer(_config(f"context.max_context_tokens={budget}", "sft.enabled=false", "env.max_turns=8",
                                   "rollout.tasks_per_step=1", "rollout.group_size=2"), tmp_path / str(budget))
         metrics = {}
-        from ctxrl.train.trainer import Collected
+        from ctxrl.train.collect import Collected
 
         trainer.filter(0, Collected([], [], metrics))
         assert ("context_budget" in metrics) == logged

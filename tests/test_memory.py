@@ -264,7 +264,7 @@ def test_the_learner_gets_the_planned_tokens_unless_the_user_set_some(smollm2):
 
 
 def test_no_plan_on_the_cpu():
-    from ctxrl.train.trainer import memory_plan
+    from ctxrl.train.sizing import memory_plan
 
     assert memory_plan(load_config(None, []), "cpu", engine=True, critic=False) is None
 
@@ -285,7 +285,7 @@ def test_a_capped_run_turns_on_expandable_segments_unless_the_user_configured_th
     so the trainer asks torch for expandable segments; a user's own PYTORCH_CUDA_ALLOC_CONF is left alone."""
     import torch
 
-    from ctxrl.train.trainer import expandable_segments
+    from ctxrl.train.sizing import expandable_segments
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)

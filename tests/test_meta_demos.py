@@ -108,7 +108,7 @@ SMALL = ["model.name=tiny:pretrain_steps=0", "env.name=calculator", "rollout.tas
 
 def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeypatch):
     from ctxrl.rollout.spec import RolloutRequest
-    from ctxrl.train import trainer as loop
+    from ctxrl.train import evaluation
     from ctxrl.train.trainer import Trainer as Run
 
     run = Run(load_config(None, SMALL), tmp_path)
@@ -127,10 +127,10 @@ def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeyp
     for i, task in enumerate(tasks):
         assert all(d.task_id != task.id for d in chooser(0)(i, 1))
     run.worker.engine = Recording(run.worker.engine)
-    early = run.rollout_round(0, 0)
+    early = run.collector.rollout_round(0, 0)
     assert [e.info["demos"] for e in early] == [2, 2, 2, 2]
     assert all(DEMOS_HEADER in run.renderer.decode(e.input_ids) for e in early)
-    late = run.rollout_round(3, 0)
+    late = run.collector.rollout_round(3, 0)
     assert [e.info["demos"] for e in late] == [0, 0, 0, 0]
     assert not any(DEMOS_HEADER in run.renderer.decode(e.input_ids) for e in late)
     engine = run.worker.engine
@@ -143,7 +143,7 @@ def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeyp
         leak = RolloutRequest(tasks=worker.env_cls.sample_tasks(split, n, seed), seed=seed, phase="train")
         return {}, worker.run(leak)  # training settings: the step-0 demos
 
-    monkeypatch.setattr(loop, "evaluate_split", leaky)
+    monkeypatch.setattr(evaluation, "evaluate_split", leaky)
     with pytest.raises(RuntimeError, match="must be zero-shot"):
         run.evaluate(0, splits=("heldout",))
     run.writer.close()

@@ -134,7 +134,7 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
 
     run.update = update
     rollouts = {}
-    original = run.rollout_round
+    original = run.collector.rollout_round
 
     def rollout_round(step, round_):
         rollouts["trials"] = original(step, round_)
@@ -146,7 +146,7 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
             trial.segments = trial.segments[: len(rewards) - 1]
         return rollouts["trials"]
 
-    run.rollout_round = rollout_round
+    run.collector.rollout_round = rollout_round
     row = run.step(0)
     trials = rollouts["trials"]
     assert [t.group_id for t in trials] == [0, 0, 1, 1]

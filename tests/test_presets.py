@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ctxrl.train.collect as collect
 import ctxrl.train.trainer as loop
 from ctxrl.config import load_config
 
@@ -30,7 +31,7 @@ def test_presets_exist():
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
     rng = random.Random(preset.stem)
-    real = loop.shape_rewards
+    real = collect.shape_rewards
 
     def coin_flips(episodes, rc, **kw):
         for e in episodes:
@@ -40,7 +41,7 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
                 e.turns[-1].reward = e.reward
         return real(episodes, rc, **kw)
 
-    monkeypatch.setattr(loop, "shape_rewards", coin_flips)
+    monkeypatch.setattr(collect, "shape_rewards", coin_flips)
     config = load_config(preset, SMALL)
     trainer = loop.Trainer(config, tmp_path / "run")
     trainer.make_learner()
@@ -86,7 +87,7 @@ def test_kl_as_a_reward_penalty(tmp_path, monkeypatch):
 
 def test_turn_level_gae(tmp_path, monkeypatch):
     rng = random.Random(7)
-    real = loop.shape_rewards
+    real = collect.shape_rewards
 
     def coin_flips(episodes, rc, **kw):
         for e in episodes:
@@ -95,7 +96,7 @@ def test_turn_level_gae(tmp_path, monkeypatch):
                 e.turns[-1].reward = e.reward
         return real(episodes, rc, **kw)
 
-    monkeypatch.setattr(loop, "shape_rewards", coin_flips)
+    monkeypatch.setattr(collect, "shape_rewards", coin_flips)
     config = load_config(PRESETS[0].parent / "ppo.toml", [*SMALL, "algo.gae_level=turn"])
     trainer = loop.Trainer(config, tmp_path / "run")
     trainer.make_learner()

@@ -253,7 +253,7 @@ def test_a_real_model_on_the_cpu_gets_micro_batches_its_activations_fit():
     4 GiB of them is 1787 tokens, 1536 in whole 256s. The tiny model, and a budget the user set, are left alone."""
     from ctxrl.config import load_config
     from ctxrl.report.progress import Progress
-    from ctxrl.train.trainer import bounded_micro_batches
+    from ctxrl.train.sizing import bounded_micro_batches
 
     said = []
 

@@ -213,7 +213,7 @@ def test_nan_skips_the_update_with_weights_and_optimizer_untouched(tmp_path):
     run.step(0)  # the optimiser now has state
     params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
     opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
-    episodes = run.rollout_round(1, 0)
+    episodes = run.collector.rollout_round(1, 0)
     metrics = learner.update(learner.collate([TrainSequence.of(e, [float("nan")] * len(e.input_ids))
                                               for e in episodes]))
     assert metrics["skipped"] == 1.0 and learner.skipped_updates == 2  # 2 mini-batches
@@ -457,7 +457,7 @@ def test_a_batch_without_learning_signal_leaves_weights_and_optimizer_untouched(
     run.step(0)
     params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
     opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
-    episodes = run.rollout_round(1, 0)
+    episodes = run.collector.rollout_round(1, 0)
     metrics = learner.update(learner.collate([TrainSequence.of(e, [0.0] * len(e.input_ids)) for e in episodes]))
     assert metrics["no_signal"] == 1.0 and metrics["skipped"] == 0.0
     assert all(torch.equal(params[k], v) for k, v in run.model.named_parameters())

@@ -24,16 +24,10 @@ warm-start policy (off by default), no value function (docs/algorithms.md).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import random
-import signal
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,57 +35,38 @@ import numpy as np
 import torch
 
 from ctxrl.algo.estimators import EstimatorSettings, get_estimator
-from ctxrl.algo.filters import informative_groups, void_turn_free
+from ctxrl.algo.filters import void_turn_free
 from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
-from ctxrl.errors import CheckpointError, ConfigError, CtxrlError
-from ctxrl.eval.evaluate import evaluate_split
+from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.report.progress import Progress
 from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.managers import get_manager
-from ctxrl.rollout.managers.stats import context_stats, scheduled_budget
-from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
-from ctxrl.rollout.summary import summarize
+from ctxrl.rollout.spec import RolloutSpec, spec_engine
 from ctxrl.rollout.worker import RolloutWorker, build_demo_pool, spec_env_class, spec_renderer
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
-from ctxrl.train import checkpoint
+from ctxrl.train import checkpoint, loop
+from ctxrl.train.collect import Collected, Collector, trainable
+from ctxrl.train.evaluation import evaluate_splits
+from ctxrl.train.followers import Followers
 from ctxrl.train.learner import Learner, PPOSettings
+from ctxrl.train.loop import TrainingAborted
 from ctxrl.train.memory import MemoryPlan, with_learner_tokens
 from ctxrl.train.policy import Policy, Reference, export_merged
-from ctxrl.train.rewards import shape_rewards
+from ctxrl.train.sizing import bounded_micro_batches, memory_plan
+from ctxrl.train.step_metrics import error_stats, step_row
 from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
 log = logging.getLogger(__name__)
 
 
-class TrainingAborted(RuntimeError):
-    """The run stopped itself (too many skipped updates, too many errored episodes); the message says why."""
-
-
-class RunStopped(Exception):
-    """The run stopped early on a signal, resumably; ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-@dataclass
-class Collected:
-    """What a step's rollout gave: every episode played, the ones chosen to train on, and its figures."""
-
-    episodes: list[Episode]
-    train: list[Episode]
-    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 class Trainer:
@@ -135,23 +110,12 @@ class Trainer:
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
         self.parallel = parallel
+        self.followers = Followers(parallel)
         """Data-parallel learner ranks (``torchrun``): rank 0 (the leader) does everything else; the others only
         take the leader's rows and update with it (``ctxrl.distributed.data_parallel``)."""
         self.leader = parallel is None or parallel.leader
-        d = config.distributed
-        if not self.leader:  # a follower: no engine, no run directory
-            self.worker = None
-        elif d.backend == "ray":  # rollout actors, each loading the model itself; the weights follow by load_weights
-            from ctxrl.distributed.pool import RayRolloutPool
-
-            self.worker = RayRolloutPool(self.spec, workers=d.rollout_workers, address=d.address or None,
-                                         timeout_s=d.timeout_s)
-        else:
-            sizes = {} if self.memory is None else {"max_batch_size": self.memory.kv_slots,
-                                                     "prefill_tokens": self.memory.prefill_tokens}
-            engine = spec_engine(self.spec, self.policy.engine_model(), self.renderer, **sizes)
-            self.worker = RolloutWorker(self.spec, engine, self.renderer, self.env_cls, demo_pool=demo_pool)
-        self._prefetched: tuple[int, Any] | None = None  # (step, submitted request): asynchronous rollouts
+        self.worker = None if not self.leader else rollout_worker(  # a follower: no engine, no run directory
+            config, self.spec, self.policy, self.renderer, self.env_cls, self.memory, demo_pool)
         self.writer = None
         if self.leader:
             self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
@@ -159,13 +123,11 @@ class Trainer:
             self.writer.write_config(to_toml(config))
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum)
+        self.collector = Collector(self.config, self.worker, self.env_cls, self.curriculum, self.seeds)
         self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config))
         self.manager = get_manager(config.context.manager)
         self.learner: Learner | None = None
         self.consecutive_skips = 0
-
-    def decode(self, ids: list[int]) -> str:
-        return self.renderer.decode(ids)
 
     def close(self) -> None:
         """Stop the rollout workers that live outside this process (Ray actors); in-process ones need nothing."""
@@ -190,143 +152,11 @@ class Trainer:
         ``train.checkpoint_every`` steps and when a signal stops the run.
         """
         if not self.leader:
-            return self.follow()
+            return self.followers.follow(self.policy, self.make_learner)
         try:
-            return self._fit(resume)
+            return loop.run(self, resume)
         finally:
-            self._release_followers()  # (nothing to do in one process)
-
-    def _fit(self, resume: bool) -> dict[str, Any]:
-        config, run_dir = self.config, self.writer.dir
-        started = time.perf_counter()
-        self.progress.message(f"[bold]ctxrl[/bold] run dir {run_dir} | model {config.model.name} on {self.device} | "
-                              f"env {config.env.name}" + (" | resuming" if resume else ""))
-        every = config.train.checkpoint_every
-        summary: dict[str, Any] = {"run_dir": str(run_dir)}
-        with GracefulStop() as stop:
-            if resume:
-                first, before = self._resume()
-            else:
-                if config.sft.enabled:
-                    summary["sft_loss_last"] = self.warm_start()["sft_loss_last"]
-                before = self.evaluate(0)
-                self._start_followers()
-                self.make_learner()
-                first = 0
-                if every:  # the warm start is expensive: resumable from here on
-                    checkpoint.save(self, 0)
-            if self.memory is not None:  # what each run records of its plan (benchmarks/shared_gpu.py reads it)
-                self.writer.log_metrics({"phase": "memory", "step": first, **self.memory.figures()})
-            self.progress.message(("after warm start: " if config.sft.enabled else "before RL: ") + "  ".join(
-                f"{split} {before[split]['success']:.2f}" for split in ("heldout", "ood") if split in before))
-            steps = config.train.steps
-            self.progress.rl_start(f"RL ({config.algo.advantage}, {config.algo.loss})", steps, first)
-            done = first
-            for step in range(first, steps):
-                if stop.signal is not None:
-                    break
-                try:
-                    row = self.step(step)
-                except (TrainingAborted, CtxrlError):
-                    raise
-                except Exception as exc:  # a ctxrl, engine or learner failure: stop with its traceback
-                    _add_note(exc, self._crash_note(step))
-                    raise
-                done = step + 1
-                info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
-                        f"{row['time_step']:.1f}s/step")
-                if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
-                    for split, result in self.evaluate(done, splits=("heldout",)).items():
-                        info += f" | {split} {result['success']:.2f}"
-                if every and done % every == 0:
-                    checkpoint.save(self, done)
-                self.progress.rl_step(info)
-            if stop.signal is not None and done < steps:
-                self._stopped(stop.signal, done, first)
-            after = self.evaluate(steps) if steps else before
-        final = self.save_final("final")
-        self.writer.close()
-        self.close()
-        from ctxrl.report.plots import plot_run
-
-        plots = plot_run(run_dir)
-        summary.update(_summary(before, after))
-        summary.update({"steps": steps, "resumed_from": first if resume else None,
-                        "skipped_updates": self.learner.skipped_updates, "checkpoint": str(final),
-                        "plots": [str(p) for p in plots], "device": self.device,
-                        "wall_seconds": round(time.perf_counter() - started, 1)})
-        return summary
-
-    # -- data-parallel ranks ---------------------------------------------------------------------------
-    def _start_followers(self) -> None:
-        """Tell the follower ranks RL starts, and give them the (warm-started) weights."""
-        if self.parallel is not None:
-            scaler = self.policy.precision.scaler  # (the warm start may have moved the loss scale: rank 0's holds)
-            self.parallel.broadcast_object(("start", None if scaler is None else scaler.state_dict()))
-            self.parallel.broadcast_module(self.model)
-
-    def _release_followers(self) -> None:
-        """Tell the follower ranks the run is over (also when it failed: they would otherwise wait)."""
-        if self.parallel is not None and not getattr(self, "_followers_released", False):
-            self._followers_released = True
-            try:
-                self.parallel.broadcast_object(("stop", None))
-            except Exception as exc:  # noqa: BLE001 - never hide the error that ended the run
-                log.warning("could not tell the follower ranks to stop (%s); torchrun ends them with this rank", exc)
-
-    def follow(self) -> dict[str, Any]:
-        """A follower rank's run: take the leader's weights, then update on the leader's rows until told to stop."""
-        kind, scaler_state = self.parallel.broadcast_object()
-        updates = 0
-        if kind == "start":
-            if scaler_state is not None:
-                self.policy.precision.scaler.load_state_dict(scaler_state)
-            self.parallel.broadcast_module(self.model)
-            self.make_learner()
-            while True:
-                kind, rows = self.parallel.broadcast_object()
-                if kind != "update":
-                    break
-                if rows:
-                    self.learner.update(self.learner.collate(rows))
-                updates += 1
-        return {"follower": True, "rank": self.parallel.rank, "updates": updates}
-
-    def _resume(self) -> tuple[int, dict[str, dict[str, float]]]:
-        self.make_learner()
-        first = checkpoint.resume(self)
-        before = logged_eval(self.writer.dir, 0)
-        if not before:
-            raise CheckpointError(f"{self.writer.dir}/metrics.jsonl has no evaluation of step 0; the log does not "
-                                  "belong to this checkpoint")
-        if first > self.config.train.steps:
-            raise CheckpointError(f"the checkpoint is after step {first}, beyond "
-                                  f"train.steps={self.config.train.steps}; set train.steps >= {first}")
-        self.progress.message(f"resumed from {self.writer.dir / 'checkpoints' / 'latest'} after step {first}")
-        return first, before
-
-    def _crash_note(self, step: int) -> str:
-        """Where to go on from after a failure in RL step ``step`` (0-based)."""
-        root = self.writer.dir / "checkpoints"
-        latest = root / "latest"
-        if latest.exists():
-            return (f"ctxrl: RL step {step + 1} failed; the newest checkpoint is {root / latest.read_text().strip()}: "
-                    f"after fixing the cause, continue with --run-dir {self.writer.dir} --resume")
-        return (f"ctxrl: RL step {step + 1} failed; no checkpoint was written (train.checkpoint_every="
-                f"{self.config.train.checkpoint_every}), so the run cannot be resumed")
-
-    def _stopped(self, signum: int, done: int, first: int) -> None:
-        every, run_dir = self.config.train.checkpoint_every, self.writer.dir
-        if every:
-            if done % every and done > first:  # (done == first: latest already holds this state)
-                checkpoint.save(self, done)
-            hint = f"resume with --run-dir {run_dir} --resume"
-        else:
-            hint = "no checkpoint was written (train.checkpoint_every=0), so it cannot be resumed"
-        self.writer.close()
-        self.close()
-        raise RunStopped(f"stopped by {signal.Signals(signum).name} after step {done} of {self.config.train.steps}; "
-                         f"{hint}", 128 + signum)
+            self.followers.release()  # (nothing to do in one process)
 
     # -- phases of a run -------------------------------------------------------------------------------
     def warm_start(self, on_step=None) -> dict[str, Any]:
@@ -339,7 +169,7 @@ class Trainer:
                                 precision=self.policy.precision)
         self.sync_engine(0)
         self.writer.log_metrics(row)
-        self.writer.log_samples(0, demos[:2], self.decode, phase="sft")
+        self.writer.log_samples(0, demos[:2], self.renderer.decode, phase="sft")
         return row
 
     def evaluate(self, step: int, splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, float]]:
@@ -403,81 +233,9 @@ class Trainer:
         times = {"time_rollout": t_rollout, "time_update": time.perf_counter() - t1}
         return self.log(step, collected, valid, rows, trained_episodes, update, times, t0)
 
-    def rollout_round(self, step: int, round_: int) -> list[Episode]:
-        """One round of ``tasks_per_step`` fresh tasks x ``group_size`` episodes, rewards shaped.
-
-        Round 0 of step ``s`` always draws the same tasks and seeds; later rounds (dynamic
-        sampling) draw new ones, and their group ids follow on from the earlier rounds'.
-        """
-        c = self.config
-        episodes = self.worker.run(self.rollout_request(step, round_))
-        shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
-        return episodes
-
-    def rollout_request(self, step: int, round_: int) -> RolloutRequest:
-        c = self.config
-        n, g = c.rollout.tasks_per_step, c.rollout.group_size
-        tasks = self.curriculum.sample_tasks(self.env_cls, n, self.seeds.tasks(step, round_), step)
-        return RolloutRequest(tasks=tasks, group_size=g, seed=self.seeds.rollout(step, round_), phase="train",
-                              step=step, first_episode=round_ * n * g, group_offset=round_ * n,
-                              max_turns=self.curriculum.max_turns(step, c.env.max_turns),
-                              context_budget=self.context_budget(step))
-
-    def asynchronous_round(self, step: int) -> Collected:
-        """Step ``step``'s episodes, started during the previous step's update, and the next step's started now.
-
-        The actors play the next step's request with the weights they hold until this step's
-        ``load_weights`` reaches them (it queues behind that request), so its episodes are one version
-        old: staleness 1. Episodes more than ``distributed.max_staleness`` versions behind the learner's
-        are dropped (counted in ``stale_dropped``); the decoupled objective corrects the rest.
-        """
-        if self._prefetched is not None and self._prefetched[0] == step:
-            submitted = self._prefetched[1]
-        else:
-            submitted = self.worker.submit(self.rollout_request(step, 0))
-        self._prefetched = None
-        if step + 1 < self.config.train.steps:
-            self._prefetched = (step + 1, self.worker.submit(self.rollout_request(step + 1, 0)))
-        episodes = self.worker.collect(submitted)
-        current, eta = self.worker.policy_version, self.config.distributed.max_staleness
-        kept = [e for e in episodes if current - e.policy_version <= eta]
-        ages = [current - e.policy_version for e in episodes]
-        shape_rewards(kept, self.config.reward, max_total_tokens=self.config.rollout.max_total_tokens)
-        return Collected(kept, kept, {"staleness_mean": sum(ages) / max(len(ages), 1),
-                                      "staleness_max": float(max(ages, default=0)),
-                                      "stale_dropped": float(len(episodes) - len(kept))})
-
-    def context_budget(self, step: int) -> int:
-        """The working-context budget of RL step ``step`` (the budget curriculum, if any)."""
-        c = self.config.context
-        return scheduled_budget(step, final=c.max_context_tokens, start=c.budget_start_tokens, steps=c.budget_steps)
-
     def collect(self, step: int) -> Collected:
-        """Phase 1: play the step's episodes; with dynamic sampling, rounds until enough groups are informative."""
-        c = self.config
-        if c.distributed.max_staleness > 0:
-            return self.asynchronous_round(step)
-        if not c.algo.dynamic_sampling:
-            episodes = self.rollout_round(step, 0)
-            return Collected(episodes, episodes)
-        episodes: list[Episode] = []
-        kept: list[int] = []
-        rounds = 0
-        for round_ in range(1 + c.algo.dynamic_sampling_rounds):
-            batch = self.rollout_round(step, round_)
-            rounds += 1
-            episodes += batch
-            ok = [e for e in batch if trainable(e)]
-            informative = informative_groups([e.reward for e in ok], [e.group_id for e in ok])
-            for g in dict.fromkeys(e.group_id for e, keep in zip(ok, informative) if keep):
-                if len(kept) < c.rollout.tasks_per_step:
-                    kept.append(g)
-            if len(kept) >= c.rollout.tasks_per_step:
-                break
-        chosen = set(kept)
-        return Collected(episodes, [e for e in episodes if e.group_id in chosen],
-                         {"dynamic_sampling_rounds": rounds, "dynamic_sampling_groups_kept": len(kept),
-                          "dynamic_sampling_groups_dropped": rounds * c.rollout.tasks_per_step - len(kept)})
+        """Phase 1: play the step's episodes (``ctxrl.train.collect``)."""
+        return self.collector.collect(step)
 
     def filter(self, step: int, collected: Collected) -> list[Episode]:
         """Phase 2: the curriculum sees the step; errored episodes are logged and left out (too many abort);
@@ -487,10 +245,10 @@ class Trainer:
         metrics.update(self.curriculum.update([e for e in episodes if e.truncation != "error"]))
         metrics["max_turns"] = self.curriculum.max_turns(step, c.env.max_turns)
         if self.manager.keeps_budget(c.context.max_context_tokens):
-            metrics["context_budget"] = self.context_budget(step)
+            metrics["context_budget"] = self.collector.context_budget(step)
         errored = [e for e in episodes if e.truncation == "error"]
         if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
-            self.writer.log_samples(step + 1, errored, self.decode, phase="rl-errored")
+            self.writer.log_samples(step + 1, errored, self.renderer.decode, phase="rl-errored")
         error_rate = len(errored) / max(len(episodes), 1)
         if error_rate > c.rollout.max_error_rate:
             raise TrainingAborted(
@@ -535,8 +293,7 @@ class Trainer:
     def update(self, rows: list[TrainSequence], step: int) -> dict[str, float]:
         """Phase 4: PPO updates on the collated rows; the engine gets the new weights as version ``step + 1``."""
         learner = self.learner
-        if self.parallel is not None:  # the follower ranks train on their shares of the same rows
-            self.parallel.broadcast_object(("update", rows))
+        self.followers.update(rows)  # (data-parallel: the follower ranks train on their shares of the same rows)
         update = learner.update(learner.collate(rows)) if rows else {}
         if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
             self.consecutive_skips += 1
@@ -550,22 +307,11 @@ class Trainer:
             trained_episodes: int, update: dict[str, float], times: dict[str, float], t0: float) -> dict[str, Any]:
         """Phase 5: the step's metrics row and samples; abort after too many skipped updates in a row."""
         c, episodes = self.config, collected.episodes
-        sampled = [x for r in rows for x, m in zip(r.advantages, r.loss_mask) if m]
-        row = {"phase": "rl", "step": step + 1, **summarize(episodes), **_mean_terms(episodes), **collected.metrics,
-               **(context_stats(episodes) if self.manager.rewrites_context else {}),
-               **(self._trial_stats(episodes) if self.spec.train_meta.num_attempts > 1 else {}),
-               **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
-                  if self.spec.demos.max_demos else {}),
-               "trained_episodes": trained_episodes, "trained_sequences": len(rows),
-               "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
-               "advantage_std": float(np.std(sampled)) if sampled else 0.0,
-               "zero_variance_groups": _zero_variance_groups(valid),
-               **update,
-               "tokens": sum(len(s.input_ids) for e in episodes for s in e.sequences()),
-               **times, "time_step": time.perf_counter() - t0, **peak_memory(self.device)}
+        row = step_row(step, collected, valid, rows, trained_episodes, update, times, t0, manager=self.manager,
+                       spec=self.spec, device=self.device)
         self.writer.log_metrics(row)
         if c.run.samples_per_step:
-            self.writer.log_samples(step + 1, episodes[: c.run.samples_per_step], self.decode, phase="rl")
+            self.writer.log_samples(step + 1, episodes[: c.run.samples_per_step], self.renderer.decode, phase="rl")
         if self.consecutive_skips >= c.train.max_consecutive_skips:
             raise TrainingAborted(
                 f"{self.consecutive_skips} RL steps in a row had every update skipped (non-finite loss or gradient "
@@ -573,11 +319,20 @@ class Trainer:
                 "by those steps." + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
         return row
 
-    @staticmethod
-    def _trial_stats(episodes: list[Episode]) -> dict[str, float]:
-        from ctxrl.meta.metrics import trial_stats
 
-        return trial_stats(episodes)
+def rollout_worker(config: Config, spec: RolloutSpec, policy: Policy, renderer, env_cls: type,
+                   memory: MemoryPlan | None, demo_pool: list):
+    """The run's rollout worker: Ray actors that load the model themselves (``distributed.backend = "ray"``; the
+    weights follow by ``load_weights``), or one in this process over an engine with its own copy of the policy,
+    sized by the memory plan where there is one."""
+    d = config.distributed
+    if d.backend == "ray":
+        from ctxrl.distributed.pool import RayRolloutPool
+
+        return RayRolloutPool(spec, workers=d.rollout_workers, address=d.address or None, timeout_s=d.timeout_s)
+    sizes = {} if memory is None else {"max_batch_size": memory.kv_slots, "prefill_tokens": memory.prefill_tokens}
+    engine = spec_engine(spec, policy.engine_model(), renderer, **sizes)
+    return RolloutWorker(spec, engine, renderer, env_cls, demo_pool=demo_pool)
 
 
 def train(config: Config, run_dir: str | Path, *, progress: Progress | None = None,
@@ -632,103 +387,11 @@ def data_parallel(config: Config, resume: bool = False):
     return DataParallel.from_environment(resolve_device(config.model.device))
 
 
-def model_shape(config: Config):
-    """``(hf_config, ModelShape)`` of ``config``'s model, read from its HF config and a ``meta``-device build (no
-    memory), or the reason it cannot be (a LoRA adapter directory, an architecture without the sizes) as a string."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ctxrl.models.loader import resolve
-    from ctxrl.train.memory import ModelShape
-
-    try:
-        hf = AutoConfig.from_pretrained(resolve(config.model.name))
-        with torch.device("meta"):
-            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
-        return hf, ModelShape.from_hf_config(hf, parameters)
-    except Exception as exc:  # noqa: BLE001 - the caller says what goes unsized
-        return str(exc)
-
-
-def bounded_micro_batches(config: Config, device: str, progress: Progress, *, critic: bool) -> Config:
-    """Off CUDA (no memory plan): ``config`` with a token budget per learner micro-batch when
-    ``train.micro_batch_size`` rows of ``rollout.max_total_tokens`` would hold more activations than
-    ``DEFAULT_ACTIVATION_BYTES`` (4 GiB), said once; otherwise, or with the user's own budget, unchanged.
-
-    A real model on a CPU needs it: SmolLM2-135M keeps about 1.9 MB of float32 activations per token, so 32
-    rows of 500 tokens (a summarize warm start's segments) took 24 GB and the kernel killed the run. The tiny
-    models never come near the bound, so their micro-batches stay as configured."""
-    if torch.device(device).type == "cuda" or config.train.max_tokens_per_microbatch > 0:
-        return config
-    found = model_shape(config)
-    if isinstance(found, str):  # nothing to size it by: the micro-batches stay as configured
-        return config
-    from ctxrl.train.memory import RunSizes, activation_bytes_per_token, fitting_tokens
-
-    run = RunSizes.from_config(config, found[1], device_bytes=0, engine=False, critic=critic, kv_tokens_per_slot=0)
-    per_token = activation_bytes_per_token(run)
-    tokens = max(fitting_tokens(run), config.rollout.max_total_tokens)
-    if tokens >= config.train.micro_batch_size * config.rollout.max_total_tokens:
-        return config
-    progress.message(f"learner micro-batches of at most {tokens} tokens ({per_token / 2**20:.2f} MiB of activations "
-                     f"per token); train.max_tokens_per_microbatch sets another budget")
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_tokens_per_microbatch=tokens))
-
-
 def check_before_load(config: Config, spec: RolloutSpec, env_cls: type, renderer, *, under_manager: bool) -> None:
     """What the tokenizer alone can refuse, before the model loads: a template that splits segments where the run
     needs them whole, and warm-start demos that do not fit the context budget."""
     check_template_segments(config, renderer)
     check_demos_fit(config, spec, env_cls, renderer, under_manager=under_manager)
-
-
-def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> MemoryPlan | None:
-    """The run's memory plan on CUDA (``ctxrl.train.memory``), its allocator cap applied; None on the CPU.
-
-    The model's shape comes from its HF config and its parameter count from the model built on the
-    ``meta`` device (no memory), so a run that cannot fit stops before its weights are loaded. A plan
-    that exceeds what the card has free now is a ``ConfigError`` too. ``engine``: the rollout engine
-    lives in this process (not on a follower rank, not in Ray actors).
-    """
-    if torch.device(device).type != "cuda":
-        return None
-    from ctxrl.engine.factory import slot_capacity
-    from ctxrl.train.memory import RunSizes, check_free, plan_memory
-
-    found = model_shape(config)
-    if isinstance(found, str):
-        log.warning("no memory plan for %s (%s): the KV pool and micro-batches keep the config's sizes, and "
-                    "model.gpu_memory_fraction is not applied", config.model.name, found)
-        return None
-    hf, shape = found
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index  # (the cap needs one: "cuda" is not)
-    free, total = torch.cuda.mem_get_info(index)
-    positions = min(config.rollout.max_total_tokens, getattr(hf, "max_position_embeddings", None) or 10**9)
-    plan = plan_memory(RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
-                                            kv_tokens_per_slot=slot_capacity(positions)))
-    check_free(plan, free)
-    if plan.capped:
-        torch.cuda.set_per_process_memory_fraction(plan.budget_bytes / total, index)
-        expandable_segments()
-    return plan
-
-
-def expandable_segments() -> bool:
-    """Let torch's allocator grow segments in place (less fragmentation: under a cap it counts against the run,
-    ``ctxrl.train.memory.CAPPED_HEADROOM``), unless the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF``).
-    True when it was turned on here."""
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    return True
-
-
-def peak_memory(device: str) -> dict[str, float]:
-    """``peak_gpu_gib``: the most device memory torch's allocator has reserved so far (what the card sees of it,
-    without the CUDA context); nothing on the CPU."""
-    if torch.device(device).type != "cuda":
-        return {}
-    return {"peak_gpu_gib": torch.cuda.max_memory_reserved(torch.device(device)) / 2**30}
 
 
 def check_template_segments(config: Config, renderer) -> None:
@@ -775,29 +438,6 @@ def prepare_model(name: str, progress: Progress) -> None:
     resolve(name, on_progress=progress.stage)
 
 
-def evaluate_splits(worker: RolloutWorker, config: Config, writer: RunWriter, step: int,
-                    splits: tuple[str, ...] = SPLITS, progress: Progress | None = None) -> dict[str, dict[str, float]]:
-    """Evaluate ``splits`` with ``worker`` and log each (``ctxrl eval`` and the trainer)."""
-    results = {}
-    trials = config.meta.eval_trials
-    for split in splits:
-        t0 = time.perf_counter()
-        name = f"evaluation (step {step}, {split})"
-        summary, episodes = evaluate_split(worker, split, config.eval.tasks, seed=config.eval.seed,
-                                           trials_per_task=trials,
-                                           on_episode=None if progress is None else
-                                           lambda done, total, name=name: progress.stage(name, done, total))
-        if any(e.info.get("demos") for e in episodes):
-            raise RuntimeError("an evaluation episode was shown demonstrations; evaluation must be zero-shot")
-        summary["seconds"] = time.perf_counter() - t0
-        if get_manager(config.context.manager).rewrites_context:
-            summary.update(context_stats(episodes))
-        writer.log_metrics({"phase": "eval", "step": step, "split": split, **summary})
-        writer.log_samples(step, episodes[:2], worker.renderer.decode, phase=f"eval-{split}")
-        results[split] = summary
-    return results
-
-
 def estimator_settings(config: Config) -> EstimatorSettings:
     a, m = config.algo, config.meta
     return EstimatorSettings(gamma=a.gamma, lam=a.lam, gae_level=a.gae_level, credit=m.credit,
@@ -829,31 +469,6 @@ def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token
     return rows, sums["kl"] / max(sums["tokens"], 1.0)
 
 
-def error_stats(episodes: list[Episode]) -> dict[str, float]:
-    """Errored episodes by kind (``errors_constructor`` ... ``errors_deadline``), and what the deadline dropped.
-
-    A deadline cuts long episodes first, so the episodes left to train on are biased short:
-    ``deadline_dropped_tokens_mean`` (tokens an episode held when its deadline fired) next to
-    ``kept_tokens_mean`` (tokens of the episodes that finished) shows by how much.
-    """
-    from ctxrl.rollout.agent import ERROR_KINDS
-
-    errored = [e for e in episodes if e.truncation == "error"]
-    out: dict[str, float] = {f"errors_{kind}": float(sum(e.info.get("error_kind") == kind for e in errored))
-                             for kind in ERROR_KINDS}
-    out["deadline_episodes"] = out["errors_deadline"]
-    dropped = [e for e in errored if e.info.get("error_kind") == "deadline"]
-    if dropped:
-        kept = [e for e in episodes if e.truncation != "error"]
-
-        def tokens(e: Episode) -> int:
-            return sum(len(s.input_ids) for s in e.sequences())
-
-        out["deadline_dropped_tokens_mean"] = sum(map(tokens, dropped)) / len(dropped)
-        out["kept_tokens_mean"] = sum(map(tokens, kept)) / len(kept) if kept else 0.0
-    return out
-
-
 def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
     """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
 
@@ -864,92 +479,3 @@ def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
         counts[e.group_id] = counts.get(e.group_id, 0) + 1
     kept = [e for e in episodes if counts[e.group_id] >= 2]
     return kept, len(episodes) - len(kept)
-
-
-def trainable(e: Episode) -> bool:
-    """Not errored, and something was sampled in it."""
-    return e.truncation != "error" and any(any(s.loss_mask) for s in e.sequences())
-
-
-def logged_eval(run_dir: Path, step: int) -> dict[str, dict[str, float]]:
-    """The evaluation rows of ``step`` in ``metrics.jsonl``, by split (for a resumed run's summary)."""
-    rows: dict[str, dict[str, float]] = {}
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("phase") == "eval" and row.get("step") == step:
-                rows[row["split"]] = row
-    return rows
-
-
-class GracefulStop:
-    """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT abandons it)."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # asked twice: abandon the step now
-        self.signal = signum
-        # os.write, not print: a handler that prints can hit a print already in progress
-        os.write(2, f"\nctxrl: {signal.Signals(signum).name} received: stopping after this step "
-                    "(Ctrl-C again abandons it)\n".encode())
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    """Attach ``note`` to the traceback ``exc`` will print (Python 3.11+), or print it now."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # pragma: no cover - Python 3.10
-        print(note, file=sys.stderr)
-
-
-def _summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """The before/after figures of a run's summary (None for a split the environment has no tasks for)."""
-
-    def get(results: dict, split: str, key: str) -> float | None:
-        return results[split][key] if split in results else None
-
-    out: dict[str, Any] = {}
-    for split in SPLITS:
-        out[f"{split}_success_before"] = get(before, split, "success")
-        out[f"{split}_success_after"] = get(after, split, "success")
-    for split in ("heldout", "ood"):  # generalisation gap: success on the training distribution minus the split's
-        train, other = get(after, "train", "success"), get(after, split, "success")
-        out[f"gap_{split}_after"] = None if train is None or other is None else train - other
-    source = "heldout" if "heldout" in after else "train"
-    out["tool_calls_before"] = get(before, source, "tool_calls")
-    out["tool_calls_after"] = get(after, source, "tool_calls")
-    for split in ("heldout", "ood"):  # trials at evaluation (meta): success by the last attempt, next to attempt 1's
-        if "trial_success" in after.get(split, {}):
-            out[f"{split}_trial_success_before"] = before[split].get("trial_success")
-            out[f"{split}_trial_success_after"] = after[split]["trial_success"]
-    return out
-
-
-def _mean_terms(episodes: list[Episode]) -> dict[str, float]:
-    """Mean of each shaped reward term (``info["reward_terms"]``) over all of a step's episodes."""
-    sums: dict[str, float] = {}
-    for e in episodes:
-        for k, v in e.info.get("reward_terms", {}).items():
-            sums[k] = sums.get(k, 0.0) + v
-    return {k: v / len(episodes) for k, v in sums.items()}
-
-
-def _zero_variance_groups(episodes: list[Episode]) -> int:
-    by_group: dict[int, set[float]] = {}
-    for e in episodes:
-        by_group.setdefault(e.group_id, set()).add(e.reward)
-    return sum(1 for rewards in by_group.values() if len(rewards) == 1)
