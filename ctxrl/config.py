@@ -18,7 +18,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +31,12 @@ from ctxrl.plugins import import_plugins
 from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
 
 __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
+
+# A field whose value may differ between a checkpoint and the run resuming it (``--resume``): it changes how long
+# the run goes on, what it logs or evaluates, the warm start (already done), how the same maths is split into
+# micro-batches, or where rollouts run; never what a step computes. A section whose every field is so says
+# ``resumable: ClassVar[bool] = True``. ``resumable_keys`` collects them; ``train.checkpoint`` compares the rest.
+RESUMABLE = {"resumable": True}
 
 # Keys that were renamed: an old config naming one is read under the new name, with a warning.
 RENAMED = {"meta.context": "meta.carry"}
@@ -48,7 +54,7 @@ class ModelConfig:
     float32 master weights of what trains (docs/precision.md)."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``."""
-    gpu_memory_fraction: float = 0.0
+    gpu_memory_fraction: float = field(default=0.0, metadata=RESUMABLE)
     """Share of the CUDA device's total memory this run may use, for several runs on one card: torch's allocator
     is capped at it (less the CUDA context) and the fast engine's KV pool, its prefill chunk and the learner's
     tokens per micro-batch are sized to fill it. 0 = no cap: the run plans what it needs, with micro-batches of
@@ -113,13 +119,13 @@ class RolloutConfig:
     """Which engine samples: ``hf`` (batched HF forward passes, the CPU and reference engine), ``fast`` (continuous
     batching over a slot KV cache with prefix reuse and CUDA graphs; Llama, Qwen2/2.5/3 and Mistral layouts, no
     LoRA) or ``auto`` (``fast`` on CUDA where it can run this model, else ``hf``). See docs/engine.md."""
-    sandbox_workers: int = 8
+    sandbox_workers: int = field(default=8, metadata=RESUMABLE)
     """Most sandboxed Python interpreters (the ``python`` tool) running at once in a rollout worker, each allowed
     its memory limit (512 MB); calls beyond it wait for a free one, within their tool timeout."""
-    episode_timeout_s: float = 300.0
+    episode_timeout_s: float = field(default=300.0, metadata=RESUMABLE)
     """Wall-clock deadline of one episode (environment set-up, model time, tool time); past it the
     episode is marked errored (``deadline``) and left out of the loss. 0 = no deadline."""
-    max_error_rate: float = 0.5
+    max_error_rate: float = field(default=0.5, metadata=RESUMABLE)
     """Abort the run when more than this fraction of a step's episodes errored (crash or deadline)."""
 
 
@@ -138,7 +144,7 @@ class ContextConfig:
     max_summaries: int = 2
     """Summaries (``select``: selections) an episode may make in training; past them an over-budget episode ends
     (``max_context``)."""
-    eval_max_summaries: int = 2
+    eval_max_summaries: int = field(default=2, metadata=RESUMABLE)
     """Summaries (``select``: selections) allowed at evaluation (test-time scaling: may exceed max_summaries)."""
     summary_max_tokens: int = 64
     """Tokens one summary (``select``: one reply naming the turns to keep) may take."""
@@ -161,10 +167,10 @@ class MetaConfig:
     num_attempts: int = 1
     """Attempts per trial in training (1 = off: single-episode RL). A trial is up to K attempts at one task, with
     the environment's feedback (and a reflection) between them; above 1 it needs algo.advantage=meta."""
-    eval_attempts: int = 0
+    eval_attempts: int = field(default=0, metadata=RESUMABLE)
     """Attempts per trial at evaluation (0 = num_attempts). Above 1 evaluation plays greedy trials and logs
     success_at_k / success_by_k; its ``success`` stays attempt 1's (zero-shot, as a single episode)."""
-    eval_trials: int = 1
+    eval_trials: int = field(default=1, metadata=RESUMABLE)
     """Trials per task at evaluation; pass@k of independent first attempts needs at least k (and
     eval.temperature > 0: greedy trials of one task are identical)."""
     gamma_trial: float = 1.0
@@ -210,6 +216,8 @@ class MetaConfig:
 
 @dataclass
 class SFTConfig:
+    resumable: ClassVar[bool] = True  # every field may change on --resume (RESUMABLE)
+
     enabled: bool = True
     """Warm-start with supervised fine-tuning on the environment's scripted solutions."""
     demos: int = 2000
@@ -328,7 +336,7 @@ class RewardConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 40
+    steps: int = field(default=40, metadata=RESUMABLE)
     """RL steps (each: rollout, advantages, updates)."""
     lr: float = 1e-4
     """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
@@ -343,39 +351,39 @@ class TrainConfig:
     """Passes over each rollout batch."""
     mini_batches: int = 2
     """Optimiser steps per pass (the batch is split into this many mini-batches)."""
-    micro_batch_size: int = 32
+    micro_batch_size: int = field(default=32, metadata=RESUMABLE)
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    eval_every: int = 10
+    eval_every: int = field(default=10, metadata=RESUMABLE)
     """Evaluate on held-out tasks every N steps (0 = only at the end)."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata=RESUMABLE)
     """Save a resumable checkpoint every N RL steps (0 = only the final weights, not resumable)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = field(default=3, metadata=RESUMABLE)
     """Resumable step checkpoints kept (the oldest are deleted; 0 = keep all)."""
-    max_consecutive_skips: int = 5
+    max_consecutive_skips: int = field(default=5, metadata=RESUMABLE)
     """Abort after this many RL steps in a row whose every update was skipped (non-finite loss or gradient)."""
     master_weights: str = "float32"
     """What the optimiser updates: ``float32`` (with model.dtype bfloat16/float16, AdamW keeps float32 master copies
     of the trained weights and float32 moments, rounds them into the model after each step, and float16 gets loss
     scaling) or ``model`` (AdamW updates the model.dtype weights directly: bf16 loses small updates;
     docs/precision.md)."""
-    max_tokens_per_microbatch: int = 0
+    max_tokens_per_microbatch: int = field(default=0, metadata=RESUMABLE)
     """Token budget of one forward/backward: micro-batches are packed by length so that rows x longest row stays
     within it (and at most micro_batch_size rows); 0 = micro_batch_size rows at a time."""
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: int = field(default=1024, metadata=RESUMABLE)
     """Log-probs and entropy are computed from the final hidden states in chunks of this many positions, only
     where the loss needs them, so full-vocabulary logits are never held for a whole sequence (gradients equal
     the full computation); 0 = the model's full logits."""
-    pack_sequences: bool = False
+    pack_sequences: bool = field(default=False, metadata=RESUMABLE)
     """Run the policy's forward and backward passes on sequences packed without padding (several per row, each
     with its own positions and a block-diagonal mask; docs/performance.md). The loss is computed as without
     packing; it saves the compute spent on padding when a micro-batch's lengths differ."""
-    flat_forward: str = "auto"
+    flat_forward: str = field(default="auto", metadata=RESUMABLE)
     """The learner's forward pass: ``auto`` (on CUDA, for Llama-layout models: Llama, Qwen2/2.5/3, Mistral) runs the
     micro-batch's sequences laid end to end without padding through ctxrl's own decoder forward (variable-length
     flash attention, compiled norms and activations; checked against the HF forward pass once), else HF's forward
     pass; ``on`` forces it (an error if the model cannot), ``off`` always uses HF's. Same loss and gradients up to
     kernel rounding (docs/performance.md)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = field(default=False, metadata=RESUMABLE)
     """Recompute each layer's activations in the backward pass instead of keeping them: less memory, ~30% more
     compute."""
 
@@ -392,12 +400,14 @@ class LoRAConfig:
     target_modules: str = "all-linear"
     """Modules that get adapters: ``all-linear`` (every linear layer but the output head) or comma-separated
     module names (``q_proj,k_proj,v_proj,o_proj``)."""
-    export_merged: bool = True
+    export_merged: bool = field(default=True, metadata=RESUMABLE)
     """Also write the base with the adapters merged in (``checkpoints/final-merged``), ready to serve."""
 
 
 @dataclass
 class EvalConfig:
+    resumable: ClassVar[bool] = True  # every field may change on --resume (RESUMABLE)
+
     tasks: int = 100
     """Tasks per split for evaluation."""
     temperature: float = 0.0
@@ -408,21 +418,23 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "run"
+    name: str = field(default="run", metadata=RESUMABLE)
     """Run name; the run directory defaults to ``runs/<name>-<timestamp>``."""
     seed: int = 0
     """Seed for tasks, sampling and initialisation."""
-    progress: bool = True
+    progress: bool = field(default=True, metadata=RESUMABLE)
     """Show a live progress bar."""
-    plugins: str = ""
+    plugins: str = field(default="", metadata=RESUMABLE)
     """Comma-separated modules imported before the configuration is checked: where your own environments, context
     managers and estimators register themselves (looked up on PYTHONPATH and in the working directory)."""
-    samples_per_step: int = 4
+    samples_per_step: int = field(default=4, metadata=RESUMABLE)
     """Decoded episodes written to samples.jsonl per step."""
 
 
 @dataclass
 class ReportConfig:
+    resumable: ClassVar[bool] = True  # every field may change on --resume (RESUMABLE)
+
     sinks: str = "jsonl"
     """Where metrics go, comma-separated: ``jsonl`` (metrics.jsonl and samples.jsonl, always), ``tensorboard``
     (RUN/tensorboard; needs ``pip install 'ctxrl[tensorboard]'``) and ``wandb`` (RUN/wandb; ``ctxrl[wandb]``)."""
@@ -434,19 +446,19 @@ class ReportConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: str = "none"
+    backend: str = field(default="none", metadata=RESUMABLE)
     """Where rollouts run: ``none`` (in this process) or ``ray`` (``rollout_workers`` Ray actors, each with its
     own engine; ``ctxrl train --distributed ray``; needs ``pip install 'ctxrl[ray]'``; docs/scaling.md)."""
-    rollout_workers: int = 2
+    rollout_workers: int = field(default=2, metadata=RESUMABLE)
     """Ray rollout actors; a request's tasks are split among them (the episodes are those of one process)."""
-    address: str = ""
+    address: str = field(default="", metadata=RESUMABLE)
     """Ray cluster to join (``ray start --head`` prints it; ``auto`` finds a local one); empty: a local Ray."""
     max_staleness: int = 0
     """How many policy versions older than the learner's an episode may be (eta). 0: synchronous on-policy
     training. 1: the next step's rollouts are generated while this step trains (needs
     ``algo.old_logprobs = "recompute"``: the decoupled PPO objective); episodes older than eta are dropped and
     counted."""
-    timeout_s: float = 600.0
+    timeout_s: float = field(default=600.0, metadata=RESUMABLE)
     """Longest wait for a rollout worker (a request, a weight load, a restart) before the run stops."""
 
 
@@ -850,6 +862,23 @@ def _toml_value(value: Any) -> str:
     return f'"{text}"'
 
 
+def resumable_keys() -> frozenset[str]:
+    """``section.field`` of every setting that may change on ``--resume`` (``RESUMABLE``)."""
+    return frozenset(f"{section}.{f.name}" for section, cls in _section_types().items() for f in dataclasses.fields(cls)
+                     if getattr(cls, "resumable", False) or f.metadata.get("resumable", False))
+
+
+def resumable_summary() -> str:
+    """``resumable_keys`` for a message: a section whose every field is resumable as ``section.*``."""
+    names = []
+    for section, cls in _section_types().items():
+        if getattr(cls, "resumable", False):
+            names.append(f"{section}.*")
+        else:
+            names += [f"{section}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("resumable", False)]
+    return ", ".join(names)
+
+
 def describe_fields() -> list[tuple[str, str, Any, str]]:
     """(key, type, default, docstring) of every field, from the docstrings under each field."""
     import ast
@@ -868,7 +897,10 @@ def describe_fields() -> list[tuple[str, str, Any, str]]:
             hint = hints[f.name]
             name = hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            out.append((f"{section}.{f.name}", name, default, docs.get(f.name, "")))
+            doc = docs.get(f.name, "")
+            if getattr(cls, "resumable", False) or f.metadata.get("resumable", False):
+                doc = doc.rstrip() + " May change on `--resume`."
+            out.append((f"{section}.{f.name}", name, default, doc))
     return out
 
 

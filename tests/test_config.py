@@ -178,3 +178,35 @@ def test_configuration_doc_is_generated_from_the_code() -> None:
 
     doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     assert fields_markdown() in doc, "regenerate docs/configuration.md with `python -m ctxrl.config`"
+
+
+def test_the_resumable_settings_are_marked_where_they_are_declared():
+    from ctxrl.config import describe_fields, resumable_keys, resumable_summary
+
+    # the hand-kept list the marks replaced (train/checkpoint.py's RESUMABLE_CHANGES; "x." is a whole section)
+    old = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+           "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
+           "context.eval_max_summaries", "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.",
+           "meta.eval_attempts", "meta.eval_trials", "report.", "run.plugins", "rollout.sandbox_workers",
+           "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
+           "train.gradient_checkpointing", "train.pack_sequences", "train.flat_forward", "model.gpu_memory_fraction",
+           "lora.export_merged", "distributed.backend", "distributed.rollout_workers", "distributed.address",
+           "distributed.timeout_s")
+    fields = describe_fields()
+    expected = {k for k, *_ in fields if any(k == r or (r.endswith(".") and k.startswith(r)) for r in old)}
+    assert resumable_keys() == expected and len(expected) == 43
+    for key, _, _, doc in fields:  # the configuration reference says which
+        assert doc.endswith("May change on `--resume`.") == (key in expected), key
+    assert {"model.dtype", "train.lr", "algo.advantage", "lora.rank"}.isdisjoint(resumable_keys())
+    assert "sft.*" in resumable_summary() and "sft.demos" not in resumable_summary()
+
+
+def test_a_resumed_run_compares_only_the_settings_not_marked_resumable():
+    from ctxrl.train.checkpoint import config_differences
+
+    saved = load_config(None, [])
+    resumable = load_config(None, ["train.steps=80", "sft.demos=7", "eval.tasks=3", "report.sinks=jsonl,tensorboard",
+                                   "distributed.timeout_s=5"])
+    assert config_differences(saved, resumable) == []
+    changed = load_config(None, ["train.steps=80", "train.lr=0.5", "algo.clip_low=0.1"])
+    assert config_differences(saved, changed) == ["algo.clip_low: 0.2 -> 0.1", "train.lr: 0.0001 -> 0.5"]

@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ctxrl.config import Config, load_config, to_toml
+from ctxrl.config import Config, load_config, resumable_keys, resumable_summary, to_toml
 from ctxrl.errors import CheckpointError
 from ctxrl.report.writer import LogRewindError
 from ctxrl.train.checkpoint_io import (
@@ -40,31 +40,16 @@ if TYPE_CHECKING:
     from ctxrl.train.trainer import Trainer
 
 FORMAT = 1
-# Config keys that may differ between a checkpoint and the run resuming it: they change how long
-# the run goes on, what it logs or evaluates, or the warm start (already done), never a step.
-RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-                     "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
-                     "context.eval_max_summaries", "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.",
-                     "eval.", "meta.eval_attempts", "meta.eval_trials", "report.", "run.plugins",
-                     "rollout.sandbox_workers",
-                     # memory settings: the same maths, split differently (float sums may round differently)
-                     "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
-                     "train.gradient_checkpointing", "train.pack_sequences", "train.flat_forward",
-                     "model.gpu_memory_fraction",
-                     "lora.export_merged",
-                     # where rollouts run: the same episodes
-                     "distributed.backend", "distributed.rollout_workers", "distributed.address",
-                     "distributed.timeout_s")
-
-
 def config_differences(saved: Config, current: Config) -> list[str]:
-    """``key: saved -> current`` for every setting that differs and matters to a resumed step."""
+    """``key: saved -> current`` for every setting that differs and matters to a resumed step (the others are
+    marked resumable in ``ctxrl.config``: ``RESUMABLE``)."""
+    resumable = resumable_keys()
     out = []
     a, b = saved.to_dict(), current.to_dict()
     for section, fields in a.items():
         for key, value in fields.items():
             name = f"{section}.{key}"
-            if any(name == r or (r.endswith(".") and name.startswith(r)) for r in RESUMABLE_CHANGES):
+            if name in resumable:
                 continue
             if b[section][key] != value:
                 out.append(f"{name}: {value!r} -> {b[section][key]!r}")
@@ -204,5 +189,5 @@ def resume_hint(run_dir: Path, checkpoint_every: int) -> str:
         why = "train.checkpoint_every=0" if not checkpoint_every else "none was written before the problem began"
         return f" No checkpoint from before the problem is available ({why})."
     return (f" The last good checkpoint is {good[-1]}: point {root / 'latest'} at it (its name on one line), "
-            f"fix the cause and resume with --resume (settings that may change: {', '.join(RESUMABLE_CHANGES)}; "
+            f"fix the cause and resume with --resume (settings that may change: {resumable_summary()}; "
             "any other change needs a new run).")
