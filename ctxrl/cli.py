@@ -349,78 +349,108 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ctxrl.chat.formats import format_names
-
     parser = argparse.ArgumentParser(prog="ctxrl", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ctxrl {_version()}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of errors that are otherwise one line (also CTXRL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # (in this order in `ctxrl --help`)
+    _add_demo_parser(sub)
+    _add_train_parser(sub)
+    _add_eval_parser(sub)
+    _add_config_parser(sub)
+    _add_merge_parser(sub)
+    _add_serve_parser(sub)
+    _add_envs_parser(sub)
+    _add_check_env_parser(sub)
+    return parser
 
-    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=description, allow_abbrev=False,
-                           epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
-        # --debug after the command as well as before it (`ctxrl train X --debug`)
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        return p
 
-    def overrides(p: argparse.ArgumentParser) -> None:
-        p.add_argument("overrides", nargs="*", metavar="section.field=value",
-                       help="config overrides, e.g. train.steps=10 model.dtype=bfloat16 (they may follow the options)")
+def _command(sub: argparse._SubParsersAction, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``'s parser, its example (``EXAMPLES``) as the epilog."""
+    p = sub.add_parser(name, help=help, description=description, allow_abbrev=False,
+                       epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --debug after the command as well as before it (`ctxrl train X --debug`)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return p
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--run-dir", help="run directory (default runs/<run.name>-<time>); new unless --resume")
-        p.add_argument("--steps", type=int, help="RL steps (the same as train.steps=N)")
-        p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
-        p.add_argument("--distributed", choices=("none", "ray"),
-                       help="where rollouts run (the same as distributed.backend=...; docs/scaling.md)")
-        overrides(p)
 
-    demo = command("demo", "train the tiny model (or a named real one) on the calculator env and show it improve",
-                   "The default configuration on the locally built tiny model (built once, a few minutes on a "
-                   "CPU): warm start, evaluation, 40 GRPO steps, evaluation, a before/after table. With --model "
-                   "smollm2-135m-instruct: the real SmolLM2-135M-Instruct with its preset (examples/models/), "
-                   "smaller on a CPU (docs/real-models.md).")
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", metavar="section.field=value",
+                   help="config overrides, e.g. train.steps=10 model.dtype=bfloat16 (they may follow the options)")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of a command that trains (``demo``, ``train``), and its overrides."""
+    p.add_argument("--run-dir", help="run directory (default runs/<run.name>-<time>); new unless --resume")
+    p.add_argument("--steps", type=int, help="RL steps (the same as train.steps=N)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    p.add_argument("--distributed", choices=("none", "ray"),
+                   help="where rollouts run (the same as distributed.backend=...; docs/scaling.md)")
+    _add_overrides(p)
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    demo = _command(sub, "demo", "train the tiny model (or a named real one) on the calculator env and show it improve",
+                    "The default configuration on the locally built tiny model (built once, a few minutes on a "
+                    "CPU): warm start, evaluation, 40 GRPO steps, evaluation, a before/after table. With --model "
+                    "smollm2-135m-instruct: the real SmolLM2-135M-Instruct with its preset (examples/models/), "
+                    "smaller on a CPU (docs/real-models.md).")
     demo.add_argument("--model", help="a named real model with a preset: smollm2-135m-instruct")
-    common(demo)
+    _add_run_options(demo)
     demo.set_defaults(fn=cmd_demo)
-    train = command("train", "train from a TOML config",
-                    "Warm start, evaluate, RL, evaluate; writes runs/NAME/ (config.toml, metrics.jsonl, "
-                    "samples.jsonl, checkpoints/, plots/).")
+
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    train = _command(sub, "train", "train from a TOML config",
+                     "Warm start, evaluate, RL, evaluate; writes runs/NAME/ (config.toml, metrics.jsonl, "
+                     "samples.jsonl, checkpoints/, plots/).")
     train.add_argument("config", help="TOML config file, e.g. examples/calculator_tiny.toml")
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/latest")
-    common(train)
+    _add_run_options(train)
     train.set_defaults(fn=cmd_train)
-    ev = command("eval", "evaluate a checkpoint",
-                 "Evaluate a saved model on the config's environment (greedy by default), on the train, held-out "
-                 "and OOD splits.")
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    ev = _command(sub, "eval", "evaluate a checkpoint",
+                  "Evaluate a saved model on the config's environment (greedy by default), on the train, held-out "
+                  "and OOD splits.")
     ev.add_argument("config", help="TOML config file naming the environment and evaluation settings")
     ev.add_argument("--checkpoint", required=True, help="checkpoint directory (e.g. RUN/checkpoints/final)")
     ev.add_argument("--split", choices=("heldout", "ood", "train"), help="one split only (default: all three)")
     ev.add_argument("--run-dir", help="where to write the evaluation's logs (default runs/eval-<time>)")
     ev.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    overrides(ev)
+    _add_overrides(ev)
     ev.set_defaults(fn=cmd_eval)
-    cfg = command("config", "print the resolved configuration and check it",
-                  "Load a config file with its overrides, check every field, the environment and a local model "
-                  "path (no model is loaded), and print the resolved configuration as TOML.")
+
+
+def _add_config_parser(sub: argparse._SubParsersAction) -> None:
+    cfg = _command(sub, "config", "print the resolved configuration and check it",
+                   "Load a config file with its overrides, check every field, the environment and a local model "
+                   "path (no model is loaded), and print the resolved configuration as TOML.")
     cfg.add_argument("config", help="TOML config file")
-    overrides(cfg)
+    _add_overrides(cfg)
     cfg.set_defaults(fn=cmd_config)
-    merge = command("merge", "merge LoRA adapters into their base model",
-                    "Load the base model named in a LoRA checkpoint's adapter_config.json, merge the adapters in and "
-                    "save a plain HF checkpoint (with the tokenizer) that any engine can serve. A LoRA run writes "
-                    "checkpoints/final-merged itself (lora.export_merged); this does it for any step.")
+
+
+def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
+    merge = _command(sub, "merge", "merge LoRA adapters into their base model",
+                     "Load the base model named in a LoRA checkpoint's adapter_config.json, merge the adapters in "
+                     "and save a plain HF checkpoint (with the tokenizer) that any engine can serve. A LoRA run "
+                     "writes checkpoints/final-merged itself (lora.export_merged); this does it for any step.")
     merge.add_argument("adapters", help="a directory holding adapter_config.json and adapter_model.safetensors")
     merge.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
     merge.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                        help="dtype of the merged weights (default float32)")
     merge.set_defaults(fn=cmd_merge)
-    serve = command("serve", "an OpenAI-compatible endpoint that records sessions as episodes",
-                    "Serve the config's model (or --checkpoint) with the OpenAI Chat Completions API. A client with "
-                    "base_url http://HOST:PORT/sessions/<id>/v1 has its calls recorded as one token-faithful episode "
-                    "(GET /sessions/<id>/episode; POST /sessions/<id>/reward). See docs/serve.md.")
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = _command(sub, "serve", "an OpenAI-compatible endpoint that records sessions as episodes",
+                     "Serve the config's model (or --checkpoint) with the OpenAI Chat Completions API. A client "
+                     "with base_url http://HOST:PORT/sessions/<id>/v1 has its calls recorded as one token-faithful "
+                     "episode (GET /sessions/<id>/episode; POST /sessions/<id>/reward). See docs/serve.md.")
     serve.add_argument("config", help="TOML config file (model, rollout limits)")
     serve.add_argument("--checkpoint", help="checkpoint directory to serve instead of model.name")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -434,15 +464,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train on episodes played by harnesses in other processes: they take one with GET "
                             "/train/next and end it with POST /sessions/<id>/finish (env.data names the tasks)")
     serve.add_argument("--run-dir", help="with --train: the run directory (default runs/<run.name>-<time>)")
-    overrides(serve)
+    _add_overrides(serve)
     serve.set_defaults(fn=cmd_serve)
-    envs = command("envs", "list environments and their context spaces",
-                   "Every registered environment with its tools and the context parameters its tasks vary in "
-                   "(train and OOD ranges).")
+
+
+def _add_envs_parser(sub: argparse._SubParsersAction) -> None:
+    envs = _command(sub, "envs", "list environments and their context spaces",
+                    "Every registered environment with its tools and the context parameters its tasks vary in "
+                    "(train and OOD ranges).")
     envs.set_defaults(fn=cmd_envs)
-    check = command("check-env", "run the environment conformance suite",
-                    "Drive an environment as a rollout would and list every problem; also print which features "
-                    "its optional hooks enable (ctxrl/envs/hooks.py).")
+
+
+def _add_check_env_parser(sub: argparse._SubParsersAction) -> None:
+    from ctxrl.chat.formats import format_names
+
+    check = _command(sub, "check-env", "run the environment conformance suite",
+                     "Drive an environment as a rollout would and list every problem; also print which features "
+                     "its optional hooks enable (ctxrl/envs/hooks.py).")
     check.add_argument("name", help="registered name, entry point, or package.module:Class")
     check.add_argument("--tasks", type=int, default=8, help="tasks per split to check (default 8)")
     check.add_argument("--seed", type=int, default=0, help="seed of the tasks drawn (default 0)")
@@ -456,7 +494,6 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tool-format", default="hermes", choices=format_names(),
                        help="the format the gold solutions' tool calls are written in (docs/tool-formats.md)")
     check.set_defaults(fn=cmd_check_env)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,22 +170,33 @@ def _train_tokenizer(texts: list[str], vocab_size: int, arch: str = "llama"):
 def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = None) -> Path:
     """Build and save the tiny tokenizer + model at ``path`` (atomically); ``on_progress`` hears each stage."""
     report = on_progress or (lambda stage, done, total: None)
-    import torch
-    from tokenizers import AddedToken
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    report("tiny model: tokenizer", 0, 0)
+    tokenizer = _build_tokenizer(spec)
+    model = _init_model(spec, tokenizer)
+    losses = _pretrain_model(model, tokenizer, spec, report) if spec.pretrain_steps else []
+    _save_atomically(path, spec, tokenizer, model, losses)
+    return path
 
+
+def _tokenizer_texts(spec: TinySpec) -> list[str]:
+    """What the tokenizer learns from: the environments' text, the chat template's and every number below 1000."""
     from ctxrl.chat.toolcalls import format_tool_call
 
-    report("tiny model: tokenizer", 0, 0)
     corpus = tokenizer_corpus(spec.seed, envs=spec.env_names())
     if spec.env_names() != PRETRAIN_ENVS:  # environments without a plain corpus: their chat text
-
         corpus += _solved_texts(spec.env_names(), 500, spec.seed)
     # The template's own text, so that its fixed phrases become few tokens; numbers 0-999 (as
     # whole tokens with the Llama pre-tokenizer: they are frequent enough to be merged).
     texts = corpus + [CHATML_TOOLS_TEMPLATE, format_tool_call("calculator", {"expression": "1 + 2"})] * 50
-    texts += number_texts() * 5
-    raw = _train_tokenizer(texts, spec.vocab_size - len(TOOL_TOKENS), spec.arch)
+    return texts + number_texts() * 5
+
+
+def _build_tokenizer(spec: TinySpec):
+    """The trained BPE with the tool tokens added and the ChatML-with-tools template, as an HF tokenizer."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    raw = _train_tokenizer(_tokenizer_texts(spec), spec.vocab_size - len(TOOL_TOKENS), spec.arch)
     raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw,
@@ -198,6 +209,13 @@ def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = Non
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    return tokenizer
+
+
+def _init_model(spec: TinySpec, tokenizer):
+    """A ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` of ``spec``'s shape, initialised from ``spec.seed``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(spec.seed)
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if spec.arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
@@ -216,18 +234,25 @@ def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = Non
         pad_token_id=tokenizer.pad_token_id,
         **extra,
     )
-    model = model_cls(config)
-    if spec.pretrain_steps:
-        # On a GPU when there is one (a minute instead of several); saved from the CPU either way.
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        report("tiny model: pre-training data", 0, 0)
-        batches = pretraining_batches(tokenizer, spec)
-        losses = pretrain(model.to(device), tokenizer, batches, spec,
-                          on_step=lambda step, total: report("tiny model: pre-training", step, total))
-        model.to("cpu")
-    else:
-        losses = []
+    return model_cls(config)
 
+
+def _pretrain_model(model, tokenizer, spec: TinySpec, report: Progress) -> list[float]:
+    """Pre-train ``model`` in place on fresh solved tasks; it ends on the CPU. Returns the losses."""
+    import torch
+
+    # On a GPU when there is one (a minute instead of several); saved from the CPU either way.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report("tiny model: pre-training data", 0, 0)
+    batches = pretraining_batches(tokenizer, spec)
+    losses = pretrain(model.to(device), tokenizer, batches, spec,
+                      on_step=lambda step, total: report("tiny model: pre-training", step, total))
+    model.to("cpu")
+    return losses
+
+
+def _save_atomically(path: Path, spec: TinySpec, tokenizer, model, losses: list[float]) -> None:
+    """Tokenizer, model and ``ctxrl_tiny.json`` written to a temporary directory, then renamed to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
@@ -244,7 +269,6 @@ def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = Non
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
 
 
 def pretraining_record(losses: list[float], window: int = 10) -> dict:

@@ -193,125 +193,161 @@ class Server:
 
     # -- the ASGI app ----------------------------------------------------------------------------
     def app(self):
+        """The ASGI application: OpenAI's error bodies, the guard (key, body size, concurrency), then the routes."""
         app = FastAPI(title="ctxrl", docs_url=None, redoc_url=None, openapi_url=None)
-
-        @app.exception_handler(APIError)
-        async def api_error(_request, exc: APIError):
-            return JSONResponse(exc.body(), status_code=exc.status)
-
-        @app.exception_handler(Exception)
-        async def internal_error(_request, exc: Exception):
-            self.internal_errors.append(exc)
-            return JSONResponse(APIError(500, f"internal error in ctxrl: {type(exc).__name__}: {exc}",
-                                         type="server_error", code="internal_error").body(), status_code=500)
-
-        @app.exception_handler(RequestValidationError)
-        async def validation_error(_request, exc):
-            return JSONResponse(bad(f"invalid request: {exc.errors()[:1]}").body(), status_code=400)
-
-        @app.exception_handler(404)
-        async def not_found(request, _exc):
-            return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}",
-                                         type="not_found_error", code="unknown_url").body(), status_code=404)
-
-        @app.middleware("http")
-        async def guard(request: Request, call_next):
-            if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
-                return JSONResponse(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                             type="authentication_error", code="invalid_api_key").body(),
-                                    status_code=401)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-                return JSONResponse(APIError(413, f"the body is {length} bytes; the limit is {self.max_body_bytes}",
-                                             code="request_too_large").body(), status_code=413)
-            if self.in_flight >= self.max_concurrency:
-                return JSONResponse(APIError(429, f"{self.max_concurrency} requests are in flight; retry shortly",
-                                             type="rate_limit_error", code="too_many_requests").body(),
-                                    status_code=429)
-            self.in_flight += 1
-            try:
-                return await call_next(request)
-            finally:
-                self.in_flight -= 1
-
-        async def body_of(request: Request) -> Any:
-            raw = await request.body()
-            if len(raw) > self.max_body_bytes:
-                raise APIError(413, f"the body is {len(raw)} bytes; the limit is {self.max_body_bytes}",
-                               code="request_too_large")
-            try:
-                return json.loads(raw or b"null")
-            except json.JSONDecodeError as exc:
-                raise bad(f"the body is not JSON: {exc}") from None
-
-        async def completions(request: Request, session_id: str | None):
-            chat = parse_request(await body_of(request))
-            result, _ = await self.chat(chat, session_id)
-            headers = {"x-ctxrl-session": session_id or "none"}
-            if not chat.stream:
-                return JSONResponse(result, headers=headers)
-
-            async def events():
-                for chunk in result:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-        def models() -> dict:
-            return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "ctxrl"}
-                                               for m in self.models]}
-
-        @app.get("/v1/models")
-        async def list_models():
-            return models()
-
-        @app.get("/sessions/{session_id}/v1/models")
-        async def list_models_in_session(session_id: str):
-            return models()
-
-        @app.post("/v1/chat/completions")
-        async def plain(request: Request):
-            return await completions(request, None)
-
-        @app.post("/sessions/{session_id}/v1/chat/completions")
-        async def in_session(session_id: str, request: Request):
-            return await completions(request, session_id)
-
-        @app.post("/sessions/{session_id}/reward")
-        async def reward(session_id: str, request: Request):
-            return self.set_reward(session_id, await body_of(request), finish=False)
-
-        @app.post("/sessions/{session_id}/finish")
-        async def finish(session_id: str, request: Request):
-            return self.set_reward(session_id, await body_of(request), finish=True)
-
-        @app.get("/sessions/{session_id}/episode")
-        async def episode(session_id: str):
-            return self.episode_json(session_id)
-
-        @app.get("/train/next")
-        async def next_task(wait: float = 30.0):
-            """A session a trainer opened, with its task: a harness in another process plays it, then finishes it."""
-            if self.claims is None:
-                raise APIError(404, "this server is not training: start it with ctxrl serve --train",
-                               type="not_found_error", code="not_training")
-            deadline = asyncio.get_running_loop().time() + max(0.0, min(wait, 300.0))
-            while True:
-                try:
-                    session = self.claims.get_nowait()
-                except queue.Empty:
-                    if asyncio.get_running_loop().time() >= deadline:
-                        return JSONResponse({"session": None}, status_code=200)
-                    await asyncio.sleep(0.01)
-                    continue
-                if session.id in self.store.sessions:  # (not given up on by the trainer meanwhile)
-                    task = json.loads(to_json(session.episode.task))
-                    return {"session": session.id, "task": task, "base_url": f"/sessions/{session.id}/v1"}
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions),
-                    "expired_sessions": self.store.expired, "policy_version": self.engine.policy_version}
-
+        _add_error_handlers(app, self)
+        _add_guard(app, self)
+        _add_openai_routes(app, self)
+        _add_session_routes(app, self)
+        _add_training_routes(app, self)
+        _add_health_route(app, self)
         return app
+
+
+def _add_error_handlers(app: FastAPI, server: Server) -> None:
+    """Every error gets OpenAI's body; one inside ctxrl is also kept for the trainer (``Server.internal_errors``)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, exc: Exception):
+        server.internal_errors.append(exc)
+        return JSONResponse(APIError(500, f"internal error in ctxrl: {type(exc).__name__}: {exc}",
+                                     type="server_error", code="internal_error").body(), status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, exc):
+        return JSONResponse(bad(f"invalid request: {exc.errors()[:1]}").body(), status_code=400)
+
+    @app.exception_handler(404)
+    async def not_found(request, _exc):
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}",
+                                     type="not_found_error", code="unknown_url").body(), status_code=404)
+
+
+def _add_guard(app: FastAPI, server: Server) -> None:
+    """Before any route: the API key (401), the declared body size (413), the requests in flight (429)."""
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
+            return JSONResponse(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                         type="authentication_error", code="invalid_api_key").body(),
+                                status_code=401)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > server.max_body_bytes:
+            return JSONResponse(APIError(413, f"the body is {length} bytes; the limit is {server.max_body_bytes}",
+                                         code="request_too_large").body(), status_code=413)
+        if server.in_flight >= server.max_concurrency:
+            return JSONResponse(APIError(429, f"{server.max_concurrency} requests are in flight; retry shortly",
+                                         type="rate_limit_error", code="too_many_requests").body(),
+                                status_code=429)
+        server.in_flight += 1
+        try:
+            return await call_next(request)
+        finally:
+            server.in_flight -= 1
+
+
+async def _body_of(server: Server, request: Request) -> Any:
+    """The request's JSON body (``null`` when empty); 413 past ``max_body_bytes`` whatever the headers said."""
+    raw = await request.body()
+    if len(raw) > server.max_body_bytes:
+        raise APIError(413, f"the body is {len(raw)} bytes; the limit is {server.max_body_bytes}",
+                       code="request_too_large")
+    try:
+        return json.loads(raw or b"null")
+    except json.JSONDecodeError as exc:
+        raise bad(f"the body is not JSON: {exc}") from None
+
+
+async def _completions(server: Server, request: Request, session_id: str | None):
+    """One Chat Completions call, as JSON or as server-sent events; recorded when ``session_id`` is given."""
+    chat = parse_request(await _body_of(server, request))
+    result, _ = await server.chat(chat, session_id)
+    headers = {"x-ctxrl-session": session_id or "none"}
+    if not chat.stream:
+        return JSONResponse(result, headers=headers)
+
+    async def events():
+        for chunk in result:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _models_json(server: Server) -> dict:
+    """``GET /v1/models``: the served name and its aliases."""
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "ctxrl"}
+                                       for m in server.models]}
+
+
+def _add_openai_routes(app: FastAPI, server: Server) -> None:
+    """OpenAI's two routes, plain (not recorded) and under ``/sessions/<id>`` (recorded into that session)."""
+
+    @app.get("/v1/models")
+    async def list_models():
+        return _models_json(server)
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def list_models_in_session(session_id: str):
+        return _models_json(server)
+
+    @app.post("/v1/chat/completions")
+    async def plain(request: Request):
+        return await _completions(server, request, None)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def in_session(session_id: str, request: Request):
+        return await _completions(server, request, session_id)
+
+
+def _add_session_routes(app: FastAPI, server: Server) -> None:
+    """A session's reward, its end, and its recorded episode."""
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward(session_id: str, request: Request):
+        return server.set_reward(session_id, await _body_of(server, request), finish=False)
+
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request):
+        return server.set_reward(session_id, await _body_of(server, request), finish=True)
+
+    @app.get("/sessions/{session_id}/episode")
+    async def episode(session_id: str):
+        return server.episode_json(session_id)
+
+
+def _add_training_routes(app: FastAPI, server: Server) -> None:
+    """``GET /train/next``: while a trainer runs (``ctxrl serve --train``), the sessions it opened, to claim."""
+
+    @app.get("/train/next")
+    async def next_task(wait: float = 30.0):
+        """A session a trainer opened, with its task: a harness in another process plays it, then finishes it."""
+        if server.claims is None:
+            raise APIError(404, "this server is not training: start it with ctxrl serve --train",
+                           type="not_found_error", code="not_training")
+        deadline = asyncio.get_running_loop().time() + max(0.0, min(wait, 300.0))
+        while True:
+            try:
+                session = server.claims.get_nowait()
+            except queue.Empty:
+                if asyncio.get_running_loop().time() >= deadline:
+                    return JSONResponse({"session": None}, status_code=200)
+                await asyncio.sleep(0.01)
+                continue
+            if session.id in server.store.sessions:  # (not given up on by the trainer meanwhile)
+                task = json.loads(to_json(session.episode.task))
+                return {"session": session.id, "task": task, "base_url": f"/sessions/{session.id}/v1"}
+
+
+def _add_health_route(app: FastAPI, server: Server) -> None:
+    """``GET /health``: up, with the sessions open and expired and the policy version being served."""
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_name, "sessions": len(server.store.sessions),
+                "expired_sessions": server.store.expired, "policy_version": server.engine.policy_version}
