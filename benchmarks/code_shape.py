@@ -82,7 +82,8 @@ def config_fields(path: Path) -> int:
         if isinstance(node, ast.ClassDef) and any(
                 isinstance(d, ast.Name) and d.id == "dataclass" or
                 isinstance(d, ast.Call) and getattr(d.func, "id", "") == "dataclass" for d in node.decorator_list):
-            count += sum(isinstance(s, ast.AnnAssign) for s in node.body)
+            count += sum(isinstance(s, ast.AnnAssign) and "ClassVar" not in ast.unparse(s.annotation)
+                         for s in node.body)  # (a ClassVar is no field)
     return count
 
 

@@ -19,7 +19,7 @@ import inspect
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ctxrl.config import Config, load_config, resumable_keys, resumable_summary, to_toml
 from ctxrl.errors import CheckpointError
@@ -36,8 +36,24 @@ from ctxrl.train.checkpoint_io import (
     step_name,
 )
 
-if TYPE_CHECKING:
-    from ctxrl.train.trainer import Trainer
+
+class Checkpointed(Protocol):
+    """What a checkpoint saves and restores of a run (``ctxrl.train.trainer.Trainer`` is one): the policy and its
+    learner (optimiser, critic, reference, RNG), the rollout worker's policy version, the curriculum, the logs'
+    offsets, and the counters; ``sync_engine`` hands restored weights to the engine."""
+
+    config: Config
+    device: str
+    model: Any
+    tokenizer: Any
+    policy: Any
+    learner: Any
+    worker: Any
+    curriculum: Any
+    writer: Any
+    consecutive_skips: int
+
+    def sync_engine(self, version: int) -> None: ...
 
 FORMAT = 1
 def config_differences(saved: Config, current: Config) -> list[str]:
@@ -83,7 +99,7 @@ def save_pretrained(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def save(trainer: Trainer, step: int) -> Path:
+def save(trainer: Checkpointed, step: int) -> Path:
     """A resumable checkpoint after RL step ``step`` (atomic; ``latest`` updated; old ones pruned)."""
     from safetensors.torch import save_model
 
@@ -115,7 +131,7 @@ def save(trainer: Trainer, step: int) -> Path:
                              keep=trainer.config.train.keep_checkpoints)
 
 
-def resume(trainer: Trainer) -> int:
+def resume(trainer: Checkpointed) -> int:
     """Restore ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after."""
     from safetensors.torch import load_model
 
