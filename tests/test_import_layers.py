@@ -32,7 +32,6 @@ UPWARD = {
     "envs.hooks": ["rollout"],  # the context managers' demo hooks are looked up on the env class
     "envs.registry": ["serve"],  # names "ctxrl.serve.harness" among its built-ins (the harness environment)
     "models.tiny": ["envs", "train"],  # pre-training data from scripted episodes; the pre-training loss
-    "rollout.worker": ["meta", "serve"],  # dispatches trials, annealed demos and the harness runner
 }
 
 MODULE_NAME = re.compile(r"ctxrl(\.[A-Za-z_][A-Za-z0-9_]*)+")

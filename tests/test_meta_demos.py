@@ -115,7 +115,7 @@ def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeyp
     tasks = CalculatorEnv.sample_tasks("train", 2, seed=0)
 
     def chooser(step: int, phase: str = "train"):
-        return run.worker.demo_chooser(RolloutRequest(tasks=tasks, group_size=2, step=step, phase=phase))
+        return run.worker.runner.demo_chooser(RolloutRequest(tasks=tasks, group_size=2, step=step, phase=phase))
 
     # linear count schedule from 2 at step 0 to exactly 0 at step 3: ceil(2 * (3 - s) / 3)
     counts = [len(chooser(s)(0, 0)) for s in range(3)]

@@ -37,14 +37,19 @@ class WorkerFailure(CtxrlError, RuntimeError):
 
 
 class _Actor:
-    """The body of one Ray actor: a ``RolloutWorker`` built from the spec in the actor's process."""
+    """The body of one Ray actor: a ``RolloutWorker`` built from the spec in the actor's process, after importing
+    the modules the driver's episode runners come from (so it picks the runner an in-process worker would)."""
 
-    def __init__(self, spec_json: str) -> None:
+    def __init__(self, spec_json: str, runners: list[str]) -> None:
+        import importlib
+
         import torch
 
         from ctxrl.rollout.worker import RolloutWorker
 
         torch.set_num_threads(1)
+        for module in runners:
+            importlib.import_module(module)
         self.worker = RolloutWorker.from_spec(from_json(RolloutSpec, spec_json))
 
     def load_weights(self, state: Mapping[str, Any], version: int, partial: bool) -> int:
@@ -74,6 +79,7 @@ class RayRolloutPool:
                  retries: int = 2, num_cpus: float = 1.0, num_gpus: float = 0.0) -> None:
         import ray
 
+        from ctxrl.rollout.runners import runner_modules
         from ctxrl.rollout.worker import spec_env_class, spec_renderer
 
         if workers < 1:
@@ -88,6 +94,7 @@ class RayRolloutPool:
         self.timeout_s, self.retries = timeout_s, retries
         self._remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_Actor)
         self._spec_json = to_json(spec)
+        self._runners = runner_modules()
         self.actors = [self._new_actor() for _ in range(workers)]
         self._weights: tuple[Any, int, bool] | None = None  # (object ref, version, partial) last sent
         self._full: tuple[Any, int] | None = None  # the last full state: what a fresh actor needs first
@@ -147,7 +154,7 @@ class RayRolloutPool:
 
     # -- failures ----------------------------------------------------------------------------------------
     def _new_actor(self):
-        return self._remote.remote(self._spec_json)
+        return self._remote.remote(self._spec_json, self._runners)
 
     def _result(self, shard: RolloutRequest, ref, index: int) -> list[str]:
         from ray.exceptions import GetTimeoutError, RayActorError, WorkerCrashedError

@@ -142,19 +142,9 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
     num_attempts = policy.num_attempts
     for k in range(num_attempts):
         t0 = time.perf_counter()
-        env = None
         try:
-            try:
-                env = RecordedEnv(make_env())
-            except Exception as exc:  # noqa: BLE001 - the environment's failure: an errored trial
-                raise EnvironmentFailure("constructor", exc) from exc
-            base = with_demos(await reset_env(env, task, seed, limits.timeout_s), demos or [])
+            env, base = await _fresh_env(make_env, task, seed, limits, demos or [])
         except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:
-            if env is not None:
-                try:
-                    env.close()
-                except Exception:  # noqa: BLE001 - the trial is errored already
-                    pass
             failure = (k, exc, time.perf_counter() - t0)
             break
         tools = [t.schema() for t in env.tools] or None
@@ -192,6 +182,29 @@ async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, ren
         carried.append(Carried(k, conversation, record["feedback"], record["reflection"]))
     return _trial_episode(task, group_id, engine, num_attempts, attempts, records, failure, limits,
                           time.perf_counter() - started, len(demos or []))
+
+
+async def _fresh_env(make_env: Callable[[], Any], task: Task, seed: int, limits: RolloutLimits,
+                     demos: list[Demo]) -> tuple[RecordedEnv, list[Message]]:
+    """A newly built and reset environment for one attempt, and its opening with ``demos`` written in.
+
+    An environment that fails (its constructor, its reset, the deadline) is closed and its failure
+    raised: ``EnvironmentFailure``, ``TimeoutError`` or ``asyncio.TimeoutError`` (the trial is errored).
+    """
+    env = None
+    try:
+        try:
+            env = RecordedEnv(make_env())
+        except Exception as exc:  # noqa: BLE001 - the environment's failure: an errored trial
+            raise EnvironmentFailure("constructor", exc) from exc
+        return env, with_demos(await reset_env(env, task, seed, limits.timeout_s), demos)
+    except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError):
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - the trial is errored already
+                pass
+        raise
 
 
 def _actions(env: RecordedEnv, episode: Episode, opening: int) -> dict[str, list[str] | None]:

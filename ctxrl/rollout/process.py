@@ -1,7 +1,9 @@
 """``ProcessWorker``: a ``RolloutWorker`` in a spawned subprocess, spoken to in plain data only.
 
 The parent sends the ``RolloutSpec`` once, then weights and requests; the child builds the worker
-from the spec (``RolloutWorker.from_spec``), loads the weights and plays each request. What
+from the spec (``RolloutWorker.from_spec``), loads the weights and plays each request. Before it
+reads the spec, it imports the spec's plugins and the modules the parent's episode runners come
+from (``runner_modules``), so it picks the runner an in-process worker would. What
 crosses the pipe is JSON (spec, requests, episodes, errors) and safetensors bytes (weights):
 never a pickle, so nothing the child sends can run code in the parent. It is the smallest
 instance of the boundary every remote worker stands on (a Ray actor, a server), and the test that
@@ -40,6 +42,8 @@ class ProcessWorker:
                  start_timeout_s: float = 1800.0) -> None:
         import torch
 
+        from ctxrl.rollout.runners import runner_modules
+
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._timeout_s = timeout_s
@@ -47,7 +51,7 @@ class ProcessWorker:
         self._sequence = 0
         self._gone: str | None = None
         self._process = context.Process(target=_serve, args=(child, json.dumps(spec.to_dict()),
-                                                             threads or torch.get_num_threads()),
+                                                             threads or torch.get_num_threads(), runner_modules()),
                                         name="ctxrl-rollout-worker", daemon=True)
         self._process.start()
         child.close()
@@ -143,8 +147,10 @@ class ProcessWorker:
             self._process.join(timeout=10)
 
 
-def _serve(conn, spec_json: str, threads: int) -> None:
+def _serve(conn, spec_json: str, threads: int, runners: list[str]) -> None:
     """The child: build the worker, then answer ``ready`` / ``load_weights`` / ``run`` until ``close``."""
+    import importlib
+
     import torch
 
     torch.set_num_threads(threads)
@@ -166,6 +172,8 @@ def _serve(conn, spec_json: str, threads: int) -> None:
                 from ctxrl.rollout.worker import RolloutWorker
 
                 import_plugins(spec.get("plugins", ""))  # custom managers must be registered before the spec is read
+                for module in runners:  # the parent's episode runners (ctxrl.rollout.runners)
+                    importlib.import_module(module)
                 worker = RolloutWorker.from_spec(RolloutSpec.from_dict(spec))
             if op == "ready":
                 reply: dict[str, Any] = {"ok": True}

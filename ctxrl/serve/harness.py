@@ -38,6 +38,8 @@ from typing import Any
 from ctxrl.envs.registry import configured_env_class, register
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.agent import EnvironmentFailure, notify, record_error
+from ctxrl.rollout.runners import EpisodeRunner, OnDone, Worker, register_runner
+from ctxrl.rollout.spec import RolloutRequest
 from ctxrl.seeds import episode_seed
 from ctxrl.types import Episode, Task
 
@@ -92,7 +94,8 @@ class HarnessEnv:
             source = configured_env_class("jsonl_tools", data=data, tools=tools, verifier=verifier)
         # The source environment's class, with its tasks, splits and demonstrations; episodes come from the harness.
         return type(f"Harness[{getattr(source, 'name', source.__name__)}]", (source,),
-                    {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port})
+                    {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port,
+                     "runner": HarnessRunner.name})
 
     @staticmethod
     def sample_tasks(split: str, n: int, seed: int) -> list[Task]:
@@ -278,3 +281,20 @@ async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits
         runs = [one(task, group_id, k) for group_id, task in enumerate(tasks, start=first_group)
                 for k in range(group_size)]
         return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))
+
+
+@register_runner
+class HarnessRunner(EpisodeRunner):
+    """The episode runner of a harness environment (``runner = "harness"`` on the class ``configure`` returns):
+    ``run_harness``, one episode per task and group member. Trials and annealed demonstrations are not played."""
+
+    name = "harness"
+
+    async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
+        spec = worker.spec
+        if request.meta(spec).num_attempts > 1 or (request.phase == "train" and spec.demos.max_demos > 0):
+            raise ConfigError("a harness environment plays single episodes: meta.num_attempts = 1 and no "
+                              "annealed demos (meta.demos_max = 0)")
+        return await run_harness(worker.env_cls, request.tasks, worker.engine, worker.renderer,
+                                 request.limits(spec), group_size=request.group_size, seed=request.seed,
+                                 on_done=on_done, first_group=request.task_offset)

@@ -43,8 +43,9 @@ from ctxrl.report.progress import Progress
 from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.managers import get_manager
+from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutSpec, spec_engine
-from ctxrl.rollout.worker import RolloutWorker, build_demo_pool, spec_env_class, spec_renderer
+from ctxrl.rollout.worker import RolloutWorker, spec_env_class, spec_renderer
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
 from ctxrl.train import checkpoint, loop
@@ -97,7 +98,7 @@ class Trainer:
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
         check_before_load(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
-        demo_pool = build_demo_pool(self.spec, self.env_cls, self.renderer)  # a missing demo file stops the run now
+        runner = make_runner(self.spec, self.env_cls, self.renderer)  # (demos: a missing demo file stops the run now)
         # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
         critic = get_estimator(config.algo.advantage).needs_critic
         self.memory = memory_plan(config, self.device, engine=(parallel is None or parallel.leader)
@@ -115,7 +116,7 @@ class Trainer:
         take the leader's rows and update with it (``ctxrl.distributed.data_parallel``)."""
         self.leader = parallel is None or parallel.leader
         self.worker = None if not self.leader else rollout_worker(  # a follower: no engine, no run directory
-            config, self.spec, self.policy, self.renderer, self.env_cls, self.memory, demo_pool)
+            config, self.spec, self.policy, self.renderer, self.env_cls, self.memory, runner)
         self.writer = None
         if self.leader:
             self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
@@ -321,10 +322,11 @@ class Trainer:
 
 
 def rollout_worker(config: Config, spec: RolloutSpec, policy: Policy, renderer, env_cls: type,
-                   memory: MemoryPlan | None, demo_pool: list):
+                   memory: MemoryPlan | None, runner: EpisodeRunner):
     """The run's rollout worker: Ray actors that load the model themselves (``distributed.backend = "ray"``; the
-    weights follow by ``load_weights``), or one in this process over an engine with its own copy of the policy,
-    sized by the memory plan where there is one."""
+    weights follow by ``load_weights``; each builds its own episode runner from the spec), or one in this process
+    over an engine with its own copy of the policy, sized by the memory plan where there is one, playing through
+    ``runner``."""
     d = config.distributed
     if d.backend == "ray":
         from ctxrl.distributed.pool import RayRolloutPool
@@ -332,7 +334,7 @@ def rollout_worker(config: Config, spec: RolloutSpec, policy: Policy, renderer, 
         return RayRolloutPool(spec, workers=d.rollout_workers, address=d.address or None, timeout_s=d.timeout_s)
     sizes = {} if memory is None else {"max_batch_size": memory.kv_slots, "prefill_tokens": memory.prefill_tokens}
     engine = spec_engine(spec, policy.engine_model(), renderer, **sizes)
-    return RolloutWorker(spec, engine, renderer, env_cls, demo_pool=demo_pool)
+    return RolloutWorker(spec, engine, renderer, env_cls, runner=runner)
 
 
 def train(config: Config, run_dir: str | Path, *, progress: Progress | None = None,
