@@ -29,6 +29,7 @@ else:  # pragma: no cover
 from ctxrl.errors import ConfigError
 from ctxrl.plugins import import_plugins
 from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
+from ctxrl.settings import coerce, nearest, parse_settings, settings_table
 
 __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
 
@@ -479,12 +480,25 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The tables of registered components' own settings, by ``section.name`` (``[algo.clipped_grpo]``:
+    ``ctxrl.settings``), each as its ``Settings`` read it (every field, defaults included)."""
 
     def __post_init__(self) -> None:
         validate(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """The sections' fields, by section (the components' tables are ``components``)."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in _section_types()}
+
+    def settings_of(self, section: str, name: str) -> Any:
+        """The ``Settings`` of the component registered as ``name`` in ``section`` (``algo``: estimators,
+        ``context``: context managers, ``env``: environments), from its table or its defaults; None when the
+        component declares none."""
+        cls = getattr(COMPONENT_REGISTRIES[section](name), "Settings", None)
+        if cls is None:
+            return None
+        return parse_settings(cls, self.components.get(f"{section}.{name}", {}), f"{section}.{name}")
 
 
 # -- validation --------------------------------------------------------------------------------
@@ -554,6 +568,8 @@ def validate(config: Config) -> None:
 
     import_plugins(config.run.plugins)  # their registrations are what the names below are checked against
     _validate_fields(config)
+    for key, table in list(config.components.items()):
+        config.components[key] = component_table(key, table)
     sink_names(config.report.sinks)
     _registered("algo.advantage", config.algo.advantage, estimator_names())
     _registered("context.manager", config.context.manager, manager_names())
@@ -572,10 +588,10 @@ def validate(config: Config) -> None:
 def _validate_fields(config: Config) -> None:
     """Each field on its own: positive, non-negative, in range, one of its choices."""
     choices = _choices()
-    for section in dataclasses.fields(config):
-        obj = getattr(config, section.name)
+    for section in _section_types():
+        obj = getattr(config, section)
         for f in dataclasses.fields(obj):
-            key, value = f"{section.name}.{f.name}", getattr(obj, f.name)
+            key, value = f"{section}.{f.name}", getattr(obj, f.name)
             if key in _POSITIVE and value <= 0:
                 raise ConfigError(f"{key} must be > 0, got {value!r}")
             if key in _NON_NEGATIVE and value < 0:
@@ -750,40 +766,56 @@ def _validate_meta(config: Config, estimator: type) -> None:
 # -- loading -----------------------------------------------------------------------------------
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config) if f.name != "components"}
 
 
-def _nearest(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else f"; valid: {', '.join(sorted(options))}"
+def _estimator_class(name: str) -> type:
+    from ctxrl.algo.estimators import get_estimator
+
+    return get_estimator(name)
 
 
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    if typing.get_origin(annotation) is list:  # list[str], list[int]: a TOML array of those
-        item = typing.get_args(annotation)[0]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list of {item.__name__}s (a TOML array such as [1, 2]), got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    expected = {"str": str, "int": int, "float": float, "bool": bool}[annotation if isinstance(annotation, str)
-                                                                      else annotation.__name__]
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is bool and not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if not isinstance(value, expected):
-        raise ConfigError(f"{key} must be a {expected.__name__}, got {value!r} ({type(value).__name__})")
-    return value
+def _manager_class(name: str) -> type:
+    from ctxrl.rollout.managers import get_manager
+
+    return get_manager(name)
+
+
+def _env_class(name: str) -> type:
+    from ctxrl.envs.registry import get_env_class
+
+    return get_env_class(name)
+
+
+# The sections whose sub-tables are registered components' own settings, and the registry each is looked up in.
+COMPONENT_REGISTRIES = {"algo": _estimator_class, "context": _manager_class, "env": _env_class}
+
+
+def component_table(key: str, table: Any) -> dict[str, Any]:
+    """The table of ``key`` (``algo.NAME``) parsed by its component's ``Settings``, as a table with every field, or
+    a ``ConfigError`` naming the problem (no such component, a component without settings, a wrong key)."""
+    section, _, name = key.partition(".")
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{key}] must be a table of the settings of {section} component {name!r}, got {table!r}")
+    try:
+        cls = COMPONENT_REGISTRIES[section](name)
+    except (ValueError, LookupError) as exc:
+        raise ConfigError(f"[{key}]: {exc}") from None
+    settings = getattr(cls, "Settings", None)
+    if settings is None:
+        raise ConfigError(f"[{key}]: {section} component {name!r} has no settings of its own (its class declares no "
+                          "Settings); set the section's own fields instead")
+    return settings_table(parse_settings(settings, table, key))
 
 
 def from_dict(data: dict[str, Any]) -> Config:
     """Build a ``Config`` from nested dicts, rejecting unknown or ill-typed keys."""
     sections = _section_types()
-    built = {}
+    built: dict[str, Any] = {}
+    components: dict[str, dict[str, Any]] = {}
     for name, values in data.items():
         if name not in sections:
-            raise ConfigError(f"unknown config section [{name}]{_nearest(name, list(sections))}")
+            raise ConfigError(f"unknown config section [{name}]{nearest(name, list(sections))}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table of fields, got {values!r}")
         cls = sections[name]
@@ -791,6 +823,9 @@ def from_dict(data: dict[str, Any]) -> Config:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, value in values.items():
+            if name in COMPONENT_REGISTRIES and isinstance(value, dict) and key not in fields:
+                components[f"{name}.{key}"] = value  # a component's own table: checked once plugins are imported
+                continue
             if f"{name}.{key}" in RENAMED:  # an older config (or a run's saved config.toml): read it, and say so
                 new = RENAMED[f"{name}.{key}"].partition(".")[2]
                 if new in values:
@@ -801,10 +836,10 @@ def from_dict(data: dict[str, Any]) -> Config:
                 key = new
             if key not in fields:
                 raise ConfigError(f"unknown config key {name}.{key}"
-                                  f"{_nearest(f'{name}.{key}', [f'{name}.{f}' for f in fields])}")
-            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+                                  f"{nearest(f'{name}.{key}', [f'{name}.{f}' for f in fields])}")
+            kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
         built[name] = cls(**kwargs)
-    return Config(**built)
+    return Config(**built, components=components)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -836,7 +871,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data.setdefault(section, {})
         if not isinstance(data[section], dict):
             raise ConfigError(f"cannot override {section}.{name}: [{section}] is not a table")
-        data[section][name] = value
+        component, dot, key = name.partition(".")
+        if dot:  # section.component.key: the component's own table
+            table = data[section].setdefault(component, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"cannot override {section}.{name}: {section}.{component} is not a table")
+            table[key] = value
+        else:
+            data[section][name] = value
     return from_dict(data)
 
 
@@ -848,6 +890,11 @@ def to_toml(config: Config) -> str:
         for key, value in values.items():
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
+        for name, table in sorted(config.components.items()):
+            if name.partition(".")[0] == section:
+                lines.append(f"[{name}]")
+                lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+                lines.append("")
     return "\n".join(lines)
 
 

@@ -69,6 +69,11 @@ def config_differences(saved: Config, current: Config) -> list[str]:
                 continue
             if b[section][key] != value:
                 out.append(f"{name}: {value!r} -> {b[section][key]!r}")
+    for component in sorted(set(saved.components) | set(current.components)):  # components' own settings
+        before, after = saved.components.get(component, {}), current.components.get(component, {})
+        for key in sorted(set(before) | set(after)):
+            if before.get(key) != after.get(key):
+                out.append(f"{component}.{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return out
 
 

@@ -125,7 +125,8 @@ class Trainer:
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum)
         self.collector = Collector(self.config, self.worker, self.env_cls, self.curriculum, self.seeds)
-        self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config))
+        self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config),
+                                                              config.settings_of("algo", config.algo.advantage))
         self.manager = get_manager(config.context.manager)
         self.learner: Learner | None = None
         self.consecutive_skips = 0

@@ -18,7 +18,8 @@ token (0 where the loss mask is 0). The maths lives in pure functions of ``ctxrl
 (``grpo_advantages``, ``gae_advantages``, ...); an estimator only arranges episodes into their
 tensors and back. Adding one is one file: a subclass with a ``name`` and ``estimate``, decorated
 with ``@register_estimator`` or named by a ``ctxrl.estimators`` entry point (docs/algorithms.md
-shows a complete example).
+shows a complete example). Settings of its own are a dataclass in its ``Settings``: the configuration reads
+them from the table ``[algo.NAME]`` and the estimator finds them in ``self.options``.
 """
 
 from __future__ import annotations
@@ -70,9 +71,13 @@ class Estimator:
     one_per_episode: ClassVar[bool] = False
     credits_attempts: ClassVar[bool] = False
     accepts_token_rewards: ClassVar[bool] = False
+    Settings: ClassVar[type | None] = None
+    """The estimator's own settings, a dataclass read from its table ``[algo.NAME]`` (``ctxrl.settings``)."""
 
-    def __init__(self, settings: EstimatorSettings = EstimatorSettings()) -> None:
+    def __init__(self, settings: EstimatorSettings = EstimatorSettings(), options=None) -> None:
         self.settings = settings
+        self.options = options if options is not None or self.Settings is None else self.Settings()
+        """An instance of ``Settings`` (its defaults unless given), or None for an estimator that declares none."""
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None,

@@ -1,0 +1,75 @@
+"""A registered component's own settings: a dataclass it declares, read from its own table of the config.
+
+An estimator, context manager or environment that has knobs of its own declares them as a dataclass in its
+class attribute ``Settings`` (fields with defaults and docstrings, like the config's sections). Its table in
+the configuration file is the section's name and its own::
+
+    [algo]
+    advantage = "clipped_grpo"
+
+    [algo.clipped_grpo]      # read only by the estimator registered as "clipped_grpo"
+    limit = 2.0
+
+and on the command line ``algo.clipped_grpo.limit=2.0``. ``parse_settings`` builds the dataclass from the table:
+types are checked as for the config's own fields, an unknown key is an error naming the valid ones, and a
+``__post_init__`` that raises ``ValueError`` becomes a ``ConfigError`` naming the table. So a new knob of an
+estimator is one file: the estimator's, with its ``Settings`` (docs/algorithms.md, "Writing an estimator").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from ctxrl.errors import ConfigError
+
+
+def coerce(key: str, value: Any, annotation: Any) -> Any:
+    """``value`` (read from TOML) as a field of type ``annotation`` (``str``, ``int``, ``float``, ``bool`` or a list
+    of those), or a ``ConfigError`` naming ``key``; an int is accepted where a float is expected."""
+    if typing.get_origin(annotation) is list:  # list[str], list[int]: a TOML array of those
+        item = typing.get_args(annotation)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item.__name__}s (a TOML array such as [1, 2]), got {value!r}")
+        return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    expected = {"str": str, "int": int, "float": float, "bool": bool}[annotation if isinstance(annotation, str)
+                                                                      else annotation.__name__]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if not isinstance(value, expected):
+        raise ConfigError(f"{key} must be a {expected.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def nearest(name: str, options: list[str]) -> str:
+    """"; did you mean X?" for the closest of ``options``, or the list of them."""
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid: {', '.join(sorted(options)) or 'none'}"
+
+
+def parse_settings(cls: type, table: Mapping[str, Any], where: str) -> Any:
+    """``cls`` (a dataclass) from ``table``; ``where`` names the table in errors (``algo.clipped_grpo``)."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in table.items():
+        if key not in names:
+            hint = nearest(f"{where}.{key}", [f"{where}.{n}" for n in names])
+            raise ConfigError(f"unknown config key {where}.{key}{hint}")
+        kwargs[key] = coerce(f"{where}.{key}", value, hints[key])
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # the settings' own check (__post_init__)
+        raise ConfigError(f"[{where}]: {exc}") from None
+
+
+def settings_table(settings: Any) -> dict[str, Any]:
+    """The fields of a settings dataclass as a table (what ``parse_settings`` reads back)."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}

@@ -1,0 +1,96 @@
+"""A registered component's own settings (``ctxrl.settings``): the worked example of docs/algorithms.md ("Settings
+of its own") run as written, its table read from a file and from the command line, the errors, the round trip
+through a run's saved config, and ``--resume`` refusing a changed value."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+
+from ctxrl.config import ConfigError, from_dict, load_config, to_toml
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"
+
+
+def doc_block(first_line: str, language: str) -> str:
+    """The fenced ``language`` block of docs/algorithms.md whose first line is ``first_line``."""
+    for block in re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S):
+        if block.startswith(first_line):
+            return block
+    raise AssertionError(f"docs/algorithms.md has no {language} block starting {first_line!r}")
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    """The doc's capped_grpo.py, importable as a plugin (run.plugins = "capped_grpo")."""
+    folder = tmp_path_factory.mktemp("plugin")
+    (folder / "capped_grpo.py").write_text(doc_block("# capped_grpo.py", "python"))
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+def test_the_docs_example_reads_its_table_and_caps_the_advantages(plugin, tmp_path):
+    from ctxrl.algo.estimators import get_estimator
+
+    path = tmp_path / "capped.toml"
+    path.write_text(doc_block("[run]", "toml"))
+    config = load_config(path)
+    assert config.components == {"algo.capped_grpo": {"limit": 0.5}}
+    options = config.settings_of("algo", "capped_grpo")
+    assert options.limit == 0.5 and type(options).__name__ == "CappedSettings"
+    estimator = get_estimator("capped_grpo")(options=options)
+    rewards, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    # GRPO: (1 - 0.5) / std([1, 0]) = 0.5 / 0.7071 = 0.7071 -> capped at 0.5; a group of equal rewards gets 0
+    assert estimator.advantages(rewards, torch.zeros(4), groups).tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    uncapped = get_estimator("capped_grpo")()  # no table: the settings' defaults (limit 1.0)
+    assert uncapped.options.limit == 1.0
+    assert uncapped.advantages(rewards, torch.zeros(4), groups)[0].item() == pytest.approx(0.7071, abs=1e-4)
+
+
+def test_the_command_line_sets_a_component_key_and_a_saved_config_keeps_it(plugin):
+    config = load_config(None, ["run.plugins=capped_grpo", "algo.advantage=capped_grpo", "algo.capped_grpo.limit=2"])
+    assert config.components["algo.capped_grpo"] == {"limit": 2.0}  # an int where a float is expected
+    text = to_toml(config)
+    assert "[algo.capped_grpo]\nlimit = 2.0\n" in text
+    again = from_dict(tomllib.loads(text))  # as a run's config.toml is read on resume
+    assert again.components == config.components and again == config
+
+
+def test_resume_refuses_a_changed_component_setting(plugin):
+    from ctxrl.train.checkpoint import config_differences
+
+    base = ["run.plugins=capped_grpo", "algo.advantage=capped_grpo"]
+    saved = load_config(None, [*base, "algo.capped_grpo.limit=0.5"])
+    assert config_differences(saved, load_config(None, [*base, "algo.capped_grpo.limit=0.5"])) == []
+    assert config_differences(saved, load_config(None, [*base, "algo.capped_grpo.limit=0.7"])) == [
+        "algo.capped_grpo.limit: 0.5 -> 0.7"]
+    assert config_differences(saved, load_config(None, base)) == ["algo.capped_grpo.limit: 0.5 -> None"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.capped_grpo.limt=0.5", r"unknown config key algo.capped_grpo.limt; did you mean 'algo.capped_grpo.limit'"),
+    ("algo.capped_grpo.limit=\"big\"", r"algo.capped_grpo.limit must be a float, got 'big'"),
+    ("algo.capped_grpo.limit=-1", r"\[algo.capped_grpo\]: limit must be > 0, got -1.0"),
+    ("algo.grpo.limit=0.5", r"\[algo.grpo\]: algo component 'grpo' has no settings of its own"),
+    ("algo.nope.limit=0.5", r"\[algo.nope\]: unknown advantage estimator 'nope'"),
+])
+def test_a_bad_component_table_is_a_config_error_naming_it(plugin, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["run.plugins=capped_grpo", override])
+
+
+def test_a_table_in_a_section_without_components_is_still_an_unknown_key():
+    with pytest.raises(ConfigError, match="unknown config key train.nope"):
+        load_config(None, ["train.nope.x=1"])
+
+
+def test_a_component_without_a_table_reads_its_defaults_and_one_without_settings_none(plugin):
+    config = load_config(None, ["run.plugins=capped_grpo"])
+    assert config.components == {} and config.settings_of("algo", "capped_grpo").limit == 1.0
+    assert config.settings_of("algo", "grpo") is None and config.settings_of("context", "summarize") is None
