@@ -232,10 +232,11 @@ class Learner:
                     self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
                                       value_count=value_count)
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
-            sums = self.parallel.sum_figures({k: sums.get(k, 0.0) for k in self._figure_keys()}, self.device)
+            sums = self.parallel.sum_figures({k: sums.get(k, 0.0) for k in figure_keys(
+                self.settings, kl=self.reference is not None, critic=self.critic is not None)}, self.device)
             if self.precision.scaler is not None:  # (a rank that scaled no loss yet must still unscale with the rest)
                 self.precision.scaler.scale(torch.zeros((), device=self.device))
-        return self._mini_batch_metrics(sums, tokens)
+        return mini_batch_metrics(sums, tokens)
 
     def _share(self, batch: Batch) -> tuple[list[int], Batch]:
         """The rows of ``batch`` this learner trains on (all of them, or this rank's share), and those rows."""
@@ -243,18 +244,6 @@ class Learner:
             return list(range(len(batch))), batch
         mine = self.parallel.shard(batch.lengths.tolist())
         return mine, batch.select(mine)
-
-    def _figure_keys(self) -> list[str]:
-        """The sums a mini-batch accumulates under these settings (``_micro_batch``, ``_critic_backward``)."""
-        s = self.settings
-        keys = ["loss", "entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"]
-        if s.old_logprobs == "recompute" and s.tis_cap:
-            keys += ["tis_weight", "tis_truncated"]
-        if s.kl_coef > 0 and self.reference is not None:
-            keys.append("kl")
-        if self.critic is not None:
-            keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
-        return keys
 
     def _micro_batch(self, micro: Batch, s: PPOSettings, sums: dict[str, float], *, denominator: float,
                      norm_length: float, value_count: float) -> None:
@@ -304,24 +293,6 @@ class Learner:
             sums["logprob_mismatch"] = sums.get("logprob_mismatch", 0.0) + delta.sum()
             for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
                 sums[key] = sums.get(key, 0.0) + m[key] * n_tok
-
-    @staticmethod
-    def _mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float]:
-        on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
-        if on_device:  # one transfer for all of them
-            values = torch.stack([sums[k].detach().double().reshape(()) for k in on_device]).tolist()
-            sums = {**sums, **dict(zip(on_device, values))}
-        out = {"loss": sums["loss"]}
-        if "vf_loss" in sums:
-            out["vf_loss"] = sums["vf_loss"]
-        for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
-                    "tis_weight", "tis_truncated"):
-            if key in sums:
-                out[key] = sums[key] / max(tokens, 1.0)
-        for key in ("vf_clip_frac", "vf_explained_var"):
-            if key in sums:
-                out[key] = sums[key] / max(sums["vf_count"], 1.0)
-        return out
 
     def _critic_backward(self, micro: Batch, denominator: float, sums: dict) -> None:
         """Clipped value loss of one micro-batch (token-mean over the mini-batch's value positions), backward."""
@@ -393,3 +364,35 @@ class Learner:
             precision.update()
             metrics["loss_scale"] = precision.loss_scale
         return metrics
+
+
+def figure_keys(s: PPOSettings, *, kl: bool, critic: bool) -> list[str]:
+    """The sums a mini-batch accumulates under settings ``s`` (``Learner._micro_batch``, ``_critic_backward``);
+    ``kl``: the learner has a reference, ``critic``: a critic."""
+    keys = ["loss", "entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"]
+    if s.old_logprobs == "recompute" and s.tis_cap:
+        keys += ["tis_weight", "tis_truncated"]
+    if s.kl_coef > 0 and kl:
+        keys.append("kl")
+    if critic:
+        keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
+    return keys
+
+
+def mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float]:
+    """A mini-batch's figures from its sums (one host transfer): per sampled token, the critic's per value position."""
+    on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    if on_device:  # one transfer for all of them
+        values = torch.stack([sums[k].detach().double().reshape(()) for k in on_device]).tolist()
+        sums = {**sums, **dict(zip(on_device, values))}
+    out = {"loss": sums["loss"]}
+    if "vf_loss" in sums:
+        out["vf_loss"] = sums["vf_loss"]
+    for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
+                "tis_weight", "tis_truncated"):
+        if key in sums:
+            out[key] = sums[key] / max(tokens, 1.0)
+    for key in ("vf_clip_frac", "vf_explained_var"):
+        if key in sums:
+            out[key] = sums[key] / max(sums["vf_count"], 1.0)
+    return out
