@@ -94,3 +94,33 @@ def test_a_component_without_a_table_reads_its_defaults_and_one_without_settings
     config = load_config(None, ["run.plugins=capped_grpo"])
     assert config.components == {} and config.settings_of("algo", "capped_grpo").limit == 1.0
     assert config.settings_of("algo", "grpo") is None and config.settings_of("context", "summarize") is None
+
+
+def test_a_context_manager_gets_its_table_through_the_rollout_spec_as_plain_data():
+    from dataclasses import dataclass
+
+    from ctxrl.rollout.managers import register_manager
+    from ctxrl.rollout.managers.full import Full
+    from ctxrl.rollout.spec import RolloutSpec
+
+    @dataclass(frozen=True)
+    class NoteSettings:
+        note: str = "none"
+        """A word the manager keeps (for this test)."""
+
+    @register_manager
+    class Noted(Full):
+        name = "noted_for_test"
+        Settings = NoteSettings
+
+    config = load_config(None, ["context.manager=noted_for_test", "context.noted_for_test.note=kept"])
+    spec = RolloutSpec.from_config(config)
+    assert spec.train.context.options == {"note": "kept"} and spec.eval.context.options == {"note": "kept"}
+    again = RolloutSpec.from_dict(spec.to_dict())  # as a worker in another process or a Ray actor reads it
+    manager = again.train.context.make()
+    assert isinstance(manager, Noted) and manager.options == NoteSettings("kept")
+    default = RolloutSpec.from_config(load_config(None, ["context.manager=noted_for_test"])).train.context.make()
+    assert default.options == NoteSettings()
+    assert RolloutSpec.from_config(load_config(None, [])).train.context.make().options is None  # full: none
+    with pytest.raises(ConfigError, match=r"unknown config key context.noted_for_test.nte"):
+        load_config(None, ["context.manager=noted_for_test", "context.noted_for_test.nte=x"])

@@ -148,7 +148,8 @@ class RolloutSpec(PlainData):
             return ContextPolicy(manager=c.manager, max_context_tokens=c.max_context_tokens,
                                  max_summaries=max_summaries, summary_max_tokens=c.summary_max_tokens,
                                  instruction=c.summary_instruction, max_branches=c.max_branches,
-                                 branch_reward=c.branch_reward)
+                                 branch_reward=c.branch_reward,
+                                 options=dict(config.components.get(f"context.{c.manager}", {})))
 
         train = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
                               max_total_tokens=r.max_total_tokens, temperature=r.temperature, top_p=r.top_p,

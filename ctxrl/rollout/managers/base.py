@@ -26,13 +26,14 @@ Built-in managers are imported on first lookup (``ctxrl.registry``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ctxrl.engine.base import register_purpose
 from ctxrl.plain import PlainData
 from ctxrl.prompts import SUMMARY_INSTRUCTION
 from ctxrl.registry import Registry
+from ctxrl.settings import parse_settings
 from ctxrl.types import Message, Segment, Task
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ class ContextPolicy(PlainData):
     """Branches an episode may open (``fold``)."""
     branch_reward: float = 0.0
     """Process reward on the sampled tokens of a branch that returned a result (``fold``; 0 = off)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The manager's own table (``[context.NAME]``, as the configuration read it), which the manager reads into
+    its ``Settings`` (``ContextManager.options``); empty for a manager that declares none."""
 
     def __post_init__(self) -> None:
         cls = get_manager(self.manager)  # an unknown name is an error that lists the known ones
@@ -116,8 +120,14 @@ class ContextManager:
     process_reward: ClassVar[bool] = False
     """Whether ``segment_bonus`` pays ``ContextPolicy.branch_reward`` (``context.branch_reward`` needs one)."""
 
+    Settings: ClassVar[type | None] = None
+    """The manager's own settings, a dataclass read from its table ``[context.NAME]`` (``ctxrl.settings``)."""
+
     def __init__(self, policy: ContextPolicy) -> None:
         self.policy = policy
+        self.options = None if self.Settings is None else parse_settings(self.Settings, policy.options,
+                                                                         f"context.{self.name}")
+        """An instance of ``Settings`` (from ``policy.options``, else its defaults), or None."""
 
     def fits(self, context_tokens: int, next_turn_tokens: int) -> bool:
         """Whether a context of ``context_tokens`` leaves room for a turn of ``next_turn_tokens``."""
