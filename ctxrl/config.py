@@ -26,7 +26,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-from ctxrl.errors import ConfigError
+from ctxrl.errors import ConfigError, CtxrlError
 from ctxrl.plugins import import_plugins
 from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
 from ctxrl.settings import coerce, nearest, parse_settings, settings_table
@@ -799,7 +799,7 @@ def component_table(key: str, table: Any) -> dict[str, Any]:
         raise ConfigError(f"[{key}] must be a table of the settings of {section} component {name!r}, got {table!r}")
     try:
         cls = COMPONENT_REGISTRIES[section](name)
-    except (ValueError, LookupError) as exc:
+    except (ValueError, LookupError, CtxrlError) as exc:  # (an unknown environment is an EnvError)
         raise ConfigError(f"[{key}]: {exc}") from None
     settings = getattr(cls, "Settings", None)
     if settings is None:

@@ -124,3 +124,34 @@ def test_a_context_manager_gets_its_table_through_the_rollout_spec_as_plain_data
     assert RolloutSpec.from_config(load_config(None, [])).train.context.make().options is None  # full: none
     with pytest.raises(ConfigError, match=r"unknown config key context.noted_for_test.nte"):
         load_config(None, ["context.manager=noted_for_test", "context.noted_for_test.nte=x"])
+
+
+def test_an_environment_gets_its_table_as_options_on_its_configured_class():
+    from dataclasses import dataclass
+
+    from ctxrl.envs.calculator import CalculatorEnv
+    from ctxrl.envs.registry import register
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import spec_env_class
+
+    @dataclass(frozen=True)
+    class Greeting:
+        word: str = "hello"
+        """How the environment greets (for this test)."""
+
+    @register("calculator_settings_for_test")
+    class Greeter(CalculatorEnv):
+        Settings = Greeting
+
+    config = load_config(None, ["env.name=calculator_settings_for_test", "env.calculator_settings_for_test.word=hi"])
+    spec = RolloutSpec.from_dict(RolloutSpec.from_config(config).to_dict())  # as another process reads it
+    cls = spec_env_class(spec)
+    assert issubclass(cls, Greeter) and cls.options == Greeting("hi") and cls().options.word == "hi"
+    assert spec_env_class(spec) is cls  # the same table, the same class
+    plain = spec_env_class(RolloutSpec.from_config(load_config(None, ["env.name=calculator_settings_for_test"])))
+    assert plain.options == Greeting() and plain is not cls
+    assert not hasattr(spec_env_class(RolloutSpec.from_config(load_config(None, []))), "options")  # calculator: none
+    with pytest.raises(ConfigError, match=r"unknown config key env.calculator_settings_for_test.wrd"):
+        load_config(None, ["env.name=calculator_settings_for_test", "env.calculator_settings_for_test.wrd=x"])
+    with pytest.raises(ConfigError, match=r"\[env.no_such_env\]: unknown environment 'no_such_env'"):
+        load_config(None, ["env.no_such_env.word=x"])

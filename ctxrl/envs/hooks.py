@@ -4,10 +4,11 @@ The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. 
 environment opts into features by defining hooks: ``shortcut``, ``redundant``, ``pretraining_variant``,
 ``summary``, ``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits`` (their types are
 ``OptionalHooks``; what each enables is ``HOOKS``), the hooks context managers declare when they register
-(``select``, ``folded``: ``declare_hook``) and the ``names_actions`` flag (``FLAGS``). ctxrl
-looks them up only through ``hook`` and ``flag`` here, never with a bare ``getattr`` elsewhere, so
-this file is the complete list. ``ctxrl check-env NAME`` prints which features an environment's
-hooks enable (``features``).
+(``select``, ``folded``: ``declare_hook``), the ``names_actions`` flag (``FLAGS``) and the ``Settings``
+dataclass of its own settings (``settings_class``; read from ``[env.NAME]``, the configured class holds them
+as ``options``). ctxrl looks them up only through ``hook``, ``flag`` and ``settings_class`` here, never with a
+bare ``getattr`` elsewhere, so this file is the complete list. ``ctxrl check-env NAME`` prints which features
+an environment's hooks enable (``features``).
 
 All are class-level (static methods or classmethods), so demos and checks need no instance.
 ``solve(task)`` is required by the protocol; it gives warm-start demos, annealed demonstrations
@@ -106,6 +107,13 @@ def flag(env: Any, name: str) -> bool:
     if name not in FLAGS:
         raise KeyError(f"{name!r} is not an environment flag; known: {', '.join(FLAGS)}")
     return bool(getattr(env, name, False))
+
+
+def settings_class(env: Any) -> type | None:
+    """The environment's own settings, a dataclass in its class attribute ``Settings`` (``ctxrl.settings``), or
+    None when it declares none."""
+    found = getattr(env, "Settings", None)
+    return found if isinstance(found, type) else None
 
 
 def has_trial_hooks(env: Any) -> bool:

@@ -12,9 +12,11 @@ An unknown name is an error that lists the known names and suggests the closest 
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
-from typing import TypeVar
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from ctxrl.envs.base import EnvError
 from ctxrl.registry import Registry
@@ -62,10 +64,25 @@ def get_env_class(name: str) -> type:
         raise EnvError(f"{exc}. An environment outside ctxrl can be named as 'package.module:ClassName'.") from None
 
 
-def configured_env_class(name: str, **options: str) -> type:
-    """``get_env_class(name)``, bound to ``options`` when the class takes them (``configure``)."""
+def configured_env_class(name: str, settings: Mapping[str, Any] | None = None, **options: str) -> type:
+    """``get_env_class(name)``, bound to ``options`` when the class takes them (``configure``), and, when it
+    declares ``Settings``, a subclass whose ``options`` are those settings read from ``settings`` (its table
+    ``[env.NAME]``; the same table gives the same class)."""
     cls = get_env_class(name)
-    from ctxrl.envs.hooks import hook
+    from ctxrl.envs.hooks import hook, settings_class
 
     configure = hook(cls, "configure")
-    return configure(**options) if configure is not None else cls
+    cls = configure(**options) if configure is not None else cls
+    if settings_class(cls) is None:
+        return cls
+    return _with_settings(cls, f"env.{name}", json.dumps(dict(settings or {}), sort_keys=True))
+
+
+@functools.cache
+def _with_settings(cls: type, where: str, table: str) -> type:
+    from ctxrl.envs.hooks import settings_class
+    from ctxrl.settings import parse_settings
+
+    options = parse_settings(settings_class(cls), json.loads(table), where)
+    return type(cls.__name__, (cls,), {"options": options, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})

@@ -93,6 +93,8 @@ class EnvSpec(PlainData):
     tools: str = ""
     verifier: str = "exact"
     harness: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The environment's own table (``[env.NAME]``), read into its ``Settings`` (``configured_env_class``)."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,8 @@ class RolloutSpec(PlainData):
                             device=resolve_device(config.model.device), chat_template=config.model.chat_template,
                             tool_format=config.model.tool_format, lora=LoRASettings.from_config(config)),
             env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
-                        verifier=config.env.verifier, harness=config.env.harness),
+                        verifier=config.env.verifier, harness=config.env.harness,
+                        options=dict(config.components.get(f"env.{config.env.name}", {}))),
             train=train, eval=evaluation, train_meta=train_meta,
             eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,

@@ -107,7 +107,7 @@ def spec_env_class(spec: RolloutSpec) -> type:
     options = {"data": e.data, "tools": e.tools, "verifier": e.verifier}
     if e.harness or e.name == "harness":
         options["harness"] = e.harness
-    return configured_env_class(e.name, **options)
+    return configured_env_class(e.name, e.options, **options)
 
 
 def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
