@@ -16,7 +16,7 @@ turn (ending with its end-of-turn token), the next prompt is built by appending 
 
 ``verify_prefix_preserving`` checks all of this once at start-up on a canned tool conversation
 (its calls written in the renderer's tool-call format) and raises ``TemplateError`` naming the
-template otherwise.
+template otherwise (``ctxrl.chat.checks``, home of the renderer's other probes of its template too).
 
 Templates that rewrite history when a new user message arrives (Qwen3 drops the ``<think>``
 blocks of earlier assistant turns) break step 2 there, and only there: ``continuation_ids``
@@ -35,18 +35,15 @@ templates require them).
 Text the policy did not write (system prompts, tasks, tool output, environment replies) is
 encoded with its special tokens as plain text: a tool that prints ``<|im_end|>`` and
 ``<|im_start|>assistant`` gets the ids of those characters, never the turn-boundary ids, so
-model-written code cannot forge a turn. The template's own special tokens stay special. How:
-before rendering, every special-token string inside such a message is replaced by a marker; the
-rendered text is encoded piece by piece, each marker as the plain-text ids of the string it
-stands for. Text without special-token strings (nearly all of it) renders and encodes exactly as
-before. Assistant messages keep theirs: what the policy sampled is its own.
+model-written code cannot forge a turn (``ctxrl.chat.guard`` says how). The template's own special
+tokens stay special, and assistant messages keep theirs: what the policy sampled is its own.
 
 Templates that ignore ``tools`` (SmolLM2's plain ChatML renders the same text with and without
 them) would train a policy that is never told its tools. The renderer finds out once, by rendering
-a one-tool conversation both ways, and then writes the tools itself into the system turn
-(``ctxrl.chat.tool_prompt``: the schemas and the calling convention of its tool-call format),
-appended to the conversation's system message or as a system message of its own, and renders with
-no ``tools``. It does so before the special-token guard, so the tools text is plain text like any
+a one-tool conversation both ways (``ctxrl.chat.checks``), and then writes the tools itself into the
+system turn (``ctxrl.chat.tool_prompt``: the schemas and the calling convention of its tool-call
+format), appended to the conversation's system message or as a system message of its own, and
+renders with no ``tools``. It does so before the special-token guard, so the tools text is plain text like any
 other text the policy did not write (a ``<|im_end|>`` in a tool's description, or Mistral's
 ``[TOOL_CALLS]`` in the example call, gets the ids of its characters), and in ``text`` too, so the
 start-up check covers it. ``notices`` says what it decided. A template that cannot take a system
@@ -55,12 +52,10 @@ turn (Gemma's raises on one) is refused then, naming the fix.
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from typing import Any
 
-import jinja2
-
+from ctxrl.chat import checks
+from ctxrl.chat.errors import HistoryRewritten, TemplateError
 from ctxrl.chat.formats import (
     CHATML,
     ToolFormat,
@@ -70,35 +65,14 @@ from ctxrl.chat.formats import (
     format_names,
     markers_text,
     rewrite_calls,
-    with_prose,
 )
 from ctxrl.chat.formats import parse_assistant as parse_with
-from ctxrl.chat.tool_prompt import tools_system_text
+from ctxrl.chat.guard import encode_marked, guard, markers_intact, special_tokens
+from ctxrl.chat.tool_prompt import in_system_turn, tools_system_text
 from ctxrl.chat.toolcalls import HERMES
-from ctxrl.errors import CtxrlError
-from ctxrl.types import Message, ToolCall
+from ctxrl.types import Message
 
-_MARKER_START = "\ue000"
-_MARKER = _MARKER_START + "ctxrl-{}\ue001"
-_MARKERS = re.compile("\ue000ctxrl-(\\d+)\ue001")
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "Look a key up.",
-    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
-"""The one tool of the renderer's checks: does the template render tools, and is it prefix-preserving."""
-_PROBE_SYSTEM = "ctxrl probes whether this template prints the system turn."
-
-
-class TemplateError(CtxrlError, RuntimeError):
-    """The chat template cannot be rendered incrementally."""
-
-    kind = "chat template error"
-
-
-class HistoryRewritten(TemplateError):
-    """The template rendered earlier messages differently once a new user message followed them.
-
-    Not a failure: the episode's ``Recorder`` starts a new segment from a fresh rendering.
-    """
+__all__ = ["ChatRenderer", "HistoryRewritten", "TemplateError", "turn_end"]
 
 
 def turn_end(tokenizer: Any, template: str, eos: str, end_ids: list[int]) -> tuple[str, int]:
@@ -148,13 +122,8 @@ class ChatRenderer:
         self.end_ids: tuple[int, ...] = tuple(dict.fromkeys((self.eos_id, eos_id, *(int(i) for i in end_ids))))
         """Ids that end an assistant turn: the template's end-of-turn token first, then the model's other end
         ids (``generation_config.json``'s ``eos_token_id``)."""
-        # Every special token: the named ones (all_special_tokens) and added tokens marked special that no
-        # name lists (Llama 3's <|start_header_id|> kind). Longest first, so that one that contains another
-        # is replaced whole.
-        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
-        specials |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
-                     if getattr(t, "special", False)}
-        self.special_tokens: list[str] = sorted(specials, key=len, reverse=True)
+        self.special_tokens: list[str] = special_tokens(tokenizer)
+        """Every special-token string, longest first: plain text where the policy did not write it (``guard``)."""
 
     # -- tool calls ----------------------------------------------------------------------------
     @property
@@ -196,8 +165,7 @@ class ChatRenderer:
     def ignores_tools(self) -> bool:
         """Whether the template renders a conversation with tools as it renders it without (probed once)."""
         if self._ignores_tools is None:
-            probe = [{"role": "user", "content": "Find the value of key a."}]
-            self._ignores_tools = self._apply(probe, PROBE_TOOLS) == self._apply(probe, None)
+            self._ignores_tools = checks.ignores_tools(self.tokenizer)
         return self._ignores_tools
 
     def _apply(self, chat: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
@@ -207,12 +175,7 @@ class ChatRenderer:
     def _check_system_turn(self) -> None:
         """Raise ``TemplateError`` unless the template prints a system message's content (probed once)."""
         if self._system_turn_problem is None:
-            chat = [{"role": "system", "content": _PROBE_SYSTEM}, {"role": "user", "content": "Hello."}]
-            try:
-                printed = _PROBE_SYSTEM in self._apply(chat, None)
-                self._system_turn_problem = "" if printed else "it drops the system message's content"
-            except jinja2.TemplateError as exc:
-                self._system_turn_problem = f"it raises {str(exc)!r} on a system message"
+            self._system_turn_problem = checks.system_turn_problem(self.tokenizer)
         if self._system_turn_problem:
             raise TemplateError(
                 f"chat template {self.template_name!r} ignores tools, so ctxrl writes them into the system turn, but "
@@ -226,17 +189,12 @@ class ChatRenderer:
         Unchanged when there are no tools, no format to call them in, or the template renders tools
         itself. Otherwise the tools text (``tools_system_text``) is appended to the first message's
         content when that is a system message (a blank line between), or is a system message put
-        first, and the tools are None: a second pass changes nothing.
+        first (``in_system_turn``), and the tools are None: a second pass changes nothing.
         """
         if not tools or self._format is None or not self.ignores_tools:
             return messages, tools
         self._check_system_turn()
-        text = tools_system_text(tools, self._format)
-        if messages and messages[0].role == "system":
-            first = messages[0]
-            content = f"{first.content}\n\n{text}" if first.content else text
-            return [dataclasses.replace(first, content=content), *messages[1:]], None
-        return [Message("system", text), *messages], None
+        return in_system_turn(messages, tools_system_text(tools, self._format)), None
 
     def parse_assistant(self, text: str) -> Message:
         """Sampled assistant text as a ``Message``, its calls parsed with the policy's format (none without one)."""
@@ -298,55 +256,20 @@ class ChatRenderer:
         """Ids of ``text`` with special-token strings taken as plain characters (text the policy did not write)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
-    def _guarded(self, messages: list[Message]) -> tuple[list[Message], list[str]]:
-        """``messages`` with every special-token string in a non-assistant message replaced by a marker.
-
-        Returns the messages and the strings the markers stand for (marker ``i`` for ``strings[i]``),
-        numbered in message order, so that renderings of a conversation and of a longer one agree.
-        The marker's own first character is replaced too, in every message, so that no text can
-        pass for a marker.
-        """
-        strings: list[str] = []
-        if not self.special_tokens:
-            return messages, strings
-        others = re.compile("|".join(re.escape(t) for t in [*self.special_tokens, _MARKER_START]))
-        assistant = re.compile(re.escape(_MARKER_START))
-
-        def mark(match: re.Match) -> str:
-            strings.append(match.group(0))
-            return _MARKER.format(len(strings) - 1)
-
-        out = []
-        for m in messages:
-            pattern = assistant if m.role == "assistant" else others
-            if pattern.search(m.content):
-                m = dataclasses.replace(m, content=pattern.sub(mark, m.content))
-            out.append(m)
-        return out, strings
-
-    def _encode_marked(self, text: str, strings: list[str]) -> list[int]:
-        """Encode rendered text: markers as their strings' plain-text ids, the rest as ``encode`` does."""
-        if not strings:
-            return self.encode(text)
-        ids: list[int] = []
-        last = 0
-        for match in _MARKERS.finditer(text):
-            ids += self.encode(text[last:match.start()])
-            ids += self.encode_plain(strings[int(match.group(1))])
-            last = match.end()
-        return ids + self.encode(text[last:])
-
     def _render(self, messages: list[Message], tools: list[dict] | None, *,
                 add_generation_prompt: bool) -> tuple[str, list[str]]:
         # Tools first, so that special-token strings in their descriptions are guarded like any other text.
         messages, tools = self.with_tools_inlined(messages, tools)
-        guarded, strings = self._guarded(messages)
+        guarded, strings = guard(messages, self.special_tokens)
         text = self.text(guarded, tools, add_generation_prompt=add_generation_prompt)
-        if strings and len(_MARKERS.findall(text)) != len(strings):
+        if not markers_intact(text, strings):
             raise TemplateError(f"chat template {self.template_name!r} changes the content of messages (it dropped or "
                                 "repeated part of it), so ctxrl cannot keep special tokens in tool output as plain "
                                 "text; use a template that prints message content as it is")
         return text, strings
+
+    def _encode_marked(self, text: str, strings: list[str]) -> list[int]:
+        return encode_marked(text, strings, self.encode, self.encode_plain)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -376,7 +299,7 @@ class ChatRenderer:
             if any(m.role == "user" for m in new):
                 raise HistoryRewritten(f"chat template {self.template_name!r} rewrites earlier messages once a new "
                                        "user message follows them; the episode goes on in a new segment")
-            raise TemplateError(self._prefix_message())
+            raise TemplateError(checks.prefix_message(self.template_name))
         end = before.rfind(self.eos_text)
         if end < 0:
             raise TemplateError(f"chat template {self.template_name!r} does not close assistant turns "
@@ -389,80 +312,15 @@ class ChatRenderer:
         """Ids of an assistant turn as if sampled: the text's ids plus the end-of-turn token."""
         return self.encode(text) + [self.eos_id]
 
-    def _prefix_message(self) -> str:
-        return (f"chat template {self.template_name!r} is not prefix-preserving for tool conversations: "
-                "rendering more messages changes the text of earlier ones within one tool exchange (tool "
-                "results, no new user message), so ctxrl cannot append new turns without re-tokenizing. "
-                "ctxrl starts a new segment where a template rewrites history at a new user message (as "
-                "Qwen3's drops earlier reasoning), but not on every turn: each turn would re-encode the whole "
-                "conversation. Use a template that renders assistant turns verbatim "
-                "(set model.chat_template to a Jinja file).")
-
-    # -- start-up check --------------------------------------------------------------------------
+    # -- start-up checks (ctxrl.chat.checks) ------------------------------------------------------
     def canned_conversation(self) -> list[Message]:
-        """The tool conversation ``verify_prefix_preserving`` plays, written as the policy's family writes it.
-
-        Calls are in the renderer's format (without one, the turns are prose); a template that knows
-        ``<think>`` gets turns that open with a reasoning block, as a thinking model writes them.
-        """
-        think = "<think>\nThe key comes first.\n</think>\n\n" if "<think>" in self.template_text else ""
-
-        def call(key: str, prose: str = "") -> str:
-            if self._format is None:
-                return think + (prose or f"Key {key}.")
-            return think + with_prose(prose, self._format.render([ToolCall("lookup", {"key": key})]))
-
-        return [
-            Message("system", "You are a careful agent."),
-            Message("user", "Find the value of key a."),
-            Message("assistant", call("a", "Looking it up.")),
-            Message("tool", "b", name="lookup"),
-            Message("assistant", call("b")),
-            Message("tool", "42", name="lookup"),
-            Message("assistant", think + "The value is 42."),
-        ]
+        """The tool conversation ``verify_prefix_preserving`` plays, written as the policy's family writes it."""
+        return checks.canned_conversation(self)
 
     def rewrites_history(self) -> bool:
-        """Whether the template renders earlier turns differently once a new user message follows them.
-
-        Such a template (Qwen3's drops earlier reasoning) cuts an episode into segments wherever the
-        conversation gets a user message: a reflection request, a summary request, an environment
-        that replies as the user. The trainer checks at start-up that the run can train segments.
-        """
-        convo = self.canned_conversation()
-        try:
-            self.continuation_ids(convo, [Message("user", "And the value of key c?")], None)
-        except HistoryRewritten:
-            return True
-        return False
+        """Whether the template renders earlier turns differently once a new user message follows them."""
+        return checks.rewrites_history(self)
 
     def verify_prefix_preserving(self) -> None:
         """Raise ``TemplateError`` unless incremental rendering equals whole rendering within a tool exchange."""
-        tools = PROBE_TOOLS
-        convo = self.canned_conversation()
-        ids = self.prompt_ids(convo[:2], tools)
-        for k, message in enumerate(convo[2:], start=2):
-            if message.role == "assistant":
-                ids += self.assistant_ids(message.content)
-                history_end = k + 1
-                new = []
-                for later in convo[history_end:]:
-                    if later.role == "assistant":
-                        break
-                    new.append(later)
-                if new:
-                    ids += self.continuation_ids(convo[:history_end], new, tools)
-        whole = self.encode(self.text(convo, tools, add_generation_prompt=False))
-        # The whole rendering ends with the template's tail after the last eos (e.g. "\n").
-        if ids != whole[: len(ids)]:
-            raise TemplateError(self._prefix_message() + f" (first mismatch at token {_first_diff(ids, whole)})")
-        trailing = self.decode(whole[len(ids):])
-        if trailing.strip():
-            raise TemplateError(self._prefix_message() + f" (unexpected trailing text {trailing!r})")
-
-
-def _first_diff(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+        checks.verify_prefix_preserving(self)

@@ -10,18 +10,23 @@ The calling convention is shown rather than described: one call to the first too
 tool-call format's own ``render``. Every registered format, and any added later, so explains itself,
 and the format's ``parse`` reads the example back as the call it shows.
 
-What this file does not do: decide where the text goes (the renderer does), or reproduce any
-family's wording (it is written for ctxrl).
+The text goes into the system turn (``in_system_turn``): appended to the conversation's system message,
+or as a system message of its own.
+
+What this file does not do: decide whether a template needs the text (the renderer does, probing the
+template once: ``ctxrl.chat.checks.ignores_tools``), or reproduce any family's wording (it is written
+for ctxrl).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any
 
 from ctxrl.chat.formats.base import ToolFormat
-from ctxrl.types import ToolCall
+from ctxrl.types import Message, ToolCall
 
 PLACEHOLDERS: dict[str, Any] = {"string": "...", "integer": 0, "number": 0, "boolean": False, "array": [],
                                 "object": {}, "null": None}
@@ -40,6 +45,16 @@ def tools_system_text(tools: list[dict], tool_format: ToolFormat) -> str:
             f"To call a tool, write the call in exactly this form (here {call.name}, with placeholder arguments):\n"
             f"{tool_format.render([call])}\n\n"
             "Each result comes back to you in the next message.")
+
+
+def in_system_turn(messages: list[Message], text: str) -> list[Message]:
+    """``messages`` with ``text`` in the system turn: appended to the first message's content when that is a
+    system message (a blank line between), else as a system message put first."""
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        content = f"{first.content}\n\n{text}" if first.content else text
+        return [dataclasses.replace(first, content=content), *messages[1:]]
+    return [Message("system", text), *messages]
 
 
 def example_call(tools: list[dict]) -> ToolCall:
