@@ -25,7 +25,7 @@ from ctxrl.models.fused import Fused, rotated_qkv
 from ctxrl.models.layout import norm_args as _norm_args
 from ctxrl.models.layout import unsupported_reason
 
-__all__ = ["Batch", "DecoderView", "SlotCache", "unsupported_reason"]
+__all__ = ["Batch", "DecoderView", "SlotCache", "bucket", "unsupported_reason"]
 
 
 class SlotCache:
@@ -71,6 +71,15 @@ class Batch:
     key_len: int
 
 
+def bucket(n: int, smallest: int, largest: int) -> int:
+    """The power-of-two multiple of ``smallest`` at least ``n``, at most ``largest``: few distinct shapes (a
+    ``key_len`` or a decode batch), so compiled kernels and captured graphs are reused."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return min(size, largest)
+
+
 class DecoderView:
     """Runs an HF Llama-layout causal LM over a ``SlotCache``; see the module docstring."""
 
@@ -94,6 +103,11 @@ class DecoderView:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # [max_positions, head_dim]
+
+    def cache_bytes(self, slots: int, capacity: int) -> int:
+        """What ``new_cache(slots, capacity)`` allocates."""
+        per_token = 2 * len(self.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return per_token * slots * capacity
 
     def new_cache(self, slots: int, capacity: int) -> SlotCache:
         return SlotCache(len(self.layers), slots, self.kv_heads, capacity, self.head_dim, self.dtype, self.device)

@@ -1,0 +1,78 @@
+"""The prefill of an admission round: the leaders' new prompt tokens, packed without padding, into their slots.
+
+In order, for a ``Round`` (``admission``):
+
+1. Slots that reuse a prefix kept in another slot (``Placement.source``) get a copy of it, before
+   any prefill overwrites that slot.
+2. The leaders' new tokens (each prompt past what its slot holds) run through the model, packed
+   end to end: one forward per group of at most ``prefill_tokens`` new tokens (a longer prompt is
+   a group of its own). Each token's keys and values land in its slot at its position.
+3. Each follower's slot gets a copy of its leader's keys and values.
+
+The result is the logits at each starting request's last prompt position (a follower's are its
+leader's), from which its first token is drawn (``decode.Decoder.start``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctxrl.engine.fast.admission import Round
+from ctxrl.engine.fast.model import Batch, DecoderView, SlotCache, bucket
+from ctxrl.engine.fast.rows import Request
+from ctxrl.engine.fast.slots import Placement
+
+
+def prefill_round(round_: Round, view: DecoderView, cache: SlotCache, *, prefill_tokens: int,
+                  stats: dict) -> torch.Tensor:
+    """Logits ``[len(round_.requests), vocab]``; see the module docstring. Counts ``stats["prefill_tokens"]``."""
+    for _, placement in round_.leaders:  # copies read kept prefixes before any prefill overwrites them
+        if placement.source is not None:
+            cache.copy_prefix(placement.source, placement.slot, placement.cached)
+    logits = _prefill(round_.leaders, view, cache, prefill_tokens, stats)
+    for request, slot, leader in round_.followers:
+        cache.copy_prefix(round_.leaders[leader][1].slot, slot, len(request.prompt_ids))
+    return logits[round_.logit_rows]
+
+
+def _prefill(leaders: list[tuple[Request, Placement]], view: DecoderView, cache: SlotCache, prefill_tokens: int,
+             stats: dict) -> torch.Tensor:
+    """Logits at the last prompt position of each leader; prefills only what its slot lacks."""
+    out: list[torch.Tensor] = []
+    group: list[tuple[Request, Placement]] = []
+    size = 0
+    for item in leaders:
+        new = len(item[0].prompt_ids) - item[1].cached
+        if group and size + new > prefill_tokens:
+            out.append(_prefill_group(group, view, cache, stats))
+            group, size = [], 0
+        group.append(item)
+        size += new
+    out.append(_prefill_group(group, view, cache, stats))
+    return torch.cat(out)
+
+
+def _prefill_group(group: list[tuple[Request, Placement]], view: DecoderView, cache: SlotCache,
+                   stats: dict) -> torch.Tensor:
+    tokens, positions, slots, row_of, offset, last = [], [], [], [], [], []
+    width = 0
+    for index, (request, placement) in enumerate(group):
+        new = request.prompt_ids[placement.cached:]
+        tokens += new
+        positions += range(placement.cached, len(request.prompt_ids))
+        slots += [placement.slot] * len(new)
+        row_of += [index] * len(new)
+        offset += range(len(new))
+        last.append(len(tokens) - 1)
+        width = max(width, len(new))
+    longest = max(len(r.prompt_ids) for r, _ in group)
+    dev = view.device
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.long, device=dev)
+
+    batch = Batch(tokens=tensor(tokens), positions=tensor(positions), slots=tensor(slots),
+                  rows=tensor([p.slot for _, p in group]), row_of=tensor(row_of), offset=tensor(offset),
+                  width=width, n_rows=len(group), key_len=bucket(longest, 64, cache.capacity))
+    stats["prefill_tokens"] += len(tokens)
+    return view.forward(batch, cache, last=tensor(last))
