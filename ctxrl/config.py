@@ -39,6 +39,16 @@ __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_
 # ``resumable: ClassVar[bool] = True``. ``resumable_keys`` collects them; ``train.checkpoint`` compares the rest.
 RESUMABLE = {"resumable": True}
 
+# The values a numeric field may take, in its metadata where it is declared (``_validate_fields`` checks them; NaN
+# is never in range): > 0, >= 0, or an interval (low, high] or [low, high].
+POSITIVE = {"range": (0, None, True)}
+NON_NEGATIVE = {"range": (0, None, False)}
+
+
+def in_range(low: float, high: float, *, low_open: bool = False) -> dict[str, Any]:
+    """Metadata of a field that must lie in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    return {"range": (low, high, low_open)}
+
 # Keys that were renamed: an old config naming one is read under the new name, with a warning.
 RENAMED = {"meta.context": "meta.carry"}
 
@@ -55,7 +65,7 @@ class ModelConfig:
     float32 master weights of what trains (docs/precision.md)."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``."""
-    gpu_memory_fraction: float = field(default=0.0, metadata=RESUMABLE)
+    gpu_memory_fraction: float = field(default=0.0, metadata={**RESUMABLE, **in_range(0.0, 1.0)})
     """Share of the CUDA device's total memory this run may use, for several runs on one card: torch's allocator
     is capped at it (less the CUDA context) and the fast engine's KV pool, its prefill chunk and the learner's
     tokens per micro-batch are sized to fill it. 0 = no cap: the run plans what it needs, with micro-batches of
@@ -76,7 +86,7 @@ class ModelConfig:
 class EnvConfig:
     name: str = "calculator"
     """Registered environment name, or ``package.module:Class``."""
-    max_turns: int = 4
+    max_turns: int = field(default=4, metadata=POSITIVE)
     """Assistant turns per episode before it is truncated (``max_turns``)."""
     data: str = ""
     """Task file for environments built from data (``jsonl_tools``): a JSONL path."""
@@ -93,16 +103,16 @@ class EnvConfig:
 
 @dataclass
 class RolloutConfig:
-    tasks_per_step: int = 8
+    tasks_per_step: int = field(default=8, metadata=POSITIVE)
     """Distinct training tasks per RL step."""
-    group_size: int = 8
+    group_size: int = field(default=8, metadata=POSITIVE)
     """Episodes sampled per task (the GRPO group)."""
-    temperature: float = 0.7
+    temperature: float = field(default=0.7, metadata=NON_NEGATIVE)
     """Sampling temperature for training rollouts (the learner uses the same one). Below 1 the
     tiny model's number copying is less noisy, so more rollouts earn a reward."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata=in_range(0.0, 1.0, low_open=True))
     """Nucleus sampling threshold (1.0 = off)."""
-    top_k: int = 0
+    top_k: int = field(default=0, metadata=NON_NEGATIVE)
     """Top-k sampling (0 = off); applied before top-p, as HF and vLLM do."""
     stop_ids: list[int] = field(default_factory=list)
     """Token ids that end a turn besides the tokenizer's end-of-turn token and every ``eos_token_id`` of the model's
@@ -110,23 +120,23 @@ class RolloutConfig:
     stop_strings: list[str] = field(default_factory=list)
     """Texts that end a turn as soon as the sampled text contains one (kept in the turn). The turn is over, not cut
     off: the episode goes on, with the end-of-turn token added after it as context (mask 0)."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = field(default=48, metadata=POSITIVE)
     """Tokens one assistant turn may sample before it is cut off (``max_new_tokens``)."""
-    max_total_tokens: int = 512
+    max_total_tokens: int = field(default=512, metadata=POSITIVE)
     """Tokens of a whole episode (prompt, turns, observations) (``max_total_tokens``)."""
-    max_batch_size: int = 128
+    max_batch_size: int = field(default=128, metadata=POSITIVE)
     """Largest batch of concurrent requests the engine decodes together (the fast engine's number of cache slots)."""
     engine: str = "auto"
     """Which engine samples: ``hf`` (batched HF forward passes, the CPU and reference engine), ``fast`` (continuous
     batching over a slot KV cache with prefix reuse and CUDA graphs; Llama, Qwen2/2.5/3 and Mistral layouts, no
     LoRA) or ``auto`` (``fast`` on CUDA where it can run this model, else ``hf``). See docs/engine.md."""
-    sandbox_workers: int = field(default=8, metadata=RESUMABLE)
+    sandbox_workers: int = field(default=8, metadata={**RESUMABLE, **POSITIVE})
     """Most sandboxed Python interpreters (the ``python`` tool) running at once in a rollout worker, each allowed
     its memory limit (512 MB); calls beyond it wait for a free one, within their tool timeout."""
-    episode_timeout_s: float = field(default=300.0, metadata=RESUMABLE)
+    episode_timeout_s: float = field(default=300.0, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Wall-clock deadline of one episode (environment set-up, model time, tool time); past it the
     episode is marked errored (``deadline``) and left out of the loss. 0 = no deadline."""
-    max_error_rate: float = field(default=0.5, metadata=RESUMABLE)
+    max_error_rate: float = field(default=0.5, metadata={**RESUMABLE, **in_range(0.0, 1.0)})
     """Abort the run when more than this fraction of a step's episodes errored (crash or deadline)."""
 
 
@@ -139,42 +149,42 @@ class ContextConfig:
     (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent),
     ``select`` (ECHO-style: the policy names the earlier turns to keep verbatim when the next turn would not fit),
     or any manager registered with ``ctxrl.rollout.managers.register_manager``."""
-    max_context_tokens: int = 0
+    max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Working-context budget in tokens for ``window``, ``summarize`` and ``select`` (must not exceed
     rollout.max_total_tokens)."""
-    max_summaries: int = 2
+    max_summaries: int = field(default=2, metadata=NON_NEGATIVE)
     """Summaries (``select``: selections) an episode may make in training; past them an over-budget episode ends
     (``max_context``)."""
-    eval_max_summaries: int = field(default=2, metadata=RESUMABLE)
+    eval_max_summaries: int = field(default=2, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Summaries (``select``: selections) allowed at evaluation (test-time scaling: may exceed max_summaries)."""
-    summary_max_tokens: int = 64
+    summary_max_tokens: int = field(default=64, metadata=POSITIVE)
     """Tokens one summary (``select``: one reply naming the turns to keep) may take."""
     summary_instruction: str = SUMMARY_INSTRUCTION
     """The user message that asks for a summary."""
-    max_branches: int = 4
+    max_branches: int = field(default=4, metadata=NON_NEGATIVE)
     """Branches an episode may open with ``fold``."""
-    branch_reward: float = 0.0
+    branch_reward: float = field(default=0.0, metadata=NON_NEGATIVE)
     """``fold`` only: a process reward added to the advantage of every sampled token of a branch that returned a
     non-empty result (FoldGRPO-style; it rewards finishing a branch, not being right, so keep it small; 0 = off)."""
-    budget_start_tokens: int = 0
+    budget_start_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Budget curriculum (BACM-style): start training at this budget and shrink linearly to
     max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""
-    budget_steps: int = 20
+    budget_steps: int = field(default=20, metadata=NON_NEGATIVE)
     """RL steps over which the budget shrinks from budget_start_tokens to max_context_tokens."""
 
 
 @dataclass
 class MetaConfig:
-    num_attempts: int = 1
+    num_attempts: int = field(default=1, metadata=POSITIVE)
     """Attempts per trial in training (1 = off: single-episode RL). A trial is up to K attempts at one task, with
     the environment's feedback (and a reflection) between them; above 1 it needs algo.advantage=meta."""
-    eval_attempts: int = field(default=0, metadata=RESUMABLE)
+    eval_attempts: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Attempts per trial at evaluation (0 = num_attempts). Above 1 evaluation plays greedy trials and logs
     success_at_k / success_by_k; its ``success`` stays attempt 1's (zero-shot, as a single episode)."""
-    eval_trials: int = field(default=1, metadata=RESUMABLE)
+    eval_trials: int = field(default=1, metadata={**RESUMABLE, **POSITIVE})
     """Trials per task at evaluation; pass@k of independent first attempts needs at least k (and
     eval.temperature > 0: greedy trials of one task are identical)."""
-    gamma_trial: float = 1.0
+    gamma_trial: float = field(default=1.0, metadata=in_range(0.0, 1.0))
     """Discount across the attempts of a trial: 1 credits solving within K attempts at all, below 1 also
     prefers solving sooner, 0 makes attempts independent."""
     credit: str = "cross_episode"
@@ -193,15 +203,15 @@ class MetaConfig:
     """End a trial at its first successful attempt."""
     reflection_instruction: str = REFLECTION_INSTRUCTION
     """The user message, after the feedback line, that asks for a reflection."""
-    reflection_max_tokens: int = 64
+    reflection_max_tokens: int = field(default=64, metadata=POSITIVE)
     """Tokens one reflection may take."""
-    max_context_tokens: int = 0
+    max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Budget of an attempt's opening (task + carried history) in tokens: the oldest attempts are dropped until it
     fits (0 = only the room rollout.max_total_tokens leaves for a turn)."""
-    demos_max: int = 0
+    demos_max: int = field(default=0, metadata=NON_NEGATIVE)
     """Annealed demonstrations: few-shot solved examples in training prompts (count at step 0, or per episode
     that gets them); evaluation never gets any. 0 = off."""
-    demos_steps: int = 0
+    demos_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """The RL step from which no training prompt gets demonstrations (the schedule reaches 0 there)."""
     demos_kind: str = "linear"
     """Shape of the decay: ``linear``, ``cosine`` or ``step`` (constant, then none)."""
@@ -211,7 +221,7 @@ class MetaConfig:
     demos_source: str = "solve"
     """Where demonstrations come from: ``solve`` (the env's scripted solutions of other training tasks) or a
     JSONL file of ``{"prompt", "messages"}`` lines."""
-    demos_pool: int = 64
+    demos_pool: int = field(default=64, metadata=POSITIVE)
     """Training tasks solved for the ``solve`` pool (a task's own demo is never shown to it)."""
 
 
@@ -221,12 +231,12 @@ class SFTConfig:
 
     enabled: bool = True
     """Warm-start with supervised fine-tuning on the environment's scripted solutions."""
-    demos: int = 2000
+    demos: int = field(default=2000, metadata=POSITIVE)
     """Number of demonstration episodes."""
-    shortcut_fraction: float = 0.65
+    shortcut_fraction: float = field(default=0.65, metadata=in_range(0.0, 1.0))
     """Fraction of demos that answer without the tool (the env's ``shortcut``): imperfect on purpose.
     Above one half, the greedy warm-started policy prefers answering unaided; RL has to find the tool."""
-    redundant_fraction: float = 0.0
+    redundant_fraction: float = field(default=0.0, metadata=in_range(0.0, 1.0))
     """Fraction of demos that solve the task with one tool call too many (the env's ``redundant``: search_qa
     searches the answer again, python_math runs its code twice): a warm start that over-calls, for testing
     what OTC's reward (reward.otc_weight) cuts. Drawn after the shortcut's share; the two may not exceed 1."""
@@ -238,15 +248,15 @@ class SFTConfig:
     has a ``summary`` hook (kv_chain, search_qa), so demos show summary requests answered with the env's scripted
     summaries (``select``: a ``select`` hook, or selections derived from ``summary``); ``on`` insists (a config
     error if the env has no hook); ``off`` plays full-context demos."""
-    trial_demos: float = 0.0
+    trial_demos: float = field(default=0.0, metadata=in_range(0.0, 1.0))
     """Fraction of the demos played as scripted trials: a failed attempt, its reflection, then the solution
     (ctxrl.meta.trial_demos; only the reflection and the solution train). Teaches the format of trials before
     meta-RL; needs the env's ``failure`` and ``reflection`` hooks (minesweeper, bandit)."""
-    epochs: int = 2
+    epochs: int = field(default=2, metadata=POSITIVE)
     """Passes over the demonstrations."""
-    batch_size: int = 32
+    batch_size: int = field(default=32, metadata=POSITIVE)
     """Sequences per optimiser step (a demo that summarised gives one per segment)."""
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata=NON_NEGATIVE)
     """AdamW learning rate (linear warm-up over 5% of steps, then cosine decay)."""
 
 
@@ -258,44 +268,44 @@ class AlgoConfig:
     batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
     critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), or any
     estimator registered with ``ctxrl.algo.estimators.register_estimator``; see docs/algorithms.md."""
-    gamma: float = 1.0
+    gamma: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
-    lam: float = 1.0
+    lam: float = field(default=1.0, metadata=NON_NEGATIVE)
     """GAE's lambda (``gae`` only)."""
     gae_level: str = "token"
     """``gae`` steps: ``token`` (every sampled token) or ``turn`` (every assistant turn; the critic's
     value is read at each turn's first sampled token and trained there only)."""
-    vf_clip: float = 0.2
+    vf_clip: float = field(default=0.2, metadata=NON_NEGATIVE)
     """Clip range of the critic's value loss (``gae`` only)."""
     loss: str = "ppo_clip"
     """Policy loss: ``ppo_clip`` (token ratios) or ``gspo`` (sequence ratios; use clip bounds near 3e-4 / 4e-4)."""
-    dual_clip: float = 0.0
+    dual_clip: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c * A (0 = off; ppo_clip only)."""
-    clip_low: float = 0.2
+    clip_low: float = field(default=0.2, metadata=NON_NEGATIVE)
     """PPO lower clip: ratios below 1 - clip_low stop the gradient of negative advantages."""
-    clip_high: float = 0.2
+    clip_high: float = field(default=0.2, metadata=NON_NEGATIVE)
     """PPO upper clip (DAPO's clip-higher raises it, e.g. 0.28)."""
-    kl_coef: float = 0.0
+    kl_coef: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Weight of the KL(policy || reference) term in the loss (0 = no reference model)."""
     kl_kind: str = "k3"
     """KL estimator: k1, k2 or k3."""
     kl_placement: str = "loss"
     """Where the KL to the reference goes: ``loss`` (a term of the policy loss) or ``reward``
     (``-kl_coef * KL`` on every sampled token's reward, before the advantages; REINFORCE++ / PPO style)."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Entropy bonus weight (0 = off)."""
     agg: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: leave out groups whose rewards all agree and sample more tasks to refill."""
-    dynamic_sampling_rounds: int = 3
+    dynamic_sampling_rounds: int = field(default=3, metadata=POSITIVE)
     """Most extra rollout rounds per step that dynamic sampling may spend refilling the batch."""
     void_turn_filter: bool = False
     """SimpleTIR: leave trajectories with a void turn (no tool call, no answer) out of the update."""
     old_logprobs: str = "behaviour"
     """The PPO "old" policy: ``behaviour`` (the sampler's log-probs, exact in fp32) or ``recompute``
     (one extra learner pass before the update; logs the sampler/learner mismatch)."""
-    tis_cap: float = 0.0
+    tis_cap: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Truncated importance sampling: weight each token by min(learner_old / behaviour, cap) (0 = off;
     needs ``old_logprobs = "recompute"``; e.g. 2.0 for bf16 rollouts)."""
 
@@ -306,15 +316,15 @@ class CurriculumConfig:
     """Which training tasks and turn limit per step: ``fixed`` (the env's train distribution),
     ``horizon`` (turn cap raised in stages, ScalingInter-RL) or ``self_paced`` (prefer contexts of
     intermediate success, SPaCE-like); see ctxrl/tasks/curriculum.py."""
-    horizon_start_turns: int = 2
+    horizon_start_turns: int = field(default=2, metadata=POSITIVE)
     """``horizon``: the turn cap at step 0 (it rises to ``env.max_turns``)."""
-    horizon_warmup_steps: int = 20
+    horizon_warmup_steps: int = field(default=20, metadata=POSITIVE)
     """``horizon``: the step from which the full ``env.max_turns`` applies."""
-    horizon_stages: int = 3
+    horizon_stages: int = field(default=3, metadata=POSITIVE)
     """``horizon``: how many times the cap is raised on the way."""
-    self_paced_pool: int = 4
+    self_paced_pool: int = field(default=4, metadata=POSITIVE)
     """``self_paced``: candidate tasks drawn per task kept."""
-    self_paced_floor: float = 0.02
+    self_paced_floor: float = field(default=0.02, metadata=in_range(0.0, 0.25, low_open=True))
     """``self_paced``: the smallest sampling weight, so no context drops out entirely."""
 
 
@@ -322,14 +332,14 @@ class CurriculumConfig:
 class RewardConfig:
     outcome: float = 1.0
     """Weight of the environment's own reward (its correctness signal)."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = field(default=0, metadata=NON_NEGATIVE)
     """DAPO overlong shaping: tokens before ``rollout.max_total_tokens`` where a linear penalty starts (0 = off)."""
     overlong_weight: float = 1.0
     """Weight of the overlong penalty (which runs from 0 to -1)."""
     otc_weight: float = 0.0
     """Weight of OTC's tool-efficiency reward (correctness scaled by closeness to the group's fewest
     successful tool calls; 0 = off). Pure OTC-GRPO: ``reward.outcome=0 reward.otc_weight=1``."""
-    otc_c: float = 1.0
+    otc_c: float = field(default=1.0, metadata=NON_NEGATIVE)
     """OTC's smoothing constant c (used when no episode of the group succeeded with a known count)."""
     format_weight: float = 0.0
     """Weight of the format reward: 1 when no turn made a malformed or failing tool call (0 = off)."""
@@ -337,40 +347,40 @@ class RewardConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = field(default=40, metadata=RESUMABLE)
+    steps: int = field(default=40, metadata={**RESUMABLE, **NON_NEGATIVE})
     """RL steps (each: rollout, advantages, updates)."""
-    lr: float = 1e-4
+    lr: float = field(default=1e-4, metadata=NON_NEGATIVE)
     """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
     few rollouts earn a reward, so keep it well below the warm start's)."""
-    critic_lr: float = 1e-3
+    critic_lr: float = field(default=1e-3, metadata=NON_NEGATIVE)
     """AdamW learning rate of the critic (``algo.advantage = "gae"``; its value head starts at zero)."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = field(default=1, metadata=POSITIVE)
     """Passes over each rollout batch."""
-    mini_batches: int = 2
+    mini_batches: int = field(default=2, metadata=POSITIVE)
     """Optimiser steps per pass (the batch is split into this many mini-batches)."""
-    micro_batch_size: int = field(default=32, metadata=RESUMABLE)
+    micro_batch_size: int = field(default=32, metadata={**RESUMABLE, **POSITIVE})
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    eval_every: int = field(default=10, metadata=RESUMABLE)
+    eval_every: int = field(default=10, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Evaluate on held-out tasks every N steps (0 = only at the end)."""
-    checkpoint_every: int = field(default=0, metadata=RESUMABLE)
+    checkpoint_every: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Save a resumable checkpoint every N RL steps (0 = only the final weights, not resumable)."""
-    keep_checkpoints: int = field(default=3, metadata=RESUMABLE)
+    keep_checkpoints: int = field(default=3, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Resumable step checkpoints kept (the oldest are deleted; 0 = keep all)."""
-    max_consecutive_skips: int = field(default=5, metadata=RESUMABLE)
+    max_consecutive_skips: int = field(default=5, metadata={**RESUMABLE, **POSITIVE})
     """Abort after this many RL steps in a row whose every update was skipped (non-finite loss or gradient)."""
     master_weights: str = "float32"
     """What the optimiser updates: ``float32`` (with model.dtype bfloat16/float16, AdamW keeps float32 master copies
     of the trained weights and float32 moments, rounds them into the model after each step, and float16 gets loss
     scaling) or ``model`` (AdamW updates the model.dtype weights directly: bf16 loses small updates;
     docs/precision.md)."""
-    max_tokens_per_microbatch: int = field(default=0, metadata=RESUMABLE)
+    max_tokens_per_microbatch: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Token budget of one forward/backward: micro-batches are packed by length so that rows x longest row stays
     within it (and at most micro_batch_size rows); 0 = micro_batch_size rows at a time."""
-    logprob_chunk_tokens: int = field(default=1024, metadata=RESUMABLE)
+    logprob_chunk_tokens: int = field(default=1024, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Log-probs and entropy are computed from the final hidden states in chunks of this many positions, only
     where the loss needs them, so full-vocabulary logits are never held for a whole sequence (gradients equal
     the full computation); 0 = the model's full logits."""
@@ -391,11 +401,11 @@ class TrainConfig:
 
 @dataclass
 class LoRAConfig:
-    rank: int = 0
+    rank: int = field(default=0, metadata=NON_NEGATIVE)
     """LoRA rank (PEFT); 0 = full fine-tuning. Only the adapters train; the base stays frozen in model.dtype."""
-    alpha: float = 32.0
+    alpha: float = field(default=32.0, metadata=POSITIVE)
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata=in_range(0.0, 1.0))
     """Dropout on the adapters' input. Keep it 0 for RL: dropout makes the learner's log-probs differ from the
     sampler's, which biases the PPO ratio."""
     target_modules: str = "all-linear"
@@ -409,9 +419,9 @@ class LoRAConfig:
 class EvalConfig:
     resumable: ClassVar[bool] = True  # every field may change on --resume (RESUMABLE)
 
-    tasks: int = 100
+    tasks: int = field(default=100, metadata=POSITIVE)
     """Tasks per split for evaluation."""
-    temperature: float = 0.0
+    temperature: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Evaluation sampling temperature (0 = greedy)."""
     seed: int = 1234
     """Seed of the evaluation task sample (fixed so before/after compare the same tasks)."""
@@ -428,7 +438,7 @@ class RunConfig:
     plugins: str = field(default="", metadata=RESUMABLE)
     """Comma-separated modules imported before the configuration is checked: where your own environments, context
     managers and estimators register themselves (looked up on PYTHONPATH and in the working directory)."""
-    samples_per_step: int = field(default=4, metadata=RESUMABLE)
+    samples_per_step: int = field(default=4, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Decoded episodes written to samples.jsonl per step."""
 
 
@@ -502,32 +512,6 @@ class Config:
 
 
 # -- validation --------------------------------------------------------------------------------
-_POSITIVE = {"env.max_turns", "rollout.tasks_per_step", "rollout.group_size", "rollout.max_new_tokens",
-             "rollout.max_total_tokens", "rollout.max_batch_size", "rollout.sandbox_workers", "sft.demos",
-             "sft.epochs", "sft.batch_size",
-             "algo.dynamic_sampling_rounds", "curriculum.horizon_start_turns", "curriculum.horizon_warmup_steps",
-             "curriculum.horizon_stages", "curriculum.self_paced_pool", "train.ppo_epochs", "train.mini_batches",
-             "train.micro_batch_size", "eval.tasks",
-             "train.max_consecutive_skips", "context.summary_max_tokens", "meta.num_attempts", "meta.eval_trials",
-             "meta.reflection_max_tokens", "meta.demos_pool", "lora.alpha"}
-_NON_NEGATIVE = {"rollout.temperature", "rollout.top_k", "algo.clip_low", "algo.clip_high", "algo.kl_coef",
-                 "algo.entropy_coef", "algo.gamma", "algo.lam", "algo.vf_clip", "algo.dual_clip", "algo.tis_cap",
-                 "train.critic_lr", "reward.overlong_buffer", "reward.otc_c",
-                 "train.steps", "train.weight_decay", "train.eval_every", "context.max_context_tokens",
-                 "context.max_summaries", "context.eval_max_summaries", "context.budget_start_tokens",
-                 "context.budget_steps", "context.max_branches", "context.branch_reward",
-                 "train.checkpoint_every", "train.keep_checkpoints", "rollout.episode_timeout_s", "eval.temperature",
-                 "run.samples_per_step", "train.lr", "sft.lr",
-                 "meta.eval_attempts", "meta.max_context_tokens", "meta.demos_max", "meta.demos_steps",
-                 "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens", "lora.rank"}
-# key -> (low, high, low bound open): the fields that must lie in an interval
-_RANGES = {"curriculum.self_paced_floor": (0.0, 0.25, True), "rollout.top_p": (0.0, 1.0, True),
-           "rollout.max_error_rate": (0.0, 1.0, False), "sft.trial_demos": (0.0, 1.0, False),
-           "sft.shortcut_fraction": (0.0, 1.0, False),
-           "sft.redundant_fraction": (0.0, 1.0, False), "meta.gamma_trial": (0.0, 1.0, False),
-           "lora.dropout": (0.0, 1.0, False), "model.gpu_memory_fraction": (0.0, 1.0, False)}
-
-
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
@@ -592,17 +576,19 @@ def _validate_fields(config: Config) -> None:
         obj = getattr(config, section)
         for f in dataclasses.fields(obj):
             key, value = f"{section}.{f.name}", getattr(obj, f.name)
-            if key in _POSITIVE and value <= 0:
-                raise ConfigError(f"{key} must be > 0, got {value!r}")
-            if key in _NON_NEGATIVE and value < 0:
-                raise ConfigError(f"{key} must be >= 0, got {value!r}")
+            if "range" in f.metadata:
+                _check_range(key, value, *f.metadata["range"])
             if key in choices and value not in choices[key]:
                 raise ConfigError(f"{key} must be one of {', '.join(choices[key])}; got {value!r}")
-    for key, (low, high, low_open) in _RANGES.items():
-        section, _, name = key.partition(".")
-        value = getattr(getattr(config, section), name)
-        if not (low < value if low_open else low <= value) or not value <= high:
-            raise ConfigError(f"{key} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
+
+
+def _check_range(key: str, value: float, low: float, high: float | None, low_open: bool) -> None:
+    above = low < value if low_open else low <= value  # (False for NaN, as is the upper bound)
+    if above and (high is None or value <= high):
+        return
+    if high is None:
+        raise ConfigError(f"{key} must be {'>' if low_open else '>='} {low:g}, got {value!r}")
+    raise ConfigError(f"{key} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
 
 
 def _validate_distributed(config: Config) -> None:
