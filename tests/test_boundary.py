@@ -312,6 +312,26 @@ def test_run_plugins_register_extension_points_before_the_config_is_checked(tmp_
     assert episode.truncation != "error" and episode.turns
 
 
+def test_a_ray_actor_imports_the_plugins_before_it_reads_the_spec(tmp_path, monkeypatch):
+    """The body of a Ray rollout actor, in a fresh interpreter without Ray: a spec naming a plugin's context manager
+    must build (it did not: the actor read the spec before importing run.plugins)."""
+    import subprocess
+    import sys
+
+    from ctxrl.plain import to_json
+
+    (tmp_path / "my_plugin.py").write_text(PLUGIN)
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, ["run.plugins=my_plugin", "context.manager=plugin_full", f"model.name={TINY}",
+                                "rollout.max_new_tokens=4", "env.max_turns=1"])
+    code = ("import sys; from ctxrl.distributed.pool import _Actor; "
+            "print(_Actor(sys.stdin.read(), []).worker.spec.train.context.make().name)")
+    done = subprocess.run([sys.executable, "-c", code], input=to_json(RolloutSpec.from_config(config)),
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "plugin_full"
+
+
 def test_a_worker_that_does_not_answer_in_time_is_stopped_never_a_hang_or_a_stale_reply():
     import multiprocessing
 

@@ -38,16 +38,21 @@ class WorkerFailure(CtxrlError, RuntimeError):
 
 class _Actor:
     """The body of one Ray actor: a ``RolloutWorker`` built from the spec in the actor's process, after importing
-    the modules the driver's episode runners come from (so it picks the runner an in-process worker would)."""
+    the spec's plugins (``run.plugins``: a custom environment, manager or runner must be registered before the spec
+    is read) and the modules the driver's episode runners come from (so it picks the runner an in-process worker
+    would)."""
 
     def __init__(self, spec_json: str, runners: list[str]) -> None:
         import importlib
+        import json
 
         import torch
 
+        from ctxrl.plugins import import_plugins
         from ctxrl.rollout.worker import RolloutWorker
 
         torch.set_num_threads(1)
+        import_plugins(json.loads(spec_json).get("plugins", ""))
         for module in runners:
             importlib.import_module(module)
         self.worker = RolloutWorker.from_spec(from_json(RolloutSpec, spec_json))
