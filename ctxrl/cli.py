@@ -1,6 +1,6 @@
 """``ctxrl`` command line: argument parsing and printing; the work is ``ctxrl.train.trainer``'s.
 
-Commands: ``demo``, ``train``, ``eval``, ``envs``, ``check-env``.
+Commands: ``demo``, ``train``, ``eval``, ``config``, ``merge``, ``serve``, ``envs``, ``check-env``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every such error is a ``CtxrlError``. The command line prints one as a single li
 ``--debug`` or ``CTXRL_DEBUG=1`` shows it) and exits 2. Anything else that escapes is a ctxrl bug
 or a system failure, and keeps its traceback. The errors of one area live with it (``EnvError``
 in ``ctxrl.envs.base``, ``ModelLoadError`` in ``ctxrl.models.loader``, ``TemplateError`` in
-``ctxrl.chat.render``, ``SandboxError`` in ``ctxrl.tools.sandbox``); they all derive from this one.
+``ctxrl.chat.errors``, ``SandboxError`` in ``ctxrl.tools.sandbox``); they all derive from this one.
 """
 
 from __future__ import annotations
