@@ -140,6 +140,53 @@ def test_slot_table_places_in_the_lowest_free_slot_and_take_and_release():
         SlotTable(0)
 
 
+def _waiting(*prompts: list[int], cancelled: tuple[int, ...] = ()):
+    """Requests as the engine queues them, one per prompt (``cancelled``: the indices whose callers gave up)."""
+    from ctxrl.engine.fast.rows import Request
+
+    loop = asyncio.new_event_loop()
+    requests = []
+    for i, prompt in enumerate(prompts):
+        future = loop.create_future()
+        if i in cancelled:
+            future.cancel()
+        requests.append(Request(list(prompt), SamplingParams(), future, loop))
+    loop.close()
+    return requests
+
+
+def test_an_admission_round_leads_follows_and_defers_in_arrival_order():
+    from ctxrl.engine.fast.admission import plan_round
+
+    a, b, c = _ids(40), _ids(12, start=2000), _ids(5, start=3000)
+    # a GRPO group of three on prompt a, then b, then c: 4 slots
+    waiting = _waiting(a, a, b, a, c)
+    round_ = plan_round(waiting, SlotTable(4))
+    assert [(r.prompt_ids[0], p.slot) for r, p in round_.leaders] == [(1000, 0), (2000, 2)]
+    assert [(r.prompt_ids[0], slot, leader) for r, slot, leader in round_.followers] == [(1000, 1, 0), (1000, 3, 0)]
+    assert round_.deferred == [waiting[4]]  # no slot left for c
+    assert round_.requests == [waiting[0], waiting[2], waiting[1], waiting[3]]
+    assert round_.slots == [0, 2, 1, 3] and round_.logit_rows == [0, 1, 0, 0]
+    assert round_.reused == 80  # two followers copy their leader's 40 prompt tokens; nothing was parked
+
+
+def test_once_one_request_waits_every_later_one_waits_and_a_cancelled_one_is_dropped():
+    from ctxrl.engine.fast.admission import plan_round
+
+    table = SlotTable(2)
+    assert table.place(_ids(40), {}) == Placement(0)
+    table.park(0, _ids(40))  # the previous turn of a conversation, kept in slot 0
+    assert table.take() == Placement(1)  # slot 1 is busy
+    long_turn = _ids(40) + [7, 8]
+    waiting = _waiting(_ids(3, start=5000), long_turn, _ids(4, start=6000), cancelled=(0,))
+    round_ = plan_round(waiting, table)
+    # the cancelled first request is dropped; the second reuses its parked prefix (40 of 42 tokens) in slot 0
+    assert [(r.prompt_ids, p.slot, p.cached) for r, p in round_.leaders] == [(long_turn, 0, 40)]
+    assert round_.followers == [] and round_.deferred == [waiting[2]] and round_.reused == 40
+    # a request that could fit later still waits behind one that could not: first come, first served
+    assert plan_round(_waiting(_ids(3), _ids(3, start=9000)), SlotTable(1)).deferred[0].prompt_ids[0] == 9000
+
+
 def test_slot_table_reuses_a_parked_prefix_of_at_least_one_block():
     t = SlotTable(3)
     turn1 = _ids(40)
