@@ -652,3 +652,23 @@ def test_history_rewrite_prompts_the_engine_with_what_is_recorded(tokenizer):
     start = first_sampled(ep, 1)
     assert engine.prompts[1] == ep["input_ids"][:start]
     assert r2.usage.prompt_tokens == start
+
+
+@pytest.mark.parametrize("raw, status, message, param", [
+    (b'{"temperature": NaN}', 400, "temperature is NaN: JSON numbers must be finite", "temperature"),
+    (b'{"messages": [{"role": "user", "x": -Infinity}]}', 400, "messages[0].x is -Infinity", "messages[0].x"),
+    (b'{"reward": Infinity}', 400, "reward is Infinity", "reward"),
+    (b'{"top_p": 1e999}', 400, "top_p is 1e999: JSON numbers must be finite", "top_p"),
+    (b'{"model": "\xff"}', 400, "the body is not UTF-8 (byte 11", None),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply", None),
+    (b'{"model": ', 400, "the body is not JSON", None),
+])
+def test_a_body_that_is_not_plain_json_is_a_400_naming_what_is_wrong(raw, status, message, param):
+    from ctxrl.serve.protocol import APIError
+    from ctxrl.serve.server import parse_body
+
+    with pytest.raises(APIError) as caught:
+        parse_body(raw)
+    body = caught.value.body()["error"]
+    assert caught.value.status == status and message in body["message"] and body["param"] == param
+    assert parse_body(b'{"a": [1.5, 2]}') == {"a": [1.5, 2]} and parse_body(b"") is None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import queue
 from collections.abc import Callable
 from typing import Any
@@ -257,10 +258,53 @@ async def _body_of(server: Server, request: Request) -> Any:
     if len(raw) > server.max_body_bytes:
         raise APIError(413, f"the body is {len(raw)} bytes; the limit is {server.max_body_bytes}",
                        code="request_too_large")
+    return parse_body(raw)
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON (``null`` when empty), or a 400 that says what is wrong: not UTF-8, not JSON, nested
+    too deeply for the reader, or a NaN / Infinity (which JSON does not have) or a number too large for a float at
+    the field it names."""
     try:
-        return json.loads(raw or b"null")
+        text = (raw or b"null").decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"the body is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r}); send JSON encoded "
+                  "as UTF-8") from None
+    constants = []
+    try:
+        body = json.loads(text, parse_constant=lambda name: constants.append(name) or float(name),
+                          parse_float=lambda literal: _finite(literal, constants))
     except json.JSONDecodeError as exc:
         raise bad(f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the body's JSON nests too deeply to read") from None
+    if constants:
+        try:
+            path = _non_finite(body) or "the body"
+        except RecursionError:  # (nested as deep as the reader allows)
+            path = "the body"
+        raise bad(f"{path} is {constants[0]}: JSON numbers must be finite", param=path)
+    return body
+
+
+def _finite(literal: str, constants: list[str]) -> float:
+    """A JSON number literal as a float; one too large for a float (``1e999``) is noted as ``constants`` are."""
+    value = float(literal)
+    if math.isinf(value):
+        constants.append(literal)
+    return value
+
+
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].x``) of the first NaN or infinite number in a parsed body, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if found is not None:
+            return found
+    return None
 
 
 async def _completions(server: Server, request: Request, session_id: str | None):
