@@ -63,3 +63,20 @@ def _scored_episodes(vocab: int, lengths: list[int], seed: int = 0):
 def scored_episodes():
     """``scored_episodes(vocab, lengths, seed=0)``: random episodes for the learner's tests."""
     return _scored_episodes
+
+
+def greedy_reply(name: str, renderer, text: str, max_new_tokens: int):
+    """A named model's greedy reply to one user message through ctxrl's HF engine on the CPU, stopping at its end
+    ids: (the completion, the model's parameter count)."""
+    import asyncio
+
+    from ctxrl.engine.base import SamplingParams
+    from ctxrl.engine.hf import HFEngine
+    from ctxrl.models.loader import load_model
+    from ctxrl.types import Message
+
+    model = load_model(name, dtype="float32", device="cpu").eval()
+    engine = HFEngine(model, pad_token_id=renderer.tokenizer.pad_token_id)
+    ids = renderer.prompt_ids([Message("user", text)], None)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=renderer.end_ids)
+    return asyncio.run(engine.generate(ids, params)), sum(p.numel() for p in model.parameters())

@@ -144,17 +144,10 @@ def test_a_gemma_calculator_episode_is_token_faithful(gemma_renderer):
 
 
 def test_gemma_decodes_greedily_and_stops_at_the_end_of_its_turn(gemma_renderer):
-    from ctxrl.engine.base import SamplingParams
-    from ctxrl.engine.hf import HFEngine
-    from ctxrl.models.loader import load_model
-    from ctxrl.types import Message
+    from conftest import greedy_reply
 
-    model = load_model(NAME, dtype="float32", device="cpu").eval()
-    assert sum(p.numel() for p in model.parameters()) == 268_098_176
-    engine = HFEngine(model, pad_token_id=gemma_renderer.tokenizer.pad_token_id)
-    ids = gemma_renderer.prompt_ids([Message("user", "The capital of France is")], None)
-    params = SamplingParams(temperature=0.0, max_new_tokens=32, stop_ids=gemma_renderer.end_ids)
-    completion = asyncio.run(engine.generate(ids, params))
+    completion, parameters = greedy_reply(NAME, gemma_renderer, "The capital of France is", 32)
+    assert parameters == 268_098_176
     assert 0 < len(completion.token_ids) <= 32
     if completion.finish_reason == "stop":
         assert completion.token_ids[-1] in (1, 106)

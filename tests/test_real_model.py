@@ -64,17 +64,10 @@ def test_named_model_resolves_to_a_cached_checkpoint(smol_dir, smol_tokenizer, g
 
 
 def test_greedy_decoding_names_paris(smol_renderer):
-    from ctxrl.engine.base import SamplingParams
-    from ctxrl.engine.hf import HFEngine
-    from ctxrl.models.loader import load_model
-    from ctxrl.types import Message
+    from conftest import greedy_reply
 
-    model = load_model(NAME, dtype="float32", device="cpu").eval()
-    assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    engine = HFEngine(model, pad_token_id=smol_renderer.tokenizer.pad_token_id)
-    ids = smol_renderer.prompt_ids([Message("user", "Name the capital of France.")], None)
-    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_ids=smol_renderer.end_ids)
-    completion = asyncio.run(engine.generate(ids, params))
+    completion, parameters = greedy_reply(NAME, smol_renderer, "Name the capital of France.", 24)
+    assert parameters == 134_515_008
     text = smol_renderer.decode(completion.token_ids)
     assert "Paris" in text, text
     assert completion.token_ids[-1] == smol_renderer.eos_id and completion.finish_reason == "stop"
