@@ -25,6 +25,8 @@ Built-in managers are imported on first lookup (``ctxrl.registry``).
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -125,8 +127,8 @@ class ContextManager:
 
     def __init__(self, policy: ContextPolicy) -> None:
         self.policy = policy
-        self.options = None if self.Settings is None else parse_settings(self.Settings, policy.options,
-                                                                         f"context.{self.name}")
+        self.options = None if self.Settings is None else _settings(self.Settings, f"context.{self.name}",
+                                                                    json.dumps(policy.options, sort_keys=True))
         """An instance of ``Settings`` (from ``policy.options``, else its defaults), or None."""
 
     def fits(self, context_tokens: int, next_turn_tokens: int) -> bool:
@@ -220,6 +222,12 @@ def register_manager(cls: M) -> M:
 def manager_names() -> list[str]:
     """Every registered context manager, built-ins first."""
     return MANAGERS.names()
+
+
+@functools.cache
+def _settings(cls: type, where: str, table: str) -> Any:
+    """A manager's ``Settings`` from its table, parsed once per table (a manager is made for every episode)."""
+    return parse_settings(cls, json.loads(table), where)
 
 
 def get_manager(name: str) -> type[ContextManager]:
