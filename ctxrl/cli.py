@@ -111,7 +111,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ctxrl.report.sinks import make_sinks
 
     writer = RunWriter(run_dir, sinks=make_sinks(config.report, run_dir, name=f"eval-{config.run.name}",
-                                                 config=config.to_dict()))
+                                                 config=config.as_record()))
     writer.write_config(to_toml(config))
     from ctxrl.envs.hooks import available_splits
 

@@ -501,6 +501,10 @@ class Config:
         """The sections' fields, by section (the components' tables are ``components``)."""
         return {name: dataclasses.asdict(getattr(self, name)) for name in _section_types()}
 
+    def as_record(self) -> dict[str, Any]:
+        """Everything the run was configured with, for metric sinks: the sections and the components' tables."""
+        return {**self.to_dict(), "components": self.components}
+
     def settings_of(self, section: str, name: str) -> Any:
         """The ``Settings`` of the component registered as ``name`` in ``section`` (``algo``: estimators,
         ``context``: context managers, ``env``: environments), from its table or its defaults; None when the

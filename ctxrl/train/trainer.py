@@ -120,7 +120,7 @@ class Trainer:
         self.writer = None
         if self.leader:
             self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
-                                                              config=config.to_dict()))
+                                                              config=config.as_record()))
             self.writer.write_config(to_toml(config))
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum)
