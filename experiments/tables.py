@@ -554,10 +554,9 @@ def training_curves(records: list[dict], *, task: str, size: str) -> dict[str, d
     """Per arm (with its variant) of one task and model size: step -> [(held-out success, held-out calls)] over runs,
     from each run's held-out evaluations (``heldout_curve``: step, success, calls)."""
     curves: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        if r["kind"] == "training" and r["task"] == task and r["size"] == size:
-            for step, success, calls in r.get("heldout_curve") or []:
-                curves[_arm(r["arm"], r.get("variant"))][step].append((success, calls))
+    for r in _where(records, "training", task=task, size=size):
+        for step, success, calls in r.get("heldout_curve") or []:
+            curves[_arm(r["arm"], r.get("variant"))][step].append((success, calls))
     return curves
 
 
