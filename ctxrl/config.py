@@ -509,7 +509,7 @@ class Config:
         """The ``Settings`` of the component registered as ``name`` in ``section`` (``algo``: estimators,
         ``context``: context managers, ``env``: environments), from its table or its defaults; None when the
         component declares none."""
-        cls = getattr(COMPONENT_REGISTRIES[section](name), "Settings", None)
+        cls = _settings_class(section, name)
         if cls is None:
             return None
         return parse_settings(cls, self.components.get(f"{section}.{name}", {}), f"{section}.{name}")
@@ -781,6 +781,18 @@ def _env_class(name: str) -> type:
 COMPONENT_REGISTRIES = {"algo": _estimator_class, "context": _manager_class, "env": _env_class}
 
 
+def _settings_class(section: str, name: str) -> type | None:
+    """The ``Settings`` dataclass the component ``name`` of ``section`` declares (an environment's through its
+    hooks' ``settings_class``), or None."""
+    cls = COMPONENT_REGISTRIES[section](name)
+    if section == "env":
+        from ctxrl.envs.hooks import settings_class
+
+        return settings_class(cls)
+    settings = getattr(cls, "Settings", None)
+    return settings if isinstance(settings, type) else None
+
+
 def component_table(key: str, table: Any) -> dict[str, Any]:
     """The table of ``key`` (``algo.NAME``) parsed by its component's ``Settings``, as a table with every field, or
     a ``ConfigError`` naming the problem (no such component, a component without settings, a wrong key)."""
@@ -788,10 +800,9 @@ def component_table(key: str, table: Any) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise ConfigError(f"[{key}] must be a table of the settings of {section} component {name!r}, got {table!r}")
     try:
-        cls = COMPONENT_REGISTRIES[section](name)
+        settings = _settings_class(section, name)
     except (ValueError, LookupError, CtxrlError) as exc:  # (an unknown environment is an EnvError)
         raise ConfigError(f"[{key}]: {exc}") from None
-    settings = getattr(cls, "Settings", None)
     if settings is None:
         raise ConfigError(f"[{key}]: {section} component {name!r} has no settings of its own (its class declares no "
                           "Settings); set the section's own fields instead")
@@ -899,10 +910,15 @@ def _toml_value(value: Any) -> str:
     return f'"{text}"'
 
 
+def _resumable(cls: type, f: dataclasses.Field) -> bool:
+    """Whether field ``f`` of section ``cls`` may change on ``--resume`` (``RESUMABLE``, or its whole section)."""
+    return getattr(cls, "resumable", False) or f.metadata.get("resumable", False)
+
+
 def resumable_keys() -> frozenset[str]:
     """``section.field`` of every setting that may change on ``--resume`` (``RESUMABLE``)."""
     return frozenset(f"{section}.{f.name}" for section, cls in _section_types().items() for f in dataclasses.fields(cls)
-                     if getattr(cls, "resumable", False) or f.metadata.get("resumable", False))
+                     if _resumable(cls, f))
 
 
 def resumable_summary() -> str:
@@ -935,7 +951,7 @@ def describe_fields() -> list[tuple[str, str, Any, str]]:
             name = hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             doc = docs.get(f.name, "")
-            if getattr(cls, "resumable", False) or f.metadata.get("resumable", False):
+            if _resumable(cls, f):
                 doc = doc.rstrip() + " May change on `--resume`."
             out.append((f"{section}.{f.name}", name, default, doc))
     return out
