@@ -36,6 +36,8 @@ from ctxrl.train.checkpoint_io import (
     step_name,
 )
 
+FORMAT = 1
+
 
 class Checkpointed(Protocol):
     """What a checkpoint saves and restores of a run (``ctxrl.train.trainer.Trainer`` is one): the policy and its
@@ -55,7 +57,7 @@ class Checkpointed(Protocol):
 
     def sync_engine(self, version: int) -> None: ...
 
-FORMAT = 1
+
 def config_differences(saved: Config, current: Config) -> list[str]:
     """``key: saved -> current`` for every setting that differs and matters to a resumed step (the others are
     marked resumable in ``ctxrl.config``: ``RESUMABLE``)."""

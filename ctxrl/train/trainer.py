@@ -111,9 +111,9 @@ class Trainer:
         self.policy = Policy.load(config, self.device)
         self.model = self.policy.model
         self.parallel = parallel
-        self.followers = Followers(parallel)
         """Data-parallel learner ranks (``torchrun``): rank 0 (the leader) does everything else; the others only
         take the leader's rows and update with it (``ctxrl.distributed.data_parallel``)."""
+        self.followers = Followers(parallel)
         self.leader = parallel is None or parallel.leader
         self.worker = None if not self.leader else rollout_worker(  # a follower: no engine, no run directory
             config, self.spec, self.policy, self.renderer, self.env_cls, self.memory, runner)
