@@ -518,13 +518,13 @@ class Config:
 # -- validation --------------------------------------------------------------------------------
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
+    from ctxrl.algo.credit import BASELINES, NORMALIZE_MODES
+    from ctxrl.algo.estimators.meta import CREDITS
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
-    from ctxrl.meta.credit import BASELINES, NORMALIZE_MODES
-    from ctxrl.meta.estimator import CREDITS
     from ctxrl.models.flat import MODES as FLAT_MODES
     from ctxrl.models.loader import DTYPES
     from ctxrl.rollout.spec import CARRIES
