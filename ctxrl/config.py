@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import sys
 import typing
 import warnings
@@ -516,15 +517,21 @@ class Config:
 
 
 # -- validation --------------------------------------------------------------------------------
+RUNNER_PACKAGES = ("ctxrl.meta", "ctxrl.serve.harness")
+"""ctxrl's own modules above rollout that register episode runners (trials and annealed demonstrations; the
+harness environment's runner), imported before a config is checked as ``run.plugins`` are: rollout never imports
+them, and a run finds its runner by name (``ctxrl.rollout.runners``)."""
+
+
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
+    from ctxrl.algo.credit import BASELINES, NORMALIZE_MODES
+    from ctxrl.algo.estimators.meta import CREDITS
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
-    from ctxrl.meta.credit import BASELINES, NORMALIZE_MODES
-    from ctxrl.meta.estimator import CREDITS
     from ctxrl.models.flat import MODES as FLAT_MODES
     from ctxrl.models.loader import DTYPES
     from ctxrl.rollout.spec import CARRIES
@@ -554,6 +561,8 @@ def validate(config: Config) -> None:
     from ctxrl.report.sinks import sink_names
     from ctxrl.rollout.managers import get_manager, manager_names
 
+    for module in RUNNER_PACKAGES:
+        importlib.import_module(module)
     import_plugins(config.run.plugins)  # their registrations are what the names below are checked against
     _validate_fields(config)
     for key, table in list(config.components.items()):

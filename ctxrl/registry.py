@@ -6,6 +6,10 @@ registry is read, and a third-party package can join through a Python entry poin
 registry's group (``[project.entry-points."ctxrl.managers"] mine = "mypkg.mine:Mine"``), loaded
 when its name is first asked for. Built-ins come first in ``names()``, whoever registered first.
 
+The built-ins import the module that holds their registry (to register), so that module must not
+name them: their package's ``__init__``, which Python runs before any module of the package, names
+them with ``add_builtins``. No module then imports one that imports it back.
+
 A name taken by another class is an error naming both; an unknown name is an error that lists
 the known ones and suggests the closest. The configuration reads ``names()`` for its choices, so
 a name is defined once, where the class is.
@@ -25,13 +29,19 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Named classes of one kind (see the module docstring)."""
 
-    def __init__(self, kind: str, builtins: tuple[str, ...], *, entry_point_group: str,
+    def __init__(self, kind: str, builtins: tuple[str, ...] = (), *, entry_point_group: str,
                  error: Callable[[str], Exception] = ValueError) -> None:
         self.kind = kind
         self.builtins = builtins
         self.entry_point_group = entry_point_group
         self.error = error
         self._entries: dict[str, T] = {}
+        self._loaded = False
+
+    def add_builtins(self, *modules: str) -> None:
+        """Name more built-in modules, imported after those named before, the first time the registry is read
+        (from the package above the registry's module and its built-ins: see the module docstring)."""
+        self.builtins = (*self.builtins, *modules)
         self._loaded = False
 
     def load_builtins(self) -> None:

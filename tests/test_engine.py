@@ -351,7 +351,7 @@ def test_attention_kernels_keep_cuda_off_cudnn(monkeypatch):
 def test_cache_fits_hands_back_the_allocator_cache_before_refusing(monkeypatch):
     """Memory a process freed (an earlier engine) sits in torch's cache, which mem_get_info does not count as
     free: cache_fits must empty the cache and ask again before it refuses, and still refuse what never fits."""
-    from ctxrl.engine.factory import cache_fits
+    from ctxrl.engine.capacity import cache_fits
 
     gib = 2**30
     state = {"free": 2 * gib, "cached": 6 * gib, "emptied": 0}

@@ -271,7 +271,8 @@ def test_no_plan_on_the_cpu():
 
 def test_the_engine_holds_the_kv_pool_the_plan_counts(model):
     """The fast engine (on the CPU here) with the plan's slots and prefill chunk: its cache is the plan's bytes."""
-    from ctxrl.engine.factory import make_engine, slot_capacity
+    from ctxrl.engine.capacity import slot_capacity
+    from ctxrl.engine.factory import make_engine
 
     engine = make_engine(model, kind="fast", pad_token_id=0, max_batch_size=3, seed=0, max_total_tokens=64,
                          prefill_tokens=100)

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from ctxrl.algo.advantages import grpo_advantages
-from ctxrl.algo.turns import turn_advantages
-from ctxrl.meta.credit import (
+from ctxrl.algo.credit import (
     cross_episode_advantages,
     cross_episode_returns,
     reflection_advantages,
     relative_attempt_advantages,
     trial_advantages,
 )
+from ctxrl.algo.turns import turn_advantages
 
 
 def close(actual, expected, tol=1e-6):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ctxrl.meta.credit import cross_episode_returns
+from ctxrl.algo.credit import cross_episode_returns
 from ctxrl.meta.stats import (
     exploration_stats,
     independent_pass_at_k,

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from ctxrl.algo.estimators import EstimatorSettings, get_estimator
+from ctxrl.algo.estimators.meta import attempt_advantages
+from ctxrl.algo.estimators.meta import expand_trials as expand_rows
 from ctxrl.config import ConfigError, load_config
-from ctxrl.meta.estimator import attempt_advantages
-from ctxrl.meta.estimator import expand_trials as expand_rows
 from ctxrl.rollout.recorder import Recorder
 from ctxrl.types import Episode, Task, TrainSequence
 

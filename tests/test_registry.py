@@ -59,3 +59,47 @@ def test_the_three_registries_read_their_entry_point_groups(monkeypatch):
     assert MANAGERS.get("outside") is Outside and ESTIMATORS.get("outside_estimator") is OutsideEstimator
     assert ENVIRONMENTS.entry_point_group == "ctxrl.envs" and "calculator" in ENVIRONMENTS.names()
     assert MANAGERS.names()[:4] == ["full", "window", "summarize", "fold"]  # built-ins first
+
+
+def test_every_built_in_module_registers_and_every_name_resolves():
+    """Each module a registry names among its built-ins (named by the package above the registry's module:
+    ``Registry.add_builtins``) registers at least one class, which its name gives back."""
+    from ctxrl.algo.estimators.base import ESTIMATORS
+    from ctxrl.chat.formats.base import FORMATS
+    from ctxrl.envs.registry import ENVIRONMENTS
+    from ctxrl.rollout.managers.base import MANAGERS
+
+    for registry in (ESTIMATORS, FORMATS, ENVIRONMENTS, MANAGERS):
+        names = registry.names()
+        registered = {registry.get(name).__module__ for name in names}
+        assert registry.builtins and set(registry.builtins) <= registered, registry.kind
+        assert names == list(dict.fromkeys(names)), registry.kind
+
+
+def test_the_built_in_names_resolve_from_any_entry_point():
+    """A fresh interpreter that imports only a registry's own module finds every built-in name: ``meta`` among
+    the estimators, ``harness`` among the environments (neither in the registry's package). A checked config is
+    enough for the episode runners of the packages above rollout (trials, the harness), which rollout never
+    imports."""
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import json
+from ctxrl.algo.estimators.base import ESTIMATORS
+from ctxrl.chat.formats.base import FORMATS
+from ctxrl.envs.registry import ENVIRONMENTS
+names = {r.kind: sorted(r.names()) for r in (ESTIMATORS, FORMATS, ENVIRONMENTS)}
+from ctxrl.config import load_config
+from ctxrl.rollout.runners import RUNNERS
+load_config(None, [])
+print(json.dumps({**names, RUNNERS.kind: sorted(RUNNERS.names())}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = json.loads(done.stdout.strip().splitlines()[-1])
+    assert names["advantage estimator"] == ["dr_grpo", "gae", "grpo", "meta", "reinforce_pp", "rloo", "turn_grpo"]
+    assert names["tool format"] == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert {"calculator", "harness", "jsonl_tools"} <= set(names["environment"])
+    assert names["episode runner"] == ["harness", "meta", "plain"]

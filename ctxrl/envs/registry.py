@@ -26,7 +26,7 @@ ENVIRONMENTS: Registry[type] = Registry(
     "environment", ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.fact_hunt", "ctxrl.envs.search_join",
                     "ctxrl.envs.bandit",
                     "ctxrl.envs.python_math", "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper",
-                    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.serve.harness"),
+                    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness"),
     entry_point_group=ENTRY_POINT_GROUP, error=EnvError)
 
 T = TypeVar("T", bound=type)

@@ -1,26 +1,30 @@
-"""Learning across episodes (meta-RL), all in this package (docs/meta.md):
+"""Learning across episodes (meta-RL) (docs/meta.md):
 
 - ``rollout``: the meta loop, a trial of up to K attempts with feedback and reflections between them;
 - ``runner``: the ``meta`` episode runner, which plays trials and annealed demonstrations for a rollout worker;
-- ``credit`` and ``estimator``: credit across attempts (LaMer, MR-Search), the ``meta`` advantage estimator;
 - ``demos`` and ``anneal``: few-shot demonstrations in training prompts, fading on a schedule;
 - ``trial_demos``: warm-start demonstrations of a failed attempt, its reflection and the solution;
 - ``trial``, ``stats`` and ``metrics``: what trials are measured by.
 
-Importing the package loads the pure modules (``anneal``, ``credit``, ``stats``, ``trial``) and
-``runner``, which registers the ``meta`` runner with ``ctxrl.rollout.runners``: rollout code never
-imports this package, it chooses the runner by name. The rest are imported where they are used.
+Credit across attempts (LaMer, MR-Search) and the ``meta`` advantage estimator are pure maths over the
+trials' per-attempt rewards, so they live with the other estimators (``ctxrl.algo.credit``,
+``ctxrl.algo.estimators.meta``), where ``algo.advantage = "meta"`` resolves wherever estimators are read;
+the credit functions are re-exported here.
+
+Importing the package loads the pure modules (``anneal``, ``stats``, ``trial``) and ``runner``, which
+registers the ``meta`` runner with ``ctxrl.rollout.runners``: rollout code never imports this package, it
+chooses the runner by name. The rest are imported where they are used.
 """
 
-from ctxrl.meta import runner  # noqa: F401 - registers the meta episode runner
-from ctxrl.meta.anneal import DemoSchedule, demo_count, demo_probability, num_demos, sample_demos
-from ctxrl.meta.credit import (
+from ctxrl.algo.credit import (
                                cross_episode_advantages,
                                cross_episode_returns,
                                reflection_advantages,
                                relative_attempt_advantages,
                                trial_advantages,
 )
+from ctxrl.meta import runner  # noqa: F401 - registers the meta episode runner
+from ctxrl.meta.anneal import DemoSchedule, demo_count, demo_probability, num_demos, sample_demos
 from ctxrl.meta.stats import (
                                exploration_stats,
                                independent_pass_at_k,

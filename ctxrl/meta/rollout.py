@@ -24,7 +24,7 @@ success) and ``reflect`` is on, the attempt's sequence continues with the observ
 it and one user message, the feedback line and the reflection instruction (mask 0), and the policy
 samples a reflection (mask 1, behaviour log-probs kept: trained). Where the reflection's sampled
 tokens start is recorded (``info["attempts"][k]["reflection_start"]``), so the trainer can give
-them their own advantage (``ctxrl.meta.credit.reflection_advantages``). No reflection is sampled
+them their own advantage (``ctxrl.algo.credit.reflection_advantages``). No reflection is sampled
 after the last attempt played: it would condition nothing. ``reflect=False`` carries only the
 feedback lines (plain retries; with ``carry="attempts"``, the in-context RL baseline: previous
 attempts and their rewards in context).

@@ -42,7 +42,7 @@ class Trial:
 
     @property
     def rewards(self) -> list[float]:
-        """Per-attempt rewards, the input of ``ctxrl.meta.credit``."""
+        """Per-attempt rewards, the input of ``ctxrl.algo.credit``."""
         return [a.reward for a in self.attempts]
 
     @property

@@ -10,12 +10,14 @@ Three exist:
 - ``plain`` (here): the agent loop, one episode per ``(i, k)`` (``run_episodes``);
 - ``meta`` (``ctxrl/meta/runner.py``): trials of several attempts and annealed demonstrations; a request
   that uses neither plays as ``plain`` does;
-- ``harness`` (``ctxrl/serve/harness.py``): a user's agent, through an OpenAI client.
+- ``harness`` (``ctxrl/serve/harness.py``): a user's agent, through an OpenAI client (the environment
+  ``ctxrl/envs/harness.py`` names it).
 
 Which one is chosen from the spec and the environment alone (``runner_name``): an environment class
 that names a ``runner`` (the harness environment) is played by it; a spec with trials in either phase
 or annealed demonstrations by ``meta``; any other by ``plain``. The runners of the layers above rollout
-register themselves when their package is imported (rollout never imports them). A worker in another
+register themselves when their package is imported (rollout never imports them; the configuration does,
+before it checks a config: ``ctxrl.config.RUNNER_PACKAGES``). A worker in another
 process imports ``runner_modules()`` before it reads its spec, so it has the same runners, picks the
 same one and plays exactly the episodes an in-process worker would.
 """

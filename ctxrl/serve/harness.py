@@ -1,4 +1,4 @@
-"""Train an existing agent: ``env.name = "harness"`` runs a user's ``async def rollout(client, task)``.
+"""Train an existing agent: the episode runner of ``env.name = "harness"``, ``async def rollout(client, task)``.
 
 ``client`` is an official ``openai.AsyncOpenAI`` bound to a fresh session of an in-process
 ``ctxrl.serve.Server`` over the rollout worker's own engine (no port, no network: an ASGI
@@ -6,15 +6,9 @@ transport). Everything the harness sends through it is recorded as one token-fai
 (``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number, or a
 dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a
 built-in environment's are, so advantages, filters, context splits, checkpoints and resume all
-apply unchanged.
-
-Configuration::
-
-    [env]
-    name = "harness"
-    harness = "examples/harness_calculator.py:rollout"   # or package.module:rollout
-    data = "env:calculator"     # tasks (and warm-start demonstrations) from a registered environment,
-                                # or a JSONL task file as for jsonl_tools
+apply unchanged. The environment's half (``env.harness``, ``env.data``: which function, which tasks)
+is ``ctxrl.envs.harness``; its class names the runner registered here, which the configuration
+imports (``ctxrl.config.RUNNER_PACKAGES``).
 
 During training the server samples at the rollout settings (``rollout.temperature``, ``top_p``,
 ``top_k``), whatever the harness asks for, with a seed per episode and call, so the behaviour
@@ -26,80 +20,19 @@ an error inside ctxrl (the engine) stops the run, as it does for built-in enviro
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from ctxrl.envs.registry import configured_env_class, register
+from ctxrl.envs.harness import RUNNER
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.agent import EnvironmentFailure, notify, record_error
 from ctxrl.rollout.runners import EpisodeRunner, OnDone, Worker, register_runner
 from ctxrl.rollout.spec import RolloutRequest
 from ctxrl.seeds import episode_seed
 from ctxrl.types import Episode, Task
-
-
-def load_function(ref: str) -> Callable:
-    """``package.module:name`` or ``path/to/file.py:name`` -> the function."""
-    module_name, _, attr = ref.rpartition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"env.harness must be 'package.module:function' or 'path/to/file.py:function', got {ref!r}")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ConfigError(f"env.harness: no file {path}")
-            spec = importlib.util.spec_from_file_location(f"ctxrl_harness_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"env.harness: cannot import {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ConfigError(f"env.harness: {module_name!r} has no function {attr!r}")
-    if not asyncio.iscoroutinefunction(fn):
-        raise ConfigError(f"env.harness: {ref} must be an async function: async def {attr}(client, task)")
-    return fn
-
-
-@register("harness")
-class HarnessEnv:
-    """Placeholder registered as ``harness``; ``configure`` returns the class a run uses (see the module docstring)."""
-
-    name = "harness"
-    harness: Callable | None = None
-
-    @classmethod
-    def configure(cls, *, data: str = "", tools: str = "", verifier: str = "exact", harness: str = "") -> type:
-        if not harness:
-            raise ConfigError("env.name = 'harness' needs env.harness = 'module:function' (an async "
-                              "def rollout(client, task) -> reward)")
-        if not data:
-            raise ConfigError("env.name = 'harness' needs env.data: 'env:NAME' (a registered environment's tasks) "
-                              "or a JSONL task file")
-        remote = harness.startswith("remote")
-        fn = remote_marker if remote else load_function(harness)
-        port = _remote_port(harness) if remote else None
-        if data.startswith("env:"):
-            source = configured_env_class(data[4:])
-        else:
-            source = configured_env_class("jsonl_tools", data=data, tools=tools, verifier=verifier)
-        # The source environment's class, with its tasks, splits and demonstrations; episodes come from the harness.
-        return type(f"Harness[{getattr(source, 'name', source.__name__)}]", (source,),
-                    {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port,
-                     "runner": HarnessRunner.name})
-
-    @staticmethod
-    def sample_tasks(split: str, n: int, seed: int) -> list[Task]:
-        raise ConfigError("the harness environment needs env.harness and env.data (docs/serve.md)")
 
 
 def training_server(engine, renderer, limits):
@@ -111,20 +44,6 @@ def training_server(engine, renderer, limits):
                     max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",))
     server.stop_strings = tuple(limits.stop_strings)
     return server
-
-
-async def remote_marker(client, task):
-    """``env.harness = "remote:PORT"``: episodes are played by harnesses in other processes (``run_harness``)."""
-    raise RuntimeError("a remote harness is played over HTTP, not called")
-
-
-def _remote_port(ref: str) -> int:
-    _, _, port = ref.partition(":")
-    if not port:
-        return 8000
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"env.harness = {ref!r}: write remote:PORT, e.g. remote:8000")
-    return int(port)
 
 
 class Remote:
@@ -288,7 +207,7 @@ class HarnessRunner(EpisodeRunner):
     """The episode runner of a harness environment (``runner = "harness"`` on the class ``configure`` returns):
     ``run_harness``, one episode per task and group member. Trials and annealed demonstrations are not played."""
 
-    name = "harness"
+    name = RUNNER
 
     async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
         spec = worker.spec

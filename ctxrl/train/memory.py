@@ -68,7 +68,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ctxrl.engine.factory import PREFILL_TOKENS
+from ctxrl.engine.capacity import PREFILL_TOKENS
 from ctxrl.errors import ConfigError
 
 GIB = 2**30

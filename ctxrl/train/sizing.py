@@ -68,7 +68,7 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     """
     if torch.device(device).type != "cuda":
         return None
-    from ctxrl.engine.factory import slot_capacity
+    from ctxrl.engine.capacity import slot_capacity
     from ctxrl.train.memory import RunSizes, check_free, plan_memory
 
     found = model_shape(config)

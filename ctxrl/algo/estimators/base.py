@@ -18,8 +18,9 @@ token (0 where the loss mask is 0). The maths lives in pure functions of ``ctxrl
 (``grpo_advantages``, ``gae_advantages``, ...); an estimator only arranges episodes into their
 tensors and back. Adding one is one file: a subclass with a ``name`` and ``estimate``, decorated
 with ``@register_estimator`` or named by a ``ctxrl.estimators`` entry point (docs/algorithms.md
-shows a complete example). Settings of its own are a dataclass in its ``Settings``: the configuration reads
-them from the table ``[algo.NAME]`` and the estimator finds them in ``self.options``.
+shows a complete example); a built-in one is also named in the package's ``__init__``. Settings of
+its own are a dataclass in its ``Settings``: the configuration reads them from the table
+``[algo.NAME]`` and the estimator finds them in ``self.options``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ from typing import ClassVar, TypeVar
 from ctxrl.registry import Registry
 from ctxrl.types import Episode, Segment, TrainSequence
 
-ESTIMATORS: Registry[type[Estimator]] = Registry(
-    "advantage estimator", ("ctxrl.algo.estimators.outcome", "ctxrl.algo.estimators.reinforce_pp",
-                            "ctxrl.algo.estimators.turn_grpo", "ctxrl.algo.estimators.gae", "ctxrl.meta.estimator"),
-    entry_point_group="ctxrl.estimators")
+ESTIMATORS: Registry[type[Estimator]] = Registry("advantage estimator", entry_point_group="ctxrl.estimators")
+"""The estimators by name; the built-ins, which import this module, are named by ``ctxrl.algo.estimators``."""
 
 E = TypeVar("E", bound="type[Estimator]")
 SegmentBonus = Callable[[Segment], float]

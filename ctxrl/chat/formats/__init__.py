@@ -30,6 +30,12 @@ from ctxrl.chat.formats.base import (
     with_prose,
 )
 
+FORMATS.add_builtins(
+    # The order is the order ``auto`` tries: a pythonic Llama template also mentions ``ipython``, so pythonic
+    # is tried before llama3_json.
+    "ctxrl.chat.formats.hermes", "ctxrl.chat.formats.mistral", "ctxrl.chat.formats.pythonic",
+    "ctxrl.chat.formats.llama3_json")
+
 __all__ = ["CHATML", "CHATML_FORMAT", "FORMATS", "MALFORMED", "ToolFormat", "call_id", "choose_format",
            "detect_format", "format_names", "get_format", "markers_text", "parse_assistant", "register_format",
            "rewrite_calls", "with_prose"]

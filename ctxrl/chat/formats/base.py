@@ -1,7 +1,7 @@
 """The tool-call format protocol: how one model family writes tool calls, read and written back.
 
 A format is a small class with a ``name`` and three methods, registered by name
-(``@register_format``; ``ctxrl.chat.formats`` holds the registry):
+(``@register_format``, into ``FORMATS``; ``ctxrl.chat.formats`` names the built-ins):
 
 - ``parse(text) -> (calls, errors)``: the calls an assistant wrote, in order, and one error
   sentence per malformed call. It never raises: whatever the model wrote is data. An error starts
@@ -50,13 +50,9 @@ class ToolFormat(Protocol):
     def content_without_calls(self, text: str) -> str: ...
 
 
-FORMATS: Registry[type[ToolFormat]] = Registry(
-    "tool format",
-    # The order is the order ``auto`` tries: a pythonic Llama template also mentions ``ipython``, so pythonic
-    # is tried before llama3_json.
-    ("ctxrl.chat.formats.hermes", "ctxrl.chat.formats.mistral", "ctxrl.chat.formats.pythonic",
-     "ctxrl.chat.formats.llama3_json"),
-    entry_point_group="ctxrl.tool_formats", error=ConfigError)
+FORMATS: Registry[type[ToolFormat]] = Registry("tool format", entry_point_group="ctxrl.tool_formats",
+                                               error=ConfigError)
+"""The formats by name; the built-ins, which import this module, are named by ``ctxrl.chat.formats``."""
 
 F = TypeVar("F", bound=type)
 

@@ -38,7 +38,7 @@ import time
 import torch
 
 from ctxrl.engine.base import Completion, SamplingParams
-from ctxrl.engine.factory import DECODE_CHUNK, PREFILL_TOKENS, cache_fits, slot_capacity
+from ctxrl.engine.capacity import DECODE_CHUNK, PREFILL_TOKENS, cache_fits, slot_capacity
 from ctxrl.engine.fast.admission import plan_round
 from ctxrl.engine.fast.attention import triton_ready
 from ctxrl.engine.fast.decode import Chunk, Decoder

@@ -5,7 +5,7 @@ A trial (``ctxrl.meta.rollout``) is one ``Episode`` whose sequences are its atte
 starts. This file does three things, in order:
 
 1. ``attempt_advantages``: group the trials by task (``group_id``; the ``G`` trials of one task
-   sampled in one step) and call ``ctxrl.meta.credit`` on each group's per-attempt rewards:
+   sampled in one step) and call ``ctxrl.algo.credit`` on each group's per-attempt rewards:
    ``cross_episode_advantages`` (LaMer) or ``relative_attempt_advantages`` (MR-Search). Group
    statistics are over *trials* at one attempt index, never over the attempts of one trial. A plain
    episode (no ``info["attempts"]``) counts as a one-attempt trial, so with ``num_attempts = 1``
@@ -24,8 +24,8 @@ hidden state, no config object.
 
 from __future__ import annotations
 
+from ctxrl.algo.credit import cross_episode_advantages, reflection_advantages, relative_attempt_advantages
 from ctxrl.algo.estimators.base import Estimator, SegmentBonus, register_estimator
-from ctxrl.meta.credit import cross_episode_advantages, reflection_advantages, relative_attempt_advantages
 from ctxrl.types import Episode, TrainSequence
 
 CREDITS = ("cross_episode", "relative")
@@ -100,7 +100,7 @@ def expand_trials(trials: list[Episode], advantages: list[list[float]]) -> list[
 
 @register_estimator
 class Meta(Estimator):
-    """Credit across attempts (``meta.credit``), group statistics over the trials of a task."""
+    """Credit across attempts (``meta.credit``: ``ctxrl.algo.credit``), group statistics over the trials of a task."""
 
     name = "meta"
     credits_attempts = True

@@ -1,0 +1,105 @@
+"""``harness``: the environment of an existing agent under training, a user's ``async def rollout(client, task)``.
+
+This file is the environment's half: ``HarnessEnv.configure`` reads ``env.harness`` (the agent, as
+``package.module:rollout`` or ``path/to/file.py:rollout``, or ``remote:PORT`` for agents in other
+processes) and ``env.data`` (where the tasks come from), loads the function, and returns the class
+a run uses: the data's environment class (its tasks, splits and demonstrations) with the agent on
+it. That class names its episode runner (``runner = RUNNER``), which plays each episode through an
+OpenAI client bound to a session of ctxrl's own server: ``ctxrl.serve.harness`` defines it and
+registers it when imported, and docs/serve.md describes the rest. Nothing here plays an episode.
+
+Configuration::
+
+    [env]
+    name = "harness"
+    harness = "examples/harness_calculator.py:rollout"   # or package.module:rollout, or remote:PORT
+    data = "env:calculator"     # tasks (and warm-start demonstrations) from a registered environment,
+                                # or a JSONL task file as for jsonl_tools
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ctxrl.envs.registry import configured_env_class, register
+from ctxrl.errors import ConfigError
+from ctxrl.types import Task
+
+RUNNER = "harness"
+"""The episode runner that plays a harness environment's episodes (registered by ``ctxrl.serve.harness``)."""
+
+
+def load_function(ref: str) -> Callable:
+    """``package.module:name`` or ``path/to/file.py:name`` -> the function."""
+    module_name, _, attr = ref.rpartition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"env.harness must be 'package.module:function' or 'path/to/file.py:function', got {ref!r}")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"env.harness: no file {path}")
+            spec = importlib.util.spec_from_file_location(f"ctxrl_harness_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"env.harness: cannot import {module_name!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ConfigError(f"env.harness: {module_name!r} has no function {attr!r}")
+    if not asyncio.iscoroutinefunction(fn):
+        raise ConfigError(f"env.harness: {ref} must be an async function: async def {attr}(client, task)")
+    return fn
+
+
+@register("harness")
+class HarnessEnv:
+    """Placeholder registered as ``harness``; ``configure`` returns the class a run uses (see the module docstring)."""
+
+    name = "harness"
+    harness: Callable | None = None
+
+    @classmethod
+    def configure(cls, *, data: str = "", tools: str = "", verifier: str = "exact", harness: str = "") -> type:
+        if not harness:
+            raise ConfigError("env.name = 'harness' needs env.harness = 'module:function' (an async "
+                              "def rollout(client, task) -> reward)")
+        if not data:
+            raise ConfigError("env.name = 'harness' needs env.data: 'env:NAME' (a registered environment's tasks) "
+                              "or a JSONL task file")
+        remote = harness.startswith("remote")
+        fn = remote_marker if remote else load_function(harness)
+        port = _remote_port(harness) if remote else None
+        if data.startswith("env:"):
+            source = configured_env_class(data[4:])
+        else:
+            source = configured_env_class("jsonl_tools", data=data, tools=tools, verifier=verifier)
+        # The source environment's class, with its tasks, splits and demonstrations; episodes come from the harness.
+        return type(f"Harness[{getattr(source, 'name', source.__name__)}]", (source,),
+                    {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port, "runner": RUNNER})
+
+    @staticmethod
+    def sample_tasks(split: str, n: int, seed: int) -> list[Task]:
+        raise ConfigError("the harness environment needs env.harness and env.data (docs/serve.md)")
+
+
+async def remote_marker(client, task):
+    """``env.harness = "remote:PORT"``: episodes are played by harnesses in other processes (``run_harness``)."""
+    raise RuntimeError("a remote harness is played over HTTP, not called")
+
+
+def _remote_port(ref: str) -> int:
+    _, _, port = ref.partition(":")
+    if not port:
+        return 8000
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"env.harness = {ref!r}: write remote:PORT, e.g. remote:8000")
+    return int(port)
