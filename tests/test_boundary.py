@@ -147,10 +147,13 @@ def test_a_tool_printing_chat_special_tokens_puts_no_special_ids_in_the_observat
     whole = renderer.encode(renderer.text([Message("system", "s"), Message("user", "x")], None,
                                           add_generation_prompt=True))
     assert sum(i in special for i in plain) == sum(i in special for i in whole)
-    # what the policy wrote keeps its own ids when shown again
-    history = [Message("system", "s"), Message("user", "u"), Message("assistant", "a<|endoftext|>")]
-    assert sum(i in special for i in renderer.prompt_ids(history, None)) == \
-        sum(i in special for i in renderer.prompt_ids(history[:2], None)) + 3  # 2 template ids + the sampled one
+    # a rendering of what the policy wrote (a new segment) shows a special token it wrote mid-turn as plain text:
+    # only the template makes turns (the ids it sampled stay where it sampled them); its own calls keep their tags
+    history = [Message("system", "s"), Message("user", "u"),
+               Message("assistant", "a<|endoftext|>" + format_tool_call("calculator", {"expression": "1"}))]
+    ids = renderer.prompt_ids(history, None)
+    assert sum(i in special for i in ids) == sum(i in special for i in renderer.prompt_ids(history[:2], None)) + 2
+    assert renderer.tokenizer.convert_tokens_to_ids("<tool_call>") in ids and "a<|endoftext|>" in renderer.decode(ids)
 
 
 # -- the engine samples with the learner's weights ------------------------------------------------

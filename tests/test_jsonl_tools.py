@@ -63,7 +63,7 @@ def test_clear_errors(tmp_path, task_file):
     with pytest.raises(EnvError, match="unknown verifier 'fuzzy'"):
         JsonlToolsEnv.configure(data=str(task_file), verifier="fuzzy")
     bad = tmp_path / "bad.jsonl"
-    for text, message in [('{"prompt": "p"}', 'bad.jsonl:1: each task needs a string "prompt" and an "answer"'),
+    for text, message in [('{"prompt": "p"}', 'bad.jsonl:1: the task has no "answer"'),
                           ("{not json", "bad.jsonl:1: not JSON"),
                           ('{"prompt": "p", "answer": 1, "split": "test"}', "split 'test' is not one of"),
                           ('{"prompt": "p", "answer": 1, "solution": "x"}', '"solution" must be a list'),
@@ -128,3 +128,89 @@ def test_a_file_of_bare_prompt_answer_lines_checks_trains_and_evaluates_on_the_s
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_splits"] for r in rows if r["phase"] == "note"] == [["ood"]]  # reported once
     assert {r["split"] for r in rows if r["phase"] == "eval"} == {"train", "heldout"}
+
+
+# -- task files that cannot be trained on (issue 33, item 5): one line naming the file, the line and the fix ---------
+GOOD = '{"prompt": "What is 2 + 2?", "answer": "4"}'
+EXAMPLE = str(Path(__file__).parents[1] / "examples" / "calculator_tiny.toml")
+BAD_LINES = [  # (the second line of the file, what the error says)
+    (b'{"prompt": "caf\xe9?", "answer": "1"}', r'bad\.jsonl:2: not UTF-8 \(byte b.\\xe9. at column 16\); save the task '
+                                               r'file as UTF-8'),
+    ('{"prompt": "p", "answer": "1", "context": "level 3"}', r'bad\.jsonl:2: "context" must be an object of labels '
+                                                             r'such as \{"level": 3\}, got a string'),
+    ('{"prompt": "p", "answer": "1", "context": [1]}', '"context" must be an object .* got a list'),
+    ('{"prompt": "p", "answer": ""}', '"answer" is empty: the exact and contains verifiers would take any reply'),
+    ('{"prompt": "p", "answer": "  "}', '"answer" is empty'),
+    ('{"prompt": "p", "answer": null}', '"answer" is null, which no reply can match'),
+    ('{"prompt": "p", "answer": "The"}', "is empty once the exact verifier normalises it"),
+    ('{"prompt": "p", "answer": ["4"]}', '"answer" must be a string or a number, got a list'),
+    ('{"prompt": "p", "answer": true}', '"answer" must be a string or a number, got a boolean'),
+    ('{"prompt": "p", "answer": NaN}', '"answer" is nan'),
+    ('{"prompt": 7, "answer": "1"}', '"prompt" must be a non-empty string, got a number'),
+    ('{"prompt": "", "answer": "1"}', '"prompt" must be a non-empty string, got an empty one'),
+    ('{"answer": "1"}', 'the task has no "prompt"'),
+    ('["p", "1"]', "a task is a JSON object .* not a list"),
+    ('{"prompt": "p", "answer": "1", "id": {"n": 1}}', '"id" must be a string or an integer, got an object'),
+    ('{"prompt": "p", "answer": "1", "solution": ["a", 2]}', '"solution" must be a list .* holding other values'),
+    ("[" * 100_000, "bad\\.jsonl:2: (not JSON|JSON nested too deep)"),
+]
+
+
+def _bad_file(tmp_path: Path, second: str | bytes) -> Path:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n" + (second if isinstance(second, bytes) else second.encode()) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("second,message", BAD_LINES, ids=range(len(BAD_LINES)))
+def test_a_bad_task_line_is_one_error_naming_file_line_and_fix(tmp_path, second, message):
+    path = _bad_file(tmp_path, second)
+    with pytest.raises(EnvError, match=message) as caught:
+        JsonlToolsEnv.configure(data=str(path))
+    assert str(caught.value).startswith(f"{path}:2: ") and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("second,message", [BAD_LINES[0], BAD_LINES[1], BAD_LINES[3], BAD_LINES[5]])
+def test_ctxrl_config_reports_a_bad_task_file_in_one_line(tmp_path, capsys, second, message):
+    import re
+
+    from ctxrl.cli import main
+
+    path = _bad_file(tmp_path, second)
+    assert main(["config", EXAMPLE, "env.name=jsonl_tools", f'env.data="{path}"']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"ctxrl: environment error: {path}:2: ")
+    assert re.search(message, err)
+
+
+def test_a_byte_order_mark_and_numbers_are_fine(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b'\n{"prompt": "p", "answer": 391, "id": 0, "context": null}\n')
+    tasks = [t for split in load_tasks(path).values() for t in split]
+    assert sorted(t.answer for t in tasks) == ["391", "4"] and "0" in {t.id for t in tasks}
+
+
+def test_a_prompt_too_long_for_the_rollout_is_refused_before_anything_loads(tmp_path, capsys, renderer):
+    """A 300 KB prompt made the warm start try to allocate 90 GB: now ``ctxrl config`` refuses it by characters,
+    and a rollout worker, which has the model's tokenizer, by tokens."""
+    from ctxrl.cli import main
+    from ctxrl.config import load_config
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import RolloutWorker, spec_env_class
+
+    path = _bad_file(tmp_path, json.dumps({"prompt": "x" * 300_000, "answer": "1"}))
+    assert main(["config", EXAMPLE, "env.name=jsonl_tools", f'env.data="{path}"']) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"ctxrl: environment error: {path}:2: the prompt is 300000 characters, more than "
+                   "rollout.max_total_tokens = 512 tokens can hold (no tokenizer packs 16 characters into a token); "
+                   "shorten the prompt, drop the task, or raise rollout.max_total_tokens")
+    # within the characters' bound, beyond the tokens': the worker counts them with the model's tokenizer
+    prompt = " ".join(f"{i:x}" for i in range(700))  # about 2 700 characters, well over 1 000 tokens
+    path = _bad_file(tmp_path, json.dumps({"prompt": prompt, "answer": "1"}))
+    spec = RolloutSpec.from_config(load_config(None, ["env.name=jsonl_tools", f'env.data="{path}"',
+                                                      "rollout.max_total_tokens=1000"]))
+    env_cls = spec_env_class(spec)  # the characters pass
+    with pytest.raises(EnvError, match=rf"{path}:2: the prompt takes \d+ tokens of the model's tokenizer, and "
+                                       "rollout.max_total_tokens = 1000 must hold the whole episode"):
+        RolloutWorker(spec, engine=None, renderer=renderer, env_cls=env_cls)
+    env_cls.check_tasks(4000, lambda text: len(renderer.encode_plain(text)))  # room enough: no error

@@ -328,7 +328,7 @@ def test_bad_input_messages(tmp_path, tiny_path):
         load_config(None, ["train.max_consecutive_skips=0"])
     data = tmp_path / "tasks.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"}\n')
-    with pytest.raises(Exception, match=r"tasks.jsonl:2: each task needs"):
+    with pytest.raises(Exception, match=r'tasks.jsonl:2: the task has no "answer"'):
         load_tasks(str(data))
     empty = tmp_path / "no-weights"
     empty.mkdir()

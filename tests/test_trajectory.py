@@ -123,11 +123,14 @@ def test_prompts_are_prefix_extensions(played, renderer):
 
 def test_ids_equal_whole_rendering(played, renderer):
     _, ep, _, tools = played
-    whole_text = renderer.text(ep.messages, tools, add_generation_prompt=False)
-    whole = renderer.encode(whole_text)
+    whole = renderer.conversation_ids(ep.messages, tools)
     assert ep.input_ids == whole[: len(ep.input_ids)]
     tail = renderer.decode(whole[len(ep.input_ids):])
     assert tail == "\n"  # ChatML's newline after the final <|im_end|>
+    # the template's text exactly; only the ids of the tags in the malformed call's error (a tool message) differ
+    # from encoding that text whole: text a tool returns cannot make tags (ctxrl.chat.guard)
+    whole_text = renderer.text(ep.messages, tools, add_generation_prompt=False)
+    assert renderer.decode(whole) == whole_text and "<tool_call></tool_call>" in ep.messages[3].content
     assert renderer.decode(ep.input_ids) + tail == whole_text
 
 

@@ -32,22 +32,23 @@ as that text alone (templates that also render ``tool_calls`` would show them tw
 them); every call gets an id and every tool result the id of the call it answers (Mistral
 templates require them).
 
-Text the policy did not write (system prompts, tasks, tool output, environment replies) is
-encoded with its special tokens as plain text: a tool that prints ``<|im_end|>`` and
-``<|im_start|>assistant`` gets the ids of those characters, never the turn-boundary ids, so
-model-written code cannot forge a turn (``ctxrl.chat.guard`` says how). The template's own special
-tokens stay special, and assistant messages keep theirs: what the policy sampled is its own.
+Only the template (and the tools text below) places structure. Special tokens and tool-call tags in text
+the framework did not lay out (system prompts, tasks, tool output, environment replies, a serve client's
+messages, tool schemas and structured call arguments) are encoded as plain text: a tool that prints
+``</tool_response><|im_end|>`` and ``<|im_start|>assistant`` gets the ids of those characters, never the
+tag or turn-boundary ids, so no text can forge a turn, a call or a result (``ctxrl.chat.guard`` says how,
+and what assistant content keeps: its own calls and reasoning).
 
 Templates that ignore ``tools`` (SmolLM2's plain ChatML renders the same text with and without
 them) would train a policy that is never told its tools. The renderer finds out once, by rendering
 a one-tool conversation both ways (``ctxrl.chat.checks``), and then writes the tools itself into the
 system turn (``ctxrl.chat.tool_prompt``: the schemas and the calling convention of its tool-call
 format), appended to the conversation's system message or as a system message of its own, and
-renders with no ``tools``. It does so before the special-token guard, so the tools text is plain text like any
-other text the policy did not write (a ``<|im_end|>`` in a tool's description, or Mistral's
-``[TOOL_CALLS]`` in the example call, gets the ids of its characters), and in ``text`` too, so the
-start-up check covers it. ``notices`` says what it decided. A template that cannot take a system
-turn (Gemma's raises on one) is refused then, naming the fix.
+renders with no ``tools``. It does so after the guard has marked the tools' schemas, so a ``<|im_end|>`` in
+a tool's description gets the ids of its characters while the example call the tools text shows is
+written as the policy writes it (tags included); ``text`` inlines too, so the start-up check covers it.
+``notices`` says what it decided. A template that cannot take a system turn (Gemma's raises on one) is
+refused then, naming the fix.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from ctxrl.chat.formats import (
     rewrite_calls,
 )
 from ctxrl.chat.formats import parse_assistant as parse_with
-from ctxrl.chat.guard import encode_marked, guard, markers_intact, special_tokens
+from ctxrl.chat.guard import Guard, encode_marked, markers_intact, special_tokens
 from ctxrl.chat.tool_prompt import in_system_turn, tools_system_text
 from ctxrl.chat.toolcalls import HERMES
 from ctxrl.types import Message
@@ -123,7 +124,9 @@ class ChatRenderer:
         """Ids that end an assistant turn: the template's end-of-turn token first, then the model's other end
         ids (``generation_config.json``'s ``eos_token_id``)."""
         self.special_tokens: list[str] = special_tokens(tokenizer)
-        """Every special-token string, longest first: plain text where the policy did not write it (``guard``)."""
+        """Every special-token string, longest first."""
+        self.guard = Guard.of(tokenizer, self._format, self.encode)
+        """What is structure where: plain text wherever the framework did not place it (``ctxrl.chat.guard``)."""
 
     # -- tool calls ----------------------------------------------------------------------------
     @property
@@ -258,18 +261,22 @@ class ChatRenderer:
 
     def _render(self, messages: list[Message], tools: list[dict] | None, *,
                 add_generation_prompt: bool) -> tuple[str, list[str]]:
-        # Tools first, so that special-token strings in their descriptions are guarded like any other text.
-        messages, tools = self.with_tools_inlined(messages, tools)
-        guarded, strings = guard(messages, self.special_tokens)
-        text = self.text(guarded, tools, add_generation_prompt=add_generation_prompt)
-        if not markers_intact(text, strings):
+        # Marked before the tools are written into the system turn (when the template ignores them): the
+        # structure strings of the tools' schemas are plain text, the tools text's own example call is not.
+        marked = self.guard.mark(messages, tools)
+        text = self.text(marked.messages, marked.tools, add_generation_prompt=add_generation_prompt)
+        if not markers_intact(text, marked):
             raise TemplateError(f"chat template {self.template_name!r} changes the content of messages (it dropped or "
-                                "repeated part of it), so ctxrl cannot keep special tokens in tool output as plain "
-                                "text; use a template that prints message content as it is")
-        return text, strings
+                                "cut part of it), so ctxrl cannot keep special tokens and tags in tool output as "
+                                "plain text; use a template that prints message content as it is")
+        return text, marked.strings
 
     def _encode_marked(self, text: str, strings: list[str]) -> list[int]:
-        return encode_marked(text, strings, self.encode, self.encode_plain)
+        return encode_marked(text, strings, self.encode, self.plain_ids)
+
+    def plain_ids(self, text: str) -> list[int]:
+        """Ids of one structure string as plain text: no special or tag id (``Guard.plain_ids``)."""
+        return self.guard.plain_ids(text, self.encode_plain)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,14 +1,14 @@
 """The optional hooks an environment class may define, declared in one place, and what each one enables.
 
-The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an
-environment opts into features by defining hooks: ``shortcut``, ``redundant``, ``pretraining_variant``,
-``summary``, ``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits`` (their types are
-``OptionalHooks``; what each enables is ``HOOKS``), the hooks context managers declare when they register
-(``select``, ``folded``: ``declare_hook``), the ``names_actions`` flag (``FLAGS``) and the ``Settings``
-dataclass of its own settings (``settings_class``; read from ``[env.NAME]``, the configured class holds them
-as ``options``). ctxrl looks them up only through ``hook``, ``flag`` and ``settings_class`` here, never with a
-bare ``getattr`` elsewhere, so this file is the complete list. ``ctxrl check-env NAME`` prints which features
-an environment's hooks enable (``features``).
+The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an environment opts
+into features by defining hooks: ``shortcut``, ``redundant``, ``pretraining_variant``, ``summary``,
+``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits``, ``check_tasks`` (their
+types are ``OptionalHooks``; what each enables is ``HOOKS``), the hooks context managers declare when they
+register (``select``, ``folded``: ``declare_hook``), the ``names_actions`` flag (``FLAGS``) and the
+``Settings`` dataclass of its own settings (``settings_class``; read from ``[env.NAME]``, the configured class
+holds them as ``options``). ctxrl looks them up only through ``hook``, ``flag`` and ``settings_class`` here,
+never with a bare ``getattr`` elsewhere, so this file is the complete list. ``ctxrl check-env NAME`` prints
+which features an environment's hooks enable (``features``).
 
 All are class-level (static methods or classmethods), so demos and checks need no instance.
 ``solve(task)`` is required by the protocol; it gives warm-start demos, annealed demonstrations
@@ -49,6 +49,8 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
     Hook("corpus", "corpus(n, seed) -> list[str]", "the tiny model's tokenizer and plain-text pre-training"),
     Hook("splits", "splits() -> tuple[str, ...]",
          "training and evaluation on the splits it has (a task file without ood tasks)"),
+    Hook("check_tasks", "check_tasks(max_total_tokens, count_tokens=None) -> None",
+         "tasks too long for rollout.max_total_tokens refused before anything loads (a task file's prompts)"),
 )}
 FLAGS = {"names_actions": "exploration statistics in the environment's own terms (note_action)"}
 
@@ -85,6 +87,11 @@ class OptionalHooks(Protocol):
 
     @classmethod
     def splits(cls) -> tuple[str, ...]: ...
+
+    @classmethod
+    def check_tasks(cls, max_total_tokens: int, count_tokens: Callable[[str], int] | None = None) -> None:
+        """Raise ``EnvError`` naming a task that cannot fit ``max_total_tokens`` tokens: counted with
+        ``count_tokens`` (the model's tokenizer) where a caller has one, else bounded by characters."""
 
 
 def declare_hook(name: str, signature: str, enables: str, *, feature: str | None = None) -> None:

@@ -6,10 +6,11 @@ A JSONL file holds one task per line::
     {"prompt": "...", "answer": "...", "id": "q7", "split": "ood", "context": {"level": 3},
      "solution": ["<tool_call>...</tool_call>", "<answer>...</answer>"]}
 
-``prompt`` and ``answer`` are required. ``split`` (``train``, ``heldout`` or ``ood``) is optional:
-unlabelled tasks go to ``train`` or ``heldout`` by a stable hash of the prompt (20% held out);
-``ood`` exists only for labelled tasks: a file without it trains and evaluates on the splits it
-has (``splits()``), and the missing one is reported once as skipped. ``solution`` (assistant
+``prompt`` (a non-empty string) and ``answer`` (a non-empty string, or a number) are required.
+``split`` (``train``, ``heldout`` or ``ood``) is optional: unlabelled tasks go to ``train`` or
+``heldout`` by a stable hash of the prompt (20% held out); ``ood`` exists only for labelled tasks:
+a file without it trains and evaluates on the splits it has (``splits()``), and the missing one is
+reported once as skipped. ``solution`` (assistant
 texts) is what ``solve()`` plays; without it ``solve()`` answers directly. The episode has the
 ``ToolAnswerEnv`` shape: tool turns get observations, the first turn without a call is the scored
 answer.
@@ -19,11 +20,20 @@ separated built-in tools: ``calculator``, ``python``) and ``verifier`` (``exact`
 SQuAD normalisation; ``numeric``: equal as numbers, via sympy; ``contains``: the normalised gold
 appears in the normalised answer). ``JsonlToolsEnv.configure(data=..., tools=..., verifier=...)``
 returns the environment class bound to them.
+
+A file that cannot be trained on is refused before anything loads (``configure``, so ``ctxrl config`` too),
+with one line naming the file, the line and the fix: bytes that are not UTF-8, a line that is not a JSON
+object, a field of the wrong type (``context`` must be an object, ``solution`` a list of strings, ``id`` a
+string or number), an empty or null ``answer`` (``exact`` and ``contains`` would take any reply for it, and
+``null`` is no answer), one that ``exact``/``contains`` normalise away (``"the"``), and a prompt longer than
+``rollout.max_total_tokens`` can hold (``check_tasks``: by characters when the run is configured, by the
+model's tokenizer once a rollout worker has it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -63,39 +73,122 @@ def _verifier(name: str) -> Callable[[str, str], bool]:
     raise EnvError(f"jsonl_tools: unknown verifier {name!r}; choose exact, numeric or contains")
 
 
-def load_tasks(path: str | Path, heldout_fraction: float = 0.2) -> dict[str, list[Task]]:
-    """Tasks of a JSONL file by split; every problem names the file and line."""
+CHARS_PER_TOKEN = 16
+"""Without the model's tokenizer, a prompt of more than ``CHARS_PER_TOKEN * rollout.max_total_tokens`` characters
+is refused: ordinary text takes about 4 characters a token, and no tokenizer packs 16 into each on average
+(a file of such prompts made a warm start try to allocate 90 GB)."""
+
+
+def load_tasks(path: str | Path, heldout_fraction: float = 0.2, *, verifier: str = "exact") -> dict[str, list[Task]]:
+    """Tasks of a JSONL file by split; every problem names the file and line (see the module docstring)."""
+    by_split: dict[str, list[Task]] = {s: [] for s in SPLITS}
+    for _, task in read_tasks(path, heldout_fraction, verifier=verifier):
+        by_split[task.split].append(task)
+    return by_split
+
+
+def read_tasks(path: str | Path, heldout_fraction: float = 0.2, *, verifier: str = "exact") -> list[tuple[str, Task]]:
+    """Each task of a JSONL file with where it is (``FILE:LINE``), in file order."""
     if not str(path):
         raise EnvError("jsonl_tools needs a task file: set env.data to a JSONL file (check-env: --data FILE)")
     path = Path(path)
     if not path.is_file():
         raise EnvError(f"jsonl_tools: task file {str(path)!r} does not exist or is not a file "
                        "(set env.data to a JSONL file)")
-    by_split: dict[str, list[Task]] = {s: [] for s in SPLITS}
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    tasks = []
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise EnvError(f"{where}: not UTF-8 (byte {raw[exc.start:exc.start + 1]!r} at column {exc.start + 1}); "
+                               "save the task file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise EnvError(f"{where}: not JSON ({exc.msg}); one task object per line") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "answer" not in row:
-                raise EnvError(f'{where}: each task needs a string "prompt" and an "answer"')
-            split = row.get("split") or split_of(row["prompt"], heldout_fraction)
-            if split not in SPLITS:
-                raise EnvError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)}")
-            solution = row.get("solution")
-            if solution is not None and (not isinstance(solution, list)
-                                         or not all(isinstance(t, str) for t in solution)):
-                raise EnvError(f'{where}: "solution" must be a list of assistant texts')
-            by_split[split].append(Task(id=str(row.get("id") or task_id("jsonl", row["prompt"])), prompt=row["prompt"],
-                                        answer=str(row["answer"]), context=dict(row.get("context") or {}),
-                                        split=split, data={"solution": solution} if solution else {}))
-    if not any(by_split.values()):
+            except RecursionError:
+                raise EnvError(f"{where}: JSON nested too deep; one flat task object per line") from None
+            tasks.append((where, _task(row, where, heldout_fraction, verifier)))
+    if not tasks:
         raise EnvError(f"jsonl_tools: {path} holds no tasks")
-    return by_split
+    return tasks
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _task(row: Any, where: str, heldout_fraction: float, verifier: str) -> Task:
+    """One line's task, or an ``EnvError`` naming the field, what it is and what it must be."""
+    from ctxrl.tools.search import normalize_answer
+
+    if not isinstance(row, dict):
+        raise EnvError(f'{where}: a task is a JSON object such as {{"prompt": "...", "answer": "..."}}, '
+                       f"not {_kind(row)}")
+    if "prompt" not in row:
+        raise EnvError(f'{where}: the task has no "prompt"; give the task\'s text as a string')
+    prompt = row["prompt"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise EnvError(f'{where}: "prompt" must be a non-empty string, got '
+                       f"{'an empty one' if isinstance(prompt, str) else _kind(prompt)}")
+    if "answer" not in row:
+        raise EnvError(f'{where}: the task has no "answer"; give the expected answer as a string or number')
+    answer = row["answer"]
+    if answer is None:
+        raise EnvError(f'{where}: "answer" is null, which no reply can match (it would be the text "None"); '
+                       "give the expected answer, or drop the task")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise EnvError(f'{where}: "answer" must be a string or a number, got {_kind(answer)}')
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise EnvError(f'{where}: "answer" is {answer}, not a number a reply can give; write it as a string')
+    answer = str(answer)
+    if not answer.strip():
+        raise EnvError(f'{where}: "answer" is empty: the exact and contains verifiers would take any reply for it; '
+                       "give the expected answer, or drop the task")
+    if verifier in ("exact", "contains") and not normalize_answer(answer):
+        raise EnvError(f'{where}: "answer" {answer!r} is empty once the {verifier} verifier normalises it (it drops '
+                       "punctuation and a/an/the), so it would take any reply; give a real answer or use "
+                       "env.verifier = \"numeric\"")
+    split = row.get("split") or split_of(prompt, heldout_fraction)
+    if split not in SPLITS:
+        raise EnvError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)}")
+    solution = row.get("solution")
+    if solution is not None and (not isinstance(solution, list) or not all(isinstance(t, str) for t in solution)):
+        raise EnvError(f'{where}: "solution" must be a list of assistant texts (strings), got {_kind(solution)}'
+                       + ("" if not isinstance(solution, list) else " holding other values"))
+    context = row.get("context")
+    if context is not None and not isinstance(context, dict):
+        raise EnvError(f'{where}: "context" must be an object of labels such as {{"level": 3}}, got {_kind(context)}')
+    task_id_ = row.get("id")
+    if task_id_ is not None and (isinstance(task_id_, bool) or not isinstance(task_id_, (str, int))):
+        raise EnvError(f'{where}: "id" must be a string or an integer, got {_kind(task_id_)}')
+    return Task(id=str(task_id_ if task_id_ not in (None, "") else task_id("jsonl", prompt)), prompt=prompt,
+                answer=answer, context=dict(context or {}), split=split,
+                data={"solution": solution} if solution else {})
+
+
+def check_prompts(tasks: list[tuple[str, Task]], max_total_tokens: int,
+                  count_tokens: Callable[[str], int] | None = None) -> None:
+    """Refuse the first task whose prompt cannot fit ``max_total_tokens``: measured with ``count_tokens`` (the
+    model's tokenizer), else bounded by ``CHARS_PER_TOKEN`` characters a token."""
+    for where, task in tasks:
+        size = len(task.prompt)
+        if count_tokens is None:
+            if size > CHARS_PER_TOKEN * max_total_tokens:
+                raise EnvError(f"{where}: the prompt is {size} characters, more than rollout.max_total_tokens = "
+                               f"{max_total_tokens} tokens can hold (no tokenizer packs {CHARS_PER_TOKEN} characters "
+                               "into a token); shorten the prompt, drop the task, or raise rollout.max_total_tokens")
+        elif len(task.prompt.encode()) + 8 >= max_total_tokens:  # (a tokenizer gives at most a token per byte)
+            tokens = count_tokens(task.prompt)
+            if tokens >= max_total_tokens:
+                raise EnvError(f"{where}: the prompt takes {tokens} tokens of the model's tokenizer, and "
+                               f"rollout.max_total_tokens = {max_total_tokens} must hold the whole episode; shorten "
+                               "the prompt, drop the task, or raise rollout.max_total_tokens")
 
 
 def _observed_space(tasks: dict[str, list[Task]]) -> ContextSpace:
@@ -123,6 +216,8 @@ class JsonlToolsEnv(ToolAnswerEnv):
     system_prompt: ClassVar[str] = "Use the tools if they help. Reply with <answer>ANSWER</answer>."
     context_space: ClassVar[ContextSpace] = ContextSpace([])
     tasks: ClassVar[dict[str, list[Task]]] = {}
+    sources: ClassVar[tuple[tuple[str, Task], ...]] = ()
+    """Each task with where it is in the file (``FILE:LINE``), for ``check_tasks``."""
     tool_names: ClassVar[tuple[str, ...]] = ()
     verify: ClassVar[Callable[[str, str], bool] | None] = None
 
@@ -133,9 +228,17 @@ class JsonlToolsEnv(ToolAnswerEnv):
         for n in names:
             _tool(n)
         verify = _verifier(verifier)
-        tasks = load_tasks(data)
-        return type(cls.__name__, (cls,), {"tasks": tasks, "tool_names": names, "verify": staticmethod(verify),
-                                          "context_space": _observed_space(tasks)})
+        sources = read_tasks(data, verifier=verifier)
+        tasks: dict[str, list[Task]] = {s: [] for s in SPLITS}
+        for _, task in sources:
+            tasks[task.split].append(task)
+        return type(cls.__name__, (cls,), {"tasks": tasks, "sources": tuple(sources), "tool_names": names,
+                                          "verify": staticmethod(verify), "context_space": _observed_space(tasks)})
+
+    @classmethod
+    def check_tasks(cls, max_total_tokens: int, count_tokens: Callable[[str], int] | None = None) -> None:
+        """Refuse a task file with a prompt longer than ``rollout.max_total_tokens`` can hold (``check_prompts``)."""
+        check_prompts(list(cls.sources), max_total_tokens, count_tokens)
 
     def __init__(self) -> None:
         if self.verify is None:

@@ -10,10 +10,10 @@ That is what makes the trajectory's invariants (``ctxrl.types.Episode``) checkab
   log-probs) and the parsed message it decodes to;
 - ``observation_ids(messages)`` then ``observe(messages, ids, turn)``: text the policy did not
   write, rendered *alone* through the chat template and appended (mask 0). The renderer encodes
-  its special-token strings as plain text (``ctxrl.chat.render``), so tool output cannot forge a
-  turn boundary. Where the template rewrites history at a new user message (Qwen3 drops earlier
-  reasoning), the ids are a ``Rerendered`` fresh prompt of the whole conversation instead, and
-  ``observe`` closes the live sequence as a segment (``ended_by="template"``, counted in
+  its special tokens and tool-call tags as plain text (``ctxrl.chat.guard``), so tool output cannot
+  forge a turn boundary, a call or a result. Where the template rewrites history at a new user
+  message (Qwen3 drops earlier reasoning), the ids are a ``Rerendered`` fresh prompt of the whole
+  conversation instead, and ``observe`` closes the live sequence as a segment (``ended_by="template"``, counted in
   ``info["template_restarts"]``) and starts a new one from them;
 - ``restart(messages, ended_by)``: close the live sequence as a ``Segment`` and start a new one
   from ``messages`` (a summary, a window, the next attempt);

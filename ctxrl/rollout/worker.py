@@ -24,6 +24,7 @@ from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine
+from ctxrl.envs.hooks import hook
 from ctxrl.envs.registry import configured_env_class
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
@@ -46,6 +47,9 @@ class RolloutWorker:
         self.engine = engine
         self.renderer = renderer
         self.env_cls = env_cls if env_cls is not None else spec_env_class(spec)
+        check = hook(self.env_cls, "check_tasks")
+        if check is not None:  # now with the model's tokenizer (spec_env_class bounded them by characters)
+            check(spec.train.max_total_tokens, lambda text: len(renderer.encode_plain(text)))
         configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
         self.runner = runner if runner is not None else make_runner(spec, self.env_cls, renderer)
 
@@ -102,12 +106,17 @@ class RolloutWorker:
 
 
 def spec_env_class(spec: RolloutSpec) -> type:
-    """The environment class a spec names, bound to its data options."""
+    """The environment class a spec names, bound to its data options, its tasks checked against the rollout's
+    length (``check_tasks``, by characters: no tokenizer is loaded here)."""
     e = spec.env
     options = {"data": e.data, "tools": e.tools, "verifier": e.verifier}
     if e.harness or e.name == "harness":
         options["harness"] = e.harness
-    return configured_env_class(e.name, e.options, **options)
+    cls = configured_env_class(e.name, e.options, **options)
+    check = hook(cls, "check_tasks")
+    if check is not None:  # (``ctxrl config`` too: a task too long to fit is an error before anything loads)
+        check(spec.train.max_total_tokens)
+    return cls
 
 
 def spec_renderer(spec: RolloutSpec) -> ChatRenderer:

@@ -9,9 +9,17 @@ What it does, in the child before the code starts (a small launcher, then ``exec
 - **Resources**: rlimits on address space (``memory_mb``), CPU seconds, number of processes
   (fork bombs fail to fork), file size, open files; no core dumps. Python's ``MemoryError`` is
   reported as ``memory_exceeded``.
+- **Processes**: PID and IPC namespaces of its own, in a private mount namespace with a ``/proc``
+  of its own, where the kernel allows them (as root, or inside an unprivileged user namespace):
+  the code sees only the run's processes (a small init as PID 1, the code as PID 2), never the
+  host's command lines, and SysV IPC objects it leaves vanish with the namespace. When the code's
+  process exits, init exits and the kernel kills whatever is left. The mode in force is in
+  ``SandboxResult.processes``: ``namespace`` or ``host`` (said once in the log).
 - **Time**: one wall-clock deadline for the whole run; at the deadline, or as soon as the main
-  process exits, every process the run started is killed (by its dedicated uid when running as
-  root, otherwise by process group and session), and the call waits until none is left.
+  process exits, every process the run started is killed (the namespace's, and by its dedicated
+  uid when running as root, otherwise by process group and session), and the call waits until
+  none is left. The call returns when the main process exits, whoever still holds its stdout: the
+  output pipes are the caller's own, read for at most ``OUTPUT_GRACE_S`` after the kill.
 - **Network**: a new network namespace with no interfaces up, when the kernel allows it (as root,
   or through an unprivileged user namespace); otherwise ``socket`` is replaced before the code
   runs, which only stops Python code that does not reach for ``_socket`` or ctypes. The mode in
@@ -31,14 +39,17 @@ What it does, in the child before the code starts (a small launcher, then ``exec
 What it does not protect against: kernel exploits; reading world-readable host files (the code
 sees the host filesystem, read-only where it matters); CPU and memory contention with the
 host; anything when the kernel refuses namespaces and the process is not root (then it is a
-resource-limited subprocess, not a security boundary). For hostile code at scale, run the
-sandbox itself inside a container or VM.
+resource-limited subprocess, not a security boundary: the code can read other processes'
+command lines in ``/proc`` and leave SysV IPC segments behind, and a child that leaves its
+session keeps running after the call, which then waits ``OUTPUT_GRACE_S`` for its output). For
+hostile code at scale, run the sandbox itself inside a container or VM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import shutil
@@ -52,10 +63,17 @@ from pathlib import Path
 
 from ctxrl.errors import CtxrlError
 
+log = logging.getLogger(__name__)
+
 MEMORY_EXIT = 86  # the exit code the child uses to say "MemoryError"
 TRUNCATION_MARKER = "\n[ctxrl sandbox: output truncated after {n} bytes]\n"
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 UID_RANGE = (200_000, 260_000)
+OUTPUT_GRACE_S = 2.0
+PROCESS_NAMESPACES = True
+"""Whether runs get PID and IPC namespaces of their own where the kernel allows them (tests turn it off to check
+what a run does where the kernel refuses them)."""
+"""How long the call waits, after the run's processes are killed, for its output pipes to close."""
 
 
 @dataclass
@@ -74,32 +92,36 @@ class SandboxResult:
     """``namespace`` or ``python-socket-block``."""
     files: str = ""
     """``private`` (writes outside the work dir cannot persist) or ``host``."""
+    processes: str = ""
+    """``namespace`` (PID and IPC namespaces of its own: ``/proc`` lists the run's processes only, and its SysV
+    IPC objects go with it) or ``host`` (the kernel refused them: see the module docstring)."""
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out and not self.memory_exceeded
 
 
-# The launcher runs first in the child: it isolates and limits itself, then execs the interpreter.
+# The launcher runs first in the child: it isolates itself, then (with a PID namespace of its own) forks the
+# namespace's init, which forks the code's process; that one limits itself and execs the interpreter.
 _LAUNCHER = r'''
-import ctypes, json, os, resource, sys
+import ctypes, json, os, resource, signal, sys
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+PR_SET_PDEATHSIG = 1
 def unshare(flags):
     return libc.unshare(flags) == 0
-network, files = "python-socket-block", "host"
+def mount(source, target, kind, flags, data=None):
+    return libc.mount(source, target, kind, flags, data) == 0
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+network, files, processes = "python-socket-block", "host", "host"
 uid, gid = os.getuid(), os.getgid()
+privileged = uid == 0
 if uid == 0:
     if unshare(CLONE_NEWNET):
         network = "namespace"
-    if unshare(CLONE_NEWNS) and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-        ok = True
-        for d in cfg["world_writable"]:
-            if os.path.isdir(d):
-                ok &= libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64m,mode=1777") == 0
-        files = "private" if ok else "host"
 elif unshare(CLONE_NEWUSER | CLONE_NEWNET):
     network = "namespace"
     try:
@@ -111,25 +133,75 @@ elif unshare(CLONE_NEWUSER | CLONE_NEWNET):
             f.write(f"{gid} {gid} 1")
     except OSError:
         pass
-mb = 1024 * 1024
-limits = [(resource.RLIMIT_AS, cfg["memory_mb"] * mb), (resource.RLIMIT_CPU, cfg["cpu_s"]),
-          (resource.RLIMIT_NPROC, cfg["max_processes"]), (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb),
-          (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)]
-for what, value in limits:
-    try:
-        resource.setrlimit(what, (value, value))
-    except (ValueError, OSError):
-        pass
-if uid == 0:
-    os.setgroups([])
-    os.setgid(cfg["uid"])
-    os.setuid(cfg["uid"])
-    if files == "host":
-        files = "unprivileged-uid"
-os.chdir(cfg["workdir"])
-os.write(cfg["mode_fd"], (network + " " + files).encode())
+    privileged = True  # within its own user namespace
+private = privileged and unshare(CLONE_NEWNS) and mount(None, b"/", None, MS_REC | MS_PRIVATE)
+if private and uid == 0:
+    ok = True
+    for d in cfg["world_writable"]:
+        if os.path.isdir(d):
+            ok &= mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64m,mode=1777")
+    files = "private" if ok else "host"
+# A PID namespace needs a private mount namespace, for the /proc that shows only its processes.
+own_processes = cfg["process_namespaces"] and private and unshare(CLONE_NEWIPC | CLONE_NEWPID)
+
+def run_code():
+    mb = 1024 * 1024
+    limits = [(resource.RLIMIT_AS, cfg["memory_mb"] * mb), (resource.RLIMIT_CPU, cfg["cpu_s"]),
+              (resource.RLIMIT_NPROC, cfg["max_processes"]), (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb),
+              (resource.RLIMIT_NOFILE, 256)]
+    for what, value in limits:
+        try:
+            resource.setrlimit(what, (value, value))
+        except (ValueError, OSError):
+            pass
+    mode = files
+    if uid == 0:
+        os.setgroups([])
+        os.setgid(cfg["uid"])
+        os.setuid(cfg["uid"])
+        if files == "host":
+            mode = "unprivileged-uid"
+    os.chdir(cfg["workdir"])
+    os.write(cfg["mode_fd"], f"{network} {mode} {processes}".encode())
+    os.close(cfg["mode_fd"])
+    os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["bootstrap"], network], cfg["env"])
+
+if not own_processes:
+    run_code()
+status_r, status_w = os.pipe()
+init = os.fork()
+if init == 0:
+    # PID 1 of the run's namespace: when it exits, the kernel kills every process left in it.
+    os.close(status_r)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC):
+        processes = "namespace"
+    code = os.fork()
+    if code == 0:
+        os.close(status_w)
+        run_code()
+    os.close(cfg["mode_fd"])
+    status = 0
+    while True:  # reap every orphan until the code's own process ends
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid == code:
+            break
+    os.write(status_w, str(status).encode())
+    os._exit(0)
+# The launcher, outside the namespace: it ends as the code's process ended.
+os.close(status_w)
 os.close(cfg["mode_fd"])
-os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["bootstrap"], network], cfg["env"])
+_, status = os.waitpid(init, 0)
+written = os.read(status_r, 64)
+if written:
+    status = int(written)
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 '''
 
 # The bootstrap runs in the exec'd interpreter, as the code's own process.
@@ -318,12 +390,17 @@ class _Capped:
         return out + TRUNCATION_MARKER.format(n=self.limit) if self.truncated else out
 
 
-async def _drain(stream: asyncio.StreamReader, sink: _Capped) -> None:
-    while True:
-        chunk = await stream.read(65536)
-        if not chunk:
-            return
-        sink.feed(chunk)
+async def _drain(fd: int, sink: _Capped) -> None:
+    """Read the pipe ``fd`` into ``sink`` until every writer has closed it (or until cancelled), then close it."""
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                os.fdopen(fd, "rb", buffering=0))
+    try:
+        while chunk := await reader.read(65536):
+            sink.feed(chunk)
+    finally:
+        transport.close()
 
 
 async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512,
@@ -341,6 +418,11 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
     out, err = _Capped(max_output_bytes), _Capped(max_output_bytes)
     timed_out = False
     mode_r, mode_w = os.pipe()
+    # The output pipes are the parent's own, not the subprocess transport's: waiting for the main process
+    # then never waits for a child that still holds them open.
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    readers = None
     try:
         (workdir / "main.py").write_text(code)
         if uid is not None:
@@ -352,40 +434,60 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         cfg = {"workdir": str(workdir), "uid": uid, "memory_mb": memory_mb, "cpu_s": int(timeout_s) + 2,
                "max_processes": max_processes, "max_file_mb": max_file_mb, "env": env,
-               "world_writable": list(WORLD_WRITABLE), "bootstrap": _BOOTSTRAP, "mode_fd": mode_w, "python": python}
+               "world_writable": list(WORLD_WRITABLE), "bootstrap": _BOOTSTRAP, "mode_fd": mode_w, "python": python,
+               "process_namespaces": PROCESS_NAMESPACES}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-c", _LAUNCHER, json.dumps(cfg), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            env=env, cwd=str(workdir), pass_fds=(mode_w,))
-        os.close(mode_w)
-        mode_w = -1
-        readers = asyncio.gather(_drain(proc.stdout, out), _drain(proc.stderr, err))
+            stdout=out_w, stderr=err_w, start_new_session=True, env=env, cwd=str(workdir), pass_fds=(mode_w,))
+        for fd in (mode_w, out_w, err_w):
+            os.close(fd)
+        mode_w = out_w = err_w = -1
+        readers = asyncio.gather(_drain(out_r, out), _drain(err_r, err))
+        out_r = err_r = -1  # the readers close them
         remaining = max(timeout_s - (time.monotonic() - started), 0.001)
         try:
             await asyncio.wait_for(proc.wait(), remaining)
         except asyncio.TimeoutError:
             timed_out = True
-        # the main process is done (or out of time): nothing it started may outlive the call
+        # the main process is done (or out of time): nothing it started may outlive the call (with a PID
+        # namespace the kernel has killed them already)
         await asyncio.to_thread(_kill_all, uid, proc.pid, proc.pid)
         await proc.wait()
-        try:
-            await asyncio.wait_for(readers, 5.0)
+        try:  # what the run wrote is in the pipes; only a process that escaped the kill can hold them longer
+            await asyncio.wait_for(readers, OUTPUT_GRACE_S)
         except asyncio.TimeoutError:
-            readers.cancel()
+            pass
     finally:
+        if readers is not None and not readers.done():
+            readers.cancel()
+            await asyncio.gather(readers, return_exceptions=True)
         if proc is not None and proc.returncode is None:
             await asyncio.to_thread(_kill_all, uid, proc.pid, proc.pid)
-        if mode_w >= 0:
-            os.close(mode_w)
-        mode = (_read_all(mode_r).split() + ["unknown", "unknown"])[:2]
+        for fd in (mode_w, out_w, err_w, out_r, err_r):
+            if fd >= 0:
+                os.close(fd)
+        mode = (_read_all(mode_r).split() + ["unknown"] * 3)[:3]
         os.close(mode_r)
+        _say_once_without_namespaces(mode[2])
         shutil.rmtree(workdir, ignore_errors=True)
         if uid is not None:
             _release_uid(uid)
     exit_code = proc.returncode if proc is not None else None
     return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=exit_code, timed_out=timed_out,
                          memory_exceeded=exit_code == MEMORY_EXIT, truncated=out.truncated or err.truncated,
-                         duration_s=time.monotonic() - started, network=mode[0], files=mode[1])
+                         duration_s=time.monotonic() - started, network=mode[0], files=mode[1], processes=mode[2])
+
+
+_said: list[str] = []
+
+
+def _say_once_without_namespaces(processes: str) -> None:
+    if processes == "host" and not _said:
+        _said.append(processes)
+        log.warning("sandboxed runs get no PID and IPC namespaces of their own here (the kernel refused them or the "
+                    "mount namespace they need; %s): sandboxed code can list this machine's processes and their "
+                    "command lines in /proc, and its SysV IPC objects outlive it (docs/sandbox.md)",
+                    "running as root" if os.getuid() == 0 else "unprivileged user namespaces unavailable?")
 
 
 def _read_all(fd: int) -> str:

@@ -12,7 +12,9 @@ A format is a small class with a ``name`` and three methods, registered by name
 - ``content_without_calls(text) -> str``: the prose around the calls.
 
 ``markers`` are pieces of chat-template text that ask for the format; ``model.tool_format =
-"auto"`` picks the first registered format whose marker the template contains.
+"auto"`` picks the first registered format whose marker the template contains. ``call_tags`` and
+``result_tags`` are the format's structure strings, which text the framework did not lay out cannot
+make (``ctxrl.chat.guard``); a format without tags (``pythonic``) has empty ones.
 
 What a format deliberately does not do: decide what a call means (the environment's tools do,
 with their schemas) or render conversations (the chat template does).
@@ -42,6 +44,11 @@ class ToolFormat(Protocol):
     """Chat-template text that asks for this format (``auto``)."""
     example: ClassVar[str]
     """One call as the family writes it, for error messages and docs."""
+    call_tags: ClassVar[tuple[str, ...]]
+    """What opens, closes or separates calls in an assistant turn (``<tool_call>``, ``[TOOL_CALLS]``): the
+    assistant's own structure there, plain text in any other text (``ctxrl.chat.guard``)."""
+    result_tags: ClassVar[tuple[str, ...]]
+    """What the family's templates frame tool results with (``<tool_response>``): plain text in any message."""
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]: ...
 

@@ -42,6 +42,8 @@ class Hermes:
     name: ClassVar[str] = "hermes"
     families: ClassVar[str] = "Qwen2.5, Qwen3, Hermes"
     markers: ClassVar[tuple[str, ...]] = (TOOL_CALL_OPEN,)
+    call_tags: ClassVar[tuple[str, ...]] = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    result_tags: ClassVar[tuple[str, ...]] = (TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
     example: ClassVar[str] = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:

@@ -40,6 +40,8 @@ class Llama3Json:
     name: ClassVar[str] = "llama3_json"
     families: ClassVar[str] = "Llama 3.1, Llama 3.3"
     markers: ClassVar[tuple[str, ...]] = (PYTHON_TAG, "ipython")
+    call_tags: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)
+    result_tags: ClassVar[tuple[str, ...]] = ()  # results come under the ipython role, between special tokens
     example: ClassVar[str] = '{"name": "f", "parameters": {"x": 1}}'
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:

@@ -31,6 +31,7 @@ from ctxrl.types import ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
+TOOL_RESULTS = ("[TOOL_RESULTS]", "[/TOOL_RESULTS]")
 
 _NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*" + re.escape(ARGS) + r"\s*")
 _ID = re.compile(r"^[A-Za-z0-9]{9}$")
@@ -45,6 +46,8 @@ class Mistral:
     name: ClassVar[str] = "mistral"
     families: ClassVar[str] = "Mistral, Mixtral"
     markers: ClassVar[tuple[str, ...]] = (TOOL_CALLS,)
+    call_tags: ClassVar[tuple[str, ...]] = (TOOL_CALLS, ARGS)
+    result_tags: ClassVar[tuple[str, ...]] = TOOL_RESULTS
     example: ClassVar[str] = f'{TOOL_CALLS} [{{"name": "f", "arguments": {{"x": 1}}, "id": "a1b2c3d4e"}}]'
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:

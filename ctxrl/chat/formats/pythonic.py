@@ -32,6 +32,8 @@ class Pythonic:
     name: ClassVar[str] = "pythonic"
     families: ClassVar[str] = "Llama 3.2, Llama 4"
     markers: ClassVar[tuple[str, ...]] = ("[func_name1(", "[func_name(", "[function_name(")
+    call_tags: ClassVar[tuple[str, ...]] = ()  # a call list is plain Python: no tag to keep or guard
+    result_tags: ClassVar[tuple[str, ...]] = ()
     example: ClassVar[str] = "[f(x=1)]"
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:
