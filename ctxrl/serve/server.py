@@ -50,6 +50,9 @@ from ctxrl.serve.protocol import (
 )
 from ctxrl.serve.sessions import Session, SessionStore
 
+MAX_DEPTH = 64
+"""How deeply a request's JSON may nest (a tool's parameter schema is the deepest part of a real request)."""
+
 
 class Server:
     """The endpoint's state: engine, renderer, sessions and limits; ``app()`` is the ASGI application."""
@@ -167,21 +170,22 @@ class Server:
         reward = body.get("reward")
         if reward is None and not finish:
             raise bad("reward is required", "reward")
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            raise bad("reward must be a number", "reward")
+        if reward is not None:
+            reward = _finite(reward, "reward")
         turn_rewards = body.get("turn_rewards")
         turns = session.episode.turns
-        numbers = isinstance(turn_rewards, list) and all(
-            isinstance(r, (int, float)) and not isinstance(r, bool) for r in turn_rewards)
-        if turn_rewards is not None and (not numbers or len(turn_rewards) != len(turns)):
-            raise bad(f"turn_rewards must be a list of {len(turns)} numbers (one per recorded turn)", "turn_rewards")
+        if turn_rewards is not None:
+            if not isinstance(turn_rewards, list) or len(turn_rewards) != len(turns):
+                raise bad(f"turn_rewards must be a list of {len(turns)} numbers (one per recorded turn)",
+                          "turn_rewards")
+            turn_rewards = [_finite(r, f"turn_rewards[{i}]", "turn_rewards") for i, r in enumerate(turn_rewards)]
         if "success" in body and not isinstance(body["success"], bool):
             raise bad("success must be true or false", "success")
         if reward is not None:
-            session.episode.reward = float(reward)
-            session.episode.success = bool(body.get("success", float(reward) > 0))
+            session.episode.reward = reward
+            session.episode.success = bool(body.get("success", reward > 0))
         for turn, r in zip(turns, turn_rewards or []):
-            turn.reward = float(r)
+            turn.reward = r
         if finish:
             session.finished = True
             if self.on_finish is not None:
@@ -203,6 +207,20 @@ class Server:
         _add_training_routes(app, self)
         _add_health_route(app, self)
         return app
+
+
+def _finite(value: Any, field: str, param: str | None = None) -> float:
+    """``value`` as a finite float, or a 400 naming ``field`` (NaN and Infinity cannot come from JSON; an integer
+    too large for a float can)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"{field} must be a number, got {type(value).__name__}", param or field)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad(f"{field} must be a finite number (it is too large for a float)", param or field)
+    return number
 
 
 def _add_error_handlers(app: FastAPI, server: Server) -> None:
@@ -273,9 +291,11 @@ def parse_body(raw: bytes) -> Any:
     constants = []
     try:
         body = json.loads(text, parse_constant=lambda name: constants.append(name) or float(name),
-                          parse_float=lambda literal: _finite(literal, constants))
+                          parse_float=lambda literal: _float_literal(literal, constants))
     except json.JSONDecodeError as exc:
         raise bad(f"the body is not JSON: {exc}") from None
+    except ValueError as exc:  # (an integer of more digits than Python converts: 4300)
+        raise bad(f"the body holds a number ctxrl cannot read: {str(exc)[:120]}") from None
     except RecursionError:
         raise bad("the body's JSON nests too deeply to read") from None
     if constants:
@@ -284,10 +304,24 @@ def parse_body(raw: bytes) -> Any:
         except RecursionError:  # (nested as deep as the reader allows)
             path = "the body"
         raise bad(f"{path} is {constants[0]}: JSON numbers must be finite", param=path)
+    if _deeper_than(body, MAX_DEPTH):
+        raise bad(f"the body's JSON nests too deeply: more than {MAX_DEPTH} levels")
     return body
 
 
-def _finite(literal: str, constants: list[str]) -> float:
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` deep (without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _float_literal(literal: str, constants: list[str]) -> float:
     """A JSON number literal as a float; one too large for a float (``1e999``) is noted as ``constants`` are."""
     value = float(literal)
     if math.isinf(value):
@@ -309,7 +343,7 @@ def _non_finite(value: Any, path: str = "") -> str | None:
 
 async def _completions(server: Server, request: Request, session_id: str | None):
     """One Chat Completions call, as JSON or as server-sent events; recorded when ``session_id`` is given."""
-    chat = parse_request(await _body_of(server, request))
+    chat = parse_request(await _body_of(server, request), max_total_tokens=server.max_total_tokens)
     result, _ = await server.chat(chat, session_id)
     headers = {"x-ctxrl-session": session_id or "none"}
     if not chat.stream:
