@@ -181,7 +181,11 @@ def test_every_malformed_field_is_a_400_naming_it_and_the_connection_stays_open(
         status, body, _ = call(conn, "POST", "/main/v1/chat/completions", raw)
         assert status == 400 and message in body["error"]["message"], body
         assert_open(conn, sock)
-    assert live.main.errors.summary()["total"] == errors_before + len(MALFORMED) + 3
+    for method, path in (("GET", "/main/v1/chat/completions"), ("PUT", "/main/health")):  # a route, not that method
+        status, body, _ = call(conn, method, path)
+        assert status == 405 and body["error"]["code"] == "method_not_allowed", body
+        assert_open(conn, sock)
+    assert live.main.errors.summary()["total"] == errors_before + len(MALFORMED) + 5
     assert not any(key.startswith("500") for key in live.main.errors.counts)
     # and a real completion on the same connection
     status, body, _ = call(conn, "POST", "/main/v1/chat/completions", chat())

@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError as TemplateRefused
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ctxrl.engine.base import SamplingParams
 from ctxrl.plain import to_json
@@ -282,10 +283,13 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
     async def validation_error(_request, exc):
         return answer(bad(f"invalid request: {exc.errors()[:1]}"))
 
-    @app.exception_handler(404)
-    async def not_found(request, _exc):
-        return answer(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
-                               code="unknown_url"))
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request, exc: StarletteHTTPException):  # (no such route, or not with this method)
+        if exc.status_code == 404:
+            return answer(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
+                                   code="unknown_url"))
+        return answer(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                               code="method_not_allowed" if exc.status_code == 405 else None))
 
 
 async def _body_of(server: Server, request: Request) -> Any:
