@@ -173,7 +173,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"ctxrl serve needs the serve extra ({exc.name} is missing): "
                           "pip install 'ctxrl[serve]'") from None
+    api_key = args.api_key or os.environ.get("CTXRL_API_KEY") or None
     if args.train:  # training: the harnesses are in other processes; they claim episodes over HTTP
+        from ctxrl.serve.harness import Remote
+
+        Remote.api_key = api_key
         args.overrides = [*args.overrides, "env.name=harness", f'env.harness="remote:{args.port}"']
         if args.checkpoint:
             args.overrides.append(f"model.name={json.dumps(str(args.checkpoint))}")
@@ -189,11 +193,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
     engine = spec_engine(spec, model, renderer)
-    api_key = args.api_key or os.environ.get("CTXRL_API_KEY") or None
     name = args.model_name or (Path(str(args.checkpoint)).name if args.checkpoint else config.model.name)
     server = Server(engine, renderer, model_name=name, max_total_tokens=config.rollout.max_total_tokens,
                     max_new_tokens=config.rollout.max_new_tokens, stop_ids=tuple(config.rollout.stop_ids),
-                    api_key=api_key, max_concurrency=args.max_concurrency,
+                    api_key=api_key, max_concurrency=args.max_concurrency, read_timeout_s=args.read_timeout,
                     session_timeout_s=args.session_timeout, aliases=(config.model.name,) if args.checkpoint else ())
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
@@ -455,9 +458,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--checkpoint", help="checkpoint directory to serve instead of model.name")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--api-key", help="require Authorization: Bearer KEY (also CTXRL_API_KEY)")
+    serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route; prefer the "
+                       "CTXRL_API_KEY environment variable (a command line is visible to every process)")
     serve.add_argument("--model-name", help="the model name clients send (default: model.name or the checkpoint's)")
     serve.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
+    serve.add_argument("--read-timeout", type=float, default=30.0,
+                       help="seconds a request's body may take to arrive before 408 (default 30)")
     serve.add_argument("--session-timeout", type=float, default=600.0,
                        help="seconds a session may stay idle before it is closed (default 600)")
     serve.add_argument("--train", action="store_true",

@@ -73,6 +73,8 @@ def test_harness_results_and_failures(renderer):
     assert text.info["error_kind"] == "step" and "return a number" in text.info["error"]
     slow = run("sleeps")
     assert slow.info["error_kind"] == "deadline"
+    nan = run("returns_nan")  # a reward that would poison the step's advantages: the harness's failure
+    assert nan.info["error_kind"] == "step" and "finite" in nan.info["error"]
 
 
 def test_an_error_inside_ctxrl_stops_the_run_rather_than_erroring_an_episode(renderer):
@@ -123,10 +125,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_harnesses_in_another_process_train_through_the_http_server(tmp_path):
+def test_harnesses_in_another_process_train_through_the_http_server(tmp_path, monkeypatch):
     """ctxrl serve --train: the trainer opens sessions; an outside harness (here a thread speaking HTTP with the
     sync OpenAI client) claims each, plays it and finishes it with a reward."""
     import threading
+
+    monkeypatch.delenv("CTXRL_API_KEY", raising=False)  # (no key: see the next test for one)
 
     import httpx
     import openai
@@ -178,3 +182,84 @@ def test_harnesses_in_another_process_train_through_the_http_server(tmp_path):
     assert row["reward"] == pytest.approx(sum(rewards) / 4) and row["turns"] == 1.0 and row["errored"] == 0.0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/train/next", timeout=2)  # the server stopped with close()
+
+
+def test_a_harness_bad_request_or_reward_never_ends_the_run_and_every_route_asks_for_the_key(tmp_path, monkeypatch):
+    """ctxrl serve --train with a key (here from CTXRL_API_KEY): without it every route is a 401; with it, a
+    harness that sends a malformed request, a NaN or overflowing reward and calls to a session it was not given
+    gets its 4xx each time, and the step trains on the episodes it then plays properly."""
+    import threading
+
+    import httpx
+    import openai
+    from conftest import TINY
+
+    from ctxrl.serve.harness import Remote
+    from ctxrl.train.trainer import Trainer
+
+    monkeypatch.setenv("CTXRL_API_KEY", "sekrit")
+    port = _free_port()
+    base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sekrit"}
+    stop, statuses, played, errors = threading.Event(), [], [], []
+
+    def harness() -> None:
+        while not stop.is_set():
+            try:
+                claim = httpx.get(f"{base}/train/next", params={"wait": 0.2}, headers=key, timeout=5).json()
+            except httpx.HTTPError:
+                continue  # the server is not up yet
+            if claim["session"] is None:
+                continue
+            sid = claim["session"]
+            try:
+                statuses.append(("no key", [
+                    httpx.get(f"{base}/train/next", params={"wait": 0}, timeout=5).status_code,
+                    httpx.get(f"{base}/sessions/{sid}/episode", timeout=5).status_code,
+                    httpx.post(f"{base}/sessions/{sid}/finish", json={"reward": 1.0}, timeout=5).status_code,
+                    httpx.post(f"{base}{claim['base_url']}/chat/completions", timeout=5,
+                               json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).status_code,
+                    httpx.get(f"{base}/health", timeout=5).status_code]))
+                client = openai.OpenAI(base_url=base + claim["base_url"], api_key="sekrit", max_retries=0)
+                user = {"role": "user", "content": claim["task"]["prompt"]}
+                try:
+                    client.chat.completions.create(model="policy", max_tokens=6, messages=[
+                        user, {"role": "tool", "tool_call_id": {"a": 1}, "content": "4"}])
+                except openai.BadRequestError as exc:
+                    statuses.append(("bad request", exc.status_code))
+                stranger = openai.OpenAI(base_url=f"{base}/sessions/not-{sid}/v1", api_key="sekrit", max_retries=0)
+                try:  # a session the trainer did not open is not opened for a client
+                    stranger.chat.completions.create(model="policy", messages=[user], max_tokens=6)
+                except openai.NotFoundError as exc:
+                    statuses.append(("stranger", exc.status_code))
+                reply = client.chat.completions.create(model="policy", messages=[user], max_tokens=6)
+                for raw in (b'{"reward": NaN}', b'{"reward": 1' + b"0" * 400 + b"}",
+                            b'{"reward": 1, "turn_rewards": [Infinity]}'):
+                    r = httpx.post(f"{base}/sessions/{sid}/finish", content=raw, headers=key, timeout=5)
+                    statuses.append(("bad reward", r.status_code))
+                reward = float(len(reply.choices[0].message.content or "") % 2)
+                done = httpx.post(f"{base}/sessions/{sid}/finish", json={"reward": reward}, headers=key, timeout=5)
+                played.append((sid, reward, done.status_code))
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+    config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness="remote:{port}"',
+                                'env.data="env:calculator"', "sft.enabled=false", "rollout.tasks_per_step=2",
+                                "rollout.group_size=2", "rollout.max_new_tokens=6", "run.progress=false",
+                                "rollout.episode_timeout_s=60"])
+    thread = threading.Thread(target=harness, daemon=True)
+    thread.start()
+    try:
+        trainer = Trainer(config, tmp_path)
+        trainer.make_learner()
+        row = trainer.step(0)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        Remote._servers[port].close()
+    assert not errors, errors
+    assert [s for kind, s in statuses if kind == "no key"] == [[401] * 5] * 4
+    assert sorted({(kind, s) for kind, s in statuses if kind != "no key"}) == [
+        ("bad request", 400), ("bad reward", 400), ("stranger", 404)]
+    assert len(played) == 4 and all(code == 200 for _, _, code in played)
+    assert row["skipped"] == 0.0 and row["errored"] == 0.0 and trainer.worker.policy_version == 1
+    assert row["reward"] == pytest.approx(sum(r for _, r, _ in played) / 4)

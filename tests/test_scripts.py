@@ -39,6 +39,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
     "benchmarks/grpo_step.py": "tests/test_scripts.py::test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu",
     "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
+    "benchmarks/serve_soak.py": "tests/test_scripts.py::test_serve_soak_loses_no_episode_to_hostile_clients",
     "benchmarks/shared_gpu.py": "tests/test_scripts.py::test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu",
     "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",
@@ -190,3 +191,13 @@ def test_data_parallel_runs_one_and_two_ranks_over_gloo(tmp_path, capsys):
     assert two["first_loss"] == pytest.approx(one["first_loss"], abs=1e-6)  # float32: the same loss, two ranks
     assert two["first_grad_norm"] == pytest.approx(one["first_grad_norm"], rel=1e-4)
     assert "learner, data-parallel" in capsys.readouterr().out
+
+
+def test_serve_soak_loses_no_episode_to_hostile_clients():
+    pytest.importorskip("fastapi")
+    figures = script("benchmarks/serve_soak.py").main(["--smoke"])
+    assert figures["server_alive"] and figures["episodes"] >= 1 and figures["chat_calls"] >= 2
+    assert figures["lost"] == 0 and figures["corrupted"] == 0, figures["problems"]
+    assert figures["unexpected"] == [] and figures["hostile_requests"] >= 1
+    assert all(400 <= int(key.split()[-1]) < 500 for key in figures["hostile_by_status"])
+    assert figures["latency_p50_s"] > 0 and figures["rss_start_mb"] > 0

@@ -20,6 +20,7 @@ an error inside ctxrl (the engine) stops the run, as it does for built-in enviro
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
 import uuid
@@ -35,13 +36,15 @@ from ctxrl.seeds import episode_seed
 from ctxrl.types import Episode, Task
 
 
-def training_server(engine, renderer, limits):
-    """A ``Server`` for a trainer's own sessions: the rollout limits, no caps of its own (the trainer bounds them)."""
+def training_server(engine, renderer, limits, api_key: str | None = None):
+    """A ``Server`` for a trainer's own sessions: the rollout limits, no caps of its own (the trainer bounds them),
+    and no sessions but those the trainer opens (a call to any other is a 404)."""
     from ctxrl.serve.server import Server
 
     server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
                     max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
-                    max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",))
+                    max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",), api_key=api_key,
+                    client_sessions=False)
     server.stop_strings = tuple(limits.stop_strings)
     return server
 
@@ -53,18 +56,25 @@ class Remote:
     session happens there. A trainer opens sessions (``claims``); a harness takes one with
     ``GET /train/next``, plays it through ``/sessions/<id>/v1`` and ends it with
     ``POST /sessions/<id>/finish {"reward": r}``, which resolves the trainer's wait.
+
+    Every route asks for ``api_key`` when one is set (``ctxrl serve --train`` sets it from
+    ``--api-key`` or ``CTXRL_API_KEY``; a plain ``ctxrl train`` reads ``CTXRL_API_KEY``). A harness's
+    bad request or bad reward is its 400 and never stops the run; only the engine's failure does.
     """
 
     _servers: dict[int, Remote] = {}
+    api_key: str | None = None
+    """The key harnesses must send (``Authorization: Bearer <key>``); None: ``CTXRL_API_KEY``, if set."""
 
     def __init__(self, engine, renderer, limits, port: int, host: str = "127.0.0.1") -> None:
+        import os
         import queue
         import threading
 
         import uvicorn
 
-
-        self.server = training_server(engine, renderer, limits)
+        key = type(self).api_key or os.environ.get("CTXRL_API_KEY") or None
+        self.server = training_server(engine, renderer, limits, api_key=key)
         self.server.claims = queue.Queue()
         self.server.on_finish = self._finished
         self.waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -151,11 +161,23 @@ def _result(value: Any) -> tuple[float, bool | None, dict]:
         raise TypeError(f"the harness returned {value!r}; return a number (the reward) or "
                         "{'reward': r, 'success': bool, 'info': {...}}")
     if isinstance(value, (int, float)):
-        return float(value), None, {}
+        return _finite_reward(value), None, {}
     if isinstance(value, dict) and isinstance(value.get("reward"), (int, float)):
-        return float(value["reward"]), value.get("success"), dict(value.get("info") or {})
+        return _finite_reward(value["reward"]), value.get("success"), dict(value.get("info") or {})
     raise TypeError(f"the harness returned {type(value).__name__}; return a number (the reward) or "
                     "{'reward': r, 'success': bool, 'info': {...}}")
+
+
+def _finite_reward(value: float) -> float:
+    """A harness's reward as a float; NaN or infinite is the harness's failure (an errored episode), never a
+    reward that would poison the step's advantages."""
+    try:
+        reward = float(value)
+    except OverflowError:
+        reward = math.inf
+    if not math.isfinite(reward):
+        raise ValueError(f"the harness returned the reward {value!r}; a reward must be a finite number")
+    return reward
 
 
 async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits, *, group_size: int = 1,

@@ -11,6 +11,12 @@ harness never silently gets something other than what it asked for:
 - ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``n``,
   ``seed``, ``logprobs`` (``top_logprobs`` 0: the engine reports the sampled token's alone),
   ``stream`` with ``stream_options.include_usage``.
+
+Every field ctxrl reads is checked for its type and range here, before anything is rendered, so
+that a client's mistake is its own 400 and never an error inside ctxrl: an id that is an object,
+a ``max_tokens`` past the model's context, a seed past 64 bits. (Fields ctxrl does not read, such
+as ``user`` or ``metadata``, are left alone; NaN and infinite numbers never get this far:
+``ctxrl.serve.server.parse_body`` refuses them.)
 """
 
 from __future__ import annotations
@@ -88,8 +94,11 @@ def _tool_calls(raw: Any, where: str) -> list[ToolCall]:
     calls = []
     for i, call in enumerate(raw):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad(f"{where}.tool_calls[{i}] needs function.name", f"{where}.tool_calls")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{where}.tool_calls[{i}] needs function.name, a string", f"{where}.tool_calls")
+        if call.get("type", "function") != "function":
+            raise bad(f"{where}.tool_calls[{i}].type must be 'function'", f"{where}.tool_calls")
+        _string_or_none(call.get("id"), f"{where}.tool_calls[{i}].id")
         args = fn.get("arguments", "{}")
         try:
             parsed = json.loads(args) if isinstance(args, str) else args
@@ -99,6 +108,12 @@ def _tool_calls(raw: Any, where: str) -> list[ToolCall]:
             raise bad(f"{where}.tool_calls[{i}].function.arguments must be a JSON object", f"{where}.tool_calls")
         calls.append(ToolCall(fn["name"], parsed, call.get("id")))
     return calls
+
+
+def _string_or_none(value: Any, where: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise bad(f"{where} must be a string, got {type(value).__name__}", where)
+    return value
 
 
 def view(role: str, content: str, calls: list[ToolCall], tool_call_id: str | None) -> tuple:
@@ -124,8 +139,9 @@ def parse_messages(raw: Any) -> tuple[list[Message], list[tuple]]:
         for call in calls:
             if call.id:
                 names[call.id] = call.name
-        tool_call_id = m.get("tool_call_id") if role == "tool" else None
-        name = m.get("name") or (names.get(tool_call_id) if tool_call_id else None) if role == "tool" else None
+        tool_call_id = _string_or_none(m.get("tool_call_id"), f"{where}.tool_call_id") if role == "tool" else None
+        name = _string_or_none(m.get("name"), f"{where}.name")
+        name = name or (names.get(tool_call_id) if tool_call_id else None) if role == "tool" else None
         messages.append(Message(role, content, tool_calls=calls, name=name, tool_call_id=tool_call_id))
         views.append(view(role, content, calls, tool_call_id))
     return messages, views
@@ -138,12 +154,20 @@ def parse_tools(raw: Any) -> list[dict] | None:
         raise bad("tools must be a list", "tools")
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict) \
-                or not isinstance(tool["function"].get("name"), str):
+                or not isinstance(tool["function"].get("name"), str) or not tool["function"]["name"]:
             raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+        fn = tool["function"]
+        _string_or_none(fn.get("description"), f"tools[{i}].function.description")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")
     return raw
 
 
-def parse_request(body: Any) -> ChatRequest:
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def parse_request(body: Any, *, max_total_tokens: int) -> ChatRequest:
+    """``body`` checked field by field; ``max_tokens`` may not pass ``max_total_tokens`` (the model's context)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -156,24 +180,33 @@ def parse_request(body: Any) -> ChatRequest:
         raise bad("tool_choice must be 'auto' or 'none': a forced tool call needs constrained decoding, "
                   "which ctxrl does not do", "tool_choice", "unsupported_value")
 
-    def number(key: str, default, kind, low=None, high=None):
+    def number(key: str, default, kind, low, high, why: str = ""):
         value = body.get(key)
         if value is None:
             return default
         wrong_kind = kind is int and not isinstance(value, int)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or wrong_kind:
-            raise bad(f"{key} must be a{'n integer' if kind is int else ' number'}", key)
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise bad(f"{key} must be in [{low}, {high}], got {value}", key)
+            raise bad(f"{key} must be a{'n integer' if kind is int else ' number'}, got {type(value).__name__}", key)
+        if not low <= value <= high:  # (an integer too large for a float is compared exactly, never converted)
+            shown = value if len(str(value)) <= 40 else f"{str(value)[:20]}... ({len(str(value))} digits)"
+            raise bad(f"{key} must be in [{low}, {high}]{why}, got {shown}", key)
         return kind(value)
+
+    def flag(key: str) -> bool:
+        value = body.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad(f"{key} must be true or false, got {type(value).__name__}", key)
+        return bool(value)
 
     temperature = number("temperature", 1.0, float, 0.0, 2.0)
     top_p = number("top_p", 1.0, float, 0.0, 1.0)
     if top_p == 0.0:
         raise bad("top_p must be > 0", "top_p")
-    max_tokens = number("max_completion_tokens", None, int, 1) or number("max_tokens", None, int, 1)
+    context = f" (this model's context is {max_total_tokens} tokens)"
+    max_tokens = (number("max_completion_tokens", None, int, 1, max_total_tokens, context)
+                  or number("max_tokens", None, int, 1, max_total_tokens, context))
     n = number("n", 1, int, 1, 16)
-    seed = number("seed", None, int)
+    seed = number("seed", None, int, *SEED_RANGE)
     stop = body.get("stop")
     stops = () if stop is None else (stop,) if isinstance(stop, str) else (
         tuple(stop) if isinstance(stop, list) else None)
@@ -183,11 +216,15 @@ def parse_request(body: Any) -> ChatRequest:
     if top_logprobs not in (None, 0):
         raise bad("top_logprobs is not supported: the engine reports the sampled token's log-prob alone",
                   "top_logprobs", "unsupported_value")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage must be true or false", "stream_options.include_usage")
     return ChatRequest(model=model, messages=messages, views=views, tools=tools, tool_choice=choice or "auto",
                        temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stops, n=n, seed=seed,
-                       logprobs=bool(body.get("logprobs")), stream=bool(body.get("stream")),
-                       include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
+                       logprobs=flag("logprobs"), stream=flag("stream"), include_usage=bool(include_usage))
 
 
 # -- responses ------------------------------------------------------------------------------------------

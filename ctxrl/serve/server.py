@@ -12,10 +12,16 @@ Routes (the URL scheme is the contract):
 - ``GET /sessions/<id>/episode``: the recorded episode as JSON (ctxrl's plain-data form).
 
 Safe by default: ``ctxrl serve`` binds 127.0.0.1; ``api_key`` makes every route ask for
-``Authorization: Bearer <key>``; bodies over ``max_body_bytes`` get 413; more than
-``max_concurrency`` requests in flight get 429; a session idle past ``session_timeout_s`` is
-closed and counted (``store.expired``). Errors have OpenAI's body and 4xx codes, and one
-session's bad request never touches another's.
+``Authorization: Bearer <key>`` (compared in constant time); a body over ``max_body_bytes`` gets 413
+as soon as it passes the limit, and one not all in within ``read_timeout_s`` 408; more than
+``max_concurrency`` requests at work get 429 (a request takes its slot once its body is read, and
+``/health`` none); a session idle past ``session_timeout_s`` is closed and counted
+(``store.expired``). Errors have OpenAI's body and 4xx codes; they are counted, the last few kept as
+text (``errors``, shown by ``/health``), and the connection they came on stays open. One session's
+bad request never touches another's. Rendering, tokenising and decoding run on one worker thread
+(``render``), off the event loop: a huge message delays other renders, never ``/health``, rewards or
+the replies being sent. (One thread, not several: a Hugging Face fast tokenizer switches shared
+state, ``split_special_tokens``, on every call.) ``ctxrl.serve.limits`` holds these guards.
 
 Needs the ``serve`` extra (FastAPI, uvicorn): ``pip install 'ctxrl[serve]'``.
 """
@@ -23,20 +29,25 @@ Needs the ``serve`` extra (FastAPI, uvicorn): ``pip install 'ctxrl[serve]'``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import queue
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError as TemplateRefused
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ctxrl.engine.base import SamplingParams
 from ctxrl.plain import to_json
 from ctxrl.rollout.recorder import Rerendered
 from ctxrl.seeds import derive_seed
+from ctxrl.serve.limits import ErrorLog, Guard, Slots, read_body
 from ctxrl.serve.protocol import (
     APIError,
     ChatRequest,
@@ -50,29 +61,52 @@ from ctxrl.serve.protocol import (
 )
 from ctxrl.serve.sessions import Session, SessionStore
 
+MAX_DEPTH = 64
+"""How deeply a request's JSON may nest (a tool's parameter schema is the deepest part of a real request)."""
+MAX_SESSION_ID = 256
+"""The longest session id a client may open (ids are kept while the session lives)."""
+RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxrl-serve-render")
+"""The one thread every server of this process renders, tokenises and decodes on (see the module docstring)."""
+
+
+async def render(fn: Callable, *args):
+    """``fn(*args)`` on the render thread, the event loop free meanwhile; a chat template's own refusal of the
+    messages (Jinja's ``raise_exception``: roles that do not alternate, say) is the client's 400."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(RENDER, functools.partial(fn, *args))
+    except TemplateRefused as exc:
+        raise bad(f"the model's chat template refused these messages: {exc}", "messages") from None
+
 
 class Server:
     """The endpoint's state: engine, renderer, sessions and limits; ``app()`` is the ASGI application."""
 
     def __init__(self, engine, renderer, *, model_name: str, max_total_tokens: int, max_new_tokens: int = 512,
                  stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_concurrency: int = 256,
-                 max_body_bytes: int = 4 << 20, session_timeout_s: float = 600.0, max_sessions: int = 4096,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 max_body_bytes: int = 4 << 20, read_timeout_s: float = 30.0, session_timeout_s: float = 600.0,
+                 max_sessions: int = 4096, aliases: tuple[str, ...] = (), client_sessions: bool = True) -> None:
         self.engine, self.renderer = engine, renderer
         self.model_name = model_name
         self.models = (model_name, *aliases)
         self.max_total_tokens, self.max_new_tokens = max_total_tokens, max_new_tokens
         self.stop_ids = tuple(dict.fromkeys((*renderer.end_ids, *stop_ids)))
         self.api_key = api_key
-        self.max_concurrency, self.max_body_bytes = max_concurrency, max_body_bytes
+        self.max_body_bytes, self.read_timeout_s = max_body_bytes, read_timeout_s
+        self.slots = Slots(max_concurrency)
         self.store = SessionStore(renderer, max_sessions=max_sessions, timeout_s=session_timeout_s)
-        self.in_flight = 0
+        self.client_sessions = client_sessions
+        """Whether a call to an unknown session opens it (a trainer's server: no, it opens its sessions itself)."""
         self.on_finish: Callable[[Session], None] | None = None
         self.stop_strings: tuple[str, ...] = ()
         self.claims: queue.Queue[Session] | None = None
         """Sessions a trainer opened for harnesses in other processes to claim (``GET /train/next``)."""
-        self.internal_errors: list[BaseException] = []
-        """Errors inside ctxrl (the engine, a bug) while serving: a 500 to the client, and kept for the trainer."""
+        self.errors = ErrorLog()
+        """Errors answered (counted, the last few as text) and the first engine failure, for a trainer to stop on."""
+
+    @property
+    def in_flight(self) -> int:
+        """Requests at work (rendering or sampling) now."""
+        return self.slots.in_use
 
     # -- the work ----------------------------------------------------------------------------------
     async def chat(self, request: ChatRequest, session_id: str | None) -> tuple[dict | list[dict], int]:
@@ -82,32 +116,32 @@ class Server:
                                 f"{', '.join(map(repr, self.models))}", type="invalid_request_error",
                            param="model", code="model_not_found")
         if session_id is None:
-            ids = self._render(request)
-            return await self._sample(request, ids, None, None)
+            with self.slots.take():
+                ids = await render(self.renderer.prompt_ids, request.messages, request.tools)
+                self._check_length(len(ids))
+                return await self._sample(request, ids, None, None)
         if request.n > 1:
             raise bad("n > 1 in a recorded session: one session is one episode; send n = 1, or open a "
                       "session per sample", "n")
-        session = self.store.get(session_id)
+        if len(session_id) > MAX_SESSION_ID:
+            raise bad(f"a session id may have at most {MAX_SESSION_ID} characters, got {len(session_id)}", "session")
+        session = self.store.get(session_id, create=self.client_sessions)
         if session.finished:
             raise APIError(409, f"session {session_id!r} is finished", type="invalid_request_error",
                            param="session", code="session_finished")
-        async with session.lock:
-            try:
-                kind, ids = session.plan(request.messages, request.views, request.tools)
-                self._check_length(session.length_after(kind, ids))
-            except APIError:
-                if not len(session.recorder) and not session.episode.segments:  # a first call that failed
-                    self.store.pop(session_id)
-                raise
-            # (a template that rewrote history gives the whole conversation anew: Rerendered ids)
-            extends = kind == "extend" and not isinstance(ids, Rerendered)
-            prompt = session.recorder.ids + list(ids) if extends else list(ids)
-            return await self._sample(request, prompt, session, (kind, ids))
-
-    def _render(self, request: ChatRequest) -> list[int]:
-        ids = self.renderer.prompt_ids(request.messages, request.tools)
-        self._check_length(len(ids))
-        return ids
+        with self.slots.take():
+            async with session.lock:
+                try:
+                    kind, ids = await render(session.plan, request.messages, request.views, request.tools)
+                    self._check_length(session.length_after(kind, ids))
+                except APIError:
+                    if not len(session.recorder) and not session.episode.segments and self.client_sessions:
+                        self.store.pop(session_id)  # a first call that failed opens nothing
+                    raise
+                # (a template that rewrote history gives the whole conversation anew: Rerendered ids)
+                extends = kind == "extend" and not isinstance(ids, Rerendered)
+                prompt = session.recorder.ids + list(ids) if extends else list(ids)
+                return await self._sample(request, prompt, session, (kind, ids))
 
     def _check_length(self, length: int) -> None:
         if length >= self.max_total_tokens:
@@ -126,7 +160,25 @@ class Server:
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=budget,
                                  stop_ids=self.stop_ids, stop_strings=stops,
                                  seed=None if seed is None else seed + i) for i in range(request.n)]
-        completions = await asyncio.gather(*(self.engine.generate(prompt, p) for p in params))
+        try:
+            completions = await asyncio.gather(*(self.engine.generate(prompt, p) for p in params))
+        except Exception as exc:  # noqa: BLE001 - the engine failed: kept (as text) for a trainer to stop on
+            self.errors.engine_failed(exc)
+            raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"[:300], type="server_error",
+                           code="engine_error") from None
+        choices, parsed = await render(self._replies, request, completions, stops)
+        if session is not None:
+            kind, ids = plan
+            session.commit(kind, ids, request.messages, request.views, request.tools)
+            completion, message, text, client_view = parsed[0]
+            session.reply(completion, message, text, client_view, len(prompt))
+        response_id = new_id()
+        if request.stream:
+            return stream_chunks(request, request.model, choices, len(prompt), response_id), len(prompt)
+        return completion_json(request, request.model, choices, len(prompt), response_id), len(prompt)
+
+    def _replies(self, request: ChatRequest, completions: list, stops: tuple[str, ...]) -> tuple[list, list]:
+        """Each completion decoded and parsed: ``(choices to send, (completion, message, text, view) to record)``."""
         choices, parsed = [], []
         for completion in completions:
             text = self.renderer.decode(completion.token_ids[:-1] if completion.closed else completion.token_ids)
@@ -144,20 +196,13 @@ class Server:
             choices.append(Choice(content or (None if calls else ""), calls, finish, texts, completion.logprobs,
                                   len(completion.token_ids)))
             parsed.append((completion, message, text, view("assistant", content or "", calls, None)))
-        if session is not None:
-            kind, ids = plan
-            session.commit(kind, ids, request.messages, request.views, request.tools)
-            completion, message, text, client_view = parsed[0]
-            session.reply(completion, message, text, client_view, len(prompt))
-        response_id = new_id()
-        if request.stream:
-            return stream_chunks(request, request.model, choices, len(prompt), response_id), len(prompt)
-        return completion_json(request, request.model, choices, len(prompt), response_id), len(prompt)
+        return choices, parsed
 
     def raise_internal(self) -> None:
-        """Raise the first error inside ctxrl met while serving (a harness saw it as a 500), if any."""
-        if self.internal_errors:
-            raise self.internal_errors[0]
+        """Raise the first engine failure met while serving (a harness saw it as a 500), if any. Other errors,
+        a client's included, are answered and counted (``errors``) and never stop a trainer."""
+        if self.errors.engine_failure is not None:
+            raise RuntimeError(f"the engine failed while serving a session:\n{self.errors.engine_failure}")
 
     def set_reward(self, session_id: str, body: Any, *, finish: bool) -> dict:
         """Check the whole body first: a rejected request changes nothing."""
@@ -167,21 +212,22 @@ class Server:
         reward = body.get("reward")
         if reward is None and not finish:
             raise bad("reward is required", "reward")
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            raise bad("reward must be a number", "reward")
+        if reward is not None:
+            reward = _finite(reward, "reward")
         turn_rewards = body.get("turn_rewards")
         turns = session.episode.turns
-        numbers = isinstance(turn_rewards, list) and all(
-            isinstance(r, (int, float)) and not isinstance(r, bool) for r in turn_rewards)
-        if turn_rewards is not None and (not numbers or len(turn_rewards) != len(turns)):
-            raise bad(f"turn_rewards must be a list of {len(turns)} numbers (one per recorded turn)", "turn_rewards")
+        if turn_rewards is not None:
+            if not isinstance(turn_rewards, list) or len(turn_rewards) != len(turns):
+                raise bad(f"turn_rewards must be a list of {len(turns)} numbers (one per recorded turn)",
+                          "turn_rewards")
+            turn_rewards = [_finite(r, f"turn_rewards[{i}]", "turn_rewards") for i, r in enumerate(turn_rewards)]
         if "success" in body and not isinstance(body["success"], bool):
             raise bad("success must be true or false", "success")
         if reward is not None:
-            session.episode.reward = float(reward)
-            session.episode.success = bool(body.get("success", float(reward) > 0))
+            session.episode.reward = reward
+            session.episode.success = bool(body.get("success", reward > 0))
         for turn, r in zip(turns, turn_rewards or []):
-            turn.reward = float(r)
+            turn.reward = r
         if finish:
             session.finished = True
             if self.on_finish is not None:
@@ -194,10 +240,11 @@ class Server:
 
     # -- the ASGI app ----------------------------------------------------------------------------
     def app(self):
-        """The ASGI application: OpenAI's error bodies, the guard (key, body size, concurrency), then the routes."""
+        """The ASGI application: the guard (key, declared body size, errors inside ctxrl), OpenAI's error bodies,
+        then the routes."""
         app = FastAPI(title="ctxrl", docs_url=None, redoc_url=None, openapi_url=None)
         _add_error_handlers(app, self)
-        _add_guard(app, self)
+        app.add_middleware(Guard, api_key=self.api_key, max_body_bytes=self.max_body_bytes, errors=self.errors)
         _add_openai_routes(app, self)
         _add_session_routes(app, self)
         _add_training_routes(app, self)
@@ -205,60 +252,51 @@ class Server:
         return app
 
 
+def _finite(value: Any, field: str, param: str | None = None) -> float:
+    """``value`` as a finite float, or a 400 naming ``field`` (NaN and Infinity cannot come from JSON; an integer
+    too large for a float can)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"{field} must be a number, got {type(value).__name__}", param or field)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad(f"{field} must be a finite number (it is too large for a float)", param or field)
+    return number
+
+
 def _add_error_handlers(app: FastAPI, server: Server) -> None:
-    """Every error gets OpenAI's body; one inside ctxrl is also kept for the trainer (``Server.internal_errors``)."""
+    """Every error gets OpenAI's body and is counted (``Server.errors``); errors inside ctxrl are the guard's."""
+
+    def answer(error: APIError) -> JSONResponse:
+        server.errors.record(error)
+        # (a body that never finished arriving leaves the connection unusable: close it)
+        headers = {"connection": "close"} if error.status == 408 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request, exc: Exception):
-        server.internal_errors.append(exc)
-        return JSONResponse(APIError(500, f"internal error in ctxrl: {type(exc).__name__}: {exc}",
-                                     type="server_error", code="internal_error").body(), status_code=500)
+        return answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc):
-        return JSONResponse(bad(f"invalid request: {exc.errors()[:1]}").body(), status_code=400)
+        return answer(bad(f"invalid request: {exc.errors()[:1]}"))
 
-    @app.exception_handler(404)
-    async def not_found(request, _exc):
-        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}",
-                                     type="not_found_error", code="unknown_url").body(), status_code=404)
-
-
-def _add_guard(app: FastAPI, server: Server) -> None:
-    """Before any route: the API key (401), the declared body size (413), the requests in flight (429)."""
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
-            return JSONResponse(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                         type="authentication_error", code="invalid_api_key").body(),
-                                status_code=401)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > server.max_body_bytes:
-            return JSONResponse(APIError(413, f"the body is {length} bytes; the limit is {server.max_body_bytes}",
-                                         code="request_too_large").body(), status_code=413)
-        if server.in_flight >= server.max_concurrency:
-            return JSONResponse(APIError(429, f"{server.max_concurrency} requests are in flight; retry shortly",
-                                         type="rate_limit_error", code="too_many_requests").body(),
-                                status_code=429)
-        server.in_flight += 1
-        try:
-            return await call_next(request)
-        finally:
-            server.in_flight -= 1
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request, exc: StarletteHTTPException):  # (no such route, or not with this method)
+        if exc.status_code == 404:
+            return answer(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
+                                   code="unknown_url"))
+        return answer(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                               code="method_not_allowed" if exc.status_code == 405 else None))
 
 
 async def _body_of(server: Server, request: Request) -> Any:
-    """The request's JSON body (``null`` when empty); 413 past ``max_body_bytes`` whatever the headers said."""
-    raw = await request.body()
-    if len(raw) > server.max_body_bytes:
-        raise APIError(413, f"the body is {len(raw)} bytes; the limit is {server.max_body_bytes}",
-                       code="request_too_large")
-    return parse_body(raw)
+    """The request's JSON body (``null`` when empty), read within the limits (``read_body``) and parsed off the
+    event loop."""
+    raw = await read_body(request, server.max_body_bytes, server.read_timeout_s)
+    return await asyncio.to_thread(parse_body, raw)
 
 
 def parse_body(raw: bytes) -> Any:
@@ -273,9 +311,11 @@ def parse_body(raw: bytes) -> Any:
     constants = []
     try:
         body = json.loads(text, parse_constant=lambda name: constants.append(name) or float(name),
-                          parse_float=lambda literal: _finite(literal, constants))
+                          parse_float=lambda literal: _float_literal(literal, constants))
     except json.JSONDecodeError as exc:
         raise bad(f"the body is not JSON: {exc}") from None
+    except ValueError as exc:  # (an integer of more digits than Python converts: 4300)
+        raise bad(f"the body holds a number ctxrl cannot read: {str(exc)[:120]}") from None
     except RecursionError:
         raise bad("the body's JSON nests too deeply to read") from None
     if constants:
@@ -284,10 +324,24 @@ def parse_body(raw: bytes) -> Any:
         except RecursionError:  # (nested as deep as the reader allows)
             path = "the body"
         raise bad(f"{path} is {constants[0]}: JSON numbers must be finite", param=path)
+    if _deeper_than(body, MAX_DEPTH):
+        raise bad(f"the body's JSON nests too deeply: more than {MAX_DEPTH} levels")
     return body
 
 
-def _finite(literal: str, constants: list[str]) -> float:
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` deep (without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _float_literal(literal: str, constants: list[str]) -> float:
     """A JSON number literal as a float; one too large for a float (``1e999``) is noted as ``constants`` are."""
     value = float(literal)
     if math.isinf(value):
@@ -309,7 +363,8 @@ def _non_finite(value: Any, path: str = "") -> str | None:
 
 async def _completions(server: Server, request: Request, session_id: str | None):
     """One Chat Completions call, as JSON or as server-sent events; recorded when ``session_id`` is given."""
-    chat = parse_request(await _body_of(server, request))
+    body = await _body_of(server, request)
+    chat = await asyncio.to_thread(parse_request, body, max_total_tokens=server.max_total_tokens)
     result, _ = await server.chat(chat, session_id)
     headers = {"x-ctxrl-session": session_id or "none"}
     if not chat.stream:
@@ -394,4 +449,5 @@ def _add_health_route(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_name, "sessions": len(server.store.sessions),
-                "expired_sessions": server.store.expired, "policy_version": server.engine.policy_version}
+                "expired_sessions": server.store.expired, "policy_version": server.engine.policy_version,
+                "in_flight": server.in_flight, "errors": server.errors.summary()}
