@@ -424,14 +424,7 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
     err_r, err_w = os.pipe()
     readers = None
     try:
-        (workdir / "main.py").write_text(code)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chown(workdir / "main.py", uid, uid)
-            os.chmod(workdir, 0o700)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
-               "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = _write_code(workdir, code, uid)
         cfg = {"workdir": str(workdir), "uid": uid, "memory_mb": memory_mb, "cpu_s": int(timeout_s) + 2,
                "max_processes": max_processes, "max_file_mb": max_file_mb, "env": env,
                "world_writable": list(WORLD_WRITABLE), "bootstrap": _BOOTSTRAP, "mode_fd": mode_w, "python": python,
@@ -444,19 +437,7 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
         mode_w = out_w = err_w = -1
         readers = asyncio.gather(_drain(out_r, out), _drain(err_r, err))
         out_r = err_r = -1  # the readers close them
-        remaining = max(timeout_s - (time.monotonic() - started), 0.001)
-        try:
-            await asyncio.wait_for(proc.wait(), remaining)
-        except asyncio.TimeoutError:
-            timed_out = True
-        # the main process is done (or out of time): nothing it started may outlive the call (with a PID
-        # namespace the kernel has killed them already)
-        await asyncio.to_thread(_kill_all, uid, proc.pid, proc.pid)
-        await proc.wait()
-        try:  # what the run wrote is in the pipes; only a process that escaped the kill can hold them longer
-            await asyncio.wait_for(readers, OUTPUT_GRACE_S)
-        except asyncio.TimeoutError:
-            pass
+        timed_out = await _wait_then_kill(proc, readers, max(timeout_s - (time.monotonic() - started), 0.001), uid)
     finally:
         if readers is not None and not readers.done():
             readers.cancel()
@@ -476,6 +457,37 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
     return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=exit_code, timed_out=timed_out,
                          memory_exceeded=exit_code == MEMORY_EXIT, truncated=out.truncated or err.truncated,
                          duration_s=time.monotonic() - started, network=mode[0], files=mode[1], processes=mode[2])
+
+
+def _write_code(workdir: Path, code: str, uid: int | None) -> dict[str, str]:
+    """``code`` as ``main.py`` in ``workdir`` (owned by the run's uid, when there is one); the run's environment."""
+    (workdir / "main.py").write_text(code)
+    if uid is not None:
+        os.chown(workdir, uid, uid)
+        os.chown(workdir / "main.py", uid, uid)
+        os.chmod(workdir, 0o700)
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
+            "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+async def _wait_then_kill(proc, readers, remaining: float, uid: int | None) -> bool:
+    """Wait up to ``remaining`` seconds for the main process, then kill whatever it started and give the output
+    readers ``OUTPUT_GRACE_S``; whether the main process ran out of time."""
+    timed_out = False
+    try:
+        await asyncio.wait_for(proc.wait(), remaining)
+    except asyncio.TimeoutError:
+        timed_out = True
+    # the main process is done (or out of time): nothing it started may outlive the call (with a PID
+    # namespace the kernel has killed them already)
+    await asyncio.to_thread(_kill_all, uid, proc.pid, proc.pid)
+    await proc.wait()
+    try:  # what the run wrote is in the pipes; only a process that escaped the kill can hold them longer
+        await asyncio.wait_for(readers, OUTPUT_GRACE_S)
+    except asyncio.TimeoutError:
+        pass
+    return timed_out
 
 
 _said: list[str] = []
