@@ -43,7 +43,9 @@ def load(name: str, dtype: torch.dtype, device: str):
 
         return random_model("qwen2.5-0.5b", dtype, device).eval(), 0
     from ctxrl.models.loader import load_model, load_tokenizer
+    from ctxrl.train.tiny import ensure_model
 
+    name = ensure_model(name)  # (a tiny model is built once)
     tokenizer = load_tokenizer(name)
     model = load_model(name, dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], device=device)
     return model.eval(), tokenizer.pad_token_id

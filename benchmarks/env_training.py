@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(summary))
         return {f"{env}-s{seed}": summary}
     runs = [(env, seed) for env in (args.env or list(DEFAULT_ENVS)) for seed in (args.seed or [0])]
-    from ctxrl.models.loader import resolve
+    from ctxrl.train.tiny import ensure_model
 
-    resolve(args.model)  # build (and cache) the shared model once, before any run needs it
+    ensure_model(args.model)  # build (and cache) the shared model once, before any run needs it
     started = time.perf_counter()
     summaries: dict[tuple[str, int], dict] = {}
     failed: dict[tuple[str, int], str] = {}

@@ -19,8 +19,9 @@ def scripted_example():
     from ctxrl.models.loader import load_tokenizer
     from ctxrl.rollout.agent import run_episode
     from ctxrl.rollout.spec import RolloutLimits
+    from ctxrl.train.tiny import ensure_model
 
-    renderer = ChatRenderer(load_tokenizer("tiny"), template_name="tiny")
+    renderer = ChatRenderer(load_tokenizer(ensure_model("tiny")), template_name="tiny")
     task = CalculatorEnv.sample_tasks("heldout", 1, 3)[0]
     texts = ["<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expr\": 1}}\n</tool_call>",
              *CalculatorEnv.solve(task)]

@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.one:
         print(json.dumps(child(args.one, args.env, args.model, args.overrides, out / args.one)))
         return []
-    from ctxrl.models.loader import resolve
+    from ctxrl.train.tiny import ensure_model
 
-    resolve(args.model)  # build (and cache) the model before either mode runs
+    ensure_model(args.model)  # build (and cache) the model before either mode runs
     rows = []
     for mode in MODES:
         proc = subprocess.Popen([sys.executable, __file__, "--one", mode, "--env", args.env, "--model", args.model,

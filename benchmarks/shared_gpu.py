@@ -150,11 +150,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.dry_run:
         args.runs, args.steps, args.overrides = 2, 1, [*DRY_RUN, *args.overrides]
     from ctxrl.config import load_config
-    from ctxrl.models.loader import parse_tiny, resolve
+    from ctxrl.models.loader import parse_tiny
+    from ctxrl.train.tiny import ensure_model
 
     name = load_config(args.config, args.overrides).model.name  # (a config error stops here, once)
     if parse_tiny(name) is not None:  # build (and cache) the tiny model once, not in every run at the same time
-        resolve(name)
+        ensure_model(name)
     with tempfile.TemporaryDirectory(prefix="shared_gpu-") as scratch:
         root = Path(args.run_root or scratch)
         root.mkdir(parents=True, exist_ok=True)

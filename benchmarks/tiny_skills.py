@@ -25,7 +25,8 @@ import torch
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.envs.calculator import CalculatorEnv
-from ctxrl.models.loader import load_model, load_tokenizer, resolve
+from ctxrl.models.loader import load_model, load_tokenizer
+from ctxrl.train.tiny import ensure_model
 
 CALL_PREFIX = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     tasks = CalculatorEnv.sample_tasks("heldout", args.tasks, args.seed)
     print(f"{'model':40s} {'plain':>7s} {'chat':>7s} {'chat+system':>12s} {'seconds':>8s}")
     for name in args.model or ["tiny"]:
-        path = resolve(name)
+        path = ensure_model(name)
         tokenizer, model = load_tokenizer(path), load_model(path)
         model.eval()
         t0 = time.perf_counter()

@@ -187,6 +187,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
         overrides += [f"model.name={json.dumps(str(args.checkpoint))}", "lora.rank=0"]
     config = load_config(args.config, overrides)
+    from ctxrl.train.tiny import ensure_model
+
+    ensure_model(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
     spec = RolloutSpec.from_config(config)
     renderer = spec_renderer(spec)
     from ctxrl.models.loader import load_model
@@ -245,9 +248,9 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def cmd_check_env(args: argparse.Namespace) -> int:
     """Run the conformance suite on an environment; exit 1 listing every problem."""
+    from ctxrl.demos.features import features
     from ctxrl.envs.base import EnvError
     from ctxrl.envs.check import check_env
-    from ctxrl.envs.hooks import features
     from ctxrl.envs.registry import configured_env_class
 
     try:
@@ -292,12 +295,13 @@ def _episode_lengths(cls: type, args: argparse.Namespace) -> dict:
     from ctxrl.chat.render import ChatRenderer
     from ctxrl.envs.lengths import episode_lengths
     from ctxrl.models.loader import generation_end_ids, load_tokenizer, parse_tiny
-    from ctxrl.models.tiny import is_built, tiny_path, tokenizer_twin
+    from ctxrl.models.tiny import is_built, tokenizer_twin
+    from ctxrl.train.tiny import ensure_tiny
 
     name = args.lengths
     spec = parse_tiny(name)
-    if spec is not None and not is_built(spec):
-        name = str(tiny_path(tokenizer_twin(spec)))
+    if spec is not None:
+        name = str(ensure_tiny(spec if is_built(spec) else tokenizer_twin(spec)))
     renderer = ChatRenderer(load_tokenizer(name), template_name=args.lengths, end_ids=generation_end_ids(name),
                             tool_format=args.tool_format)
     return episode_lengths(cls, renderer, n_tasks=args.tasks, seed=args.seed, tool_format=args.tool_format)

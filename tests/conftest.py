@@ -14,9 +14,9 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
-    from ctxrl.models.loader import resolve
+    from ctxrl.train.tiny import ensure_model
 
-    return resolve(TINY)
+    return ensure_model(TINY)
 
 
 @pytest.fixture(scope="session")

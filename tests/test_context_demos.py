@@ -114,8 +114,8 @@ def _check_faithful(demo, env_cls, renderer, limits) -> list[str]:
 def test_kv_chain_demos_under_summarize_are_faithful_and_the_next_lookup_follows_from_the_summary(renderer):
     import re
 
+    from ctxrl.demos.play import build_demos
     from ctxrl.envs.kv_chain import KVChainEnv
-    from ctxrl.train.sft import build_demos
 
     demos = asyncio.run(build_demos(KVChainEnv, renderer, 40, seed=1, limits=_summarize_limits(384)))
     assert all(d.success and d.reward == 1.0 and d.truncation is None for d in demos)  # the solver still scores 1.0
@@ -139,8 +139,8 @@ def test_kv_chain_demos_under_summarize_are_faithful_and_the_next_lookup_follows
 
 
 def test_search_qa_demos_under_summarize_succeed_from_the_latest_fact(renderer):
+    from ctxrl.demos.play import build_demos
     from ctxrl.envs.search_qa import SearchQAEnv
-    from ctxrl.train.sft import build_demos
 
     demos = asyncio.run(build_demos(SearchQAEnv, renderer, 30, seed=2, limits=_summarize_limits(450),
                                     other_worlds=True))
@@ -156,8 +156,8 @@ def test_search_qa_demos_under_summarize_succeed_from_the_latest_fact(renderer):
 
 
 def test_an_env_without_the_hook_cannot_script_summaries(renderer):
+    from ctxrl.demos.play import build_demos
     from ctxrl.envs.calculator import CalculatorEnv
-    from ctxrl.train.sft import build_demos
 
     assert getattr(CalculatorEnv, "summary", None) is None
     with pytest.raises(ValueError, match="'calculator' has no summary\\(task, messages\\) hook.*sft.context_demos=off"):
@@ -168,8 +168,8 @@ def test_an_env_without_the_hook_cannot_script_summaries(renderer):
 
 
 def test_a_demo_that_cannot_finish_under_the_budget_names_the_settings(renderer):
+    from ctxrl.demos.play import build_demos
     from ctxrl.envs.kv_chain import KVChainEnv
-    from ctxrl.train.sft import build_demos
 
     with pytest.raises(RuntimeError, match="context.max_summaries=0.*raise one of them"):
         asyncio.run(build_demos(KVChainEnv, renderer, 20, seed=1, limits=_summarize_limits(384, max_summaries=0)))

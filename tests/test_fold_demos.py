@@ -85,8 +85,8 @@ def test_folded_demo_branches_once_and_the_parent_never_sees_the_later_pages(ren
 
 
 def test_build_demos_under_fold_plays_folded_for_solve_draws_and_keeps_the_other_scripts(renderer):
+    from ctxrl.demos.play import _demo_scripts, build_demos
     from ctxrl.envs.search_qa import SearchQAEnv
-    from ctxrl.train.sft import _demo_scripts, build_demos
 
     demos = asyncio.run(build_demos(FactHuntEnv, renderer, 6, seed=4, limits=_fold_limits()))
     assert all(d.success and d.truncation is None for d in demos)
@@ -111,9 +111,9 @@ def test_build_demos_under_fold_plays_folded_for_solve_draws_and_keeps_the_other
 
 
 def test_an_env_without_folded_cannot_play_fold_demos(renderer):
+    from ctxrl.demos.features import features
+    from ctxrl.demos.play import build_demos
     from ctxrl.envs.calculator import CalculatorEnv
-    from ctxrl.envs.hooks import features
-    from ctxrl.train.sft import build_demos
 
     assert get_manager("fold").solution_hook == "folded" and get_manager("fold").demo_hooks() == "folded(task)"
     assert not get_manager("fold").demo_ready(CalculatorEnv) and get_manager("fold").demo_ready(FactHuntEnv)

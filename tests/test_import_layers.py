@@ -22,15 +22,12 @@ LAYERS = {
     # chat templates, tools, task spaces, the algorithms' maths, metric sinks and plots
     "chat": 1, "tools": 1, "tasks": 1, "algo": 1, "report": 1,
     "models": 2, "engine": 3, "envs": 4, "rollout": 5,
-    "meta": 6, "eval": 6, "serve": 6,
+    "meta": 6, "eval": 6, "demos": 6, "serve": 6,
     "config": 7, "distributed": 7, "train": 8, "cli": 9, "__main__": 10,
 }
 
 # Module (without "ctxrl.") -> the packages above its own that it still imports. To remove, not to extend.
-UPWARD = {
-    "envs.hooks": ["rollout"],  # the context managers' demo hooks are looked up on the env class
-    "models.tiny": ["envs", "train"],  # pre-training data from scripted episodes; the pre-training loss
-}
+UPWARD: dict[str, list[str]] = {}
 
 MODULE_NAME = re.compile(r"ctxrl(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
@@ -45,13 +42,40 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imported_names(module: str, path: Path, *, load_time_only: bool = False) -> set[str]:
+def entry_point_groups(tree: ast.AST) -> set[int]:
+    """The string constants that name an entry-point group (``entry_point_group="ctxrl.envs"``, or assigned to an
+    ``ENTRY_POINT_GROUP``): a group's name, not a module, so not an import."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "entry_point_group" and isinstance(node.value, ast.Constant):
+            found.add(id(node.value))
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+              and any(isinstance(t, ast.Name) and t.id.endswith("ENTRY_POINT_GROUP") for t in node.targets)):
+            found.add(id(node.value))
+    return found
+
+
+def type_checking_only(tree: ast.AST) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:``: imports for type checkers, which never run."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            found.update(id(n) for child in node.body for n in ast.walk(child))
+    return found
+
+
+def imported_names(module: str, path: Path, *, load_time_only: bool = False, runtime_only: bool = False) -> set[str]:
     """Every ``ctxrl...`` name the file imports or names as a module string, absolute (``load_time_only``: only the
-    imports at the top of the file, which run when it loads)."""
+    imports at the top of the file, which run when it loads; ``runtime_only``: not those under ``if
+    TYPE_CHECKING:``, which never run)."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     tree = ast.parse(path.read_text())
+    groups = entry_point_groups(tree)
+    skipped = type_checking_only(tree) if runtime_only else set()
     names = set()
     for node in tree.body if load_time_only else ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -59,18 +83,19 @@ def imported_names(module: str, path: Path, *, load_time_only: bool = False) -> 
                 package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_NAME.fullmatch(node.value):
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_NAME.fullmatch(node.value)
+              and id(node) not in groups):
             names.add(node.value)
     return {n for n in names if n.startswith("ctxrl.")}
 
 
-def module_graph(*, load_time_only: bool = False) -> dict[str, set[str]]:
+def module_graph(*, load_time_only: bool = False, runtime_only: bool = False) -> dict[str, set[str]]:
     """Module -> the other ctxrl modules it imports (a name such as ``ctxrl.x.y.Class`` counts as ``ctxrl.x.y``)."""
     known = modules()
     graph = {}
     for module, path in known.items():
         targets = set()
-        for name in imported_names(module, path, load_time_only=load_time_only):
+        for name in imported_names(module, path, load_time_only=load_time_only, runtime_only=runtime_only):
             while name and name not in known:
                 name = name.rpartition(".")[0]
             if name and name != module:
@@ -120,7 +145,18 @@ def test_nothing_imports_the_cli():
 
 def test_no_cycle_among_top_level_imports():
     """Imports at the top of a file (those run when the module loads) form no cycle."""
-    graph = module_graph(load_time_only=True)
+    assert (cycle := first_cycle(module_graph(load_time_only=True))) is None, \
+        f"an import cycle at load time: {' -> '.join(cycle)}"
+
+
+def test_no_cycle_at_all():
+    """Nor do all of them, the imports inside functions and the modules named in strings included (only those
+    for type checkers, under ``if TYPE_CHECKING:``, never run): no module reaches back to itself."""
+    assert (cycle := first_cycle(module_graph(runtime_only=True))) is None, f"an import cycle: {' -> '.join(cycle)}"
+
+
+def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A path of imports that returns to its start, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> list[str] | None:
@@ -134,5 +170,6 @@ def test_no_cycle_among_top_level_imports():
         return None
 
     for module in sorted(graph):
-        if module not in state:
-            assert (cycle := visit(module, [])) is None, f"an import cycle at load time: {' -> '.join(cycle)}"
+        if module not in state and (cycle := visit(module, [])):
+            return cycle
+    return None

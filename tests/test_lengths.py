@@ -57,14 +57,15 @@ def test_lengths_cover_only_the_splits_an_environment_has(tmp_path):
 
 
 def test_a_tiny_specs_tokenizer_twin_has_its_tokenizer_without_its_pre_training(tmp_path, monkeypatch):
-    from ctxrl.models.tiny import TinySpec, tiny_path, tokenizer_twin
+    from ctxrl.models.tiny import TinySpec, tokenizer_twin
+    from ctxrl.train.tiny import ensure_tiny
 
     monkeypatch.setenv("CTXRL_CACHE", str(tmp_path))
     big = TinySpec(envs="calculator+fact_hunt", hidden_size=64, num_layers=2, intermediate_size=128, pretrain_steps=1,
                    pretrain_batch_size=2, pretrain_chat_batch_size=2)  # pre-trained (one step), the twin is not
     twin = tokenizer_twin(TinySpec(envs="calculator+fact_hunt", hidden_size=512, num_layers=8, pretrain_steps=1500))
     assert (twin.hidden_size, twin.pretrain_steps, twin.envs) == (TinySpec().hidden_size, 0, "calculator+fact_hunt")
-    a, b = tiny_path(big), tiny_path(twin)
+    a, b = ensure_tiny(big), ensure_tiny(twin)
     assert a != b and (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
 
 

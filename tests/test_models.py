@@ -51,7 +51,7 @@ def test_tiny_bad_arch():
 
 
 def test_pretraining_batches_alternate_plain_and_chat(tokenizer):
-    from ctxrl.models.tiny import pretraining_batches
+    from ctxrl.demos.pretraining import pretraining_batches
 
     spec = TinySpec(pretrain_steps=4, pretrain_batch_size=3, pretrain_chat_batch_size=2)
     nested = pretraining_batches(tokenizer, spec)
@@ -71,8 +71,8 @@ def test_pretraining_batches_alternate_plain_and_chat(tokenizer):
     import asyncio
 
     from ctxrl.chat.render import ChatRenderer
+    from ctxrl.demos.play import build_demos
     from ctxrl.envs.calculator import CalculatorEnv
-    from ctxrl.train.sft import build_demos
 
     demo = asyncio.run(build_demos(CalculatorEnv, ChatRenderer(tokenizer), 4, seed=spec.seed + 2))[0]
     assert nested[1][0] == list(demo.input_ids) + [tokenizer.pad_token_id]
@@ -81,6 +81,22 @@ def test_pretraining_batches_alternate_plain_and_chat(tokenizer):
 def test_resolve_is_cached(tiny_path):
     assert resolve("tiny:pretrain_steps=0") == tiny_path
     assert resolve(tiny_path) == tiny_path
+
+
+def test_an_unbuilt_tiny_model_is_refused_with_the_stage_that_builds_it(tmp_path, monkeypatch):
+    """The library never builds the tiny model (its text comes from the environments, above it): ``resolve``
+    names the stage, and the stage builds it once, after which ``resolve`` finds it."""
+    from ctxrl.train.tiny import ensure_model
+
+    monkeypatch.setenv("CTXRL_CACHE", str(tmp_path))
+    name = "tiny:pretrain_steps=0,hidden_size=32,num_layers=1,intermediate_size=64"
+    with pytest.raises(ModelLoadError, match=r"not built yet.*ensure_model"):
+        resolve(name)
+    with pytest.raises(ModelLoadError, match="not built yet"):
+        load_tokenizer(name)
+    built = ensure_model(name)
+    assert Path(built, "config.json").exists() and Path(built).parent == tmp_path
+    assert resolve(name) == built == ensure_model(name)  # (the second call builds nothing)
 
 
 def test_missing_path():
@@ -166,7 +182,8 @@ def test_bad_dtype(tiny_path):
 def test_pretrain_lowers_the_loss(tokenizer):
     import copy
 
-    from ctxrl.models.tiny import pretrain, pretraining_batches
+    from ctxrl.demos.pretraining import pretraining_batches
+    from ctxrl.train.tiny import pretrain
 
     spec = TinySpec(pretrain_steps=2, pretrain_batch_size=4, pretrain_chat_batch_size=2, pretrain_lr=3e-3)
     batches = pretraining_batches(tokenizer, spec)
@@ -179,8 +196,9 @@ def test_pretrain_lowers_the_loss(tokenizer):
 
 
 def test_tiny_spec_envs_field(tokenizer):
+    from ctxrl.demos.pretraining import pretraining_batches
     from ctxrl.models.loader import parse_tiny
-    from ctxrl.models.tiny import PRETRAIN_ENVS, pretraining_batches
+    from ctxrl.models.tiny import PRETRAIN_ENVS
 
     # the default set leaves the cache key unchanged; another set is another model
     assert TinySpec().key() == TinySpec(envs="+".join(PRETRAIN_ENVS)).key()
@@ -224,7 +242,8 @@ def test_a_build_records_how_its_pretraining_went(tmp_path):
     whose loss barely fell can be told from a good one (builds of one spec differ)."""
     import json
 
-    from ctxrl.models.tiny import build_tiny, pretraining_record
+    from ctxrl.models.tiny import pretraining_record
+    from ctxrl.train.tiny import build_tiny
 
     assert pretraining_record([]) == {}
     assert pretraining_record([4.0, 3.0, 2.0, 1.0], window=2) == {

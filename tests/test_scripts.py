@@ -167,9 +167,10 @@ def test_tiny_skills_scores_each_format(fmt):
         assert list(results) == [TINY] and all(0.0 <= x <= 1.0 for x in results[TINY])
     else:
         from ctxrl.envs.calculator import CalculatorEnv
-        from ctxrl.models.loader import load_model, load_tokenizer, resolve
+        from ctxrl.models.loader import load_model, load_tokenizer
+        from ctxrl.train.tiny import ensure_model
 
-        path = resolve(TINY)
+        path = ensure_model(TINY)
         tasks = CalculatorEnv.sample_tasks("heldout", 2, 5)
         assert 0.0 <= module.transcription_accuracy(load_model(path), load_tokenizer(path), fmt, tasks) <= 1.0
 

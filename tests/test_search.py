@@ -98,7 +98,7 @@ def test_pretraining_variant_is_another_world_and_shortcut_stops_after_one_searc
 
 
 def test_demos_from_other_worlds_never_hold_the_training_worlds_facts(renderer):
-    from ctxrl.train.sft import WORLD_EPISODES, build_demos
+    from ctxrl.demos.play import WORLD_EPISODES, build_demos
 
     n = WORLD_EPISODES + 20
     demos = asyncio.run(build_demos(SearchQAEnv, renderer, n, seed=3, shortcut_fraction=0.5, other_worlds=True))
@@ -118,7 +118,7 @@ def test_demos_from_other_worlds_never_hold_the_training_worlds_facts(renderer):
 
 def test_redundant_demos_search_the_answer_again_and_keep_their_share(renderer):
     """sft.redundant_fraction: right answers with one search more than solve, drawn after the shortcut's share."""
-    from ctxrl.train.sft import build_demos
+    from ctxrl.demos.play import build_demos
 
     limits = RolloutLimits(max_turns=5, max_new_tokens=64, max_total_tokens=4096)
     task = next(t for t in SearchQAEnv.sample_tasks("train", 20, seed=1) if t.context["hops"] == 2)
@@ -146,8 +146,8 @@ def test_redundant_demos_search_the_answer_again_and_keep_their_share(renderer):
 
 
 def test_redundant_demos_are_refused_where_they_cannot_be_played(renderer):
+    from ctxrl.demos.play import build_demos
     from ctxrl.envs.calculator import CalculatorEnv
-    from ctxrl.train.sft import build_demos
 
     with pytest.raises(ValueError, match="no redundant hook.*sft.redundant_fraction=0"):
         asyncio.run(build_demos(CalculatorEnv, renderer, 2, redundant_fraction=0.5))

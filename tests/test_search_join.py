@@ -162,8 +162,8 @@ def test_summaries_carry_the_firms_through_restarts_to_the_answer():
 
 def test_a_tiny_spec_pretrains_on_search_join_transcripts(tokenizer):
     """``tiny:envs=calculator+search_join`` gets its tokenizer text and chat episodes (no model is trained here)."""
+    from ctxrl.demos.pretraining import _solved_texts, chat_sequences
     from ctxrl.models.loader import parse_tiny
-    from ctxrl.models.tiny import _solved_texts, chat_sequences
 
     spec = parse_tiny("tiny:envs=calculator+search_join,pretrain_steps=0")
     assert spec.env_names() == ("calculator", "search_join")
@@ -178,10 +178,11 @@ def test_the_gold_solution_writes_each_name_with_the_tokens_it_was_read_in(tmp_p
     space too, so a warm-started policy copies token ids, not a respelling (after a quote, ``Nozu`` is other tokens)."""
     from transformers import AutoTokenizer
 
-    from ctxrl.models.tiny import TinySpec, tiny_path, tokenizer_twin
+    from ctxrl.models.tiny import TinySpec, tokenizer_twin
+    from ctxrl.train.tiny import ensure_tiny
 
     monkeypatch.setenv("CTXRL_CACHE", str(tmp_path))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_path(tokenizer_twin(TinySpec(envs="calculator+search_join"))))
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny(tokenizer_twin(TinySpec(envs="calculator+search_join"))))
 
     def ids(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -227,8 +228,8 @@ def test_select_demos_keep_the_searches_that_showed_the_firms(renderer):
     select hook keeps A's and B's searches, and scripted select demos then carry both firms to the answer."""
     import dataclasses
 
+    from ctxrl.demos.play import build_demos
     from ctxrl.rollout.managers.base import ContextPolicy, get_manager
-    from ctxrl.train.sft import build_demos
 
     task = SearchJoinEnv.sample_tasks("train", 1, seed=3)[0]
     messages, _ = play_solution(SearchJoinEnv, task, seed=0)

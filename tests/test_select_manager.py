@@ -221,7 +221,7 @@ def test_scripted_selection_keeps_the_turns_holding_the_summarys_numbers():
 
 def test_fact_hunt_demos_under_select_keep_the_first_page_and_answer(renderer):
     """Scripted demos (the warm start's): every selection keeps the first page's turn, and the demo succeeds."""
-    from ctxrl.train.sft import build_demos
+    from ctxrl.demos.play import build_demos
 
     limits = RolloutLimits(max_turns=16, max_new_tokens=32, max_total_tokens=4096,
                            context=ContextPolicy(manager="select", max_context_tokens=550, max_summaries=8,

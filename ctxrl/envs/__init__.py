@@ -1,11 +1,17 @@
 """Environments: the ``Env`` protocol, the registry, ``check_env``, and built-in environments.
 
-Built-in environments are imported lazily by the registry (``get_env_class``), so importing
-this package stays cheap.
+Built-in environments are named here and imported lazily by the registry (``get_env_class``), so importing
+this package stays cheap; they import the registry's module to register, so that module does not name them.
 """
 
 from ctxrl.envs.base import Env, EnvError
 from ctxrl.envs.check import CheckEnvError, assert_env_ok, check_env
-from ctxrl.envs.registry import get_env_class, list_envs, register
+from ctxrl.envs.registry import ENVIRONMENTS, get_env_class, list_envs, register
+
+ENVIRONMENTS.add_builtins(
+    "ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.fact_hunt", "ctxrl.envs.search_join",
+    "ctxrl.envs.bandit", "ctxrl.envs.python_math", "ctxrl.envs.search_qa", "ctxrl.envs.sokoban",
+    "ctxrl.envs.minesweeper",
+    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness")
 
 __all__ = ["CheckEnvError", "Env", "EnvError", "assert_env_ok", "check_env", "get_env_class", "list_envs", "register"]

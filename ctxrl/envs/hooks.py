@@ -8,7 +8,7 @@ register (``select``, ``folded``: ``declare_hook``), the ``names_actions`` flag 
 ``Settings`` dataclass of its own settings (``settings_class``; read from ``[env.NAME]``, the configured class
 holds them as ``options``). ctxrl looks them up only through ``hook``, ``flag`` and ``settings_class`` here,
 never with a bare ``getattr`` elsewhere, so this file is the complete list. ``ctxrl check-env NAME`` prints
-which features an environment's hooks enable (``features``).
+which features an environment's hooks enable (``ctxrl.demos.features``).
 
 All are class-level (static methods or classmethods), so demos and checks need no instance.
 ``solve(task)`` is required by the protocol; it gives warm-start demos, annealed demonstrations
@@ -138,25 +138,3 @@ def available_splits(env_cls: type) -> tuple[str, ...]:
     splits = tuple(s for s in SPLITS if s in set(found()))
     return splits
 
-
-def features(env_cls: type) -> dict[str, bool]:
-    """Which optional features an environment's hooks enable (what ``check-env`` prints)."""
-    from ctxrl.rollout.managers import manager_names
-
-    manager_names()  # the built-in managers declare their hooks (folded) as they register
-    declared = {h.feature: hook(env_cls, h.name) is not None for h in HOOKS.values() if h.feature}
-    return {
-        "warm start (scripted solve)": callable(getattr(env_cls, "solve", None)),
-        "imperfect warm start (shortcut)": hook(env_cls, "shortcut") is not None,
-        "over-calling warm start (redundant)": hook(env_cls, "redundant") is not None,
-        "demos from other worlds (pretraining_variant)": hook(env_cls, "pretraining_variant") is not None,
-        "summary demos (summary)": hook(env_cls, "summary") is not None,
-        **declared,
-        "trial demos (failure + reflection)": has_trial_hooks(env_cls),
-        "note-following trial demos (solve_after)": (has_trial_hooks(env_cls)
-                                                     and hook(env_cls, "solve_after") is not None),
-        "named actions (names_actions)": flag(env_cls, "names_actions"),
-        "built from data (configure)": hook(env_cls, "configure") is not None,
-        "tiny-model tokenizer and pre-training text (corpus)": hook(env_cls, "corpus") is not None,
-        "only some splits (splits)": hook(env_cls, "splits") is not None,
-    }

@@ -22,12 +22,8 @@ from ctxrl.envs.base import EnvError
 from ctxrl.registry import Registry
 
 ENTRY_POINT_GROUP = "ctxrl.envs"
-ENVIRONMENTS: Registry[type] = Registry(
-    "environment", ("ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.fact_hunt", "ctxrl.envs.search_join",
-                    "ctxrl.envs.bandit",
-                    "ctxrl.envs.python_math", "ctxrl.envs.search_qa", "ctxrl.envs.sokoban", "ctxrl.envs.minesweeper",
-                    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness"),
-    entry_point_group=ENTRY_POINT_GROUP, error=EnvError)
+ENVIRONMENTS: Registry[type] = Registry("environment", entry_point_group=ENTRY_POINT_GROUP, error=EnvError)
+"""The built-in environments are named in the package's ``__init__`` (``Registry.add_builtins``)."""
 
 T = TypeVar("T", bound=type)
 

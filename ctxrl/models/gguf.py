@@ -184,9 +184,9 @@ def _convert_into(path: Path, out: Path, sha: str, on_progress: Progress | None,
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ctxrl.models.loader import _quiet_transformers
+    from ctxrl.models.hf_logging import quiet_transformers
 
-    _quiet_transformers()
+    quiet_transformers()
     stage = f"converting {path.name} (GGUF, dequantised to float32, once)"
     try:
         metadata = gguf_metadata(path)

@@ -1,6 +1,7 @@
 """Load a policy and its tokenizer by HF hub name or local path, with errors that say what to do.
 
-``"tiny"`` (or ``"tiny:hidden_size=192,num_layers=6"``) names the locally built tiny model, a named
+``"tiny"`` (or ``"tiny:hidden_size=192,num_layers=6"``) names the locally built tiny model (built by
+``ctxrl.train.tiny``), a named
 real model (``smollm2-135m-instruct``, ``ctxrl.models.named``) the GGUF file a Python package ships,
 and ``path/to/model.gguf`` a GGUF file (``ctxrl.models.gguf``). Each resolves to a cached checkpoint
 directory and then goes through the same ``from_pretrained`` calls as ``Qwen/Qwen2.5-0.5B-Instruct``
@@ -16,8 +17,9 @@ from ctxrl.errors import CtxrlError
 from ctxrl.models.cache import file_sha256
 from ctxrl.models.gguf import convert as convert_gguf
 from ctxrl.models.gguf import is_gguf, require_gguf_support
+from ctxrl.models.hf_logging import quiet_transformers
 from ctxrl.models.named import NAMED_MODELS, check_named_file, chunk_files, named_file, named_model
-from ctxrl.models.tiny import TinySpec, tiny_path
+from ctxrl.models.tiny import TinySpec, is_built, tiny_path
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -52,12 +54,18 @@ def parse_tiny(name: str) -> TinySpec | None:
 
 
 def resolve(name_or_path: str, *, on_progress=None) -> str:
-    """Map ``tiny``, a named model or a ``.gguf`` file to its cached directory (building or converting it the
-    first time: ``on_progress(stage, done, total)`` hears how far it is) and check that a local path holds
-    weights."""
+    """Map ``tiny``, a named model or a ``.gguf`` file to its cached directory (converting a GGUF file the first
+    time: ``on_progress(stage, done, total)`` hears how far it is) and check that a local path holds weights.
+
+    A tiny model is built by a stage above the library (``ctxrl.train.tiny.ensure_model``, which every command
+    runs first); one that is not built yet is refused here with that fix."""
     spec = parse_tiny(name_or_path)
     if spec is not None:
-        return str(tiny_path(spec, on_progress=on_progress))
+        if not is_built(spec):
+            raise ModelLoadError(f"the tiny model {name_or_path!r} is not built yet: build it with "
+                                 f"ctxrl.train.tiny.ensure_model({name_or_path!r}) (ctxrl train, demo, eval and "
+                                 "serve build it first), or run `ctxrl demo` once")
+        return str(tiny_path(spec))
     named = named_model(name_or_path)
     if named is not None:
         path = named_file(named)
@@ -124,18 +132,11 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def _quiet_transformers() -> None:
-    """ctxrl draws its own progress bars; silence transformers' per-file ones."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-
-
 def load_tokenizer(name_or_path: str, *, chat_template: str | None = None):
     """Load a tokenizer; it must have a chat template (or ``chat_template`` must give one)."""
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     resolved = resolve(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved)
@@ -160,7 +161,7 @@ def generation_end_ids(name_or_path: str) -> list[int]:
     """
     from transformers import GenerationConfig
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
         config = GenerationConfig.from_pretrained(resolve(name_or_path))
     except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos is the only end
@@ -180,7 +181,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     import torch
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     resolved = resolve(name_or_path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")

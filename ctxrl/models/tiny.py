@@ -1,6 +1,8 @@
 """A tiny, real HF model for CPU work and tests: a random-init Llama or Qwen2 + a locally trained BPE.
 
-``build_tiny(spec)`` trains a byte-level BPE tokenizer with ``tokenizers`` on text from the
+This module holds its shape (``TinySpec``), where its cache lives and the pieces it is made of; building it is
+a stage above the library (``ctxrl.train.tiny``), since its text comes from the environments' demonstrations.
+``build_tiny(spec)`` there trains a byte-level BPE tokenizer with ``tokenizers`` on text from the
 built-in environments, attaches the ChatML-with-tools template, initialises a small
 ``LlamaForCausalLM`` (``arch="llama"``, the default) or ``Qwen2ForCausalLM`` (``arch="qwen2"``)
 from a seed, pre-trains it briefly (a few hundred language-model steps on freshly drawn solved
@@ -103,13 +105,11 @@ Progress = Callable[[str, int, int], None]
 """``on_progress(stage, done, total)``: a build's progress (``total`` 0 when it cannot be known)."""
 
 
-def tiny_path(spec: TinySpec | None = None, *, build: bool = True, on_progress: Progress | None = None) -> Path:
-    """Directory of the cached tiny checkpoint for ``spec``, building it on first use."""
+def tiny_path(spec: TinySpec | None = None) -> Path:
+    """Directory of the cached tiny checkpoint for ``spec`` (built or not: ``is_built``; ``ctxrl.train.tiny``
+    builds it)."""
     spec = spec or TinySpec()
-    path = cache_root() / f"tiny-{spec.key()}"
-    if build and not is_built(spec):
-        build_tiny(spec, path, on_progress=on_progress)
-    return path
+    return cache_root() / f"tiny-{spec.key()}"
 
 
 def tokenizer_twin(spec: TinySpec) -> TinySpec:
@@ -127,24 +127,6 @@ def is_built(spec: TinySpec) -> bool:
     return (cache_root() / f"tiny-{spec.key()}" / "config.json").exists()
 
 
-def tokenizer_corpus(seed: int = 0, n: int = 2000, envs: tuple[str, ...] = PRETRAIN_ENVS) -> list[str]:
-    """Text the tokenizer learns from (and the model pre-trains on): built-in environments' transcripts."""
-    from ctxrl.envs.hooks import hook
-    from ctxrl.envs.registry import get_env_class
-
-    texts: list[str] = []
-    for name in envs:
-        env_cls = get_env_class(name)
-        corpus = hook(env_cls, "corpus")
-        if corpus is not None:
-            texts.extend(corpus(n, seed))
-    return texts
-
-
-def number_texts() -> list[str]:
-    """Every number 0-999 (and zero-padded 000-099, 00-09) once, so each becomes a BPE token."""
-    return [" ".join(str(i) for i in range(1000)), " ".join(f"{i:03d}" for i in range(100)),
-            " ".join(f"{i:02d}" for i in range(10))]
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int, arch: str = "llama"):
@@ -167,36 +149,14 @@ def _train_tokenizer(texts: list[str], vocab_size: int, arch: str = "llama"):
     return tok
 
 
-def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = None) -> Path:
-    """Build and save the tiny tokenizer + model at ``path`` (atomically); ``on_progress`` hears each stage."""
-    report = on_progress or (lambda stage, done, total: None)
-    report("tiny model: tokenizer", 0, 0)
-    tokenizer = _build_tokenizer(spec)
-    model = _init_model(spec, tokenizer)
-    losses = _pretrain_model(model, tokenizer, spec, report) if spec.pretrain_steps else []
-    _save_atomically(path, spec, tokenizer, model, losses)
-    return path
 
-
-def _tokenizer_texts(spec: TinySpec) -> list[str]:
-    """What the tokenizer learns from: the environments' text, the chat template's and every number below 1000."""
-    from ctxrl.chat.toolcalls import format_tool_call
-
-    corpus = tokenizer_corpus(spec.seed, envs=spec.env_names())
-    if spec.env_names() != PRETRAIN_ENVS:  # environments without a plain corpus: their chat text
-        corpus += _solved_texts(spec.env_names(), 500, spec.seed)
-    # The template's own text, so that its fixed phrases become few tokens; numbers 0-999 (as
-    # whole tokens with the Llama pre-tokenizer: they are frequent enough to be merged).
-    texts = corpus + [CHATML_TOOLS_TEMPLATE, format_tool_call("calculator", {"expression": "1 + 2"})] * 50
-    return texts + number_texts() * 5
-
-
-def _build_tokenizer(spec: TinySpec):
-    """The trained BPE with the tool tokens added and the ChatML-with-tools template, as an HF tokenizer."""
+def make_tokenizer(spec: TinySpec, texts: list[str]):
+    """A BPE trained on ``texts`` with the tool tokens added and the ChatML-with-tools template, as an HF
+    tokenizer."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    raw = _train_tokenizer(_tokenizer_texts(spec), spec.vocab_size - len(TOOL_TOKENS), spec.arch)
+    raw = _train_tokenizer(texts, spec.vocab_size - len(TOOL_TOKENS), spec.arch)
     raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw,
@@ -212,7 +172,7 @@ def _build_tokenizer(spec: TinySpec):
     return tokenizer
 
 
-def _init_model(spec: TinySpec, tokenizer):
+def init_model(spec: TinySpec, tokenizer):
     """A ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` of ``spec``'s shape, initialised from ``spec.seed``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -237,21 +197,8 @@ def _init_model(spec: TinySpec, tokenizer):
     return model_cls(config)
 
 
-def _pretrain_model(model, tokenizer, spec: TinySpec, report: Progress) -> list[float]:
-    """Pre-train ``model`` in place on fresh solved tasks; it ends on the CPU. Returns the losses."""
-    import torch
 
-    # On a GPU when there is one (a minute instead of several); saved from the CPU either way.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    report("tiny model: pre-training data", 0, 0)
-    batches = pretraining_batches(tokenizer, spec)
-    losses = pretrain(model.to(device), tokenizer, batches, spec,
-                      on_step=lambda step, total: report("tiny model: pre-training", step, total))
-    model.to("cpu")
-    return losses
-
-
-def _save_atomically(path: Path, spec: TinySpec, tokenizer, model, losses: list[float]) -> None:
+def save_atomically(path: Path, spec: TinySpec, tokenizer, model, losses: list[float]) -> None:
     """Tokenizer, model and ``ctxrl_tiny.json`` written to a temporary directory, then renamed to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
@@ -286,131 +233,3 @@ def _set_tokenizer_class(path: Path, name: str) -> None:
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = name
     config_path.write_text(json.dumps(config, indent=2))
-
-
-def pretraining_sequences(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of the multi-line corpus texts (whole solved-task transcripts), each ending in pad."""
-    return [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.pad_token_id] for t in texts if "\n" in t]
-
-
-def _solved_texts(envs: tuple[str, ...], n: int, seed: int) -> list[str]:
-    """Prompts, solutions and tool observations of solved tasks, as text (for the tokenizer)."""
-    from ctxrl.envs.base import pretraining_env
-    from ctxrl.envs.check import play_solution
-    from ctxrl.envs.hooks import hook
-    from ctxrl.envs.registry import get_env_class
-
-    texts = []
-    for name in envs:
-        env_cls = pretraining_env(get_env_class(name), seed)
-        if hook(env_cls, "corpus") is not None:
-            continue
-        for task in env_cls.sample_tasks("train", n, seed):
-            messages, _ = play_solution(env_cls, task, seed)
-            texts.append("\n".join(m.content for m in messages))
-    return texts
-
-
-def chat_sequences(tokenizer, n: int, seed: int, envs: tuple[str, ...] = PRETRAIN_ENVS) -> list[list[int]]:
-    """``n`` solved train tasks per environment, as whole chat episodes (system block and tools included).
-
-    The scripted solutions are played through the real agent loop (as SFT demos are), so the
-    ids are exactly what a rollout holds: the environment's system prompt and tool list, the
-    task, the tool call, the tool response and the answer.
-    """
-    import asyncio
-
-    from ctxrl.chat.render import ChatRenderer
-    from ctxrl.envs.registry import get_env_class
-    from ctxrl.train.sft import build_demos
-
-    renderer = ChatRenderer(tokenizer, template_name="tiny")
-    sequences: list[list[int]] = []
-    per_env = n if len(envs) == 1 else -(-n // len(envs))
-    for name in envs:
-        env_cls = get_env_class(name)
-        if getattr(env_cls, "solve", None) is None:
-            continue
-        # other_worlds: a fresh invented world every few episodes where the env has one
-        # (search_qa), so copying from observations is learnt and facts are not.
-        for episode in asyncio.run(build_demos(env_cls, renderer, per_env, seed=seed, other_worlds=True)):
-            sequences.append(list(episode.input_ids) + [tokenizer.pad_token_id])
-    return sequences
-
-
-def pretraining_batches(tokenizer, spec: TinySpec) -> list[list[list[int]]]:
-    """``pretrain_steps`` batches of fresh train tasks (token-id sequences, each ending in pad).
-
-    Even batches hold ``pretrain_batch_size`` plain-text transcripts (short, so copying is learnt
-    cheaply); odd batches ``pretrain_chat_batch_size`` whole chat episodes in the rollout format,
-    system block and tool list included: the model must learn to find the task's numbers behind
-    a hundred tokens of system prompt. (Chat batches without the system block transferred worse:
-    held-out success after the demo's RL 0.30 against 0.51 with it, one seed each.) Each batch
-    holds one format only: a 170-token chat episode in a batch of 50-token plain ones would pad
-    the whole batch. Fresh tasks everywhere: a small fixed corpus is memorised, not copied.
-    """
-    plain_size = spec.pretrain_batch_size
-    chat_size = spec.pretrain_chat_batch_size or spec.pretrain_batch_size
-    n_chat_batches = spec.pretrain_steps // 2
-    n_plain_batches = spec.pretrain_steps - n_chat_batches
-    plain = pretraining_sequences(tokenizer, tokenizer_corpus(spec.seed + 1, n_plain_batches * plain_size,
-                                                              envs=spec.env_names()))
-    chat = chat_sequences(tokenizer, n_chat_batches * chat_size, spec.seed + 2, spec.env_names()) \
-        if n_chat_batches else []
-    if len(spec.env_names()) > 1:  # mix the environments within every batch
-        import random
-
-        random.Random(spec.seed).shuffle(chat)
-        random.Random(spec.seed + 1).shuffle(plain)
-    batches: list[list[list[int]]] = []
-    for step in range(spec.pretrain_steps):
-        k = step // 2
-        batches.append(chat[k * chat_size:(k + 1) * chat_size] if step % 2 else
-                       plain[k * plain_size:(k + 1) * plain_size])
-    return batches
-
-
-def pretrain(model, tokenizer, batches: list[list[list[int]]], spec: TinySpec,
-             on_step: Callable[[int, int], None] | None = None) -> list[float]:
-    """Causal-LM loss on every token, one optimiser step per batch; returns the losses.
-
-    Runs on the model's device. Linear warm-up then cosine decay to zero over the batches.
-    """
-    import math
-
-    import torch
-
-    from ctxrl.train.learner import token_logprobs
-
-    batches = [b for b in batches if b]
-    if not batches:
-        raise ValueError("pre-training needs at least one sequence")
-    steps = len(batches)
-    device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.pretrain_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * s / steps)))
-    losses = []
-    model.train()
-    for batch in batches:
-        width = max(len(x) for x in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, x in enumerate(batch):
-            ids[row, : len(x)] = torch.tensor(x)
-            mask[row, : len(x)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        logprobs = token_logprobs(model, ids, mask)
-        target_mask = mask[:, 1:].float()
-        loss = -(logprobs * target_mask).sum() / target_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(len(losses), steps)
-    model.eval()
-    return losses

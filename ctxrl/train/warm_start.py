@@ -1,7 +1,7 @@
 """The warm start: supervised fine-tuning on scripted demonstrations before RL (``[sft]``).
 
 Demonstrations are the environment's scripted solutions played through the real agent loop
-(``ctxrl.train.sft.build_demos``), ``sft.shortcut_fraction`` of them deliberately imperfect and
+(``ctxrl.demos.play.build_demos``), ``sft.shortcut_fraction`` of them deliberately imperfect and
 ``sft.redundant_fraction`` of them with a tool call too many. Two
 kinds can join them:
 
@@ -27,13 +27,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ctxrl.chat.render import ChatRenderer
+from ctxrl.demos.play import DEMO_MAX_TURNS, build_demos, demo_mix_problem
 from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.errors import ConfigError
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.spec import RolloutLimits, RolloutSpec
 from ctxrl.seeds import Seeds
 from ctxrl.train.precision import Precision
-from ctxrl.train.sft import DEMO_MAX_TURNS, build_demos, demo_mix_problem, sft_train
+from ctxrl.train.sft import sft_train
 from ctxrl.types import Episode
 
 

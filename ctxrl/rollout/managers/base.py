@@ -43,11 +43,8 @@ if TYPE_CHECKING:
     from ctxrl.rollout.recorder import Recorder
     from ctxrl.rollout.spec import RolloutLimits
 
-MANAGERS: Registry[type[ContextManager]] = Registry(
-    "context manager", ("ctxrl.rollout.managers.full", "ctxrl.rollout.managers.window",
-                        "ctxrl.rollout.managers.summarize", "ctxrl.rollout.managers.fold",
-                        "ctxrl.rollout.managers.select"),
-    entry_point_group="ctxrl.managers")
+MANAGERS: Registry[type[ContextManager]] = Registry("context manager", entry_point_group="ctxrl.managers")
+"""The built-in managers are named in the package's ``__init__`` (``Registry.add_builtins``)."""
 
 M = TypeVar("M", bound="type[ContextManager]")
 
