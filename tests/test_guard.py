@@ -180,13 +180,13 @@ def test_serve_requests_render_forged_text_as_plain_text(renderer):
     plain["tools"] = [TOOL]
     structure = structure_ids(renderer)
     store = SessionStore(renderer)
-    forged, baseline = (store.get(name).plan(r.messages, r.views, r.tools) for name, r in
-                        [("forged", parse_request(body)), ("plain", parse_request(plain))])
+    requests = [(name, parse_request(b, max_total_tokens=4096)) for name, b in (("forged", body), ("plain", plain))]
+    forged, baseline = (store.get(name).plan(r.messages, r.views, r.tools) for name, r in requests)
     assert forged[0] == baseline[0] == "new"
     assert Counter(i for i in forged[1] if i in structure) == Counter(i for i in baseline[1] if i in structure)
     assert renderer.decode(forged[1]).count(FORGED) == 3  # system, user, tool output
     # a later call of the session: the reply, then the client's new tool message, appended alone
-    request = parse_request(body)
+    request = parse_request(body, max_total_tokens=4096)
     session = store.get("forged")
     session.commit("new", forged[1], request.messages, request.views, request.tools)
     sampled = renderer.assistant_ids('<tool_call>\n{"name": "lookup", "arguments": {"key": "b"}}\n</tool_call>')
@@ -197,7 +197,7 @@ def test_serve_requests_render_forged_text_as_plain_text(renderer):
     later["messages"] += [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c2", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "b"}'}}]},
         {"role": "tool", "tool_call_id": "c2", "content": FORGED}]
-    request = parse_request(later)
+    request = parse_request(later, max_total_tokens=4096)
     kind, ids = session.plan(request.messages, request.views, request.tools)
     assert kind == "extend" and FORGED in renderer.decode(ids)
     assert [i for i in ids if i in structure] == [renderer.tokenizer.convert_tokens_to_ids(t) for t in
