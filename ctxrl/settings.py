@@ -16,8 +16,8 @@ types are checked as for the config's own fields, an unknown key is an error nam
 estimator is one file: the estimator's, with its ``Settings`` (docs/algorithms.md, "Writing an estimator").
 
 The numbers of a section and of a component's settings are checked the same way (``check_number``): every float
-must be finite (TOML reads ``nan`` and ``inf``; neither is ever a setting, unless the field's metadata says
-``ALLOWS_INF``), and a field may declare its range in its metadata (``POSITIVE``, ``NON_NEGATIVE``, ``in_range``).
+must be finite in float32 (TOML reads ``nan`` and ``inf``; neither is ever a setting, unless the field's metadata
+says ``ALLOWS_INF``), and a field may declare its range in its metadata (``POSITIVE``, ``NON_NEGATIVE``, ``in_range``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from ctxrl.errors import ConfigError
 POSITIVE = {"range": (0, None, True)}
 NON_NEGATIVE = {"range": (0, None, False)}
 ALLOWS_INF = {"inf": True}
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a setting beyond it is infinite once the run computes with it (``train.lr=1e39``)."""
 """Metadata of a float field that may be ``inf`` (a limit that means "none"); without it ``inf`` is an error."""
 
 
@@ -54,10 +56,12 @@ def check_number(key: str, value: Any, metadata: Mapping[str, Any], default: Any
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     bounds = _bounds(*metadata["range"]) if "range" in metadata else ""
-    if not (math.isfinite(value) or (math.isinf(value) and metadata.get("inf", False))):
+    finite = not isinstance(value, float) or (math.isfinite(value) and abs(value) <= FLOAT32_MAX)
+    if not (finite or (math.isinf(value) and metadata.get("inf", False))):
         fix = f" (the default is {default!r})" if isinstance(default, (int, float)) else ""
-        raise ConfigError(f"{key} must be a finite number{' ' + bounds if bounds else ''}, got {value!r}; TOML's nan "
-                          f"and inf are not settings: write a number{fix}")
+        raise ConfigError(f"{key} must be a finite number{' ' + bounds if bounds else ''}, got {value!r}; nan, inf "
+                          f"and numbers past float32's range (3.4e38, where the run computes) are not settings: "
+                          f"write a number{fix}")
     if "range" in metadata:
         low, high, low_open = metadata["range"]
         above = low < value if low_open else low <= value  # (False for NaN, as is the upper bound)

@@ -239,6 +239,67 @@ def test_consecutive_skips_abort_and_point_at_the_checkpoint(tmp_path, monkeypat
     assert [r["skipped"] for r in rows[1:]] == [1.0, 1.0] and rows[-1]["skipped_updates_total"] == 4.0
 
 
+def test_an_update_that_leaves_non_finite_weights_stops_the_run_before_they_are_saved(tmp_path, learning_signal,
+                                                                                    monkeypatch, capsys):
+    """A finite loss and gradient norm, then weights that are not numbers (as float16 rounding of a too-large master
+    gives): the run stops at that step, exit 3, one line naming it and the last good checkpoint."""
+    from ctxrl.cli import main
+    from ctxrl.train.learner import Learner
+
+    real, updates = Learner.update, []
+
+    def update(self, batch):
+        metrics = real(self, batch)
+        updates.append(metrics)
+        if len(updates) == 2:  # step 2's update
+            with torch.no_grad():
+                self.model.get_input_embeddings().weight[3, 0] = float("inf")
+        return metrics
+
+    monkeypatch.setattr(Learner, "update", update)
+    code = main(["train", str(ROOT / "examples" / "calculator_tiny.toml"), "--run-dir", str(tmp_path), *SMALL,
+                 "train.steps=3"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 3 and err.startswith("ctxrl: run aborted: step 2: the update left NaN or infinite values in 1 "
+                                        "trained tensors (model.embed_tokens.weight)"), err
+    assert "train.lr=0.0001" in err and f"last good checkpoint is {tmp_path / 'checkpoints' / 'step-000001'}" in err
+    assert "--resume" in err and len(updates) == 2
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-000001"
+    assert not (root / "step-000002").exists() and not (root / "final").exists()
+    assert [r["step"] for r in rl_rows(tmp_path)] == [1]  # step 2's row was never logged
+
+
+def test_non_finite_weights_are_never_saved_and_nan_log_probs_stop_the_step(tmp_path):
+    run = Trainer(config("train.steps=2", "sft.enabled=false"), tmp_path)
+    run.make_learner()
+    checkpoint.save(run, 0)
+    with torch.no_grad():
+        weight = run.model.get_input_embeddings().weight
+        saved, weight[0, 0] = float(weight[0, 0]), float("nan")
+    with pytest.raises(CheckpointError, match=r"refusing to save checkpoints/step-000001: 1 trained tensors hold NaN "
+                                              r"or infinite values \(model.embed_tokens.weight\)\. The last good "
+                                              r"checkpoint is .*step-000000"):
+        checkpoint.save(run, 1)
+    with pytest.raises(CheckpointError, match="refusing to save checkpoints/final"):
+        run.save_final("final")
+    assert not (tmp_path / "checkpoints" / "step-000001").exists() and not (tmp_path / "checkpoints" / "final").exists()
+    with torch.no_grad():
+        weight[0, 0] = saved
+    real = run.collect
+
+    def collect(step):  # the engine's policy gives NaN log-probs (finite weights too large to give numbers)
+        got = real(step)
+        for e in got.episodes:
+            e.behavior_logprobs = [float("nan") if m else 0.0 for m in e.loss_mask]
+        return got
+
+    run.collect = collect
+    with pytest.raises(TrainingAborted, match=r"step 1: the policy \(version 0\) sampled 4 of 4 episodes with NaN "
+                                              r"log-probabilities.*last good checkpoint is .*step-000000"):
+        run.step(0)
+
+
 # -- (e) hanging and crashing environments -------------------------------------------------------
 @register("flaky_calculator")
 class FlakyCalculatorEnv(CalculatorEnv):

@@ -110,6 +110,7 @@ def save(trainer: Checkpointed, step: int) -> Path:
     """A resumable checkpoint after RL step ``step`` (atomic; ``latest`` updated; old ones pruned)."""
     from safetensors.torch import save_model
 
+    refuse_non_finite(trainer, step_name(step))
     learner, policy = trainer.learner, trainer.policy
     reference = learner.reference.frozen_copy if learner.reference is not None else None
 
@@ -136,6 +137,21 @@ def save(trainer: Checkpointed, step: int) -> Path:
 
     return commit_checkpoint(trainer.writer.dir / "checkpoints", step_name(step), write,
                              keep=trainer.config.train.keep_checkpoints)
+
+
+def refuse_non_finite(trainer: Checkpointed, name: str) -> None:
+    """A ``CheckpointError`` naming the last good checkpoint when the weights to be saved as ``checkpoints/NAME``
+    hold a NaN or an infinity: a checkpoint is never written that would resume into them."""
+    from ctxrl.train.learner import non_finite
+
+    if trainer.learner is not None:
+        bad = trainer.learner.non_finite_weights()
+    else:
+        bad = non_finite((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    if bad:
+        raise CheckpointError(f"refusing to save checkpoints/{name}: {len(bad)} trained tensors hold NaN or infinite "
+                              f"values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})."
+                              + resume_hint(trainer.writer.dir, trainer.config.train.checkpoint_every))
 
 
 def resume(trainer: Checkpointed) -> int:
