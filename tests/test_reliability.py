@@ -410,6 +410,68 @@ def test_resume_with_missing_optimizer_or_changed_config_raises(tmp_path):
         train(config("train.steps=2"), tmp_path / "fresh", resume=True)
 
 
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_one(tmp_path, capsys, learning_signal):
+    """Checksums: 64 KiB overwritten in the middle of the weights (which would load, as garbage) or a file cut short
+    is one line naming the file, offering the previous checkpoint; following the offer resumes."""
+    import shutil
+
+    from ctxrl.cli import main
+
+    base = tmp_path / "base"
+    train(config("train.steps=2"), base)
+    checksums = json.loads((base / "checkpoints" / "step-000002" / ckpt.CHECKSUMS).read_text())["sha256"]
+    assert {"model.safetensors", "optimizer.safetensors", "state.json", "config.toml"} <= set(checksums)
+    assert (base / "checkpoints" / "step-000002" / "optimizer.safetensors").stat().st_size > 100_000  # (Adam's moments)
+
+    def copy(name: str) -> Path:
+        shutil.copytree(base, tmp_path / name)
+        return tmp_path / name
+
+    overwritten = copy("overwritten")
+    weights = overwritten / "checkpoints" / "step-000002" / "model.safetensors"
+    size = weights.stat().st_size
+    assert size > 256 * 1024
+    with open(weights, "r+b") as f:
+        f.seek(size // 2)
+        f.write(os.urandom(64 * 1024))
+    with pytest.raises(CheckpointError) as info:
+        train(config("train.steps=3"), overwritten, resume=True)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {weights.parent} is damaged: model.safetensors does not match the "
+                              "checksum it was written with"), message
+    previous = overwritten / "checkpoints" / "step-000001"
+    assert f"The previous checkpoint is {previous}" in message and "echo step-000001 > " in message
+    (overwritten / "checkpoints" / "latest").write_text("step-000001\n")  # as the message says
+    assert train(config("train.steps=3"), overwritten, resume=True)["resumed_from"] == 1
+    assert [r["step"] for r in rl_rows(overwritten)] == [1, 2, 3]
+
+    truncated = copy("truncated")  # cut short, from the command line: one line, exit 2
+    optimizer = truncated / "checkpoints" / "step-000002" / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    args = ["train", str(ROOT / "examples" / "calculator_tiny.toml"), "--run-dir", str(truncated), *SMALL,
+            "train.steps=3", "--resume"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ctxrl: checkpoint error: checkpoint " in err, err
+    assert "optimizer.safetensors does not match" in err and "step-000001" in err
+
+    def written_before_checksums(name: str) -> Path:
+        run = copy(name)
+        for path in (run / "checkpoints").glob("step-*"):
+            (path / ckpt.CHECKSUMS).unlink()
+        return run
+
+    # written before checksums: loads with a note, and a file cut short is still one clear error
+    with pytest.warns(UserWarning, match="has no checksums.json"):
+        assert train(config("train.steps=3"), written_before_checksums("old-intact"), resume=True)["resumed_from"] == 2
+    old = written_before_checksums("old")
+    optimizer = old / "checkpoints" / "step-000002" / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"step-000002 is damaged: optimizer.safetensors cannot be read "
+                                              r"\(Error while deserializing header.*previous checkpoint is"):
+        train(config("train.steps=3"), old, resume=True)
+
+
 def test_resume_never_unpickles(tmp_path, monkeypatch):
     train(config("train.steps=1"), tmp_path)
 
