@@ -172,6 +172,52 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert json.loads((latest / "state.json").read_text())["step"] == done
 
 
+def _mount_namespace() -> bool:
+    """Whether this machine lets a test mount file systems of its own (an unprivileged user and mount namespace)."""
+    import shutil
+
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _mount_namespace(), reason="needs unshare -rm (user and mount namespaces)")
+def test_a_full_or_read_only_run_directory_is_one_line_naming_the_path_and_how_to_resume(tmp_path):
+    """On real file systems of a private mount namespace: a 6 MB tmpfs fills up while the second checkpoint is written,
+    then the same directory read-only refuses --resume; each is exit 2, one line naming the path and the newest
+    checkpoint. With space again, --resume does as the line says."""
+    mnt, out = tmp_path / "mnt", tmp_path / "out"
+    mnt.mkdir()
+    out.mkdir()
+    run = mnt / "run"
+    train_ = f"{sys.executable} -m ctxrl.cli train {ROOT / 'examples' / 'calculator_tiny.toml'} --run-dir {run} " + \
+        " ".join([*SMALL, "train.steps=2"])
+    script = f"""
+        mount -t tmpfs -o size=6m none {mnt}
+        {train_} 2> {out}/full.err; echo $? > {out}/full.rc
+        mount -o remount,ro {mnt}
+        {train_} --resume 2> {out}/ro.err; echo $? > {out}/ro.rc
+        mount -o remount,rw,size=64m {mnt}
+        {train_} --resume --json > {out}/ok.out 2> {out}/ok.err; echo $? > {out}/ok.rc
+        cp {run}/metrics.jsonl {out}/
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # this ctxrl
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=env, timeout=600, check=True)
+    newest = run / "checkpoints" / "step-000000"
+    full = (out / "full.err").read_text().strip().splitlines()[-1]
+    assert (out / "full.rc").read_text().strip() == "2", full
+    assert full == (f"ctxrl: storage error: cannot write {run / 'checkpoints' / 'step-000001'}: No space left on "
+                    f"device (the file system is full: free some space). The run stopped; the newest checkpoint is "
+                    f"{newest}: once {run} can be written, continue with --run-dir {run} --resume.")
+    read_only = (out / "ro.err").read_text().strip().splitlines()[-1]
+    assert (out / "ro.rc").read_text().strip() == "2", read_only
+    assert read_only.startswith(f"ctxrl: storage error: cannot write {run / 'metrics.jsonl'}: Read-only file system "
+                                "(the file system is read-only: mount it read-write or choose another --run-dir)")
+    assert f"the newest checkpoint is {newest}" in read_only and f"--run-dir {run} --resume." in read_only
+    assert (out / "ok.rc").read_text().strip() == "0", (out / "ok.err").read_text()[-3000:]
+    assert json.loads((out / "ok.out").read_text().strip().splitlines()[-1])["resumed_from"] == 0
+    assert [r["step"] for r in rl_rows(out)] == [1, 2]
+
+
 # -- (c) crash mid-save ---------------------------------------------------------------------------
 def test_crash_mid_save_leaves_latest_at_the_previous_checkpoint(tmp_path, monkeypatch):
     run = Trainer(config("train.steps=2"), tmp_path)

@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -266,10 +267,13 @@ def commit_checkpoint(root: Path, name: str, write, *, keep: int = 0) -> Path:
             os.rename(final, displaced / name)
         os.rename(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         if displaced is not None and not final.exists():
             os.rename(displaced / name, final)  # put the old one back
         shutil.rmtree(tmp, ignore_errors=True)
+        code = os_errno(exc)
+        if code is not None and getattr(exc, "filename", None) is None:  # a full disk: name what was being written
+            raise OSError(code, os.strerror(code), str(final)) from exc
         raise
     write_atomic_text(root / LATEST, name + "\n")
     if displaced is not None:
@@ -280,6 +284,15 @@ def commit_checkpoint(root: Path, name: str, write, *, keep: int = 0) -> Path:
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def os_errno(exc: BaseException) -> int | None:
+    """The operating system's error number behind ``exc``: an ``OSError``'s, or one safetensors' Rust writer reports
+    in its message (``I/O error: No space left on device (os error 28)``); None for anything else."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    return int(found.group(1)) if found else None
 
 
 def latest_checkpoint(root: Path) -> Path:

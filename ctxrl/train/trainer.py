@@ -364,6 +364,11 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
     parallel = data_parallel(config, resume)
     try:
         return _train(config, run_dir, progress, resume, parallel)
+    except Exception as exc:  # a run directory that cannot be written: one line, with how to go on
+        problem = loop.storage_error(exc, run_dir, config.train.checkpoint_every)
+        if problem is None:
+            raise
+        raise problem from exc
     finally:
         if parallel is not None:
             parallel.close()
