@@ -59,7 +59,7 @@ def check_number(key: str, value: Any, metadata: Mapping[str, Any], default: Any
     finite = not isinstance(value, float) or (math.isfinite(value) and abs(value) <= FLOAT32_MAX)
     if not (finite or (math.isinf(value) and metadata.get("inf", False))):
         fix = f" (the default is {default!r})" if isinstance(default, (int, float)) else ""
-        raise ConfigError(f"{key} must be a finite number{' ' + bounds if bounds else ''}, got {value!r}; nan, inf "
+        raise ConfigError(f"{key} must be {bounds + ' and ' if bounds else ''}finite, got {value!r}; nan, inf "
                           f"and numbers past float32's range (3.4e38, where the run computes) are not settings: "
                           f"write a number{fix}")
     if "range" in metadata:
