@@ -30,7 +30,16 @@ else:  # pragma: no cover
 from ctxrl.errors import ConfigError, CtxrlError
 from ctxrl.plugins import import_plugins
 from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
-from ctxrl.settings import coerce, nearest, parse_settings, settings_table
+from ctxrl.settings import (
+    NON_NEGATIVE,
+    POSITIVE,
+    check_number,
+    coerce,
+    in_range,
+    nearest,
+    parse_settings,
+    settings_table,
+)
 
 __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
 
@@ -40,16 +49,9 @@ __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_
 # ``resumable: ClassVar[bool] = True``. ``resumable_keys`` collects them; ``train.checkpoint`` compares the rest.
 RESUMABLE = {"resumable": True}
 
-# The values a numeric field may take, in its metadata where it is declared (``_validate_fields`` checks them; NaN
-# is never in range): > 0, >= 0, or an interval (low, high] or [low, high].
-POSITIVE = {"range": (0, None, True)}
-NON_NEGATIVE = {"range": (0, None, False)}
-
-
-def in_range(low: float, high: float, *, low_open: bool = False) -> dict[str, Any]:
-    """Metadata of a field that must lie in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
-    return {"range": (low, high, low_open)}
-
+# The values a numeric field may take are in its metadata where it is declared (``POSITIVE``, ``NON_NEGATIVE``,
+# ``in_range``; ``ALLOWS_INF``), from ``ctxrl.settings``, which checks them for components' settings too: every
+# float must be finite unless its field allows inf, and NaN is never in range.
 # Keys that were renamed: an old config naming one is read under the new name, with a warning.
 RENAMED = {"meta.context": "meta.carry"}
 
@@ -357,8 +359,8 @@ class TrainConfig:
     """AdamW learning rate of the critic (``algo.advantage = "gae"``; its value head starts at zero)."""
     weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping by global norm."""
+    max_grad_norm: float = field(default=1.0, metadata=POSITIVE)
+    """Gradient clipping by global norm (a norm of 0 would zero every gradient, a negative one reverse it)."""
     ppo_epochs: int = field(default=1, metadata=POSITIVE)
     """Passes over each rollout batch."""
     mini_batches: int = field(default=2, metadata=POSITIVE)
@@ -461,16 +463,16 @@ class DistributedConfig:
     backend: str = field(default="none", metadata=RESUMABLE)
     """Where rollouts run: ``none`` (in this process) or ``ray`` (``rollout_workers`` Ray actors, each with its
     own engine; ``ctxrl train --distributed ray``; needs ``pip install 'ctxrl[ray]'``; docs/scaling.md)."""
-    rollout_workers: int = field(default=2, metadata=RESUMABLE)
+    rollout_workers: int = field(default=2, metadata={**RESUMABLE, **POSITIVE})
     """Ray rollout actors; a request's tasks are split among them (the episodes are those of one process)."""
     address: str = field(default="", metadata=RESUMABLE)
     """Ray cluster to join (``ray start --head`` prints it; ``auto`` finds a local one); empty: a local Ray."""
-    max_staleness: int = 0
+    max_staleness: int = field(default=0, metadata=NON_NEGATIVE)
     """How many policy versions older than the learner's an episode may be (eta). 0: synchronous on-policy
     training. 1: the next step's rollouts are generated while this step trains (needs
     ``algo.old_logprobs = "recompute"``: the decoupled PPO objective); episodes older than eta are dropped and
     counted."""
-    timeout_s: float = field(default=600.0, metadata=RESUMABLE)
+    timeout_s: float = field(default=600.0, metadata={**RESUMABLE, **POSITIVE})
     """Longest wait for a rollout worker (a request, a weight load, a restart) before the run stops."""
 
 
@@ -583,32 +585,19 @@ def validate(config: Config) -> None:
 
 
 def _validate_fields(config: Config) -> None:
-    """Each field on its own: positive, non-negative, in range, one of its choices."""
+    """Each field on its own: a finite number (``ctxrl.settings.check_number``), in its range, one of its choices."""
     choices = _choices()
     for section in _section_types():
         obj = getattr(config, section)
         for f in dataclasses.fields(obj):
             key, value = f"{section}.{f.name}", getattr(obj, f.name)
-            if "range" in f.metadata:
-                _check_range(key, value, *f.metadata["range"])
+            check_number(key, value, f.metadata, f.default)
             if key in choices and value not in choices[key]:
                 raise ConfigError(f"{key} must be one of {', '.join(choices[key])}; got {value!r}")
 
 
-def _check_range(key: str, value: float, low: float, high: float | None, low_open: bool) -> None:
-    above = low < value if low_open else low <= value  # (False for NaN, as is the upper bound)
-    if above and (high is None or value <= high):
-        return
-    if high is None:
-        raise ConfigError(f"{key} must be {'>' if low_open else '>='} {low:g}, got {value!r}")
-    raise ConfigError(f"{key} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
-
-
 def _validate_distributed(config: Config) -> None:
     d = config.distributed
-    if d.rollout_workers < 1 or d.max_staleness < 0 or d.timeout_s <= 0:
-        raise ConfigError("distributed.rollout_workers must be >= 1, distributed.max_staleness >= 0 and "
-                          "distributed.timeout_s > 0")
     if d.max_staleness > 0:
         if d.backend != "ray":
             raise ConfigError("distributed.max_staleness > 0 (asynchronous rollouts) needs distributed.backend = "

@@ -27,3 +27,10 @@ class CheckpointError(CtxrlError, RuntimeError):
     """A checkpoint is missing, incomplete or does not fit the run."""
 
     kind = "checkpoint error"
+
+
+class StorageError(CtxrlError, OSError):
+    """A file of the run cannot be written (a read-only or full file system, no permission); the message names the
+    path and how the run goes on once it can (``ctxrl.train.loop.storage_error``). Still an ``OSError``."""
+
+    kind = "storage error"

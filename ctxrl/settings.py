@@ -14,17 +14,66 @@ and on the command line ``algo.clipped_grpo.limit=2.0``. ``parse_settings`` buil
 types are checked as for the config's own fields, an unknown key is an error naming the valid ones, and a
 ``__post_init__`` that raises ``ValueError`` becomes a ``ConfigError`` naming the table. So a new knob of an
 estimator is one file: the estimator's, with its ``Settings`` (docs/algorithms.md, "Writing an estimator").
+
+The numbers of a section and of a component's settings are checked the same way (``check_number``): every float
+must be finite in float32 (TOML reads ``nan`` and ``inf``; neither is ever a setting, unless the field's metadata
+says ``ALLOWS_INF``), and a field may declare its range in its metadata (``POSITIVE``, ``NON_NEGATIVE``, ``in_range``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from collections.abc import Mapping
 from typing import Any
 
 from ctxrl.errors import ConfigError
+
+# The values a numeric field may take, in its metadata where it is declared (``check_number`` checks them; NaN is
+# never in range): > 0, >= 0, or an interval (low, high] or [low, high].
+POSITIVE = {"range": (0, None, True)}
+NON_NEGATIVE = {"range": (0, None, False)}
+ALLOWS_INF = {"inf": True}
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a setting beyond it is infinite once the run computes with it (``train.lr=1e39``)."""
+"""Metadata of a float field that may be ``inf`` (a limit that means "none"); without it ``inf`` is an error."""
+
+
+def in_range(low: float, high: float, *, low_open: bool = False) -> dict[str, Any]:
+    """Metadata of a field that must lie in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    return {"range": (low, high, low_open)}
+
+
+def check_number(key: str, value: Any, metadata: Mapping[str, Any], default: Any = None) -> None:
+    """A ``ConfigError`` naming ``key`` unless the number ``value`` (or each number of a list) is finite (``inf``
+    too where ``metadata`` has ``ALLOWS_INF``) and in its declared range; ``default`` is offered as the fix."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_number(f"{key}[{i}]", item, metadata)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    bounds = _bounds(*metadata["range"]) if "range" in metadata else ""
+    finite = not isinstance(value, float) or (math.isfinite(value) and abs(value) <= FLOAT32_MAX)
+    if not (finite or (math.isinf(value) and metadata.get("inf", False))):
+        fix = f" (the default is {default!r})" if isinstance(default, (int, float)) else ""
+        raise ConfigError(f"{key} must be {bounds + ' and ' if bounds else ''}finite, got {value!r}; nan, inf "
+                          f"and numbers past float32's range (3.4e38, where the run computes) are not settings: "
+                          f"write a number{fix}")
+    if "range" in metadata:
+        low, high, low_open = metadata["range"]
+        above = low < value if low_open else low <= value  # (False for NaN, as is the upper bound)
+        if not (above and (high is None or value <= high)):
+            raise ConfigError(f"{key} must be {bounds}, got {value!r}")
+
+
+def _bounds(low: float, high: float | None, low_open: bool) -> str:
+    """``> 0``, ``>= 0``, ``in [0, 1]``: a range as the errors say it."""
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}]"
 
 
 def coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -57,13 +106,14 @@ def nearest(name: str, options: list[str]) -> str:
 def parse_settings(cls: type, table: Mapping[str, Any], where: str) -> Any:
     """``cls`` (a dataclass) from ``table``; ``where`` names the table in errors (``algo.clipped_grpo``)."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in table.items():
-        if key not in names:
-            hint = nearest(f"{where}.{key}", [f"{where}.{n}" for n in names])
+        if key not in fields:
+            hint = nearest(f"{where}.{key}", [f"{where}.{n}" for n in fields])
             raise ConfigError(f"unknown config key {where}.{key}{hint}")
         kwargs[key] = coerce(f"{where}.{key}", value, hints[key])
+        check_number(f"{where}.{key}", kwargs[key], fields[key].metadata, fields[key].default)
     try:
         return cls(**kwargs)
     except ValueError as exc:  # the settings' own check (__post_init__)

@@ -217,16 +217,80 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
 
     bounds = {f"{section}.{f.name}": f.metadata["range"] for section, cls in _section_types().items()
               for f in dataclasses.fields(cls) if "range" in f.metadata}
-    # the three hand-kept sets the metadata replaced had 26 + 38 + 9 keys
-    assert len(bounds) == 73
+    # the three hand-kept sets the metadata replaced had 26 + 38 + 9 keys; then train.max_grad_norm and the
+    # three of [distributed] that _validate_distributed checked by hand
+    assert len(bounds) == 77
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
-    for override, message in [("train.lr=nan", r"train.lr must be >= 0, got nan"),
-                              ("sft.lr=nan", r"sft.lr must be >= 0, got nan"),
-                              ("lora.alpha=nan", r"lora.alpha must be > 0, got nan"),
-                              ("rollout.top_p=nan", r"rollout.top_p must be in \(0, 1\], got nan"),
+    for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
+                              ("sft.lr=nan", r"sft.lr must be >= 0 and finite, got nan"),
+                              ("lora.alpha=nan", r"lora.alpha must be > 0 and finite, got nan"),
+                              ("rollout.top_p=nan", r"rollout.top_p must be in \(0, 1\] and finite, got nan"),
                               ("sft.demos=0", r"sft.demos must be > 0, got 0"),
                               ("rollout.temperature=-0.5", r"rollout.temperature must be >= 0, got -0.5")]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, [override])
     assert load_config(None, ["rollout.top_p=1", "train.lr=0"]).rollout.top_p == 1.0  # the closed ends are in range
+
+
+def _float_fields() -> list[tuple[str, object]]:
+    """``(section.field, default)`` of every float field of the config's sections."""
+    import typing
+
+    from ctxrl.config import _section_types
+
+    out = []
+    for section, cls in _section_types().items():
+        hints = typing.get_type_hints(cls)
+        out += [(f"{section}.{f.name}", f.default) for f in dataclasses.fields(cls) if hints[f.name] is float]
+    return out
+
+
+def test_every_float_field_refuses_nan_and_inf_with_the_key_and_the_fix():
+    fields = _float_fields()
+    assert len(fields) >= 34 and "reward.outcome" in dict(fields) and "train.max_grad_norm" in dict(fields)
+    for key, default in fields:
+        for bad in ("nan", "inf", "-inf", "1e39"):  # (1e39 is inf in float32, where the run computes)
+            with pytest.raises(ConfigError) as info:
+                load_config(None, [f"{key}={bad}"])
+            message = str(info.value)
+            assert message.startswith(f"{key} must be ") and "finite, got" in message, message
+            assert f"got {float(bad)!r}" in message and f"the default is {default!r}" in message, message
+            assert "\n" not in message
+        load_config(None, [f"{key}={default!r}"])  # (the default itself passes)
+    # the same check when the config is built in Python, not read from TOML
+    from ctxrl.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"train.lr must be >= 0 and finite, got inf"):
+        Config(train=TrainConfig(lr=float("inf")))
+
+
+def test_a_non_finite_number_in_a_file_and_from_ctxrl_config_is_one_line(tmp_path, capsys):
+    from ctxrl.cli import main
+
+    path = _write(tmp_path / "c.toml", "[reward]\noutcome = nan\n")
+    with pytest.raises(ConfigError, match="reward.outcome must be finite, got nan"):
+        load_config(path)
+    assert main(["config", str(EXAMPLE), "train.lr=inf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ctxrl: config error: train.lr must be >= 0 and finite, got inf")
+    assert err.count("\n") == 1
+
+
+def test_a_component_setting_is_checked_as_the_sections_are_and_may_allow_inf():
+    from ctxrl.settings import ALLOWS_INF, POSITIVE, parse_settings
+
+    @dataclasses.dataclass
+    class Settings:
+        scale: float = dataclasses.field(default=1.0, metadata=POSITIVE)
+        bias: float = 0.0
+        deadline_s: float = dataclasses.field(default=float("inf"), metadata=ALLOWS_INF)
+        """A limit where inf means none."""
+
+    assert parse_settings(Settings, {"deadline_s": float("inf"), "bias": -2}, "env.x").bias == -2.0
+    for table, message in [({"bias": float("nan")}, r"env.x.bias must be finite, got nan"),
+                           ({"scale": float("inf")}, r"env.x.scale must be > 0 and finite, got inf"),
+                           ({"scale": 0.0}, r"env.x.scale must be > 0, got 0.0"),
+                           ({"deadline_s": float("nan")}, r"env.x.deadline_s must be finite, got nan")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_settings(Settings, table, "env.x")

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -113,14 +114,60 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_a_message(spec):
         pool.close()
 
 
-def _rows(tmp_path, extra: list[str], steps: int = 2) -> tuple[list[dict], object]:
+def test_a_worker_dead_at_weight_sync_is_replaced_holding_the_new_weights_within_the_bound(spec):
+    """Killed while idle (as during an update) or while the weights load: the sync replaces it with a fresh actor
+    that loads them; past ``retries`` deaths in one call, a WorkerFailure naming what it was doing."""
+    local = RolloutWorker.from_spec(spec)
+    request = RolloutRequest(tasks=CalculatorEnv.sample_tasks("train", 4, seed=5), group_size=2, seed=9)
+    state = {k: v.clone() for k, v in local.engine.model.state_dict().items()}
+    pool = RayRolloutPool(spec, workers=2, timeout_s=120)
+    try:
+        pool.load_weights(state, version=1)
+        ray.kill(pool.actors[0])  # idle
+        new = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in state.items()}
+        local.load_weights(new, version=2)
+        pool.load_weights(new, version=2)
+        assert pool.stats["restarts"] == 1
+        victim = pool.actors[1]
+        killer = threading.Timer(0.0, lambda: ray.kill(victim))  # while the weights load, or just after
+        killer.start()
+        pool.load_weights(new, version=3)
+        killer.join()
+        local.load_weights(new, version=3)
+        got = pool.run(request)  # (a death the sync did not see is met here, and replayed)
+        assert pool.stats["restarts"] == 2 and pool.actors[1] is not victim
+        _same(local.run(request), got)
+        assert {e.policy_version for e in got} == {3}
+    finally:
+        pool.close()
+    pool = RayRolloutPool(spec, workers=1, timeout_s=60, retries=0)
+    try:
+        ray.kill(pool.actors[0])
+        with pytest.raises(WorkerFailure, match=r"rollout worker 0 died 1 times loading weights \(version 4\)"):
+            pool.load_weights(state, version=4)
+    finally:
+        pool.close()
+
+
+def _rows(tmp_path, extra: list[str], steps: int = 2, during_update=None) -> tuple[list[dict], object]:
+    """``steps`` RL steps of a run; ``during_update(trainer, step)`` is called inside each step's update (the rollout
+    workers idle)."""
     from ctxrl.train.trainer import Trainer
 
     config = load_config(None, BASE + ["algo.advantage=test_alternating", "train.lr=1e-2", f"train.steps={steps}",
                                        *extra])
     trainer = Trainer(config, tmp_path)
     try:
-        trainer.make_learner()
+        learner = trainer.make_learner()
+        if during_update is not None:
+            update, done = learner.update, []
+
+            def hooked(batch):
+                during_update(trainer, len(done))
+                done.append(1)
+                return update(batch)
+
+            learner.update = hooked
         trainer.sync_engine(0)
         return [trainer.step(s) for s in range(steps)], trainer
     finally:
@@ -128,9 +175,15 @@ def _rows(tmp_path, extra: list[str], steps: int = 2) -> tuple[list[dict], objec
 
 
 def test_synchronous_training_on_ray_gives_the_in_process_results(tmp_path):
+    """... with a worker killed while idle, during the first update: the weight sync replaces it, within the bound."""
+    def kill_while_idle(trainer, step):
+        if step == 0:
+            ray.kill(trainer.worker.actors[0])
+
     local, _ = _rows(tmp_path / "local", [])
-    on_ray, trainer = _rows(tmp_path / "ray", ["distributed.backend=ray"])
+    on_ray, trainer = _rows(tmp_path / "ray", ["distributed.backend=ray"], during_update=kill_while_idle)
     assert type(trainer.worker).__name__ == "RayRolloutPool"
+    assert trainer.worker.stats["restarts"] == 1 and trainer.worker.policy_version == 2
     for a, b in zip(local, on_ray):
         assert a["grad_norm"] > 0
         for key in ("reward", "sampled_tokens", "turns"):

@@ -172,6 +172,52 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert json.loads((latest / "state.json").read_text())["step"] == done
 
 
+def _mount_namespace() -> bool:
+    """Whether this machine lets a test mount file systems of its own (an unprivileged user and mount namespace)."""
+    import shutil
+
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _mount_namespace(), reason="needs unshare -rm (user and mount namespaces)")
+def test_a_full_or_read_only_run_directory_is_one_line_naming_the_path_and_how_to_resume(tmp_path):
+    """On real file systems of a private mount namespace: a 6 MB tmpfs fills up while the second checkpoint is written,
+    then the same directory read-only refuses --resume; each is exit 2, one line naming the path and the newest
+    checkpoint. With space again, --resume does as the line says."""
+    mnt, out = tmp_path / "mnt", tmp_path / "out"
+    mnt.mkdir()
+    out.mkdir()
+    run = mnt / "run"
+    train_ = f"{sys.executable} -m ctxrl.cli train {ROOT / 'examples' / 'calculator_tiny.toml'} --run-dir {run} " + \
+        " ".join([*SMALL, "train.steps=2"])
+    script = f"""
+        mount -t tmpfs -o size=6m none {mnt}
+        {train_} 2> {out}/full.err; echo $? > {out}/full.rc
+        mount -o remount,ro {mnt}
+        {train_} --resume 2> {out}/ro.err; echo $? > {out}/ro.rc
+        mount -o remount,rw,size=64m {mnt}
+        {train_} --resume --json > {out}/ok.out 2> {out}/ok.err; echo $? > {out}/ok.rc
+        cp {run}/metrics.jsonl {out}/
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # this ctxrl
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=env, timeout=600, check=True)
+    newest = run / "checkpoints" / "step-000000"
+    full = (out / "full.err").read_text().strip().splitlines()[-1]
+    assert (out / "full.rc").read_text().strip() == "2", full
+    assert full == (f"ctxrl: storage error: cannot write {run / 'checkpoints' / 'step-000001'}: No space left on "
+                    f"device (the file system is full: free some space). The run stopped; the newest checkpoint is "
+                    f"{newest}: once {run} can be written, continue with --run-dir {run} --resume.")
+    read_only = (out / "ro.err").read_text().strip().splitlines()[-1]
+    assert (out / "ro.rc").read_text().strip() == "2", read_only
+    assert read_only.startswith(f"ctxrl: storage error: cannot write {run / 'metrics.jsonl'}: Read-only file system "
+                                "(the file system is read-only: mount it read-write or choose another --run-dir)")
+    assert f"the newest checkpoint is {newest}" in read_only and f"--run-dir {run} --resume." in read_only
+    assert (out / "ok.rc").read_text().strip() == "0", (out / "ok.err").read_text()[-3000:]
+    assert json.loads((out / "ok.out").read_text().strip().splitlines()[-1])["resumed_from"] == 0
+    assert [r["step"] for r in rl_rows(out)] == [1, 2]
+
+
 # -- (c) crash mid-save ---------------------------------------------------------------------------
 def test_crash_mid_save_leaves_latest_at_the_previous_checkpoint(tmp_path, monkeypatch):
     run = Trainer(config("train.steps=2"), tmp_path)
@@ -237,6 +283,67 @@ def test_consecutive_skips_abort_and_point_at_the_checkpoint(tmp_path, monkeypat
     assert "--resume" in message
     rows = rl_rows(tmp_path)
     assert [r["skipped"] for r in rows[1:]] == [1.0, 1.0] and rows[-1]["skipped_updates_total"] == 4.0
+
+
+def test_an_update_that_leaves_non_finite_weights_stops_the_run_before_they_are_saved(tmp_path, learning_signal,
+                                                                                    monkeypatch, capsys):
+    """A finite loss and gradient norm, then weights that are not numbers (as float16 rounding of a too-large master
+    gives): the run stops at that step, exit 3, one line naming it and the last good checkpoint."""
+    from ctxrl.cli import main
+    from ctxrl.train.learner import Learner
+
+    real, updates = Learner.update, []
+
+    def update(self, batch):
+        metrics = real(self, batch)
+        updates.append(metrics)
+        if len(updates) == 2:  # step 2's update
+            with torch.no_grad():
+                self.model.get_input_embeddings().weight[3, 0] = float("inf")
+        return metrics
+
+    monkeypatch.setattr(Learner, "update", update)
+    code = main(["train", str(ROOT / "examples" / "calculator_tiny.toml"), "--run-dir", str(tmp_path), *SMALL,
+                 "train.steps=3"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 3 and err.startswith("ctxrl: run aborted: step 2: the update left NaN or infinite values in 1 "
+                                        "trained tensors (model.embed_tokens.weight)"), err
+    assert "train.lr=0.0001" in err and f"last good checkpoint is {tmp_path / 'checkpoints' / 'step-000001'}" in err
+    assert "--resume" in err and len(updates) == 2
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-000001"
+    assert not (root / "step-000002").exists() and not (root / "final").exists()
+    assert [r["step"] for r in rl_rows(tmp_path)] == [1]  # step 2's row was never logged
+
+
+def test_non_finite_weights_are_never_saved_and_nan_log_probs_stop_the_step(tmp_path):
+    run = Trainer(config("train.steps=2", "sft.enabled=false"), tmp_path)
+    run.make_learner()
+    checkpoint.save(run, 0)
+    with torch.no_grad():
+        weight = run.model.get_input_embeddings().weight
+        saved, weight[0, 0] = float(weight[0, 0]), float("nan")
+    with pytest.raises(CheckpointError, match=r"refusing to save checkpoints/step-000001: 1 trained tensors hold NaN "
+                                              r"or infinite values \(model.embed_tokens.weight\)\. The last good "
+                                              r"checkpoint is .*step-000000"):
+        checkpoint.save(run, 1)
+    with pytest.raises(CheckpointError, match="refusing to save checkpoints/final"):
+        run.save_final("final")
+    assert not (tmp_path / "checkpoints" / "step-000001").exists() and not (tmp_path / "checkpoints" / "final").exists()
+    with torch.no_grad():
+        weight[0, 0] = saved
+    real = run.collect
+
+    def collect(step):  # the engine's policy gives NaN log-probs (finite weights too large to give numbers)
+        got = real(step)
+        for e in got.episodes:
+            e.behavior_logprobs = [float("nan") if m else 0.0 for m in e.loss_mask]
+        return got
+
+    run.collect = collect
+    with pytest.raises(TrainingAborted, match=r"step 1: the policy \(version 0\) sampled 4 of 4 episodes with NaN "
+                                              r"log-probabilities.*last good checkpoint is .*step-000000"):
+        run.step(0)
 
 
 # -- (e) hanging and crashing environments -------------------------------------------------------
@@ -347,6 +454,68 @@ def test_resume_with_missing_optimizer_or_changed_config_raises(tmp_path):
         train(config("train.steps=2"), tmp_path, resume=True)
     with pytest.raises(CheckpointError, match="holds no run"):
         train(config("train.steps=2"), tmp_path / "fresh", resume=True)
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_one(tmp_path, capsys, learning_signal):
+    """Checksums: 64 KiB overwritten in the middle of the weights (which would load, as garbage) or a file cut short
+    is one line naming the file, offering the previous checkpoint; following the offer resumes."""
+    import shutil
+
+    from ctxrl.cli import main
+
+    base = tmp_path / "base"
+    train(config("train.steps=2"), base)
+    checksums = json.loads((base / "checkpoints" / "step-000002" / ckpt.CHECKSUMS).read_text())["sha256"]
+    assert {"model.safetensors", "optimizer.safetensors", "state.json", "config.toml"} <= set(checksums)
+    assert (base / "checkpoints" / "step-000002" / "optimizer.safetensors").stat().st_size > 100_000  # (Adam's moments)
+
+    def copy(name: str) -> Path:
+        shutil.copytree(base, tmp_path / name)
+        return tmp_path / name
+
+    overwritten = copy("overwritten")
+    weights = overwritten / "checkpoints" / "step-000002" / "model.safetensors"
+    size = weights.stat().st_size
+    assert size > 256 * 1024
+    with open(weights, "r+b") as f:
+        f.seek(size // 2)
+        f.write(os.urandom(64 * 1024))
+    with pytest.raises(CheckpointError) as info:
+        train(config("train.steps=3"), overwritten, resume=True)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {weights.parent} is damaged: model.safetensors does not match the "
+                              "checksum it was written with"), message
+    previous = overwritten / "checkpoints" / "step-000001"
+    assert f"The previous checkpoint is {previous}" in message and "echo step-000001 > " in message
+    (overwritten / "checkpoints" / "latest").write_text("step-000001\n")  # as the message says
+    assert train(config("train.steps=3"), overwritten, resume=True)["resumed_from"] == 1
+    assert [r["step"] for r in rl_rows(overwritten)] == [1, 2, 3]
+
+    truncated = copy("truncated")  # cut short, from the command line: one line, exit 2
+    optimizer = truncated / "checkpoints" / "step-000002" / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    args = ["train", str(ROOT / "examples" / "calculator_tiny.toml"), "--run-dir", str(truncated), *SMALL,
+            "train.steps=3", "--resume"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ctxrl: checkpoint error: checkpoint " in err, err
+    assert "optimizer.safetensors does not match" in err and "step-000001" in err
+
+    def written_before_checksums(name: str) -> Path:
+        run = copy(name)
+        for path in (run / "checkpoints").glob("step-*"):
+            (path / ckpt.CHECKSUMS).unlink()
+        return run
+
+    # written before checksums: loads with a note, and a file cut short is still one clear error
+    with pytest.warns(UserWarning, match="has no checksums.json"):
+        assert train(config("train.steps=3"), written_before_checksums("old-intact"), resume=True)["resumed_from"] == 2
+    old = written_before_checksums("old")
+    optimizer = old / "checkpoints" / "step-000002" / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"step-000002 is damaged: optimizer.safetensors cannot be read "
+                                              r"\(Error while deserializing header.*previous checkpoint is"):
+        train(config("train.steps=3"), old, resume=True)
 
 
 def test_resume_never_unpickles(tmp_path, monkeypatch):

@@ -13,16 +13,17 @@
   order, so a request sent after a ``load_weights`` samples with the new weights, and no request
   mixes two versions. With ``wait=False`` the weights follow whatever the actors are still
   playing (asynchronous training: ``ctxrl.distributed.staleness``).
-- **Workers that die.** A shard whose actor died (a crash, an OOM kill, ``ray.kill``) is played
-  again on a fresh actor that first loads the current weights; after ``retries`` failures the run
-  stops with a message. Every wait has a deadline (``timeout_s``). ``stats`` counts restarts
-  and retried shards.
+- **Workers that die.** An actor may die at any moment (a crash, an OOM kill, ``ray.kill``): while
+  it plays a shard, while it loads weights, or idle between steps (found at the next call). Every
+  call to an actor goes through ``_call``: when the actor is dead, a fresh one takes its place,
+  loads the current weights, and the call is made again on it; after ``retries`` deaths in one
+  call (the fresh actor's included) the run stops with a message. Every wait has a deadline
+  (``timeout_s``). ``stats`` counts restarts and retried shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -106,7 +107,8 @@ class RayRolloutPool:
         self._version = 0
         self._pending: list = []
         self.stats = {"restarts": 0, "retried_shards": 0}
-        self._wait(self.actors, [a.pid.remote() for a in self.actors], "start")
+        for index in range(workers):
+            self._call(index, lambda actor: [actor.pid.remote()], "starting")
 
     # -- the RolloutWorker interface -------------------------------------------------------------------
     @property
@@ -124,11 +126,12 @@ class RayRolloutPool:
             self._full = (ref, version)
         self._weights = (ref, version, partial)
         self._version = int(version)
-        calls = [a.load_weights.remote(ref, version, partial) for a in self.actors]
-        if wait:
-            self._wait(self.actors, calls, "load_weights")
-        else:
-            self._pending += calls
+        calls = [[a.load_weights.remote(ref, version, partial)] for a in self.actors]
+        if wait:  # (an actor found dead is replaced by one that loads these weights first: nothing to replay)
+            for index, sent in enumerate(calls):
+                self._call(index, lambda actor: [], f"loading weights (version {version})", sent=sent)
+        else:  # a dead actor is found, and replaced with these weights, at its next request
+            self._pending += [c for sent in calls for c in sent]
 
     def run(self, request: RolloutRequest, *, on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
         """Play ``request`` on all workers (one shard each) and return its episodes in (task, k) order."""
@@ -147,63 +150,63 @@ class RayRolloutPool:
         episodes: list[Episode] = []
         total = sum(len(shard.tasks) * shard.group_size for shard, _, _ in submitted)
         for shard, ref, index in submitted:
-            episodes += [from_json(Episode, e) for e in self._result(shard, ref, index)]
+            request = to_json(shard)
+            before = self.stats["restarts"]
+            done = self._call(index, lambda actor, request=request: [actor.run.remote(request)],
+                              f"playing tasks {shard.task_offset}..{shard.task_offset + len(shard.tasks) - 1}",
+                              sent=[ref])
+            self.stats["retried_shards"] += self.stats["restarts"] > before
+            episodes += [from_json(Episode, e) for e in done[-1]]
             if on_episode is not None:
                 on_episode(len(episodes), total)
         return episodes
 
     def close(self) -> None:
         for actor in self.actors:
-            self.ray.kill(actor)
+            try:
+                self.ray.kill(actor)
+            except Exception:  # noqa: BLE001 - dead already
+                pass
         self.actors = []
 
     # -- failures ----------------------------------------------------------------------------------------
     def _new_actor(self):
         return self._remote.remote(self._spec_json, self._runners)
 
-    def _result(self, shard: RolloutRequest, ref, index: int) -> list[str]:
+    def _call(self, index: int, make: Callable[[Any], list], what: str, *, sent: list | None = None) -> list:
+        """The results of the calls ``make(actor)`` makes on actor ``index`` (``sent``: already made). When the actor
+        is dead, or dies before they finish, a fresh one takes its place (``_restart``) and ``make`` is called on it,
+        at most ``retries`` times; then, or when the calls pass ``timeout_s``, a ``WorkerFailure``."""
         from ray.exceptions import GetTimeoutError, RayActorError, WorkerCrashedError
 
+        calls = sent if sent is not None else make(self.actors[index])
         for attempt in range(self.retries + 1):
             try:
-                return self.ray.get(ref, timeout=self.timeout_s)
+                return self.ray.get(calls, timeout=self.timeout_s)
             except (RayActorError, WorkerCrashedError) as exc:  # (ActorDiedError is a RayActorError)
                 if attempt == self.retries:
-                    raise WorkerFailure(f"rollout worker {index} died {attempt + 1} times playing tasks "
-                                        f"{shard.task_offset}..{shard.task_offset + len(shard.tasks) - 1}: "
+                    raise WorkerFailure(f"rollout worker {index} died {attempt + 1} times {what}: "
                                         f"{type(exc).__name__}: {exc}") from None
-                self._restart(index)
-                self.stats["retried_shards"] += 1
-                ref = self.actors[index].run.remote(to_json(shard))
+                calls = self._restart(index)
+                calls += make(self.actors[index])  # (after the weights: an actor runs its calls in order)
             except GetTimeoutError:
-                raise WorkerFailure(f"rollout worker {index} did not answer within distributed.timeout_s="
-                                    f"{self.timeout_s:g} s (tasks {shard.task_offset}.."
-                                    f"{shard.task_offset + len(shard.tasks) - 1})") from None
+                raise WorkerFailure(f"rollout worker {index} did not finish {what} within distributed.timeout_s="
+                                    f"{self.timeout_s:g} s") from None
         raise AssertionError("unreachable")
 
-    def _restart(self, index: int) -> None:
-        """A fresh actor in place of a dead one, holding the current weights before it plays anything."""
+    def _restart(self, index: int) -> list:
+        """A fresh actor in place of a dead one; returns its calls that load the current weights (the last full
+        state, then a LoRA run's adapters on top), which run before anything sent to it after them."""
         try:
             self.ray.kill(self.actors[index])
         except Exception:  # noqa: BLE001 - it is dead already
             pass
         actor = self._new_actor()
-        calls = []
+        calls = [actor.pid.remote()]
         if self._full is not None:
             calls.append(actor.load_weights.remote(self._full[0], self._full[1], False))
-        if self._weights is not None and self._weights[2]:  # a LoRA run's adapters on top of the base
+        if self._weights is not None and self._weights[2]:
             calls.append(actor.load_weights.remote(*self._weights))
         self.actors[index] = actor
         self.stats["restarts"] += 1
-        self._wait([actor], calls or [actor.pid.remote()], "restart")
-
-    def _wait(self, actors, calls, what: str) -> None:
-        from ray.exceptions import GetTimeoutError
-
-        start = time.monotonic()
-        try:
-            self.ray.get(calls, timeout=self.timeout_s)
-        except GetTimeoutError:
-            raise WorkerFailure(f"rollout workers did not finish {what} within distributed.timeout_s="
-                                f"{self.timeout_s:g} s ({time.monotonic() - start:.0f} s)") from None
-
+        return calls

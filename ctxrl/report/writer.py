@@ -41,18 +41,27 @@ class RunWriter:
         (self.dir / "config.toml").write_text(toml_text)
 
     def log_metrics(self, row: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._metrics.flush()
+        self._append(self._metrics, [json.dumps({k: _clean(v) for k, v in row.items()})])
         for sink in self.sinks:
             sink.log_metrics(row)
 
     def log_samples(self, step: int, episodes: list[Episode], decode, *, phase: str = "train") -> None:
         records = [episode_record(ep, decode, step=step, phase=phase) for ep in episodes]
-        for record in records:
-            self._samples.write(json.dumps(record) + "\n")
-        self._samples.flush()
+        self._append(self._samples, [json.dumps(record) for record in records])
         for sink in self.sinks:
             sink.log_samples(records)
+
+    @staticmethod
+    def _append(handle, lines: list[str]) -> None:
+        """``lines`` at the end of the log ``handle``, flushed; a failed write (a full disk) names the file."""
+        try:
+            for line in lines:
+                handle.write(line + "\n")
+            handle.flush()
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, handle.name) from exc
 
     def offsets(self) -> dict[str, int]:
         """Byte length of each log now (everything flushed): where a checkpoint's logs end."""

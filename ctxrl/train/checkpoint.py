@@ -28,12 +28,15 @@ from ctxrl.train.checkpoint_io import (
     STEP_PREFIX,
     clean_partial,
     commit_checkpoint,
+    damaged,
     latest_checkpoint,
     load_state,
+    read_tensors,
     rng_state,
     save_state,
     set_rng_state,
     step_name,
+    verify_checksums,
 )
 
 FORMAT = 1
@@ -81,9 +84,7 @@ def config_differences(saved: Config, current: Config) -> list[str]:
 
 def load_weights(model, file: Path) -> None:
     """Load a safetensors state dict into ``model``; tied weights (absent from the file) must share storage."""
-    from safetensors.torch import load_file
-
-    state = load_file(str(file))
+    state = read_tensors(file)
     missing, unexpected = model.load_state_dict(state, strict=False)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {params[k].data_ptr() for k in state if k in params}
@@ -110,6 +111,7 @@ def save(trainer: Checkpointed, step: int) -> Path:
     """A resumable checkpoint after RL step ``step`` (atomic; ``latest`` updated; old ones pruned)."""
     from safetensors.torch import save_model
 
+    refuse_non_finite(trainer, step_name(step))
     learner, policy = trainer.learner, trainer.policy
     reference = learner.reference.frozen_copy if learner.reference is not None else None
 
@@ -138,20 +140,40 @@ def save(trainer: Checkpointed, step: int) -> Path:
                              keep=trainer.config.train.keep_checkpoints)
 
 
-def resume(trainer: Checkpointed) -> int:
-    """Restore ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after."""
-    from safetensors.torch import load_model
+def refuse_non_finite(trainer: Checkpointed, name: str) -> None:
+    """A ``CheckpointError`` naming the last good checkpoint when the weights to be saved as ``checkpoints/NAME``
+    hold a NaN or an infinity: a checkpoint is never written that would resume into them."""
+    from ctxrl.train.learner import non_finite
 
+    if trainer.learner is not None:
+        bad = trainer.learner.non_finite_weights()
+    else:
+        bad = non_finite((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    if bad:
+        raise CheckpointError(f"refusing to save checkpoints/{name}: {len(bad)} trained tensors hold NaN or infinite "
+                              f"values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})."
+                              + resume_hint(trainer.writer.dir, trainer.config.train.checkpoint_every))
+
+
+def resume(trainer: Checkpointed) -> int:
+    """Restore ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after. Its
+    checksums are verified first (a checkpoint written before them loads unverified, with a warning)."""
     learner, policy = trainer.learner, trainer.policy
     reference = learner.reference.frozen_copy if learner.reference is not None else None
     root = trainer.writer.dir / "checkpoints"
     clean_partial(root)  # temporaries of a save that was killed
     path = latest_checkpoint(root)
+    if not verify_checksums(path):  # (before anything is read: a damaged file is named, never loaded)
+        warnings.warn(f"checkpoint {path} has no checksums.json (written by an older ctxrl): its files are loaded "
+                      "unverified", stacklevel=2)
     differences = config_differences(load_config(path / "config.toml"), trainer.config)
     if differences:
         raise CheckpointError(f"cannot resume from {path}: the config changed in ways that matter: "
                               + "; ".join(differences) + ". Undo these changes, or start a new run directory.")
-    state = json.loads((path / "state.json").read_text())
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except ValueError as exc:
+        raise damaged(path, "state.json", f"cannot be read ({exc})") from None
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{path}/state.json has format {state.get('format')!r}; this ctxrl reads format {FORMAT}")
     for flag, have, what, files in (
@@ -170,9 +192,7 @@ def resume(trainer: Checkpointed) -> int:
         warnings.warn(f"resuming on {trainer.device} a run checkpointed on {state['device']}: it continues "
                       "correctly, but not with the numbers an uninterrupted run would have given", stacklevel=2)
     if policy.is_lora:
-        from safetensors.torch import load_file
-
-        policy.load_adapter_state(load_file(str(path / "adapter_model.safetensors")), str(path))
+        policy.load_adapter_state(read_tensors(path / "adapter_model.safetensors"), str(path))
     else:
         load_weights(trainer.model, path / "model.safetensors")
     try:
@@ -181,10 +201,10 @@ def resume(trainer: Checkpointed) -> int:
         raise CheckpointError(f"{path}: the optimiser state does not fit this run: {exc}") from None
     policy.precision.load_state_dict(state.get("loss_scaler") or {})
     if learner.critic is not None:
-        load_model(learner.critic, str(path / "critic.safetensors"))
+        _load_module(learner.critic, path / "critic.safetensors")
         learner.critic_optimizer.load_state_dict(load_state(path, "critic_optimizer"))
     if reference is not None:
-        load_model(reference, str(path / "reference.safetensors"))
+        _load_module(reference, path / "reference.safetensors")
     set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
     trainer.sync_engine(int(state["policy_version"]))
     learner.skipped_updates = int(state["skipped_updates"])
@@ -195,6 +215,17 @@ def resume(trainer: Checkpointed) -> int:
     except LogRewindError as exc:
         raise CheckpointError(str(exc)) from None
     return int(state["step"])
+
+
+def _load_module(module, file: Path) -> None:
+    """``safetensors.torch.load_model``, a file that cannot be read named as the others are (``damaged``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    try:
+        load_model(module, str(file))
+    except (SafetensorError, OSError) as exc:
+        raise damaged(file.parent, file.name, f"cannot be read ({exc})") from None
 
 
 def resume_hint(run_dir: Path, checkpoint_every: int) -> str:

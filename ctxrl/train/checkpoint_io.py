@@ -15,9 +15,14 @@ A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding
 - ``state.json``: step, engine policy version, learner counters, curriculum state, the byte
   lengths of ``metrics.jsonl`` and ``samples.jsonl`` at save time, whether a critic, a reference
   model and LoRA adapters are in it, the loss scaler's state, the device and dtype;
-- ``config.toml``: the resolved config.
+- ``config.toml``: the resolved config;
+- ``checksums.json``: the SHA-256 of every other file, written last. ``--resume`` checks them
+  before it reads anything (``verify_checksums``), so a file overwritten or cut short is refused,
+  named, with the previous checkpoint offered; a checkpoint written before checksums existed
+  loads unverified, with a note. Any file that cannot be read is the same one-line error
+  (``read_tensors``, ``damaged``), never a bare ``SafetensorError``.
 
-Writing: into a temporary sibling directory, every file fsynced, the directory renamed into
+Writing: into a temporary sibling directory, ``checksums.json`` last, every file fsynced, the directory renamed into
 place, the parent fsynced; then the ``latest`` pointer (a one-line text file naming the
 directory) is replaced atomically the same way; then all but the newest ``keep`` step
 checkpoints are deleted. A crash at any point leaves ``latest`` naming a complete checkpoint.
@@ -27,9 +32,11 @@ Reading never unpickles: tensors come from safetensors, everything else from JSO
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -43,6 +50,7 @@ from ctxrl.errors import CheckpointError
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
+CHECKSUMS = "checksums.json"
 REQUIRED = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "state.json", "config.toml")
 WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
 """A checkpoint holds one of these: the whole policy, or (LoRA) its adapters."""
@@ -100,8 +108,77 @@ def load_state(directory: Path, name: str) -> Any:
             raise CheckpointError(f"checkpoint {directory} has no {name}{suffix}; it cannot be resumed exactly "
                                   "(it was written by an older ctxrl or damaged): start a fresh run or resume "
                                   "from another checkpoint")
-    return _join_state(json.loads((directory / f"{name}.json").read_text()),
-                       load_file(str(directory / f"{name}.safetensors")))
+    try:
+        skeleton = json.loads((directory / f"{name}.json").read_text())
+    except (ValueError, OSError) as exc:
+        raise damaged(directory, f"{name}.json", f"cannot be read ({exc})") from None
+    return _join_state(skeleton, read_tensors(directory / f"{name}.safetensors"))
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors ``file``; one that cannot be read (cut short, a damaged header) is
+    a ``CheckpointError`` naming it and offering the previous checkpoint."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise damaged(file.parent, file.name, f"cannot be read ({exc})") from None
+
+
+# -- checksums --------------------------------------------------------------------------------------
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    """``checksums.json``: the SHA-256 of every file under ``directory`` (by its path relative to it)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    sums = {p.relative_to(directory).as_posix(): _sha256(p) for p in files}
+    (directory / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1))
+
+
+def verify_checksums(path: Path) -> bool:
+    """Check every file of the checkpoint ``path`` against its ``checksums.json``: True when all match, False when
+    the checkpoint has none (written by an older ctxrl); a ``CheckpointError`` naming the first that differs."""
+    listing = path / CHECKSUMS
+    if not listing.exists():
+        return False
+    try:
+        expected = json.loads(listing.read_text())["sha256"]
+        if not isinstance(expected, dict):
+            raise TypeError("not a table of files")
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise damaged(path, CHECKSUMS, f"cannot be read ({exc})") from None
+    for name, digest in sorted(expected.items()):
+        file = path / name
+        if not file.is_file():
+            raise damaged(path, name, "is missing")
+        if _sha256(file) != digest:
+            raise damaged(path, name, f"does not match the checksum it was written with ({file.stat().st_size} "
+                                      "bytes now: overwritten or cut short since)")
+    return True
+
+
+def damaged(path: Path, name: str, what: str) -> CheckpointError:
+    """The error for the checkpoint ``path`` whose file ``name`` is ``what``: never loaded, the previous one offered."""
+    return CheckpointError(f"checkpoint {path} is damaged: {name} {what}; it was not loaded."
+                           + previous_hint(path))
+
+
+def previous_hint(path: Path) -> str:
+    """How to go on from the newest step checkpoint before ``path`` (its files are checked when it is resumed)."""
+    root = path.parent
+    older = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and p.name < path.name)
+    if not older:
+        return (" No earlier checkpoint is kept (train.keep_checkpoints), so the run cannot go on from one: start a "
+                "fresh run directory.")
+    return (f" The previous checkpoint is {older[-1]}: resume from it with `echo {older[-1].name} > {root / LATEST}` "
+            "and --resume (the steps after it are redone).")
 
 
 def rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
@@ -170,7 +247,8 @@ def write_atomic_text(path: Path, text: str) -> None:
 
 
 def commit_checkpoint(root: Path, name: str, write, *, keep: int = 0) -> Path:
-    """Run ``write(tmpdir)``, then move the directory to ``root/name`` and point ``latest`` at it.
+    """Run ``write(tmpdir)`` and add its ``checksums.json``, then move the directory to ``root/name`` and point
+    ``latest`` at it.
 
     ``keep`` > 0 deletes all but the newest ``keep`` ``step-*`` checkpoints afterwards (never the
     one ``latest`` names). Nothing half-written is ever visible under ``name`` or via ``latest``.
@@ -182,16 +260,20 @@ def commit_checkpoint(root: Path, name: str, write, *, keep: int = 0) -> Path:
     displaced = None
     try:
         write(tmp)
+        write_checksums(tmp)
         _fsync_tree(tmp)
         if final.exists():  # the same step from an abandoned attempt: move it aside, never delete it first
             displaced = Path(tempfile.mkdtemp(prefix=f".{name}-old-", dir=root))
             os.rename(final, displaced / name)
         os.rename(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         if displaced is not None and not final.exists():
             os.rename(displaced / name, final)  # put the old one back
         shutil.rmtree(tmp, ignore_errors=True)
+        code = os_errno(exc)
+        if code is not None and getattr(exc, "filename", None) is None:  # a full disk: name what was being written
+            raise OSError(code, os.strerror(code), str(final)) from exc
         raise
     write_atomic_text(root / LATEST, name + "\n")
     if displaced is not None:
@@ -202,6 +284,15 @@ def commit_checkpoint(root: Path, name: str, write, *, keep: int = 0) -> Path:
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def os_errno(exc: BaseException) -> int | None:
+    """The operating system's error number behind ``exc``: an ``OSError``'s, or one safetensors' Rust writer reports
+    in its message (``I/O error: No space left on device (os error 28)``); None for anything else."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    return int(found.group(1)) if found else None
 
 
 def latest_checkpoint(root: Path) -> Path:
@@ -219,7 +310,7 @@ def latest_checkpoint(root: Path) -> Path:
         missing.append(" or ".join(WEIGHTS))
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing; it cannot be resumed "
-                              "exactly. Point latest at an older step-* directory or start a fresh run")
+                              "exactly." + previous_hint(path))
     return path
 
 

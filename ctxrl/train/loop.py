@@ -8,14 +8,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from ctxrl.errors import CheckpointError, CtxrlError
+from ctxrl.errors import CheckpointError, CtxrlError, StorageError
 from ctxrl.train import checkpoint
 from ctxrl.train.evaluation import logged_eval
 from ctxrl.types import SPLITS
@@ -118,13 +120,49 @@ def resume_run(trainer) -> tuple[int, dict[str, dict[str, float]]]:
 
 def crash_note(trainer, step: int) -> str:
     """Where to go on from after a failure in RL step ``step`` (0-based)."""
-    root = trainer.writer.dir / "checkpoints"
-    latest = root / "latest"
-    if latest.exists():
-        return (f"ctxrl: RL step {step + 1} failed; the newest checkpoint is {root / latest.read_text().strip()}: "
+    newest = newest_checkpoint(trainer.writer.dir)
+    if newest is not None:
+        return (f"ctxrl: RL step {step + 1} failed; the newest checkpoint is {newest}: "
                 f"after fixing the cause, continue with --run-dir {trainer.writer.dir} --resume")
     return (f"ctxrl: RL step {step + 1} failed; no checkpoint was written (train.checkpoint_every="
             f"{trainer.config.train.checkpoint_every}), so the run cannot be resumed")
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``run_dir/checkpoints/latest`` names, or None (none written, or it cannot be read)."""
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        name = latest.read_text().strip()
+    except OSError:
+        return None
+    return latest.parent / name if name else None
+
+
+STORAGE_ERRNOS = {errno.ENOSPC: "the file system is full: free some space",
+                  errno.EDQUOT: "the disk quota is used up: free some space",
+                  errno.EROFS: "the file system is read-only: mount it read-write or choose another --run-dir",
+                  errno.EACCES: "no permission: make it writable for this user",
+                  errno.EPERM: "no permission: make it writable for this user"}
+"""The errors of a run directory that cannot be written, and what to do about each."""
+
+
+def storage_error(exc: BaseException, run_dir: Path, checkpoint_every: int) -> StorageError | None:
+    """``exc`` (an ``OSError``, or safetensors' error for one) as one line naming the path and how the run goes on
+    once it can be written; None when it is not a file system's refusal (``STORAGE_ERRNOS``)."""
+    from ctxrl.train.checkpoint_io import os_errno
+
+    code = os_errno(exc)
+    if code not in STORAGE_ERRNOS or isinstance(exc, CtxrlError):
+        return None
+    path = getattr(exc, "filename", None) or run_dir
+    newest = newest_checkpoint(run_dir)
+    if newest is not None:
+        then = (f"The run stopped; the newest checkpoint is {newest}: once {run_dir} can be written, continue with "
+                f"--run-dir {run_dir} --resume")
+    else:
+        then = (f"The run stopped before any checkpoint (train.checkpoint_every={checkpoint_every}), so it cannot be "
+                "resumed: once it can be written, start it again with a fresh --run-dir")
+    return StorageError(f"cannot write {path}: {os.strerror(code)} ({STORAGE_ERRNOS[code]}). {then}.")
 
 
 def stopped(trainer, signum: int, done: int, first: int) -> None:

@@ -25,6 +25,7 @@ warm-start policy (off by default), no value function (docs/algorithms.md).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -215,6 +216,7 @@ class Trainer:
         LoRA: the adapters in PEFT's format, and with ``lora.export_merged`` the base with the
         adapters merged in (``NAME-merged``), ready to serve.
         """
+        checkpoint.refuse_non_finite(self, name)
         path = self.policy.save(self.writer.dir / "checkpoints" / name, self.tokenizer)
         if self.policy.is_lora and self.config.lora.export_merged:
             export_merged(path, path.with_name(f"{name}-merged"), dtype=self.config.model.dtype)
@@ -258,6 +260,14 @@ class Trainer:
                 f"rollout.max_error_rate={c.rollout.max_error_rate}); first error: {errored[0].info.get('error')}. "
                 f"The episodes are in {self.writer.dir / 'samples.jsonl'} (phase rl-errored)."
                 + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
+        broken = [e for e in episodes if e.truncation != "error" and any(
+            math.isnan(x) for seq in e.sequences() for x in seq.behavior_logprobs)]
+        if broken:  # the engine's weights are finite (update checks them) but give no numbers any more
+            raise TrainingAborted(
+                f"step {step + 1}: the policy (version {broken[0].policy_version}) sampled {len(broken)} of "
+                f"{len(episodes)} episodes with NaN log-probabilities: its weights are finite but too large to give "
+                f"numbers, so nothing can be learnt from them (an update too large for the model; train.lr="
+                f"{c.train.lr:g})." + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
         valid = [e for e in collected.train if trainable(e)]
         dropped = 0
         if self.estimator.needs_groups:  # group statistics need two valid episodes
@@ -297,6 +307,14 @@ class Trainer:
         learner = self.learner
         self.followers.update(rows)  # (data-parallel: the follower ranks train on their shares of the same rows)
         update = learner.update(learner.collate(rows)) if rows else {}
+        bad = learner.non_finite_weights() if rows else []
+        if bad:  # never trained on, saved or handed to the engine
+            c = self.config
+            raise TrainingAborted(
+                f"step {step + 1}: the update left NaN or infinite values in {len(bad)} trained tensors "
+                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) although its loss and gradient norm were "
+                f"finite: a step too large for the weights (train.lr={c.train.lr:g}). They were neither saved nor "
+                "given to the engine." + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
         if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
             self.consecutive_skips += 1
         elif update:
@@ -346,6 +364,11 @@ def train(config: Config, run_dir: str | Path, *, progress: Progress | None = No
     parallel = data_parallel(config, resume)
     try:
         return _train(config, run_dir, progress, resume, parallel)
+    except Exception as exc:  # a run directory that cannot be written: one line, with how to go on
+        problem = loop.storage_error(exc, run_dir, config.train.checkpoint_every)
+        if problem is None:
+            raise
+        raise problem from exc
     finally:
         if parallel is not None:
             parallel.close()
