@@ -21,6 +21,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from ctxrl.config import Config, load_config, resumable_keys, resumable_summary, to_toml
 from ctxrl.errors import CheckpointError
 from ctxrl.report.writer import LogRewindError
@@ -38,6 +40,7 @@ from ctxrl.train.checkpoint_io import (
     step_name,
     verify_checksums,
 )
+from ctxrl.train.precision import trainable_grads
 
 FORMAT = 1
 
@@ -143,16 +146,37 @@ def save(trainer: Checkpointed, step: int) -> Path:
 def refuse_non_finite(trainer: Checkpointed, name: str) -> None:
     """A ``CheckpointError`` naming the last good checkpoint when the weights to be saved as ``checkpoints/NAME``
     hold a NaN or an infinity: a checkpoint is never written that would resume into them."""
-    from ctxrl.train.learner import non_finite
-
     if trainer.learner is not None:
-        bad = trainer.learner.non_finite_weights()
+        bad = non_finite_weights(trainer.learner)
     else:
         bad = non_finite((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
     if bad:
         raise CheckpointError(f"refusing to save checkpoints/{name}: {len(bad)} trained tensors hold NaN or infinite "
                               f"values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})."
                               + resume_hint(trainer.writer.dir, trainer.config.train.checkpoint_every))
+
+
+@torch.no_grad()
+def non_finite(named) -> list[str]:
+    """The names of ``(name, tensor)`` pairs whose tensor holds a NaN or an infinity (one host sync)."""
+    named = list(named)
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named]).tolist()
+    return [name for (name, _), ok in zip(named, finite) if not ok]
+
+
+def non_finite_weights(learner) -> list[str]:
+    """The trained tensors holding a NaN or an infinity: the policy's, the optimiser's float32 masters, the
+    critic's. The learner's skips keep a non-finite gradient out of them; a finite step too large for float32 (a
+    learning rate near 1e39) still makes them so, and then nothing the run does next means anything."""
+    named = [(n, p) for n, p in learner.model.named_parameters() if p.requires_grad]
+    seen = {id(p) for _, p in named}
+    named += [(f"optimizer master {i}", m) for i, m in enumerate(trainable_grads(learner.optimizer))
+              if id(m) not in seen]
+    if learner.critic is not None:
+        named += [(f"critic.{n}", p) for n, p in learner.critic.named_parameters() if p.requires_grad]
+    return non_finite(named)
 
 
 def resume(trainer: Checkpointed) -> int:

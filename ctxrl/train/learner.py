@@ -154,18 +154,6 @@ class Learner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def non_finite_weights(self) -> list[str]:
-        """The trained tensors holding a NaN or an infinity: the policy's, the optimiser's float32 masters, the
-        critic's. The skips above keep a non-finite gradient out of them; a finite step too large for float32 (a
-        learning rate near 1e39) still makes them so, and then nothing the run does next means anything."""
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        seen = {id(p) for _, p in named}
-        named += [(f"optimizer master {i}", m) for i, m in enumerate(trainable_grads(self.optimizer))
-                  if id(m) not in seen]
-        if self.critic is not None:
-            named += [(f"critic.{n}", p) for n, p in self.critic.named_parameters() if p.requires_grad]
-        return non_finite(named)
-
     def collate(self, rows) -> Batch:
         """``collate(rows)`` with this learner's pad id, on the CPU (micro-batches move to the device)."""
         return collate(rows, self.pad_token_id)
@@ -376,16 +364,6 @@ class Learner:
             precision.update()
             metrics["loss_scale"] = precision.loss_scale
         return metrics
-
-
-@torch.no_grad()
-def non_finite(named) -> list[str]:
-    """The names of ``(name, tensor)`` pairs whose tensor holds a NaN or an infinity (one host sync)."""
-    named = list(named)
-    if not named:
-        return []
-    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named]).tolist()
-    return [name for (name, _), ok in zip(named, finite) if not ok]
 
 
 def figure_keys(s: PPOSettings, *, kl: bool, critic: bool) -> list[str]:

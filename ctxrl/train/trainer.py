@@ -25,7 +25,6 @@ warm-start policy (off by default), no value function (docs/algorithms.md).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -49,7 +48,7 @@ from ctxrl.rollout.spec import RolloutSpec, spec_engine
 from ctxrl.rollout.worker import RolloutWorker, spec_env_class, spec_renderer
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
-from ctxrl.train import checkpoint, loop
+from ctxrl.train import checkpoint, health, loop
 from ctxrl.train.collect import Collected, Collector, trainable
 from ctxrl.train.evaluation import evaluate_splits
 from ctxrl.train.followers import Followers
@@ -253,21 +252,8 @@ class Trainer:
         errored = [e for e in episodes if e.truncation == "error"]
         if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
             self.writer.log_samples(step + 1, errored, self.renderer.decode, phase="rl-errored")
-        error_rate = len(errored) / max(len(episodes), 1)
-        if error_rate > c.rollout.max_error_rate:
-            raise TrainingAborted(
-                f"step {step + 1}: {len(errored)} of {len(episodes)} episodes errored (rate {error_rate:.2f} > "
-                f"rollout.max_error_rate={c.rollout.max_error_rate}); first error: {errored[0].info.get('error')}. "
-                f"The episodes are in {self.writer.dir / 'samples.jsonl'} (phase rl-errored)."
-                + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
-        broken = [e for e in episodes if e.truncation != "error" and any(
-            math.isnan(x) for seq in e.sequences() for x in seq.behavior_logprobs)]
-        if broken:  # the engine's weights are finite (update checks them) but give no numbers any more
-            raise TrainingAborted(
-                f"step {step + 1}: the policy (version {broken[0].policy_version}) sampled {len(broken)} of "
-                f"{len(episodes)} episodes with NaN log-probabilities: its weights are finite but too large to give "
-                f"numbers, so nothing can be learnt from them (an update too large for the model; train.lr="
-                f"{c.train.lr:g})." + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
+        error_rate = health.check_errors(self, episodes, step)
+        health.check_sampled(self, episodes, step)
         valid = [e for e in collected.train if trainable(e)]
         dropped = 0
         if self.estimator.needs_groups:  # group statistics need two valid episodes
@@ -307,14 +293,8 @@ class Trainer:
         learner = self.learner
         self.followers.update(rows)  # (data-parallel: the follower ranks train on their shares of the same rows)
         update = learner.update(learner.collate(rows)) if rows else {}
-        bad = learner.non_finite_weights() if rows else []
-        if bad:  # never trained on, saved or handed to the engine
-            c = self.config
-            raise TrainingAborted(
-                f"step {step + 1}: the update left NaN or infinite values in {len(bad)} trained tensors "
-                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) although its loss and gradient norm were "
-                f"finite: a step too large for the weights (train.lr={c.train.lr:g}). They were neither saved nor "
-                "given to the engine." + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
+        if rows:
+            health.check_update(self, step)
         if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
             self.consecutive_skips += 1
         elif update:
