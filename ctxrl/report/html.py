@@ -1,0 +1,359 @@
+"""One self-contained HTML page of one run, or a comparison of several: ``ctxrl report RUN_DIR [RUN_DIR ...]``.
+
+Made only from a run directory's files (``metrics.jsonl``, ``samples.jsonl``, ``config.toml``; ``RunWriter`` writes
+them), so it works on a finished run, a running one, or one copied from another machine. The page carries its CSS
+and its charts (inline SVG, ``ctxrl.report.svg``): nothing is fetched when it is viewed, and it has no script.
+
+What it shows: success by split over steps (training rollouts as a curve, evaluations as points), reward, tool
+calls, context length and summaries per episode, entropy / KL / clip fractions where logged; sample episodes as a
+conversation with the loss mask on the text (sampled, mask 1, vs given, mask 0), tool calls and results, and each
+earlier sequence of a rewritten context (summaries, windows, folds, attempts, reflections); with two or more runs,
+the curves overlaid and a table of final figures.
+
+What it does not do: read checkpoints or load a model, tokenize (the spans' text is what the run decoded), or
+trust any text: episode text is model output and is HTML-escaped everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from html import escape
+from pathlib import Path
+
+from ctxrl.report.svg import PALETTE, Series, finite, line_chart
+
+EPISODES_PER_PHASE = 2
+"""Sample episodes shown per phase (sft, rl, eval-heldout, ...): those of the phase's last logged step."""
+
+POLICY_KEYS = ("entropy", "approx_kl", "kl", "clip_frac_low", "clip_frac_high", "logprob_mismatch", "grad_norm")
+SEGMENT_MEANING = {
+    "summary": "its last sampled text is the summary the next sequence starts from",
+    "window": "old turns were dropped from the context",
+    "select": "the policy chose which turns to keep",
+    "fold": "a branch that returned its result to the parent",
+    "attempt": "an earlier attempt at the task",
+    "reflection": "a reflection on the attempt before, carried to the next",
+    "template": "the chat template rewrote earlier turns",
+    "edited": "the client edited the conversation",
+}
+
+
+class Run:
+    """A run directory's logs, read once: metric rows by phase and the sample episodes."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir)
+        if not (self.dir / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{self.dir}/metrics.jsonl not found: is {self.dir} a run directory "
+                                    "(ctxrl train --run-dir)?")
+        self.name = self.dir.resolve().name
+        self.rows = _jsonl(self.dir / "metrics.jsonl")
+        self.samples = _jsonl(self.dir / "samples.jsonl") if (self.dir / "samples.jsonl").is_file() else []
+        config = self.dir / "config.toml"
+        self.config = config.read_text(encoding="utf-8") if config.is_file() else ""
+
+    def phase(self, phase: str) -> list[dict]:
+        return [r for r in self.rows if r.get("phase") == phase]
+
+    def curve(self, key: str, phase: str = "rl", split: str | None = None) -> list[tuple[float, float]]:
+        """(step, value) of ``key`` in the rows of ``phase`` (and ``split``), leaving out non-finite values."""
+        out = []
+        for r in self.phase(phase):
+            if split is not None and r.get("split") != split:
+                continue
+            x, y = finite(r.get("step")), finite(r.get(key))
+            if x is not None and y is not None:
+                out.append((x, y))
+        return out
+
+    def splits(self) -> list[str]:
+        order = {"train": 0, "heldout": 1, "ood": 2}
+        return sorted({r.get("split", "") for r in self.phase("eval")}, key=lambda s: (order.get(s, 9), s))
+
+    def final(self) -> dict[str, float | None]:
+        """The last figures: each split's last evaluated success, and the last training step's figures."""
+        out: dict[str, float | None] = {}
+        for split in self.splits():
+            pts = self.curve("success", "eval", split)
+            out[f"{split} success"] = pts[-1][1] if pts else None
+        rl = self.phase("rl")
+        last = rl[-1] if rl else {}
+        out["steps"] = finite(last.get("step"))
+        for key in ("reward", "success", "tool_calls", "entropy"):
+            out[f"train {key}"] = finite(last.get(key))
+        return out
+
+
+def _jsonl(path: Path) -> list[dict]:
+    """The rows of a JSONL log; a line cut by a crash (or still being written) is left out."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+# -- charts ----------------------------------------------------------------------------------------------------
+
+
+def run_charts(run: Run) -> list[str]:
+    """One run's charts (those with something logged)."""
+    charts = []
+    success = [Series("train rollouts", run.curve("success"))]
+    success += [Series(f"{split} (evaluation)", run.curve("success", "eval", split), points=True)
+                for split in run.splits()]
+    charts.append(line_chart(success, title="Success by split", y_label="success", y_range=(0, 1)))
+    charts.append(line_chart([Series("train reward", run.curve("reward"))], title="Reward (training rollouts)",
+                             y_label="reward"))
+    tools = [Series("tool calls / episode", run.curve("tool_calls")),
+             Series("tool errors / episode", run.curve("tool_errors"), dashed=True)]
+    tools += [Series(f"{split} tool calls (evaluation)", run.curve("tool_calls", "eval", split), points=True)
+              for split in run.splits()]
+    charts.append(line_chart(tools, title="Tool calls per episode", y_label="calls"))
+    context = [Series("context peak (mean)", run.curve("context_peak_tokens_mean")),
+               Series("context peak (max)", run.curve("context_peak_tokens_max"), dashed=True),
+               Series("tokens per sequence", _ratio(run, "tokens", "trained_sequences")),
+               Series("sampled tokens per episode", run.curve("sampled_tokens"), dashed=True)]
+    if any(s.xy for s in context):
+        charts.append(line_chart(context[:2] if context[0].xy else context[2:], title="Context length per episode",
+                                 y_label="tokens"))
+    summaries = [Series(k.replace("_", " "), run.curve(k)) for k in ("summaries_per_episode", "windows_per_episode",
+                                                                    "branches_per_episode") if run.curve(k)]
+    if any(y for s in summaries for _, y in s.xy):
+        charts.append(line_chart(summaries, title="Context rewrites per episode", y_label="per episode"))
+    for key in POLICY_KEYS:
+        if run.curve(key):
+            charts.append(line_chart([Series(key, run.curve(key))], title=key.replace("_", " "), y_label=key))
+    clip = [Series(k, run.curve(k)) for k in ("clip_frac_low", "clip_frac_high") if run.curve(k)]
+    if len(clip) == 2:
+        charts = [c for c in charts if "clip frac" not in c[:400]]
+        charts.append(line_chart(clip, title="Clip fractions", y_label="fraction"))
+    return charts
+
+
+def _ratio(run: Run, numerator: str, denominator: str) -> list[tuple[float, float]]:
+    """(step, numerator / denominator) of the training rows (a step's tokens over its sequences)."""
+    out = []
+    for r in run.phase("rl"):
+        x, a, b = finite(r.get("step")), finite(r.get(numerator)), finite(r.get(denominator))
+        if x is not None and a is not None and b:
+            out.append((x, a / b))
+    return out
+
+
+def comparison_charts(runs: list[Run]) -> list[str]:
+    """The runs' curves overlaid, one colour per run."""
+    charts = []
+    heldout = []
+    for i, run in enumerate(runs):
+        color = PALETTE[i % len(PALETTE)]
+        heldout.append(Series(f"{run.name} train rollouts", run.curve("success"), color=color))
+        split = "heldout" if "heldout" in run.splits() else (run.splits() or [""])[0]
+        heldout.append(Series(f"{run.name} {split} (evaluation)", run.curve("success", "eval", split), points=True,
+                              color=color))
+    charts.append(line_chart(heldout, title="Success: training rollouts and held-out evaluations", y_range=(0, 1),
+                             y_label="success"))
+    for key, title in (("reward", "Reward"), ("tool_calls", "Tool calls per episode"), ("entropy", "Entropy"),
+                       ("context_peak_tokens_mean", "Context length per episode")):
+        series = [Series(run.name, run.curve(key), color=PALETTE[i % len(PALETTE)]) for i, run in enumerate(runs)]
+        if any(s.xy for s in series):
+            charts.append(line_chart(series, title=title, y_label=key))
+    return charts
+
+
+# -- episodes ---------------------------------------------------------------------------------------------------
+
+ROLE_MARKERS = re.compile(r"<\|im_start\|>(\w+)|<\|start_header_id\|>(\w+)<\|end_header_id\|>"
+                          r"|\[INST\]|<start_of_turn>(\w+)")
+
+
+def messages_of(spans: list[dict]) -> list[dict]:
+    """Cut a sequence's mask spans into messages at the chat template's role markers, for display only.
+
+    Every character stays, in order, with its span's mask; a template this does not know gives one message.
+    Returns ``[{"role": str, "pieces": [(text, mask), ...]}]``.
+    """
+    text = "".join(str(s.get("text", "")) for s in spans)
+    cuts = [(m.start(), next((g for g in m.groups() if g), "user")) for m in ROLE_MARKERS.finditer(text)]
+    if not cuts or cuts[0][0] != 0:
+        cuts.insert(0, (0, "text"))
+    messages = [{"role": role, "pieces": [], "start": start} for start, role in cuts]
+    pos, k = 0, 0
+    for span in spans:
+        piece, mask = str(span.get("text", "")), int(span.get("mask", 0))
+        while piece:
+            while k + 1 < len(messages) and messages[k + 1]["start"] <= pos:
+                k += 1
+            end = messages[k + 1]["start"] if k + 1 < len(messages) else pos + len(piece)
+            take = max(1, min(len(piece), end - pos))
+            messages[k]["pieces"].append((piece[:take], mask))
+            piece, pos = piece[take:], pos + take
+    return [{"role": m["role"], "pieces": m["pieces"]} for m in messages if m["pieces"]]
+
+
+def _message_kind(message: dict) -> str:
+    text = "".join(t for t, _ in message["pieces"])
+    if message["role"] in ("tool", "ipython") or "<tool_response>" in text:
+        return "tool result"
+    if "<tool_call>" in text or '"name":' in text and any(m for _, m in message["pieces"]):
+        return "tool call" if message["role"] == "assistant" else message["role"]
+    return message["role"]
+
+
+def render_sequence(spans: list[dict]) -> str:
+    """A sequence as a conversation: one block per message, each span marked by its loss mask."""
+    out = ['<div class="conversation">']
+    for message in messages_of(spans):
+        kind = _message_kind(message)
+        out.append(f'<div class="msg role-{escape(kind.replace(" ", "-"))}"><div class="role">{escape(kind)}</div>'
+                   '<pre class="text">')
+        for text, mask in message["pieces"]:
+            bit = 1 if mask else 0
+            out.append(f'<span class="mask{bit}" title="loss mask {bit}">{escape(text)}</span>')
+        out.append("</pre></div>")
+    out.append("</div>")
+    return "".join(out)
+
+
+def render_episode(record: dict, *, open_: bool = False) -> str:
+    """One sample episode: its figures, then each earlier sequence (a rewritten context), then the live one."""
+    ok = record.get("success")
+    head = (f'{escape(str(record.get("phase", "")))} · step {escape(str(record.get("step", "")))} · '
+            f'{escape(str(record.get("split", "")))} · {escape(str(record.get("task_id", "")))} · '
+            f'reward {escape(str(record.get("reward", "")))} · {"success" if ok else "failure"} · '
+            f'{escape(str(record.get("tool_calls", 0)))} tool calls · {escape(str(record.get("tokens", "")))} tokens '
+            f'({escape(str(record.get("sampled_tokens", "")))} sampled)')
+    out = [f'<details class="episode {"ok" if ok else "fail"}"{" open" if open_ else ""}><summary>{head}</summary>',
+           f'<p class="task"><b>task</b> {escape(str(record.get("prompt", "")))} <b>answer</b> '
+           f'{escape(str(record.get("answer", "")))}</p>']
+    if record.get("error"):
+        out.append(f'<p class="error">error ({escape(str(record.get("error_kind")))}): '
+                   f'{escape(str(record["error"]))}</p>')
+    segments = record.get("segments") or []
+    for i, segment in enumerate(segments):
+        ended = str(segment.get("ended_by", ""))
+        meaning = SEGMENT_MEANING.get(ended, "")
+        out.append(f'<div class="segment ended-{escape(ended)}"><div class="segment-head">sequence {i + 1} of '
+                   f'{len(segments) + 1}: ended by <b>{escape(ended)}</b>{" — " + escape(meaning) if meaning else ""}'
+                   f' ({escape(str(segment.get("tokens", "")))} tokens)</div>')
+        out.append(render_sequence(segment.get("spans") or []))
+        out.append("</div>")
+    if segments:
+        out.append(f'<div class="segment-head">sequence {len(segments) + 1} of {len(segments) + 1}: the last</div>')
+    out.append(render_sequence(record.get("spans") or []))
+    out.append("</details>")
+    return "".join(out)
+
+
+def chosen_samples(run: Run) -> list[dict]:
+    """The episodes shown: per phase, ``EPISODES_PER_PHASE`` of its last logged step; and the last episode with a
+    rewritten context (earlier sequences) if none of those has one."""
+    last: dict[str, int] = {}
+    for s in run.samples:
+        step = finite(s.get("step"))
+        if step is not None:
+            last[str(s.get("phase"))] = max(last.get(str(s.get("phase")), -1), int(step))
+    shown: dict[str, list[dict]] = {}
+    for s in run.samples:
+        phase = str(s.get("phase"))
+        if s.get("step") == last.get(phase) and len(shown.setdefault(phase, [])) < EPISODES_PER_PHASE:
+            shown[phase].append(s)
+    order = {"sft": 0, "rl": 2}
+    chosen = [s for phase in sorted(shown, key=lambda p: (order.get(p, 1), p)) for s in shown[phase]]
+    rewritten = [s for s in run.samples if s.get("segments")]
+    if rewritten and not any(s.get("segments") for s in chosen):  # a summary (fold, attempt...) is worth showing
+        chosen.append(rewritten[-1])
+    return chosen
+
+
+# -- the page ---------------------------------------------------------------------------------------------------
+
+CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:1.5em auto;max-width:1500px;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;margin-top:1.6em}
+.charts{display:flex;flex-wrap:wrap;gap:12px}
+.chart{background:#fff;border:1px solid #ddd}.chart-title{font-weight:600;font-size:13px}
+.plot-area{fill:#fcfcfc;stroke:#bbb}.grid{stroke:#e4e4e4}.tick,.legend,.axis{font-size:11px;fill:#444}
+.empty{fill:#999}
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th:first-child,td:first-child{text-align:left}
+.legend-mask span{padding:1px 6px;margin-right:8px}
+.episode{border:1px solid #ccc;margin:8px 0;padding:4px 8px}.episode.ok>summary{color:#176317}
+.episode.fail>summary{color:#a11}summary{cursor:pointer;font-weight:600}
+.conversation{margin:6px 0 10px 0}
+.msg{border-left:4px solid #bbb;margin:4px 0;padding:2px 8px;background:#fafafa}
+.msg.role-assistant,.msg.role-tool-call{border-color:#3a8f3a}.msg.role-tool-result{border-color:#d08a00}
+.msg.role-system{border-color:#888}.role{font-size:11px;text-transform:uppercase;color:#666}
+pre.text{white-space:pre-wrap;word-break:break-word;margin:2px 0;font:12px/1.4 ui-monospace,monospace}
+.mask1{background:#b7e4b0}.mask0{background:#ececec;color:#555}
+.segment{border:1px dashed #aaa;padding:4px;margin:6px 0}.segment-head{font-size:12px;color:#444;margin:6px 0 2px}
+.error{color:#a11}details.config pre{background:#f6f6f6;padding:8px;font-size:12px}
+"""
+
+MASK_LEGEND = ('<p class="legend-mask"><span class="mask1">loss mask 1: sampled by the policy (trained)</span>'
+               '<span class="mask0">loss mask 0: given (prompt, template, tool results, environment text)</span></p>')
+
+
+def _cell(value) -> str:
+    value = finite(value)
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value.is_integer() and abs(value) > 1 else f"{value:.3f}"
+
+
+def final_table(runs: list[Run]) -> str:
+    finals = [run.final() for run in runs]
+    keys = list(dict.fromkeys(k for f in finals for k in f))
+    out = ['<table class="final"><tr><th>run</th>' + "".join(f"<th>{escape(k)}</th>" for k in keys) + "</tr>"]
+    for run, f in zip(runs, finals):
+        out.append(f"<tr><td>{escape(run.name)}</td>" + "".join(f"<td>{_cell(f.get(k))}</td>" for k in keys) + "</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def run_section(run: Run) -> str:
+    out = [f'<section class="run" id="run-{escape(run.name)}"><h2>{escape(run.name)}</h2>',
+           f'<p class="run-dir">{escape(str(run.dir))}</p>',
+           '<div class="charts">' + "".join(run_charts(run)) + "</div>",
+           "<h3>Sample episodes</h3>", MASK_LEGEND]
+    samples = chosen_samples(run)
+    out.extend(render_episode(s, open_=i == 0) for i, s in enumerate(samples))
+    if not samples:
+        out.append("<p>no samples logged yet</p>")
+    if run.config:
+        out.append(f'<details class="config"><summary>config.toml</summary><pre>{escape(run.config)}</pre></details>')
+    out.append("</section>")
+    return "".join(out)
+
+
+def render(run_dirs: list[str | Path]) -> str:
+    """The page (a string) for one run directory, or a comparison of several."""
+    runs = [Run(d) for d in run_dirs]
+    title = "ctxrl run " + runs[0].name if len(runs) == 1 else "ctxrl runs: " + ", ".join(r.name for r in runs)
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>{escape(title)}</title><style>{CSS}</style></head><body>", f"<h1>{escape(title)}</h1>"]
+    if len(runs) > 1:
+        out.append('<section class="comparison"><h2>Comparison</h2><div class="charts">'
+                   + "".join(comparison_charts(runs)) + "</div><h3>Final figures</h3>" + final_table(runs)
+                   + "</section>")
+    else:
+        out.append("<h3>Final figures</h3>" + final_table(runs))
+    out.extend(run_section(run) for run in runs)
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def write_report(run_dirs: list[str | Path] | str | Path, out: str | Path | None = None) -> Path:
+    """Write the page to ``out`` (default: the first run's ``report.html``), through a temporary file."""
+    dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
+    path = Path(out) if out is not None else Path(dirs[0]) / "report.html"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(render(dirs), encoding="utf-8")
+    tmp.replace(path)  # a reader (a browser reloading it mid-run) never sees half a page
+    return path
