@@ -1,6 +1,6 @@
 """``ctxrl`` command line: argument parsing and printing; the work is ``ctxrl.train.trainer``'s.
 
-Commands: ``demo``, ``train``, ``eval``, ``config``, ``merge``, ``serve``, ``envs``, ``check-env``.
+Commands: ``demo``, ``train``, ``eval``, ``config``, ``merge``, ``serve``, ``envs``, ``check-env``, ``report``.
 """
 
 from __future__ import annotations
@@ -246,6 +246,17 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """One self-contained HTML page of one run, or a comparison of several (``ctxrl.report.html``)."""
+    from ctxrl.report.html import write_report
+
+    for run_dir in args.run_dirs:
+        if not (Path(run_dir) / "metrics.jsonl").is_file():
+            raise CtxrlError(f"{run_dir} is not a run directory (no metrics.jsonl); pass the --run-dir of a run")
+    print(f"wrote {write_report(args.run_dirs, args.out)}")
+    return 0
+
+
 def cmd_check_env(args: argparse.Namespace) -> int:
     """Run the conformance suite on an environment; exit 1 listing every problem."""
     from ctxrl.demos.features import features
@@ -343,6 +354,8 @@ EXAMPLES = {
                   "  .venv/bin/ctxrl check-env fact_hunt --lengths tiny:envs=calculator+fact_hunt\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
                   "  .venv/bin/ctxrl check-env mypkg.maze:MazeEnv --json"),
+    "report": (".venv/bin/ctxrl report runs/calc            # writes runs/calc/report.html\n"
+               "  .venv/bin/ctxrl report runs/a runs/b --out compare.html"),
 }
 
 
@@ -371,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_envs_parser(sub)
     _add_check_env_parser(sub)
+    _add_report_parser(sub)
     return parser
 
 
@@ -504,6 +518,16 @@ def _add_check_env_parser(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--tool-format", default="hermes", choices=format_names(),
                        help="the format the gold solutions' tool calls are written in (docs/tool-formats.md)")
     check.set_defaults(fn=cmd_check_env)
+
+
+def _add_report_parser(sub: argparse._SubParsersAction) -> None:
+    report = _command(sub, "report", "an HTML page of a run (or a comparison of runs)",
+                      "One self-contained HTML page (no network needed to view it) from run directories' logs: "
+                      "success by split, reward, tool calls, context length, entropy / KL / clip fractions, and "
+                      "sample episodes with their loss mask. A run writes its own RUN_DIR/report.html too.")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories; two or more are compared")
+    report.add_argument("--out", help="the page to write (default: the first RUN_DIR/report.html)")
+    report.set_defaults(fn=cmd_report)
 
 
 def main(argv: list[str] | None = None) -> int:

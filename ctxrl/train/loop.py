@@ -3,7 +3,8 @@
 ``run(trainer, resume)`` is what ``Trainer.fit`` runs on rank 0: warm start (if enabled), the evaluation before RL
 (read back from ``metrics.jsonl`` on resume), the RL steps (``Trainer.step``) with held-out evaluations every
 ``train.eval_every`` steps and checkpoints every ``train.checkpoint_every``, a graceful stop on SIGINT / SIGTERM
-(checkpointed, resumable), then the final evaluation, checkpoint and plots.
+(checkpointed, resumable), then the final evaluation, checkpoint and plots; ``report.html`` (``ctxrl.report.html``)
+is rewritten after every evaluation.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def run(trainer, resume: bool) -> dict[str, Any]:
                 checkpoint.save(trainer, 0)
         if trainer.memory is not None:  # what each run records of its plan (benchmarks/shared_gpu.py reads it)
             trainer.writer.log_metrics({"phase": "memory", "step": first, **trainer.memory.figures()})
+        write_report(trainer)
         trainer.progress.message(("after warm start: " if config.sft.enabled else "before RL: ") + "  ".join(
             f"{split} {before[split]['success']:.2f}" for split in ("heldout", "ood") if split in before))
         steps = config.train.steps
@@ -78,6 +80,7 @@ def run(trainer, resume: bool) -> dict[str, Any]:
             if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
                 for split, result in trainer.evaluate(done, splits=("heldout",)).items():
                     info += f" | {split} {result['success']:.2f}"
+                write_report(trainer)
             if every and done % every == 0:
                 checkpoint.save(trainer, done)
             trainer.progress.rl_step(info)
@@ -96,11 +99,24 @@ def finish(trainer, summary: dict[str, Any], before: dict, after: dict, started:
     from ctxrl.report.plots import plot_run
 
     plots = plot_run(trainer.writer.dir)
+    report = write_report(trainer)
     summary.update(_summary(before, after))
     summary.update({"skipped_updates": trainer.learner.skipped_updates, "checkpoint": str(final),
-                    "plots": [str(p) for p in plots], "device": trainer.device,
+                    "plots": [str(p) for p in plots], "report": report and str(report), "device": trainer.device,
                     "wall_seconds": round(time.perf_counter() - started, 1)})
     return summary
+
+
+def write_report(trainer) -> Path | None:
+    """``RUN_DIR/report.html`` from the logs so far (``ctxrl report``); a page that cannot be written is said, and the
+    run goes on: it is a view of the logs, which are intact."""
+    from ctxrl.report.html import write_report as write_page
+
+    try:
+        return write_page(trainer.writer.dir)
+    except (OSError, ValueError) as exc:
+        trainer.progress.message(f"report.html not written: {exc}")
+        return None
 
 
 def resume_run(trainer) -> tuple[int, dict[str, dict[str, float]]]:
