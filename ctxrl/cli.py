@@ -23,8 +23,10 @@ def _default_run_dir(config: Config) -> Path:
 
 def _train(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
     from ctxrl.report.progress import ConsoleProgress
+    from ctxrl.train.preflight import preflight
     from ctxrl.train.trainer import train
 
+    preflight(config)  # (train runs it too; here a refusal comes before the progress bars start drawing)
     follower = int(os.environ.get("RANK", "0")) > 0  # a data-parallel learner rank under torchrun: rank 0 reports
     with ConsoleProgress(quiet=quiet or follower or not config.run.progress) as progress:
         return train(config, run_dir, progress=progress, resume=resume)
@@ -105,6 +107,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # (a LoRA checkpoint loads as its base with the adapters merged in: nothing to wrap again)
     overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false", "lora.rank=0"]
     config = load_config(args.config, overrides)
+    from ctxrl.envs.hooks import available_splits
+    from ctxrl.train.preflight import preflight
+
+    have = available_splits(preflight(config, training=False, split=args.split))  # before the checkpoint loads
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
         f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
@@ -113,12 +119,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     writer = RunWriter(run_dir, sinks=make_sinks(config.report, run_dir, name=f"eval-{config.run.name}",
                                                  config=config.as_record()))
     writer.write_config(to_toml(config))
-    from ctxrl.envs.hooks import available_splits
-
-    have = available_splits(worker.env_cls)
-    if args.split and args.split not in have:
-        raise ConfigError(f"--split {args.split}: environment {config.env.name!r} has no {args.split!r} tasks "
-                          f"(it has {', '.join(have)})")
     skipped = [s for s in ("train", "heldout", "ood") if s not in have and not args.split]
     if skipped:
         print(f"note: no {' or '.join(skipped)} tasks: skipped", file=sys.stderr)
@@ -148,13 +148,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved configuration and check it (and what it names) without loading a model."""
     from ctxrl.config import to_toml
-    from ctxrl.models.loader import check_available
-    from ctxrl.rollout.spec import RolloutSpec
-    from ctxrl.rollout.worker import spec_env_class
+    from ctxrl.train.preflight import preflight
 
     config = load_config(args.config, args.overrides)
-    spec_env_class(RolloutSpec.from_config(config))
-    check_available(config.model.name)  # a missing path, package or GGUF reader is an error now
+    preflight(config)  # the checks `ctxrl train` runs before it builds or loads a model: valid here is valid there
     print(to_toml(config), end="")
     print(f"# valid: environment {config.env.name!r}, model {config.model.name!r}", file=sys.stderr)
     return 0
@@ -187,8 +184,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
         overrides += [f"model.name={json.dumps(str(args.checkpoint))}", "lora.rank=0"]
     config = load_config(args.config, overrides)
+    from ctxrl.train.preflight import preflight
     from ctxrl.train.tiny import ensure_model
 
+    preflight(config, training=False)
     ensure_model(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
     spec = RolloutSpec.from_config(config)
     renderer = spec_renderer(spec)
