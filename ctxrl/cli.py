@@ -505,6 +505,33 @@ def _add_check_env_parser(sub: argparse._SubParsersAction) -> None:
     check.set_defaults(fn=cmd_check_env)
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+def _option_hint(command: argparse.ArgumentParser, stray: list[str]) -> str:
+    """``; did you mean --steps?`` for the first stray option near one of the command's (abbreviations are off:
+    ``--step`` is not ``--steps``), or the ``section.field=value`` override a TRL/verl flag means
+    (``--learning_rate 1e-5``: ``train.lr=1e-5``)."""
+    import difflib
+
+    from ctxrl.config import ALIASES
+
+    options = [o for o in command._option_string_actions if o.startswith("--")]
+    for word in stray:
+        if not word.startswith("--"):
+            continue
+        name = word[2:].partition("=")[0]
+        if name.replace("-", "_") in ALIASES:
+            target, origin = ALIASES[name.replace("-", "_")]
+            return f"; did you mean the override {target}=VALUE ({origin}'s {name})?"
+        close = difflib.get_close_matches(word.partition("=")[0], options, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]}?"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may follow options (`eval CONFIG --checkpoint X train.steps=3`); argparse leaves
@@ -512,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        command = _subparser(parser, args.command)  # its usage, not the top-level one, and a suggestion
+        command.error(f"unrecognized arguments: {' '.join(stray)}{_option_hint(command, stray)}")
     if extra:
         if not hasattr(args, "overrides"):
             parser.error(f"{args.command} takes no overrides: {' '.join(extra)}")
