@@ -180,10 +180,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.overrides.append(f"model.name={json.dumps(str(args.checkpoint))}")
         args.resume, args.steps, args.json, args.distributed = False, None, False, None
         return cmd_train(args)
-    overrides = list(args.overrides)
+    config = load_config(args.config, args.overrides)
+    name, aliases = served_names(config.model.name, args.model_name, args.checkpoint)
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
-        overrides += [f"model.name={json.dumps(str(args.checkpoint))}", "lora.rank=0"]
-    config = load_config(args.config, overrides)
+        config = load_config(args.config, [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}",
+                                           "lora.rank=0"])
     from ctxrl.train.preflight import preflight
     from ctxrl.train.tiny import ensure_model
 
@@ -195,17 +196,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
     engine = spec_engine(spec, model, renderer)
-    name = args.model_name or (Path(str(args.checkpoint)).name if args.checkpoint else config.model.name)
     server = Server(engine, renderer, model_name=name, max_total_tokens=config.rollout.max_total_tokens,
                     max_new_tokens=config.rollout.max_new_tokens, stop_ids=tuple(config.rollout.stop_ids),
                     api_key=api_key, max_concurrency=args.max_concurrency, read_timeout_s=args.read_timeout,
-                    session_timeout_s=args.session_timeout, aliases=(config.model.name,) if args.checkpoint else ())
+                    session_timeout_s=args.session_timeout, aliases=aliases)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
     print(f"ctxrl serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"(sessions: http://{args.host}:{args.port}/sessions/<id>/v1)", file=sys.stderr)
     uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def served_names(model_name: str, chosen: str | None, checkpoint: str | None) -> tuple[str, tuple[str, ...]]:
+    """The model name clients send and the other names accepted: ``--model-name``, else the config's
+    ``model.name`` (what a client was written against, ``model="tiny"``), with a checkpoint's directory name and
+    path (``final``, ``runs/calc/checkpoints/final``) as aliases."""
+    name = chosen or model_name
+    others = (model_name, Path(checkpoint).name, str(checkpoint)) if checkpoint else (model_name,)
+    return name, tuple(n for n in dict.fromkeys(others) if n != name)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -463,7 +472,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route; prefer the "
                        "CTXRL_API_KEY environment variable (a command line is visible to every process)")
-    serve.add_argument("--model-name", help="the model name clients send (default: model.name or the checkpoint's)")
+    serve.add_argument("--model-name", help="the model name clients send (default: the config's model.name; "
+                       "with --checkpoint, its directory name and path are accepted too)")
     serve.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     serve.add_argument("--read-timeout", type=float, default=30.0,
                        help="seconds a request's body may take to arrive before 408 (default 30)")

@@ -127,3 +127,4 @@ def test_hub_name_fails_fast(monkeypatch) -> None:
     with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):
         check_available("nope-org/nope-model")
     assert len(calls) == 1
+
