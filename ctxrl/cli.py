@@ -169,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ctxrl.serve.server import Server
     except ImportError as exc:
         raise ConfigError(f"ctxrl serve needs the serve extra ({exc.name} is missing): "
-                          "pip install 'ctxrl[serve]'") from None
+                          "pip install -e '.[serve]'") from None
     api_key = args.api_key or os.environ.get("CTXRL_API_KEY") or None
     if args.train:  # training: the harnesses are in other processes; they claim episodes over HTTP
         from ctxrl.serve.harness import Remote

@@ -490,7 +490,8 @@ class ReportConfig:
 
     sinks: str = "jsonl"
     """Where metrics go, comma-separated: ``jsonl`` (metrics.jsonl and samples.jsonl, always), ``tensorboard``
-    (RUN/tensorboard; needs ``pip install 'ctxrl[tensorboard]'``) and ``wandb`` (RUN/wandb; ``ctxrl[wandb]``)."""
+    (RUN/tensorboard) and ``wandb`` (RUN/wandb), each installed from a clone of ctxrl as an extra: ``pip install -e
+    '.[tensorboard]'``, ``pip install -e '.[wandb]'``."""
     wandb_project: str = "ctxrl"
     """The Weights & Biases project a run logs to."""
     wandb_mode: str = "offline"
@@ -501,7 +502,7 @@ class ReportConfig:
 class DistributedConfig:
     backend: str = field(default="none", metadata=RESUMABLE)
     """Where rollouts run: ``none`` (in this process) or ``ray`` (``rollout_workers`` Ray actors, each with its
-    own engine; ``ctxrl train --distributed ray``; needs ``pip install 'ctxrl[ray]'``; docs/scaling.md)."""
+    own engine; ``ctxrl train --distributed ray``; needs ``pip install -e '.[ray]'``; docs/scaling.md)."""
     rollout_workers: int = field(default=2, metadata={**RESUMABLE, **POSITIVE})
     """Ray rollout actors; a request's tasks are split among them (the episodes are those of one process)."""
     address: str = field(default="", metadata=RESUMABLE)
