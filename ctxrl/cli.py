@@ -23,8 +23,10 @@ def _default_run_dir(config: Config) -> Path:
 
 def _train(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
     from ctxrl.report.progress import ConsoleProgress
+    from ctxrl.train.preflight import preflight
     from ctxrl.train.trainer import train
 
+    preflight(config)  # (train runs it too; here a refusal comes before the progress bars start drawing)
     follower = int(os.environ.get("RANK", "0")) > 0  # a data-parallel learner rank under torchrun: rank 0 reports
     with ConsoleProgress(quiet=quiet or follower or not config.run.progress) as progress:
         return train(config, run_dir, progress=progress, resume=resume)
@@ -105,6 +107,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # (a LoRA checkpoint loads as its base with the adapters merged in: nothing to wrap again)
     overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false", "lora.rank=0"]
     config = load_config(args.config, overrides)
+    from ctxrl.envs.hooks import available_splits
+    from ctxrl.train.preflight import preflight
+
+    have = available_splits(preflight(config, training=False, split=args.split))  # before the checkpoint loads
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
         f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
@@ -113,12 +119,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     writer = RunWriter(run_dir, sinks=make_sinks(config.report, run_dir, name=f"eval-{config.run.name}",
                                                  config=config.as_record()))
     writer.write_config(to_toml(config))
-    from ctxrl.envs.hooks import available_splits
-
-    have = available_splits(worker.env_cls)
-    if args.split and args.split not in have:
-        raise ConfigError(f"--split {args.split}: environment {config.env.name!r} has no {args.split!r} tasks "
-                          f"(it has {', '.join(have)})")
     skipped = [s for s in ("train", "heldout", "ood") if s not in have and not args.split]
     if skipped:
         print(f"note: no {' or '.join(skipped)} tasks: skipped", file=sys.stderr)
@@ -148,13 +148,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved configuration and check it (and what it names) without loading a model."""
     from ctxrl.config import to_toml
-    from ctxrl.models.loader import check_available
-    from ctxrl.rollout.spec import RolloutSpec
-    from ctxrl.rollout.worker import spec_env_class
+    from ctxrl.train.preflight import preflight
 
     config = load_config(args.config, args.overrides)
-    spec_env_class(RolloutSpec.from_config(config))
-    check_available(config.model.name)  # a missing path, package or GGUF reader is an error now
+    preflight(config)  # the checks `ctxrl train` runs before it builds or loads a model: valid here is valid there
     print(to_toml(config), end="")
     print(f"# valid: environment {config.env.name!r}, model {config.model.name!r}", file=sys.stderr)
     return 0
@@ -172,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ctxrl.serve.server import Server
     except ImportError as exc:
         raise ConfigError(f"ctxrl serve needs the serve extra ({exc.name} is missing): "
-                          "pip install 'ctxrl[serve]'") from None
+                          "pip install -e '.[serve]'") from None
     api_key = args.api_key or os.environ.get("CTXRL_API_KEY") or None
     if args.train:  # training: the harnesses are in other processes; they claim episodes over HTTP
         from ctxrl.serve.harness import Remote
@@ -183,12 +180,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.overrides.append(f"model.name={json.dumps(str(args.checkpoint))}")
         args.resume, args.steps, args.json, args.distributed = False, None, False, None
         return cmd_train(args)
-    overrides = list(args.overrides)
+    config = load_config(args.config, args.overrides)
+    name, aliases = served_names(config.model.name, args.model_name, args.checkpoint)
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
-        overrides += [f"model.name={json.dumps(str(args.checkpoint))}", "lora.rank=0"]
-    config = load_config(args.config, overrides)
+        config = load_config(args.config, [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}",
+                                           "lora.rank=0"])
+    from ctxrl.train.preflight import preflight
     from ctxrl.train.tiny import ensure_model
 
+    preflight(config, training=False)
     ensure_model(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
     spec = RolloutSpec.from_config(config)
     renderer = spec_renderer(spec)
@@ -196,17 +196,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
     engine = spec_engine(spec, model, renderer)
-    name = args.model_name or (Path(str(args.checkpoint)).name if args.checkpoint else config.model.name)
     server = Server(engine, renderer, model_name=name, max_total_tokens=config.rollout.max_total_tokens,
                     max_new_tokens=config.rollout.max_new_tokens, stop_ids=tuple(config.rollout.stop_ids),
                     api_key=api_key, max_concurrency=args.max_concurrency, read_timeout_s=args.read_timeout,
-                    session_timeout_s=args.session_timeout, aliases=(config.model.name,) if args.checkpoint else ())
+                    session_timeout_s=args.session_timeout, aliases=aliases)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
     print(f"ctxrl serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"(sessions: http://{args.host}:{args.port}/sessions/<id>/v1)", file=sys.stderr)
     uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def served_names(model_name: str, chosen: str | None, checkpoint: str | None) -> tuple[str, tuple[str, ...]]:
+    """The model name clients send and the other names accepted: ``--model-name``, else the config's
+    ``model.name`` (what a client was written against, ``model="tiny"``), with a checkpoint's directory name and
+    path (``final``, ``runs/calc/checkpoints/final``) as aliases."""
+    name = chosen or model_name
+    others = (model_name, Path(checkpoint).name, str(checkpoint)) if checkpoint else (model_name,)
+    return name, tuple(n for n in dict.fromkeys(others) if n != name)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -478,7 +486,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route; prefer the "
                        "CTXRL_API_KEY environment variable (a command line is visible to every process)")
-    serve.add_argument("--model-name", help="the model name clients send (default: model.name or the checkpoint's)")
+    serve.add_argument("--model-name", help="the model name clients send (default: the config's model.name; "
+                       "with --checkpoint, its directory name and path are accepted too)")
     serve.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     serve.add_argument("--read-timeout", type=float, default=30.0,
                        help="seconds a request's body may take to arrive before 408 (default 30)")
@@ -530,6 +539,33 @@ def _add_report_parser(sub: argparse._SubParsersAction) -> None:
     report.set_defaults(fn=cmd_report)
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+def _option_hint(command: argparse.ArgumentParser, stray: list[str]) -> str:
+    """``; did you mean --steps?`` for the first stray option near one of the command's (abbreviations are off:
+    ``--step`` is not ``--steps``), or the ``section.field=value`` override a TRL/verl flag means
+    (``--learning_rate 1e-5``: ``train.lr=1e-5``)."""
+    import difflib
+
+    from ctxrl.config import ALIASES
+
+    options = [o for o in command._option_string_actions if o.startswith("--")]
+    for word in stray:
+        if not word.startswith("--"):
+            continue
+        name = word[2:].partition("=")[0]
+        if name.replace("-", "_") in ALIASES:
+            target, origin = ALIASES[name.replace("-", "_")]
+            return f"; did you mean the override {target}=VALUE ({origin}'s {name})?"
+        close = difflib.get_close_matches(word.partition("=")[0], options, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]}?"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may follow options (`eval CONFIG --checkpoint X train.steps=3`); argparse leaves
@@ -537,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        command = _subparser(parser, args.command)  # its usage, not the top-level one, and a suggestion
+        command.error(f"unrecognized arguments: {' '.join(stray)}{_option_hint(command, stray)}")
     if extra:
         if not hasattr(args, "overrides"):
             parser.error(f"{args.command} takes no overrides: {' '.join(extra)}")

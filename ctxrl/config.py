@@ -55,6 +55,45 @@ RESUMABLE = {"resumable": True}
 # Keys that were renamed: an old config naming one is read under the new name, with a warning.
 RENAMED = {"meta.context": "meta.carry"}
 
+# Names users bring from other libraries, in whatever section they put them: an unknown key that is one gets
+# "did you mean <ctxrl key> (TRL's NAME)?" rather than the nearest spelling (learning_rate is not mini_batches).
+# Only where the meaning matches; a foreign knob ctxrl lacks is left to the fuzzy suggestion.
+ALIASES = {
+    # TRL (GRPOConfig and the transformers TrainingArguments it extends)
+    "learning_rate": ("train.lr", "TRL"), "num_generations": ("rollout.group_size", "TRL"),
+    "beta": ("algo.kl_coef", "TRL"), "max_completion_length": ("rollout.max_new_tokens", "TRL"),
+    "per_device_train_batch_size": ("train.micro_batch_size", "TRL"), "num_iterations": ("train.ppo_epochs", "TRL"),
+    "epsilon": ("algo.clip_low", "TRL"), "epsilon_high": ("algo.clip_high", "TRL"),
+    "loss_type": ("algo.agg", "TRL"), "max_steps": ("train.steps", "TRL"), "report_to": ("report.sinks", "TRL"),
+    "save_steps": ("train.checkpoint_every", "TRL"), "eval_steps": ("train.eval_every", "TRL"),
+    "save_total_limit": ("train.keep_checkpoints", "TRL"),
+    "vllm_gpu_memory_utilization": ("model.gpu_memory_fraction", "TRL"),
+    # verl (actor_rollout_ref.*, algorithm.*, data.*)
+    "n": ("rollout.group_size", "verl"), "max_response_length": ("rollout.max_new_tokens", "verl"),
+    "response_length": ("rollout.max_new_tokens", "verl"), "train_batch_size": ("rollout.tasks_per_step", "verl"),
+    "kl_loss_coef": ("algo.kl_coef", "verl"), "kl_loss_type": ("algo.kl_kind", "verl"),
+    "clip_ratio": ("algo.clip_low", "verl"), "clip_ratio_low": ("algo.clip_low", "verl"),
+    "clip_ratio_high": ("algo.clip_high", "verl"), "clip_ratio_c": ("algo.dual_clip", "verl"),
+    "entropy_coeff": ("algo.entropy_coef", "verl"), "loss_agg_mode": ("algo.agg", "verl"),
+    "adv_estimator": ("algo.advantage", "verl"), "total_training_steps": ("train.steps", "verl"),
+    "ppo_micro_batch_size_per_gpu": ("train.micro_batch_size", "verl"),
+    "ppo_max_token_len_per_gpu": ("train.max_tokens_per_microbatch", "verl"),
+    "gpu_memory_utilization": ("model.gpu_memory_fraction", "verl and vLLM"),
+    "max_model_len": ("rollout.max_total_tokens", "vLLM"), "max_num_seqs": ("rollout.max_batch_size", "vLLM"),
+    # PEFT's LoraConfig
+    "r": ("lora.rank", "PEFT"), "lora_r": ("lora.rank", "PEFT"), "lora_alpha": ("lora.alpha", "PEFT"),
+    "lora_dropout": ("lora.dropout", "PEFT"),
+}
+
+
+def unknown_key_hint(section: str, key: str, fields: list[str]) -> str:
+    """The end of an unknown-key error: the ctxrl key another library's name means (``ALIASES``), else the
+    nearest of ``fields`` (``section.field`` names)."""
+    if key in ALIASES:
+        target, origin = ALIASES[key]
+        return f"; did you mean {target} ({origin}'s {key})?"
+    return nearest(f"{section}.{key}", fields)
+
 
 @dataclass
 class ModelConfig:
@@ -451,7 +490,8 @@ class ReportConfig:
 
     sinks: str = "jsonl"
     """Where metrics go, comma-separated: ``jsonl`` (metrics.jsonl and samples.jsonl, always), ``tensorboard``
-    (RUN/tensorboard; needs ``pip install 'ctxrl[tensorboard]'``) and ``wandb`` (RUN/wandb; ``ctxrl[wandb]``)."""
+    (RUN/tensorboard) and ``wandb`` (RUN/wandb), each installed from a clone of ctxrl as an extra: ``pip install -e
+    '.[tensorboard]'``, ``pip install -e '.[wandb]'``."""
     wandb_project: str = "ctxrl"
     """The Weights & Biases project a run logs to."""
     wandb_mode: str = "offline"
@@ -462,7 +502,7 @@ class ReportConfig:
 class DistributedConfig:
     backend: str = field(default="none", metadata=RESUMABLE)
     """Where rollouts run: ``none`` (in this process) or ``ray`` (``rollout_workers`` Ray actors, each with its
-    own engine; ``ctxrl train --distributed ray``; needs ``pip install 'ctxrl[ray]'``; docs/scaling.md)."""
+    own engine; ``ctxrl train --distributed ray``; needs ``pip install -e '.[ray]'``; docs/scaling.md)."""
     rollout_workers: int = field(default=2, metadata={**RESUMABLE, **POSITIVE})
     """Ray rollout actors; a request's tasks are split among them (the episodes are those of one process)."""
     address: str = field(default="", metadata=RESUMABLE)
@@ -814,7 +854,9 @@ def from_dict(data: dict[str, Any]) -> Config:
     components: dict[str, dict[str, Any]] = {}
     for name, values in data.items():
         if name not in sections:
-            raise ConfigError(f"unknown config section [{name}]{nearest(name, list(sections))}")
+            aliased = [k for k in values if k in ALIASES] if isinstance(values, dict) else []
+            hint = unknown_key_hint(name, aliased[0], []) if aliased else nearest(name, list(sections))
+            raise ConfigError(f"unknown config section [{name}]{hint}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table of fields, got {values!r}")
         cls = sections[name]
@@ -835,7 +877,7 @@ def from_dict(data: dict[str, Any]) -> Config:
                 key = new
             if key not in fields:
                 raise ConfigError(f"unknown config key {name}.{key}"
-                                  f"{nearest(f'{name}.{key}', [f'{name}.{f}' for f in fields])}")
+                                  f"{unknown_key_hint(name, key, [f'{name}.{f}' for f in fields])}")
             kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
         built[name] = cls(**kwargs)
     return Config(**built, components=components)

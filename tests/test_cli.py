@@ -118,4 +118,20 @@ def test_version_config_command_debug_and_no_prefix_matching(tmp_path: Path, cap
     with pytest.raises(SystemExit) as exit_:  # no abbreviations: --step is not --steps
         main(["demo", "--step", "3"])
     assert exit_.value.code == 2
+    err = capsys.readouterr().err  # the command's usage, and the option meant
+    assert err.startswith("usage: ctxrl demo") and "did you mean --steps?" in err
+    with pytest.raises(SystemExit):  # a TRL flag: the override it means
+        main(["train", example, "--learning_rate", "1e-5"])
+    assert "did you mean the override train.lr=VALUE (TRL's learning_rate)?" in capsys.readouterr().err
     assert "exit codes" in __import__("ctxrl.cli", fromlist=["EPILOG"]).EPILOG
+
+
+def test_served_model_name_is_the_configs() -> None:
+    """``serve --checkpoint RUN/checkpoints/final`` answers to the config's model name (the docs' ``model="tiny"``),
+    and to the checkpoint's name and path; ``--model-name`` replaces the first."""
+    from ctxrl.cli import served_names
+
+    assert served_names("tiny", None, "runs/calc/checkpoints/final") == (
+        "tiny", ("final", "runs/calc/checkpoints/final"))
+    assert served_names("tiny", "calc", "runs/c/final") == ("calc", ("tiny", "final", "runs/c/final"))
+    assert served_names("Qwen/Qwen2.5-0.5B-Instruct", None, None) == ("Qwen/Qwen2.5-0.5B-Instruct", ())

@@ -294,3 +294,32 @@ def test_a_component_setting_is_checked_as_the_sections_are_and_may_allow_inf():
                            ({"deadline_s": float("nan")}, r"env.x.deadline_s must be finite, got nan")]:
         with pytest.raises(ConfigError, match=message):
             parse_settings(Settings, table, "env.x")
+
+
+@pytest.mark.parametrize("override, target, origin", [
+    ("train.learning_rate=1e-5", "train.lr", "TRL's learning_rate"),
+    ("rollout.num_generations=4", "rollout.group_size", "TRL's num_generations"),
+    ("algo.beta=0.04", "algo.kl_coef", "TRL's beta"),
+    ("rollout.max_completion_length=256", "rollout.max_new_tokens", "TRL's max_completion_length"),
+    ("train.per_device_train_batch_size=8", "train.micro_batch_size", "TRL's per_device_train_batch_size"),
+    ("algo.epsilon_high=0.28", "algo.clip_high", "TRL's epsilon_high"),
+    ("rollout.n=8", "rollout.group_size", "verl's n"),
+    ("algo.kl_loss_coef=0.001", "algo.kl_coef", "verl's kl_loss_coef"),
+    ("algo.loss_agg_mode=token-mean", "algo.agg", "verl's loss_agg_mode"),
+    ("lora.r=16", "lora.rank", "PEFT's r"),
+])
+def test_names_from_other_libraries_suggest_the_ctxrl_key(override, target, origin):
+    """An unknown key that another library uses gets the ctxrl key it means, not the nearest spelling."""
+    from ctxrl.config import ALIASES
+
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert str(info.value).endswith(f"; did you mean {target} ({origin})?"), str(info.value)
+    fields = {key for key, *_ in __import__("ctxrl.config", fromlist=["describe_fields"]).describe_fields()}
+    assert {t for t, _ in ALIASES.values()} <= fields  # every alias names a real key
+    assert not {a for a in ALIASES} & {key.partition(".")[2] for key in fields}  # and shadows none
+
+
+def test_an_alias_in_an_unknown_section_names_the_ctxrl_key():
+    with pytest.raises(ConfigError, match=r"unknown config section \[trainer\]; did you mean train.lr"):
+        load_config(overrides=["trainer.learning_rate=1e-5"])

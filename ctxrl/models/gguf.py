@@ -78,7 +78,7 @@ def require_gguf_support() -> None:
     missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
     if missing:
         raise GGUFError(f"reading GGUF files needs the {' and '.join(missing)} package(s), which are not installed: "
-                        "pip install 'ctxrl[gguf]'")
+                        "pip install -e '.[gguf]'")
 
 
 def gguf_metadata(path: Path) -> dict[str, Any]:

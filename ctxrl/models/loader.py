@@ -118,7 +118,39 @@ def check_available(name_or_path: str) -> None:
             raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
         require_gguf_support()
         return
-    resolve(name_or_path)
+    if resolve(name_or_path) == name_or_path and not Path(name_or_path).expanduser().exists():
+        check_hub_model(name_or_path)
+
+
+def check_hub_model(name: str) -> None:
+    """A hub name that is neither in the local HF cache nor on the hub is an error in well under a second.
+
+    ``from_pretrained`` retries an unreachable hub with backoff (about a minute) before it fails; one
+    ``model_info`` call does not retry, so a typo or a machine without network is told at once."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    others = f"a checkpoint directory, a .gguf file, 'tiny' or a named model ({', '.join(NAMED_MODELS)})"
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # downloaded before: from_pretrained finds it (HF_HUB_OFFLINE=1 skips the hub altogether)
+    except HFValidationError as exc:
+        raise ModelLoadError(f"model {name!r} is not a local path (nothing is there) nor a hub name ({exc}); pass "
+                             f"{others}") from None
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                             f"download it first (hf download {name}) or pass {others}")
+    try:
+        HfApi().model_info(name, timeout=10)
+    except GatedRepoError:
+        return  # it exists; loading it says what access it needs
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"no model {name!r} on the Hugging Face hub (nor in the local cache, nor a local path); "
+                             f"check the name, log in for a private model (hf auth login), or pass {others}") from None
+    except Exception as exc:  # noqa: BLE001 - a network error, whatever the HTTP library calls it
+        raise ModelLoadError(f"model {name!r} is not in the local Hugging Face cache and the hub cannot be reached "
+                             f"({exc}); download it where there is network (hf download {name}) or pass "
+                             f"{others}") from None
 
 
 def resolve_device(name: str) -> str:

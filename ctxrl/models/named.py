@@ -71,7 +71,7 @@ class NamedModel:
 
     @property
     def install(self) -> str:
-        return f"pip install 'ctxrl[gguf]' && pip install {self.pip_args}"
+        return f"pip install -e '.[gguf]' && pip install {self.pip_args}"
 
 
 NAMED_MODELS: dict[str, NamedModel] = {m.name: m for m in (

@@ -111,7 +111,7 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise ConfigError(f"report.sinks has tensorboard, but it cannot be imported ({exc}); "
-                              "pip install 'ctxrl[tensorboard]' or remove it from report.sinks") from None
+                              "pip install -e '.[tensorboard]' or remove it from report.sinks") from None
         self._writer_cls, self.log_dir = SummaryWriter, log_dir
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
@@ -147,7 +147,7 @@ class WandbSink:
             import wandb
         except ImportError as exc:
             raise ConfigError(f"report.sinks has wandb, but it cannot be imported ({exc}); "
-                              "pip install 'ctxrl[wandb]' or remove it from report.sinks") from None
+                              "pip install -e '.[wandb]' or remove it from report.sinks") from None
         self.wandb = wandb
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config or {},
                               reinit="create_new")

@@ -23,7 +23,7 @@ bad request never touches another's. Rendering, tokenising and decoding run on o
 the replies being sent. (One thread, not several: a Hugging Face fast tokenizer switches shared
 state, ``split_special_tokens``, on every call.) ``ctxrl.serve.limits`` holds these guards.
 
-Needs the ``serve`` extra (FastAPI, uvicorn): ``pip install 'ctxrl[serve]'``.
+Needs the ``serve`` extra (FastAPI, uvicorn): ``pip install -e '.[serve]'``.
 """
 
 from __future__ import annotations

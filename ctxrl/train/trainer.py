@@ -56,6 +56,7 @@ from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.loop import TrainingAborted
 from ctxrl.train.memory import MemoryPlan, with_learner_tokens
 from ctxrl.train.policy import Policy, Reference, export_merged
+from ctxrl.train.preflight import check_train_split, preflight
 from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
 from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos, warm_start
@@ -90,9 +91,7 @@ class Trainer:
         self.device = self.spec.model.device
         self.env_cls = spec_env_class(self.spec)
         self.splits = available_splits(self.env_cls)
-        if "train" not in self.splits:
-            raise ConfigError(f"environment {config.env.name!r} has no 'train' tasks (it has {list(self.splits)}); "
-                              "training needs some: label tasks \"split\": \"train\" or leave them unlabelled")
+        check_train_split(config, self.splits)
         self.context_demos = context_demos(config, self.env_cls)
         check_demos(config, self.env_cls)
         self.renderer = spec_renderer(self.spec)
@@ -358,7 +357,7 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
     problem = None
     if parallel is None or parallel.leader:  # (the followers load what the leader prepared)
         try:
-            prepare_model(config.model.name, progress)
+            preflight(config)  # every check that needs no model, before one is built, converted or downloaded
             if resume and not (run_dir / "checkpoints").exists():
                 raise CheckpointError(f"--resume: {run_dir} holds no run (no checkpoints directory); check --run-dir")
             metrics = run_dir / "metrics.jsonl"
@@ -366,6 +365,7 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
                 raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with "
                                       "--resume, or choose another --run-dir: a new run would mix its logs with the "
                                       "old one's")
+            prepare_model(config.model.name, progress)
         except Exception as exc:  # noqa: BLE001 - the followers must hear of any failure, then it is raised here
             problem = exc
     if parallel is not None:
