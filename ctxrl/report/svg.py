@@ -95,23 +95,28 @@ def line_chart(series: list[Series], *, title: str, y_label: str = "", y_range: 
     if y_label:
         out.append(f'<text transform="translate(12 {top + plot_h / 2}) rotate(-90)" text-anchor="middle" '
                    f'class="axis">{escape(y_label)}</text>')
-    for s in series:
-        name = escape(s.name)
-        if s.points:
-            out.append(f'<g class="series points" data-series="{name}">')
-            for x, y in s.xy:
-                out.append(f'<circle cx="{px(x)}" cy="{py(y)}" r="4" fill="{s.color}" class="eval-point">'
-                           f'<title>{name}: step {_label(x)}, {_label(y)}</title></circle>')
-            out.append("</g>")
-        else:
-            path = " ".join(f"{px(x)},{py(y)}" for x, y in sorted(s.xy))
-            dash = ' stroke-dasharray="5 3"' if s.dashed else ""
-            out.append(f'<polyline class="series line" data-series="{name}" points="{path}" fill="none" '
-                       f'stroke="{s.color}" stroke-width="1.8"{dash}><title>{name}</title></polyline>')
+    out += [_series_svg(s, px, py) for s in series]
     for i, s in enumerate(series):
-        lx, ly = left + (i % 2) * plot_w / 2, top + plot_h + 42 + 16 * (i // 2)
-        mark = (f'<circle cx="{lx + 8}" cy="{ly - 4}" r="4" fill="{s.color}"/>' if s.points else
-                f'<line x1="{lx}" x2="{lx + 16}" y1="{ly - 4}" y2="{ly - 4}" stroke="{s.color}" stroke-width="2"/>')
-        out.append(f'{mark}<text x="{lx + 22}" y="{ly}" class="legend">{escape(s.name)}</text>')
+        out.append(_legend_entry(s, left + (i % 2) * plot_w / 2, top + plot_h + 42 + 16 * (i // 2)))
     out.append("</svg>")
     return "".join(out)
+
+
+def _series_svg(s: Series, px, py) -> str:
+    """One series in the chart's pixels: its evaluations as points, anything else as a line."""
+    name = escape(s.name)
+    if s.points:
+        return (f'<g class="series points" data-series="{name}">'
+                + "".join(f'<circle cx="{px(x)}" cy="{py(y)}" r="4" fill="{s.color}" class="eval-point">'
+                          f'<title>{name}: step {_label(x)}, {_label(y)}</title></circle>' for x, y in s.xy)
+                + "</g>")
+    path = " ".join(f"{px(x)},{py(y)}" for x, y in sorted(s.xy))
+    dash = ' stroke-dasharray="5 3"' if s.dashed else ""
+    return (f'<polyline class="series line" data-series="{name}" points="{path}" fill="none" '
+            f'stroke="{s.color}" stroke-width="1.8"{dash}><title>{name}</title></polyline>')
+
+
+def _legend_entry(s: Series, lx: float, ly: float) -> str:
+    mark = (f'<circle cx="{lx + 8}" cy="{ly - 4}" r="4" fill="{s.color}"/>' if s.points else
+            f'<line x1="{lx}" x2="{lx + 16}" y1="{ly - 4}" y2="{ly - 4}" stroke="{s.color}" stroke-width="2"/>')
+    return f'{mark}<text x="{lx + 22}" y="{ly}" class="legend">{escape(s.name)}</text>'
