@@ -38,7 +38,7 @@ def print_table(summary: dict[str, Any]) -> None:
 
     table = Table(title="success per split, before vs after RL (greedy)")
     table.add_column("split")
-    table.add_column("after warm start", justify="right")
+    table.add_column("after warm start" if summary.get("warm_start") else "before RL", justify="right")
     table.add_column("after RL", justify="right")
     table.add_column("change", justify="right")
     def cell(x: float | None, form: str = ".2f") -> str:
@@ -52,7 +52,9 @@ def print_table(summary: dict[str, Any]) -> None:
     table.add_row("tool calls / episode", cell(summary["tool_calls_before"]), cell(summary["tool_calls_after"]), "")
     console = Console()
     console.print(table)
-    console.print(f"run directory: {summary['run_dir']}  ({summary['steps']} steps, {summary['wall_seconds']}s)")
+    steps = summary["steps"]
+    console.print(f"run directory: {summary['run_dir']}  ({steps} step{'' if steps == 1 else 's'}, "
+                  f"{summary['wall_seconds']}s)")
 
 
 def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
