@@ -229,31 +229,45 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    """Every registered environment: its tools and each context parameter's train and OOD ranges."""
+    import shutil
+
+    for line in env_listing(shutil.get_terminal_size((80, 24)).columns):
+        print(line)
+    return 0
+
+
+def env_listing(width: int) -> list[str]:
+    """The lines of ``ctxrl envs``, none wider than ``width`` (at least 60): a block per registered environment
+    (a table of six columns wrapped into 150 lines at 80 columns)."""
+    import textwrap
 
     from ctxrl.envs.hooks import hook
     from ctxrl.envs.registry import get_env_class, list_envs
 
-    table = Table(title="environments")
-    for column in ("name", "tools", "context", "train range", "ood range", "meaning"):
-        table.add_column(column)
+    width = max(width, 60)
+    lines = [f"{'parameter':<14}{'train':<12}{'ood':<10}meaning"]
     for name in list_envs():
         cls = get_env_class(name)
         if hook(cls, "configure") is not None:  # built from data: nothing to show until configured
-            table.add_row(name, "env.tools", "-", "-", "-", "tasks from env.data (JSONL), see its docs")
+            lines += ["", f"{name} (tools: env.tools)", "  tasks from env.data (JSONL), docs/environments.md"]
             continue
         env = cls()
         tools = ", ".join(t.name for t in env.tools)
         env.close()
-        for i, p in enumerate(cls.context_space.describe()):
+        lines += ["", textwrap.shorten(f"{name} (tools: {tools})", width, placeholder="...)")]
+        for p in cls.context_space.describe():
             if "choices" in p:
                 train, ood = ", ".join(map(str, p["choices"])), "-"
             else:
                 train, ood = "{}..{}".format(*p["train"]), "{}..{}".format(*p["ood"])
-            table.add_row(name if i == 0 else "", tools if i == 0 else "", p["name"], train, ood, p["description"])
-    Console().print(table)
-    return 0
+            meaning = p["description"]
+            if len(train) > 11:  # a long list of choices goes with the meaning
+                train, meaning = "choices", f"{meaning}: {train}"
+            head = f"  {p['name']:<12}{train:<12}{ood:<10}"
+            lines += textwrap.wrap(meaning, width, initial_indent=head, subsequent_indent=" " * 36,
+                                   break_long_words=True) or [head.rstrip()]
+    return lines
 
 
 def cmd_report(args: argparse.Namespace) -> int:
