@@ -223,7 +223,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA run's adapters into their base: a plain checkpoint to serve."""
     from ctxrl.train.policy import export_merged
 
-    out = export_merged(args.adapters, args.out, dtype=args.dtype)
+    out = args.out or args.out_dir
+    if not out:
+        raise CtxrlError("ctxrl merge needs where to write the merged checkpoint: ctxrl merge ADAPTERS OUT")
+    out = export_merged(args.adapters, out, base=args.base, dtype=args.dtype)
     print(f"merged {args.adapters} into its base: {out}")
     return 0
 
@@ -373,7 +376,7 @@ EXAMPLES = {
     "envs": ".venv/bin/ctxrl envs",
     "serve": (".venv/bin/ctxrl serve examples/calculator_tiny.toml --port 8000\n"
               "  .venv/bin/ctxrl serve examples/calculator_tiny.toml --checkpoint runs/calc/checkpoints/final"),
-    "merge": ".venv/bin/ctxrl merge runs/lora/checkpoints/step-000040 --out runs/lora/merged-40 --dtype bfloat16",
+    "merge": ".venv/bin/ctxrl merge runs/lora/checkpoints/step-000040 runs/lora/merged-40 --dtype bfloat16",
     "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
                   "  .venv/bin/ctxrl check-env fact_hunt --lengths tiny:envs=calculator+fact_hunt\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
@@ -481,11 +484,15 @@ def _add_config_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
     merge = _command(sub, "merge", "merge LoRA adapters into their base model",
-                     "Load the base model named in a LoRA checkpoint's adapter_config.json, merge the adapters in "
-                     "and save a plain HF checkpoint (with the tokenizer) that any engine can serve. A LoRA run "
+                     "Load the base model named in a LoRA checkpoint's adapter_config.json (as the run's config "
+                     "named it; --base names another), merge the adapters in and save a plain HF checkpoint "
+                     "(with the tokenizer) that any engine can serve. A LoRA run "
                      "writes checkpoints/final-merged itself (lora.export_merged); this does it for any step.")
     merge.add_argument("adapters", help="a directory holding adapter_config.json and adapter_model.safetensors")
-    merge.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
+    merge.add_argument("out", nargs="?", help="directory to write the merged checkpoint to")
+    merge.add_argument("--out", dest="out_dir", help="the same as OUT")
+    merge.add_argument("--base", help="the base model's name or path, instead of the one adapter_config.json names "
+                       "(tiny:..., a named model, an HF name or a directory): for adapters trained elsewhere")
     merge.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                        help="dtype of the merged weights (default float32)")
     merge.set_defaults(fn=cmd_merge)
