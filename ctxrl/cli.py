@@ -38,7 +38,7 @@ def print_table(summary: dict[str, Any]) -> None:
 
     table = Table(title="success per split, before vs after RL (greedy)")
     table.add_column("split")
-    table.add_column("after warm start", justify="right")
+    table.add_column("after warm start" if summary.get("warm_start") else "before RL", justify="right")
     table.add_column("after RL", justify="right")
     table.add_column("change", justify="right")
     def cell(x: float | None, form: str = ".2f") -> str:
@@ -52,7 +52,9 @@ def print_table(summary: dict[str, Any]) -> None:
     table.add_row("tool calls / episode", cell(summary["tool_calls_before"]), cell(summary["tool_calls_after"]), "")
     console = Console()
     console.print(table)
-    console.print(f"run directory: {summary['run_dir']}  ({summary['steps']} steps, {summary['wall_seconds']}s)")
+    steps = summary["steps"]
+    console.print(f"run directory: {summary['run_dir']}  ({steps} step{'' if steps == 1 else 's'}, "
+                  f"{summary['wall_seconds']}s)")
 
 
 def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
@@ -221,37 +223,54 @@ def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA run's adapters into their base: a plain checkpoint to serve."""
     from ctxrl.train.policy import export_merged
 
-    out = export_merged(args.adapters, args.out, dtype=args.dtype)
+    out = args.out or args.out_dir
+    if not out:
+        raise CtxrlError("ctxrl merge needs where to write the merged checkpoint: ctxrl merge ADAPTERS OUT")
+    out = export_merged(args.adapters, out, base=args.base, dtype=args.dtype)
     print(f"merged {args.adapters} into its base: {out}")
     return 0
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    """Every registered environment: its tools and each context parameter's train and OOD ranges."""
+    import shutil
+
+    for line in env_listing(shutil.get_terminal_size((80, 24)).columns):
+        print(line)
+    return 0
+
+
+def env_listing(width: int) -> list[str]:
+    """The lines of ``ctxrl envs``, none wider than ``width`` (at least 60): a block per registered environment
+    (a table of six columns wrapped into 150 lines at 80 columns)."""
+    import textwrap
 
     from ctxrl.envs.hooks import hook
     from ctxrl.envs.registry import get_env_class, list_envs
 
-    table = Table(title="environments")
-    for column in ("name", "tools", "context", "train range", "ood range", "meaning"):
-        table.add_column(column)
+    width = max(width, 60)
+    lines = [f"{'parameter':<14}{'train':<12}{'ood':<10}meaning"]
     for name in list_envs():
         cls = get_env_class(name)
         if hook(cls, "configure") is not None:  # built from data: nothing to show until configured
-            table.add_row(name, "env.tools", "-", "-", "-", "tasks from env.data (JSONL), see its docs")
+            lines += ["", f"{name} (tools: env.tools)", "  tasks from env.data (JSONL), docs/environments.md"]
             continue
         env = cls()
         tools = ", ".join(t.name for t in env.tools)
         env.close()
-        for i, p in enumerate(cls.context_space.describe()):
+        lines += ["", textwrap.shorten(f"{name} (tools: {tools})", width, placeholder="...)")]
+        for p in cls.context_space.describe():
             if "choices" in p:
                 train, ood = ", ".join(map(str, p["choices"])), "-"
             else:
                 train, ood = "{}..{}".format(*p["train"]), "{}..{}".format(*p["ood"])
-            table.add_row(name if i == 0 else "", tools if i == 0 else "", p["name"], train, ood, p["description"])
-    Console().print(table)
-    return 0
+            meaning = p["description"]
+            if len(train) > 11:  # a long list of choices goes with the meaning
+                train, meaning = "choices", f"{meaning}: {train}"
+            head = f"  {p['name']:<12}{train:<12}{ood:<10}"
+            lines += textwrap.wrap(meaning, width, initial_indent=head, subsequent_indent=" " * 36,
+                                   break_long_words=True) or [head.rstrip()]
+    return lines
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -357,7 +376,7 @@ EXAMPLES = {
     "envs": ".venv/bin/ctxrl envs",
     "serve": (".venv/bin/ctxrl serve examples/calculator_tiny.toml --port 8000\n"
               "  .venv/bin/ctxrl serve examples/calculator_tiny.toml --checkpoint runs/calc/checkpoints/final"),
-    "merge": ".venv/bin/ctxrl merge runs/lora/checkpoints/step-000040 --out runs/lora/merged-40 --dtype bfloat16",
+    "merge": ".venv/bin/ctxrl merge runs/lora/checkpoints/step-000040 runs/lora/merged-40 --dtype bfloat16",
     "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
                   "  .venv/bin/ctxrl check-env fact_hunt --lengths tiny:envs=calculator+fact_hunt\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
@@ -465,11 +484,15 @@ def _add_config_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
     merge = _command(sub, "merge", "merge LoRA adapters into their base model",
-                     "Load the base model named in a LoRA checkpoint's adapter_config.json, merge the adapters in "
-                     "and save a plain HF checkpoint (with the tokenizer) that any engine can serve. A LoRA run "
+                     "Load the base model named in a LoRA checkpoint's adapter_config.json (as the run's config "
+                     "named it; --base names another), merge the adapters in and save a plain HF checkpoint "
+                     "(with the tokenizer) that any engine can serve. A LoRA run "
                      "writes checkpoints/final-merged itself (lora.export_merged); this does it for any step.")
     merge.add_argument("adapters", help="a directory holding adapter_config.json and adapter_model.safetensors")
-    merge.add_argument("--out", required=True, help="directory to write the merged checkpoint to")
+    merge.add_argument("out", nargs="?", help="directory to write the merged checkpoint to")
+    merge.add_argument("--out", dest="out_dir", help="the same as OUT")
+    merge.add_argument("--base", help="the base model's name or path, instead of the one adapter_config.json names "
+                       "(tiny:..., a named model, an HF name or a directory): for adapters trained elsewhere")
     merge.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                        help="dtype of the merged weights (default float32)")
     merge.set_defaults(fn=cmd_merge)

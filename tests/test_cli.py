@@ -58,10 +58,28 @@ def test_unknown_config_key_is_a_clear_error(tmp_path: Path) -> None:
     assert "'train.steps'" in proc.stderr
 
 
-def test_envs_lists_calculator(tmp_path: Path) -> None:
+def test_envs_lists_every_registered_environment_in_80_columns(tmp_path: Path, monkeypatch) -> None:
+    from ctxrl.envs.registry import list_envs
+
+    monkeypatch.setenv("COLUMNS", "80")
     proc = ctxrl("envs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "calculator" in proc.stdout and "digits" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, [line for line in lines if len(line) > 80]
+    headers = [line.split(" (tools:")[0] for line in lines if " (tools: " in line and not line.startswith(" ")]
+    assert headers == list_envs()
+    assert "  digits      1..3        4..4      digits in every number of the problem" in lines
+    assert len(lines) < 100  # was a table of 150 wrapped lines
+
+
+def test_readme_names_every_registered_environment() -> None:
+    import re
+
+    from ctxrl.envs.registry import list_envs
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    listed = readme[readme.index("Environments: "):].split("\n\n")[0]
+    assert sorted(set(re.findall(r"`(\w+)`", listed))) == list_envs()
 
 
 def test_check_env_passes_and_fails_with_reasons(tmp_path: Path) -> None:

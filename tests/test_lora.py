@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,8 +129,6 @@ def test_lora_settings_are_checked():
 
 def test_a_lora_run_trains_checkpoints_and_resumes_exactly(tmp_path, monkeypatch):
     """Warm start and RL on the adapters; a run resumed from its step-2 checkpoint ends with the same adapters."""
-    import json
-
     from safetensors.torch import load_file
 
     from ctxrl.algo.estimators import broadcast
@@ -211,3 +211,40 @@ def test_a_worker_in_another_process_takes_the_adapters_alone_and_plays_what_the
         return out
 
     assert plain(there) == plain(here) and all(e.policy_version == 2 for e in there)
+
+
+def test_a_checkpoint_whose_base_directory_is_gone_merges_with_base_named(trained, tmp_path, tokenizer, capsys):
+    """Adapters saved before the base was named as configured hold this machine's cache directory: elsewhere
+    it does not exist, and ``ctxrl merge ADAPTERS OUT --base NAME`` names the base instead."""
+    from ctxrl.cli import main
+
+    policy, _ = trained
+    path = policy.save(tmp_path / "old", tokenizer)
+    adapter_config = json.loads((path / "adapter_config.json").read_text())
+    named = adapter_config["base_model_name_or_path"]
+    assert named == policy.name and not Path(named).is_absolute()  # as the config named it
+    adapter_config["base_model_name_or_path"] = str(tmp_path / "another-machine" / "cache" / "tiny-abc")
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config))
+    assert main(["merge", str(path), str(tmp_path / "x")]) == 2
+    assert "--base" in capsys.readouterr().err
+    assert main(["merge", str(path), str(tmp_path / "merged"), "--base", named]) == 0
+    torch.testing.assert_close(_logits(load_model(str(tmp_path / "merged")), IDS), _logits(policy.model, IDS),
+                               atol=1e-4, rtol=0)
+
+
+def test_ensure_model_of_an_adapter_directory_builds_its_tiny_base(tmp_path, monkeypatch):
+    """``ctxrl eval --checkpoint ADAPTERS`` on a machine that never built the tiny base: the stage that builds
+    tiny models builds it first (the loader refuses an unbuilt one)."""
+    import ctxrl.train.tiny as stage
+    from ctxrl.models.loader import parse_tiny
+
+    built = []
+    monkeypatch.setattr(stage, "ensure_tiny", lambda spec, on_progress=None: built.append(spec))
+    monkeypatch.setattr(stage, "resolve", lambda name, on_progress=None: name)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "tiny:num_layers=1"}))
+    assert stage.ensure_model(str(tmp_path)) == str(tmp_path)
+    assert built == [parse_tiny("tiny:num_layers=1")]
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/somewhere/else"}))
+    built.clear()
+    stage.ensure_model(str(tmp_path))
+    assert built == []  # a directory is the loader's to find (and to say it is missing)

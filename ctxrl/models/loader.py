@@ -218,7 +218,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if (Path(resolved) / "adapter_config.json").exists():
-        return _load_merged(resolved, dtype=dtype, device=device)
+        return load_adapters(resolved, dtype=dtype, device=device)
     torch_dtype = getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(resolved, dtype=torch_dtype)
@@ -229,23 +229,33 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     return model.to(device)
 
 
-def _load_merged(adapter_dir: str, *, dtype: str, device: str):
-    """The base model an adapter directory names, with its LoRA adapters merged in."""
+def adapter_base(path: str | Path) -> str | None:
+    """The base a directory of LoRA adapters names (``adapter_config.json``'s ``base_model_name_or_path``: a name
+    as the run's config named it, or, in checkpoints from before that, a directory); None for any other path."""
     import json
 
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("base_model_name_or_path") or ""
+
+
+def load_adapters(adapter_dir: str, *, base: str | None = None, dtype: str = "float32", device: str = "cpu"):
+    """The base model an adapter directory names (``base``: this one instead), with its LoRA adapters merged in.
+    A ``tiny`` base must be built first (``ctxrl.train.tiny.ensure_model`` of the adapter directory does it)."""
     from peft import PeftModel
 
-    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    base_name = config.get("base_model_name_or_path")
+    base_name = base or adapter_base(adapter_dir)
     if not base_name:
-        raise ModelLoadError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; "
-                             "set it to the hub name or directory of the model the adapters were trained on")
+        raise ModelLoadError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; name the model the "
+                             "adapters were trained on: ctxrl merge ADAPTERS OUT --base NAME_OR_PATH")
     try:
-        base = load_model(base_name, dtype=dtype, device=device)
+        model = load_model(base_name, dtype=dtype, device=device)
     except ModelLoadError as exc:
         raise ModelLoadError(f"the LoRA adapters in {adapter_dir} were trained on {base_name!r}, which could not be "
-                             f"loaded: {exc}") from exc
+                             f"loaded: {exc}. If the base is elsewhere, name it: ctxrl merge ADAPTERS OUT --base "
+                             "NAME_OR_PATH") from exc
     try:
-        return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+        return PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise ModelLoadError(f"could not apply the LoRA adapters in {adapter_dir} to {base_name!r}: {exc}") from exc

@@ -24,7 +24,7 @@ def evaluate_splits(worker: RolloutWorker, config: Config, writer: RunWriter, st
     trials = config.meta.eval_trials
     for split in splits:
         t0 = time.perf_counter()
-        name = f"evaluation (step {step}, {split})"
+        name = f"eval (step {step}, {split})"
         summary, episodes = evaluate_split(worker, split, config.eval.tasks, seed=config.eval.seed,
                                            trials_per_task=trials,
                                            on_episode=None if progress is None else

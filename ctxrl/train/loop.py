@@ -75,19 +75,19 @@ def run(trainer, resume: bool) -> dict[str, Any]:
                 _add_note(exc, crash_note(trainer, step))
                 raise
             done = step + 1
-            info = (f"reward {row['reward']:.2f} success {row['success']:.2f} tools/ep {row['tool_calls']:.2f} "
-                    f"{row['time_step']:.1f}s/step")
+            figures = [f"reward {row['reward']:.2f}", f"success {row['success']:.2f}"]
             if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
                 for split, result in trainer.evaluate(done, splits=("heldout",)).items():
-                    info += f" | {split} {result['success']:.2f}"
+                    figures.append(f"{split} {result['success']:.2f}")
                 write_report(trainer)
+            figures += [f"tools/ep {row['tool_calls']:.2f}", f"{row['time_step']:.1f}s/step"]
             if every and done % every == 0:
                 checkpoint.save(trainer, done)
-            trainer.progress.rl_step(info)
+            trainer.progress.rl_step(figures)
         if stop.signal is not None and done < steps:
             stopped(trainer, stop.signal, done, first)
         after = trainer.evaluate(steps) if steps else before
-    summary.update({"steps": steps, "resumed_from": first if resume else None})
+    summary.update({"steps": steps, "resumed_from": first if resume else None, "warm_start": config.sft.enabled})
     return finish(trainer, summary, before, after, started)
 
 

@@ -191,19 +191,24 @@ def enable_gradient_checkpointing(model) -> None:
         model.config.use_cache = False
 
 
-def export_merged(adapter_dir: str | Path, out: str | Path, *, dtype: str = "float32", device: str = "cpu") -> Path:
-    """Load the base named in ``adapter_dir``'s ``adapter_config.json``, merge the adapters in, save to ``out``.
+def export_merged(adapter_dir: str | Path, out: str | Path, *, base: str | None = None, dtype: str = "float32",
+                  device: str = "cpu") -> Path:
+    """Load the base named in ``adapter_dir``'s ``adapter_config.json`` (``base``: this name or path instead),
+    merge the adapters in, save to ``out``.
 
+    The base is made ready first (a ``tiny`` one built, a GGUF file converted), as for any model a command loads.
     The result is a plain HF checkpoint in ``dtype`` (with the tokenizer, when ``adapter_dir`` has
     one) for serving with any engine.
     """
-    from ctxrl.models.loader import load_model, load_tokenizer
+    from ctxrl.models.loader import load_adapters, load_tokenizer, resolves_to_cache
+    from ctxrl.train.tiny import ensure_model
 
     adapter_dir, out = Path(adapter_dir), Path(out)
     missing = [f for f in ADAPTER_FILES if not (adapter_dir / f).exists()]
     if missing:
         raise CheckpointError(f"{adapter_dir} holds no LoRA adapters ({', '.join(missing)} missing)")
-    model = load_model(str(adapter_dir), dtype=dtype, device=device)
+    ensure_model(base if base and resolves_to_cache(base) else str(adapter_dir))
+    model = load_adapters(str(adapter_dir), base=base, dtype=dtype, device=device)
     model.save_pretrained(out, safe_serialization=True)
     with contextlib.suppress(Exception):  # an adapter directory without a tokenizer: weights only
         load_tokenizer(str(adapter_dir)).save_pretrained(out)

@@ -12,12 +12,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ctxrl.demos.pretraining import pretraining_batches, tokenizer_texts
-from ctxrl.models.loader import parse_tiny, resolve
+from ctxrl.models.loader import adapter_base, parse_tiny, resolve, resolves_to_cache
 from ctxrl.models.tiny import Progress, TinySpec, init_model, is_built, make_tokenizer, save_atomically, tiny_path
 
 
 def ensure_model(name: str, *, on_progress: Progress | None = None) -> str:
-    """The directory ``name`` loads from, building the tiny model first if ``name`` is an unbuilt ``tiny`` spec."""
+    """The directory ``name`` loads from, building the tiny model first if ``name`` is an unbuilt ``tiny`` spec.
+    A directory of LoRA adapters loads as its base plus the adapters: a base named as ``tiny`` (or a named model,
+    a GGUF file) is made ready the same way; a directory or hub name is the loader's to find."""
+    base = adapter_base(name)
+    if base and resolves_to_cache(base):
+        ensure_model(base, on_progress=on_progress)
     spec = parse_tiny(name)
     if spec is not None:
         ensure_tiny(spec, on_progress=on_progress)

@@ -433,15 +433,16 @@ def prepare_model(name: str, progress: Progress) -> None:
     """Build the tiny model, or convert a GGUF checkpoint (a named real model's included), now if it is not
     cached yet, showing how far it is (minutes on a CPU for the tiny model, seconds for a GGUF)."""
     from ctxrl.models.cache import cache_root
-    from ctxrl.models.loader import parse_tiny, resolves_to_cache
+    from ctxrl.models.loader import adapter_base, parse_tiny, resolves_to_cache
     from ctxrl.models.tiny import is_built
     from ctxrl.train.tiny import ensure_model
 
-    if not resolves_to_cache(name):
+    base = adapter_base(name) or name  # (a LoRA checkpoint's base, named as its run named it)
+    if not resolves_to_cache(base):
         return
-    spec = parse_tiny(name)
+    spec = parse_tiny(base)
     if spec is not None and not is_built(spec):
-        progress.message(f"building the tiny model {name!r} once (a few minutes on a CPU; cached in {cache_root()})")
+        progress.message(f"building the tiny model {base!r} once (a few minutes on a CPU; cached in {cache_root()})")
     ensure_model(name, on_progress=progress.stage)
 
 
