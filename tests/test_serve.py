@@ -389,6 +389,11 @@ def test_rewards_finish_and_session_errors(live):
                                   max_tokens=8)
     assert info.value.status_code == 409 and error_of(info.value)["code"] == "session_finished"
     assert len(episode(live, "reward-1")["turns"]) == 1
+    before = live.main.errors.summary()["total"]
+    retrying = openai.OpenAI(base_url=c.base_url, api_key="x", timeout=60)  # the SDK's default: 2 retries
+    with pytest.raises(openai.ConflictError):
+        retrying.chat.completions.create(model=MODEL, messages=calc_messages("What is 1 plus 1?"), max_tokens=8)
+    assert live.main.errors.summary()["total"] == before + 1  # asked once: a finished session is not retried
 
     for path in ("/sessions/no-such/episode",):
         r = live.http.get(path)

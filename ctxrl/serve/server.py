@@ -271,8 +271,10 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
 
     def answer(error: APIError) -> JSONResponse:
         server.errors.record(error)
-        # (a body that never finished arriving leaves the connection unusable: close it)
-        headers = {"connection": "close"} if error.status == 408 else None
+        # (a body that never finished arriving leaves the connection unusable: close it; a finished session stays
+        # finished, so the OpenAI SDK, which retries a 409 by default, is told not to)
+        headers = {"connection": "close"} if error.status == 408 else {"x-should-retry": "false"} \
+            if error.status == 409 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(APIError)
