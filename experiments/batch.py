@@ -47,8 +47,8 @@ from pathlib import Path
 import tomllib
 
 # A tiny model's build ends with its pre-training loss; a named real model or a .gguf file is converted once.
-BUILD = ("import json, sys, pathlib; from ctxrl.models.loader import resolve; "
-         "path = pathlib.Path(resolve(sys.argv[1])); print(path); tiny = path / 'ctxrl_tiny.json'; "
+BUILD = ("import json, sys, pathlib; from ctxrl.train.tiny import ensure_model; "
+         "path = pathlib.Path(ensure_model(sys.argv[1])); print(path); tiny = path / 'ctxrl_tiny.json'; "
          "print(json.loads(tiny.read_text()).get('pretraining_loss') if tiny.exists() else 'converted', flush=True)")
 # Libraries that start one thread per core each: 24 runs on a 64-core machine then ran 1,500 threads (load 574,
 # every run two to three times slower than alone). Each child gets its share of the cores instead.

@@ -206,6 +206,20 @@ def test_a_plan_can_name_a_real_model_which_is_converted_once():
     assert last == "converted" and (Path(path) / "ctxrl_gguf.json").exists()
 
 
+def test_a_plans_tiny_model_is_built_by_the_stage(tmp_path):
+    """A tiny spec under [models] is built (the library's loader only finds built ones): the build prints the
+    cached directory and its pre-training record."""
+    import os
+    import subprocess
+
+    spec = "tiny:pretrain_steps=0,hidden_size=32,num_layers=1,intermediate_size=64"
+    proc = subprocess.run([sys.executable, "-c", batch.BUILD, spec], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CTXRL_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path, last = proc.stdout.split()[-2:]
+    assert last == "None" and (Path(path) / "config.json").exists() and Path(path).parent == tmp_path
+
+
 def test_each_child_gets_one_gpu_and_its_share_of_the_cores():
     env = batch.child_environment("3", processes=24, cores=64, environ={"PATH": "/bin"})
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["PATH"] == "/bin"
