@@ -59,6 +59,7 @@ from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.preflight import check_train_split, preflight
 from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
+from ctxrl.train.tiny import ensure_model
 from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
@@ -82,7 +83,6 @@ class Trainer:
 
     def __init__(self, config: Config, run_dir: str | Path, *, progress: Progress | None = None,
                  parallel=None) -> None:
-
         self.config = config
         self.seeds = Seeds(config.run.seed)
         self.progress = progress or Progress()
@@ -94,6 +94,7 @@ class Trainer:
         check_train_split(config, self.splits)
         self.context_demos = context_demos(config, self.env_cls)
         check_demos(config, self.env_cls)
+        ensure_model(config.model.name, on_progress=self.progress.stage)  # (a tiny model built once: train() did)
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
         check_before_load(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
@@ -435,7 +436,6 @@ def prepare_model(name: str, progress: Progress) -> None:
     from ctxrl.models.cache import cache_root
     from ctxrl.models.loader import adapter_base, parse_tiny, resolves_to_cache
     from ctxrl.models.tiny import is_built
-    from ctxrl.train.tiny import ensure_model
 
     base = adapter_base(name) or name  # (a LoRA checkpoint's base, named as its run named it)
     if not resolves_to_cache(base):
