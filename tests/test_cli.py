@@ -84,6 +84,12 @@ def test_readme_names_every_registered_environment() -> None:
     assert sorted(set(re.findall(r"`(\w+)`", listed))) == registered_envs()
 
 
+def test_the_readme_fits_80_columns() -> None:
+    """Prose, lists and the command blocks alike: a README read in a terminal (issue 34)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    assert [(n, len(line)) for n, line in enumerate(readme, 1) if len(line) > 80] == []
+
+
 def test_check_env_passes_and_fails_with_reasons(tmp_path: Path) -> None:
     proc = ctxrl("check-env", "calculator", "--tasks", "4", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
