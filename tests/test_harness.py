@@ -125,6 +125,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def train_one_step_beside(harness, stop, port: int, tmp_path):
+    """One RL step of a run whose ``remote:PORT`` harness is ``harness``, played in a thread until ``stop`` (a
+    ``threading.Event``) is set."""
+    import threading
+
+    from conftest import TINY
+
+    from ctxrl.serve.harness import Remote
+    from ctxrl.train.trainer import Trainer
+
+    config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness="remote:{port}"',
+                                'env.data="env:calculator"', "sft.enabled=false", "rollout.tasks_per_step=2",
+                                "rollout.group_size=2", "rollout.max_new_tokens=6", "run.progress=false",
+                                "rollout.episode_timeout_s=60"])
+    thread = threading.Thread(target=harness, daemon=True)
+    thread.start()
+    try:
+        trainer = Trainer(config, tmp_path)
+        trainer.make_learner()
+        row = trainer.step(0)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        Remote._servers[port].close()
+    return trainer, row
+
+
 def test_harnesses_in_another_process_train_through_the_http_server(tmp_path, monkeypatch):
     """ctxrl serve --train: the trainer opens sessions; an outside harness (here a thread speaking HTTP with the
     sync OpenAI client) claims each, plays it and finishes it with a reward."""
@@ -134,10 +161,7 @@ def test_harnesses_in_another_process_train_through_the_http_server(tmp_path, mo
 
     import httpx
     import openai
-    from conftest import TINY
 
-    from ctxrl.serve.harness import Remote
-    from ctxrl.train.trainer import Trainer
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -161,20 +185,7 @@ def test_harnesses_in_another_process_train_through_the_http_server(tmp_path, mo
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 errors.append(exc)
 
-    config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness="remote:{port}"',
-                                'env.data="env:calculator"', "sft.enabled=false", "rollout.tasks_per_step=2",
-                                "rollout.group_size=2", "rollout.max_new_tokens=6", "run.progress=false",
-                                "rollout.episode_timeout_s=60"])
-    thread = threading.Thread(target=harness, daemon=True)
-    thread.start()
-    try:
-        trainer = Trainer(config, tmp_path)
-        trainer.make_learner()
-        row = trainer.step(0)
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        Remote._servers[port].close()
+    trainer, row = train_one_step_beside(harness, stop, port, tmp_path)
     assert not errors, errors
     assert len(played) == 4 and all(code == 200 for _, _, code in played)
     assert row["skipped"] == 0.0 and trainer.worker.policy_version == 1
@@ -192,10 +203,7 @@ def test_a_harness_bad_request_or_reward_never_ends_the_run_and_every_route_asks
 
     import httpx
     import openai
-    from conftest import TINY
 
-    from ctxrl.serve.harness import Remote
-    from ctxrl.train.trainer import Trainer
 
     monkeypatch.setenv("CTXRL_API_KEY", "sekrit")
     port = _free_port()
@@ -242,20 +250,7 @@ def test_a_harness_bad_request_or_reward_never_ends_the_run_and_every_route_asks
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 errors.append(exc)
 
-    config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness="remote:{port}"',
-                                'env.data="env:calculator"', "sft.enabled=false", "rollout.tasks_per_step=2",
-                                "rollout.group_size=2", "rollout.max_new_tokens=6", "run.progress=false",
-                                "rollout.episode_timeout_s=60"])
-    thread = threading.Thread(target=harness, daemon=True)
-    thread.start()
-    try:
-        trainer = Trainer(config, tmp_path)
-        trainer.make_learner()
-        row = trainer.step(0)
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        Remote._servers[port].close()
+    trainer, row = train_one_step_beside(harness, stop, port, tmp_path)
     assert not errors, errors
     assert [s for kind, s in statuses if kind == "no key"] == [[401] * 5] * 4
     assert sorted({(kind, s) for kind, s in statuses if kind != "no key"}) == [
