@@ -17,6 +17,7 @@ the same spec (the server's tokenizer is never touched from the test thread).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import threading
@@ -97,20 +98,28 @@ def live(stack):
     }
     routes = [Mount(f"/{name}", app=s.app()) for name, s in servers.items() if name != "main"]
     app = Starlette(routes=[*routes, Mount("", app=servers["main"].app())])
+    with serving(app, "ctxrl-serve-test") as port:
+        base = f"http://127.0.0.1:{port}"
+        http = httpx.Client(base_url=base, timeout=60)
+        yield SimpleNamespace(base=base, http=http, **servers)
+        http.close()
+
+
+@contextlib.contextmanager
+def serving(app, name: str):
+    """``app`` served by uvicorn on a free loopback port in a thread; yields the port, stops it after."""
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=uv.run, name="ctxrl-serve-test", daemon=True)
+    thread = threading.Thread(target=uv.run, name=name, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    http = httpx.Client(base_url=base, timeout=60)
-    yield SimpleNamespace(base=base, http=http, **servers)
-    http.close()
-    uv.should_exit = True
-    thread.join(timeout=15)
+    try:
+        yield uv.servers[0].sockets[0].getsockname()[1]
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=15)
     assert not thread.is_alive()
 
 

@@ -33,10 +33,9 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
 from starlette.applications import Starlette  # noqa: E402
 from starlette.routing import Mount  # noqa: E402
-from test_serve import MODEL, TOOLS, calc_messages, error_of, stack  # noqa: E402, F401 (stack: a fixture)
+from test_serve import MODEL, TOOLS, calc_messages, error_of, serving, stack  # noqa: E402, F401 (stack: a fixture)
 
 from ctxrl.serve import limits  # noqa: E402
 from ctxrl.serve.protocol import APIError  # noqa: E402
@@ -63,17 +62,8 @@ def live(stack):  # noqa: F811 (the fixture imported from test_serve)
     servers = {"main": server(), "keyed": server(api_key="k"), "slow": server(read_timeout_s=0.5, max_concurrency=1),
                "broken": server(BrokenEngine())}
     app = Starlette(routes=[Mount(f"/{name}", app=s.app()) for name, s in servers.items()])
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=uv.run, name="ctxrl-serve-attacks", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    yield SimpleNamespace(port=port, base=f"http://127.0.0.1:{port}", **servers)
-    uv.should_exit = True
-    thread.join(timeout=15)
+    with serving(app, "ctxrl-serve-attacks") as port:
+        yield SimpleNamespace(port=port, base=f"http://127.0.0.1:{port}", **servers)
 
 
 def connect(live, timeout: float = 30) -> http.client.HTTPConnection:
