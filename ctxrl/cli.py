@@ -23,10 +23,8 @@ def _default_run_dir(config: Config) -> Path:
 
 def _train(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
     from ctxrl.report.progress import ConsoleProgress
-    from ctxrl.train.preflight import preflight
     from ctxrl.train.trainer import train
 
-    preflight(config)  # (train runs it too; here a refusal comes before the progress bars start drawing)
     follower = int(os.environ.get("RANK", "0")) > 0  # a data-parallel learner rank under torchrun: rank 0 reports
     with ConsoleProgress(quiet=quiet or follower or not config.run.progress) as progress:
         return train(config, run_dir, progress=progress, resume=resume)

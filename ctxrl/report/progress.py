@@ -58,7 +58,6 @@ class ConsoleProgress(Progress):
                          TimeElapsedColumn(), *eta, TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                          console=self.console, transient=False)
         self._fixed = len(self.bars.columns) - 1 + self.bar_width + 7 + 7 + (3 if wide else 0)
-        self.bars.start()
         self._sft = self._rl = None
         self._stages: dict[str, object] = {}
 
@@ -68,12 +67,12 @@ class ConsoleProgress(Progress):
     def sft(self, step: int, total: int, loss: float) -> None:
         if self._sft is None:
             self._end_stages()
-            self._sft = self.bars.add_task("warm start (SFT)", total=total, info="")
+            self._sft = self._add("warm start (SFT)", total=total)
         self.bars.update(self._sft, completed=step, total=total, info=f"loss {loss:.3f}")
 
     def rl_start(self, label: str, total: int, completed: int) -> None:
         self._end_stages()
-        self._rl = self.bars.add_task(label, total=total, completed=completed, info="")
+        self._rl = self._add(label, total=total, completed=completed)
 
     def rl_step(self, fields: list[str]) -> None:
         if self._rl is not None:
@@ -83,10 +82,16 @@ class ConsoleProgress(Progress):
     def stage(self, name: str, done: int, total: int) -> None:
         if name not in self._stages:
             self._end_stages()
-            self._stages[name] = self.bars.add_task(name, total=total or None, info="")
+            self._stages[name] = self._add(name, total=total or None)
         self.bars.update(self._stages[name], completed=done, total=total or None)
         if total and done >= total:
             self._end(self._stages.pop(name))
+
+    def _add(self, description: str, **fields):
+        """A new line; the bars start drawing with the first (a refusal before any work prints alone)."""
+        if not self.bars.live.is_started:
+            self.bars.start()
+        return self.bars.add_task(description, info="", **fields)
 
     def _end_stages(self) -> None:
         """The stages still open have ended: work moves on one stage at a time."""
@@ -111,7 +116,8 @@ class ConsoleProgress(Progress):
     def close(self) -> None:
         for task in self.bars.tasks:  # clocks stop; what did not end (a crash, a signal) is not called done
             self.bars.stop_task(task.id)
-        self.bars.stop()
+        if self.bars.live.is_started:  # (stopping bars that never drew still prints a line)
+            self.bars.stop()
 
 
 def fit_fields(fields: list[str], width: int) -> str:
