@@ -416,7 +416,6 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
     workdir = Path(tempfile.mkdtemp(prefix="ctxrl-sbx-", dir=_workdir_base()))
     proc = None
     out, err = _Capped(max_output_bytes), _Capped(max_output_bytes)
-    timed_out = False
     mode_r, mode_w = os.pipe()
     # The output pipes are the parent's own, not the subprocess transport's: waiting for the main process
     # then never waits for a child that still holds them open.
