@@ -120,13 +120,89 @@ def test_a_learner_update_through_the_flat_forward_matches_the_hf_update(scored_
         assert m_a[key] == pytest.approx(m_b[key], rel=1e-7, abs=1e-12), key
 
 
+def test_under_a_token_budget_the_flat_learner_packs_by_tokens_alone(scored_episodes, monkeypatch):
+    """``train.micro_batch_size`` caps padded micro-batches' rows; through the flat pass the token budget alone
+    bounds them, and the update is the same as one row at a time through HF's pass."""
+    from ctxrl.train import learner as learner_module
+
+    model = _build("qwen2")
+    lengths = [12, 5, 8, 3, 10, 7]
+    batch = collate(scored_episodes(model.config.vocab_size, lengths, seed=4), 0,
+                    advantages=[1.0, -1.0, 0.5, -0.5, 0.25, 2.0])
+    seen: dict[str, list[int]] = {}
+    real = learner_module.micro_batches
+
+    def counting(b, size, device, max_tokens=0):
+        for rows, micro in real(b, size, device, max_tokens):
+            seen.setdefault(mode, []).append(len(rows))
+            yield rows, micro
+
+    monkeypatch.setattr(learner_module, "micro_batches", counting)
+    out = []
+    for mode, rows in (("off", 1), ("on", 1)):
+        m = copy.deepcopy(model)
+        settings = PPOSettings(flat_forward=mode, micro_batch_size=rows, max_tokens_per_microbatch=48)
+        learner = Learner(m, torch.optim.SGD(m.parameters(), lr=0.1), settings, pad_token_id=0, seed=3)
+        assert learner.rows_per_micro_batch(batch) == (1 if mode == "off" else len(lengths))
+        learner.update(batch)
+        out.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert seen["off"] == [1] * 6  # one row at a time, as asked
+    assert seen["on"] == [4, 2]  # 12 x 4 = 48 tokens padded, then 7 and 5 (pack: longest first)
+    torch.testing.assert_close(out[0], out[1], atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_the_one_graph_layer_is_the_modules_arithmetic(family):
+    """``layer_math`` (what ``train.flat_forward = "compiled"`` hands to torch.compile) run eagerly gives the
+    module path's hidden states and gradients: Qwen2's q/k/v biases, Llama's none, Qwen3's head norms."""
+    from ctxrl.models.flat import layer_math
+
+    model = _build(family)
+    lengths = torch.tensor([7, 12, 3])
+    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(5))
+    flat = flatten(ids * (torch.arange(12) < lengths.unsqueeze(1)), lengths)
+    results = []
+    for one_graph in (False, True):
+        m = copy.deepcopy(model)
+        decoder = FlatDecoder(m)
+        decoder.compiled_layers = layer_math if one_graph else None  # (eager: the same function, uncompiled)
+        hidden = decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest)
+        (hidden ** 2).sum().backward()
+        results.append((hidden.detach(), [p.grad for p in m.parameters()]))
+    (h_a, g_a), (h_b, g_b) = results
+    torch.testing.assert_close(h_a, h_b, atol=1e-10, rtol=1e-9)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.slow
+def test_compiled_mode_compiles_each_layer_and_matches_the_eager_pass():
+    """``train.flat_forward = "compiled"`` on the CPU (inductor's C++ backend): the same hidden states and
+    gradients as ``on``, up to the float32 norm statistics both round through (minutes to compile here)."""
+    model = _build("qwen2")
+    lengths = torch.tensor([7, 12, 3])
+    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(6))
+    flat = flatten(ids * (torch.arange(12) < lengths.unsqueeze(1)), lengths)
+    results = []
+    for mode in ("on", "compiled"):
+        m = copy.deepcopy(model)
+        decoder = training_decoder(m, mode)
+        assert (decoder.compiled_layers is not None) == (mode == "compiled")
+        hidden = decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest)
+        (hidden ** 2).sum().backward()
+        results.append((hidden.detach(), torch.cat([p.grad.flatten() for p in m.parameters()])))
+    (h_a, g_a), (h_b, g_b) = results
+    torch.testing.assert_close(h_a, h_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_a, g_b, atol=1e-3, rtol=1e-5)
+
+
 def test_auto_uses_the_hf_path_off_cuda_and_on_refuses_what_it_cannot_run():
     model = _build("qwen2").float()
     assert training_decoder(model, "auto") is None  # CPU: the HF forward pass
     assert training_decoder(model, "off") is None
     decoder = training_decoder(model, "on")
     assert isinstance(decoder, FlatDecoder) and training_decoder(model, "on") is decoder  # built once
-    with pytest.raises(ValueError, match="flat_forward must be one of auto, on, off"):
+    with pytest.raises(ValueError, match="flat_forward must be one of auto, on, compiled, off"):
         training_decoder(model, "yes")
     with pytest.raises(ValueError, match="flat_forward must be one of"):
         PPOSettings(flat_forward="fast")
@@ -136,6 +212,8 @@ def test_auto_uses_the_hf_path_off_cuda_and_on_refuses_what_it_cannot_run():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(ConfigError, match="model type 'gpt2' is not one of the supported families.*flat_forward=auto"):
         training_decoder(gpt2, "on")
+    with pytest.raises(ConfigError, match="flat_forward=compiled, but GPT2LMHeadModel cannot use it"):
+        training_decoder(gpt2, "compiled")
     assert training_decoder(gpt2, "auto") is None
     dropout = _build("llama")
     dropout.config.attention_dropout = 0.1
@@ -182,5 +260,5 @@ def test_the_config_field_reaches_the_learner_and_is_validated():
     config.train.flat_forward = "on"
     assert PPOSettings.from_config(config).flat_forward == "on"
     config.train.flat_forward = "sometimes"
-    with pytest.raises(ConfigError, match="train.flat_forward must be one of auto, on, off"):
+    with pytest.raises(ConfigError, match="train.flat_forward must be one of auto, on, compiled, off"):
         validate(config)

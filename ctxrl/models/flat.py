@@ -10,9 +10,12 @@ those kernels, not the matrix products, were most of a training step (docs/perfo
   causal within each sequence, from cumulative sequence lengths (flash attention's variable-
   length kernel on CUDA; one causal SDPA call per sequence elsewhere). Grouped K/V is read as it
   is where the kernel allows (``enable_gqa``), expanded otherwise.
-- **The model's own modules.** Embeddings, projections, MLPs and the output head are the HF
-  modules, called on ``[N, hidden]``, so the weights, their gradients and the optimiser are the
-  ones the rest of ctxrl uses. Norms, rotary embedding, residual adds and the gated SiLU use
+- **The model's own weights.** Embeddings, projections, MLPs and the output head are the HF
+  modules' weights, used on ``[N, hidden]``, so their gradients and the optimiser are the ones
+  the rest of ctxrl uses. The q, k and v projections run as one matrix product over the three
+  weights laid end to end (``fused.qkv_projections``). The MLP keeps only its two projections'
+  outputs for the backward pass and recomputes the SiLU and product there (``gated_mlp``: half its
+  activations). Norms, rotary embedding, residual adds and the gated SiLU use
   ``ctxrl.models.fused`` (the same arithmetic as the HF modules, compiled into few kernels on
   CUDA, forward and backward).
 - **Checked.** The first use compares it with the HF forward pass on a short input; a model it
@@ -33,7 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ctxrl.models.fused import Fused, rotated_qkv
+from ctxrl.models.fused import Fused, guarded_compile, rotated_qkv
+from ctxrl.models.fused import rms_norm as fused_rms_norm
+from ctxrl.models.fused import rotate as fused_rotate
+from ctxrl.models.gated_mlp import gated_mlp, supports
 from ctxrl.models.layout import norm_args, rope_type, unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,7 @@ log = logging.getLogger(__name__)
 class FlatDecoder:
     """Final hidden states of a Llama-layout HF causal LM over flat packed sequences (module docstring)."""
 
-    def __init__(self, model, *, compile: bool = False) -> None:
+    def __init__(self, model, *, compile: bool = False, compile_layers: bool = False) -> None:
         reason = unsupported_reason(model, 0, training=True)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot run through the flat forward pass: {reason}")
@@ -51,6 +57,8 @@ class FlatDecoder:
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.fused = Fused(compile)
+        self.lean_mlp = all(supports(layer.mlp) for layer in self.layers)
+        """The MLPs keep ``2 I`` values a token for the backward pass, not ``4 I`` (``ctxrl.models.gated_mlp``)."""
         config = model.config
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -62,6 +70,10 @@ class FlatDecoder:
         """Sequences longer than a sliding window are not for this pass (``fits``): the HF pass applies the window."""
         self.exact_rotary = rope_type(config) == "longrope"  # its tables depend on the length: never rounded up
         self._cos = self._sin = None
+        self.compiled_layers = None
+        """Each decoder layer as one compiled graph (``layer_math``: ``train.flat_forward = "compiled"``), or None."""
+        if compile_layers:
+            self.compiled_layers = guarded_compile(layer_math, "a decoder layer", fullgraph=False)
 
     def fits(self, longest: int) -> bool:
         """Whether sequences of ``longest`` tokens run here exactly (not past a sliding window)."""
@@ -93,12 +105,25 @@ class FlatDecoder:
         model = self._model()
         recompute = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
                                                     for m in (model, self.inner, self.layers[0]))
+        block = self._compiled_block if self.compiled_layers is not None else self._block
         for layer in self.layers:
             if recompute:
-                x = checkpoint(self._block, layer, x, cos, sin, cu_seqlens, longest, use_reentrant=False)
+                x = checkpoint(block, layer, x, cos, sin, cu_seqlens, longest, use_reentrant=False)
             else:
-                x = self._block(layer, x, cos, sin, cu_seqlens, longest)
+                x = block(layer, x, cos, sin, cu_seqlens, longest)
         return self.fused.rms_norm(x, *norm_args(self.inner.norm))
+
+    def _compiled_block(self, layer, x, cos, sin, cu_seqlens, longest):
+        """``_block`` as one compiled graph: the layer's tensors passed in, so every layer shares the graph."""
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon) if hasattr(
+            attn, "q_norm") else None
+        return self.compiled_layers(
+            x, cos, sin, cu_seqlens, longest, *norm_args(layer.input_layernorm),
+            [m.weight for m in projections], [m.bias for m in projections], attn.o_proj.weight, attn.o_proj.bias,
+            norms, *norm_args(layer.post_attention_layernorm), mlp.gate_proj.weight, mlp.up_proj.weight,
+            mlp.down_proj.weight, (self.q_heads, self.kv_heads, self.head_dim), self.scaling)
 
     def _block(self, layer, x, cos, sin, cu_seqlens, longest):
         f = self.fused
@@ -106,12 +131,38 @@ class FlatDecoder:
         out = self._attention(layer.self_attn, h, cos, sin, cu_seqlens, longest)
         x, h = f.add_rms_norm(x, out, *norm_args(layer.post_attention_layernorm))
         mlp = layer.mlp
+        if self.lean_mlp:
+            return x + gated_mlp(mlp, h, f.silu_mul_grads)
         return x + mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
 
     def _attention(self, attn, h, cos, sin, cu_seqlens, longest):
-        q, k, v = rotated_qkv(self.fused, attn, h, cos, sin, self.q_heads, self.kv_heads, self.head_dim)
+        q, k, v = rotated_qkv(self.fused, attn, h, cos, sin, self.q_heads, self.kv_heads, self.head_dim, fuse=True)
         out = causal_attention(q, k, v, cu_seqlens, longest, self.scaling)
         return attn.o_proj(out.reshape(h.shape[0], self.q_heads * self.head_dim))
+
+
+def layer_math(x, cos, sin, cu_seqlens, longest, in_norm, in_eps, qkv_weights, qkv_biases, o_weight, o_bias,
+               head_norms, post_norm, post_eps, w_gate, w_up, w_down, heads, scale):
+    """One Llama-layout decoder layer over flat tokens ``x`` ``[N, hidden]``, from its tensors alone: the same
+    arithmetic as ``FlatDecoder._block`` through the modules, written for ``torch.compile`` to take whole (the
+    q, k and v weights joined, the MLP's SiLU and product left to the compiler, which recomputes such element-wise
+    steps in the backward pass rather than keep their outputs). ``heads``: (query heads, KV heads, head dim);
+    ``head_norms``: Qwen3's (q weight, k weight, eps) or None."""
+    q_heads, kv_heads, head_dim = heads
+    tokens = x.shape[0]
+    h = fused_rms_norm(x, in_norm, in_eps)
+    bias = torch.cat(qkv_biases) if all(b is not None for b in qkv_biases) else None
+    q, k, v = F.linear(h, torch.cat(qkv_weights), bias).split(
+        [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(tokens, q_heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    v = v.reshape(tokens, kv_heads, head_dim)
+    if head_norms is not None:
+        q, k = fused_rms_norm(q, head_norms[0], head_norms[2]), fused_rms_norm(k, head_norms[1], head_norms[2])
+    q, k = fused_rotate(q, cos, sin), fused_rotate(k, cos, sin)
+    out = causal_attention(q, k, v, cu_seqlens, longest, scale)
+    x = x + F.linear(out.reshape(tokens, q_heads * head_dim), o_weight, o_bias)
+    h = fused_rms_norm(x, post_norm, post_eps)
+    return x + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
@@ -161,7 +212,7 @@ def _varlen():
     return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
-MODES = ("auto", "on", "off")
+MODES = ("auto", "on", "compiled", "off")
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -169,8 +220,9 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     """The ``FlatDecoder`` the learner uses for ``model`` under ``train.flat_forward = mode``, or None (the HF path).
 
     ``auto``: on CUDA in bf16/fp16 where torch has the variable-length flash kernel, for a supported model that
-    the check reproduces; ``on``: wherever supported (an error names why not); ``off``: never. Built once per
-    model.
+    the check reproduces; ``on``: wherever supported (an error names why not); ``compiled``: ``on``, with each
+    decoder layer compiled as one graph (``layer_math``: fewer kernel launches from the host, a slower first
+    step); ``off``: never. Built once per model and mode.
     """
     if mode not in MODES:
         raise ValueError(f"train.flat_forward must be one of {', '.join(MODES)}, not {mode!r}")
@@ -180,24 +232,27 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     if mode == "auto" and (param.device.type != "cuda" or param.dtype not in (torch.bfloat16, torch.float16)
                            or _varlen() is None):
         return None  # (auto: only where the variable-length flash kernel runs; elsewhere HF's pass is faster)
-    if model not in _DECODERS:
-        _DECODERS[model] = _checked_decoder(model, param.device)
-        if _DECODERS[model][0] is None and mode == "auto":
-            log.info("learner: the HF forward pass (flat forward unavailable: %s)", _DECODERS[model][1])
-    decoder, reason = _DECODERS[model]
-    if decoder is None and mode == "on":
+    compiled = mode == "compiled"
+    built = _DECODERS.setdefault(model, {})
+    if compiled not in built:
+        built[compiled] = _checked_decoder(model, param.device, compile_layers=compiled)
+        if built[compiled][0] is None and mode == "auto":
+            log.info("learner: the HF forward pass (flat forward unavailable: %s)", built[compiled][1])
+    decoder, reason = built[compiled]
+    if decoder is None and mode != "auto":
         from ctxrl.errors import ConfigError
 
-        raise ConfigError(f"train.flat_forward=on, but {type(model).__name__} cannot use it: {reason}; set "
+        raise ConfigError(f"train.flat_forward={mode}, but {type(model).__name__} cannot use it: {reason}; set "
                           "train.flat_forward=auto (or off) to train through the HF forward pass")
     return decoder
 
 
-def _checked_decoder(model, device: torch.device) -> tuple[FlatDecoder | None, str | None]:
+def _checked_decoder(model, device: torch.device, *, compile_layers: bool = False
+                     ) -> tuple[FlatDecoder | None, str | None]:
     reason = unsupported_reason(model, 0, training=True)
     if reason is not None:
         return None, reason
-    decoder = FlatDecoder(model, compile=device.type == "cuda")
+    decoder = FlatDecoder(model, compile=device.type == "cuda", compile_layers=compile_layers)
     try:
         error = _disagreement(model, decoder)
     except Exception as exc:  # noqa: BLE001 - a kernel this machine lacks: the HF path still works

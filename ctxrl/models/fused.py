@@ -16,6 +16,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ctxrl.models.gated_mlp import silu_mul_grads
+
 log = logging.getLogger(__name__)
 
 
@@ -40,14 +42,31 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def qkv_projections(attn, h: torch.Tensor, *, fuse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attn``'s q, k and v projections of ``h``. ``fuse``: as one matrix product over the three weights laid end
+    to end (and their biases), where all three are plain linear layers with biases alike: one kernel instead of
+    three, two of them narrow (``kv_heads x head_dim`` outputs). The weights are joined on every call, inside
+    autograd (a copy of ``(q + 2 kv) x hidden`` values, small beside the product), so their gradients flow back
+    to the three modules' own weights."""
+    layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+    biased = [m.bias is not None for m in layers]
+    if not fuse or any(type(m) is not torch.nn.Linear for m in layers) or len(set(biased)) > 1:
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    weight = torch.cat([m.weight for m in layers])
+    bias = torch.cat([m.bias for m in layers]) if biased[0] else None
+    return F.linear(h, weight, bias).split([m.out_features for m in layers], dim=-1)
+
+
 def rotated_qkv(fused, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
-                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                head_dim: int, *, fuse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Llama-layout attention module's queries, keys and values of flat tokens ``h`` ``[T, hidden]``:
-    ``[T, heads, head_dim]`` each, q and k rotated (after Qwen3's per-head norms), by ``fused``'s steps."""
+    ``[T, heads, head_dim]`` each, q and k rotated (after Qwen3's per-head norms), by ``fused``'s steps; ``fuse``:
+    the three projections as one product (``qkv_projections``)."""
     tokens = h.shape[0]
-    q = attn.q_proj(h).view(tokens, q_heads, head_dim)
-    k = attn.k_proj(h).view(tokens, kv_heads, head_dim)
-    v = attn.v_proj(h).view(tokens, kv_heads, head_dim)
+    q, k, v = qkv_projections(attn, h, fuse=fuse)
+    q = q.view(tokens, q_heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.contiguous().view(tokens, kv_heads, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
         q = fused.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
         k = fused.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -77,14 +96,15 @@ def guarded_compile(fn, name: str, *, fullgraph: bool = True, on_failure=None):
 
 
 class Fused:
-    """The functions above, compiled on first use when ``compile`` is set, eager otherwise."""
+    """The functions above (and ``gated_mlp``'s backward steps), compiled on first use when ``compile`` is set,
+    eager otherwise."""
 
-    NAMES = ("rms_norm", "add_rms_norm", "rotate", "silu_mul")
+    NAMES = ("rms_norm", "add_rms_norm", "rotate", "silu_mul", "silu_mul_grads")
 
     def __init__(self, compile: bool) -> None:
         self.compiled = compile
         for name in self.NAMES:
-            fn = globals()[name]
+            fn = silu_mul_grads if name == "silu_mul_grads" else globals()[name]
             setattr(self, name, guarded_compile(fn, name, on_failure=self._failed) if compile else fn)
 
     def _failed(self) -> None:
