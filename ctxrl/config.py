@@ -166,8 +166,10 @@ class RolloutConfig:
     """Tokens one assistant turn may sample before it is cut off (``max_new_tokens``)."""
     max_total_tokens: int = field(default=512, metadata=POSITIVE)
     """Tokens of a whole episode (prompt, turns, observations) (``max_total_tokens``)."""
-    max_batch_size: int = field(default=128, metadata=POSITIVE)
-    """Largest batch of concurrent requests the engine decodes together (the fast engine's number of cache slots)."""
+    max_batch_size: int = field(default=0, metadata=NON_NEGATIVE)
+    """Largest batch of concurrent requests the engine decodes together (the fast engine's number of cache slots).
+    0 = sized by the run: on CUDA a slot for every request in flight (a step's episodes, an evaluation's), as many
+    as a share of the card holds (docs/performance.md); elsewhere 128."""
     engine: str = "auto"
     """Which engine samples: ``hf`` (batched HF forward passes, the CPU and reference engine), ``fast`` (continuous
     batching over a slot KV cache with prefix reuse and CUDA graphs; Llama, Qwen2/2.5/3 and Mistral layouts, no
@@ -405,7 +407,9 @@ class TrainConfig:
     mini_batches: int = field(default=2, metadata=POSITIVE)
     """Optimiser steps per pass (the batch is split into this many mini-batches)."""
     micro_batch_size: int = field(default=32, metadata={**RESUMABLE, **POSITIVE})
-    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch). Through the flat forward pass
+    (train.flat_forward) under a token budget the budget alone bounds a micro-batch: its memory follows its tokens,
+    not its rows."""
     eval_every: int = field(default=10, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Evaluate on held-out tasks every N steps (0 = only at the end)."""
     checkpoint_every: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
@@ -421,7 +425,9 @@ class TrainConfig:
     docs/precision.md)."""
     max_tokens_per_microbatch: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Token budget of one forward/backward: micro-batches are packed by length so that rows x longest row stays
-    within it (and at most micro_batch_size rows); 0 = micro_batch_size rows at a time."""
+    within it (and at most micro_batch_size rows, except through the flat forward pass); 0 = on CUDA the run's
+    memory plan chooses it (up to 32768 tokens, within a share of the card: docs/performance.md), elsewhere
+    micro_batch_size rows at a time."""
     logprob_chunk_tokens: int = field(default=1024, metadata={**RESUMABLE, **NON_NEGATIVE})
     """Log-probs and entropy are computed from the final hidden states in chunks of this many positions, only
     where the loss needs them, so full-vocabulary logits are never held for a whole sequence (gradients equal
@@ -434,8 +440,9 @@ class TrainConfig:
     """The learner's forward pass: ``auto`` (on CUDA, for Llama-layout models: Llama, Qwen2/2.5/3, Mistral) runs the
     micro-batch's sequences laid end to end without padding through ctxrl's own decoder forward (variable-length
     flash attention, compiled norms and activations; checked against the HF forward pass once), else HF's forward
-    pass; ``on`` forces it (an error if the model cannot), ``off`` always uses HF's. Same loss and gradients up to
-    kernel rounding (docs/performance.md)."""
+    pass; ``on`` forces it (an error if the model cannot), ``compiled`` is ``on`` with each decoder layer compiled
+    as one graph (fewer kernel launches; a slower first step), ``off`` always uses HF's. Same loss and gradients up
+    to kernel rounding (docs/performance.md)."""
     gradient_checkpointing: bool = field(default=False, metadata=RESUMABLE)
     """Recompute each layer's activations in the backward pass instead of keeping them: less memory, ~30% more
     compute."""

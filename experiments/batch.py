@@ -53,6 +53,7 @@ BUILD = ("import json, sys, pathlib; from ctxrl.train.tiny import ensure_model; 
 # Libraries that start one thread per core each: 24 runs on a 64-core machine then ran 1,500 threads (load 574,
 # every run two to three times slower than alone). Each child gets its share of the cores instead.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
+GPU_SHARE_VARIABLE = "CTXRL_GPU_SHARE"  # ctxrl.train.memory.GPU_SHARE_VARIABLE (this script imports no ctxrl)
 HEAVY = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -161,16 +162,18 @@ def _stop(jobs: list[Job], grace: float = 10.0) -> None:
 
 
 def child_environment(gpu: str, processes: int, cores: int | None = None,
-                      environ: dict[str, str] | None = None) -> dict[str, str]:
-    """A child's environment: one GPU, unbuffered output, and its share of the cores for every thread pool.
+                      environ: dict[str, str] | None = None, per_gpu: int = 1) -> dict[str, str]:
+    """A child's environment: one GPU, unbuffered output, its share of the cores for every thread pool, and its
+    share of the card for its memory plan (``CTXRL_GPU_SHARE=1/per_gpu``: ``ctxrl.train.memory``).
 
-    ``processes`` is how many children may run at once (GPUs x ``--per-gpu``); a thread count the user set
-    in the environment is kept.
+    ``processes`` is how many children may run at once (GPUs x ``--per-gpu``); a thread count or a card share
+    the user set in the environment is kept.
     """
     environ = dict(os.environ if environ is None else environ)
     share = str(max(1, (cores or os.cpu_count() or 1) // max(1, processes)))
     threads = {name: environ.get(name, share) for name in THREAD_VARIABLES}
-    return {**environ, **threads, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
+    card = {GPU_SHARE_VARIABLE: environ.get(GPU_SHARE_VARIABLE, f"{1 / max(1, per_gpu):.6g}")}
+    return {**environ, **threads, **card, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
 
 
 def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes: float, poll: float = 2.0) -> list[Job]:
@@ -213,7 +216,7 @@ def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes:
                     break
                 directory = out / ("builds" if job.kind == "build" else "runs") / job.name
                 directory.mkdir(parents=True, exist_ok=True)
-                env = child_environment(gpu, len(gpus) * per_gpu)
+                env = child_environment(gpu, len(gpus) * per_gpu, per_gpu=per_gpu)
                 job.gpu, job.started = gpu, time.time()
                 with open(directory / "log.txt", "w") as log:  # the child keeps its own handle
                     try:

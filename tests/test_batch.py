@@ -229,6 +229,17 @@ def test_each_child_gets_one_gpu_and_its_share_of_the_cores():
     assert mine["OMP_NUM_THREADS"] == "5" and mine["MKL_NUM_THREADS"] == "2"  # the user's own setting stays
 
 
+def test_each_child_sizes_its_memory_from_its_share_of_the_card():
+    from ctxrl.train.memory import GPU_SHARE_VARIABLE
+
+    assert batch.GPU_SHARE_VARIABLE == GPU_SHARE_VARIABLE  # (the script names it without importing ctxrl)
+    assert batch.child_environment("0", processes=8, per_gpu=4, environ={})[GPU_SHARE_VARIABLE] == "0.25"
+    assert batch.child_environment("0", processes=6, per_gpu=6, environ={})[GPU_SHARE_VARIABLE] == "0.166667"
+    assert batch.child_environment("0", processes=1, environ={})[GPU_SHARE_VARIABLE] == "1"
+    mine = batch.child_environment("0", processes=8, per_gpu=4, environ={GPU_SHARE_VARIABLE: "0.5"})
+    assert mine[GPU_SHARE_VARIABLE] == "0.5"  # the user's own share is kept
+
+
 def test_a_child_process_sees_its_thread_share(tmp_path):
     show = "import os; print(os.environ['OMP_NUM_THREADS'])"
     plan = write_plan(tmp_path, f'[[run]]\nname = "r"\ncmd = "python -c \\"{show}\\""')

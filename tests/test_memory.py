@@ -146,20 +146,52 @@ def test_lora_adapters_and_what_they_save(smollm2):
 
 # -- the plan ------------------------------------------------------------------------------------------------
 def test_default_plan_lets_six_135m_runs_share_an_80gb_card(smollm2):
-    # float32 (model.dtype's default): 4096 tokens' activations (7.6 GB) would pass 4 GiB; 2304 do not
-    tokens = {4: 4 * GIB // 1_850_112 // 256 * 256, 2: DEFAULT_LEARNER_TOKENS}
+    # experiments/batch.py at six a card sets CTXRL_GPU_SHARE=1/6: a quarter of a sixth of 80 GiB (3.3 GiB) is less
+    # than 4 GiB, so the activations get 4 GiB. float32 (model.dtype's default): 2304 tokens (4 GiB / 1_850_112
+    # bytes a token, in multiples of 256); bf16 through HF's pass: 6400 (4 GiB / 648_576)
+    tokens = {4: 4 * GIB // 1_850_112 // 256 * 256, 2: 4 * GIB // 648_576 // 256 * 256}
+    assert tokens == {4: 2304, 2: 6400}
     for dtype_bytes in (4, 2):
-        plan = plan_memory(default_run(smollm2, dtype_bytes))
+        plan = plan_memory(default_run(smollm2, dtype_bytes, card_share=1 / 6))
         assert not plan.capped and plan.learner_tokens == tokens[dtype_bytes]
         assert (plan.kv_slots, plan.kv_tokens_per_slot, plan.prefill_tokens) == (100, 529, 16384)
         per_run = plan.planned_bytes + CUDA_CONTEXT_BYTES
         assert 6 * per_run <= H100_80GB, f"{per_run / GIB:.2f} GiB per run"
-    fp32 = plan_memory(default_run(smollm2, 4))
+    fp32 = plan_memory(default_run(smollm2, 4, card_share=1 / 6))
     parts = (2 * N_135M * 4 + 12 * N_135M + RUNTIME_BYTES  # weights, optimiser, workspaces
              + 100 * 529 * 2 * 30 * 3 * 64 * 4 + 100 * 49152 * 4 * 4  # KV pool, the decode step's logits
              + 2304 * 1_850_112 + 1024 * 49152 * (2 * 4 + 8))  # activations, one head chunk
     assert fp32.planned_bytes == fp32.budget_bytes == math.ceil(parts / (1 - HEADROOM))
     assert 10.5 * GIB < fp32.planned_bytes < 11 * GIB  # (six such runs measured 9.4 GiB reserved each on an H200)
+
+
+def test_alone_on_a_card_the_flat_learner_gets_a_quarter_of_it_up_to_32k_tokens(qwen05):
+    # Qwen2.5-0.5B in bf16 through the flat pass: the lean MLP keeps 2 I, so a layer keeps 4 x 896 + 3 x 896 +
+    # 3 x 128 + 2 x 4864 = 16384 values a token: (24 x 16384 + 3 x 896) x 2 = 791_808 bytes
+    run = default_run(qwen05, 2, flat=True, max_total_tokens=1024)
+    assert activation_bytes_per_token(run) == (24 * 16_384 + 3 * 896) * 2 == 791_808
+    # a quarter of 80 GiB: 21_474_836_480 / 791_808 = 27_121 tokens, 26_880 in multiples of 256; no row cap (32 rows
+    # of 1024 would hold 32_768 anyway) and under DEFAULT_LEARNER_TOKENS
+    assert plan_memory(run).learner_tokens == 20 * GIB // 791_808 // 256 * 256 == 26_880
+    # 8 rows of 1024 would cap a padded micro-batch at 8192 tokens; the flat one is bounded by tokens alone
+    assert plan_memory(dataclasses.replace(run, micro_batch_size=8)).learner_tokens == 26_880
+    assert plan_memory(dataclasses.replace(run, micro_batch_size=8, flat=False)).learner_tokens == 8192
+    # a 141 GiB card: a quarter holds 46k tokens, more than the speed needs: DEFAULT_LEARNER_TOKENS
+    assert plan_memory(dataclasses.replace(run, device_bytes=141 * GIB)).learner_tokens == DEFAULT_LEARNER_TOKENS
+    # HF's pass keeps 4 I: 1_258_752 bytes a token, 17_060 tokens in a quarter of the card, 16_896 in 256s
+    assert plan_memory(dataclasses.replace(run, flat=False, micro_batch_size=64)).learner_tokens == 16_896
+
+
+def test_automatic_kv_slots_take_every_request_in_flight_within_a_quarter_of_the_card(qwen05):
+    # a slot of 529 positions: keys and values 2 x 24 x 128 x 2 = 12_288 bytes a position, and its decode logits
+    per_slot = 529 * 12_288 + 151_936 * 16
+    assert per_slot == 8_931_328
+    run = default_run(qwen05, 2, kv_slots=512, auto_slots=True)  # 64 tasks x 8 samples in flight
+    assert plan_memory(run).kv_slots == 512  # a quarter of 80 GiB holds 2404 such slots
+    assert plan_memory(dataclasses.replace(run, card_share=1 / 8)).kv_slots == int(0.25 * CARD / 8) // per_slot == 300
+    assert plan_memory(dataclasses.replace(run, card_share=1e-4)).kv_slots == 8  # never below MIN_KV_SLOTS
+    assert plan_memory(dataclasses.replace(run, kv_slots=5000)).kv_slots == 1024  # at most MAX_AUTO_SLOTS
+    assert plan_memory(dataclasses.replace(run, auto_slots=False, kv_slots=5000)).kv_slots == 5000  # as asked
 
 
 def test_default_learner_tokens_never_exceed_what_a_micro_batch_holds(smollm2):
@@ -168,9 +200,10 @@ def test_default_learner_tokens_never_exceed_what_a_micro_batch_holds(smollm2):
     assert plan_memory(default_run(smollm2, max_total_tokens=8192)).learner_tokens == 8192
 
 
-def test_default_learner_tokens_keep_activations_within_4_gib(qwen05):
-    # Qwen2.5-0.5B in bf16: 1_258_752 bytes a token, so 3412 tokens fit 4 GiB: 3328 in multiples of 256
-    assert plan_memory(default_run(qwen05, 2, max_total_tokens=1024)).learner_tokens == 3328
+def test_default_learner_tokens_keep_activations_within_the_budget(qwen05):
+    # Qwen2.5-0.5B in bf16 through HF's pass (1_258_752 bytes a token) with no card (a CPU): 4 GiB hold 3412
+    # tokens, 3328 in multiples of 256; 32 rows of 1024 would hold more
+    assert plan_memory(default_run(qwen05, 2, max_total_tokens=1024, device_bytes=0)).learner_tokens == 3328
 
 
 def test_a_capped_plan_fills_its_budget_in_order(smollm2):
@@ -242,7 +275,8 @@ def test_gpu_memory_fraction_defaults_to_no_cap_and_may_change_on_resume():
 
 
 def test_run_sizes_from_a_config(smollm2):
-    config = load_config(None, ["model.dtype=bfloat16", "algo.kl_coef=0.01", "sft.enabled=false"])
+    config = load_config(None, ["model.dtype=bfloat16", "algo.kl_coef=0.01", "sft.enabled=false",
+                                "rollout.max_batch_size=128"])
     run = RunSizes.from_config(config, smollm2, device_bytes=CARD, kv_tokens_per_slot=529, engine=True, critic=False)
     # 128 slots asked for, but at most max(8 tasks x 8 samples, 100 evaluation tasks) requests are in flight
     assert (run.kv_slots, run.dtype_bytes, run.float32_masters, run.reference) == (100, 2, True, True)
@@ -250,13 +284,18 @@ def test_run_sizes_from_a_config(smollm2):
                                     critic=False)
     assert (follower.kv_slots, follower.kv_tokens_per_slot) == (0, 0)
     assert plan_memory(follower).prefill_tokens == 0
+    # rollout.max_batch_size = 0 (the default): the plan sizes the pool from every request in flight
+    auto = RunSizes.from_config(load_config(None, ["sft.enabled=false"]), smollm2, device_bytes=CARD,
+                                kv_tokens_per_slot=529, engine=True, critic=False, flat=True, card_share=0.5)
+    assert (auto.kv_slots, auto.auto_slots, auto.flat, auto.card_share) == (100, True, True, 0.5)
 
 
 def test_the_learner_gets_the_planned_tokens_unless_the_user_set_some(smollm2):
     config = load_config(None, [])
     plan = plan_memory(default_run(smollm2))
     sized = with_learner_tokens(config, plan)
-    assert sized.train.max_tokens_per_microbatch == plan.learner_tokens == 2304
+    # a quarter of the 80 GiB card for float32 activations of 1_850_112 bytes a token: 11_520 tokens
+    assert sized.train.max_tokens_per_microbatch == plan.learner_tokens == 20 * GIB // 1_850_112 // 256 * 256 == 11_520
     assert config.train.max_tokens_per_microbatch == 0  # (the user's config is not changed)
     explicit = load_config(None, ["train.max_tokens_per_microbatch=2000"])
     kept = plan_memory(default_run(smollm2, max_tokens_per_microbatch=2000))
@@ -294,3 +333,34 @@ def test_a_capped_run_turns_on_expandable_segments_unless_the_user_configured_th
     assert expandable_segments() and calls == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert not expandable_segments() and calls == ["expandable_segments:True"]
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "nan", "half"])
+def test_a_card_share_outside_0_to_1_is_a_config_error_naming_the_variable(monkeypatch, value):
+    from ctxrl.train.sizing import card_share
+
+    monkeypatch.setenv("CTXRL_GPU_SHARE", value)
+    with pytest.raises(ConfigError, match=r"CTXRL_GPU_SHARE=.*must be a share of the card in \(0, 1\]"):
+        card_share()
+
+
+def test_the_card_share_is_read_from_the_environment(monkeypatch):
+    from ctxrl.train.sizing import card_share
+
+    monkeypatch.delenv("CTXRL_GPU_SHARE", raising=False)
+    assert card_share() == 1.0
+    monkeypatch.setenv("CTXRL_GPU_SHARE", "0.25")
+    assert card_share() == 0.25
+
+
+def test_the_plan_expects_the_flat_pass_only_where_it_can_run():
+    from transformers import LlamaConfig, PretrainedConfig
+
+    from ctxrl.train.sizing import expects_flat
+
+    llama = LlamaConfig()
+    assert expects_flat(load_config(None, ["model.dtype=bfloat16"]), llama)
+    assert not expects_flat(load_config(None, []), llama)  # float32: HF's pass
+    assert not expects_flat(load_config(None, ["model.dtype=bfloat16", "train.flat_forward=off"]), llama)
+    assert not expects_flat(load_config(None, ["model.dtype=bfloat16", "lora.rank=8"]), llama)
+    assert not expects_flat(load_config(None, ["model.dtype=bfloat16"]), PretrainedConfig())

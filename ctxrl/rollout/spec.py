@@ -26,6 +26,10 @@ PHASES = ("train", "eval")
 CARRIES = ("reflections", "attempts")
 
 
+DEFAULT_ENGINE_BATCH = 128
+"""The engine's batch when ``rollout.max_batch_size`` is 0 (sized by the run) and no memory plan sizes it: a CPU
+run, or Ray rollout workers."""
+
 @dataclass(frozen=True)
 class RolloutLimits(PlainData):
     """Sampling settings and the limits of one episode."""
@@ -127,7 +131,8 @@ class RolloutSpec(PlainData):
     eval_meta: MetaPolicy = MetaPolicy()
     demos: DemoSpec = DemoSpec()
     max_batch_size: int = 128
-    """Largest batch of concurrent requests the engine decodes together."""
+    """Largest batch of concurrent requests the engine decodes together (``rollout.max_batch_size``, or
+    ``DEFAULT_ENGINE_BATCH`` where the config leaves it to the run, 0, and no memory plan sizes it)."""
     sandbox_workers: int = 8
     """Most sandboxed Python interpreters running at once in the worker's process (``ctxrl.tools.python``)."""
     engine_seed: int = 0
@@ -176,7 +181,8 @@ class RolloutSpec(PlainData):
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,
                            source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
                            choice_seed=seeds.demo_choice),
-            max_batch_size=r.max_batch_size, sandbox_workers=r.sandbox_workers, engine_seed=seeds.engine,
+            max_batch_size=r.max_batch_size or DEFAULT_ENGINE_BATCH, sandbox_workers=r.sandbox_workers,
+            engine_seed=seeds.engine,
             engine=r.engine,
             plugins=config.run.plugins)
 

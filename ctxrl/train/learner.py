@@ -199,7 +199,7 @@ class Learner:
             return lp * m
 
         mine, share = self._share(batch)
-        rows = per_token_rows(share, self.device, s.micro_batch_size, learner_logprobs,
+        rows = per_token_rows(share, self.device, self.rows_per_micro_batch(share), learner_logprobs,
                               s.max_tokens_per_microbatch) if mine else []
         recomputed = torch.zeros_like(batch.old_logprobs)
         for row, values in zip(mine, rows):
@@ -228,7 +228,8 @@ class Learner:
         # not reproduce what the forward pass saved
         with attention_kernels(self.device):
             if mine:
-                for _, micro in micro_batches(share, s.micro_batch_size, self.device, s.max_tokens_per_microbatch):
+                for _, micro in micro_batches(share, self.rows_per_micro_batch(share), self.device,
+                                              s.max_tokens_per_microbatch):
                     self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
                                       value_count=value_count)
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
@@ -237,6 +238,16 @@ class Learner:
             if self.precision.scaler is not None:  # (a rank that scaled no loss yet must still unscale with the rest)
                 self.precision.scaler.scale(torch.zeros((), device=self.device))
         return mini_batch_metrics(sums, tokens)
+
+    def rows_per_micro_batch(self, batch: Batch) -> int:
+        """``micro_batch_size``, or every row where only the token budget should bound a micro-batch: the flat
+        forward pass (no padding: its memory follows the tokens) with a budget, over rows it takes."""
+        s = self.settings
+        if s.max_tokens_per_microbatch <= 0 or not len(batch):
+            return s.micro_batch_size
+        decoder = training_decoder(self.model, s.flat_forward)
+        flat = decoder is not None and decoder.fits(int(batch.lengths.max()))
+        return max(len(batch), s.micro_batch_size) if flat else s.micro_batch_size
 
     def _share(self, batch: Batch) -> tuple[list[int], Batch]:
         """The rows of ``batch`` this learner trains on (all of them, or this rank's share), and those rows."""

@@ -35,22 +35,28 @@ inputs and outputs (``4 H``); the projected q, k, v, the rotated q and k, and th
 float32, so attention runs PyTorch's math kernel, which keeps each head's softmax. Per token:
 ``(layers x that + 3 H) x b`` (the ``3 H``: the embedding, the final norm, the hidden states gathered
 for the output head). With ``train.gradient_checkpointing`` each layer keeps only its input:
-``(layers x H + one layer's + 3 H) x b``. A KL reference in the loss adds one layer's worth (its
-forward pass runs while the policy's activations are held). Assumptions: in bf16 / fp16 attention is a
-flash kernel (no ``T x T`` scores), float32 norm statistics and LoRA's rank-sized intermediates are
-negligible, the backward pass's own transients fit the headroom. Measured slopes (peak allocated
-between 2048- and 8192-token micro-batches, a random-init model of SmolLM2-135M's shape, an H100):
-0.46 MB per token in bf16 through ctxrl's flat forward pass (the formula: 0.65 MB) and 1.89 MB in
-float32 through HF's (the formula: 1.85 MB).
+``(layers x H + one layer's + 3 H) x b``. The flat forward pass's MLP (``ctxrl.models.gated_mlp``) keeps the gate
+and up outputs alone: ``2 I`` instead of ``4 I`` (measured, Qwen2.5-0.5B's shape on an H100: 0.79 MB a token
+between 8k- and 32k-token micro-batches, the formula's figure, against 1.0 MB before). A KL reference in
+the loss adds one layer's worth (its forward pass runs while the policy's activations are held).
+Assumptions: in bf16 / fp16 attention is a flash kernel (no ``T x T`` scores), float32 norm statistics
+and LoRA's rank-sized intermediates are negligible, the backward pass's own transients fit the headroom.
+Measured slopes (peak allocated between 2048- and 8192-token micro-batches, a random-init model of
+SmolLM2-135M's shape, an H100, before the lean MLP): 0.46 MB per token in bf16 through ctxrl's flat
+forward pass (the formula then: 0.65 MB) and 1.89 MB in float32 through HF's (the formula: 1.85 MB).
 
 **The budget.** With ``model.gpu_memory_fraction = f > 0`` torch's allocator is capped at
 ``f x card - CUDA_CONTEXT_BYTES`` (the CUDA context lives outside it) and the plan fills that: the
 fixed parts, one micro-batch of the longest row, the KV pool up to its slots (never below
-``MIN_KV_SLOTS``), then the learner's tokens up to ``micro_batch_size x max_total_tokens``. With
-``f = 0`` (the default) there is no cap: the run plans what it needs, with micro-batches of
-``DEFAULT_LEARNER_TOKENS`` tokens, or fewer where their activations would pass
-``DEFAULT_ACTIVATION_BYTES``: never "whatever is free". SmolLM2-135M at the defaults (float32, 2304-token
-micro-batches) plans 10.9 GiB, 11.9 GiB on the card with its context: six such runs fit an 80 GB card.
+``MIN_KV_SLOTS``), then the learner's tokens up to what a micro-batch can hold. With ``f = 0`` (the
+default) there is no cap: the run plans what makes its step fastest, within shares of the card (not of
+what happens to be free, so the same run plans the same sizes each time): micro-batches of
+``DEFAULT_LEARNER_TOKENS`` tokens, fewer where their activations would pass ``ACTIVATION_SHARE`` of the
+card (at least ``DEFAULT_ACTIVATION_BYTES``), and with ``rollout.max_batch_size = 0`` (the default) a KV
+slot for every request in flight, as many as ``KV_SHARE`` of the card holds. A scheduler that runs N
+runs a card sets ``CTXRL_GPU_SHARE=1/N`` (``experiments/batch.py`` does) and the shares are of that part.
+On the flat forward pass (CUDA, bf16 / fp16, a Llama-layout model, no LoRA) a micro-batch is bounded by
+its tokens alone and the MLP keeps ``2 I`` values a token (``ctxrl.models.gated_mlp``).
 
 Either way the KV pool has no more slots than requests can be in flight at once (a training step's
 episodes, or an evaluation's: a request beyond them waits for a slot), and an explicit
@@ -74,10 +80,26 @@ from ctxrl.errors import ConfigError
 GIB = 2**30
 MIB = 2**20
 
-DEFAULT_LEARNER_TOKENS = 4096
-"""Tokens per learner micro-batch when neither ``train.max_tokens_per_microbatch`` nor a cap says otherwise ..."""
+DEFAULT_LEARNER_TOKENS = 32768
+"""Tokens per learner micro-batch when neither ``train.max_tokens_per_microbatch`` nor a cap says otherwise: where
+the learner's speed stops growing with the micro-batch (Qwen2.5-0.5B's shape on an H100, ctxrl's flat forward pass:
+22.6% MFU at 32k tokens, 12.7% at 8k, where the GPU sat idle for half of the update, waiting on the host;
+docs/performance.md) ..."""
 DEFAULT_ACTIVATION_BYTES = 4 * GIB
-"""... or fewer, where that many tokens' activations would pass this."""
+"""... or fewer, where that many tokens' activations would pass the activation budget: this, or
+``ACTIVATION_SHARE`` of the card's share (``card_share``), whichever is larger."""
+ACTIVATION_SHARE = 0.25
+"""The share of the card (of ``CTXRL_GPU_SHARE`` of it) that a plan without a cap lets the learner's activations
+take when ``train.max_tokens_per_microbatch`` is 0."""
+KV_SHARE = 0.25
+"""The same for the KV pool when ``rollout.max_batch_size`` is 0: as many slots as requests can be in flight, as
+long as they fit this share."""
+MAX_AUTO_SLOTS = 1024
+"""At most this many KV slots when ``rollout.max_batch_size`` is 0."""
+GPU_SHARE_VARIABLE = "CTXRL_GPU_SHARE"
+"""An environment variable a scheduler sets to the share of the card each of its runs may assume (``1/N`` for N
+runs a card: ``experiments/batch.py`` does); the uncapped plan sizes its parts from that share of the card, not
+the whole. Not a cap: ``model.gpu_memory_fraction`` is the cap."""
 MIN_KV_SLOTS = 8
 """The smallest KV pool worth having: fewer slots leave the decode step latency-bound."""
 CUDA_CONTEXT_BYTES = GIB
@@ -146,9 +168,11 @@ class ModelShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def layer_activations(self) -> int:
-        """Elements one decoder layer saves per token for its backward pass: ``4 H + 3 q + 3 kv + 4 I``."""
-        return 4 * self.hidden + 3 * self.q_width + 3 * self.kv_width + 4 * self.intermediate
+    def layer_activations(self, *, lean_mlp: bool = False) -> int:
+        """Elements one decoder layer saves per token for its backward pass: ``4 H + 3 q + 3 kv + 4 I``; with
+        ``lean_mlp`` (the flat forward pass's MLP, ``ctxrl.models.gated_mlp``) ``2 I`` instead of ``4 I``."""
+        mlp = (2 if lean_mlp else 4) * self.intermediate
+        return 4 * self.hidden + 3 * self.q_width + 3 * self.kv_width + mlp
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer of a Llama-layout decoder layer."""
@@ -181,6 +205,8 @@ class RunSizes:
     kv_slots: int = 0
     """Slots the KV pool would have unconstrained: ``rollout.max_batch_size``, at most the requests in flight at
     once; 0 = no engine in this process (a data-parallel follower rank, Ray rollout actors)."""
+    auto_slots: bool = False
+    """``rollout.max_batch_size`` is 0: the plan sizes the pool (``KV_SHARE``) instead of taking ``kv_slots``."""
     kv_tokens_per_slot: int = 0
     """Positions per slot (the engine's ``slot_capacity``)."""
     max_tokens_per_microbatch: int = 0
@@ -197,24 +223,31 @@ class RunSizes:
     device_bytes: int = 0
     """The card's total memory."""
     gpu_memory_fraction: float = 0.0
+    flat: bool = False
+    """The learner runs ctxrl's flat forward pass (``ctxrl.models.flat``: CUDA, a 2-byte dtype, a Llama-layout
+    model, no LoRA): the lean MLP's activations, and micro-batches bounded by tokens alone (no row cap)."""
+    card_share: float = 1.0
+    """The share of the card an uncapped plan sizes its automatic parts from (``GPU_SHARE_VARIABLE``)."""
 
     @classmethod
     def from_config(cls, config, shape: ModelShape, *, device_bytes: int, kv_tokens_per_slot: int, engine: bool,
-                    critic: bool) -> RunSizes:
-        """The sizes of ``config``'s run. ``engine``: the rollout engine lives in this process."""
+                    critic: bool, flat: bool = False, card_share: float = 1.0) -> RunSizes:
+        """The sizes of ``config``'s run. ``engine``: the rollout engine lives in this process; ``flat``: the learner
+        will run the flat forward pass (``ctxrl.train.sizing.expects_flat``)."""
         r, t, m = config.rollout, config.train, config.meta
         eval_trials = m.eval_trials if max(m.eval_attempts, m.num_attempts) > 1 else 1
         in_flight = max(r.tasks_per_step * r.group_size, config.eval.tasks * eval_trials)
         return cls(shape=shape, dtype_bytes=4 if config.model.dtype == "float32" else 2,
                    max_total_tokens=r.max_total_tokens, micro_batch_size=t.micro_batch_size,
-                   kv_slots=min(r.max_batch_size, in_flight) if engine else 0,
+                   kv_slots=(min(r.max_batch_size, in_flight) if r.max_batch_size else in_flight) if engine else 0,
+                   auto_slots=r.max_batch_size == 0,
                    kv_tokens_per_slot=kv_tokens_per_slot if engine else 0,
                    max_tokens_per_microbatch=t.max_tokens_per_microbatch, logprob_chunk_tokens=t.logprob_chunk_tokens,
                    gradient_checkpointing=t.gradient_checkpointing, lora_rank=config.lora.rank,
                    lora_targets=config.lora.target_modules,
                    float32_masters=t.master_weights == "float32" and config.model.dtype != "float32",
                    reference=config.algo.kl_coef > 0, critic=critic, device_bytes=device_bytes,
-                   gpu_memory_fraction=config.model.gpu_memory_fraction)
+                   gpu_memory_fraction=config.model.gpu_memory_fraction, flat=flat, card_share=card_share)
 
 
 @dataclass(frozen=True)
@@ -321,7 +354,7 @@ def layer_elements(run: RunSizes) -> int:
     row of attention scores over the longest row (no flash kernel takes float32, and PyTorch's memory-efficient
     one does not take grouped K/V, so attention falls back to the math kernel, which keeps its softmax)."""
     scores = run.shape.heads * run.max_total_tokens if run.dtype_bytes == 4 else 0
-    return run.shape.layer_activations() + scores
+    return run.shape.layer_activations(lean_mlp=run.flat) + scores
 
 
 def activation_bytes_per_token(run: RunSizes) -> int:
@@ -338,9 +371,11 @@ def activation_bytes_per_token(run: RunSizes) -> int:
 
 
 def learner_peak_tokens(run: RunSizes, tokens: int) -> int:
-    """The most tokens a micro-batch under a budget of ``tokens`` holds: at most ``micro_batch_size`` rows, and a row
-    longer than the budget is a micro-batch of its own (``ctxrl.train.batch.pack``)."""
-    return max(min(tokens, run.micro_batch_size * run.max_total_tokens), run.max_total_tokens)
+    """The most tokens a micro-batch under a budget of ``tokens`` holds: at most ``micro_batch_size`` rows (not on
+    the flat forward pass, whose memory follows its tokens alone), and a row longer than the budget is a
+    micro-batch of its own (``ctxrl.train.batch.pack``)."""
+    rows_hold = tokens if run.flat else run.micro_batch_size * run.max_total_tokens
+    return max(min(tokens, rows_hold), run.max_total_tokens)
 
 
 def learner_bytes(run: RunSizes, tokens: int) -> int:
@@ -356,9 +391,25 @@ def prefill_tokens(run: RunSizes, room: int) -> int:
     return max(min(PREFILL_TOKENS, room // per_token), min(run.max_total_tokens, PREFILL_TOKENS))
 
 
+def activation_budget(run: RunSizes) -> int:
+    """Bytes an uncapped plan lets a micro-batch's activations take: ``DEFAULT_ACTIVATION_BYTES``, or
+    ``ACTIVATION_SHARE`` of the card's share, whichever is larger (no card: the former)."""
+    return max(DEFAULT_ACTIVATION_BYTES, int(ACTIVATION_SHARE * run.card_share * run.device_bytes))
+
+
 def fitting_tokens(run: RunSizes) -> int:
-    """The most tokens (in multiples of 256) whose activations stay within ``DEFAULT_ACTIVATION_BYTES``."""
-    return DEFAULT_ACTIVATION_BYTES // activation_bytes_per_token(run) // 256 * 256
+    """The most tokens (in multiples of 256) whose activations stay within ``activation_budget``."""
+    return activation_budget(run) // activation_bytes_per_token(run) // 256 * 256
+
+
+def auto_slots(run: RunSizes, per_slot: int) -> int:
+    """KV slots of an uncapped plan: ``kv_slots`` as asked (``rollout.max_batch_size`` > 0), or every request in
+    flight, at most ``MAX_AUTO_SLOTS`` and what ``KV_SHARE`` of the card's share holds, never below
+    ``MIN_KV_SLOTS`` (nor above the requests in flight)."""
+    if not run.auto_slots or not run.kv_slots:
+        return run.kv_slots
+    fit = int(KV_SHARE * run.card_share * run.device_bytes) // max(per_slot, 1)
+    return min(run.kv_slots, max(MIN_KV_SLOTS, min(MAX_AUTO_SLOTS, fit)))
 
 
 def default_learner_tokens(run: RunSizes) -> int:
@@ -404,7 +455,7 @@ def plan_memory(run: RunSizes) -> MemoryPlan:
     least = _least(run)
     explicit = run.max_tokens_per_microbatch > 0
     if run.gpu_memory_fraction <= 0:  # no cap: what the run needs
-        slots = run.kv_slots
+        slots = auto_slots(run, least.per_slot)
         tokens = least.tokens if explicit else default_learner_tokens(run)
         used = least.fixed + slots * least.per_slot + learner_bytes(run, tokens)
         budget = math.ceil(used / (1 - HEADROOM))
@@ -416,7 +467,8 @@ def plan_memory(run: RunSizes) -> MemoryPlan:
         if least.total > usable:
             raise ConfigError(_does_not_fit(run, budget, least))
         room = usable - least.fixed - least.learner
-        slots = min(run.kv_slots, room // least.per_slot)
+        wanted = min(run.kv_slots, MAX_AUTO_SLOTS) if run.auto_slots else run.kv_slots
+        slots = min(wanted, room // least.per_slot)
         room -= slots * least.per_slot
         tokens = least.tokens
         if not explicit:  # (in multiples of 64, at most what a micro-batch can hold)

@@ -82,12 +82,43 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     free, total = torch.cuda.mem_get_info(index)
     positions = min(config.rollout.max_total_tokens, getattr(hf, "max_position_embeddings", None) or 10**9)
     plan = plan_memory(RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
-                                            kv_tokens_per_slot=slot_capacity(positions)))
+                                            kv_tokens_per_slot=slot_capacity(positions),
+                                            flat=expects_flat(config, hf), card_share=card_share()))
     check_free(plan, free)
     if plan.capped:
         torch.cuda.set_per_process_memory_fraction(plan.budget_bytes / total, index)
         expandable_segments()
     return plan
+
+
+def expects_flat(config: Config, hf_config) -> bool:
+    """Whether the learner will run ctxrl's flat forward pass (``ctxrl.models.flat.training_decoder``) on CUDA, as
+    far as the config and the model's HF config tell before it loads: not ``off``, a 2-byte dtype, no LoRA, a
+    supported family. (The pass also checks itself against HF's once the model is loaded, and a model that fails
+    the check trains through HF's pass with rows capped at ``train.micro_batch_size``.)"""
+    from ctxrl.models.layout import FAMILIES
+
+    return (config.train.flat_forward != "off" and config.model.dtype in ("bfloat16", "float16")
+            and config.lora.rank == 0 and getattr(hf_config, "model_type", None) in FAMILIES)
+
+
+def card_share() -> float:
+    """``CTXRL_GPU_SHARE`` (``ctxrl.train.memory.GPU_SHARE_VARIABLE``): the share of the card this run's plan sizes
+    its automatic parts from; 1 when unset. A value outside (0, 1] is a ``ConfigError``."""
+    from ctxrl.errors import ConfigError
+    from ctxrl.train.memory import GPU_SHARE_VARIABLE
+
+    text = os.environ.get(GPU_SHARE_VARIABLE, "").strip()
+    if not text:
+        return 1.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{GPU_SHARE_VARIABLE}={text!r}: it must be a share of the card in (0, 1], such as 0.25 "
+                          f"for four runs a card; unset it to size from the whole card")
+    return value
 
 
 def expandable_segments() -> bool:
