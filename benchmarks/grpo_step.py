@@ -826,8 +826,8 @@ def arms_of(args) -> list[tuple[str, str, str]]:
         elif section == "agentic":
             out += [("agentic", a, "") for a in args.agentic_arms]
         elif section == "learner":
-            out += [("learner", "padded", "")] + ([("learner", "packed", "")] if args.packed else [])
-            out += [("learner", "flat", "")]
+            arms = [a for a in LEARNER_ARMS if a != "packed" or args.packed]
+            out += [("learner", a, "") for a in arms if a in args.learner_arms]
         else:
             out += [("grpo", a, v) for v in args.variants for a in args.grpo_arms
                     if v == "fixed" or a in args.ragged_arms]
@@ -955,6 +955,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--tool-latency", type=float, default=0.05)
     a.add_argument("--agentic-repeats", type=int, default=1)
     learner = ap.add_argument_group("learner")
+    learner.add_argument("--learner-arms", type=csv(str, LEARNER_ARMS), default=list(LEARNER_ARMS),
+                         help="padded, packed (with --packed), flat")
     learner.add_argument("--learner-seqs", type=int, default=64)
     learner.add_argument("--learner-tokens", type=int, default=1024)
     learner.add_argument("--learner-max-tokens", type=int, default=8192, help="micro-batch token budget")

@@ -42,6 +42,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/serve_soak.py": "tests/test_scripts.py::test_serve_soak_loses_no_episode_to_hostile_clients",
     "benchmarks/shared_gpu.py": "tests/test_scripts.py::test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu",
     "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
+    "benchmarks/train_step.py": "tests/test_scripts.py::test_train_step_times_the_real_command_on_the_cpu",
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
@@ -202,3 +203,23 @@ def test_serve_soak_loses_no_episode_to_hostile_clients():
     assert figures["unexpected"] == [] and figures["hostile_requests"] >= 1
     assert all(400 <= int(key.split()[-1]) < 500 for key in figures["hostile_by_status"])
     assert figures["latency_p50_s"] > 0 and figures["rss_start_mb"] > 0
+
+
+def test_train_step_times_the_real_command_on_the_cpu(tmp_path):
+    """``benchmarks/train_step.py`` runs ``python -m ctxrl train`` on a random checkpoint it writes, with the
+    fixed-length environment, and reads the step's times back (the GPU arms' sizes are the memory plan's)."""
+    bench = script("benchmarks/train_step.py")
+    report = bench.main(["--smoke", "--arms", "default", "--cache", str(tmp_path / "cache"),
+                         "--out", str(tmp_path / "train_step.json")])
+    (arm,) = report["arms"]
+    assert "error" not in arm, arm
+    assert arm["steps_timed"] == 1 and arm["step_s"] > 0 and arm["rollout_s"] > 0 and arm["update_s"] > 0
+    # 4 prompts x 2 completions of exactly 16 tokens (a random policy never stops) after a 16-word prompt
+    assert arm["tokens"] >= 4 * 2 * (16 + 16)
+    assert json.loads((tmp_path / "train_step.json").read_text())["arms"][0]["arm"] == "default"
+    args = bench.parser().parse_args(["--before-tokens", "3328"])
+    assert bench.arm_overrides("before", args)[1][-1] == "train.max_tokens_per_microbatch=3328"
+    assert bench.arm_overrides("mine=train.lr=1e-5+rollout.max_batch_size=64", args) == (
+        "mine", ["train.lr=1e-5", "rollout.max_batch_size=64"])
+    with pytest.raises(SystemExit, match="unknown arm 'fast'"):
+        bench.arm_overrides("fast", args)

@@ -2,7 +2,9 @@
 
 Speed and memory depend on a model's shape, not its weights, so a ``Qwen2ForCausalLM`` built
 from the Qwen2.5 configurations below measures what the real checkpoint would, and nothing is
-downloaded. ``random_model("qwen2.5-7b", dtype, device)`` builds one directly on ``device``.
+downloaded. ``random_model("qwen2.5-7b", dtype, device)`` builds one directly on ``device``;
+``save_random_checkpoint`` writes one to a directory with a word-level tokenizer and a ChatML template, so
+that ``ctxrl train`` runs on it as on any local checkpoint (``benchmarks/train_step.py``).
 """
 
 from __future__ import annotations
@@ -40,3 +42,51 @@ def random_model(shape: str, dtype, device: str = "cpu", *, seed: int = 0):
     finally:
         torch.set_default_dtype(previous)
     return model
+
+
+
+PAD, EOS, UNK = 0, 1, 2
+"""The shapes' pad and eos ids (``_QWEN25``), and the word tokenizer's unknown word."""
+_SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+BENCH_WORDS = tuple(a + b for a in _SYLLABLES[:32] for b in _SYLLABLES[:32])
+"""The words a random checkpoint's tokenizer holds as single tokens (``save_random_checkpoint``): prompts built
+from them have one token a word, so their length in tokens is known without the tokenizer."""
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer whose token ``t<i>`` is id ``i`` (0 pad, 1 eos, 2 unknown): ids -> text -> ids
+    exactly, so a random model's samples round-trip (TRL's side of ``benchmarks/grpo_step.py``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, **{f"t{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+def save_random_checkpoint(shape: str, directory, *, dtype: str = "bfloat16", seed: int = 0):
+    """Write a random-init model of ``SHAPES[shape]`` (in ``dtype``) to ``directory`` with the tiny model's kind of
+    tokenizer (a byte-level BPE in Qwen2's layout, ChatML with tools, ``<|im_end|>`` its eos) trained on
+    ``BENCH_WORDS``, once: a directory that already holds both is kept. Returns its path. The model's vocabulary
+    is the shape's; the tokenizer's is smaller, and what a random policy samples past it decodes to nothing."""
+    from pathlib import Path
+
+    import torch
+
+    from ctxrl.models.tiny import TinySpec, make_tokenizer
+
+    path = Path(directory)
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    model = random_model(shape, getattr(torch, dtype), "cpu", seed=seed)
+    words = " ".join(BENCH_WORDS)
+    tokenizer = make_tokenizer(TinySpec(arch="qwen2", vocab_size=2048), [words] * 4)
+    for config in (model.config, model.generation_config):
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
