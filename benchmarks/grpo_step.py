@@ -94,7 +94,7 @@ if str(ROOT) not in sys.path:  # run as a file from anywhere, ctxrl installed or
 SECTIONS = ("decode", "agentic", "learner", "grpo")
 DECODE_ARMS = ("hf_eager", "hf_static_compile", "hfengine", "fastengine")
 AGENTIC_ARMS = ("hfengine", "fastengine")
-LEARNER_ARMS = ("padded", "packed", "flat")
+LEARNER_ARMS = ("padded", "packed", "flat", "flat_compiled")
 GRPO_ARMS = ("ctxrl", "trl_default", "trl_bf16_nockpt", "trl_paged")
 VARIANTS = ("fixed", "ragged")
 PEAK_BF16 = 989e12  # H100 SXM, dense bf16
@@ -449,7 +449,7 @@ def learner_arm(args, arm: str) -> dict:
     from ctxrl.models.shapes import random_model
 
     args.packed_arm = arm == "packed"
-    args.flat_mode = "on" if arm == "flat" else "off"
+    args.flat_mode = {"flat": "on", "flat_compiled": "compiled"}.get(arm, "off")
     precision = make_precision(args, cuda)
     model = random_model(args.model, precision.storage, device)
     info = shape_info(model)
@@ -461,7 +461,7 @@ def learner_arm(args, arm: str) -> dict:
     behaviour = (-torch.rand(S, T - prompt, generator=g) * 4).tolist()
     data = episodes([r[:prompt] for r in ids], [r[prompt:] for r in ids], behaviour,
                     [1.0 if i % 2 else -1.0 for i in range(S)])
-    agreement = flat_agreement(learner, model, data, cuda) if arm == "flat" else {}
+    agreement = flat_agreement(learner, model, data, cuda) if arm.startswith("flat") else {}
     reset_peak(cuda)
     times = []
     for _ in range(max(1, args.learner_updates) + 1):
@@ -955,8 +955,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--tool-latency", type=float, default=0.05)
     a.add_argument("--agentic-repeats", type=int, default=1)
     learner = ap.add_argument_group("learner")
-    learner.add_argument("--learner-arms", type=csv(str, LEARNER_ARMS), default=list(LEARNER_ARMS),
-                         help="padded, packed (with --packed), flat")
+    learner.add_argument("--learner-arms", type=csv(str, LEARNER_ARMS), default=["padded", "packed", "flat"],
+                         help="padded, packed (with --packed), flat, flat_compiled (train.flat_forward=compiled)")
     learner.add_argument("--learner-seqs", type=int, default=64)
     learner.add_argument("--learner-tokens", type=int, default=1024)
     learner.add_argument("--learner-max-tokens", type=int, default=8192, help="micro-batch token budget")
