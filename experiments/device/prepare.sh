@@ -2,10 +2,11 @@
 # Make a bare GPU machine ready for ctxrl runs with the named real model, without network.
 #
 # A call to a lent GPU machine carries at most 64 MiB, and SmolLM2-135M-Instruct's GGUF is 94 MB, so it
-# travels in two halves (`split -b 47M`) in two consecutive calls; everything else it needs (the small
-# wheels of gguf and bm25s, which the machine's image lacks) travels with either.
+# travels in parts (`split -b 47M`: two, or `-b 32M`: three, leaving room for other wheels beside each) in
+# consecutive calls; everything else it needs (the small wheels of gguf and bm25s, which the machine's image
+# lacks, and those of any extra a run uses) travels with the last.
 #
-#   experiments/device/prepare.sh part DIR     # copy DIR's files to /tmp/ctxrl-parts/ (the first call)
+#   experiments/device/prepare.sh part DIR     # copy DIR's files to /tmp/ctxrl-parts/ (every call but the last)
 #   experiments/device/prepare.sh join DIR     # the same, then join the parts, check the hash, and install
 #                                              # the wheels of DIR/../whl and the model under /tmp/site
 #   export PYTHONPATH=$PWD:/tmp/site           # then every later command of that machine
