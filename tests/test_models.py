@@ -38,7 +38,9 @@ def test_tiny_qwen2_arch_splits_digits():
     """``arch=qwen2`` builds a Qwen2 model whose tokenizer (as transformers enforces) splits digits."""
     from transformers import Qwen2ForCausalLM
 
-    path = resolve("tiny:arch=qwen2,pretrain_steps=0")
+    from ctxrl.train.tiny import ensure_model
+
+    path = ensure_model("tiny:arch=qwen2,pretrain_steps=0")
     tok, model = load_tokenizer(path), load_model(path)
     assert isinstance(model, Qwen2ForCausalLM)
     assert [tok.decode([i]) for i in tok.encode("580", add_special_tokens=False)] == ["5", "8", "0"]
