@@ -308,7 +308,8 @@ class AlgoConfig:
     """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
     ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
     batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
-    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), or any
+    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), ``distill``
+    (on-policy distillation: a teacher's per-token reverse KL, ``[algo.distill]``; docs/distillation.md), or any
     estimator registered with ``ctxrl.algo.estimators.register_estimator``; see docs/algorithms.md."""
     gamma: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
@@ -655,6 +656,7 @@ def _validate_algo(config: Config, estimator: type) -> None:
     from ctxrl.algo.estimators import estimator_names, get_estimator
 
     a = config.algo
+    estimator.check_config(config.settings_of("algo", a.advantage), config)
     if 0.0 < a.dual_clip <= 1.0:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip!r}")
     if a.dual_clip and a.loss != "ppo_clip":
@@ -741,11 +743,11 @@ def _validate_context(config: Config, estimator: type, manager: type) -> None:
     if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
         raise ConfigError(f"context.manager={ctx.manager} with algo.kl_placement=reward is not supported (the "
                           "penalty would miss closed segments); use algo.kl_placement=loss")
-    if not estimator.one_per_episode:
-        outcome = ", ".join(n for n in estimator_names() if get_estimator(n).one_per_episode)
-        raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
-                          f"an algo.advantage with one advantage per episode ({outcome}), not "
-                          f"{config.algo.advantage!r}")
+    if not (estimator.one_per_episode or estimator.handles_segments):
+        outcome = ", ".join(n for n in estimator_names()
+                            if get_estimator(n).one_per_episode or get_estimator(n).handles_segments)
+        raise ConfigError(f"context.manager={ctx.manager} cuts episodes into segments: use an algo.advantage with one "
+                          f"advantage per episode or rows per segment ({outcome}), not {config.algo.advantage!r}")
 
 
 def _validate_meta(config: Config, estimator: type) -> None:
