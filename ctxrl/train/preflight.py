@@ -4,8 +4,8 @@ A run that would stop for its config should stop in seconds, not after a tiny mo
 checkpoint downloaded: ``preflight`` checks, in this order, the environment (its name, its data file, the lengths
 of its tasks), the splits the command needs, the warm start's demos, the optional packages the config asks for
 (metric sinks, Ray), the files it names, and the model (a local path with weights, a named model's package, a hub
-name that exists). ``ctxrl config`` runs the same function as ``ctxrl train``, so it never calls valid what a run
-refuses.
+name that exists), and a distillation teacher the same way. ``ctxrl config`` runs the same function as ``ctxrl
+train``, so it never calls valid what a run refuses.
 
 What it does not check: what needs the tokenizer (the chat template's prefix check, warm-start demos that fit the
 context budget: ``trainer.check_before_load``, which still runs before the weights load) and the CUDA memory plan.
@@ -23,6 +23,7 @@ from ctxrl.models.loader import check_available
 from ctxrl.report.sinks import sink_names
 from ctxrl.rollout.spec import RolloutSpec
 from ctxrl.rollout.worker import spec_env_class
+from ctxrl.train.teacher import teacher_name
 from ctxrl.train.warm_start import check_demos, context_demos
 
 SINK_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -45,6 +46,9 @@ def preflight(config: Config, *, training: bool = True, split: str | None = None
     check_packages(config)
     check_files(config)
     check_available(config.model.name)
+    teacher = teacher_name(config)
+    if teacher:
+        check_available(teacher)
     return env_cls
 
 

@@ -19,13 +19,18 @@ log = logging.getLogger(__name__)
 def model_shape(config: Config):
     """``(hf_config, ModelShape)`` of ``config``'s model, read from its HF config and a ``meta``-device build (no
     memory), or the reason it cannot be (a LoRA adapter directory, an architecture without the sizes) as a string."""
+    return shape_of(config.model.name)
+
+
+def shape_of(name: str):
+    """``model_shape`` of the model called ``name``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ctxrl.models.loader import resolve
     from ctxrl.train.memory import ModelShape
 
     try:
-        hf = AutoConfig.from_pretrained(resolve(config.model.name))
+        hf = AutoConfig.from_pretrained(resolve(name))
         with torch.device("meta"):
             parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
         return hf, ModelShape.from_hf_config(hf, parameters)
@@ -58,13 +63,15 @@ def bounded_micro_batches(config: Config, device: str, progress: Progress, *, cr
     return dataclasses.replace(config, train=dataclasses.replace(config.train, max_tokens_per_microbatch=tokens))
 
 
-def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> MemoryPlan | None:
+def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,
+                teacher: str | None = None) -> MemoryPlan | None:
     """The run's memory plan on CUDA (``ctxrl.train.memory``), its allocator cap applied; None on the CPU.
 
     The model's shape comes from its HF config and its parameter count from the model built on the
     ``meta`` device (no memory), so a run that cannot fit stops before its weights are loaded. A plan
     that exceeds what the card has free now is a ``ConfigError`` too. ``engine``: the rollout engine
-    lives in this process (not on a follower rank, not in Ray actors).
+    lives in this process (not on a follower rank, not in Ray actors). ``teacher``: a distillation teacher that
+    shares the card (its weights are planned too).
     """
     if torch.device(device).type != "cuda":
         return None
@@ -81,13 +88,28 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     index = torch.cuda.current_device() if index is None else index  # (the cap needs one: "cuda" is not)
     free, total = torch.cuda.mem_get_info(index)
     positions = min(config.rollout.max_total_tokens, getattr(hf, "max_position_embeddings", None) or 10**9)
-    plan = plan_memory(RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
-                                            kv_tokens_per_slot=slot_capacity(positions)))
+    sizes = RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
+                                 kv_tokens_per_slot=slot_capacity(positions))
+    if teacher:
+        sizes = dataclasses.replace(sizes, teacher_bytes=teacher_bytes(config, teacher))
+    plan = plan_memory(sizes)
     check_free(plan, free)
     if plan.capped:
         torch.cuda.set_per_process_memory_fraction(plan.budget_bytes / total, index)
         expandable_segments()
     return plan
+
+
+def teacher_bytes(config: Config, teacher: str) -> int:
+    """The weights of a distillation teacher in its dtype (``[algo.distill] dtype``, else ``model.dtype``); 0, with a
+    warning, when its size cannot be read."""
+    found = shape_of(teacher)
+    if isinstance(found, str):
+        log.warning("the teacher %s is left out of the memory plan (%s): leave it room with "
+                    "model.gpu_memory_fraction or [algo.distill] device", teacher, found)
+        return 0
+    dtype = config.settings_of("algo", config.algo.advantage).dtype or config.model.dtype
+    return found[1].parameters * (4 if dtype == "float32" else 2)
 
 
 def expandable_segments() -> bool:
