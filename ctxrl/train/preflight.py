@@ -4,8 +4,9 @@ A run that would stop for its config should stop in seconds, not after a tiny mo
 checkpoint downloaded: ``preflight`` checks, in this order, the environment (its name, its data file, the lengths
 of its tasks), the splits the command needs, the warm start's demos, the optional packages the config asks for
 (metric sinks, Ray), the files it names, and the model (a local path with weights, a named model's package, a hub
-name that exists), and a distillation teacher the same way. ``ctxrl config`` runs the same function as ``ctxrl
-train``, so it never calls valid what a run refuses.
+name that exists), a distillation teacher and a local judge the same way, and a judge's rubric (and, for an
+endpoint, its client package). ``ctxrl config`` runs the same function as ``ctxrl train``, so it never calls valid
+what a run refuses.
 
 What it does not check: what needs the tokenizer (the chat template's prefix check, warm-start demos that fit the
 context budget: ``trainer.check_before_load``, which still runs before the weights load) and the CUDA memory plan.
@@ -49,7 +50,26 @@ def preflight(config: Config, *, training: bool = True, split: str | None = None
     teacher = teacher_name(config)
     if teacher:
         check_available(teacher)
+    check_judge(config)
     return env_cls
+
+
+def check_judge(config: Config) -> None:
+    """A judge's rubric file, and its endpoint's client package or its model (``reward.judge``)."""
+    r = config.reward
+    if not r.judge:
+        return
+    from ctxrl.judge.backends import is_endpoint, require_openai
+    from ctxrl.judge.rubric import load_rubric
+
+    try:
+        load_rubric(r.judge_rubric)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if is_endpoint(r.judge):
+        require_openai()
+    else:
+        check_available(r.judge)
 
 
 def check_train_split(config: Config, have: tuple[str, ...]) -> None:

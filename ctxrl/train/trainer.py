@@ -39,6 +39,7 @@ from ctxrl.algo.filters import void_turn_free
 from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
+from ctxrl.judge.backends import is_endpoint
 from ctxrl.report.progress import Progress
 from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
@@ -374,6 +375,8 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
             prepare_model(config.model.name, progress)
             if teacher_name(config):  # (a tiny teacher built, a GGUF one converted, before the student loads)
                 prepare_model(teacher_name(config), progress)
+            if config.reward.judge and not is_endpoint(config.reward.judge):  # (a local judge, the same way)
+                prepare_model(config.reward.judge, progress)
         except Exception as exc:  # noqa: BLE001 - the followers must hear of any failure, then it is raised here
             problem = exc
     if parallel is not None:
