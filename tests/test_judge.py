@@ -43,7 +43,7 @@ def test_scores_are_read_from_lines_json_or_a_verdict_and_combined_by_weight():
     assert TWO.combine({"correct": 4.0, "concise": 5.0}) == pytest.approx(0.8125)
     assert DEFAULT.parse("Score: 7") == {"correct": 7.0} and DEFAULT.combine({"correct": 7.0}) == pytest.approx(0.7)
     assert VERDICT.parse("No. Although the answer looks right, yes...") == {"correct": 0.0}
-    assert VERDICT.parse("YES") == {"correct": 1.0}
+    assert VERDICT.parse("YES") == {"correct": 1.0} and VERDICT.parse("It is right, so: yes.") == {"correct": 1.0}
 
 
 @pytest.mark.parametrize("rubric, reply, message", [
@@ -52,8 +52,9 @@ def test_scores_are_read_from_lines_json_or_a_verdict_and_combined_by_weight():
     (TWO, "correct: four\nconcise: 5", r"no score for correct"),
     (TWO, "correct: 9\nconcise: 5", r"correct: 9 is outside the scale \[1, 5\]"),
     (TWO, "correct: 0.5\nconcise: 5", r"correct: 0.5 is outside the scale"),
-    (VERDICT, "The answer is fine.", r"no verdict \(yes or no\)"),
+    (VERDICT, "The answer is fine.", r"no verdict \(expected yes or no\)"),
     (VERDICT, "yesterday", r"no verdict"),  # a verdict is a whole word
+    (VERDICT, "The assistant's answer: YES or NO", r"an ambiguous verdict \(yes and no\)"),  # an echo
 ])
 def test_malformed_replies_are_refused_with_what_is_wrong(rubric, reply, message):
     with pytest.raises(JudgeParseError, match=message):

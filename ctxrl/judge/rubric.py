@@ -20,8 +20,9 @@ The judge is asked for one line per criterion, ``name: score``; ``parse_scores``
 criterion (a judge may reason first), or a JSON object with the criteria as keys, and refuses a reply that misses
 one, gives a non-number or leaves the scale (``JudgeParseError``: the judge is asked again, within its retries).
 A one-criterion rubric may instead name verdicts (``[labels]``, e.g. ``yes = 1`` and ``no = 0`` with ``scale = [0,
-1]``): the judge answers with one word, and the first verdict in its reply is the score. Small judges follow a
-one-word verdict far more often than a score line.
+1]``): the judge answers with one word, the reply's first word when it is a verdict, else the one verdict it names
+(a reply naming two, such as an echo of "YES or NO", is refused). Small judges follow a one-word verdict far more
+often than a score line.
 
 The episode's score is ``sum_i w_i (s_i - low) / (high - low) / sum_i w_i``, in [0, 1] (``Rubric.combine``).
 Without a rubric file the judge uses ``DEFAULT``: one criterion, ``correct``, on a 0-10 scale.
@@ -82,6 +83,8 @@ class Rubric:
             raise ValueError("every criterion's weight must be > 0")
         if self.labels and len(self.items) != 1:
             raise ValueError("[labels] (one-word verdicts) grade a rubric of exactly one criterion")
+        if any(not re.fullmatch(r"[a-z_]+", word) for word in self.labels):
+            raise ValueError(f"labels are single lower-case words (yes, no, pass, fail), not {list(self.labels)}")
         outside = {k: v for k, v in self.labels.items() if not self.low <= v <= self.high}
         if outside:
             raise ValueError(f"labels {outside} lie outside the scale [{self.low:g}, {self.high:g}]")
@@ -121,11 +124,16 @@ class Rubric:
         return scores
 
     def _verdict(self, reply: str) -> float:
-        found = [(m.start(), word) for word in self.labels
-                 for m in [re.search(rf"\b{re.escape(word)}\b", reply, flags=re.IGNORECASE)] if m]
-        if not found:
-            raise JudgeParseError(f"no verdict ({' or '.join(self.labels)}) in {_excerpt(reply)}")
-        return self.labels[min(found)[1]]
+        """The reply's verdict: its first word when that is a label, else the one label it names anywhere (a reply
+        naming several, such as an echo of "YES or NO", is ambiguous)."""
+        words = re.findall(r"[A-Za-z_]+", reply.lower())
+        if words and words[0] in self.labels:
+            return self.labels[words[0]]
+        named = [label for label in self.labels if label in words]
+        if len(named) != 1:
+            problem = "no verdict" if not named else f"an ambiguous verdict ({' and '.join(named)})"
+            raise JudgeParseError(f"{problem} (expected {' or '.join(self.labels)}) in {_excerpt(reply)}")
+        return self.labels[named[0]]
 
     def combine(self, scores: dict[str, float]) -> float:
         """The weighted mean of the criteria's scores, each scaled to [0, 1]."""
