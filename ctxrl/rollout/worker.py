@@ -55,8 +55,9 @@ class RolloutWorker:
             check(spec.train.max_total_tokens, lambda text: len(renderer.encode_plain(text)))
         configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
         self.runner = runner if runner is not None else make_runner(spec, self.env_cls, renderer)
-        self.judge = Judge.from_spec(spec.judge) if spec.judge.enabled else None
-        """Grades training episodes as they finish (``reward.judge``; ``ctxrl.judge``)."""
+        self.judge: Judge | None = None
+        """Grades training episodes as they finish (``reward.judge``; ``ctxrl.judge``): built at the first training
+        request, so an evaluation never loads a local judge it does not use."""
 
     @classmethod
     def from_spec(cls, spec: RolloutSpec, *, model: Any | None = None) -> RolloutWorker:
@@ -98,6 +99,8 @@ class RolloutWorker:
                    on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
         """``run`` inside a running event loop."""
         total, finished = len(request.tasks) * request.group_size, [0]
+        if request.phase == "train" and self.spec.judge.enabled and self.judge is None:
+            self.judge = Judge.from_spec(self.spec.judge)
         judging = self.judge.round() if self.judge is not None and request.phase == "train" else None
 
         def counter(episode: Episode) -> None:
