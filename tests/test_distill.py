@@ -132,6 +132,13 @@ def test_the_config_refuses_what_distillation_cannot_run(overrides, message):
         load_config(None, ["algo.advantage=distill", *overrides])
 
 
+def test_preflight_names_the_teacher_it_cannot_find(tmp_path):
+    from ctxrl.train.preflight import preflight
+
+    with pytest.raises(ConfigError, match=r"\[algo.distill\] teacher: model path .*/missing' does not exist"):
+        preflight(load_config(None, ["algo.advantage=distill", f"algo.distill.teacher={tmp_path}/missing"]))
+
+
 def test_distillation_alone_runs_with_one_episode_per_task_and_under_summaries():
     config = load_config(None, ["algo.advantage=distill", "algo.distill.teacher=tiny", "rollout.group_size=1",
                                 "context.manager=summarize", "context.max_context_tokens=256"])

@@ -339,6 +339,8 @@ def test_the_config_and_preflight_refuse_a_judge_that_cannot_run(tmp_path, monke
         load_config(None, ["reward.judge=tiny", "algo.advantage=meta", "meta.num_attempts=2"])
     with pytest.raises(ConfigError, match="cannot read"):
         preflight(load_config(None, ["reward.judge=http://127.0.0.1:1/v1", f"reward.judge_rubric={tmp_path}/no"]))
+    with pytest.raises(ConfigError, match=r"reward.judge: model path .*/nope' does not exist"):
+        preflight(load_config(None, [f"reward.judge={tmp_path}/nope"]))
     monkeypatch.setitem(__import__("sys").modules, "openai", None)
     with pytest.raises(ConfigError, match=r"pip install -e '.\[judge\]'"):
         preflight(load_config(None, ["reward.judge=http://127.0.0.1:1/v1"]))

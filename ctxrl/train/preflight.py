@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ctxrl.config import Config
 from ctxrl.envs.hooks import available_splits
-from ctxrl.errors import ConfigError
+from ctxrl.errors import ConfigError, CtxrlError
 from ctxrl.models.loader import check_available
 from ctxrl.report.sinks import sink_names
 from ctxrl.rollout.spec import RolloutSpec
@@ -49,9 +49,19 @@ def preflight(config: Config, *, training: bool = True, split: str | None = None
     check_available(config.model.name)
     teacher = teacher_name(config)
     if teacher:
-        check_available(teacher)
+        check_named(teacher, f"[algo.{config.algo.advantage}] teacher")
     check_judge(config)
     return env_cls
+
+
+def check_named(name: str, what: str) -> None:
+    """``check_available(name)`` for a model the run loads beside the policy, its error naming the setting."""
+    try:
+        check_available(name)
+    except ConfigError:
+        raise
+    except CtxrlError as exc:  # the loader's own (a missing path, no hub), said for the setting
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 def check_judge(config: Config) -> None:
@@ -69,7 +79,7 @@ def check_judge(config: Config) -> None:
     if is_endpoint(r.judge):
         require_openai()
     else:
-        check_available(r.judge)
+        check_named(r.judge, "reward.judge")
 
 
 def check_train_split(config: Config, have: tuple[str, ...]) -> None:
