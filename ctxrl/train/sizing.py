@@ -64,14 +64,14 @@ def bounded_micro_batches(config: Config, device: str, progress: Progress, *, cr
 
 
 def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,
-                teacher: str | None = None) -> MemoryPlan | None:
+                beside: tuple[tuple[str, str], ...] = ()) -> MemoryPlan | None:
     """The run's memory plan on CUDA (``ctxrl.train.memory``), its allocator cap applied; None on the CPU.
 
     The model's shape comes from its HF config and its parameter count from the model built on the
     ``meta`` device (no memory), so a run that cannot fit stops before its weights are loaded. A plan
     that exceeds what the card has free now is a ``ConfigError`` too. ``engine``: the rollout engine
-    lives in this process (not on a follower rank, not in Ray actors). ``teacher``: a distillation teacher that
-    shares the card (its weights are planned too).
+    lives in this process (not on a follower rank, not in Ray actors). ``beside``: ``(name, dtype)`` of the frozen
+    models that share the card (a distillation teacher, a local judge): their weights are planned too.
     """
     if torch.device(device).type != "cuda":
         return None
@@ -90,8 +90,8 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,
     positions = min(config.rollout.max_total_tokens, getattr(hf, "max_position_embeddings", None) or 10**9)
     sizes = RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
                                  kv_tokens_per_slot=slot_capacity(positions))
-    if teacher:
-        sizes = dataclasses.replace(sizes, teacher_bytes=teacher_bytes(config, teacher))
+    if beside:
+        sizes = dataclasses.replace(sizes, frozen_bytes=sum(frozen_bytes(name, dtype) for name, dtype in beside))
     plan = plan_memory(sizes)
     check_free(plan, free)
     if plan.capped:
@@ -100,15 +100,14 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,
     return plan
 
 
-def teacher_bytes(config: Config, teacher: str) -> int:
-    """The weights of a distillation teacher in its dtype (``[algo.distill] dtype``, else ``model.dtype``); 0, with a
-    warning, when its size cannot be read."""
-    found = shape_of(teacher)
+def frozen_bytes(name: str, dtype: str) -> int:
+    """The weights of a frozen model loaded beside the policy (a teacher, a judge) in ``dtype``; 0, with a warning,
+    when its size cannot be read."""
+    found = shape_of(name)
     if isinstance(found, str):
-        log.warning("the teacher %s is left out of the memory plan (%s): leave it room with "
-                    "model.gpu_memory_fraction or [algo.distill] device", teacher, found)
+        log.warning("%s is left out of the memory plan (%s): leave it room with model.gpu_memory_fraction, or put it "
+                    "on another device", name, found)
         return 0
-    dtype = config.settings_of("algo", config.algo.advantage).dtype or config.model.dtype
     return found[1].parameters * (4 if dtype == "float32" else 2)
 
 

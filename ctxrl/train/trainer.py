@@ -107,7 +107,7 @@ class Trainer:
         critic = self.estimator.needs_critic
         self.memory = memory_plan(config, self.device, engine=(parallel is None or parallel.leader)
                                   and config.distributed.backend == "none", critic=critic,
-                                  teacher=teacher_on(self.estimator, self.device, parallel))
+                                  beside=frozen_beside(config, self.estimator, self.device, parallel))
         if self.memory is not None:
             self.progress.message(self.memory.summary())
             self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
@@ -425,13 +425,19 @@ def teacher_scores(teacher: Teacher | None, valid: list[Episode], pad_token_id: 
     return {"teacher_logprobs": logprobs}
 
 
-def teacher_on(estimator, device: str, parallel) -> str | None:
-    """The teacher's name when it will share ``device`` with the policy (its weights then count in the memory
-    plan), else None."""
-    if not estimator.needs_teacher or not (parallel is None or parallel.leader):
-        return None
-    own = estimator.options.device
-    return None if own and own != device else estimator.options.teacher
+def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tuple[str, str], ...]:
+    """``(name, dtype)`` of the frozen models that will share ``device`` with the policy in this process: a
+    distillation teacher without a device of its own, a local judge of an in-process rollout worker (their weights
+    count in the memory plan)."""
+    if not (parallel is None or parallel.leader):
+        return ()
+    out = []
+    if estimator.needs_teacher and estimator.options.device in ("", device):
+        out.append((estimator.options.teacher, estimator.options.dtype or config.model.dtype))
+    judge = config.reward.judge
+    if judge and not is_endpoint(judge) and config.distributed.backend == "none":
+        out.append((judge, config.model.dtype))
+    return tuple(out)
 
 
 def check_template_segments(config: Config, renderer) -> None:
