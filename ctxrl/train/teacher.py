@@ -62,10 +62,12 @@ def tokenizer_difference(student, teacher) -> str | None:
 def check_teacher(name: str, student_tokenizer, *, student: str) -> None:
     """``ConfigError`` unless teacher ``name``'s tokenizer maps every id as ``student_tokenizer`` does; a warning when
     their chat templates differ (the teacher then reads the student's layout, which it was not trained on)."""
-    from ctxrl.models.loader import load_tokenizer
+    from transformers import AutoTokenizer
 
-    try:
-        theirs = load_tokenizer(name)
+    from ctxrl.models.loader import resolve
+
+    try:  # (not load_tokenizer: a teacher needs no chat template of its own, a base model's vocabulary is enough)
+        theirs = AutoTokenizer.from_pretrained(resolve(name))
     except Exception as exc:  # noqa: BLE001 - the teacher's problem, said as such
         raise ConfigError(f"[algo.distill] teacher {name!r}: its tokenizer could not be loaded ({exc})") from exc
     difference = tokenizer_difference(student_tokenizer, theirs)
