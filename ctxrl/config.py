@@ -310,7 +310,8 @@ class AlgoConfig:
     """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
     ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
     batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
-    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), or any
+    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), ``distill``
+    (on-policy distillation: a teacher's per-token reverse KL, ``[algo.distill]``; docs/distillation.md), or any
     estimator registered with ``ctxrl.algo.estimators.register_estimator``; see docs/algorithms.md."""
     gamma: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
@@ -387,6 +388,37 @@ class RewardConfig:
     """OTC's smoothing constant c (used when no episode of the group succeeded with a known count)."""
     format_weight: float = 0.0
     """Weight of the format reward: 1 when no turn made a malformed or failing tool call (0 = off)."""
+    judge: str = ""
+    """A judge that grades every training episode, its score in [0, 1] a reward term (docs/judges.md): an
+    OpenAI-compatible endpoint (``http://127.0.0.1:8000/v1``: ``ctxrl serve`` over another checkpoint, vLLM, a hosted
+    API; needs ``pip install -e '.[judge]'``) or any ``model.name`` loaded in this process. Empty: no judge."""
+    judge_weight: float = 1.0
+    """Weight of the judge's score. A judge-rewarded run that hides the verifier from training: ``reward.outcome=0``
+    (evaluation still reports the environment's success)."""
+    judge_model: str = ""
+    """The model an endpoint is asked for (empty: the first it lists, which is what ``ctxrl serve`` serves)."""
+    judge_rubric: str = ""
+    """A TOML rubric: criteria (name, description, weight), their scale, optional one-word verdicts (docs/judges.md).
+    Empty: one criterion, ``correct``, from 0 to 10."""
+    judge_input: str = "transcript"
+    """What the judge reads: ``transcript`` (every message of the episode) or ``answer`` (its last assistant
+    message)."""
+    judge_reference: bool = False
+    """Show the judge the task's reference answer (reference-guided grading)."""
+    judge_max_tokens: int = field(default=64, metadata=POSITIVE)
+    """Tokens the judge may write per reply."""
+    judge_retries: int = field(default=2, metadata=NON_NEGATIVE)
+    """Further tries after a malformed reply (asked again with sampling), a call past its deadline or a transient
+    failure; when every try fails the episode is errored (``errors_judge``), never scored 0."""
+    judge_timeout_s: float = field(default=60.0, metadata=POSITIVE)
+    """Deadline of one call to the judge."""
+    judge_concurrency: int = field(default=8, metadata=POSITIVE)
+    """Most calls to the judge in flight at once per rollout worker (they run while other episodes still play)."""
+    judge_cache: str = ""
+    """Where verdicts are kept by the hash of the question, so that a rerun asks nothing again: a directory (empty:
+    ``$CTXRL_CACHE/judge``), or ``off``."""
+    judge_api_key_env: str = "OPENAI_API_KEY"
+    """The environment variable holding the endpoint's API key (a missing variable sends none)."""
 
 
 @dataclass
@@ -579,6 +611,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
+    from ctxrl.judge.transcript import INPUTS as JUDGE_INPUTS
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
     from ctxrl.models.flat import MODES as FLAT_MODES
@@ -593,7 +626,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
-            "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES}
+            "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
+            "reward.judge_input": JUDGE_INPUTS}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:
@@ -625,6 +659,7 @@ def validate(config: Config) -> None:
     _validate_context(config, estimator, manager)
     _validate_training(config, estimator)
     _validate_distributed(config)
+    _validate_judge(config)
     if config.sft.context_demos == "on" and not manager.scripts_demos():
         raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
                           f"(summarize: its summary hook; fold: its folded hook); context.manager="
@@ -657,11 +692,24 @@ def _validate_distributed(config: Config) -> None:
             raise ConfigError("distributed.max_staleness > 0 does not combine with algo.dynamic_sampling yet")
 
 
+def _validate_judge(config: Config) -> None:
+    """A judge's settings that make no sense on their own (its rubric, endpoint and model are preflight's)."""
+    r = config.reward
+    if not r.judge:
+        return
+    if r.judge_weight == 0:
+        raise ConfigError(f"reward.judge={r.judge!r} grades every episode, but reward.judge_weight=0 adds none of its "
+                          "scores to the reward; set a weight (1 is the default) or reward.judge=\"\"")
+    if r.judge.startswith(("http:", "https:")) and not r.judge.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.judge={r.judge!r} is not a URL; an endpoint is written http://HOST:PORT/v1")
+
+
 def _validate_algo(config: Config, estimator: type) -> None:
     """The loss, the old policy, reward shaping and group sizes: what they combine with."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
 
     a = config.algo
+    estimator.check_config(config.settings_of("algo", a.advantage), config)
     if 0.0 < a.dual_clip <= 1.0:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip!r}")
     if a.dual_clip and a.loss != "ppo_clip":
@@ -748,11 +796,11 @@ def _validate_context(config: Config, estimator: type, manager: type) -> None:
     if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
         raise ConfigError(f"context.manager={ctx.manager} with algo.kl_placement=reward is not supported (the "
                           "penalty would miss closed segments); use algo.kl_placement=loss")
-    if not estimator.one_per_episode:
-        outcome = ", ".join(n for n in estimator_names() if get_estimator(n).one_per_episode)
-        raise ConfigError(f"context.manager={ctx.manager} broadcasts one advantage per episode to its segments: use "
-                          f"an algo.advantage with one advantage per episode ({outcome}), not "
-                          f"{config.algo.advantage!r}")
+    if not (estimator.one_per_episode or estimator.handles_segments):
+        outcome = ", ".join(n for n in estimator_names()
+                            if get_estimator(n).one_per_episode or get_estimator(n).handles_segments)
+        raise ConfigError(f"context.manager={ctx.manager} cuts episodes into segments: use an algo.advantage with one "
+                          f"advantage per episode or rows per segment ({outcome}), not {config.algo.advantage!r}")
 
 
 def _validate_meta(config: Config, estimator: type) -> None:
@@ -780,10 +828,10 @@ def _validate_meta(config: Config, estimator: type) -> None:
             raise ConfigError(f"algo.void_turn_filter drops whole episodes; with algo.advantage={a.advantage} it "
                               "would drop whole trials for one void turn, so it is not supported; set it to false")
         rc = config.reward
-        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight:
+        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight or rc.judge:
             raise ConfigError(f"algo.advantage={a.advantage} credits each attempt with the environment's own reward; "
-                              "reward shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight) shapes "
-                              "whole episodes and is not supported with it; leave [reward] at its defaults")
+                              "reward shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight, judge) "
+                              "shapes whole episodes and is not supported with it; leave [reward] at its defaults")
     if m.demos_max > 0:
         if m.demos_steps <= 0:
             raise ConfigError(f"meta.demos_max={m.demos_max} needs meta.demos_steps > 0, the RL step at which the "

@@ -12,15 +12,23 @@ A plan is a TOML file (``experiments/plans/`` holds the ones the docs quote)::
     name = "fh5-b0-s0-window"                # its directory: OUT/runs/NAME ({out} in cmd)
     cmd = "python experiments/context.py --model {fh_b0} --managers window --out {out} run.seed=0"
 
+    [[run]]
+    name = "fh5-b0-s0-distill"               # a run that needs another's output: an RL-trained teacher
+    needs = ["fh5-b0-s0-window"]             # (runs named above it); {runs} is OUT/runs
+    cmd = "python benchmarks/env_training.py ... algo.distill.teacher={runs}/fh5-b0-s0-window/..."
+
 Every model is built once, in its own process, the builds spread over the GPUs. A run starts once
-the models it names are built (at once if it names none), on the GPU with the fewest processes,
+the models it names are built and the runs it ``needs`` are done (at once if it needs nothing), on the
+GPU with the fewest processes,
 while that GPU has fewer than ``--per-gpu`` (a build's log ends with its pre-training loss, first and
 last steps: a build whose loss barely fell is one to rebuild); it sees one GPU (``CUDA_VISIBLE_DEVICES``) and
 its share of the CPU cores (``OMP_NUM_THREADS`` and the like: cores / (GPUs x ``--per-gpu``), unless set), and writes
 its output to ``OUT/runs/NAME/log.txt``. A run whose model failed to build is skipped, and one
 whose command cannot start fails alone. At ``--minutes`` every process still running is stopped
-(SIGTERM, then SIGKILL after 10 s; its directory keeps what it wrote so far). ``OUT/status.json``
-says, at every moment, which process is where and how it ended.
+(SIGTERM, then SIGKILL after 10 s; its directory keeps what it wrote so far). A run whose needed run
+failed, or was stopped or skipped, is skipped. ``OUT/status.json`` says, at every moment, which process
+is where and how it ended. ``--set NAME=VALUE`` replaces a ``[vars]`` or ``[models]`` entry for one batch
+(a plan's smoke run at tiny size on the CPU, ``--gpus cpu``).
 
     python experiments/batch.py run experiments/plans/issue21.toml --gpus 0,1,2,3 --per-gpu 8 --minutes 22
     python experiments/batch.py pack runs/batch results.tgz      # the results without checkpoints
@@ -94,8 +102,9 @@ def _fill(text: str, values: dict[str, str], where: str) -> str:
     return PLACEHOLDER.sub(one, text)
 
 
-def load_plan(path: Path, out: Path, python: str = sys.executable) -> list[Job]:
-    """Build jobs (model builds first, then runs) from a plan file; every error names its entry."""
+def load_plan(path: Path, out: Path, python: str = sys.executable, settings: dict[str, str] | None = None) -> list[Job]:
+    """Build jobs (model builds first, then runs) from a plan file; every error names its entry. ``settings``
+    replace ``[vars]`` / ``[models]`` entries (``--set``)."""
     try:
         plan = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -104,7 +113,13 @@ def load_plan(path: Path, out: Path, python: str = sys.executable) -> list[Job]:
     if unknown:
         raise PlanError(f"{path}: unknown sections {sorted(unknown)}; a plan has [vars], [models] and [[run]]")
     variables = {k: str(v) for k, v in plan.get("vars", {}).items()}
-    models = {k: _fill(str(v), variables, f"[models] {k}") for k, v in plan.get("models", {}).items()}
+    models = {k: str(v) for k, v in plan.get("models", {}).items()}
+    for key, value in (settings or {}).items():
+        if key not in variables and key not in models:
+            raise PlanError(f"--set {key}: {path} has no such entry under [vars] or [models] "
+                            f"(it has {', '.join(sorted({*variables, *models})) or 'none'})")
+        (models if key in models else variables)[key] = value
+    models = {k: _fill(v, variables, f"[models] {k}") for k, v in models.items()}
     clash = set(models) & set(variables)
     if clash:
         raise PlanError(f"{path}: {sorted(clash)} named in both [vars] and [models]; rename one")
@@ -116,13 +131,17 @@ def load_plan(path: Path, out: Path, python: str = sys.executable) -> list[Job]:
             raise PlanError(f"{path}: [[run]] #{i + 1} needs a name (letters, digits, . _ -) and a cmd")
         if name in names:
             raise PlanError(f"{path}: two runs are named {name!r}; names must be unique")
+        earlier = run.get("needs", [])
+        if not isinstance(earlier, list) or any(n not in names for n in earlier):
+            raise PlanError(f"{path}: run {name}: needs = {earlier!r} must list runs named above it")
         names.add(name)
-        needs = [m for m in dict.fromkeys(PLACEHOLDER.findall(cmd)) if m in models]
-        text = _fill(cmd, {**variables, **models, "out": str(out / "runs" / name)}, f"run {name}")
+        needs = [f"build-{m}" for m in dict.fromkeys(PLACEHOLDER.findall(cmd)) if m in models] + list(earlier)
+        text = _fill(cmd, {**variables, **models, "out": str(out / "runs" / name), "runs": str(out / "runs")},
+                     f"run {name}")
         argv = shlex.split(text)
         if argv and argv[0] == "python":
             argv[0] = python  # the interpreter running the batch, so a venv carries over
-        jobs.append(Job(name, argv, needs=[f"build-{m}" for m in needs]))
+        jobs.append(Job(name, argv, needs=needs))
     if not any(j.kind == "run" for j in jobs):
         raise PlanError(f"{path}: no [[run]] entries")
     return jobs
@@ -195,10 +214,10 @@ def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes:
                     print(f"[{job.ended - t0:7.0f}s] {job.state:6s} {job.name} (gpu {job.gpu}, "
                           f"{job.ended - job.started:.0f}s, rc {job.returncode})", flush=True)
             for job in jobs:
-                if job.state == "waiting" and any(by_name[n].state in ("failed", "skipped", "stopped")
-                                                  for n in job.needs):
+                lost = [n for n in job.needs if by_name[n].state in ("failed", "skipped", "stopped")]
+                if job.state == "waiting" and lost:
                     job.state = "skipped"
-                    print(f"skipped {job.name}: a model it needs did not build", flush=True)
+                    print(f"skipped {job.name}: {lost[0]}, which it needs, {by_name[lost[0]].state}", flush=True)
             if time.time() >= deadline:
                 for job in jobs:
                     if job.state == "running":
@@ -266,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--gpus", default=None, help="GPU ids, comma-separated (default: every visible GPU, or 'cpu')")
     run.add_argument("--per-gpu", type=int, default=4, help="processes at once per GPU")
     run.add_argument("--minutes", type=float, default=60.0, help="stop everything still running after this long")
-    run.add_argument("--only", default=None, help="run only the runs whose name matches this regular expression")
+    run.add_argument("--only", default=None, help="run only the runs whose name matches this regular expression "
+                                                  "(and what they need)")
+    run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                     help="replace a [vars] or [models] entry of the plan (repeatable)")
     packer = sub.add_parser("pack", help="tar.gz a batch directory without checkpoints")
     packer.add_argument("directory", type=Path)
     packer.add_argument("target", type=Path)
@@ -275,15 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         print(pack(args.directory, args.target))
         return 0
     try:
-        jobs = load_plan(args.plan, args.out)
+        settings = dict(_setting(text) for text in args.set)
+        jobs = load_plan(args.plan, args.out, settings=settings)
     except PlanError as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.only:
         keep = [j for j in jobs if j.kind == "run" and re.search(args.only, j.name)]
         if not keep:
             raise SystemExit(f"error: --only {args.only!r} matches no run of {args.plan}")
-        needed = {n for j in keep for n in j.needs}
-        jobs = [j for j in jobs if j.name in needed] + keep
+        jobs = [j for j in jobs if j.name in needed_by(keep, jobs)]
     gpus = args.gpus.split(",") if args.gpus else _visible_gpus()
     jobs = run_plan(jobs, args.out, gpus, args.per_gpu, args.minutes)
     states = {}
@@ -291,6 +313,25 @@ def main(argv: list[str] | None = None) -> int:
         states[j.state] = states.get(j.state, 0) + 1
     print("finished:", ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
     return 0 if all(j.state == "done" for j in jobs) else 1
+
+
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise PlanError(f"--set {text!r} must look like NAME=VALUE")
+    return name, value
+
+
+def needed_by(keep: list[Job], jobs: list[Job]) -> set[str]:
+    """The names of ``keep`` and of every job they need, directly or through another (plan order kept by caller)."""
+    by_name = {j.name: j for j in jobs}
+    names, todo = set(), [j.name for j in keep]
+    while todo:
+        name = todo.pop()
+        if name not in names:
+            names.add(name)
+            todo += by_name[name].needs
+    return names
 
 
 def _visible_gpus() -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 import tarfile
 from pathlib import Path
@@ -62,6 +63,8 @@ cmd = "python x.py --model {b} --again {b}"
     ('[stuff]\nx = 1', "unknown sections ['stuff']"),
     ('[vars]\na = "1"\n[models]\na = "tiny"\n[[run]]\nname = "r"\ncmd = "x"', "both [vars] and [models]"),
     ('[[run]\n', "cannot read plan"),
+    ('[[run]]\nname = "a"\nneeds = ["b"]\ncmd = "x"\n[[run]]\nname = "b"\ncmd = "y"', "must list runs named above it"),
+    ('[[run]]\nname = "a"\nneeds = "b"\ncmd = "x"', "must list runs named above it"),
 ])
 def test_bad_plans_name_the_problem(tmp_path, text, message):
     with pytest.raises(batch.PlanError, match=message.replace("[", r"\[").replace("{", r"\{").replace("(", r"\(")):
@@ -191,8 +194,67 @@ def test_the_plans_the_docs_quote_load(tmp_path):
         jobs = batch.load_plan(plan, tmp_path)
         builds = {j.name for j in jobs if j.kind == "build"}
         runs = [j for j in jobs if j.kind == "run"]
-        assert runs and all(set(j.needs) <= builds for j in runs), plan
+        assert runs and all(set(j.needs) <= builds | {r.name for r in runs} for j in runs), plan
         assert all(j.argv[1].startswith(("experiments/", "benchmarks/")) for j in runs), plan
+
+
+def test_a_run_waits_for_the_runs_it_needs_and_is_skipped_when_one_fails(tmp_path):
+    teacher = tmp_path / "teacher.py"  # writes OUT/final after a while
+    teacher.write_text("import pathlib, sys, time\ntime.sleep(0.3)\nout = pathlib.Path(sys.argv[1])\n"
+                       "out.mkdir(parents=True, exist_ok=True)\n(out / 'final').write_text('t')\n")
+    plan = write_plan(tmp_path, f"""
+[vars]
+teacher = "{teacher}"
+""" + """
+[[run]]
+name = "teacher"
+cmd = "python {teacher} {out}"
+[[run]]
+name = "broken"
+cmd = "python -c \\"raise SystemExit(2)\\""
+[[run]]
+name = "student"
+needs = ["teacher"]
+cmd = "python -c \\"import pathlib; print(pathlib.Path('{runs}/teacher/final').read_text())\\""
+[[run]]
+name = "orphan"
+needs = ["teacher", "broken"]
+cmd = "python -c pass"
+""")
+    out = tmp_path / "out"
+    jobs = batch.load_plan(plan, out)
+    assert jobs[2].needs == ["teacher"] and jobs[3].needs == ["teacher", "broken"]
+    jobs = {j.name: j for j in batch.run_plan(jobs, out, ["0", "1"], per_gpu=2, minutes=5, poll=0.05)}
+    assert {n: j.state for n, j in jobs.items()} == {"teacher": "done", "broken": "failed", "student": "done",
+                                                     "orphan": "skipped"}
+    assert jobs["student"].started >= jobs["teacher"].ended  # (there was a free slot all along)
+    assert (out / "runs" / "student" / "log.txt").read_text().strip() == "t"
+
+
+def test_set_replaces_a_var_or_model_and_only_brings_what_a_run_needs(tmp_path):
+    plan = write_plan(tmp_path, """
+[vars]
+steps = "30"
+[models]
+m = "smollm2-135m-instruct"
+[[run]]
+name = "t"
+cmd = "python -c pass {m} {steps}"
+[[run]]
+name = "s"
+needs = ["t"]
+cmd = "python -c pass {m} {steps}"
+[[run]]
+name = "other"
+cmd = "python -c pass"
+""")
+    jobs = batch.load_plan(plan, tmp_path / "out", settings={"m": "tiny:pretrain_steps=0", "steps": "1"})
+    assert jobs[0].argv[-1] == "tiny:pretrain_steps=0" and jobs[1].argv[-2:] == ["tiny:pretrain_steps=0", "1"]
+    assert batch.needed_by([jobs[2]], jobs) == {"s", "t", "build-m"}
+    with pytest.raises(batch.PlanError, match="--set stpes: .* has no such entry under \\[vars\\] or \\[models\\]"):
+        batch.load_plan(plan, tmp_path / "out", settings={"stpes": "1"})
+    with pytest.raises(SystemExit, match="must look like NAME=VALUE"):
+        batch.main(["run", str(plan), "--out", str(tmp_path / "out"), "--gpus", "cpu", "--set", "steps"])
 
 
 def test_a_plan_can_name_a_real_model_which_is_converted_once():
@@ -248,3 +310,45 @@ def test_a_child_process_sees_its_thread_share(tmp_path):
     assert jobs[0].state == "done"
     expected = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     assert (out / "runs" / "r" / "log.txt").read_text().strip() == expected
+
+
+ISSUE38 = Path(__file__).parents[1] / "experiments" / "plans" / "issue38.toml"
+TINY38 = {"m": "tiny:pretrain_steps=0", "teacher_steps": "1", "student_steps": "1",
+          "smol": "rollout.tasks_per_step=2 rollout.group_size=2 eval.tasks=2 env.max_turns=2 "
+                  "rollout.max_new_tokens=8 run.samples_per_step=0",
+          "warm": "sft.demos=4 sft.epochs=1 sft.batch_size=4"}
+"""The issue-38 plan at tiny size (``--set``): what its CPU smoke runs."""
+
+
+def test_every_issue38_run_is_a_valid_configuration(tmp_path):
+    """Every run's overrides (the judge's and the students' included), as benchmarks/env_training.py reads them."""
+    from ctxrl.config import load_config
+
+    jobs = batch.load_plan(ISSUE38, tmp_path / "out")
+    arms = {}
+    for job in jobs[1:]:
+        config = load_config(None, [a for a in job.argv if re.match(r"[a-z]+\.[a-z_.]+=", a)])
+        arms[job.name.rsplit("-", 1)[1]] = config
+    assert arms.keys() == {"verifier", "judge", "rl", "distill", "both"}
+    assert arms["judge"].reward.outcome == 0 and arms["judge"].reward.judge == "smollm2-135m-instruct"
+    assert arms["distill"].settings_of("algo", "distill").outcome == 0
+    assert arms["both"].settings_of("algo", "distill").outcome == 1 and not arms["rl"].sft.enabled
+    teacher = arms["both"].settings_of("algo", "distill").teacher
+    assert teacher == str(tmp_path / "out" / "runs" / "ca135-b0-s0-verifier" / "calculator-s0" / "checkpoints" /
+                          "final")
+
+
+@pytest.mark.slow  # two training processes: about 60 s on a busy 2-core CPU
+def test_the_issue38_plan_runs_at_tiny_size_on_the_cpu(tmp_path):
+    """The teacher run of the plan, then a student distilled from its checkpoint, through batch.py at tiny size."""
+    jobs = batch.load_plan(ISSUE38, tmp_path / "out", settings=TINY38)
+    keep = [j for j in jobs if j.name == "ca135-b0-s0-distill"]
+    jobs = [j for j in jobs if j.name in batch.needed_by(keep, jobs)]
+    assert [j.name for j in jobs] == ["build-m", "ca135-b0-s0-verifier", "ca135-b0-s0-distill"]
+    done = batch.run_plan(jobs, tmp_path / "out", ["cpu"], per_gpu=2, minutes=5, poll=0.2)
+    logs = {j.name: (tmp_path / "out" / ("builds" if j.kind == "build" else "runs") / j.name / "log.txt")
+            for j in done}
+    assert all(j.state == "done" for j in done), {n: p.read_text()[-1500:] for n, p in logs.items()}
+    rows = [json.loads(line) for line in (tmp_path / "out" / "runs" / "ca135-b0-s0-distill" / "calculator-s0" /
+                                          "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("phase") == "rl" and "teacher_kl" in r for r in rows)

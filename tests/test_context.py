@@ -192,7 +192,7 @@ def test_eval_summary_limit_overrides_training_and_config_checks():
         load_config(None, ["context.manager=summarize"])
     with pytest.raises(ConfigError, match="must not exceed rollout.max_total_tokens"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=4096"])
-    with pytest.raises(ConfigError, match="one advantage per episode \\(grpo, dr_grpo, rloo"):
+    with pytest.raises(ConfigError, match="one advantage per episode or rows per segment \\(grpo, dr_grpo, rloo"):
         load_config(None, ["context.manager=summarize", "context.max_context_tokens=300", "algo.advantage=gae"])
     with pytest.raises(ConfigError, match="algo.agg=token-mean"):
         load_config(None, ["context.manager=fold", "algo.agg=seq-mean-token-mean"])

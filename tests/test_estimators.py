@@ -34,7 +34,8 @@ def _episode(group: int, turn_rewards: list[float], *, prompt: int = 3, sampled:
 EPISODES = [_episode(0, [0.0, 1.0]), _episode(0, [0.0]), _episode(1, [0.5, 0.5, 0.0]), _episode(1, [1.0])]
 
 
-@pytest.mark.parametrize("name", [n for n in estimator_names() if not get_estimator(n).needs_critic])
+@pytest.mark.parametrize("name", [n for n in estimator_names()
+                                  if not (get_estimator(n).needs_critic or get_estimator(n).needs_teacher)])
 def test_alignment_and_mask(name):
     out = episode_advantages(name, EPISODES, gamma=0.9)
     assert len(out) == len(EPISODES)

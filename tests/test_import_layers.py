@@ -21,7 +21,7 @@ LAYERS = {
     "plain": 0, "types": 0, "errors": 0, "registry": 0, "plugins": 0, "prompts": 0, "seeds": 0, "settings": 0,
     # chat templates, tools, task spaces, the algorithms' maths, metric sinks and plots
     "chat": 1, "tools": 1, "tasks": 1, "algo": 1, "report": 1,
-    "models": 2, "engine": 3, "envs": 4, "rollout": 5,
+    "models": 2, "engine": 3, "envs": 4, "judge": 4, "rollout": 5,
     "meta": 6, "eval": 6, "demos": 6, "serve": 6,
     "config": 7, "distributed": 7, "train": 8, "cli": 9, "__main__": 10,
 }

@@ -131,6 +131,27 @@ def test_weights_and_optimiser_by_hand(smollm2, qwen05):
     assert (weights_bytes(critic), optimizer_bytes(critic)) == (3 * n * 2, 2 * 16 * n)
     # Qwen2.5-0.5B in bf16 with masters: 20 bytes a parameter before any activation (9.2 GiB)
     assert weights_bytes(default_run(qwen05, 2)) + optimizer_bytes(default_run(qwen05, 2)) == 20 * N_05B
+    # a distillation teacher (or a local judge) of the same size on the card, in bf16: its weights, no optimiser
+    beside = default_run(smollm2, 2, frozen_bytes=2 * n)
+    assert (weights_bytes(beside), optimizer_bytes(beside)) == (3 * n * 2, 16 * n)
+
+
+def test_the_frozen_models_that_share_the_card():
+    from ctxrl.algo.estimators import get_estimator
+    from ctxrl.config import load_config
+    from ctxrl.train.trainer import frozen_beside
+
+    def beside(*overrides):
+        config = load_config(None, list(overrides))
+        estimator = get_estimator(config.algo.advantage)(options=config.settings_of("algo", config.algo.advantage))
+        return frozen_beside(config, estimator, "cuda", None)
+
+    distill = ("algo.advantage=distill", "algo.distill.teacher=runs/t/final", "model.dtype=bfloat16")
+    assert beside(*distill) == (("runs/t/final", "bfloat16"),)
+    assert beside(*distill, "algo.distill.dtype=float32") == (("runs/t/final", "float32"),)
+    assert beside(*distill, "algo.distill.device=cuda:1") == ()  # a card of its own
+    assert beside("reward.judge=smollm2-135m-instruct") == (("smollm2-135m-instruct", "float32"),)
+    assert beside("reward.judge=http://127.0.0.1:8001/v1") == ()  # an endpoint: another process
 
 
 def test_lora_adapters_and_what_they_save(smollm2):

@@ -81,8 +81,9 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
     return episode
 
 
-ERROR_KINDS = ("constructor", "reset", "step", "deadline")
-"""Where an errored episode's error came from (``info["error_kind"]``)."""
+ERROR_KINDS = ("constructor", "reset", "step", "deadline", "judge")
+"""Where an errored episode's error came from (``info["error_kind"]``); ``judge``: every try of the run's judge
+failed (``ctxrl.judge``, after the episode was played)."""
 
 
 class EnvironmentFailure(Exception):

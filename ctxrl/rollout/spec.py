@@ -3,9 +3,9 @@
 These are the only things rollout code reads. ``RolloutSpec.from_config`` builds the spec once
 from the run's configuration: the model to load, the environment, the sampling settings and
 episode limits of training and of evaluation (each with its context manager), the trial settings
-(meta-RL) and the annealed demonstrations. A ``RolloutRequest`` says what to play now: which
-tasks, how many episodes each, the seed, the phase, and the step's curriculum (turn cap, context
-budget). Both round-trip through JSON exactly (``to_dict`` / ``from_dict``), so a ``RolloutWorker``
+(meta-RL), the annealed demonstrations and the judge of training episodes. A ``RolloutRequest`` says
+what to play now: which tasks, how many episodes each, the seed, the phase, and the step's curriculum
+(turn cap, context budget). Both round-trip through JSON exactly (``to_dict`` / ``from_dict``), so a ``RolloutWorker``
 in another process, on a Ray actor or behind an HTTP endpoint plays exactly what an in-process
 one would.
 """
@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctxrl.judge.spec import JudgeSpec
 from ctxrl.models.lora import LoRASettings
 from ctxrl.plain import PlainData
 from ctxrl.prompts import REFLECTION_INSTRUCTION
@@ -141,6 +142,8 @@ class RolloutSpec(PlainData):
     """Which engine samples (``rollout.engine``: ``auto``, ``hf`` or ``fast``)."""
     plugins: str = ""
     """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
+    judge: JudgeSpec = JudgeSpec()
+    """The judge that grades training episodes (``reward.judge``; off when its target is empty)."""
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSpec:
@@ -184,7 +187,7 @@ class RolloutSpec(PlainData):
             max_batch_size=r.max_batch_size or DEFAULT_ENGINE_BATCH, sandbox_workers=r.sandbox_workers,
             engine_seed=seeds.engine,
             engine=r.engine,
-            plugins=config.run.plugins)
+            plugins=config.run.plugins, judge=JudgeSpec.from_config(config, resolve_device(config.model.device)))
 
 
 def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | None = None,

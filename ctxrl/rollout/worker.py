@@ -7,8 +7,10 @@ returns them. ``load_weights(state, version=...)`` replaces the engine's weights
 
 What plays a request is the worker's episode runner (``ctxrl.rollout.runners``), chosen once from
 the spec and the environment: the agent loop (``plain``), trials of attempts and annealed
-demonstrations (``meta``), or a user's agent (``harness``). The worker only counts the finished
-episodes for a progress display and shifts their group ids by the request's ``group_offset``.
+demonstrations (``meta``), or a user's agent (``harness``). The worker counts the finished episodes for a
+progress display, hands each finished training episode to its judge when the run has one (``reward.judge``: the
+judge's calls overlap the episodes still playing; ``ctxrl.judge``) and shifts their group ids by the request's
+``group_offset``.
 
 Nothing here reads the run's configuration or the learner: the same worker runs in the
 trainer's process, in a spawned subprocess (``ctxrl.rollout.process``), or on a remote worker,
@@ -26,6 +28,7 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine
 from ctxrl.envs.hooks import hook
 from ctxrl.envs.registry import configured_env_class
+from ctxrl.judge.judge import Judge
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
 from ctxrl.tools.python import configure_pool
@@ -52,6 +55,9 @@ class RolloutWorker:
             check(spec.train.max_total_tokens, lambda text: len(renderer.encode_plain(text)))
         configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
         self.runner = runner if runner is not None else make_runner(spec, self.env_cls, renderer)
+        self.judge: Judge | None = None
+        """Grades training episodes as they finish (``reward.judge``; ``ctxrl.judge``): built at the first training
+        request, so an evaluation never loads a local judge it does not use."""
 
     @classmethod
     def from_spec(cls, spec: RolloutSpec, *, model: Any | None = None) -> RolloutWorker:
@@ -93,13 +99,20 @@ class RolloutWorker:
                    on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
         """``run`` inside a running event loop."""
         total, finished = len(request.tasks) * request.group_size, [0]
+        if request.phase == "train" and self.spec.judge.enabled and self.judge is None:
+            self.judge = Judge.from_spec(self.spec.judge)
+        judging = self.judge.round() if self.judge is not None and request.phase == "train" else None
 
-        def counter(_episode: Episode) -> None:
+        def counter(episode: Episode) -> None:
             finished[0] += 1
+            if judging is not None:  # graded now, while the request's other episodes still play
+                judging.submit(episode)
             if on_episode is not None:
                 on_episode(finished[0], total)
 
         episodes = await self.runner.play(self, request, counter)
+        if judging is not None:
+            await judging.wait()
         for episode in episodes:
             episode.group_id += request.group_offset
         return episodes

@@ -10,7 +10,8 @@ What is counted (bytes; ``b`` is ``model.dtype``'s size, ``N`` the parameters):
 
 - **weights**: the policy ``N b``, the engine's copy (``N b``; a LoRA run's engine shares the base and
   copies its adapters), the KL reference (``N b`` with ``algo.kl_coef > 0``; a LoRA run's is its own base),
-  the critic (``N b``, ``algo.advantage = gae``);
+  the critic (``N b``, ``algo.advantage = gae``), a distillation teacher and a local judge on the same card (their
+  own sizes and dtypes);
 - **optimiser**: per trained parameter 16 bytes with float32 masters under a 2-byte ``model.dtype``
   (master 4, float32 gradient 4, two moments 8), else ``3 b`` (gradient and two moments);
 - **KV pool**: ``slots x positions x 2 x layers x kv_heads x head_dim x b``, and the decode step's
@@ -220,6 +221,8 @@ class RunSizes:
     reference: bool = False
     """A KL reference is held (``algo.kl_coef > 0``)."""
     critic: bool = False
+    frozen_bytes: int = 0
+    """Frozen models beside the policy on the same card: a distillation teacher, a local judge."""
     device_bytes: int = 0
     """The card's total memory."""
     gpu_memory_fraction: float = 0.0
@@ -310,7 +313,7 @@ def gib(n: float) -> str:
 
 # -- the parts ------------------------------------------------------------------------------------------
 def weights_bytes(run: RunSizes) -> int:
-    """The policy, the engine's copy, the KL reference and the critic, in ``model.dtype``."""
+    """The policy, the engine's copy, the KL reference and the critic, in ``model.dtype``; frozen models beside."""
     n, b = run.shape.parameters, run.dtype_bytes
     adapters = lora_parameters(run.shape, run.lora_rank, run.lora_targets)
     total = (n + adapters) * b
@@ -320,7 +323,7 @@ def weights_bytes(run: RunSizes) -> int:
         total += n * b
     if run.critic:
         total += n * b
-    return total
+    return total + run.frozen_bytes
 
 
 def optimizer_bytes(run: RunSizes) -> int:

@@ -4,8 +4,9 @@ A run that would stop for its config should stop in seconds, not after a tiny mo
 checkpoint downloaded: ``preflight`` checks, in this order, the environment (its name, its data file, the lengths
 of its tasks), the splits the command needs, the warm start's demos, the optional packages the config asks for
 (metric sinks, Ray), the files it names, and the model (a local path with weights, a named model's package, a hub
-name that exists). ``ctxrl config`` runs the same function as ``ctxrl train``, so it never calls valid what a run
-refuses.
+name that exists), a distillation teacher and a local judge the same way, and a judge's rubric (and, for an
+endpoint, its client package). ``ctxrl config`` runs the same function as ``ctxrl train``, so it never calls valid
+what a run refuses.
 
 What it does not check: what needs the tokenizer (the chat template's prefix check, warm-start demos that fit the
 context budget: ``trainer.check_before_load``, which still runs before the weights load) and the CUDA memory plan.
@@ -18,11 +19,12 @@ from pathlib import Path
 
 from ctxrl.config import Config
 from ctxrl.envs.hooks import available_splits
-from ctxrl.errors import ConfigError
+from ctxrl.errors import ConfigError, CtxrlError
 from ctxrl.models.loader import check_available
 from ctxrl.report.sinks import sink_names
 from ctxrl.rollout.spec import RolloutSpec
 from ctxrl.rollout.worker import spec_env_class
+from ctxrl.train.teacher import teacher_name
 from ctxrl.train.warm_start import check_demos, context_demos
 
 SINK_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -45,7 +47,39 @@ def preflight(config: Config, *, training: bool = True, split: str | None = None
     check_packages(config)
     check_files(config)
     check_available(config.model.name)
+    teacher = teacher_name(config)
+    if teacher:
+        check_named(teacher, f"[algo.{config.algo.advantage}] teacher")
+    check_judge(config)
     return env_cls
+
+
+def check_named(name: str, what: str) -> None:
+    """``check_available(name)`` for a model the run loads beside the policy, its error naming the setting."""
+    try:
+        check_available(name)
+    except ConfigError:
+        raise
+    except CtxrlError as exc:  # the loader's own (a missing path, no hub), said for the setting
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def check_judge(config: Config) -> None:
+    """A judge's rubric file, and its endpoint's client package or its model (``reward.judge``)."""
+    r = config.reward
+    if not r.judge:
+        return
+    from ctxrl.judge.backends import is_endpoint, require_openai
+    from ctxrl.judge.rubric import load_rubric
+
+    try:
+        load_rubric(r.judge_rubric)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if is_endpoint(r.judge):
+        require_openai()
+    else:
+        check_named(r.judge, "reward.judge")
 
 
 def check_train_split(config: Config, have: tuple[str, ...]) -> None:

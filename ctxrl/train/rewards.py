@@ -1,7 +1,8 @@
 """Training-time reward shaping: the environment's reward, re-weighted and joined by shaping terms.
 
 ``shape_rewards`` rewrites ``Episode.reward`` with ``reward.outcome * env_reward`` plus the weighted
-terms of ``ctxrl.algo.shaping``, and the turns to match: every ``Turn.reward`` is multiplied by
+terms of ``ctxrl.algo.shaping`` and the judge's score (``reward.judge_weight``, ``ctxrl.judge``), and the turns to
+match: every ``Turn.reward`` is multiplied by
 ``reward.outcome`` and the episode-level terms are added to the last turn, so per-turn estimators
 see the same total. The environment's own reward stays in ``info["env_reward"]``, and every
 term in ``info["reward_terms"]``. Evaluation never shapes: it reports the environment's success.
@@ -15,7 +16,20 @@ from ctxrl.types import Episode
 
 
 def shaping_enabled(rc: RewardConfig) -> bool:
-    return rc.outcome != 1.0 or bool(rc.overlong_buffer) or rc.otc_weight != 0.0 or rc.format_weight != 0.0
+    return (rc.outcome != 1.0 or bool(rc.overlong_buffer) or rc.otc_weight != 0.0 or rc.format_weight != 0.0
+            or bool(rc.judge))
+
+
+def judge_score(episode: Episode) -> float:
+    """The judge's score of a graded episode (``info["judge"]``, ``ctxrl.judge``); 0 for an errored one, which
+    trains on nothing. A played episode without one is ctxrl's bug, not the episode's: it is not scored 0 quietly."""
+    verdict = episode.info.get("judge", {})
+    if "score" in verdict:
+        return float(verdict["score"])
+    if episode.truncation == "error":
+        return 0.0
+    raise RuntimeError(f"reward.judge is set but the episode of task {episode.task.id} was not judged; the rollout "
+                       "worker grades every training episode it plays (was it built without the run's spec?)")
 
 
 def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens: int) -> dict[str, float]:
@@ -31,6 +45,8 @@ def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens
         weights["otc"] = rc.otc_weight
     if rc.format_weight:
         weights["format"] = rc.format_weight
+    if rc.judge:
+        weights["judge"] = rc.judge_weight
     sums: dict[str, float] = {}
     for e in episodes:
         terms = {"outcome": e.reward}
@@ -41,6 +57,8 @@ def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens
             terms["otc"] = otc_reward(float(e.success), e.tool_calls, optimal[e.group_id], c=rc.otc_c)
         if rc.format_weight:
             terms["format"] = format_reward([t.tool_errors for t in e.turns])
+        if rc.judge:
+            terms["judge"] = judge_score(e)
         total, logged = compose(terms, weights)
         e.info["env_reward"] = e.reward
         e.info["reward_terms"] = logged

@@ -19,13 +19,18 @@ log = logging.getLogger(__name__)
 def model_shape(config: Config):
     """``(hf_config, ModelShape)`` of ``config``'s model, read from its HF config and a ``meta``-device build (no
     memory), or the reason it cannot be (a LoRA adapter directory, an architecture without the sizes) as a string."""
+    return shape_of(config.model.name)
+
+
+def shape_of(name: str):
+    """``model_shape`` of the model called ``name``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ctxrl.models.loader import resolve
     from ctxrl.train.memory import ModelShape
 
     try:
-        hf = AutoConfig.from_pretrained(resolve(config.model.name))
+        hf = AutoConfig.from_pretrained(resolve(name))
         with torch.device("meta"):
             parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
         return hf, ModelShape.from_hf_config(hf, parameters)
@@ -58,13 +63,15 @@ def bounded_micro_batches(config: Config, device: str, progress: Progress, *, cr
     return dataclasses.replace(config, train=dataclasses.replace(config.train, max_tokens_per_microbatch=tokens))
 
 
-def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> MemoryPlan | None:
+def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,
+                beside: tuple[tuple[str, str], ...] = ()) -> MemoryPlan | None:
     """The run's memory plan on CUDA (``ctxrl.train.memory``), its allocator cap applied; None on the CPU.
 
     The model's shape comes from its HF config and its parameter count from the model built on the
     ``meta`` device (no memory), so a run that cannot fit stops before its weights are loaded. A plan
     that exceeds what the card has free now is a ``ConfigError`` too. ``engine``: the rollout engine
-    lives in this process (not on a follower rank, not in Ray actors).
+    lives in this process (not on a follower rank, not in Ray actors). ``beside``: ``(name, dtype)`` of the frozen
+    models that share the card (a distillation teacher, a local judge): their weights are planned too.
     """
     if torch.device(device).type != "cuda":
         return None
@@ -81,9 +88,12 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool) -> M
     index = torch.cuda.current_device() if index is None else index  # (the cap needs one: "cuda" is not)
     free, total = torch.cuda.mem_get_info(index)
     positions = min(config.rollout.max_total_tokens, getattr(hf, "max_position_embeddings", None) or 10**9)
-    plan = plan_memory(RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
-                                            kv_tokens_per_slot=slot_capacity(positions),
-                                            flat=expects_flat(config, hf), card_share=card_share()))
+    sizes = RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
+                                 kv_tokens_per_slot=slot_capacity(positions),
+                                 flat=expects_flat(config, hf), card_share=card_share())
+    if beside:
+        sizes = dataclasses.replace(sizes, frozen_bytes=sum(frozen_bytes(name, dtype) for name, dtype in beside))
+    plan = plan_memory(sizes)
     check_free(plan, free)
     if plan.capped:
         torch.cuda.set_per_process_memory_fraction(plan.budget_bytes / total, index)
@@ -119,6 +129,17 @@ def card_share() -> float:
         raise ConfigError(f"{GPU_SHARE_VARIABLE}={text!r}: it must be a share of the card in (0, 1], such as 0.25 "
                           f"for four runs a card; unset it to size from the whole card")
     return value
+
+
+def frozen_bytes(name: str, dtype: str) -> int:
+    """The weights of a frozen model loaded beside the policy (a teacher, a judge) in ``dtype``; 0, with a warning,
+    when its size cannot be read."""
+    found = shape_of(name)
+    if isinstance(found, str):
+        log.warning("%s is left out of the memory plan (%s): leave it room with model.gpu_memory_fraction, or put it "
+                    "on another device", name, found)
+        return 0
+    return found[1].parameters * (4 if dtype == "float32" else 2)
 
 
 def expandable_segments() -> bool:

@@ -1,5 +1,5 @@
 """An RL step's metrics row (``phase = "rl"`` in ``metrics.jsonl``): the episodes' summary, the step's own figures
-(dynamic sampling, curriculum, errors), the context managers' and trials' statistics where they apply, the
+(dynamic sampling, curriculum, errors), the context managers', trials' and judge's statistics where they apply, the
 advantages, the update's figures, token counts, times and peak memory."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ctxrl.judge.figures import judge_figures
 from ctxrl.rollout.managers.stats import context_stats
 from ctxrl.rollout.summary import summarize
 from ctxrl.train.sizing import peak_memory
@@ -26,6 +27,7 @@ def step_row(step: int, collected, valid: list[Episode], rows: list[TrainSequenc
             **(_trial_stats(episodes) if spec.train_meta.num_attempts > 1 else {}),
             **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
                if spec.demos.max_demos else {}),
+            **(judge_figures(episodes) if spec.judge.enabled else {}),
             "trained_episodes": trained_episodes, "trained_sequences": len(rows),
             "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
             "advantage_std": float(np.std(sampled)) if sampled else 0.0,

@@ -39,6 +39,7 @@ from ctxrl.algo.filters import void_turn_free
 from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
+from ctxrl.judge.backends import is_endpoint
 from ctxrl.report.progress import Progress
 from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
@@ -59,6 +60,7 @@ from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.preflight import check_train_split, preflight
 from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
+from ctxrl.train.teacher import Teacher, check_teacher, teacher_name
 from ctxrl.train.tiny import ensure_model
 from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
@@ -99,10 +101,13 @@ class Trainer:
         self.tokenizer = self.renderer.tokenizer
         check_before_load(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
         runner = make_runner(self.spec, self.env_cls, self.renderer)  # (demos: a missing demo file stops the run now)
+        self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config),
+                                                              config.settings_of("algo", config.algo.advantage))
         # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
-        critic = get_estimator(config.algo.advantage).needs_critic
+        critic = self.estimator.needs_critic
         self.memory = memory_plan(config, self.device, engine=(parallel is None or parallel.leader)
-                                  and config.distributed.backend == "none", critic=critic)
+                                  and config.distributed.backend == "none", critic=critic,
+                                  beside=frozen_beside(config, self.estimator, self.device, parallel))
         if self.memory is not None:
             self.progress.message(self.memory.summary())
             self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
@@ -115,6 +120,8 @@ class Trainer:
         take the leader's rows and update with it (``ctxrl.distributed.data_parallel``)."""
         self.followers = Followers(parallel)
         self.leader = parallel is None or parallel.leader
+        self.teacher = Teacher.load(self.estimator.options, config, self.tokenizer, self.device) if (
+            self.estimator.needs_teacher and self.leader) else None  # (distillation's: it scores the leader's rows)
         self.worker = None if not self.leader else rollout_worker(  # a follower: no engine, no run directory
             config, self.spec, self.policy, self.renderer, self.env_cls, self.memory, runner)
         self.writer = None
@@ -125,8 +132,6 @@ class Trainer:
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum)
         self.collector = Collector(self.config, self.worker, self.env_cls, self.curriculum, self.seeds)
-        self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config),
-                                                              config.settings_of("algo", config.algo.advantage))
         self.manager = get_manager(config.context.manager)
         self.learner: Learner | None = None
         self.consecutive_skips = 0
@@ -277,9 +282,10 @@ class Trainer:
             values = episode_values(self.learner.critic, valid, self.tokenizer.pad_token_id,
                                     micro_batch_size=c.train.micro_batch_size,
                                     max_tokens=c.train.max_tokens_per_microbatch)
+        extra = teacher_scores(self.teacher, valid, self.tokenizer.pad_token_id, metrics)
         policy = self.spec.train.context
         per_episode = self.estimator.estimate(valid, token_rewards=penalties, values=values,
-                                              segment_bonus=lambda s: self.manager.segment_bonus(s, policy)
+                                              segment_bonus=lambda s: self.manager.segment_bonus(s, policy), **extra
                                               ) if valid else []
         free = void_turn_free(valid)
         metrics["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
@@ -367,6 +373,10 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
                                       "--resume, or choose another --run-dir: a new run would mix its logs with the "
                                       "old one's")
             prepare_model(config.model.name, progress)
+            if teacher_name(config):  # (a tiny teacher built, a GGUF one converted, before the student loads)
+                prepare_model(teacher_name(config), progress)
+            if config.reward.judge and not is_endpoint(config.reward.judge):  # (a local judge, the same way)
+                prepare_model(config.reward.judge, progress)
         except Exception as exc:  # noqa: BLE001 - the followers must hear of any failure, then it is raised here
             problem = exc
     if parallel is not None:
@@ -396,9 +406,38 @@ def data_parallel(config: Config, resume: bool = False):
 
 def check_before_load(config: Config, spec: RolloutSpec, env_cls: type, renderer, *, under_manager: bool) -> None:
     """What the tokenizer alone can refuse, before the model loads: a template that splits segments where the run
-    needs them whole, and warm-start demos that do not fit the context budget."""
+    needs them whole, warm-start demos that do not fit the context budget, a teacher that tokenizes otherwise."""
     check_template_segments(config, renderer)
     check_demos_fit(config, spec, env_cls, renderer, under_manager=under_manager)
+    teacher = teacher_name(config)
+    if teacher:
+        check_teacher(teacher, renderer.tokenizer, student=config.model.name)
+
+
+def teacher_scores(teacher: Teacher | None, valid: list[Episode], pad_token_id: int,
+                   metrics: dict[str, Any]) -> dict[str, Any]:
+    """On-policy distillation: the teacher's log-probs of the sampled tokens, as the estimator's ``teacher_logprobs``
+    (its KL figures go into ``metrics``); nothing without a teacher."""
+    if teacher is None or not valid:
+        return {}
+    logprobs, figures = teacher.score(valid, pad_token_id)
+    metrics.update(figures)
+    return {"teacher_logprobs": logprobs}
+
+
+def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tuple[str, str], ...]:
+    """``(name, dtype)`` of the frozen models that will share ``device`` with the policy in this process: a
+    distillation teacher without a device of its own, a local judge of an in-process rollout worker (their weights
+    count in the memory plan)."""
+    if not (parallel is None or parallel.leader):
+        return ()
+    out = []
+    if estimator.needs_teacher and estimator.options.device in ("", device):
+        out.append((estimator.options.teacher, estimator.options.dtype or config.model.dtype))
+    judge = config.reward.judge
+    if judge and not is_endpoint(judge) and config.distributed.backend == "none":
+        out.append((judge, config.model.dtype))
+    return tuple(out)
 
 
 def check_template_segments(config: Config, renderer) -> None:
@@ -413,7 +452,7 @@ def check_template_segments(config: Config, renderer) -> None:
 
     estimator = get_estimator(config.algo.advantage)
     problems = []
-    if not (estimator.one_per_episode or estimator.credits_attempts):
+    if not (estimator.one_per_episode or estimator.credits_attempts or estimator.handles_segments):
         problems.append(f"algo.advantage={config.algo.advantage} (needs one advantage per episode)")
     if config.algo.agg != "token-mean":
         problems.append(f"algo.agg={config.algo.agg} (a seq-mean aggregation would count segments)")

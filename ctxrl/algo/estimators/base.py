@@ -10,7 +10,14 @@ configuration read those declarations instead of testing names:
   segment. Only such estimators combine with context managers that cut episodes into segments;
 - ``credits_attempts``: credit across the attempts of a trial (meta-RL, ``meta.num_attempts > 1``);
 - ``accepts_token_rewards``: it adds per-token rewards (a KL penalty placed in the reward,
-  ``algo.kl_placement = "reward"``) to its returns; one that does not may not be given any.
+  ``algo.kl_placement = "reward"``) to its returns; one that does not may not be given any;
+- ``needs_teacher``: a teacher's log-probs of the sampled tokens (on-policy distillation); the trainer loads the
+  teacher its settings name and passes ``teacher_logprobs``;
+- ``handles_segments``: it computes every segment's rows itself (per-token advantages that need no return across
+  segments), so it combines with context managers that cut episodes into segments, as ``one_per_episode`` does.
+
+``check_config(options, config)`` is where an estimator refuses what its own settings cannot run with (a
+``ConfigError`` naming the key); the configuration calls it once it has read the estimator's table.
 
 ``estimate(episodes, ...)`` returns, per episode, the ``TrainSequence`` rows it trains as (one
 per unsegmented episode; one per segment or attempt otherwise), each with its advantage on every
@@ -70,6 +77,8 @@ class Estimator:
     one_per_episode: ClassVar[bool] = False
     credits_attempts: ClassVar[bool] = False
     accepts_token_rewards: ClassVar[bool] = False
+    needs_teacher: ClassVar[bool] = False
+    handles_segments: ClassVar[bool] = False
     Settings: ClassVar[type | None] = None
     """The estimator's own settings, a dataclass read from its table ``[algo.NAME]`` (``ctxrl.settings``)."""
 
@@ -77,6 +86,11 @@ class Estimator:
         self.settings = settings
         self.options = options if options is not None or self.Settings is None else self.Settings()
         """An instance of ``Settings`` (its defaults unless given), or None for an estimator that declares none."""
+
+    @classmethod
+    def check_config(cls, options, config) -> None:
+        """Raise ``ConfigError`` where ``options`` (its ``Settings``, or None) cannot run with ``config``; nothing to
+        check unless an estimator says so."""
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None,
@@ -86,9 +100,19 @@ class Estimator:
         ``token_rewards``: optional per-token rewards (one list per episode aligned with its
         ``input_ids``, on sampled tokens), e.g. a KL penalty placed in the reward. ``values``: the
         critic's per-token values (``needs_critic``). ``segment_bonus(segment)``: an extra advantage
-        for a segment's sampled tokens (the context manager's process reward).
+        for a segment's sampled tokens (the context manager's process reward). An estimator that
+        ``needs_teacher`` is also given ``teacher_logprobs``: per episode, one list per sequence of
+        ``trained_sequences(episode)``, aligned with its ``input_ids`` (0 where the mask is 0).
         """
         raise NotImplementedError(f"{type(self).__name__} must define estimate()")
+
+
+def trained_sequences(episode: Episode) -> list[Segment]:
+    """The sequences of ``episode`` that become training rows: the episode itself when it is one sequence, else
+    each segment (and the live sequence) that sampled something."""
+    if not episode.segments:
+        return episode.sequences()
+    return [seq for seq in episode.sequences() if any(seq.loss_mask)]
 
 
 def broadcast(episode: Episode, advantage: float, segment_bonus: SegmentBonus | None = None) -> list[TrainSequence]:
@@ -102,9 +126,7 @@ def broadcast(episode: Episode, advantage: float, segment_bonus: SegmentBonus | 
         return [TrainSequence.of(episode, [advantage * m for m in episode.loss_mask],
                                  group_id=episode.group_id, policy_version=episode.policy_version)]
     rows = []
-    for seq in episode.sequences():
-        if not any(seq.loss_mask):
-            continue  # nothing sampled in it: nothing to train
+    for seq in trained_sequences(episode):  # (a segment that sampled nothing has nothing to train)
         value = advantage + (segment_bonus(seq) if segment_bonus is not None else 0.0)
         rows.append(TrainSequence.of(seq, [value * m for m in seq.loss_mask], group_id=episode.group_id,
                                      policy_version=episode.policy_version))
