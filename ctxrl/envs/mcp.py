@@ -39,6 +39,11 @@ def with_mcp_tools(cls: type, settings: McpSettings) -> type:
             parse_server(text)
         except ValueError as exc:
             raise EnvError(f"env.mcp_servers[{i}]: {exc}") from None
+    runner = getattr(cls, "runner", None)  # (an episode runner of its own: the harness's user agent)
+    if runner:
+        raise EnvError(f"env.mcp_servers gives the policy tools in ctxrl's agent loop, but {cls.__name__}'s episodes "
+                       f"are played by the {runner!r} runner (a user's agent, which brings its own tools); give the "
+                       "agent its MCP client, or clear env.mcp_servers")
     if not (isinstance(cls, type) and issubclass(cls, ToolAnswerEnv)):
         raise EnvError(f"env.mcp_servers adds tools to environments that answer tool calls from their tools list "
                        f"(ctxrl.envs.tool_answer.ToolAnswerEnv: jsonl_tools, calculator, ...); {cls.__name__} answers "

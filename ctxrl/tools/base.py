@@ -66,7 +66,9 @@ class Tool:
     text; it may be ``async`` or plain. ``timeout_s`` bounds one call. ``checks_arguments``: ``fn``
     checks its arguments against ``parameters`` itself (an MCP server does), so the schema may use
     any JSON Schema (``anyOf``, ``$ref``, nested objects): it is shown to the model as given, only
-    required to describe an object, and ``execute_tool_calls`` does not check calls against it.
+    required to describe an object, and ``execute_tool_calls`` does not check calls against it. ``ready``: awaited
+    before each call's deadline starts (an MCP server being started again after it died), so that ``timeout_s``
+    bounds the call alone; the episode's own deadline still bounds both.
     """
 
     name: str
@@ -75,6 +77,7 @@ class Tool:
     fn: ToolFn
     timeout_s: float = 10.0
     checks_arguments: bool = False
+    ready: Callable[[], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         # Fail at construction, where the author is, not mid-rollout.
@@ -226,6 +229,8 @@ async def execute_tool_calls(tools: list[Tool], message: Message) -> tuple[list[
             errors += 1
             continue
         try:
+            if tool.ready is not None:
+                await tool.ready()
             content = await asyncio.wait_for(tool(**call.arguments), timeout=tool.timeout_s)
         except asyncio.TimeoutError:
             observations.append(_error(f"tool {tool.name} timed out after {tool.timeout_s:g}s", tool.name))

@@ -209,15 +209,21 @@ class McpHub:
         return tools
 
     def _tool(self, server: _Server, listed: Any, name: str) -> Tool:
-        async def call(**arguments: Any) -> str:
+        async def on_hub(coroutine: Any) -> Any:
             if self.closed:
+                coroutine.close()
                 raise ToolServerLost(f"the MCP servers were shut down before a call to {name}")
-            future = asyncio.run_coroutine_threadsafe(server.call(listed.name, arguments), self._loop)
-            return result_text(await asyncio.wrap_future(future))
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
+
+        async def ready() -> None:  # (a server being started again: before the call's deadline starts)
+            await on_hub(server.live(listed.name))
+
+        async def call(**arguments: Any) -> str:
+            return result_text(await on_hub(server.call(listed.name, arguments)))
 
         return Tool(name=name, description=listed.description or getattr(listed, "title", None) or "",
                     parameters=clean_schema(listed.input_schema), fn=call, timeout_s=self.settings.timeout_s,
-                    checks_arguments=True)
+                    checks_arguments=True, ready=ready)
 
     def restarts(self) -> list[int]:
         """How many times each server was started again after it died."""
@@ -313,16 +319,16 @@ class _Server:
 
     async def call(self, name: str, arguments: dict[str, Any]) -> Any:
         """``tools/call`` on the live session (started again if it died before); ``ToolServerLost`` if it dies now."""
-        client = await self._live(name)
+        client = await self.live(name)
         try:
             return await client.call_tool(name, arguments)
         except Exception as exc:
             if not self._lost(exc, client):
                 raise
+            restarting = self.restarts < self.max_restarts
             if self.client is client or self.client is None:  # (not a session another call already replaced)
                 self.failure = describe(exc)
-                self._start_again()
-            restarting = self._restart is not None and not self._restart.done()
+                self._after_death()
             raise ToolServerLost(f"MCP server {self.label} died during a call to {name} ({describe(exc)})"
                                  f"{self.stderr_tail()}; " + ("it is being started again for the next calls"
                                  if restarting else "no restarts are left (env.mcp_restarts)")) from None
@@ -339,8 +345,9 @@ class _Server:
     def _alive(self) -> bool:
         return self.client is not None and self._task is not None and not self._task.done()
 
-    async def _live(self, name: str) -> Any:
-        """The live session: after waiting for a restart under way, or starting one for a server found dead."""
+    async def live(self, name: str) -> Any:
+        """The live session: after waiting for a restart under way, or starting one for a server found dead;
+        ``ToolServerLost`` when it is down for good (``name``: the tool a call waits for)."""
         for _ in range(2):
             if self._restart is not None and not self._restart.done():
                 await asyncio.shield(self._restart)  # (a call past its deadline does not stop the restart)
@@ -350,20 +357,22 @@ class _Server:
                 raise ToolServerLost(f"MCP server {self.label} is down ({self.failure or 'stopped'}) and was started "
                                      f"again {self.restarts} times already (env.mcp_restarts = {self.max_restarts}); "
                                      f"no call to {name} can run")
-            self._start_again()  # it died between calls (an HTTP session that ended)
+            self._after_death()  # it died between calls (an HTTP session that ended)
         raise ToolServerLost(f"MCP server {self.label} died and could not be started again: {self.failure}")
 
-    def _start_again(self) -> None:
-        """Start the server again in a task of its own, unless one is under way or the restarts are spent."""
-        if (self._restart is not None and not self._restart.done()) or self.restarts >= self.max_restarts:
+    def _after_death(self) -> None:
+        """Stop the dead session, and start the server again unless the restarts are spent, in a task of its own
+        (a call that waits for it and passes its deadline does not stop it); unless that is under way already."""
+        if self._restart is None or self._restart.done():
+            self._restart = asyncio.ensure_future(self._restarted())
+
+    async def _restarted(self) -> None:
+        await self.stop()
+        if self.restarts >= self.max_restarts:
             return
         self.restarts += 1
         log.warning("MCP server %s is down (%s): starting it again (%d of at most %d)", self.label,
                     self.failure or "stopped", self.restarts, self.max_restarts)
-        self._restart = asyncio.ensure_future(self._restarted())
-
-    async def _restarted(self) -> None:
-        await self.stop()
         try:
             await self.start()
         except McpError as exc:
