@@ -83,6 +83,18 @@ def wait_for_port(port: int, timeout: float = 60.0) -> None:
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
+def processes_with(variable: bytes) -> list[int]:
+    """The processes whose environment holds ``variable`` (``NAME=value``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and variable in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
+
+
 def is_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -355,3 +367,32 @@ def test_results_become_one_observation_text():
         "abcd\n[output cut at 4 of 10 characters]")
     with pytest.raises(ToolFailed, match="^no such file$"):
         result_text(SimpleNamespace(content=[text("no such file")], is_error=True))
+
+
+# -- a whole run, and the example's task file --------------------------------------------------------------------
+def test_a_run_warm_starts_trains_and_evaluates_with_an_mcp_tool_and_shuts_its_server_down(tmp_path):
+    from ctxrl.train.trainer import train
+
+    mark = f"CTXRL_TEST_MARK={tmp_path.name}"
+    server = f"{mark} python {ROOT}/examples/mcp/calculator_server.py"
+    config = load_config(str(ROOT / "examples/mcp/calculator.toml"), [
+        f'env.data="{ROOT}/examples/mcp/tasks.jsonl"', f"env.mcp_servers=[{json.dumps(server)}]",
+        "model.name=tiny:pretrain_steps=0", "sft.demos=6", "sft.epochs=1", "sft.batch_size=3", "eval.tasks=2",
+        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=24", "run.progress=false",
+        "train.steps=1", "train.eval_every=0"])
+    summary = train(config, tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    sft = next(r for r in rows if r["phase"] == "sft")
+    [rl] = [r for r in rows if r["phase"] == "rl"]
+    assert summary["steps"] == 1 and sft["demos"] == 6 and rl["tokens"] > 0 and rl["errors_tool_server"] == 0
+    samples = (tmp_path / "run" / "samples.jsonl").read_text()
+    assert '\\"name\\": \\"calculator\\"' in samples or '"name": "calculator"' in samples  # (the tool was offered)
+    assert not processes_with(mark.encode())  # (the run shut its server down)
+
+
+def test_the_example_task_file_is_what_its_script_writes():
+    import runpy
+
+    rows = runpy.run_path(str(ROOT / "examples/mcp/make_tasks.py"))["rows"]()
+    assert (ROOT / "examples/mcp/tasks.jsonl").read_text() == "".join(json.dumps(row) + "\n" for row in rows)
+    assert {row["split"] for row in rows} == {"train", "heldout", "ood"}
