@@ -396,3 +396,12 @@ def test_the_example_task_file_is_what_its_script_writes():
     rows = runpy.run_path(str(ROOT / "examples/mcp/make_tasks.py"))["rows"]()
     assert (ROOT / "examples/mcp/tasks.jsonl").read_text() == "".join(json.dumps(row) + "\n" for row in rows)
     assert {row["split"] for row in rows} == {"train", "heldout", "ood"}
+
+
+def test_the_spec_carries_the_servers_to_a_worker_in_another_process():
+    from ctxrl.plain import from_json, to_json
+
+    spec = RolloutSpec.from_config(load_config(str(ROOT / "examples/mcp/calculator.toml"), ["env.mcp_tools=calculator"]))
+    assert spec.env.mcp == McpSettings(servers=("python examples/mcp/calculator_server.py",), tools="calculator",
+                                       timeout_s=10.0, restarts=3)
+    assert from_json(RolloutSpec, to_json(spec)) == spec
