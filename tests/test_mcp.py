@@ -401,7 +401,8 @@ def test_the_example_task_file_is_what_its_script_writes():
 def test_the_spec_carries_the_servers_to_a_worker_in_another_process():
     from ctxrl.plain import from_json, to_json
 
-    spec = RolloutSpec.from_config(load_config(str(ROOT / "examples/mcp/calculator.toml"), ["env.mcp_tools=calculator"]))
+    config = load_config(str(ROOT / "examples/mcp/calculator.toml"), ["env.mcp_tools=calculator"])
+    spec = RolloutSpec.from_config(config)
     assert spec.env.mcp == McpSettings(servers=("python examples/mcp/calculator_server.py",), tools="calculator",
                                        timeout_s=10.0, restarts=3)
     assert from_json(RolloutSpec, to_json(spec)) == spec
