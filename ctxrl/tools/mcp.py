@@ -190,7 +190,7 @@ class McpHub:
         if self._loop is None:
             return
         try:
-            self._wait(_gather(s.stop() for s in self._servers), STOP_TIMEOUT_S + 5)
+            self._wait(_gather(s.close() for s in self._servers), 2 * STOP_TIMEOUT_S + 5)
         except Exception as exc:  # noqa: BLE001 - shutting down: say so, and go on
             log.warning("MCP servers did not all stop cleanly: %s: %s", type(exc).__name__, exc)
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -215,6 +215,14 @@ class ServerSession:
             log.warning("MCP server %s lists other tools since it was started again: %s (the run offers %s)",
                         self.label, ", ".join(sorted(t.name for t in listing)), ", ".join(self.listed))
 
+    async def close(self) -> None:
+        """Stop for good: a restart under way is cancelled first, and none follows."""
+        self.max_restarts = self.restarts
+        if self._restart is not None and not self._restart.done():
+            self._restart.cancel()
+            await asyncio.wait({self._restart}, timeout=STOP_TIMEOUT_S)
+        await self.stop()
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is None:
