@@ -1,6 +1,7 @@
 """``ctxrl`` command line: argument parsing and printing; the work is ``ctxrl.train.trainer``'s.
 
-Commands: ``demo``, ``train``, ``eval``, ``config``, ``merge``, ``serve``, ``envs``, ``check-env``, ``report``.
+Commands: ``demo``, ``train``, ``eval``, ``config``, ``merge``, ``serve``, ``envs``, ``check-env``, ``tools``,
+``mcp-serve``, ``report``.
 """
 
 from __future__ import annotations
@@ -126,8 +127,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     splits = (args.split,) if args.split else tuple(s for s in ("train", "heldout", "ood") if s in have)
     from ctxrl.report.progress import ConsoleProgress
 
-    with ConsoleProgress(quiet=not config.run.progress or (args.json and not sys.stderr.isatty())) as progress:
-        results = evaluate_splits(worker, config, writer, 0, splits, progress)
+    try:
+        with ConsoleProgress(quiet=not config.run.progress or (args.json and not sys.stderr.isatty())) as progress:
+            results = evaluate_splits(worker, config, writer, 0, splits, progress)
+    finally:
+        worker.close()  # (its MCP servers)
     writer.close()
     table = Table(title=f"evaluation of {args.checkpoint}")
     for column in ("split", "success", "reward", "tool calls/ep", "turns/ep"):
@@ -271,6 +275,84 @@ def env_listing(width: int) -> list[str]:
     return lines
 
 
+def cmd_tools(args: argparse.Namespace) -> int:
+    """The tools a run's policy will see: the environment's, its MCP servers' (started to list them), the context
+    manager's; each with its description and parameters."""
+    from ctxrl.envs.mcp import start_tools
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import spec_env_class
+    from ctxrl.tools.mcp import close_hubs, mcp_hub
+
+    config = load_config(args.config, args.overrides)
+    spec = RolloutSpec.from_config(config)
+    env_cls = spec_env_class(spec)
+    try:
+        tools = start_tools(env_cls)
+        sources = mcp_hub(spec.env.mcp).sources if spec.env.mcp.servers else {}
+    finally:
+        close_hubs()
+    rows = [(t.schema(), "MCP server {} as {!r}".format(*sources[t.name]) if t.name in sources
+             else f"environment {config.env.name}") for t in tools]
+    rows += [(schema, f"context manager {config.context.manager}") for schema in spec.train.context.make().tool_schemas]
+    if args.json:
+        print(json.dumps([{"source": source, **schema} for schema, source in rows]))
+        return 0
+    if not rows:
+        print(f"no tools: environment {config.env.name!r} offers none, and env.mcp_servers is empty")
+    for schema, source in rows:
+        print("\n".join(tool_lines(schema["function"], source)))
+    return 0
+
+
+def tool_lines(function: dict[str, Any], source: str) -> list[str]:
+    """A tool as ``ctxrl tools`` prints it: its name and where it comes from, its description, a line per parameter
+    (its JSON type, required or not, its description); a parameter without a plain type shows its schema."""
+    lines = [f"{function['name']}  ({source})", f"  {function.get('description') or '(no description)'}"]
+    parameters = function.get("parameters") or {}
+    required = set(parameters.get("required") or [])
+    properties = parameters.get("properties") or {}
+    for name, spec in properties.items():
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        kind = " or ".join(kind) if isinstance(kind, list) else kind
+        if kind is None or kind in ("object", "array"):
+            kind = json.dumps({k: v for k, v in spec.items() if k != "description"}, sort_keys=True)
+        note = f": {spec['description']}" if isinstance(spec, dict) and spec.get("description") else ""
+        lines.append(f"    {name} ({kind}{', required' if name in required else ''}){note}")
+    if not properties:
+        lines.append("    (no parameters)")
+    return lines
+
+
+def cmd_mcp_serve(args: argparse.Namespace) -> int:
+    """Serve built-in tools over MCP: stdio (a client starts this command), or streamable HTTP with --port."""
+    from ctxrl.tools.builtin import builtin_tools
+    from ctxrl.tools.mcp import EXTRA_HINT, require_mcp
+
+    try:
+        require_mcp()
+    except CtxrlError:
+        raise ConfigError(f"ctxrl mcp-serve needs the mcp package, which is not installed: {EXTRA_HINT}") from None
+    try:
+        tools = builtin_tools(args.tools)
+    except KeyError as exc:
+        raise ConfigError(f"--tools: {exc.args[0]}") from None
+    if not tools:
+        raise ConfigError("--tools names no tool; give built-in tools, e.g. --tools calculator,python")
+    from ctxrl.tools.mcp_serve import http_app, serve_stdio
+
+    if args.port is None:
+        import anyio
+
+        anyio.run(serve_stdio, tools)  # (stdout is the protocol's: nothing else may print there)
+        return 0
+    import uvicorn
+
+    print(f"ctxrl mcp-serve: {', '.join(t.name for t in tools)} on http://{args.host}:{args.port}/mcp",
+          file=sys.stderr)
+    uvicorn.run(http_app(tools, args.host), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """One self-contained HTML page of one run, or a comparison of several (``ctxrl.report.html``)."""
     from ctxrl.report.html import write_report
@@ -287,15 +369,21 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from ctxrl.demos.features import features
     from ctxrl.envs.base import EnvError
     from ctxrl.envs.check import check_env
+    from ctxrl.envs.mcp import with_mcp_tools
     from ctxrl.envs.registry import configured_env_class
+    from ctxrl.tools.mcp import McpSettings, close_hubs
 
     try:
         cls = configured_env_class(args.name, data=args.data, tools=args.tools, verifier=args.verifier)
+        cls = with_mcp_tools(cls, McpSettings(servers=tuple(args.mcp_server)))
     except EnvError as exc:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2
     notes: list[str] = []
-    problems = check_env(cls, n_tasks=args.tasks, seed=args.seed, notes=notes, tool_format=args.tool_format)
+    try:
+        problems = check_env(cls, n_tasks=args.tasks, seed=args.seed, notes=notes, tool_format=args.tool_format)
+    finally:
+        close_hubs()
     enabled = features(cls)
     lengths = _episode_lengths(cls, args) if args.lengths and not problems else None
     if args.json:
@@ -378,7 +466,13 @@ EXAMPLES = {
     "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
                   "  .venv/bin/ctxrl check-env fact_hunt --lengths tiny:envs=calculator+fact_hunt\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
+                  "  .venv/bin/ctxrl check-env jsonl_tools --data examples/mcp/tasks.jsonl --mcp-server "
+                  "'python examples/mcp/arith_server.py'\n"
                   "  .venv/bin/ctxrl check-env mypkg.maze:MazeEnv --json"),
+    "tools": (".venv/bin/ctxrl tools examples/mcp_tiny.toml\n"
+              "  .venv/bin/ctxrl tools examples/calculator_tiny.toml env.mcp_servers='[\"http://127.0.0.1:8000/mcp\"]'"),
+    "mcp-serve": (".venv/bin/ctxrl mcp-serve --tools calculator,python            # stdio, for a client to start\n"
+                  "  .venv/bin/ctxrl mcp-serve --port 8000                           # http://127.0.0.1:8000/mcp"),
     "report": (".venv/bin/ctxrl report runs/calc            # writes runs/calc/report.html\n"
                "  .venv/bin/ctxrl report runs/a runs/b --out compare.html"),
 }
@@ -409,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_envs_parser(sub)
     _add_check_env_parser(sub)
+    _add_tools_parser(sub)
+    _add_mcp_serve_parser(sub)
     _add_report_parser(sub)
     return parser
 
@@ -545,9 +641,38 @@ def _add_check_env_parser(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--data", default="", help="task file, for environments built from data (jsonl_tools)")
     check.add_argument("--tools", default="", help="comma-separated built-in tools (jsonl_tools)")
     check.add_argument("--verifier", default="exact", help="answer check (jsonl_tools): exact, numeric, contains")
+    check.add_argument("--mcp-server", action="append", default=[], metavar="COMMAND_OR_URL",
+                       help="an MCP server whose tools the environment also offers, as in env.mcp_servers "
+                            "(repeat for several; docs/mcp.md)")
     check.add_argument("--tool-format", default="hermes", choices=format_names(),
                        help="the format the gold solutions' tool calls are written in (docs/tool-formats.md)")
     check.set_defaults(fn=cmd_check_env)
+
+
+def _add_tools_parser(sub: argparse._SubParsersAction) -> None:
+    tools = _command(sub, "tools", "list the tools a run's policy will see",
+                     "The tools of a config's run, as the policy will see them: the environment's own, its MCP "
+                     "servers' (started to list them, then shut down) and its context manager's, each with where "
+                     "it comes from, its description and its parameters. No model is loaded.")
+    tools.add_argument("config", help="TOML config file")
+    tools.add_argument("--json", action="store_true",
+                       help="print the tools as one JSON list of the schemas the chat template gets, with a source")
+    _add_overrides(tools)
+    tools.set_defaults(fn=cmd_tools)
+
+
+def _add_mcp_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from ctxrl.tools.builtin import BUILTIN_TOOLS
+
+    serve = _command(sub, "mcp-serve", "serve ctxrl's built-in tools as an MCP server",
+                     "Serve built-in tools (the sandboxed python tool, the calculator) to any MCP client, with the "
+                     "schemas, observations and deadlines ctxrl's policies get: over stdio (a client starts this "
+                     "command), or streamable HTTP at http://HOST:PORT/mcp with --port (docs/mcp.md).")
+    serve.add_argument("--tools", default=",".join(BUILTIN_TOOLS),
+                       help=f"comma-separated built-in tools to serve (default: all, {','.join(BUILTIN_TOOLS)})")
+    serve.add_argument("--port", type=int, help="serve streamable HTTP on this port instead of stdio")
+    serve.add_argument("--host", default="127.0.0.1", help="with --port: the address to listen on (default loopback)")
+    serve.set_defaults(fn=cmd_mcp_serve)
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:

@@ -141,6 +141,19 @@ class EnvConfig:
     ``package.module:function`` or ``path/to/file.py:function``; its OpenAI client's calls are the episode and its
     return value the reward. ``env.data`` is then ``env:NAME`` (a registered environment's tasks) or a JSONL task
     file (docs/serve.md)."""
+    mcp_servers: list[str] = field(default_factory=list)
+    """MCP servers whose tools the policy gets beside the environment's own (docs/mcp.md): each the URL of a
+    streamable-HTTP server (``http://127.0.0.1:8000/mcp``) or a command line that starts one over stdio (``python
+    my_server.py``; ``python`` is the interpreter running ctxrl; leading ``NAME=value`` words set its environment).
+    Needs the ``mcp`` extra; ``ctxrl tools CONFIG`` lists what the policy will see."""
+    mcp_tools: str = ""
+    """Comma-separated names of the MCP servers' tools to offer; empty: every tool they list."""
+    mcp_timeout_s: float = field(default=30.0, metadata=POSITIVE)
+    """Deadline of one MCP tool call: past it the call is cancelled, and the model reads ``Error: tool NAME timed
+    out``."""
+    mcp_restarts: int = field(default=3, metadata=NON_NEGATIVE)
+    """How many times in a run an MCP server that died is started again (reconnected, over HTTP); the episode whose
+    call it died in is errored (``errors_tool_server``)."""
 
 
 @dataclass

@@ -31,7 +31,7 @@ from ctxrl.chat.toolcalls import HERMES
 from ctxrl.envs.base import Env, EnvError
 from ctxrl.envs.hooks import available_splits
 from ctxrl.tasks.space import ContextError
-from ctxrl.tools.base import Tool, schema_problems
+from ctxrl.tools.base import Tool, object_schema_problems, schema_problems
 from ctxrl.types import SPLITS, Message, StepResult, Task
 
 T = TypeVar("T")
@@ -174,7 +174,8 @@ def _check_tools(env: Any, problems: list[str]) -> None:
         problems.append("env.tools must be a list of ctxrl.tools.Tool")
         return
     for tool in tools:
-        for problem in schema_problems(tool.schema()["function"]["parameters"]):
+        check = object_schema_problems if tool.checks_arguments else schema_problems
+        for problem in check(tool.schema()["function"]["parameters"]):
             problems.append(f"tool {tool.name!r}: {problem}")
 
 

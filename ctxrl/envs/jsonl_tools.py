@@ -3,11 +3,13 @@
 A JSONL file holds one task per line::
 
     {"prompt": "What is 17 * 23?", "answer": "391"}
-    {"prompt": "...", "answer": "...", "id": "q7", "split": "ood", "context": {"level": 3},
+    {"prompt": "...", "answer": "...", "id": "q7", "split": "ood", "context": {"level": 3}, "tools": ["add"],
      "solution": ["<tool_call>...</tool_call>", "<answer>...</answer>"]}
 
 ``prompt`` (a non-empty string) and ``answer`` (a non-empty string, or a number) are required.
-``split`` (``train``, ``heldout`` or ``ood``) is optional: unlabelled tasks go to ``train`` or
+``tools`` (a list of tool names, built-in or MCP) is optional: the tools this task offers, of those the run
+configures (``env.tools``, ``env.mcp_servers``); without it a task offers them all. ``split`` (``train``,
+``heldout`` or ``ood``) is optional: unlabelled tasks go to ``train`` or
 ``heldout`` by a stable hash of the prompt (20% held out); ``ood`` exists only for labelled tasks:
 a file without it trains and evaluates on the splits it has (``splits()``), and the missing one is
 reported once as skipped. ``solution`` (assistant
@@ -23,11 +25,13 @@ returns the environment class bound to them.
 
 A file that cannot be trained on is refused before anything loads (``configure``, so ``ctxrl config`` too),
 with one line naming the file, the line and the fix: bytes that are not UTF-8, a line that is not a JSON
-object, a field of the wrong type (``context`` must be an object, ``solution`` a list of strings, ``id`` a
-string or number), an empty or null ``answer`` (``exact`` and ``contains`` would take any reply for it, and
+object, a field of the wrong type (``context`` must be an object, ``solution`` and ``tools`` lists of strings, ``id``
+a string or number), an empty or null ``answer`` (``exact`` and ``contains`` would take any reply for it, and
 ``null`` is no answer), one that ``exact``/``contains`` normalise away (``"the"``), and a prompt longer than
 ``rollout.max_total_tokens`` can hold (``check_tasks``: by characters when the run is configured, by the
-model's tokenizer once a rollout worker has it).
+model's tokenizer once a rollout worker has it). A task naming a tool the run does not offer is refused when the
+first environment is built (an MCP server's tools are known only once it runs): a rollout worker builds one before
+any episode.
 """
 
 from __future__ import annotations
@@ -44,19 +48,15 @@ from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
 from ctxrl.tasks.space import ContextSpace, split_of, task_id
 from ctxrl.tools.base import Tool
-from ctxrl.types import SPLITS, Task
+from ctxrl.tools.builtin import builtin_tool
+from ctxrl.types import SPLITS, Message, Task
 
 
 def _tool(name: str) -> Tool:
-    if name == "calculator":
-        from ctxrl.tools.calculator import calculator_tool
-
-        return calculator_tool()
-    if name == "python":
-        from ctxrl.tools.python import python_tool
-
-        return python_tool()
-    raise EnvError(f"jsonl_tools: unknown tool {name!r}; built-in tools are calculator, python")
+    try:
+        return builtin_tool(name)
+    except KeyError as exc:
+        raise EnvError(f"jsonl_tools: {exc.args[0]}") from None
 
 
 def _verifier(name: str) -> Callable[[str, str], bool]:
@@ -164,12 +164,18 @@ def _task(row: Any, where: str, heldout_fraction: float, verifier: str) -> Task:
     context = row.get("context")
     if context is not None and not isinstance(context, dict):
         raise EnvError(f'{where}: "context" must be an object of labels such as {{"level": 3}}, got {_kind(context)}')
+    tools = row.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools)):
+        raise EnvError(f'{where}: "tools" must be a list of tool names (non-empty strings) such as ["calculator"], '
+                       f"got {_kind(tools)}" + ("" if not isinstance(tools, list) else " holding other values"))
     task_id_ = row.get("id")
     if task_id_ is not None and (isinstance(task_id_, bool) or not isinstance(task_id_, (str, int))):
         raise EnvError(f'{where}: "id" must be a string or an integer, got {_kind(task_id_)}')
+    data = {"solution": solution} if solution else {}
+    if tools is not None:
+        data["tools"] = tools
     return Task(id=str(task_id_ if task_id_ not in (None, "") else task_id("jsonl", prompt)), prompt=prompt,
-                answer=answer, context=dict(context or {}), split=split,
-                data={"solution": solution} if solution else {})
+                answer=answer, context=dict(context or {}), split=split, data=data)
 
 
 def check_prompts(tasks: list[tuple[str, Task]], max_total_tokens: int,
@@ -219,6 +225,8 @@ class JsonlToolsEnv(ToolAnswerEnv):
     sources: ClassVar[tuple[tuple[str, Task], ...]] = ()
     """Each task with where it is in the file (``FILE:LINE``), for ``check_tasks``."""
     tool_names: ClassVar[tuple[str, ...]] = ()
+    task_tools: ClassVar[dict[str, str]] = {}
+    """Each tool name the tasks name, with where it is first named (``FILE:LINE``)."""
     verify: ClassVar[Callable[[str, str], bool] | None] = None
 
     @classmethod
@@ -230,10 +238,14 @@ class JsonlToolsEnv(ToolAnswerEnv):
         verify = _verifier(verifier)
         sources = read_tasks(data, verifier=verifier)
         tasks: dict[str, list[Task]] = {s: [] for s in SPLITS}
-        for _, task in sources:
+        task_tools: dict[str, str] = {}
+        for where, task in sources:
             tasks[task.split].append(task)
+            for name in task.data.get("tools", ()):
+                task_tools.setdefault(name, where)
         return type(cls.__name__, (cls,), {"tasks": tasks, "sources": tuple(sources), "tool_names": names,
-                                          "verify": staticmethod(verify), "context_space": _observed_space(tasks)})
+                                          "task_tools": task_tools, "verify": staticmethod(verify),
+                                          "context_space": _observed_space(tasks)})
 
     @classmethod
     def check_tasks(cls, max_total_tokens: int, count_tokens: Callable[[str], int] | None = None) -> None:
@@ -244,9 +256,23 @@ class JsonlToolsEnv(ToolAnswerEnv):
         if self.verify is None:
             raise EnvError("jsonl_tools needs a task file: set env.data (and env.tools, env.verifier) in the config")
         super().__init__()
+        self.offered = self.tools
+        """Every tool the run configures; an episode offers the ones its task names (``reset``)."""
+        names = {t.name for t in self.offered}
+        for name, where in self.task_tools.items():
+            if name not in names:
+                raise EnvError(f"{where}: the task names tool {name!r}, which this run does not offer; it offers "
+                               f"{', '.join(sorted(names)) or 'no tools'} (env.tools: built-in tools; "
+                               "env.mcp_servers: MCP tools)")
 
     def make_tools(self) -> list[Tool]:
         return [_tool(n) for n in self.tool_names]
+
+    def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
+        """Start an episode offering the tools ``task`` names (all the run's tools when it names none)."""
+        named = task.data.get("tools")
+        self.tools = self.offered if named is None else [t for t in self.offered if t.name in set(named)]
+        return super().reset(task, seed=seed)
 
     @classmethod
     def splits(cls) -> tuple[str, ...]:

@@ -18,7 +18,9 @@ in ``info["error"]`` and ``info["error_kind"]`` says where (``constructor``, ``r
 So does running past ``RolloutLimits.timeout_s``, the episode's wall-clock deadline
 (``error_kind`` ``deadline``), which covers the environment's set-up (``reset`` then runs in a
 daemon thread), model time and tool time. The other episodes go on. A tool's failure is never an
-errored episode: it is an observation the model reads (``ctxrl.tools.base.execute_tool_calls``).
+errored episode: it is an observation the model reads (``ctxrl.tools.base.execute_tool_calls``). The
+one exception is the process behind a tool dying during a call (an MCP server, ``ToolServerLost``):
+``error_kind`` ``tool_server``.
 Anything else (the engine, the renderer, a context manager: ctxrl's own code) is not the
 episode's fault and is not swallowed: it propagates, and the run stops with its traceback.
 ``run_episodes`` resets every environment before the first generation, so how long each reset
@@ -45,6 +47,7 @@ from ctxrl.rollout.managers.base import Play
 from ctxrl.rollout.recorder import Recorder
 from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.seeds import episode_seed
+from ctxrl.tools.base import ToolServerLost
 from ctxrl.tools.threads import in_daemon_thread
 from ctxrl.types import Episode, Message, Task, Turn
 
@@ -81,13 +84,14 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
     return episode
 
 
-ERROR_KINDS = ("constructor", "reset", "step", "deadline", "judge")
-"""Where an errored episode's error came from (``info["error_kind"]``); ``judge``: every try of the run's judge
-failed (``ctxrl.judge``, after the episode was played)."""
+ERROR_KINDS = ("constructor", "reset", "step", "tool_server", "deadline", "judge")
+"""Where an errored episode's error came from (``info["error_kind"]``); ``tool_server``: an MCP server died mid-call;
+``judge``: every try of the run's judge failed (``ctxrl.judge``, after the episode was played)."""
 
 
 class EnvironmentFailure(Exception):
-    """An exception the environment raised, with where (``constructor``, ``reset``, ``step``): an errored episode."""
+    """An exception the environment raised, with where (``constructor``, ``reset``, ``step``, ``tool_server``): an
+    errored episode."""
 
     def __init__(self, where: str, cause: BaseException) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
@@ -178,7 +182,7 @@ async def _turns(env, play: Play, manager) -> None:
         try:
             result = await env.step(message)
         except Exception as exc:  # noqa: BLE001 - the environment's failure, classified
-            raise EnvironmentFailure("step", exc) from exc
+            raise EnvironmentFailure("tool_server" if isinstance(exc, ToolServerLost) else "step", exc) from exc
         _record_step(episode, record, result)
         if result.terminated:
             return

@@ -21,6 +21,7 @@ from ctxrl.models.lora import LoRASettings
 from ctxrl.plain import PlainData
 from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.rollout.managers.base import ContextPolicy
+from ctxrl.tools.mcp import McpSettings
 from ctxrl.types import Task
 
 PHASES = ("train", "eval")
@@ -100,6 +101,8 @@ class EnvSpec(PlainData):
     harness: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     """The environment's own table (``[env.NAME]``), read into its ``Settings`` (``configured_env_class``)."""
+    mcp: McpSettings = McpSettings()
+    """MCP servers whose tools the policy gets beside the environment's own (``env.mcp_*``; ``ctxrl.envs.mcp``)."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ class RolloutSpec(PlainData):
                             tool_format=config.model.tool_format, lora=LoRASettings.from_config(config)),
             env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
                         verifier=config.env.verifier, harness=config.env.harness,
-                        options=dict(config.components.get(f"env.{config.env.name}", {}))),
+                        options=dict(config.components.get(f"env.{config.env.name}", {})),
+                        mcp=McpSettings.from_config(config)),
             train=train, eval=evaluation, train_meta=train_meta,
             eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,

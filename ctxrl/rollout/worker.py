@@ -27,10 +27,12 @@ from typing import Any
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine
 from ctxrl.envs.hooks import hook
+from ctxrl.envs.mcp import start_tools, with_mcp_tools
 from ctxrl.envs.registry import configured_env_class
 from ctxrl.judge.judge import Judge
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
+from ctxrl.tools.mcp import close_hub
 from ctxrl.tools.python import configure_pool
 from ctxrl.types import Episode
 
@@ -54,6 +56,8 @@ class RolloutWorker:
         if check is not None:  # now with the model's tokenizer (spec_env_class bounded them by characters)
             check(spec.train.max_total_tokens, lambda text: len(renderer.encode_plain(text)))
         configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
+        if spec.env.mcp.servers:  # started now: a server that cannot start stops the run before any episode
+            start_tools(self.env_cls)
         self.runner = runner if runner is not None else make_runner(spec, self.env_cls, renderer)
         self.judge: Judge | None = None
         """Grades training episodes as they finish (``reward.judge``; ``ctxrl.judge``): built at the first training
@@ -87,6 +91,11 @@ class RolloutWorker:
         """The engine's new weights; ``partial``: only the tensors that changed (a LoRA run's adapters)."""
         self.engine.load_weights(state, version=version, **({"partial": True} if partial else {}))
 
+    def close(self) -> None:
+        """Shut down what the worker's tools run on (its MCP servers); safe to call more than once."""
+        if self.spec.env.mcp.servers:
+            close_hub(self.spec.env.mcp)
+
     # -- requests --------------------------------------------------------------------------------------
     def run(self, request: RolloutRequest, *, on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
         """Play ``request`` to the end and return its episodes (one event loop per request).
@@ -119,13 +128,14 @@ class RolloutWorker:
 
 
 def spec_env_class(spec: RolloutSpec) -> type:
-    """The environment class a spec names, bound to its data options, its tasks checked against the rollout's
-    length (``check_tasks``, by characters: no tokenizer is loaded here)."""
+    """The environment class a spec names, bound to its data options, with its MCP servers' tools (``with_mcp_tools``:
+    checked, not started), its tasks checked against the rollout's length (``check_tasks``, by characters: no
+    tokenizer is loaded here)."""
     e = spec.env
     options = {"data": e.data, "tools": e.tools, "verifier": e.verifier}
     if e.harness or e.name == "harness":
         options["harness"] = e.harness
-    cls = configured_env_class(e.name, e.options, **options)
+    cls = with_mcp_tools(configured_env_class(e.name, e.options, **options), e.mcp)
     check = hook(cls, "check_tasks")
     if check is not None:  # (``ctxrl config`` too: a task too long to fit is an error before anything loads)
         check(spec.train.max_total_tokens)

@@ -8,7 +8,10 @@ run in a worker thread so it neither blocks the event loop nor escapes the timeo
 ``execute_tool_calls`` follows STYLE lesson 9, *errors are data*: whatever the model wrote
 (malformed JSON, an unknown tool, a wrong argument, a tool that raises or hangs) becomes an
 ``Error: ...`` observation the model can read and recover from, and is counted. It never
-raises because of model output.
+raises because of model output. The one exception it lets through is ``ToolServerLost``: the process
+behind a tool (an MCP server, ``ctxrl.tools.mcp``) died, taking with it whatever state the episode had
+built there, so the episode cannot go on faithfully; the agent loop records it as an errored episode
+(``error_kind`` ``tool_server``), left out of the loss and counted.
 
 What this file deliberately does not do: sandboxing (a tool is trusted code; a timed-out *sync*
 tool keeps running in its daemon thread until it returns, because Python threads cannot be
@@ -33,6 +36,15 @@ ToolFn = Callable[..., str | Awaitable[str]]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
+
+class ToolFailed(Exception):
+    """A tool reporting failure in its own words (an MCP server's ``isError`` result): the observation is
+    ``Error: tool NAME failed: MESSAGE``, with no exception type in it."""
+
+
+class ToolServerLost(RuntimeError):
+    """The process behind a tool died during a call (see the module docstring): the episode is errored."""
+
 # JSON-schema type name -> check on a value decoded from JSON.
 _TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
@@ -51,7 +63,12 @@ class Tool:
     """A callable tool with the JSON schema the model sees.
 
     ``fn`` receives the call's arguments as keyword arguments and returns the observation
-    text; it may be ``async`` or plain. ``timeout_s`` bounds one call.
+    text; it may be ``async`` or plain. ``timeout_s`` bounds one call. ``checks_arguments``: ``fn``
+    checks its arguments against ``parameters`` itself (an MCP server does), so the schema may use
+    any JSON Schema (``anyOf``, ``$ref``, nested objects): it is shown to the model as given, only
+    required to describe an object, and ``execute_tool_calls`` does not check calls against it. ``ready``: awaited
+    before each call's deadline starts (an MCP server being started again after it died), so that ``timeout_s``
+    bounds the call alone; the episode's own deadline still bounds both.
     """
 
     name: str
@@ -59,12 +76,15 @@ class Tool:
     parameters: dict[str, Any]
     fn: ToolFn
     timeout_s: float = 10.0
+    checks_arguments: bool = False
+    ready: Callable[[], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         # Fail at construction, where the author is, not mid-rollout.
         if not _NAME.match(self.name):
             raise ValueError(f"tool name {self.name!r} must be 1-64 characters of letters, digits, '_' or '-'")
-        problems = schema_problems(self.parameters)
+        problems = object_schema_problems(self.parameters) if self.checks_arguments else schema_problems(
+            self.parameters)
         if problems:
             raise ValueError(f"tool {self.name!r} has an invalid parameters schema: " + "; ".join(problems))
         if not callable(self.fn):
@@ -93,6 +113,18 @@ class Tool:
 
 def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def object_schema_problems(parameters: Any) -> list[str]:
+    """Problems with a schema that need not be flat (``Tool.checks_arguments``): it must describe an object, with
+    ``properties`` a dict where it has them (empty list = usable)."""
+    if not isinstance(parameters, dict):
+        return [f"parameters must be a dict (a JSON schema), got {type(parameters).__name__}"]
+    problems = [] if parameters.get("type") == "object" else [
+        f'parameters must have "type": "object", got {parameters.get("type")!r}']
+    if not isinstance(parameters.get("properties", {}), dict):
+        problems.append('"properties" must be a dict of name -> schema')
+    return problems
 
 
 def schema_problems(parameters: Any) -> list[str]:
@@ -191,15 +223,23 @@ async def execute_tool_calls(tools: list[Tool], message: Message) -> tuple[list[
             observations.append(_error(f"unknown tool {call.name!r}; available tools: {available}", call.name))
             errors += 1
             continue
-        problem = validate_arguments(tool.parameters, call.arguments)
+        problem = None if tool.checks_arguments else validate_arguments(tool.parameters, call.arguments)
         if problem is not None:
             observations.append(_error(f"invalid arguments for tool {tool.name}: {problem}", tool.name))
             errors += 1
             continue
         try:
+            if tool.ready is not None:
+                await tool.ready()
             content = await asyncio.wait_for(tool(**call.arguments), timeout=tool.timeout_s)
         except asyncio.TimeoutError:
             observations.append(_error(f"tool {tool.name} timed out after {tool.timeout_s:g}s", tool.name))
+            errors += 1
+            continue
+        except ToolServerLost:
+            raise  # not the model's doing, and the episode cannot go on (the module docstring)
+        except ToolFailed as exc:
+            observations.append(_error(f"tool {tool.name} failed: {exc}", tool.name))
             errors += 1
             continue
         except Exception as exc:  # noqa: BLE001 - any tool failure is an observation, by design

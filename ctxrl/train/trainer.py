@@ -49,6 +49,7 @@ from ctxrl.rollout.spec import RolloutSpec, spec_engine
 from ctxrl.rollout.worker import RolloutWorker, spec_env_class, spec_renderer
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
+from ctxrl.tools.mcp import close_hubs
 from ctxrl.train import checkpoint, health, loop
 from ctxrl.train.collect import Collected, Collector, trainable
 from ctxrl.train.evaluation import evaluate_splits
@@ -137,10 +138,12 @@ class Trainer:
         self.consecutive_skips = 0
 
     def close(self) -> None:
-        """Stop the rollout workers that live outside this process (Ray actors); in-process ones need nothing."""
+        """Stop the rollout workers (Ray actors) and what the tools run on (MCP servers, this process's too: a warm
+        start plays scripted solutions here); safe to call more than once."""
         close = getattr(self.worker, "close", None)
-        if close is not None and self.config.distributed.backend != "none":
+        if close is not None:
             close()
+        close_hubs()
 
     def sync_engine(self, version: int) -> None:
         """Hand the policy's current weights (LoRA: its adapters) to the worker's engine, as policy ``version``."""
@@ -164,6 +167,7 @@ class Trainer:
             return loop.run(self, resume)
         finally:
             self.followers.release()  # (nothing to do in one process)
+            self.close()  # (a run that failed too: its MCP servers stop with it)
 
     # -- phases of a run -------------------------------------------------------------------------------
     def warm_start(self, on_step=None) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""MCP tools beside an environment's own (``env.mcp_servers``; docs/mcp.md).
+
+``with_mcp_tools(cls, settings)`` is the environment class a run plays when ``env.mcp_servers`` is set: ``cls``,
+whose ``make_tools`` also returns the servers' tools (``ctxrl.tools.mcp``), after its own. The policy sees them all
+in its tool-call format, as it sees the built-in ones, and ``ToolAnswerEnv.step`` runs them through the same
+``execute_tool_calls``: the deadline, errors as observations, and ``ToolServerLost`` when a server dies. It checks
+now, without starting anything (so ``ctxrl config`` does too), that the ``mcp`` extra is installed, that every
+entry is a URL or a command line whose program exists, and that the environment answers tool calls from its
+``tools`` list (every ``ToolAnswerEnv`` does; ``harness`` runs a user's agent, which brings its own tools).
+
+``start_tools(env_cls)`` builds one environment and closes it: a rollout worker calls it before the first episode,
+so a server that cannot start, two tools of one name, or a ``jsonl_tools`` task naming a tool nobody offers stops
+the run at once, with one line, instead of erroring every episode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ctxrl.envs.base import EnvError
+from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tools.base import Tool
+from ctxrl.tools.mcp import McpError, McpSettings, mcp_hub, parse_server, require_mcp
+
+
+def with_mcp_tools(cls: type, settings: McpSettings) -> type:
+    """``cls`` with the MCP tools of ``settings`` after its own (``cls`` itself without servers)."""
+    if not settings.servers:
+        if settings.tools.strip():
+            raise EnvError(f"env.mcp_tools = {settings.tools!r} names MCP tools, but env.mcp_servers is empty; add "
+                           "the servers that offer them, or clear env.mcp_tools")
+        return cls
+    try:
+        require_mcp()
+    except McpError as exc:
+        raise EnvError(str(exc)) from None
+    for i, text in enumerate(settings.servers):
+        try:
+            parse_server(text)
+        except ValueError as exc:
+            raise EnvError(f"env.mcp_servers[{i}]: {exc}") from None
+    runner = getattr(cls, "runner", None)  # (an episode runner of its own: the harness's user agent)
+    if runner:
+        raise EnvError(f"env.mcp_servers gives the policy tools in ctxrl's agent loop, but {cls.__name__}'s episodes "
+                       f"are played by the {runner!r} runner (a user's agent, which brings its own tools); give the "
+                       "agent its MCP client, or clear env.mcp_servers")
+    if not (isinstance(cls, type) and issubclass(cls, ToolAnswerEnv)):
+        raise EnvError(f"env.mcp_servers adds tools to environments that answer tool calls from their tools list "
+                       f"(ctxrl.envs.tool_answer.ToolAnswerEnv: jsonl_tools, calculator, ...); {cls.__name__} answers "
+                       "them another way, so MCP tools cannot be added to it: build it on ToolAnswerEnv, or clear "
+                       "env.mcp_servers")
+    return _with_tools(cls, settings)
+
+
+@functools.cache
+def _with_tools(cls: type, settings: McpSettings) -> type:
+    own_tools = cls.make_tools
+
+    def make_tools(self) -> list[Tool]:
+        own = own_tools(self)
+        offered = mcp_hub(settings).tools()
+        clash = sorted({t.name for t in own} & {t.name for t in offered})
+        if clash:
+            raise EnvError(f"MCP tool {clash[0]!r} has the name of one of {cls.name}'s own tools; leave it out with "
+                           "env.mcp_tools, or rename it in its server")
+        return [*own, *offered]
+
+    return type(cls.__name__, (cls,), {"make_tools": make_tools, "mcp_settings": settings, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+
+
+def start_tools(env_cls: type) -> list[Tool]:
+    """The tools an episode of ``env_cls`` offers, from one environment built and closed now (module docstring)."""
+    env = env_cls()
+    try:
+        return list(env.tools)
+    finally:
+        env.close()
