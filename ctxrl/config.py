@@ -551,7 +551,11 @@ class Config:
     def settings_of(self, section: str, name: str) -> Any:
         """The ``Settings`` of the component registered as ``name`` in ``section`` (``algo``: estimators,
         ``context``: context managers, ``env``: environments), from its table or its defaults; None when the
-        component declares none."""
+        component declares none. An environment of a family (``reasoning_gym:chain_sum``) reads its family's table."""
+        if section == "env":
+            from ctxrl.envs.registry import settings_name
+
+            name = settings_name(name)
         cls = _settings_class(section, name)
         if cls is None:
             return None
@@ -822,11 +826,11 @@ COMPONENT_REGISTRIES = {"algo": _estimator_class, "context": _manager_class, "en
 def _settings_class(section: str, name: str) -> type | None:
     """The ``Settings`` dataclass the component ``name`` of ``section`` declares (an environment's through its
     hooks' ``settings_class``), or None."""
-    cls = COMPONENT_REGISTRIES[section](name)
-    if section == "env":
-        from ctxrl.envs.hooks import settings_class
+    if section == "env":  # (a family of environments has one table for all: [env.reasoning_gym])
+        from ctxrl.envs.registry import env_settings_class
 
-        return settings_class(cls)
+        return env_settings_class(name)
+    cls = COMPONENT_REGISTRIES[section](name)
     settings = getattr(cls, "Settings", None)
     return settings if isinstance(settings, type) else None
 
