@@ -1,0 +1,554 @@
+"""``reasoning_gym:TASK``: reasoning-gym's procedural task families as contextual environments.
+
+reasoning-gym (``pip install -e '.[reasoning-gym]'``) generates about a hundred families of verifiable problems
+(arithmetic chains, ciphers, logic puzzles, graph and grid tasks), each with a configuration dataclass and, for
+most, a curriculum: named difficulty *attributes*, each with a list of levels (``chain_sum``'s ``num_terms`` has
+levels 2, 3, ..., 12 and sets the configuration fields ``min_terms`` / ``max_terms``). ``env.name =
+"reasoning_gym:chain_sum"`` makes one family an environment; ``"reasoning_gym:chain_sum,leg_counting"`` mixes
+several, each task drawn from one of them (``weights``).
+
+**Context.** A task's context is its ``family`` and one value per numeric curriculum attribute of that family
+(``{"family": "chain_sum", "num_terms": 3, "num_digits": 2}``). The value sets the configuration: a range
+attribute's lower and upper field both (exactly 3 terms), a scalar attribute's field. Attributes whose levels
+are not numbers (operator weights, flags) keep their default level. ``train`` and ``heldout`` draw every value
+between the attribute's levels ``train_levels`` (levels 0 and 1 by default: values 2..3 for ``num_terms``), and
+never share a prompt (``ctxrl.tasks.split_of``); ``ood`` draws between levels ``ood_levels`` (2 and 3), leaving out
+values inside the train range: harder or larger settings. ``ranges`` replaces the levels with explicit ranges and
+can make any numeric configuration field a context variable; ``fixed`` sets configuration fields for every task.
+A level the family's own configuration check refuses (``caesar_cipher``'s rotation level 50, past its limit of
+25) is left out of its range, with a warning. A family without a curriculum has no context but ``family`` (and
+no ``ood`` split) until ``ranges`` gives it some.
+
+**Verifier.** The family's own ``score_answer`` scores the ``<answer>...</answer>`` of the first turn without a
+tool call, on the exact entry the task was drawn from (found again from ``Task.data``: family, configuration,
+index). Its score is the reward, in [0, 1] with the partial credit some families give; an episode succeeds when it
+scores 1. ``tool`` offers the ``calculator`` or the ``python`` sandbox; the gold solution (``solve``) calls the
+calculator on the task's expression where the family records one that the calculator can evaluate to the answer,
+and otherwise answers directly.
+
+Settings (``[env.reasoning_gym]``, shared by every ``reasoning_gym:`` name; ``Settings`` below documents each).
+
+What it does not do: families without a single oracle answer (``boxnet``, ``graph_color``,
+``propositional_logic``, ``rubiks_cube``, ``rush_hour``: their scorer checks a proposed solution) train and
+evaluate, but have no scripted solution, so ``check-env``'s gold run and warm-start demonstrations fail for them;
+``composite`` is refused (name a mix instead). Each configuration's dataset is built once (a second for the
+families that read word lists or ARC grids; ``acre`` generates all its entries up front, 10 s), and each entry
+costs milliseconds (up to a second or two for the puzzle generators: ``futoshiki``, ``intermediate_integration``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import tomllib
+
+from ctxrl.chat.toolcalls import format_tool_call
+from ctxrl.envs.base import EnvError
+from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.tasks.space import ContextParam, ContextSpace, sample_tasks
+from ctxrl.tools.base import Tool
+from ctxrl.types import Task
+
+EXTRA = "pip install -e '.[reasoning-gym]'"
+TOOLS = ("", "calculator", "python")
+RESERVED = ("seed", "size")
+"""Configuration fields ctxrl sets itself: each configuration's dataset is built once (``DATASET_SEED``,
+``DATASET_SIZE``) and a task is one of its entries, by index."""
+DATASET_SEED = 0
+DATASET_SIZE = 10_000
+"""Entries of one configuration a task can be (reasoning-gym's datasets hold 500 by default). Building a dataset can
+cost a second (word lists, ARC grids) and its entries milliseconds, so each configuration's is built once."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The table ``[env.reasoning_gym]`` (``env.reasoning_gym.KEY=VALUE`` on the command line)."""
+
+    train_levels: list[int] = field(default_factory=lambda: [0, 1])
+    """First and last curriculum level (inclusive) of the train and heldout values of every attribute."""
+    ood_levels: list[int] = field(default_factory=lambda: [2, 3])
+    """First and last curriculum level of the ood values (past an attribute's last level: its last); values inside
+    the train range are left out."""
+    ranges: list[str] = field(default_factory=list)
+    """Explicit ranges, ``[FAMILY.]NAME=LOW..HIGH`` (no ood range) or ``[FAMILY.]NAME=LOW..HIGH/OOD_LOW..OOD_HIGH``:
+    NAME is a curriculum attribute (replacing its levels) or a numeric configuration field (made a context
+    variable)."""
+    fixed: list[str] = field(default_factory=list)
+    """Configuration fields set for every task, ``[FAMILY.]FIELD=VALUE`` with a TOML value (``allow_negation=true``,
+    ``operators=["+", "-"]``)."""
+    weights: list[float] = field(default_factory=list)
+    """For a mix: the chance of each family, in the order of the name (default: equal)."""
+    tool: str = ""
+    """A tool to offer: ``calculator``, ``python`` (the sandbox) or none (``""``)."""
+    system_prompt: str = "direct"
+    """One of reasoning-gym's system prompts by name (``direct``, ``default``, ``simple``, ``chain_of_draft``,
+    ``DeepSeekZero``), or a text of your own; it must ask for ``<answer>...</answer>``."""
+    heldout_fraction: float = 0.2
+    """The share of prompts that belong to ``heldout`` instead of ``train``."""
+
+    def __post_init__(self) -> None:
+        for key in ("train_levels", "ood_levels"):
+            levels = getattr(self, key)
+            if len(levels) != 2 or not 0 <= levels[0] <= levels[1]:
+                raise ValueError(f"{key} must be [FIRST, LAST], two curriculum levels with 0 <= FIRST <= LAST, "
+                                 f"got {levels}")
+        if self.tool not in TOOLS:
+            raise ValueError(f"tool must be calculator, python or \"\" (none), got {self.tool!r}")
+        if any(not math.isfinite(w) or w < 0 for w in self.weights) or (self.weights and not sum(self.weights)):
+            raise ValueError(f"weights must be numbers >= 0 with a positive sum, got {self.weights}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+
+
+def _reasoning_gym():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise EnvError(f"reasoning_gym environments need the reasoning-gym package: {EXTRA}") from None
+    return reasoning_gym
+
+
+def environment(rest: str) -> type:
+    """The class ``reasoning_gym:REST`` names (one family, or a comma-separated mix)."""
+    families = tuple(name.strip() for name in rest.split(","))
+    if not rest or not all(families):
+        raise EnvError(f"reasoning_gym:{rest} names no task family; write reasoning_gym:NAME (e.g. "
+                       "reasoning_gym:chain_sum) or a mix, reasoning_gym:chain_sum,leg_counting")
+    return _family_class(families)
+
+
+@functools.cache
+def _family_class(families: tuple[str, ...]) -> type:
+    _reasoning_gym()
+    from reasoning_gym.factory import DATASETS
+
+    for name in families:
+        if name == "composite":
+            raise EnvError("reasoning_gym:composite is reasoning-gym's own mix; name a mix of families instead: "
+                           "reasoning_gym:chain_sum,leg_counting (weights in [env.reasoning_gym] weights)")
+        if name not in DATASETS:
+            import difflib
+
+            close = difflib.get_close_matches(name, DATASETS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise EnvError(f"reasoning-gym has no task family {name!r}; {hint}its families: "
+                           f"{', '.join(sorted(n for n in DATASETS if n != 'composite'))}")
+    if len(set(families)) != len(families):
+        raise EnvError(f"reasoning_gym:{','.join(families)} names a family twice; give weights instead")
+    name = "reasoning_gym:" + ",".join(families)
+    return type(f"ReasoningGym[{','.join(families)}]", (ReasoningGymEnv,), {"families": families, "name": name})
+
+
+# -- a family's context variables ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variable:
+    """A context variable of a family: which configuration fields its value sets."""
+
+    param: ContextParam
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's context variables and the configuration fields fixed for all its tasks."""
+
+    name: str
+    variables: tuple[Variable, ...]
+    fixed: dict[str, Any]
+
+    @property
+    def space(self) -> ContextSpace:
+        return ContextSpace([v.param for v in self.variables])
+
+    def config(self, context: dict[str, Any]) -> dict[str, Any]:
+        """The configuration fields a context sets (with the fixed ones)."""
+        config = dict(self.fixed)
+        for v in self.variables:
+            for name in v.fields:
+                config[name] = context[v.param.name]
+        return config
+
+
+def _entries(items: list[str], what: str, families: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """``[FAMILY.]NAME=VALUE`` entries by family (a bare NAME applies to every family): family -> NAME -> VALUE."""
+    out: dict[str, dict[str, str]] = {f: {} for f in families}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise EnvError(f"[env.reasoning_gym] {what} entry {item!r} must look like [FAMILY.]NAME=VALUE")
+        family, dot, name = key.rpartition(".")
+        if dot and family not in families:
+            raise EnvError(f"[env.reasoning_gym] {what} entry {item!r} names family {family!r}, which is not one of "
+                           f"{', '.join(families)}")
+        for f in ([family] if dot else families):
+            out[f][name] = value
+    return out
+
+
+def _parse_range(text: str, where: str) -> tuple[float, float, tuple[float, float] | None]:
+    """``LOW..HIGH[/OOD_LOW..OOD_HIGH]`` (or a single value) -> (low, high, ood range or None)."""
+    def pair(part: str) -> tuple[float, float]:
+        low, sep, high = part.partition("..")
+        try:
+            values = (float(low), float(high if sep else low))
+        except ValueError:
+            raise EnvError(f"[env.reasoning_gym] ranges: {where}={text!r} must be LOW..HIGH or "
+                           "LOW..HIGH/OOD_LOW..OOD_HIGH (numbers)") from None
+        if values[0] > values[1]:
+            raise EnvError(f"[env.reasoning_gym] ranges: {where}={text!r} has LOW > HIGH")
+        return values
+
+    train, sep, ood = text.partition("/")
+    return (*pair(train), pair(ood) if sep else None)
+
+
+def _numeric_kind(values: list[Any]) -> str | None:
+    if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return "int"
+    if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return "float"
+    return None
+
+
+def _level_values(levels: list[Any], span: list[int]) -> list[Any]:
+    """The levels from ``span[0]`` to ``span[1]`` (inclusive; an index past the last level is the last)."""
+    last = len(levels) - 1
+    return levels[min(span[0], last):min(span[1], last) + 1]
+
+
+def _checks(config_cls: type, config: dict[str, Any]) -> str | None:
+    """Why the family's own configuration check refuses ``config`` (None: it accepts it)."""
+    try:
+        made = config_cls(**config)
+        if hasattr(made, "validate"):
+            made.validate()
+    except (AssertionError, ValueError, TypeError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _param(name: str, kind: str, train: tuple[float, float], ood: tuple[float, float] | None,
+           description: str) -> ContextParam:
+    """A context param whose ood range leaves out the train range (none when nothing is left)."""
+    cast = int if kind == "int" else float
+    low, high = cast(train[0]), cast(train[1])
+    if ood is not None:
+        ood_low, ood_high = cast(ood[0]), cast(ood[1])
+        step = 1 if kind == "int" else 0
+        if ood_low >= low and ood_low <= high:
+            ood_low = high + step
+        if ood_high <= high and ood_high >= low:
+            ood_high = low - step
+        inside = ood_low <= low and ood_high >= high  # around the train range: no one-sided ood
+        ood = None if ood_low > ood_high or inside else (ood_low, ood_high)
+    return ContextParam(name, kind, low=low, high=high, ood_low=ood[0] if ood else None,
+                        ood_high=ood[1] if ood else None, description=description)
+
+
+def _curriculum_variables(family: str, settings: Settings, config_cls: type, base: dict[str, Any]) -> list[Variable]:
+    """The variables of a family's curriculum: each numeric attribute, its levels checked by the family."""
+    from reasoning_gym.coaching.attributes import RangeAttributeDefinition
+    from reasoning_gym.factory import CURRICULA
+
+    if family not in CURRICULA:
+        return []
+    variables = []
+    for attr in CURRICULA[family]().attributes.values():
+        kind = _numeric_kind(list(attr.levels))
+        if kind is None:
+            continue
+        fields = ((attr.lower_field_name, attr.upper_field_name) if isinstance(attr, RangeAttributeDefinition)
+                  else (attr.field_name,))
+        good, dropped = [], []
+        for level, value in enumerate(attr.levels):
+            problem = _checks(config_cls, {**base, **{f: value for f in fields}})
+            (dropped if problem else good).append((level, value, problem))
+        if dropped:
+            listed = ", ".join(f"{level} ({value})" for level, value, _ in dropped)
+            warnings.warn(f"reasoning_gym:{family}: {attr.name} level(s) {listed} fail the family's own check "
+                          f"({dropped[0][2]}); left out of its ranges", stacklevel=2)
+        usable = [value for _, value, _ in good]
+        train = _level_values(usable, settings.train_levels)
+        ood = _level_values(usable, settings.ood_levels)
+        if not train:
+            raise EnvError(f"reasoning_gym:{family}: no level of {attr.name} passes the family's own check; give "
+                           f"[env.reasoning_gym] ranges = [\"{family}.{attr.name}=LOW..HIGH\"]")
+        span = (min(ood), max(ood)) if ood else None
+        description = f"{attr.description or attr.name} (sets {' and '.join(fields)}; levels {attr.levels})"
+        variables.append(Variable(_param(attr.name, kind, (min(train), max(train)), span, description), fields))
+    return variables
+
+
+def _explicit_variables(family: str, ranges: dict[str, str], config_cls: type,
+                        variables: list[Variable]) -> list[Variable]:
+    """``ranges`` entries: replacing an attribute's levels, or making a numeric configuration field a variable."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    by_name = {v.param.name: v for v in variables}
+    set_by = {name: v.param.name for v in variables for name in v.fields}
+    out = []
+    for name, text in ranges.items():
+        low, high, ood = _parse_range(text, f"{family}.{name}")
+        if name in by_name:
+            kind, fields, description = by_name[name].param.kind, by_name[name].fields, by_name[name].param.description
+        elif name in set_by and set_by[name] != name:
+            raise EnvError(f"[env.reasoning_gym] ranges: {family}.{name} is set by the curriculum attribute "
+                           f"{set_by[name]!r}; give the range for {set_by[name]} instead")
+        elif name in defaults and name not in RESERVED and _numeric_kind([defaults[name]]):
+            kind, fields, description = _numeric_kind([defaults[name]]), (name,), f"configuration field {name}"
+        else:
+            numeric = sorted(n for n, d in defaults.items() if n not in RESERVED and _numeric_kind([d]))
+            raise EnvError(f"[env.reasoning_gym] ranges: {family} has no curriculum attribute or numeric "
+                           f"configuration field {name!r}; attributes: {', '.join(by_name) or 'none'}; numeric "
+                           f"fields: {', '.join(numeric)}")
+        if kind == "int" and not all(float(x).is_integer() for x in (low, high, *(ood or ()))):
+            raise EnvError(f"[env.reasoning_gym] ranges: {family}.{name}={text!r} must be whole numbers")
+        out.append(Variable(_param(name, kind, (low, high), ood, description), fields))
+    return out
+
+
+def _fixed(family: str, values: dict[str, str], config_cls: type) -> dict[str, Any]:
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_cls)} - set(RESERVED)
+    fixed = {}
+    for name, text in values.items():
+        if name not in names:
+            raise EnvError(f"[env.reasoning_gym] fixed: {family} has no configuration field {name!r}; its fields: "
+                           f"{', '.join(sorted(names))}")
+        try:
+            fixed[name] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            fixed[name] = text
+    return fixed
+
+
+def family_spec(family: str, settings: Settings, families: tuple[str, ...]) -> Family:
+    """A family's context variables and fixed fields under ``settings`` (of a mix of ``families``), checked against
+    the family's own check."""
+    from reasoning_gym.factory import DATASETS
+
+    config_cls = DATASETS[family][1]
+    fixed = _fixed(family, _entries(settings.fixed, "fixed", families)[family], config_cls)
+    ranges = _entries(settings.ranges, "ranges", families)[family]
+    levelled = _curriculum_variables(family, settings, config_cls, fixed)
+    explicit = _explicit_variables(family, ranges, config_cls, levelled)
+    replaced = {v.param.name for v in explicit}
+    variables = tuple([v for v in levelled if v.param.name not in replaced] + explicit)
+    clash = sorted(set(fixed) & {f for v in variables for f in v.fields})
+    if clash:
+        raise EnvError(f"[env.reasoning_gym] fixed sets {family}'s {', '.join(clash)}, which its context variables "
+                       "set; give a one-value range instead (ranges = [\"NAME=V\"])")
+    spec = Family(family, variables, fixed)
+    for split in ("train", "ood"):
+        for end in (0, 1):
+            context = {v.param.name: v.param.range(split)[end] for v in variables}
+            problem = _checks(config_cls, spec.config(context))
+            if problem:
+                raise EnvError(f"reasoning_gym:{family}: the {split} context {context} fails the family's own check "
+                               f"({problem}); narrow it with [env.reasoning_gym] ranges or train_levels / ood_levels")
+    return spec
+
+
+# -- the space of a mix: a family, then that family's variables -------------------------------------------------------
+class FamiliesSpace(ContextSpace):
+    """``family`` (drawn by weight), then that family's own context variables; ood draws only families with an ood
+    range."""
+
+    def __init__(self, families: list[Family], weights: list[float]) -> None:
+        super().__init__([ContextParam("family", "choice", choices=tuple(f.name for f in families),
+                                       description="reasoning-gym task family")])
+        self.families = {f.name: f.space for f in families}
+        self.weights = dict(zip(self.families, weights))
+        for name, space in self.families.items():
+            if "family" in space.names:
+                raise EnvError(f"reasoning_gym:{name} has a context variable named 'family', which ctxrl uses")
+
+    @property
+    def names(self) -> list[str]:
+        return ["family", *dict.fromkeys(n for space in self.families.values() for n in space.names)]
+
+    @property
+    def has_ood(self) -> bool:
+        return any(space.has_ood for space in self.families.values())
+
+    def defaults(self) -> dict[str, Any]:
+        first = next(iter(self.families))
+        return {"family": first, **self.families[first].defaults()}
+
+    def sample(self, split: str, rng: random.Random) -> dict[str, Any]:
+        names = [n for n, s in self.families.items() if split != "ood" or s.has_ood or not self.has_ood]
+        family = rng.choices(names, weights=[self.weights[n] for n in names])[0]
+        return {"family": family, **self.families[family].sample(split, rng)}
+
+    def validate(self, context: dict[str, Any], split: str | None = None) -> None:
+        from ctxrl.tasks.space import ContextError
+
+        family = context.get("family")
+        if family not in self.families:
+            raise ContextError(f"context {context} has family {family!r}, not one of {list(self.families)}")
+        self.families[family].validate({k: v for k, v in context.items() if k != "family"}, split)
+
+    def is_ood(self, context: dict[str, Any]) -> bool:
+        space = self.families.get(context.get("family"))
+        return space is not None and space.is_ood({k: v for k, v in context.items() if k != "family"})
+
+    def describe(self) -> list[dict[str, Any]]:
+        rows = super().describe()
+        mixed = len(self.families) > 1
+        for family, space in self.families.items():
+            rows += [{**row, "name": f"{family}.{row['name']}" if mixed else row["name"]} for row in space.describe()]
+        return rows
+
+
+# -- entries: one per task, regenerated to score ----------------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def _dataset(family: str, config_json: str) -> Any:
+    """The family's dataset of a configuration (built once: see ``DATASET_SIZE``)."""
+    rg = _reasoning_gym()
+    config = json.loads(config_json)
+    try:
+        return rg.create_dataset(family, **config, seed=DATASET_SEED, size=DATASET_SIZE)
+    except (AssertionError, ValueError, TypeError) as exc:
+        raise EnvError(f"reasoning_gym:{family} refused the configuration {config} ({exc or type(exc).__name__}); "
+                       "narrow the ranges in [env.reasoning_gym]") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _dataset_entry(family: str, config_json: str, index: int) -> tuple[Any, dict[str, Any]]:
+    """(the family's dataset, its entry) for a configuration and index: exactly what a task was drawn from."""
+    dataset = _dataset(family, config_json)
+    return dataset, dataset[index]
+
+
+SYSTEM_PROMPT_TOOLS = {"calculator": " Use the calculator tool for arithmetic.",
+                       "python": " You can run Python code with the python tool."}
+
+
+class ReasoningGymEnv(ToolAnswerEnv):
+    """A reasoning-gym family (or a mix) under ``[env.reasoning_gym]`` settings (see the module docstring)."""
+
+    Settings: ClassVar[type] = Settings
+    options: ClassVar[Settings] = Settings()
+    families: ClassVar[tuple[str, ...]] = ()
+    specs: ClassVar[dict[str, Family]] = {}
+    name: ClassVar[str] = "reasoning_gym"
+    system_prompt: ClassVar[str] = ""
+    context_space: ClassVar[ContextSpace] = ContextSpace([])
+    required_data: ClassVar[tuple[str, ...]] = ("family", "config", "index")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A family's class, and each of its configured subclasses (``options``), builds its context space."""
+        super().__init_subclass__(**kwargs)
+        if not cls.families:
+            return
+        settings = cls.options
+        if settings.weights and len(settings.weights) != len(cls.families):
+            raise EnvError(f"[env.reasoning_gym] weights has {len(settings.weights)} numbers for "
+                           f"{len(cls.families)} families ({', '.join(cls.families)})")
+        cls.specs = {family: family_spec(family, settings, cls.families) for family in cls.families}
+        cls.context_space = FamiliesSpace(list(cls.specs.values()), settings.weights or [1.0] * len(cls.families))
+        cls.heldout_fraction = settings.heldout_fraction
+        cls.system_prompt = _system_prompt(settings)
+
+    @classmethod
+    def generate(cls, context: dict[str, Any], rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        """One entry of the context's family: (its question, its answer, what regenerates it)."""
+        family = context["family"]
+        config = cls.specs[family].config(context)
+        index = rng.randrange(DATASET_SIZE)
+        config_json = json.dumps(config, sort_keys=True)
+        _, entry = _dataset_entry(family, config_json, index)
+        answer = entry.get("answer")
+        data: dict[str, Any] = {"family": family, "config": json.loads(config_json), "index": index}
+        expression = (entry.get("metadata") or {}).get("expression")
+        if isinstance(expression, str):
+            data["expression"] = expression
+        return str(entry["question"]), "" if answer is None else str(answer), data
+
+    @classmethod
+    def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
+        if not cls.families:
+            raise EnvError("name a reasoning-gym family: env.name = \"reasoning_gym:chain_sum\"")
+        return sample_tasks(cls.generate, cls.context_space, split, n, seed, heldout_fraction=cls.heldout_fraction,
+                            id_prefix=cls.name)
+
+    @classmethod
+    def splits(cls) -> tuple[str, ...]:
+        """``train`` and ``heldout``, and ``ood`` where some family has a range past its train range."""
+        return ("train", "heldout", "ood") if cls.context_space.has_ood else ("train", "heldout")
+
+    def make_tools(self) -> list[Tool]:
+        if self.options.tool == "calculator":
+            from ctxrl.tools.calculator import calculator_tool
+
+            return [calculator_tool()]
+        if self.options.tool == "python":
+            from ctxrl.tools.python import python_tool
+
+            return [python_tool()]
+        return []
+
+    @staticmethod
+    def entry(task: Task) -> tuple[Any, dict[str, Any]]:
+        """(dataset, entry) a task was drawn from."""
+        data = task.data
+        return _dataset_entry(data["family"], json.dumps(data["config"], sort_keys=True), int(data["index"]))
+
+    def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
+        score, extra = self.score_answer(given, task)
+        return score >= 1.0, extra
+
+    def score_answer(self, given: str, task: Task) -> tuple[float, dict[str, Any]]:
+        """The family's own score of ``given`` on the task's entry (0 where its scorer raises on the text)."""
+        dataset, entry = self.entry(task)
+        try:
+            score = float(dataset.score_answer(given, entry))
+        except Exception as exc:  # noqa: BLE001 - a scorer that chokes on the model's text gives no credit
+            return 0.0, {"score_error": f"{type(exc).__name__}: {exc}"}
+        return (min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0), {"family": task.data["family"]}
+
+    @classmethod
+    def solve(cls, task: Task) -> list[str]:
+        """Answer with the oracle answer; with the calculator offered, first compute the task's expression."""
+        if task.answer == "" and cls.entry(task)[1].get("answer") is None:
+            raise EnvError(f"reasoning_gym:{task.data['family']} has no single oracle answer (its scorer checks a "
+                           "proposed solution), so there is no scripted solution to play")
+        answer = f"<answer>{task.answer}</answer>"
+        call = _calculator_call(cls, task) if cls.options.tool == "calculator" else None
+        return [call, answer] if call else [answer]
+
+
+def _calculator_call(cls: type, task: Task) -> str | None:
+    """A calculator call on the task's recorded expression, where the calculator's value scores 1 as the answer."""
+    from ctxrl.tools.calculator import CalculatorError, calculate
+
+    expression = task.data.get("expression")
+    if not isinstance(expression, str):
+        return None
+    expression = expression.replace("×", "*").replace("÷", "/")
+    try:
+        value = calculate(expression)
+    except CalculatorError:
+        return None
+    dataset, entry = cls.entry(task)
+    try:
+        agrees = float(dataset.score_answer(value, entry)) >= 1.0
+    except Exception:  # noqa: BLE001 - the scorer's trouble means no call, not a failed solution
+        return None
+    return format_tool_call("calculator", {"expression": expression}) if agrees else None
+
+
+def _system_prompt(settings: Settings) -> str:
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    text = SYSTEM_PROMPTS.get(settings.system_prompt, settings.system_prompt).strip()
+    return text + SYSTEM_PROMPT_TOOLS.get(settings.tool, "")
