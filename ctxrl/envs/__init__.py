@@ -16,5 +16,6 @@ ENVIRONMENTS.add_builtins(
     "ctxrl.envs.minesweeper",
     "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness")
 add_scheme("reasoning_gym", "ctxrl.envs.from_reasoning_gym")
+add_scheme("verifiers", "ctxrl.envs.from_verifiers")
 
 __all__ = ["CheckEnvError", "Env", "EnvError", "assert_env_ok", "check_env", "get_env_class", "list_envs", "register"]
