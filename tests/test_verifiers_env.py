@@ -170,8 +170,15 @@ def test_what_cannot_be_mapped_is_refused_naming_why(tmp_path):
 
 
 def test_without_the_package_the_name_says_which_extra(monkeypatch):
+    import types
+
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(EnvError, match=r"need the verifiers package: pip install -e '\.\[verifiers\]'"):
+        get_env_class("verifiers:anything")
+    v1_only = types.ModuleType("verifiers")  # what verifiers 0.4 is: no vf.Environment API at its root
+    v1_only.__version__ = "0.4.0"
+    monkeypatch.setitem(sys.modules, "verifiers", v1_only)
+    with pytest.raises(EnvError, match=r"verifiers 0.4.0 has no vf.Environment API .*installs the release ctxrl maps"):
         get_env_class("verifiers:anything")
 
 

@@ -106,6 +106,9 @@ def _verifiers():
         import verifiers
     except ImportError:
         raise EnvError(f"verifiers environments need the verifiers package: {EXTRA}") from None
+    if not hasattr(verifiers, "MultiTurnEnv"):
+        raise EnvError(f"verifiers {getattr(verifiers, '__version__', '?')} has no vf.Environment API (0.4 keeps only "
+                       f"verifiers.v1); {EXTRA} installs the release ctxrl maps (0.2.0)")
     return verifiers
 
 
