@@ -162,6 +162,19 @@ def test_names_and_tables_are_checked_before_anything_runs(monkeypatch):
     from_reasoning_gym._family_class.cache_clear()
 
 
+def test_check_env_takes_the_familys_settings(capsys):
+    import json
+
+    from ctxrl.cli import main
+
+    code = main(["check-env", "reasoning_gym:chain_sum", "--tasks", "2", "--json", "--set", "tool=calculator",
+                 "--set", 'ranges=["num_terms=2..3/6..7"]'])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["ok"] is True and report["problems"] == []
+    assert main(["check-env", "reasoning_gym:chain_sum", "--set", "tool"]) == 2
+    assert "--set 'tool' must look like KEY=VALUE" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_training_runs_on_a_family(tmp_path):
     import json

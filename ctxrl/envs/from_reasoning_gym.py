@@ -55,6 +55,8 @@ from ctxrl.tasks.space import ContextParam, ContextSpace, sample_tasks
 from ctxrl.tools.base import Tool
 from ctxrl.types import Task
 
+SUMMARY = ("reasoning-gym's task families (reasoning_gym:chain_sum, or a mix: reasoning_gym:chain_sum,leg_counting), "
+           "their difficulty attributes as context; the reasoning-gym extra; docs/reasoning-gym.md")
 EXTRA = "pip install -e '.[reasoning-gym]'"
 TOOLS = ("", "calculator", "python")
 RESERVED = ("seed", "size")
@@ -426,7 +428,12 @@ def _dataset(family: str, config_json: str) -> Any:
 def _dataset_entry(family: str, config_json: str, index: int) -> tuple[Any, dict[str, Any]]:
     """(the family's dataset, its entry) for a configuration and index: exactly what a task was drawn from."""
     dataset = _dataset(family, config_json)
-    return dataset, dataset[index]
+    try:
+        return dataset, dataset[index]
+    except Exception as exc:  # noqa: BLE001 - the family's generator, named with what it was asked for
+        raise EnvError(f"reasoning_gym:{family} could not generate entry {index} of the configuration "
+                       f"{json.loads(config_json)} ({type(exc).__name__}: {exc}); its generator has limits its "
+                       "curriculum does not state: narrow the ranges in [env.reasoning_gym]") from exc
 
 
 SYSTEM_PROMPT_TOOLS = {"calculator": " Use the calculator tool for arithmetic.",

@@ -61,6 +61,8 @@ from ctxrl.tasks.space import ContextSpace, split_of, task_id
 from ctxrl.tools.base import Tool, schema_problems
 from ctxrl.types import SPLITS, Message, StepResult, Task, ToolCall
 
+SUMMARY = ("a verifiers environment (verifiers:ID, an installed one or a module with load_environment; "
+           "verifiers:path/to/env.py), its dataset, rubric and tools; the verifiers extra; docs/verifiers.md")
 EXTRA = "pip install -e '.[verifiers]'"
 UNMAPPED = ("rollout", "get_model_response", "add_model_response")
 """``MultiTurnEnv`` methods an environment may not override: its model calls would not be ctxrl's turns."""
