@@ -102,9 +102,11 @@ def test_multi_turn_game_replies_stops_and_scores(renderer):
     # the environment's own max_turns (6) ends a game before ctxrl's limit (8), and the rubric still scores it
     lost = _play(cls, task, ["<guess>1</guess>"] * 6, renderer)
     assert lost.reward == 0.0 and len(lost.turns) == 6 and lost.truncation is None
-    # ctxrl's own, lower limit ends it first: no rubric, reward 0 (docs/verifiers.md)
+    # ctxrl's own, lower limit ends it first: no rubric, reward 0 (docs/verifiers.md), and its cleanup still runs
+    cleaned = cls.loaded().module.CLEANED
+    before = len(cleaned)
     cut = _play(cls, task, ["<guess>1</guess>"] * 2, renderer, RolloutLimits(max_turns=2, max_total_tokens=4096))
-    assert cut.truncation == "max_turns" and cut.reward == 0.0
+    assert cut.truncation == "max_turns" and cut.reward == 0.0 and cleaned[before:] == ["8"]
 
 
 def test_a_rewritten_history_is_an_errored_episode(renderer):

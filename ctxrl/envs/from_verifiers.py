@@ -50,6 +50,7 @@ import random
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -466,7 +467,7 @@ class VerifiersEnv:
         """Forget the episode; an episode ctxrl cut short gets the environment's cleanup handlers run."""
         state, self._state = self._state, None
         if state is not None and not self._done:
-            _run_soon(self.env.cleanup(state))
+            _run_now(self.env.cleanup(state))
         self._row, self._prompt, self._names, self._done = None, [], {}, False
 
 
@@ -476,19 +477,16 @@ def _trajectory_step(state: Any, prompt: list[Any], assistant: Any) -> dict[str,
             "extras": {}}
 
 
-_PENDING: set[asyncio.Task] = set()
-
-
-def _run_soon(coro: Any) -> None:
-    """Run ``coro`` on the running loop (an episode's), or to the end here when there is none."""
+def _run_now(coro: Any) -> None:
+    """Run ``coro`` to its end from synchronous code (``close``), inside a running event loop or not: there, on a
+    loop of its own in a worker thread (an episode's loop shuts down with the episode and would drop a task)."""
     try:
-        loop = asyncio.get_running_loop()
+        asyncio.get_running_loop()
     except RuntimeError:
         asyncio.run(coro)
         return
-    task = loop.create_task(coro)
-    _PENDING.add(task)
-    task.add_done_callback(_PENDING.discard)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, coro).result()
 
 
 @functools.cache
