@@ -127,7 +127,9 @@ class ModelConfig:
 @dataclass
 class EnvConfig:
     name: str = "calculator"
-    """Registered environment name, or ``package.module:Class``."""
+    """Registered environment name, ``package.module:Class``, or a family's ``PREFIX:NAME`` from another package:
+    ``reasoning_gym:chain_sum`` (docs/reasoning-gym.md), ``verifiers:ID`` (docs/verifiers.md); its settings are
+    the table ``[env.PREFIX]``."""
     max_turns: int = field(default=4, metadata=POSITIVE)
     """Assistant turns per episode before it is truncated (``max_turns``)."""
     data: str = ""
