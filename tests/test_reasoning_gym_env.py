@@ -107,6 +107,7 @@ def test_ranges_fixed_fields_and_a_calculator(renderer):
     task = ood[0]
     texts = cls.solve(task)
     assert len(texts) == 2 and '"calculator"' in texts[0]  # the calculator on the task's expression, then the answer
+    assert cls.shortcut(task) == [f"<answer>{task.answer}</answer>"]  # imperfect demos: no tool
     episode = asyncio.run(run_episode(cls(), task, ScriptedEngine(texts, renderer), renderer,
                                       RolloutLimits(max_turns=4, max_new_tokens=96, max_total_tokens=4096), seed=0))
     assert episode.reward == 1.0 and episode.success is True and episode.turns[0].tool_calls == 1

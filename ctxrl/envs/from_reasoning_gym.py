@@ -264,6 +264,12 @@ class ReasoningGymEnv(ToolAnswerEnv):
         call = _calculator_call(cls, task) if cls.options.tool == "calculator" else None
         return [call, answer] if call else [answer]
 
+    @classmethod
+    def shortcut(cls, task: Task) -> list[str]:
+        """The oracle answer without the tool: imperfect warm-start demos (``sft.shortcut_fraction``) where a tool
+        is offered, the gold solution where none is."""
+        return cls.solve(task)[-1:]
+
 
 def _calculator_call(cls: type, task: Task) -> str | None:
     """A calculator call on the task's recorded expression, where the calculator's value scores 1 as the answer."""
