@@ -2,11 +2,12 @@
 
 For each family (every one reasoning-gym registers, ``composite`` aside, unless ``--families`` names some) it runs
 ctxrl's conformance suite (``ctxrl.envs.check_env``: seeded sampling of the three splits, train and heldout
-disjoint, ood contexts past the train ranges, the gold solution scoring 1 on every split) in a process of its own
-with a deadline, and prints a markdown row: the family's context variables with their train and ood ranges, the
-verdict (or the first problem), the warnings (levels the family's own check refuses) and the seconds it took::
+disjoint, ood contexts past the train ranges, the gold solution scoring 1 on every split) with a deadline, in
+``--jobs`` worker processes that share the families out, and prints a markdown row: the family's context variables
+with their train and ood ranges, the verdict (or the first problem), the warnings (levels the family's own check
+refuses) and the seconds it took::
 
-    python benchmarks/reasoning_gym_families.py --out docs/reasoning-gym-families.md   # every family
+    python benchmarks/reasoning_gym_families.py --out families.md   # every family (docs/reasoning-gym.md's table)
     python benchmarks/reasoning_gym_families.py --families chain_sum,leg_counting --tasks 8
 """
 
@@ -51,22 +52,46 @@ def _range(row: dict) -> str:
     return f"`{row['name']}` {train} / {ood if row['ood'] != row['train'] else '-'}"
 
 
-def _in_a_process(family: str, tasks: int, timeout: float) -> dict:
+def check_chunk(families: list[str], tasks: int, timeout: float) -> list[dict]:
+    """``check_one`` on each family in turn, each within ``timeout`` seconds (SIGALRM: this process's main thread)."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError(f"timed out after {timeout:g} s")
+
+    import reasoning_gym  # noqa: F401 - once, before the clock of the first family starts
+
+    rows = []
+    signal.signal(signal.SIGALRM, expire)
+    for family in families:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            rows.append(check_one(family, tasks))
+        except TimeoutError as exc:  # (check_one reports every other failure itself)
+            rows.append({"family": family, "ranges": [], "problems": [str(exc)], "notes": [], "warnings": [],
+                         "seconds": timeout})
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _in_a_process(families: list[str], tasks: int, timeout: float) -> list[dict]:
+    """``check_chunk`` in a child process (one import of reasoning-gym for the whole chunk)."""
     import ctxrl
 
     here = str(Path(ctxrl.__file__).resolve().parents[1])  # the child imports the ctxrl this process runs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--one", family, "--tasks", str(tasks)], capture_output=True,
-                              text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"family": family, "ranges": [], "problems": [f"timed out after {timeout:g} s"], "notes": [],
-                "warnings": [], "seconds": timeout}
-    if proc.returncode != 0 or not proc.stdout.strip():
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"family": family, "ranges": [], "problems": [f"exit {proc.returncode}: {tail}"], "notes": [],
-                "warnings": [], "seconds": 0.0}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = subprocess.run([sys.executable, __file__, "--one", ",".join(families), "--tasks", str(tasks),
+                           "--timeout", str(timeout)], capture_output=True, text=True, env=env)
+    rows = {row["family"]: row for row in map(json.loads, _json_lines(proc.stdout))}
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return [rows.get(f) or {"family": f, "ranges": [], "problems": [f"exit {proc.returncode}: {tail}"], "notes": [],
+                            "warnings": [], "seconds": 0.0} for f in families]
+
+
+def _json_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("{")]
 
 
 def table(rows: list[dict]) -> str:
@@ -95,12 +120,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--jobs", type=int, default=2, help="families checked at once (default 2)")
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--smoke", action="store_true", help=f"{', '.join(SMOKE)} with 2 tasks, in this process")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: check one family, print its row as JSON
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: check these families, a JSON line each
     args = parser.parse_args(argv)
     if args.one:
-        row = check_one(args.one, args.tasks)
-        print(json.dumps(row))
-        return [row]
+        return check_chunk(args.one.split(","), args.tasks, args.timeout)
     if args.smoke:
         rows = [check_one(family, 2) for family in SMOKE]
     else:
@@ -110,8 +133,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             from reasoning_gym.factory import DATASETS
 
             families = sorted(name for name in DATASETS if name != "composite")
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            rows = list(pool.map(lambda f: _in_a_process(f, args.tasks, args.timeout), families))
+        jobs = max(1, min(args.jobs, len(families)))
+        chunks = [families[i::jobs] for i in range(jobs)]
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            done = {row["family"]: row for chunk in pool.map(lambda c: _in_a_process(c, args.tasks, args.timeout),
+                                                              chunks) for row in chunk}
+        rows = [done[f] for f in families]
     text = table(rows)
     print(text)
     if args.out:
