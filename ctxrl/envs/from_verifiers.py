@@ -50,6 +50,7 @@ import random
 import signal
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,8 +303,7 @@ def _response(assistant: Any) -> Any:
 
     message = ResponseMessage(content=assistant.content, tool_calls=assistant.tool_calls, is_truncated=False,
                               finish_reason="tool_calls" if assistant.tool_calls else "stop")
-    return Response(id=f"ctxrl-{random.getrandbits(64):016x}", created=int(time.time()), model="ctxrl",
-                    message=message)
+    return Response(id=f"ctxrl-{uuid.uuid4().hex}", created=int(time.time()), model="ctxrl", message=message)
 
 
 # -- the environment ------------------------------------------------------------------------------------------------
