@@ -245,10 +245,11 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def env_listing(width: int) -> list[str]:
     """The lines of ``ctxrl envs``, none wider than ``width`` (at least 60): a block per registered environment
     (a table of six columns wrapped into 150 lines at 80 columns)."""
+    import importlib
     import textwrap
 
     from ctxrl.envs.hooks import hook
-    from ctxrl.envs.registry import get_env_class, list_envs
+    from ctxrl.envs.registry import SCHEMES, get_env_class, list_envs
 
     width = max(width, 60)
     lines = [f"{'parameter':<14}{'train':<12}{'ood':<10}meaning"]
@@ -272,6 +273,10 @@ def env_listing(width: int) -> list[str]:
             head = f"  {p['name']:<12}{train:<12}{ood:<10}"
             lines += textwrap.wrap(meaning, width, initial_indent=head, subsequent_indent=" " * 36,
                                    break_long_words=True) or [head.rstrip()]
+    for prefix, module in sorted(SCHEMES.items()):  # families another package provides, named PREFIX:NAME
+        summary = getattr(importlib.import_module(module), "SUMMARY", "")
+        lines += ["", textwrap.shorten(f"{prefix}:NAME", width)]
+        lines += textwrap.wrap(summary, width, initial_indent="  ", subsequent_indent="  ")
     return lines
 
 
@@ -374,7 +379,8 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from ctxrl.tools.mcp import McpSettings, close_hubs
 
     try:
-        cls = configured_env_class(args.name, data=args.data, tools=args.tools, verifier=args.verifier)
+        cls = configured_env_class(args.name, _settings(args.set), data=args.data, tools=args.tools,
+                                   verifier=args.verifier)
         cls = with_mcp_tools(cls, McpSettings(servers=tuple(args.mcp_server)))
     except EnvError as exc:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
@@ -411,6 +417,19 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     elif args.lengths:
         print("token lengths: not measured, the environment has problems (above)")
     return 1 if problems else 0
+
+
+def _settings(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items as an environment's settings table (values read as TOML, as overrides are)."""
+    from ctxrl.config import parse_override
+
+    table = {}
+    for item in items:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r} must look like KEY=VALUE, e.g. --set tool=calculator")
+        table[key.strip()] = parse_override(f"env.{item}")[2]
+    return table
 
 
 def _episode_lengths(cls: type, args: argparse.Namespace) -> dict:
@@ -631,7 +650,8 @@ def _add_check_env_parser(sub: argparse._SubParsersAction) -> None:
     check = _command(sub, "check-env", "run the environment conformance suite",
                      "Drive an environment as a rollout would and list every problem; also print which features "
                      "its optional hooks enable (ctxrl/envs/hooks.py).")
-    check.add_argument("name", help="registered name, entry point, or package.module:Class")
+    check.add_argument("name", help="registered name, entry point, package.module:Class, or a family's PREFIX:NAME "
+                                     "(reasoning_gym:chain_sum, verifiers:ID)")
     check.add_argument("--tasks", type=int, default=8, help="tasks per split to check (default 8)")
     check.add_argument("--seed", type=int, default=0, help="seed of the tasks drawn (default 0)")
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -646,6 +666,9 @@ def _add_check_env_parser(sub: argparse._SubParsersAction) -> None:
                             "(repeat for several; docs/mcp.md)")
     check.add_argument("--tool-format", default="hermes", choices=format_names(),
                        help="the format the gold solutions' tool calls are written in (docs/tool-formats.md)")
+    check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="one of the environment's own settings (its table [env.NAME]; a family's [env.PREFIX]), "
+                            "a TOML value, e.g. --set tool=calculator (repeatable)")
     check.set_defaults(fn=cmd_check_env)
 
 

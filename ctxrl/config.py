@@ -127,7 +127,9 @@ class ModelConfig:
 @dataclass
 class EnvConfig:
     name: str = "calculator"
-    """Registered environment name, or ``package.module:Class``."""
+    """Registered environment name, ``package.module:Class``, or a family's ``PREFIX:NAME`` from another package:
+    ``reasoning_gym:chain_sum`` (docs/reasoning-gym.md), ``verifiers:ID`` (docs/verifiers.md); its settings are
+    the table ``[env.PREFIX]``."""
     max_turns: int = field(default=4, metadata=POSITIVE)
     """Assistant turns per episode before it is truncated (``max_turns``)."""
     data: str = ""
@@ -603,7 +605,11 @@ class Config:
     def settings_of(self, section: str, name: str) -> Any:
         """The ``Settings`` of the component registered as ``name`` in ``section`` (``algo``: estimators,
         ``context``: context managers, ``env``: environments), from its table or its defaults; None when the
-        component declares none."""
+        component declares none. An environment of a family (``reasoning_gym:chain_sum``) reads its family's table."""
+        if section == "env":
+            from ctxrl.envs.registry import settings_name
+
+            name = settings_name(name)
         cls = _settings_class(section, name)
         if cls is None:
             return None
@@ -890,11 +896,11 @@ COMPONENT_REGISTRIES = {"algo": _estimator_class, "context": _manager_class, "en
 def _settings_class(section: str, name: str) -> type | None:
     """The ``Settings`` dataclass the component ``name`` of ``section`` declares (an environment's through its
     hooks' ``settings_class``), or None."""
-    cls = COMPONENT_REGISTRIES[section](name)
-    if section == "env":
-        from ctxrl.envs.hooks import settings_class
+    if section == "env":  # (a family of environments has one table for all: [env.reasoning_gym])
+        from ctxrl.envs.registry import env_settings_class
 
-        return settings_class(cls)
+        return env_settings_class(name)
+    cls = COMPONENT_REGISTRIES[section](name)
     settings = getattr(cls, "Settings", None)
     return settings if isinstance(settings, type) else None
 

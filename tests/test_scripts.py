@@ -39,6 +39,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
     "benchmarks/grpo_step.py": "tests/test_scripts.py::test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu",
     "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
+    "benchmarks/reasoning_gym_families.py": "tests/test_scripts.py::test_reasoning_gym_families_checks_and_tabulates",
     "benchmarks/serve_soak.py": "tests/test_scripts.py::test_serve_soak_loses_no_episode_to_hostile_clients",
     "benchmarks/shared_gpu.py": "tests/test_scripts.py::test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu",
     "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
@@ -223,3 +224,12 @@ def test_train_step_times_the_real_command_on_the_cpu(tmp_path):
         "mine", ["train.lr=1e-5", "rollout.max_batch_size=64"])
     with pytest.raises(SystemExit, match="unknown arm 'fast'"):
         bench.arm_overrides("fast", args)
+
+
+def test_reasoning_gym_families_checks_and_tabulates(tmp_path, capsys):
+    pytest.importorskip("reasoning_gym")
+    rows = script("benchmarks/reasoning_gym_families.py").main(["--smoke", "--out", str(tmp_path / "families.md")])
+    assert [r["family"] for r in rows] == ["chain_sum", "leg_counting"] and not any(r["problems"] for r in rows)
+    text = (tmp_path / "families.md").read_text()
+    assert "| `chain_sum` | `num_terms` 2..3 / 4..5, `num_digits` 1..2 / 3..4 | OK |" in text
+    assert "2 of 2 families pass." in text and text in capsys.readouterr().out

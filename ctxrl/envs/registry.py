@@ -1,11 +1,16 @@
 """Find environment classes by name.
 
-Three ways to name an environment, tried in this order:
+Four ways to name an environment, tried in this order:
 
-1. ``"package.module:ClassName"`` - any importable class, no registration needed;
-2. a name registered with ``@register("name")`` (built-ins are imported on first lookup);
-3. a third-party package's entry point in the ``ctxrl.envs`` group, e.g. in its
+1. ``"PREFIX:NAME"`` where ``PREFIX`` is a family of environments that another package provides
+   (``SCHEMES``: ``reasoning_gym:chain_sum``, ``verifiers:my_env``);
+2. ``"package.module:ClassName"`` - any importable class, no registration needed;
+3. a name registered with ``@register("name")`` (built-ins are imported on first lookup);
+4. a third-party package's entry point in the ``ctxrl.envs`` group, e.g. in its
    ``pyproject.toml``: ``[project.entry-points."ctxrl.envs"] maze = "mypkg.maze:MazeEnv"``.
+
+An environment's own settings are read from its table ``[env.NAME]``; a family's from ``[env.PREFIX]``, one
+table for every environment of the family (``settings_name``).
 
 An unknown name is an error that lists the known names and suggests the closest one.
 """
@@ -27,6 +32,18 @@ ENVIRONMENTS: Registry[type] = Registry("environment", entry_point_group=ENTRY_P
 
 T = TypeVar("T", bound=type)
 
+SCHEMES: dict[str, str] = {}
+"""Families of environments another package provides, by the prefix of their names: ``PREFIX`` -> the ctxrl module
+that adapts them. That module defines ``environment(rest) -> type``, the class ``PREFIX:REST`` names (built once),
+and ``Settings``, the family's own settings (the table ``[env.PREFIX]``). It imports the other package only when
+``environment`` runs, so a package that is not installed is an error naming its extra then, and importing ctxrl
+never needs it. The built-in families are named in the package's ``__init__`` (``add_scheme``)."""
+
+
+def add_scheme(prefix: str, module: str) -> None:
+    """Make ``get_env_class("PREFIX:REST")`` return ``module.environment(REST)`` (see ``SCHEMES``)."""
+    SCHEMES[prefix] = module
+
 
 def register(name: str) -> Callable[[T], T]:
     """Class decorator: make ``get_env_class(name)`` return the class."""
@@ -42,8 +59,33 @@ def list_envs() -> list[str]:
     return sorted(ENVIRONMENTS.names())
 
 
+def settings_name(name: str) -> str:
+    """The name of the table an environment's own settings are read from, after ``env.``: its name, or its
+    family's prefix (``reasoning_gym:chain_sum`` -> ``reasoning_gym``)."""
+    prefix, sep, _ = name.partition(":")
+    return prefix if sep and prefix in SCHEMES else name
+
+
+def env_settings_class(table: str) -> type | None:
+    """The ``Settings`` dataclass of the table ``[env.TABLE]``: a family's (``TABLE`` is a prefix of ``SCHEMES``), or
+    that of the environment ``TABLE`` names; None when it declares none."""
+    from ctxrl.envs.hooks import settings_class
+
+    if table in SCHEMES:
+        return importlib.import_module(SCHEMES[table]).Settings
+    if settings_name(table) != table:
+        prefix = settings_name(table)
+        raise EnvError(f"the settings of every {prefix} environment are in one table, [env.{prefix}] "
+                       f"(env.{prefix}.KEY=VALUE on the command line), not [env.\"{table}\"]")
+    return settings_class(get_env_class(table))
+
+
 def get_env_class(name: str) -> type:
-    """The environment class for a registered name, an entry point, or ``"module:Class"``."""
+    """The environment class for a family's ``"PREFIX:NAME"``, a registered name, an entry point, or
+    ``"module:Class"``."""
+    prefix, sep, rest = name.partition(":")
+    if sep and prefix in SCHEMES:
+        return importlib.import_module(SCHEMES[prefix]).environment(rest)
     if ":" in name:
         module_name, _, class_name = name.partition(":")
         try:
@@ -57,7 +99,11 @@ def get_env_class(name: str) -> type:
     try:
         return ENVIRONMENTS.get(name)
     except EnvError as exc:
-        raise EnvError(f"{exc}. An environment outside ctxrl can be named as 'package.module:ClassName'.") from None
+        if name in SCHEMES:
+            raise EnvError(f"{name!r} names a family of environments: write {name}:NAME (docs/environments.md)") \
+                from None
+        raise EnvError(f"{exc}. An environment outside ctxrl can be named as 'package.module:ClassName'; "
+                       f"families: {', '.join(f'{p}:NAME' for p in sorted(SCHEMES))}.") from None
 
 
 def configured_env_class(name: str, settings: Mapping[str, Any] | None = None, **options: str) -> type:
@@ -71,7 +117,7 @@ def configured_env_class(name: str, settings: Mapping[str, Any] | None = None, *
     cls = configure(**options) if configure is not None else cls
     if settings_class(cls) is None:
         return cls
-    return _with_settings(cls, f"env.{name}", json.dumps(dict(settings or {}), sort_keys=True))
+    return _with_settings(cls, f"env.{settings_name(name)}", json.dumps(dict(settings or {}), sort_keys=True))
 
 
 @functools.cache

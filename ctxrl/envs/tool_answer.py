@@ -5,7 +5,8 @@ calls gets the tools' observations (reward 0); the first turn without a call end
 and its ``<answer>...</answer>`` is scored by ``check_answer``. A subclass gives the class
 attributes (``name``, ``system_prompt``, ``context_space``, ``heldout_fraction``), a
 ``generate(context, rng) -> (prompt, answer, data)`` static method, ``make_tools()``,
-``solve(task)`` and ``check_answer(given, task) -> (correct, extra_info)``; ``required_data``
+``solve(task)`` and ``check_answer(given, task) -> (correct, extra_info)`` (or, for partial credit,
+``score_answer(given, task) -> (reward in [0, 1], extra_info)``: correct means 1); ``required_data``
 names the ``task.data`` keys ``reset`` insists on; ``tool_outcome()`` lets a tool turn end the
 episode (a solved puzzle, a revealed mine).
 
@@ -73,6 +74,11 @@ class ToolAnswerEnv:
     def check_answer(self, given: str, task: Task) -> tuple[bool, dict[str, Any]]:
         raise NotImplementedError(f"{type(self).__name__} must define check_answer(given, task)")
 
+    def score_answer(self, given: str, task: Task) -> tuple[float, dict[str, Any]]:
+        """The answer's reward in [0, 1] (1: correct) and extra ``info``; by default ``check_answer``'s verdict."""
+        correct, extra = self.check_answer(given, task)
+        return (1.0 if correct else 0.0), extra
+
     def tool_outcome(self) -> bool | None:
         """After a tool turn: True (won) or False (lost) ends the episode there; None goes on.
 
@@ -114,10 +120,10 @@ class ToolAnswerEnv:
             return StepResult(messages=observations, reward=0.0, terminated=False, info=counts)
         self._terminated = True
         given = parse_answer(message.content)
-        correct, extra = self.check_answer(given or "", self._task)
-        correct = correct and given is not None
-        return StepResult(messages=[], reward=1.0 if correct else 0.0, terminated=True,
-                          info={"answered": given is not None, "correct": correct, **extra})
+        score, extra = self.score_answer(given or "", self._task)
+        score = float(score) if given is not None else 0.0
+        return StepResult(messages=[], reward=score, terminated=True,
+                          info={"answered": given is not None, "correct": score >= 1.0, **extra})
 
     def close(self) -> None:
         self._task = None

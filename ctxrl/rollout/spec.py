@@ -151,6 +151,7 @@ class RolloutSpec(PlainData):
     @classmethod
     def from_config(cls, config: Any) -> RolloutSpec:
         """The spec of a run's ``Config`` (``model.device = "auto"`` resolved to the device this machine has)."""
+        from ctxrl.envs.registry import settings_name
         from ctxrl.models.loader import resolve_device
         from ctxrl.seeds import Seeds
 
@@ -181,7 +182,7 @@ class RolloutSpec(PlainData):
                             tool_format=config.model.tool_format, lora=LoRASettings.from_config(config)),
             env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
                         verifier=config.env.verifier, harness=config.env.harness,
-                        options=dict(config.components.get(f"env.{config.env.name}", {})),
+                        options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
                         mcp=McpSettings.from_config(config)),
             train=train, eval=evaluation, train_meta=train_meta,
             eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
