@@ -12,6 +12,7 @@ ENVIRONMENTS.add_builtins(
     "ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.fact_hunt", "ctxrl.envs.search_join",
     "ctxrl.envs.bandit", "ctxrl.envs.python_math", "ctxrl.envs.search_qa", "ctxrl.envs.sokoban",
     "ctxrl.envs.minesweeper",
-    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness")
+    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness",
+    "ctxrl.envs.kuhn_poker", "ctxrl.envs.propose_solve")
 
 __all__ = ["CheckEnvError", "Env", "EnvError", "assert_env_ok", "check_env", "get_env_class", "list_envs", "register"]

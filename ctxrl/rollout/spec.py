@@ -24,6 +24,22 @@ from ctxrl.types import Task
 
 PHASES = ("train", "eval")
 CARRIES = ("reflections", "attempts")
+SHARED = "shared"
+POLICY_KINDS = (SHARED, "scripted", "frozen")
+"""Who plays a role of a multi-role environment (``roles.policies``): the run's policy (``shared``), the
+environment's scripted player ``scripted:NAME``, or a checkpoint that never trains ``frozen:PATH``."""
+
+
+def parse_policy(text: str) -> tuple[str, str]:
+    """``(kind, argument)`` of a role's policy (``POLICY_KINDS``); a bad one is a ``ValueError`` saying the forms."""
+    kind, _, argument = text.partition(":")
+    if kind == "own":
+        raise ValueError(f"policy {text!r}: separate trainable policies per role (per-role LoRA adapters) are not "
+                         "built yet (docs/multi-agent.md); use shared, scripted:NAME or frozen:PATH")
+    if kind not in POLICY_KINDS or (kind == SHARED) != (argument == ""):
+        raise ValueError(f"policy {text!r} must be shared, scripted:NAME (one of the environment's opponents()) or "
+                         "frozen:PATH (a checkpoint directory)")
+    return kind, argument
 
 
 @dataclass(frozen=True)
@@ -116,6 +132,22 @@ class DemoSpec(PlainData):
 
 
 @dataclass(frozen=True)
+class RoleSpec(PlainData):
+    """Who plays each role of a multi-role environment, and how the seats' rewards relate (``[roles]``)."""
+
+    policies: dict[str, str] = field(default_factory=dict)
+    """Role -> policy (``parse_policy``); a role left out plays the shared policy."""
+    rewards: str = "env"
+    """``env``, ``zero_sum`` or ``team`` (``ctxrl.algo.roles.seat_rewards``)."""
+    eval_opponents: tuple[str, ...] = ()
+    """Policies the learner meets in evaluation (``ctxrl.eval.arena``)."""
+
+    def policy(self, role: str, overrides: dict[str, str] | None = None) -> str:
+        """The policy that plays ``role``: ``overrides`` (a request's), else the spec's, else ``shared``."""
+        return (overrides or {}).get(role) or self.policies.get(role) or SHARED
+
+
+@dataclass(frozen=True)
 class RolloutSpec(PlainData):
     """Everything rollout code reads, fixed for a run (see the module docstring)."""
 
@@ -136,6 +168,8 @@ class RolloutSpec(PlainData):
     """Which engine samples (``rollout.engine``: ``auto``, ``hf`` or ``fast``)."""
     plugins: str = ""
     """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
+    roles: RoleSpec = RoleSpec()
+    """Who plays each role of a multi-role environment (``[roles]``)."""
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSpec:
@@ -178,7 +212,9 @@ class RolloutSpec(PlainData):
                            choice_seed=seeds.demo_choice),
             max_batch_size=r.max_batch_size, sandbox_workers=r.sandbox_workers, engine_seed=seeds.engine,
             engine=r.engine,
-            plugins=config.run.plugins)
+            plugins=config.run.plugins,
+            roles=RoleSpec(policies=dict(p.split("=", 1) for p in config.roles.policies),
+                           rewards=config.roles.rewards, eval_opponents=tuple(config.roles.eval_opponents)))
 
 
 def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | None = None,
@@ -219,6 +255,9 @@ class RolloutRequest(PlainData):
     """These tasks are a shard of a larger request, from its task ``task_offset`` on: episode ``k`` of
     ``tasks[i]`` is played (seeded, grouped, given demonstrations) as task ``task_offset + i`` of the whole
     (``ctxrl.distributed``: a request split across rollout workers plays exactly the episodes it would whole)."""
+    policies: dict[str, str] = field(default_factory=dict)
+    """Role -> policy for this request's matches (a multi-role environment), over the spec's ``roles.policies``:
+    evaluation against an opponent pins the roles the learner does not play."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

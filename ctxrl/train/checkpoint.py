@@ -5,8 +5,8 @@ the policy's weights (``model.safetensors`` in ``model.dtype`` with its config a
 directory loads like any HF checkpoint; a LoRA run's adapters in PEFT's format instead), the
 optimiser (with the float32 master weights, under mixed precision), the loss scaler, the critic
 and its optimiser, the reference model (a LoRA run's reference is its base: nothing to save),
-every random generator, the learner's counters, the curriculum, the engine's policy version and
-the byte lengths of the logs.
+every random generator, the learner's counters, the curriculum, the estimator's state (``rae``'s baselines),
+the engine's policy version and the byte lengths of the logs.
 ``resume(trainer)`` restores all of it from ``checkpoints/latest``: every piece is required, and a
 configuration change that would alter a step is an error naming it. The logs are rewound to the
 checkpoint (lines written after it move to ``*.orphaned.jsonl``), so after the resumed run every
@@ -58,6 +58,7 @@ class Checkpointed(Protocol):
     learner: Any
     worker: Any
     curriculum: Any
+    estimator: Any
     writer: Any
     consecutive_skips: int
 
@@ -135,6 +136,7 @@ def save(trainer: Checkpointed, step: int) -> Path:
                  "curriculum": trainer.curriculum.state_dict(), "logs": trainer.writer.offsets(),
                  "critic": learner.critic is not None, "reference": reference is not None,
                  "lora": policy.is_lora, "loss_scaler": policy.precision.state_dict(),
+                 "estimator": trainer.estimator.state_dict(),
                  "device": trainer.device, "dtype": trainer.config.model.dtype}
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         (tmp / "config.toml").write_text(to_toml(trainer.config))
@@ -234,6 +236,7 @@ def resume(trainer: Checkpointed) -> int:
     learner.skipped_updates = int(state["skipped_updates"])
     trainer.consecutive_skips = int(state["consecutive_skips"])
     trainer.curriculum.load_state_dict(state["curriculum"])
+    trainer.estimator.load_state_dict(state.get("estimator") or {})  # (rae's baselines; older checkpoints: none)
     try:
         trainer.writer.rewind(state["logs"], step=int(state["step"]))
     except LogRewindError as exc:

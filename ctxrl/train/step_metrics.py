@@ -76,7 +76,7 @@ def _mean_terms(episodes: list[Episode]) -> dict[str, float]:
 
 
 def _zero_variance_groups(episodes: list[Episode]) -> int:
-    by_group: dict[int, set[float]] = {}
+    by_group: dict[tuple[int, str], set[float]] = {}
     for e in episodes:
-        by_group.setdefault(e.group_id, set()).add(e.reward)
+        by_group.setdefault(e.baseline_group, set()).add(e.reward)
     return sum(1 for rewards in by_group.values() if len(rewards) == 1)

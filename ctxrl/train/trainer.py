@@ -480,10 +480,11 @@ def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token
 def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
     """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
 
-    Used after errored episodes are removed: a group left with one valid episode has no baseline.
+    Used after errored episodes are removed: a group left with one valid episode has no baseline. A group is a
+    task group's episodes of one role (``Episode.baseline_group``): the seats of a match are compared by role.
     """
-    counts: dict[int, int] = {}
+    counts: dict[tuple[int, str], int] = {}
     for e in episodes:
-        counts[e.group_id] = counts.get(e.group_id, 0) + 1
-    kept = [e for e in episodes if counts[e.group_id] >= 2]
+        counts[e.baseline_group] = counts.get(e.baseline_group, 0) + 1
+    kept = [e for e in episodes if counts[e.baseline_group] >= 2]
     return kept, len(episodes) - len(kept)

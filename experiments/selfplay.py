@@ -1,0 +1,172 @@
+"""Self-play and proposer–solver training (issue 37): does playing against itself make the policy better against
+opponents it never met?
+
+Per seed, one run of the pipeline (``ctxrl.train.trainer.train``) on a multi-role environment: a warm start on
+the environment's scripted matches (``kuhn_poker``: random legal lines, so it teaches the rules and the reply
+format, not a strategy), then ``--steps`` RL steps in which the shared policy plays every seat (per-role group
+baselines, ``rollout.group_size`` matches per task). Every evaluation plays the held-out split against the
+environment's held-out scripted opponents (``roles.eval_opponents``: ``kuhn_poker`` ``random`` and ``nash``;
+``propose_solve`` the scripted proposer ``given``, which makes the learner's win rate the solvers' accuracy on
+fixed problems), the learner in each role it can take. Printed per run: the held-out win rate against each
+opponent after the warm start and after RL, with 95 % Wilson intervals; across seeds, the mean change and its
+standard error. For a zero-sum game the checkpoints of each run (``train.checkpoint_every``) then play a round
+robin on held-out deals, and ``elo_ratings`` rates them (scripted opponents included, as fixed anchors).
+
+    python experiments/selfplay.py --env kuhn_poker --seed 0 --seed 1 --seed 2 --steps 40 --out runs/selfplay
+    python experiments/selfplay.py --env propose_solve --model smollm2-135m-instruct --seed 0 --out runs/ps \\
+        model.dtype=bfloat16 train.lr=5e-6
+    python experiments/selfplay.py --smoke --out /tmp/selfplay     # seconds, on the CPU
+
+``--smoke`` runs one RL step on the random-init tiny model: that it runs end to end, not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+ENV_SETTINGS = {
+    "kuhn_poker": ["env.max_turns=2", "rollout.max_new_tokens=8", "rollout.max_total_tokens=256",
+                   'roles.eval_opponents=["scripted:random", "scripted:nash"]'],
+    "propose_solve": ["env.max_turns=1", "rollout.max_new_tokens=24", "rollout.max_total_tokens=256",
+                      'roles.eval_opponents=["scripted:given"]'],
+}
+DEFAULTS = ["sft.demos=1000", "sft.epochs=2", "sft.batch_size=32", "sft.lr=1e-3", "rollout.tasks_per_step=16",
+            "rollout.group_size=4", "rollout.temperature=1.0", "train.lr=3e-4", "train.mini_batches=1",
+            "eval.tasks=100", "run.samples_per_step=1", "run.progress=false", "train.keep_checkpoints=0"]
+SMOKE = ["sft.demos=8", "sft.epochs=1", "sft.batch_size=8", "eval.tasks=2", "rollout.tasks_per_step=2",
+         "rollout.group_size=2"]
+SMOKE_MODEL = "tiny:pretrain_steps=0"
+
+
+def run_one(env: str, seed: int, model: str, steps: int, overrides: list[str], run_dir: Path) -> dict:
+    """Train one seed; the run's summary."""
+    from ctxrl.config import load_config
+    from ctxrl.train.trainer import train
+
+    every = max(1, steps // 4)
+    config = load_config(None, [f"model.name={model}", f"env.name={env}", f"train.steps={steps}",
+                                f"run.seed={seed}", f"run.name={env}-s{seed}", f"train.eval_every={every}",
+                                f"train.checkpoint_every={every}", *DEFAULTS, *ENV_SETTINGS[env], *overrides])
+    return train(config, run_dir)
+
+
+def win_rates(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The held-out evaluation rows of a run by step (also of a run that did not finish)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return {r["step"]: r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"}
+
+
+def opponents(row: dict) -> list[str]:
+    return [key.removeprefix("win_rate_vs_") for key in row if key.startswith("win_rate_vs_")]
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (0 for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+def arena(run_dir: Path, tasks: int, seed: int = 4321) -> dict[str, float]:
+    """Elo ratings of a run's step checkpoints and its scripted opponents, from a round robin on held-out deals
+    (every pair plays each task once with each of them first to act)."""
+    import itertools
+
+    from ctxrl.config import load_config
+    from ctxrl.eval.arena import elo_ratings, opponent_name
+    from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+    from ctxrl.rollout.worker import RolloutWorker
+
+    config = load_config(run_dir / "config.toml")
+    worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
+    players = [f"frozen:{p}" for p in sorted((run_dir / "checkpoints").glob("step-*"))]
+    players += list(config.roles.eval_opponents)
+    deals = worker.env_cls.sample_tasks("heldout", tasks, seed)
+    roles = worker.env_cls.roles
+    games = []
+    for a, b in itertools.combinations(players, 2):
+        if a.startswith("scripted:") and b.startswith("scripted:"):
+            continue  # the anchors need no games among themselves
+        for first, second in ((a, b), (b, a)):
+            episodes = worker.run(RolloutRequest(tasks=deals, seed=seed, phase="eval",
+                                                 policies={roles[0]: first, roles[1]: second}))
+            for opener, other in zip(episodes[0::2], episodes[1::2]):  # a match's two seats, in seat order
+                score = 1.0 if opener.reward > other.reward else 0.5 if opener.reward == other.reward else 0.0
+                games.append((opponent_name(first), opponent_name(second), score))
+    return elo_ratings(games, prior=1.0)
+
+
+def report(runs: dict[str, dict], out: Path) -> dict:
+    """Print the before/after table per run and the mean change across seeds; returns the figures."""
+    figures: dict = {"runs": {}, "mean": {}}
+    changes: dict[str, list[float]] = {}
+    for name, run_dir in ((n, out / n) for n in runs):
+        rows = win_rates(run_dir)
+        if len(rows) < 2:
+            print(f"{name}: fewer than two held-out evaluations logged")
+            continue
+        first, last = rows[min(rows)], rows[max(rows)]
+        figures["runs"][name] = {"steps": max(rows), "before": first, "after": last}
+        for opp in opponents(first):
+            b, a = first[f"win_rate_vs_{opp}"], last[f"win_rate_vs_{opp}"]
+            print(f"{name:22s} vs {opp:10s} win rate {b:.3f} [{first[f'win_low_vs_{opp}']:.3f}, "
+                  f"{first[f'win_high_vs_{opp}']:.3f}] -> {a:.3f} [{last[f'win_low_vs_{opp}']:.3f}, "
+                  f"{last[f'win_high_vs_{opp}']:.3f}]  reward {first[f'reward_vs_{opp}']:+.3f} -> "
+                  f"{last[f'reward_vs_{opp}']:+.3f}  ({int(last[f'seats_vs_{opp}'])} seats)")
+            changes.setdefault(opp, []).append(a - b)
+        curve = " ".join(f"{step}:{row.get('success', 0):.2f}" for step, row in sorted(rows.items()))
+        print(f"{name:22s} held-out success over all opponents by step: {curve}")
+    for opp, values in changes.items():
+        mean, se = mean_se(values)
+        figures["mean"][opp] = {"change": mean, "se": se, "seeds": len(values)}
+        print(f"mean change of the held-out win rate vs {opp} over {len(values)} seeds: {mean:+.3f} ± {se:.3f} (SE)")
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="kuhn_poker", choices=sorted(ENV_SETTINGS))
+    parser.add_argument("--seed", action="append", type=int, help="run.seed (repeatable; default 0)")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--arena-tasks", type=int, default=50, help="held-out deals per pairing of the Elo round robin")
+    parser.add_argument("--out", default="runs/selfplay", help="parent of the run directories")
+    parser.add_argument("--smoke", action="store_true", help="one step of the random-init tiny model (a test)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # the tiny model's matrices gain nothing from threads, and a shared CPU loses much
+    out, overrides = Path(args.out), list(args.overrides)
+    model, steps, arena_tasks = args.model, args.steps, args.arena_tasks
+    if args.smoke:
+        model, steps, arena_tasks, overrides = SMOKE_MODEL, 1, 2, SMOKE + overrides
+    from ctxrl.envs.hooks import flag
+    from ctxrl.envs.registry import get_env_class
+    from ctxrl.train.tiny import ensure_model
+
+    ensure_model(model)
+    started, runs = time.perf_counter(), {}
+    for seed in args.seed or [0]:
+        name = f"{args.env}-s{seed}"
+        runs[name] = run_one(args.env, seed, model, steps, overrides, out / name)
+    print(f"model {model}, {steps} RL steps, overrides {overrides or 'none'}, {time.perf_counter() - started:.0f}s")
+    figures = report(runs, out)
+    if flag(get_env_class(args.env), "zero_sum"):
+        figures["elo"] = {name: arena(out / name, arena_tasks) for name in runs}
+        for name, ratings in figures["elo"].items():
+            print(f"{name} Elo: " + "  ".join(f"{p} {r:.0f}" for p, r in sorted(ratings.items())))
+    figures["seconds"] = time.perf_counter() - started
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "selfplay.json").write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
