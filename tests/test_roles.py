@@ -149,7 +149,7 @@ def test_a_failing_environment_errors_every_seat_and_limits_end_the_match(render
     seating = {role: SeatPolicy("shared", engine=engine) for role in KuhnPokerEnv.roles}
     p0, p1 = asyncio.run(play_match(KuhnPokerEnv(), kuhn_task([2, 3], ["check", "bet", "fold"]), seating, renderer,
                                     one_turn))
-    assert (p0.truncation, p1.truncation) == ("max_turns", OTHER_SEAT)  # player_0's one turn did not end the hand
+    assert (p0.truncation, p1.truncation) == ("max_turns", OTHER_SEAT)  # player_0 was asked for a second turn
     failed = asyncio.run(run_matches(lambda: 1 / 0, [task], seating, renderer, BIG, roles=KuhnPokerEnv.roles))
     assert [(e.role, e.info["error_kind"]) for e in failed] == [("player_0", "constructor"),
                                                                ("player_1", "constructor")]

@@ -16,7 +16,9 @@ train (a frozen checkpoint, a script) marks its seats' episodes ``info["trains"]
 A step's rewards (``TableStep.rewards``, under ``roles.rewards``: ``ctxrl.algo.roles.seat_rewards``) go to each
 seat's episode reward and to its latest turn; ``outcome`` sets each seat's ``success`` at the end. A match cut
 short by one seat's limit gives that seat the limit's truncation and the others ``other_seat``; an environment
-failure or the deadline errors every seat. ``env.max_turns`` caps each seat's turns.
+failure or the deadline errors every seat. ``env.max_turns`` caps each seat's turns: a match that asks a seat
+for one more ends with that seat's truncation ``max_turns`` (for one seat, right after its last turn, as in the
+agent loop).
 
 One rule differs from the agent loop, where a table has several seats: a turn cut off at
 ``rollout.max_new_tokens`` is handed to the environment like any other (which judges it, as an invalid move
@@ -185,6 +187,9 @@ async def _rounds(env: Any, seats: dict[str, Seat], limits: RolloutLimits, rewar
     """Turns until the environment ends the match or a seat reaches a limit."""
     while True:
         seat = _acting(env, seats)
+        if seat.turns >= limits.max_turns:  # asked for a turn beyond its cap: the match cannot go on
+            seat.episode.truncation = "max_turns"
+            return _end(seats)
         if not await _ready(seat, limits):
             return _end(seats)
         turn, recorder, episode = seat.turns, seat.recorder, seat.episode
@@ -218,9 +223,6 @@ async def _rounds(env: Any, seats: dict[str, Seat], limits: RolloutLimits, rewar
             for other in seats.values():
                 other.episode.truncation = "env"
             return None
-        if last:
-            episode.truncation = "max_turns"
-            return _end(seats)
 
 
 def _acting(env: Any, seats: dict[str, Seat]) -> Seat:
