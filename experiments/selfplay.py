@@ -16,8 +16,11 @@ robin on held-out deals, and ``elo_ratings`` rates them (scripted opponents incl
     python experiments/selfplay.py --env propose_solve --model smollm2-135m-instruct --seed 0 --out runs/ps \\
         model.dtype=bfloat16 train.lr=5e-6
     python experiments/selfplay.py --smoke --out /tmp/selfplay     # seconds, on the CPU
+    python experiments/selfplay.py --collect runs/batch/runs/kuhn135-*  # means +- SE over runs of one seed each
 
 ``--smoke`` runs one RL step on the random-init tiny model: that it runs end to end, not a figure.
+``--collect`` reads the ``selfplay.json`` of runs made one seed per process (``experiments/batch.py``) and prints
+the mean change of each held-out figure over them, with its standard error.
 """
 
 from __future__ import annotations
@@ -129,6 +132,28 @@ def report(runs: dict[str, dict], out: Path) -> dict:
     return figures
 
 
+def collect(directories: list[Path]) -> dict:
+    """The mean change (after RL minus after the warm start) of each opponent's held-out win rate and reward over
+    the runs in ``directories`` (each holding a ``selfplay.json``), with standard errors; printed and returned."""
+    changes: dict[str, list[float]] = {}
+    for directory in directories:
+        path = directory / "selfplay.json"
+        if not path.exists():
+            raise SystemExit(f"{path} does not exist: --collect takes directories that experiments/selfplay.py wrote")
+        for run in json.loads(path.read_text())["runs"].values():
+            before, after = run["before"], run["after"]
+            for opp in opponents(before):
+                for figure in ("win_rate", "reward"):
+                    key = f"{figure}_vs_{opp}"
+                    changes.setdefault(key, []).append(after[key] - before[key])
+    out = {}
+    for key, values in sorted(changes.items()):
+        mean, se = mean_se(values)
+        out[key] = {"change": mean, "se": se, "runs": len(values)}
+        print(f"{key:24s} change {mean:+.3f} ± {se:.3f} (SE over {len(values)} runs)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="kuhn_poker", choices=sorted(ENV_SETTINGS))
@@ -138,8 +163,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arena-tasks", type=int, default=50, help="held-out deals per pairing of the Elo round robin")
     parser.add_argument("--out", default="runs/selfplay", help="parent of the run directories")
     parser.add_argument("--smoke", action="store_true", help="one step of the random-init tiny model (a test)")
+    parser.add_argument("--collect", nargs="+", type=Path, metavar="DIR", help="summarise runs already made")
     parser.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     args = parser.parse_args(argv)
+    if args.collect:
+        return collect(args.collect)
     import torch
 
     torch.set_num_threads(1)  # the tiny model's matrices gain nothing from threads, and a shared CPU loses much

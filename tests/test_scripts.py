@@ -45,6 +45,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
+    "experiments/selfplay.py": "tests/test_scripts.py::test_selfplay_trains_evaluates_and_rates_checkpoints",
     "experiments/tables.py": "tests/test_tables.py::test_collecting_again_replaces_records_and_reports_write_plots",
 }
 
@@ -202,3 +203,13 @@ def test_serve_soak_loses_no_episode_to_hostile_clients():
     assert figures["unexpected"] == [] and figures["hostile_requests"] >= 1
     assert all(400 <= int(key.split()[-1]) < 500 for key in figures["hostile_by_status"])
     assert figures["latency_p50_s"] > 0 and figures["rss_start_mb"] > 0
+
+
+def test_selfplay_trains_evaluates_and_rates_checkpoints(tmp_path, capsys):
+    figures = script("experiments/selfplay.py").main(["--smoke", "--out", str(tmp_path)])
+    run = figures["runs"]["kuhn_poker-s0"]
+    assert run["steps"] == 1 and {"win_rate_vs_random", "win_low_vs_nash", "reward_vs_nash"} <= set(run["after"])
+    assert set(figures["elo"]["kuhn_poker-s0"]) == {"step-000000", "step-000001", "random", "nash"}
+    assert json.loads((tmp_path / "selfplay.json").read_text())["mean"]["random"]["seeds"] == 1
+    collected = script("experiments/selfplay.py").main(["--collect", str(tmp_path)])
+    assert collected["win_rate_vs_random"]["runs"] == 1 and "kuhn_poker-s0 Elo: " in capsys.readouterr().out
