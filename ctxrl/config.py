@@ -832,9 +832,13 @@ def _validate_roles(config: Config, estimator: type, manager: type) -> None:
         if policy.startswith("scripted:") and manager.scripted_hook is not None:
             raise ConfigError(f"{where}={policy}: a scripted seat cannot answer context.manager={manager.name}'s "
                               f"{manager.scripted_hook} requests; use context.manager=full or window")
-    if all(p != "shared" for p in ({role: "shared" for role in env_cls.roles} | policies).values()):
-        raise ConfigError("roles.policies pins every role; leave at least one role to the shared policy (the one "
-                          "that trains)")
+    if all(p not in ("shared", "own") for p in ({role: "shared" for role in env_cls.roles} | policies).values()):
+        raise ConfigError("roles.policies pins every role; leave at least one role to a policy that trains (shared, "
+                          "or own)")
+    own = [role for role, p in policies.items() if p == "own"]
+    if own and (config.lora.rank <= 0 or config.distributed.backend != "none"):
+        raise ConfigError(f"roles.policies {own[0]}=own trains a LoRA adapter of the role's own beside the shared "
+                          "one: it needs lora.rank > 0 and rollouts in this process (distributed.backend=none)")
     if max(config.meta.num_attempts, config.meta.eval_attempts) > 1 or config.meta.demos_max or \
             estimator.credits_attempts:
         raise ConfigError(f"environment {config.env.name!r} has several roles; trials of attempts and annealed "
@@ -862,8 +866,8 @@ def _check_policy(where: str, policy: str, scripts: dict, env_name: str, *, oppo
         kind, argument = parse_policy(policy)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if opponent and kind == "shared":
-        raise ConfigError(f"{where}: an opponent is scripted:NAME or frozen:PATH; the shared policy is the learner")
+    if opponent and kind in ("shared", "own"):
+        raise ConfigError(f"{where}: an opponent is scripted:NAME or frozen:PATH; the trained policies are the learner")
     if kind == "scripted" and argument not in scripts:
         raise ConfigError(f"{where}={policy}: {env_name} has no scripted player {argument!r}; it has "
                           f"{', '.join(scripts) or 'none'}")

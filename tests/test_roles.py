@@ -12,6 +12,7 @@ from ctxrl.algo.roles import seat_rewards
 from ctxrl.engine.base import Completion
 from ctxrl.engine.hf import HFEngine
 from ctxrl.engine.scripted import ScriptedEngine
+from ctxrl.envs.base import EnvError
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.kuhn_poker import OPPONENTS, KuhnPokerEnv, payoff
 from ctxrl.envs.propose_solve import ProposeSolveEnv
@@ -203,8 +204,8 @@ def test_seats_and_roles_helpers():
 
 @register("say_game_for_test")
 class SayGame:
-    """Two seats say one thing each; player_0 is paid the length of what player_1 said, mod 3 (any reply is a
-    move, so a random model plays whole matches)."""
+    """Two seats say one thing each; player_0 is paid the length of what player_1 said, mod 3, player_1 that of
+    what player_0 said, mod 2 (any reply is a move, so a random model plays whole matches)."""
 
     name: ClassVar[str] = "say_game_for_test"
     roles: ClassVar[tuple[str, ...]] = ("player_0", "player_1")
@@ -225,13 +226,15 @@ class SayGame:
 
     @classmethod
     def gold_rewards(cls, task: Task) -> dict[str, float]:
-        return {"player_0": 2.0, "player_1": 0.0}
+        return {"player_0": 2.0, "player_1": 1.0}
 
     def reset(self, task: Task, *, seed: int | None = None) -> dict[str, list[Message]]:
         self.said = []
         return {seat: [Message("system", f"You are {seat}."), Message("user", "Speak.")] for seat in self.roles}
 
     def to_act(self) -> str:
+        if len(self.said) >= len(self.roles):
+            raise EnvError("the game is over")
         return self.roles[len(self.said)]
 
     def view(self, seat: str) -> dict:
@@ -241,7 +244,8 @@ class SayGame:
         self.said.append(message.content)
         if len(self.said) == 1:
             return TableStep(messages={"player_1": [Message("user", "player_0 spoke.")]})
-        return TableStep(rewards={"player_0": float(len(self.said[1]) % 3)}, terminated=True)
+        return TableStep(rewards={"player_0": float(len(self.said[1]) % 3), "player_1": float(len(self.said[0]) % 2)},
+                         terminated=True)
 
     def close(self) -> None:
         pass

@@ -145,12 +145,13 @@ def test_envs_lists_each_environments_roles():
 @pytest.mark.parametrize(("overrides", "message"), [
     (["roles.rewards=team"], "has one role: leave"),
     (["env.name=kuhn_poker", 'roles.policies=["dealer=shared"]'], "ROLE one of player_0, player_1"),
-    (["env.name=kuhn_poker", 'roles.policies=["player_0=own"]'], "not built yet"),
+    (["env.name=kuhn_poker", 'roles.policies=["player_0=own"]'], "needs lora.rank > 0"),
+    (["env.name=kuhn_poker", 'roles.policies=["player_0=mine"]'], "must be shared, own"),
     (["env.name=kuhn_poker", 'roles.policies=["player_0=scripted:shark"]'], "no scripted player 'shark'"),
     (["env.name=kuhn_poker", 'roles.policies=["player_0=frozen:/no/such/dir"]'], "is not a directory"),
     (["env.name=kuhn_poker", 'roles.policies=["player_0=scripted:nash", "player_1=scripted:random"]'],
      "pins every role"),
-    (["env.name=kuhn_poker", 'roles.eval_opponents=["shared"]'], "the shared policy is the learner"),
+    (["env.name=kuhn_poker", 'roles.eval_opponents=["shared"]'], "the trained policies are the learner"),
     (["env.name=kuhn_poker", "meta.num_attempts=2", "algo.advantage=meta"], "trials of attempts"),
     (["env.name=kuhn_poker", 'roles.policies=["player_1=scripted:nash"]', "context.manager=summarize",
       "context.max_context_tokens=200"], "cannot answer"),
@@ -158,3 +159,45 @@ def test_envs_lists_each_environments_roles():
 def test_the_configuration_refuses_what_cannot_work(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.slow  # three Trainers and four steps: ~20 s on two idle cores
+def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_path):
+    """player_1 plays a LoRA adapter of its own (roles.policies player_1=own) beside the shared one on one base:
+    each adapter is trained by its own optimiser on its own seats only, and two steps with a checkpoint and a
+    resume between them end exactly where two uninterrupted steps do, both adapters and both optimisers."""
+    from ctxrl.train.role_adapters import adapter_parameters
+
+    config = load_config(None, [*SMALL, "env.name=say_game_for_test", "lora.rank=4", "train.steps=2",
+                                'roles.policies=["player_1=own"]', "train.lr=0.05", "lora.export_merged=false"])
+    straight = Trainer(config, tmp_path / "straight")
+    straight.make_learner()
+    start = {n: p.detach().clone() for n, p in straight.model.named_parameters() if "lora_B" in n}
+    rows = [straight.step(0), straight.step(1)]
+    assert all("loss_player_1" in row and "loss" in row for row in rows)  # each policy's own update
+    shared, own = (adapter_parameters(straight.model, a) for a in ("default", "player_1"))
+    assert any(not torch.equal(p, start[n]) for n, p in shared.items() if n in start)
+    assert any(not torch.equal(p, start[n]) for n, p in own.items() if n in start)
+    optimizers = {"default": straight.learner.optimizer, "player_1": straight.own.learners["player_1"].optimizer}
+    held = {a: {id(p) for g in o.param_groups for p in g["params"]} for a, o in optimizers.items()}
+    assert held["default"] == {id(p) for p in shared.values()} and held["player_1"] == {id(p) for p in own.values()}
+    engine = straight.worker.role_engines["player_1"]
+    assert engine is not straight.worker.engine and engine.policy_version == 2
+    assert all(torch.equal(dict(engine.model.named_parameters())[n], p) for n, p in own.items())
+
+    stopped = Trainer(config, tmp_path / "stopped")
+    stopped.make_learner()
+    stopped.step(0)
+    path = checkpoint.save(stopped, 1)
+    assert (path / "player_1" / "adapter_model.safetensors").exists()
+    resumed = Trainer(config, tmp_path / "stopped")
+    resumed.make_learner()
+    assert checkpoint.resume(resumed) == 1
+    resumed.step(1)
+    for adapter in ("default", "player_1"):
+        mine = adapter_parameters(resumed.model, adapter)
+        assert all(torch.equal(p, mine[n]) for n, p in adapter_parameters(straight.model, adapter).items()), adapter
+    for learner, again in ((straight.learner, resumed.learner),
+                           (straight.own.learners["player_1"], resumed.own.learners["player_1"])):
+        a, b = learner.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k]["exp_avg"], b[k]["exp_avg"]) for k in a)

@@ -56,6 +56,7 @@ class Worker(Protocol):
     env_cls: type
     engine: Engine
     renderer: ChatRenderer
+    role_engines: dict[str, Engine]
 
 
 class EpisodeRunner:
@@ -115,13 +116,16 @@ class MatchRunner(EpisodeRunner):
         self.frozen: dict[str, Engine] = {}
 
     async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
-        return await run_matches(worker.env_cls, request.tasks, self.seating(worker.engine, request.policies),
+        return await run_matches(worker.env_cls, request.tasks,
+                                 self.seating(worker.engine, request.policies, worker.role_engines),
                                  worker.renderer, request.limits(worker.spec), group_size=request.group_size,
                                  seed=request.seed, first_group=request.task_offset, on_done=on_done,
                                  reward_mode=worker.spec.roles.rewards, roles=roles_of(self.env_cls))
 
-    def seating(self, engine: Engine, overrides: dict[str, str] | None = None) -> dict[str, SeatPolicy]:
-        """Who plays each role: the spec's ``roles.policies`` under ``overrides``; ``engine`` is the shared policy's."""
+    def seating(self, engine: Engine, overrides: dict[str, str] | None = None,
+                role_engines: dict[str, Engine] | None = None) -> dict[str, SeatPolicy]:
+        """Who plays each role: the spec's ``roles.policies`` under ``overrides``; ``engine`` is the shared policy's,
+        ``role_engines`` those of the roles with policies of their own (``own``)."""
         seating = {}
         for role in roles_of(self.env_cls):
             label = self.spec.roles.policy(role, overrides)
@@ -136,6 +140,11 @@ class MatchRunner(EpisodeRunner):
                 seating[role] = SeatPolicy(label, script=self.scripts[argument], trains=False)
             elif kind == "frozen":
                 seating[role] = SeatPolicy(label, engine=self.frozen_engine(argument), trains=False)
+            elif kind == "own":
+                if role not in (role_engines or {}):
+                    raise ConfigError(f"role {role} plays a policy of its own, but this worker has no engine for it: "
+                                      "only a trainer's in-process worker plays roles=own (docs/multi-agent.md)")
+                seating[role] = SeatPolicy(label, engine=role_engines[role])
             else:
                 seating[role] = SeatPolicy(label, engine=engine)
         return seating

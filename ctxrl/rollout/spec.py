@@ -25,20 +25,19 @@ from ctxrl.types import Task
 PHASES = ("train", "eval")
 CARRIES = ("reflections", "attempts")
 SHARED = "shared"
-POLICY_KINDS = (SHARED, "scripted", "frozen")
-"""Who plays a role of a multi-role environment (``roles.policies``): the run's policy (``shared``), the
-environment's scripted player ``scripted:NAME``, or a checkpoint that never trains ``frozen:PATH``."""
+OWN = "own"
+POLICY_KINDS = (SHARED, OWN, "scripted", "frozen")
+"""Who plays a role of a multi-role environment (``roles.policies``): the run's policy (``shared``), a trainable
+policy of the role's own (``own``: a LoRA adapter per role, ``ctxrl.train.role_adapters``), the environment's
+scripted player ``scripted:NAME``, or a checkpoint that never trains ``frozen:PATH``."""
 
 
 def parse_policy(text: str) -> tuple[str, str]:
     """``(kind, argument)`` of a role's policy (``POLICY_KINDS``); a bad one is a ``ValueError`` saying the forms."""
     kind, _, argument = text.partition(":")
-    if kind == "own":
-        raise ValueError(f"policy {text!r}: separate trainable policies per role (per-role LoRA adapters) are not "
-                         "built yet (docs/multi-agent.md); use shared, scripted:NAME or frozen:PATH")
-    if kind not in POLICY_KINDS or (kind == SHARED) != (argument == ""):
-        raise ValueError(f"policy {text!r} must be shared, scripted:NAME (one of the environment's opponents()) or "
-                         "frozen:PATH (a checkpoint directory)")
+    if kind not in POLICY_KINDS or (kind in (SHARED, OWN)) != (argument == ""):
+        raise ValueError(f"policy {text!r} must be shared, own (a LoRA adapter of the role's own), scripted:NAME "
+                         "(one of the environment's opponents()) or frozen:PATH (a checkpoint directory)")
     return kind, argument
 
 
