@@ -479,7 +479,7 @@ class RolesConfig:
     rewards: str = "env"
     """How the seats' rewards relate: ``env`` (as the environment gives them), ``zero_sum`` (each seat's minus the
     mean of the seats'), ``team`` (the mean for every seat: cooperative)."""
-    eval_opponents: list[str] = field(default_factory=list, metadata=RESUMABLE)
+    eval_opponents: list[str] = field(default_factory=list)
     """Policies (``scripted:NAME``, ``frozen:PATH``) the learner plays against in every evaluation, in each role
     in turn: win rate with a 95% interval per opponent. Empty: evaluation plays self-play matches."""
 

@@ -166,7 +166,7 @@ def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_pat
     """player_1 plays a LoRA adapter of its own (roles.policies player_1=own) beside the shared one on one base:
     each adapter is trained by its own optimiser on its own seats only, and two steps with a checkpoint and a
     resume between them end exactly where two uninterrupted steps do, both adapters and both optimisers."""
-    from ctxrl.train.role_adapters import adapter_parameters
+    from ctxrl.models.lora import adapter_parameters
 
     config = load_config(None, [*SMALL, "env.name=say_game_for_test", "lora.rank=4", "train.steps=2",
                                 'roles.policies=["player_1=own"]', "train.lr=0.05", "lora.export_merged=false"])

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ctxrl.errors import CheckpointError
-from ctxrl.models.lora import LoRASettings, wrap_lora
+from ctxrl.models.lora import LoRASettings, add_adapters, wrap_lora
 from ctxrl.train.logprobs import token_logprobs
 from ctxrl.train.precision import Precision
 
@@ -83,18 +83,17 @@ class Policy:
         self.name = name
 
     @classmethod
-    def load(cls, config, device: str) -> Policy:
-        """Load ``model.name`` as the run's trainable policy on ``device``."""
+    def load(cls, config, device: str, roles: tuple[str, ...] = ()) -> Policy:
+        """Load ``model.name`` as the run's trainable policy on ``device``; ``roles``: an adapter each beside the
+        shared one (LoRA; the roles with policies of their own, ``ctxrl.train.role_adapters``)."""
         from ctxrl.models.loader import load_model
 
         precision = Precision.from_config(config, device)
         lora = LoRASettings.from_config(config)
         model = load_model(config.model.name, dtype=config.model.dtype, device=device)
         if lora.rank > 0:
-            from ctxrl.train.role_adapters import add_adapters, own_roles
-
             model = wrap_lora(model, lora, adapter_dtype=precision.storage)
-            add_adapters(model, own_roles(config), lora, precision.storage)  # (roles.policies ROLE=own)
+            add_adapters(model, roles, lora, precision.storage)
         if config.train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         return cls(model, precision, lora=lora, name=config.model.name)

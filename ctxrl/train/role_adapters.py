@@ -4,8 +4,9 @@
 adapter named after the role, beside the ``default`` adapter that the shared policy trains, on the same frozen
 base (held once). ``OwnRoles`` keeps what each such role needs:
 
-- its adapter, added when the policy loads (``add_adapters``) and copied from the shared adapter after the warm
-  start (``after_warm_start``), so every policy starts from the same warm start;
+- its adapter, added when the policy loads (``Policy.load(roles=)``, ``ctxrl.models.lora.add_adapters``) and
+  copied from the shared adapter after the warm start (``after_warm_start``), so every policy starts from the same
+  warm start;
 - its engine: a copy of the policy that shares the base tensors and has its own copies of the adapters, with the
   role's adapter active (``Policy.engine_model(adapter=role)``); the rollout worker plays the role's seats with it
   (``RolloutWorker.role_engines``) and it gets the role's adapter after every update (``sync``);
@@ -28,11 +29,11 @@ from typing import Any
 import torch
 
 from ctxrl.errors import CheckpointError
+from ctxrl.models.lora import DEFAULT_ADAPTER as DEFAULT
+from ctxrl.models.lora import adapter_parameters
 from ctxrl.types import Episode, TrainSequence
 
 OWN = "own"
-DEFAULT = "default"
-"""PEFT's name of the shared policy's adapter."""
 
 
 def own_roles(config: Any) -> tuple[str, ...]:
@@ -44,23 +45,6 @@ def own_roles(config: Any) -> tuple[str, ...]:
             out.append(role.strip())
     return tuple(out)
 
-
-def add_adapters(model, roles: tuple[str, ...], lora, dtype: torch.dtype) -> None:
-    """A fresh LoRA adapter per role on the PEFT ``model`` (in ``dtype``), the shared ``default`` left active."""
-    clash = [r for r in roles if r == DEFAULT or any(f".{r}." in n for n, _ in model.named_parameters())]
-    if clash:
-        raise ValueError(f"role {clash[0]!r} cannot name an adapter: it is PEFT's default or a module of the model")
-    for role in roles:
-        model.add_adapter(role, lora.peft_config())
-    for name, p in model.named_parameters():
-        if "lora_" in name and any(f".{role}." in name for role in roles):
-            p.data = p.data.to(dtype)
-    model.set_adapter(DEFAULT)
-
-
-def adapter_parameters(model, adapter: str) -> dict[str, torch.nn.Parameter]:
-    """The parameters of one adapter, by their names in ``model``."""
-    return {n: p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n}
 
 
 class OwnRoles:

@@ -109,7 +109,7 @@ class Trainer:
             self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
         else:
             self.config = bounded_micro_batches(config, self.device, self.progress, critic=critic)
-        self.policy = Policy.load(config, self.device)
+        self.policy = Policy.load(config, self.device, roles=own_roles(config))
         self.model = self.policy.model
         self.own = OwnRoles(own_roles(config), self.policy)  # roles with trainable policies of their own
         self.parallel = parallel
