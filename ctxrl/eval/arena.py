@@ -85,8 +85,14 @@ def learner_seats(episodes: list[Episode]) -> list[Episode]:
 
 def seat_summary(episodes: list[Episode]) -> dict[str, float]:
     """``summarize`` of the seats, and each role's success and reward."""
-    out = summarize(episodes)
-    for role in sorted({e.role for e in episodes}):
+    return {**summarize(episodes), **role_figures(episodes)}
+
+
+def role_figures(episodes: list[Episode]) -> dict[str, float]:
+    """Each role's success and reward over the seats that play it (``success_ROLE``, ``reward_ROLE``); nothing for
+    single-agent episodes (role "")."""
+    out: dict[str, float] = {}
+    for role in sorted({e.role for e in episodes if e.role}):
         mine = [e for e in episodes if e.role == role]
         out[f"success_{role}"] = sum(e.success for e in mine) / len(mine)
         out[f"reward_{role}"] = sum(e.reward for e in mine) / len(mine)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ctxrl.eval.arena import role_figures
 from ctxrl.rollout.managers.stats import context_stats
 from ctxrl.rollout.summary import summarize
 from ctxrl.train.sizing import peak_memory
@@ -26,7 +27,7 @@ def step_row(step: int, collected, valid: list[Episode], rows: list[TrainSequenc
             **(_trial_stats(episodes) if spec.train_meta.num_attempts > 1 else {}),
             **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
                if spec.demos.max_demos else {}),
-            **_role_stats(episodes),
+            **role_figures(episodes),
             "trained_episodes": trained_episodes, "trained_sequences": len(rows),
             "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
             "advantage_std": float(np.std(sampled)) if sampled else 0.0,
@@ -65,17 +66,6 @@ def _trial_stats(episodes: list[Episode]) -> dict[str, float]:
     from ctxrl.meta.metrics import trial_stats
 
     return trial_stats(episodes)
-
-
-def _role_stats(episodes: list[Episode]) -> dict[str, float]:
-    """Each role's success and reward over a multi-role step's seats (``success_ROLE``, ``reward_ROLE``); none for
-    single-agent episodes."""
-    out: dict[str, float] = {}
-    for role in sorted({e.role for e in episodes if e.role}):
-        mine = [e for e in episodes if e.role == role]
-        out[f"success_{role}"] = sum(e.success for e in mine) / len(mine)
-        out[f"reward_{role}"] = sum(e.reward for e in mine) / len(mine)
-    return out
 
 
 def _mean_terms(episodes: list[Episode]) -> dict[str, float]:
