@@ -17,6 +17,7 @@ robin on held-out deals, and ``elo_ratings`` rates them (scripted opponents incl
         model.dtype=bfloat16 train.lr=5e-6
     python experiments/selfplay.py --smoke --out /tmp/selfplay     # seconds, on the CPU
     python experiments/selfplay.py --collect runs/batch/runs/kuhn135-*  # means +- SE over runs of one seed each
+    python experiments/selfplay.py --baselines 100     # the scripted players against the evaluation's opponents
 
 ``--smoke`` runs one RL step on the random-init tiny model: that it runs end to end, not a figure.
 ``--collect`` reads the ``selfplay.json`` of runs made one seed per process (``experiments/batch.py``) and prints
@@ -31,11 +32,11 @@ import math
 import time
 from pathlib import Path
 
+EVAL_OPPONENTS = {"kuhn_poker": ["random", "nash"], "propose_solve": ["given"]}
+"""The held-out scripted players each environment's evaluations meet (``roles.eval_opponents``)."""
 ENV_SETTINGS = {
-    "kuhn_poker": ["env.max_turns=2", "rollout.max_new_tokens=8", "rollout.max_total_tokens=256",
-                   'roles.eval_opponents=["scripted:random", "scripted:nash"]'],
-    "propose_solve": ["env.max_turns=1", "rollout.max_new_tokens=24", "rollout.max_total_tokens=256",
-                      'roles.eval_opponents=["scripted:given"]'],
+    "kuhn_poker": ["env.max_turns=2", "rollout.max_new_tokens=8", "rollout.max_total_tokens=256"],
+    "propose_solve": ["env.max_turns=1", "rollout.max_new_tokens=24", "rollout.max_total_tokens=256"],
 }
 DEFAULTS = ["sft.demos=1000", "sft.epochs=2", "sft.batch_size=32", "sft.lr=1e-3", "rollout.tasks_per_step=16",
             "rollout.group_size=4", "rollout.temperature=1.0", "train.lr=3e-4", "train.mini_batches=1",
@@ -53,7 +54,9 @@ def run_one(env: str, seed: int, model: str, steps: int, overrides: list[str], r
     every = max(1, steps // 4)
     config = load_config(None, [f"model.name={model}", f"env.name={env}", f"train.steps={steps}",
                                 f"run.seed={seed}", f"run.name={env}-s{seed}", f"train.eval_every={every}",
-                                f"train.checkpoint_every={every}", *DEFAULTS, *ENV_SETTINGS[env], *overrides])
+                                f"train.checkpoint_every={every}", *DEFAULTS, *ENV_SETTINGS[env],
+                                "roles.eval_opponents=" + json.dumps([f"scripted:{o}" for o in EVAL_OPPONENTS[env]]),
+                                *overrides])
     return train(config, run_dir)
 
 
@@ -103,6 +106,37 @@ def arena(run_dir: Path, tasks: int, seed: int = 4321) -> dict[str, float]:
                 score = 1.0 if opener.reward > other.reward else 0.5 if opener.reward == other.reward else 0.0
                 games.append((opponent_name(first), opponent_name(second), score))
     return elo_ratings(games, prior=1.0)
+
+
+def baselines(env: str, tasks: int, seed: int = 1234) -> dict[str, dict[str, float]]:
+    """What the environment's scripted players score against its evaluation opponents on the held-out tasks an
+    evaluation plays (``eval.seed`` 1234), each in every seat in turn: the yardstick of the learner's figures."""
+    import asyncio
+    import random
+
+    from ctxrl.envs.registry import get_env_class
+    from ctxrl.envs.roles import opponents_of
+    from ctxrl.types import Message
+
+    cls = get_env_class(env)
+    players = opponents_of(cls)
+    opponents = EVAL_OPPONENTS[env]
+    deals, rng, out = cls.sample_tasks("heldout", tasks, seed), random.Random(seed), {}
+    for name, opponent in ((n, o) for n in players for o in opponents):
+        wins = chips = seats = 0.0
+        for task, learner in ((t, r) for t in deals for r in cls.roles):
+            env_ = cls()
+            env_.reset(task)
+            while True:
+                seat = env_.to_act()
+                policy = players[name] if seat == learner else players[opponent]
+                result = asyncio.run(env_.step(Message("assistant", policy(env_.view(seat), rng))))
+                if result.terminated:
+                    break
+            wins, chips, seats = wins + result.outcome.get(learner, False), chips + result.rewards[learner], seats + 1
+        out[f"{name} vs {opponent}"] = {"win_rate": wins / seats, "reward": chips / seats}
+        print(f"scripted {name:12s} vs {opponent:8s} win rate {wins / seats:.3f}  reward {chips / seats:+.3f}")
+    return out
 
 
 def report(runs: dict[str, dict], out: Path) -> dict:
@@ -156,7 +190,7 @@ def collect(directories: list[Path]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--env", default="kuhn_poker", choices=sorted(ENV_SETTINGS))
+    parser.add_argument("--env", default="kuhn_poker", choices=sorted(ENV_SETTINGS))  # (multi-role environments)
     parser.add_argument("--seed", action="append", type=int, help="run.seed (repeatable; default 0)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=40)
@@ -164,10 +198,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/selfplay", help="parent of the run directories")
     parser.add_argument("--smoke", action="store_true", help="one step of the random-init tiny model (a test)")
     parser.add_argument("--collect", nargs="+", type=Path, metavar="DIR", help="summarise runs already made")
+    parser.add_argument("--baselines", type=int, metavar="TASKS", help="only the scripted players' figures (zero-sum)")
     parser.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     args = parser.parse_args(argv)
     if args.collect:
         return collect(args.collect)
+    if args.baselines:
+        return baselines(args.env, args.baselines)
     import torch
 
     torch.set_num_threads(1)  # the tiny model's matrices gain nothing from threads, and a shared CPU loses much

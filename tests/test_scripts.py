@@ -213,3 +213,7 @@ def test_selfplay_trains_evaluates_and_rates_checkpoints(tmp_path, capsys):
     assert json.loads((tmp_path / "selfplay.json").read_text())["mean"]["random"]["seeds"] == 1
     collected = script("experiments/selfplay.py").main(["--collect", str(tmp_path)])
     assert collected["win_rate_vs_random"]["runs"] == 1 and "kuhn_poker-s0 Elo: " in capsys.readouterr().out
+    scripted = script("experiments/selfplay.py").main(["--baselines", "4"])
+    assert set(scripted) == {f"{a} vs {b}" for a in ("random", "nash", "always_bet", "always_check")
+                             for b in ("random", "nash")}
+    assert all(0 <= s["win_rate"] <= 1 and abs(s["reward"]) <= 2 for s in scripted.values())
