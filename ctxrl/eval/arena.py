@@ -3,7 +3,7 @@
 ``evaluate_matches(worker, split, n_tasks, seed=, opponents=)`` plays ``n_tasks`` tasks of ``split`` against
 each opponent (``scripted:NAME``, ``frozen:PATH``; ``roles.eval_opponents``): once with the learner in each role
 whose other roles the opponent can play (``ctxrl.envs.roles.playable``), the same tasks and seed every time, so
-two checkpoints meet the same deals. The learner's seats are those played by the shared policy. Its summary:
+two checkpoints meet the same deals. The learner's seats are those its trained policies played. Its summary:
 
 - ``success``, ``reward``, ... (``summarize``): the learner's seats over every opponent together;
 - per opponent ``X``: ``win_rate_vs_X`` (its seats' success), ``win_low_vs_X`` / ``win_high_vs_X`` (the 95 %
@@ -79,8 +79,8 @@ def elo_ratings(games: list[tuple[str, str, float]], *, prior: float = 0.0, mean
 
 
 def learner_seats(episodes: list[Episode]) -> list[Episode]:
-    """The seats the shared policy played (the learner's)."""
-    return [e for e in episodes if e.info.get("policy") == "shared"]
+    """The learner's seats: those its trained policies played (the shared one, a role's own), not the pinned ones."""
+    return [e for e in episodes if e.info.get("trains", True)]
 
 
 def seat_summary(episodes: list[Episode]) -> dict[str, float]:
@@ -115,7 +115,7 @@ def evaluate_matches(worker, split: str, n_tasks: int, *, seed: int, opponents: 
     tasks = worker.env_cls.sample_tasks(split, n_tasks, seed)
     if not opponents:
         episodes = worker.run(RolloutRequest(tasks=tasks, seed=seed, phase="eval"), on_episode=on_episode)
-        return seat_summary([e for e in episodes if e.info.get("trains", True)]), episodes
+        return seat_summary(learner_seats(episodes)), episodes
     everything, mine, out = [], [], {}
     for opponent in opponents:
         played = []
