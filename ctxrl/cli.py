@@ -234,7 +234,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    """Every registered environment: its tools and each context parameter's train and OOD ranges."""
+    """Every registered environment: its tools, its roles and each context parameter's train and OOD ranges."""
     import shutil
 
     for line in env_listing(shutil.get_terminal_size((80, 24)).columns):
@@ -250,6 +250,7 @@ def env_listing(width: int) -> list[str]:
 
     from ctxrl.envs.hooks import hook
     from ctxrl.envs.registry import SCHEMES, get_env_class, list_envs
+    from ctxrl.envs.roles import roles_of
 
     width = max(width, 60)
     lines = [f"{'parameter':<14}{'train':<12}{'ood':<10}meaning"]
@@ -259,9 +260,10 @@ def env_listing(width: int) -> list[str]:
             lines += ["", f"{name} (tools: env.tools)", "  tasks from env.data (JSONL), docs/environments.md"]
             continue
         env = cls()
-        tools = ", ".join(t.name for t in env.tools)
+        tools = ", ".join(t.name for t in env.tools) or "none"
         env.close()
-        lines += ["", textwrap.shorten(f"{name} (tools: {tools})", width, placeholder="...)")]
+        lines += ["", textwrap.shorten(f"{name} (tools: {tools}; roles: {', '.join(roles_of(cls))})", width,
+                                       placeholder="...)")]
         for p in cls.context_space.describe():
             if "choices" in p:
                 train, ood = ", ".join(map(str, p["choices"])), "-"
@@ -376,6 +378,7 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from ctxrl.envs.check import check_env
     from ctxrl.envs.mcp import with_mcp_tools
     from ctxrl.envs.registry import configured_env_class
+    from ctxrl.envs.roles import is_multi_role
     from ctxrl.tools.mcp import McpSettings, close_hubs
 
     try:
@@ -400,6 +403,10 @@ def cmd_check_env(args: argparse.Namespace) -> int:
         print(f"{args.name}: {len(problems)} problem(s)")
         for problem in problems:
             print(f"  - {problem}")
+    elif is_multi_role(cls):
+        print(f"{args.name}: OK (roles {', '.join(cls.roles)}: seeded sampling and reset, splits, every role "
+              f"seated, gold plays give each seat its gold_rewards on every split, to_act and step after the end "
+              f"are errors, close twice)")
     else:
         print(f"{args.name}: OK (seeded sampling and reset, splits, tool schemas, gold solutions score 1.0 on "
               f"every split, step after the end is an error, close twice)")

@@ -524,6 +524,21 @@ class EvalConfig:
 
 
 @dataclass
+class RolesConfig:
+    policies: list[str] = field(default_factory=list)
+    """Who plays each role of a multi-role environment, as ``ROLE=POLICY``: ``shared`` (the run's policy, the
+    default for a role left out), ``scripted:NAME`` (the environment's scripted player NAME) or ``frozen:PATH`` (a
+    checkpoint of this model that never trains). Pinned roles are played and logged, never trained
+    (docs/multi-agent.md)."""
+    rewards: str = "env"
+    """How the seats' rewards relate: ``env`` (as the environment gives them), ``zero_sum`` (each seat's minus the
+    mean of the seats'), ``team`` (the mean for every seat: cooperative)."""
+    eval_opponents: list[str] = field(default_factory=list)
+    """Policies (``scripted:NAME``, ``frozen:PATH``) the learner plays against in every evaluation, in each role
+    in turn: win rate with a 95% interval per opponent. Empty: evaluation plays self-play matches."""
+
+
+@dataclass
 class RunConfig:
     name: str = field(default="run", metadata=RESUMABLE)
     """Run name; the run directory defaults to ``runs/<name>-<timestamp>``."""
@@ -587,6 +602,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    roles: RolesConfig = field(default_factory=RolesConfig)
     components: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The tables of registered components' own settings, by ``section.name`` (``[algo.clipped_grpo]``:
     ``ctxrl.settings``), each as its ``Settings`` read it (every field, defaults included)."""
@@ -628,6 +644,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.algo.credit import BASELINES, NORMALIZE_MODES
     from ctxrl.algo.estimators.meta import CREDITS
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
+    from ctxrl.algo.roles import REWARD_MODES
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
     from ctxrl.judge.transcript import INPUTS as JUDGE_INPUTS
@@ -646,7 +663,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
             "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
-            "reward.judge_input": JUDGE_INPUTS}
+            "reward.judge_input": JUDGE_INPUTS, "roles.rewards": REWARD_MODES}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:
@@ -679,6 +696,7 @@ def validate(config: Config) -> None:
     _validate_training(config, estimator)
     _validate_distributed(config)
     _validate_judge(config)
+    _validate_roles(config, estimator, manager)
     if config.sft.context_demos == "on" and not manager.scripts_demos():
         raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
                           f"(summarize: its summary hook; fold: its folded hook); context.manager="
@@ -863,6 +881,73 @@ def _validate_meta(config: Config, estimator: type) -> None:
                           "set meta.eval_attempts (or num_attempts) > 1 too, or leave eval_trials at 1")
     if m.demos_source != "solve" and not m.demos_source.endswith(".jsonl"):
         raise ConfigError(f"meta.demos_source must be solve or a .jsonl file of demonstrations, got {m.demos_source!r}")
+
+
+def _validate_roles(config: Config, estimator: type, manager: type) -> None:
+    """``[roles]``: only for a multi-role environment, each policy one of its roles' and one it can play."""
+    from ctxrl.envs.base import EnvError
+    from ctxrl.envs.roles import is_multi_role, opponents_of
+
+    r = config.roles
+    try:
+        env_cls = _env_class(config.env.name)
+    except EnvError:
+        env_cls = None  # (an unknown environment is the rollout's error, with the known names)
+    if env_cls is None or not is_multi_role(env_cls):
+        if r.policies or r.rewards != "env" or r.eval_opponents:
+            raise ConfigError(f"[roles] applies to multi-role environments (kuhn_poker, propose_solve, ...); "
+                              f"environment {config.env.name!r} has one role: leave [roles] out")
+        return
+    policies = role_policies(r.policies, env_cls.roles)
+    scripts = opponents_of(env_cls)
+    for where, policy in [*((f"roles.policies {role}", p) for role, p in policies.items()),
+                          *(("roles.eval_opponents", p) for p in r.eval_opponents)]:
+        _check_policy(where, policy, scripts, env_cls.name, opponent=where == "roles.eval_opponents")
+        if policy.startswith("scripted:") and manager.scripted_hook is not None:
+            raise ConfigError(f"{where}={policy}: a scripted seat cannot answer context.manager={manager.name}'s "
+                              f"{manager.scripted_hook} requests; use context.manager=full or window")
+    if all(p not in ("shared", "own") for p in ({role: "shared" for role in env_cls.roles} | policies).values()):
+        raise ConfigError("roles.policies pins every role; leave at least one role to a policy that trains (shared, "
+                          "or own)")
+    own = [role for role, p in policies.items() if p == "own"]
+    if own and (config.lora.rank <= 0 or config.distributed.backend != "none"):
+        raise ConfigError(f"roles.policies {own[0]}=own trains a LoRA adapter of the role's own beside the shared "
+                          "one: it needs lora.rank > 0 and rollouts in this process (distributed.backend=none)")
+    if max(config.meta.num_attempts, config.meta.eval_attempts) > 1 or config.meta.demos_max or \
+            estimator.credits_attempts:
+        raise ConfigError(f"environment {config.env.name!r} has several roles; trials of attempts and annealed "
+                          "demonstrations are single-agent (set meta.num_attempts=1, meta.eval_attempts=0, "
+                          "meta.demos_max=0 and an algo.advantage other than meta)")
+
+
+def role_policies(pairs: list[str], roles: tuple[str, ...]) -> dict[str, str]:
+    """``roles.policies`` (``ROLE=POLICY`` strings) as a dict, each role one of ``roles`` and named once."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        role, sep, policy = pair.partition("=")
+        if not sep or role.strip() not in roles:
+            raise ConfigError(f"roles.policies entry {pair!r} must be ROLE=POLICY with ROLE one of {', '.join(roles)}")
+        if role.strip() in out:
+            raise ConfigError(f"roles.policies names role {role.strip()!r} twice")
+        out[role.strip()] = policy.strip()
+    return out
+
+
+def _check_policy(where: str, policy: str, scripts: dict, env_name: str, *, opponent: bool) -> None:
+    from ctxrl.rollout.spec import parse_policy
+
+    try:
+        kind, argument = parse_policy(policy)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if opponent and kind in ("shared", "own"):
+        raise ConfigError(f"{where}: an opponent is scripted:NAME or frozen:PATH; the trained policies are the learner")
+    if kind == "scripted" and argument not in scripts:
+        raise ConfigError(f"{where}={policy}: {env_name} has no scripted player {argument!r}; it has "
+                          f"{', '.join(scripts) or 'none'}")
+    if kind == "frozen" and not Path(argument).is_dir():
+        raise ConfigError(f"{where}={policy}: {argument} is not a directory; name a checkpoint of this model "
+                          "(RUN/checkpoints/step-N or final)")
 
 
 # -- loading -----------------------------------------------------------------------------------

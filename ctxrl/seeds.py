@@ -32,6 +32,16 @@ ATTEMPT_SALT = 3_000_000
 (attempt 0 with ``seed``)."""
 SELECT_SALT = 4_000_000
 """Selection ``k`` of an episode (``select``) samples with ``derive_seed(seed, SELECT_SALT + k)``."""
+SEAT_SALT = 5_000_000
+"""Seat ``i >= 1`` of a multi-role match plays with seed ``derive_seed(seed, SEAT_SALT + i)``; seat 0 with the
+episode seed itself, so a table of one seat samples what the agent loop samples (``ctxrl.rollout.match``)."""
+
+
+def seat_seed(seed: int | None, index: int) -> int | None:
+    """The seed of seat ``index`` of a match seeded ``seed`` (see ``SEAT_SALT``)."""
+    if seed is None or index == 0:
+        return seed
+    return derive_seed(seed, SEAT_SALT + index)
 
 
 def derive_seed(seed: int, *salt: int) -> int:

@@ -92,6 +92,24 @@ class StepResult(PlainData):
 
 
 @dataclass
+class TableStep(PlainData):
+    """What a multi-role environment's ``step`` returns (``ctxrl.envs.roles``): the single-agent ``StepResult``
+    per seat.
+
+    ``messages[seat]``: what each seat reads before its next turn; ``rewards[seat]``: what each seat earned by
+    this step (a seat left out earned 0); ``outcome[seat]``: whether the seat won or solved, once the match ends;
+    ``info``: about the acting seat's turn, as ``StepResult.info``.
+    """
+
+    messages: dict[str, list[Message]] = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    outcome: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass
 class Turn(PlainData):
     """Bookkeeping for one assistant turn of an episode."""
 
@@ -152,6 +170,14 @@ class Episode(PlainData):
     info: dict[str, Any] = field(default_factory=dict)
     segments: list[Segment] = field(default_factory=list)
     """Earlier, closed sequences (oldest first); ``input_ids`` etc. hold the live, last one."""
+    role: str = ""
+    """The role of the seat this episode records in a multi-role match (``ctxrl.rollout.match``); "" for a
+    single-agent episode, the one role."""
+
+    @property
+    def baseline_group(self) -> tuple[int, str]:
+        """What group statistics compare this episode with: the episodes of its task group that play its role."""
+        return self.group_id, self.role
 
     def sequences(self) -> list[Segment]:
         """Every sequence the learner trains on: the closed segments, then the live one."""

@@ -2,53 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 TINY = "tiny:pretrain_steps=0"
 
 
-def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the tests marked slow (over ~20 s: a GPU plan's smoke run at tiny size)")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: over ~20 s on a CPU; skipped unless --runslow (the default run stays "
-                                       "lean)")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --runslow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
-
 # The tiny model's matrices are far too small for intra-op parallelism: with several OpenMP
 # threads on a small (possibly shared) CPU a forward pass is ~100x slower than with one.
 torch.set_num_threads(1)
-
-
-def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (each over ~20 s)")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: over ~20 s on a small CPU; skipped unless --slow (or CTXRL_SLOW=1)")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The default run stays lean: tests marked slow run only with ``--slow`` or ``CTXRL_SLOW=1``."""
-    if config.getoption("--slow") or os.environ.get("CTXRL_SLOW"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --slow or CTXRL_SLOW=1")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

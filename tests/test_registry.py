@@ -99,8 +99,8 @@ print(json.dumps({**names, RUNNERS.kind: sorted(RUNNERS.names())}))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     names = json.loads(done.stdout.strip().splitlines()[-1])
-    assert names["advantage estimator"] == ["distill", "dr_grpo", "gae", "grpo", "meta", "reinforce_pp", "rloo",
-                                              "turn_grpo"]
+    assert names["advantage estimator"] == ["distill", "dr_grpo", "gae", "grpo", "meta", "rae", "reinforce_pp",
+                                              "rloo", "turn_grpo"]
     assert names["tool format"] == ["hermes", "llama3_json", "mistral", "pythonic"]
-    assert {"calculator", "harness", "jsonl_tools"} <= set(names["environment"])
-    assert names["episode runner"] == ["harness", "meta", "plain"]
+    assert {"calculator", "harness", "jsonl_tools", "kuhn_poker", "propose_solve"} <= set(names["environment"])
+    assert names["episode runner"] == ["harness", "meta", "plain", "roles"]

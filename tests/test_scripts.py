@@ -47,6 +47,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
+    "experiments/selfplay.py": "tests/test_scripts.py::test_selfplay_trains_evaluates_and_rates_checkpoints",
     "experiments/tables.py": "tests/test_tables.py::test_collecting_again_replaces_records_and_reports_write_plots",
 }
 
@@ -233,3 +234,17 @@ def test_reasoning_gym_families_checks_and_tabulates(tmp_path, capsys):
     text = (tmp_path / "families.md").read_text()
     assert "| `chain_sum` | `num_terms` 2..3 / 4..5, `num_digits` 1..2 / 3..4 | OK |" in text
     assert "2 of 2 families pass." in text and text in capsys.readouterr().out
+
+
+def test_selfplay_trains_evaluates_and_rates_checkpoints(tmp_path, capsys):
+    figures = script("experiments/selfplay.py").main(["--smoke", "--out", str(tmp_path)])
+    run = figures["runs"]["kuhn_poker-s0"]
+    assert run["steps"] == 1 and {"win_rate_vs_random", "win_low_vs_nash", "reward_vs_nash"} <= set(run["after"])
+    assert set(figures["elo"]["kuhn_poker-s0"]) == {"step-000000", "step-000001", "random", "nash"}
+    assert json.loads((tmp_path / "selfplay.json").read_text())["mean"]["random"]["seeds"] == 1
+    collected = script("experiments/selfplay.py").main(["--collect", str(tmp_path)])
+    assert collected["win_rate_vs_random"]["runs"] == 1 and "kuhn_poker-s0 Elo: " in capsys.readouterr().out
+    scripted = script("experiments/selfplay.py").main(["--baselines", "4"])
+    assert set(scripted) == {f"{a} vs {b}" for a in ("random", "nash", "always_bet", "always_check")
+                             for b in ("random", "nash")}
+    assert all(0 <= s["win_rate"] <= 1 and abs(s["reward"]) <= 2 for s in scripted.values())

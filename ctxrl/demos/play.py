@@ -20,6 +20,9 @@ Under a manager with a ``solution_hook`` (``fold``: ``folded``) every demo that 
 ``solve`` is played from that hook instead: a whole solution whose turns use the manager's own
 tools (``branch`` and ``return``), which the manager handles as in RL. Shortcut and redundant
 draws keep their scripts. An environment without the hook cannot show them, as above.
+
+A multi-role environment's demos are matches (``ctxrl.rollout.match``): one scripted engine plays every seat,
+``solve``'s turns in play order, so each seat's episode is a demo of its role.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.base import pretraining_env
 from ctxrl.envs.hooks import hook
 from ctxrl.envs.recorded import RecordedEnv
+from ctxrl.envs.roles import is_multi_role
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers.base import get_manager
+from ctxrl.rollout.match import SeatPolicy, play_match
 from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.types import Episode, Task
 
@@ -81,6 +86,11 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
     jobs = []
     for task in tasks:
         texts = pick(task)
+        if is_multi_role(env_cls):  # every seat plays its turns of the script, in play order, as the shared policy
+            engine = ScriptedEngine(texts, renderer)
+            seating = {role: SeatPolicy("shared", engine=engine) for role in env_cls.roles}
+            jobs.append(play_match(env_cls(), task, seating, renderer, limits, seed=seed))
+            continue
         if script is not None:
             env = RecordedEnv(env_cls())
             engine = ScriptedEngine(texts, renderer,
@@ -88,7 +98,8 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
         else:
             env, engine = env_cls(), ScriptedEngine(texts, renderer)
         jobs.append(run_episode(env, task, engine, renderer, limits, seed=seed))
-    episodes = list(await asyncio.gather(*jobs))
+    played = await asyncio.gather(*jobs)
+    episodes = [e for one in played for e in (one if isinstance(one, list) else [one])]
     for ep in episodes:
         if ep.truncation is not None:
             raise RuntimeError(_ended_early(ep, limits))

@@ -14,7 +14,8 @@ ENVIRONMENTS.add_builtins(
     "ctxrl.envs.calculator", "ctxrl.envs.kv_chain", "ctxrl.envs.fact_hunt", "ctxrl.envs.search_join",
     "ctxrl.envs.bandit", "ctxrl.envs.python_math", "ctxrl.envs.search_qa", "ctxrl.envs.sokoban",
     "ctxrl.envs.minesweeper",
-    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness")
+    "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness",
+    "ctxrl.envs.kuhn_poker", "ctxrl.envs.propose_solve")
 add_scheme("reasoning_gym", "ctxrl.envs.from_reasoning_gym")
 add_scheme("verifiers", "ctxrl.envs.from_verifiers")
 

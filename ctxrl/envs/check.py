@@ -15,6 +15,10 @@ of stopping at the first. The checks:
   would write them);
 - ``step`` after the end raises ``EnvError``; ``close`` can be called twice.
 
+A multi-role environment (``ctxrl.envs.roles``) shares the sampling, tool and close checks; its seats, reset
+and gold play are checked by ``ctxrl.envs.check_roles`` (the gold turns in play order must give each seat its
+``gold_rewards``).
+
 It does not check that rewards are *only* 1.0 for right answers; test that in the env's tests.
 """
 
@@ -29,7 +33,9 @@ from typing import Any, TypeVar
 from ctxrl.chat.formats import get_format, parse_assistant, rewrite_calls
 from ctxrl.chat.toolcalls import HERMES
 from ctxrl.envs.base import Env, EnvError
+from ctxrl.envs.check_roles import gold_problems, table_problems
 from ctxrl.envs.hooks import available_splits
+from ctxrl.envs.roles import MultiRoleEnv, is_multi_role
 from ctxrl.tasks.space import ContextError
 from ctxrl.tools.base import Tool, object_schema_problems, schema_problems
 from ctxrl.types import SPLITS, Message, StepResult, Task
@@ -83,14 +89,19 @@ def check_env(env_cls: type, *, n_tasks: int = 8, seed: int = 0, notes: list[str
     except Exception as exc:  # noqa: BLE001 - report, don't crash the checker
         return problems + [f"{env_cls.__name__}() raised {type(exc).__name__}: {exc}; environments must be "
                            "constructible with no arguments (give config fields defaults)"]
+    multi = is_multi_role(env_cls)
     try:
-        if not isinstance(env, Env):
-            problems.append(f"{env_cls.__name__} instances do not satisfy the Env protocol; set self.tools "
-                            "(a list of Tool) in __init__")
+        if not isinstance(env, MultiRoleEnv if multi else Env):
+            problems.append(f"{env_cls.__name__} instances do not satisfy the {'MultiRoleEnv' if multi else 'Env'} "
+                            "protocol; set self.tools (a list of Tool) in __init__")
         _check_tools(env, problems)
-        if tasks:
-            _check_reset(env_cls, next(iter(tasks.values()))[0], seed, problems)
-        _run(_check_gold(env_cls, tasks, seed, problems, tool_format))
+        if multi:
+            table = table_problems(env_cls, tasks, seed)
+            problems += table or _run(gold_problems(env_cls, tasks, seed, lambda text: _parsed(text, tool_format)))
+        else:
+            if tasks:
+                _check_reset(env_cls, next(iter(tasks.values()))[0], seed, problems)
+            _run(_check_gold(env_cls, tasks, seed, problems, tool_format))
     finally:
         _close_twice(env, problems)
     return problems

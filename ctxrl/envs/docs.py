@@ -12,9 +12,11 @@ import inspect
 import sys
 from pathlib import Path
 
-from ctxrl.envs.check import play_solution
+from ctxrl.chat.formats import get_format, parse_assistant
+from ctxrl.envs.check import _run, play_solution
 from ctxrl.envs.hooks import hook
 from ctxrl.envs.registry import get_env_class, list_envs
+from ctxrl.envs.roles import is_multi_role, opponents_of
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "envs"
 
@@ -27,8 +29,39 @@ def documented_envs() -> list[str]:
 
 def _episode(env_cls) -> list[str]:
     task = env_cls.sample_tasks("heldout", 1, seed=0)[0]
+    if is_multi_role(env_cls):
+        return _match(env_cls, task)
     messages, reward = play_solution(env_cls, task, seed=0)
     return [f"{m.role}: {m.content}" for m in messages] + [f"(episode reward {reward:g}; context {task.context})"]
+
+
+def _match(env_cls, task) -> list[str]:
+    """A multi-role environment's gold play, each line marked with the seat that reads or writes it."""
+    env = env_cls()
+    try:
+        openings = env.reset(task, seed=0)
+        lines = [f"[{seat}] {m.role}: {m.content}" for seat, messages in openings.items() for m in messages]
+        totals = {seat: 0.0 for seat in openings}
+        for text in env_cls.solve(task):
+            seat = env.to_act()
+            lines.append(f"[{seat}] assistant: {text}")
+            result = _run(env.step(parse_assistant(get_format("hermes"), text)))
+            lines += [f"[{s}] {m.role}: {m.content}" for s, messages in result.messages.items() for m in messages]
+            for s, r in result.rewards.items():
+                totals[s] += r
+        rewards = ", ".join(f"{s} {r:g}" for s, r in totals.items())
+        return lines + [f"(rewards: {rewards}; context {task.context})"]
+    finally:
+        env.close()
+
+
+def _roles(cls) -> list[str]:
+    if not is_multi_role(cls):
+        return []
+    scripted = ", ".join(f"`{name}`" for name in opponents_of(cls)) or "none"
+    return ["", "## Roles", "", f"Roles: {', '.join(f'`{r}`' for r in cls.roles)}. Scripted players "
+            f"(`roles.policies`, `roles.eval_opponents`: `scripted:NAME`): {scripted}. See "
+            "[../multi-agent.md](../multi-agent.md)."]
 
 
 def env_page(name: str) -> str:
@@ -46,7 +79,8 @@ def env_page(name: str) -> str:
         else:
             train, ood = "{}..{}".format(*p["train"]), "{}..{}".format(*p["ood"])
         out.append(f"| `{p['name']}` | {p['kind']} | {train} | {ood} | {p['default']} | {p['description']} |")
-    out += ["", "## Tools", ""] + [f"- `{n}`: {d}" for n, d in tools]
+    out += _roles(cls)
+    out += ["", "## Tools", ""] + ([f"- `{n}`: {d}" for n, d in tools] or ["None."])
     out += ["", "## Example episode (the gold solution on a held-out task)", "", "```text", *_episode(cls), "```", ""]
     return "\n".join(out)
 

@@ -2,9 +2,10 @@
 
 The ``Env`` protocol (``ctxrl.envs.base``) is what every environment must have. Beyond it, an environment opts
 into features by defining hooks: ``shortcut``, ``redundant``, ``pretraining_variant``, ``summary``,
-``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits``, ``check_tasks`` (their
-types are ``OptionalHooks``; what each enables is ``HOOKS``), the hooks context managers declare when they
-register (``select``, ``folded``: ``declare_hook``), the ``names_actions`` flag (``FLAGS``) and the
+``failure``, ``reflection``, ``solve_after``, ``configure``, ``corpus``, ``splits``, ``check_tasks``, and a
+multi-role environment's ``opponents`` and ``gold_rewards`` (their types are ``OptionalHooks``; what each
+enables is ``HOOKS``), the hooks context managers declare when they register (``select``, ``folded``:
+``declare_hook``), the ``names_actions`` and ``zero_sum`` flags (``FLAGS``) and the
 ``Settings`` dataclass of its own settings (``settings_class``; read from ``[env.NAME]``, the configured class
 holds them as ``options``). ctxrl looks them up only through ``hook``, ``flag`` and ``settings_class`` here,
 never with a bare ``getattr`` elsewhere, so this file is the complete list. ``ctxrl check-env NAME`` prints
@@ -51,8 +52,14 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
          "training and evaluation on the splits it has (a task file without ood tasks)"),
     Hook("check_tasks", "check_tasks(max_total_tokens, count_tokens=None) -> None",
          "tasks too long for rollout.max_total_tokens refused before anything loads (a task file's prompts)"),
+    Hook("opponents", "opponents() -> dict[str, ScriptedPolicy]",
+         "scripted players of a multi-role environment (roles.policies, roles.eval_opponents: scripted:NAME)",
+         feature="scripted opponents (opponents)"),
+    Hook("gold_rewards", "gold_rewards(task) -> dict[str, float]",
+         "a multi-role environment's check-env: each seat's reward when solve(task) is played"),
 )}
-FLAGS = {"names_actions": "exploration statistics in the environment's own terms (note_action)"}
+FLAGS = {"names_actions": "exploration statistics in the environment's own terms (note_action)",
+         "zero_sum": "a multi-role environment whose seats' rewards sum to 0 (check-env verifies it)"}
 
 
 class OptionalHooks(Protocol):
@@ -92,6 +99,14 @@ class OptionalHooks(Protocol):
     def check_tasks(cls, max_total_tokens: int, count_tokens: Callable[[str], int] | None = None) -> None:
         """Raise ``EnvError`` naming a task that cannot fit ``max_total_tokens`` tokens: counted with
         ``count_tokens`` (the model's tokenizer) where a caller has one, else bounded by characters."""
+
+    @classmethod
+    def opponents(cls) -> dict[str, Callable[..., str]]:
+        """Named scripted players ``policy(view, rng) -> text`` (``ctxrl.envs.roles.ScriptedPolicy``)."""
+
+    @classmethod
+    def gold_rewards(cls, task: Task) -> dict[str, float]:
+        """Each seat's total reward when ``solve(task)`` is played, in play order."""
 
 
 def declare_hook(name: str, signature: str, enables: str, *, feature: str | None = None) -> None:

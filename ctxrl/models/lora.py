@@ -13,6 +13,9 @@ import torch
 
 from ctxrl.plain import PlainData
 
+DEFAULT_ADAPTER = "default"
+"""PEFT's name of the first adapter: the shared policy's (a role with a policy of its own has one named after it)."""
+
 
 @dataclass(frozen=True)
 class LoRASettings(PlainData):
@@ -51,3 +54,23 @@ def wrap_lora(base, lora: LoRASettings, *, adapter_dtype: torch.dtype = torch.fl
         if p.requires_grad:
             p.data = p.data.to(adapter_dtype)
     return model
+
+
+def add_adapters(model, names: tuple[str, ...], lora: LoRASettings, dtype: torch.dtype) -> None:
+    """More LoRA adapters on the PEFT ``model`` (in ``dtype``), one per name, the default one left active: the
+    roles with policies of their own (``ctxrl.train.role_adapters``)."""
+    clash = [n for n in names if n == DEFAULT_ADAPTER or any(f".{n}." in p for p, _ in model.named_parameters())]
+    if clash:
+        raise ValueError(f"{clash[0]!r} cannot name an adapter: it is PEFT's default or a module of the model")
+    for name in names:
+        model.add_adapter(name, lora.peft_config())
+    for name, p in model.named_parameters():
+        if "lora_" in name and any(f".{n}." in name for n in names):
+            p.data = p.data.to(dtype)
+    if names:
+        model.set_adapter(DEFAULT_ADAPTER)
+
+
+def adapter_parameters(model, adapter: str) -> dict[str, torch.nn.Parameter]:
+    """The parameters of one adapter, by their names in ``model``."""
+    return {n: p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n}

@@ -206,19 +206,24 @@ async def _turns(env, play: Play, manager) -> None:
 def _record_step(episode: Episode, record: Turn, result) -> None:
     """What the environment said about a turn: its reward, tool counts, answer, named actions, success."""
     record.reward = float(result.reward)
-    record.tool_calls = int(result.info.get("tool_calls", 0))
-    record.tool_errors = int(result.info.get("tool_errors", 0))
-    record.malformed_calls = int(result.info.get("malformed_tool_calls", 0))
-    if "answered" in result.info:
-        record.answered = bool(result.info["answered"])
     episode.reward += float(result.reward)
+    record_turn_info(episode, record, result.info)
+
+
+def record_turn_info(episode: Episode, record: Turn, info: dict) -> None:
+    """A step's ``info`` about the turn it answered: tool counts, answer, named actions, success."""
+    record.tool_calls = int(info.get("tool_calls", 0))
+    record.tool_errors = int(info.get("tool_errors", 0))
+    record.malformed_calls = int(info.get("malformed_tool_calls", 0))
+    if "answered" in info:
+        record.answered = bool(info["answered"])
     for key in ("actions", "failed_actions"):  # an environment's own names for what it did (see ToolAnswerEnv)
-        if key in result.info:
-            episode.info.setdefault(key, []).extend(result.info[key])
-    if "success" in result.info:
-        episode.success = bool(result.info["success"])
-    elif "correct" in result.info:
-        episode.success = bool(result.info["correct"])
+        if key in info:
+            episode.info.setdefault(key, []).extend(info[key])
+    if "success" in info:
+        episode.success = bool(info["success"])
+    elif "correct" in info:
+        episode.success = bool(info["correct"])
 
 
 async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
@@ -238,27 +243,8 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
     task); all of it is context (mask 0). None: the reset's messages as they are.
     ``on_done(episode)``: called as each episode finishes (a progress display).
     """
-    jobs = []
-    for group_id, task in enumerate(tasks, start=first_group):
-        for k in range(group_size):
-            jobs.append((task, group_id, k, episode_seed(seed, group_id, k)))
-
-    async def prepare(task: Task, seed_of_episode: int):
-        t0 = time.perf_counter()
-        try:
-            env = make_env()
-        except Exception as exc:  # noqa: BLE001 - an errored episode, not a crashed step
-            return None, EnvironmentFailure("constructor", exc), time.perf_counter() - t0
-        try:
-            return env, await reset_env(env, task, seed_of_episode, limits.timeout_s), time.perf_counter() - t0
-        except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:
-            try:
-                env.close()
-            except Exception:  # noqa: BLE001 - the episode is errored already
-                pass
-            return None, exc, time.perf_counter() - t0
-
-    prepared = await asyncio.gather(*(prepare(task, s) for task, _, _, s in jobs))
+    jobs = episode_jobs(tasks, group_size, seed, first_group)
+    prepared = await asyncio.gather(*(prepare_env(make_env, task, s, limits.timeout_s) for task, _, _, s in jobs))
     runs = []
     for (task, group_id, k, seed_of_episode), (env, reset, spent) in zip(jobs, prepared):
         if env is None:
@@ -268,6 +254,30 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
             runs.append(run_episode(env, task, engine, renderer, limits, seed=seed_of_episode, group_id=group_id,
                                     opening=messages, spent_s=spent))
     return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))
+
+
+def episode_jobs(tasks: list[Task], group_size: int, seed: int, first_group: int) -> list[tuple[Task, int, int, int]]:
+    """``(task, group id, k, episode seed)`` of episode ``k`` of every task, in request order."""
+    return [(task, group_id, k, episode_seed(seed, group_id, k))
+            for group_id, task in enumerate(tasks, start=first_group) for k in range(group_size)]
+
+
+async def prepare_env(make_env: Callable[[], Any], task: Task, seed: int | None, timeout_s: float):
+    """``(env, opening, seconds)``: an environment built and reset for ``task``; ``(None, error, seconds)`` when its
+    constructor or reset failed (or passed the deadline), its environment closed."""
+    t0 = time.perf_counter()
+    try:
+        env = make_env()
+    except Exception as exc:  # noqa: BLE001 - an errored episode, not a crashed step
+        return None, EnvironmentFailure("constructor", exc), time.perf_counter() - t0
+    try:
+        return env, await reset_env(env, task, seed, timeout_s), time.perf_counter() - t0
+    except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - the episode is errored already
+            pass
+        return None, exc, time.perf_counter() - t0
 
 
 async def notify(run, on_done: Callable[[Episode], None] | None) -> Episode:

@@ -8,6 +8,9 @@ That is what makes the trajectory's invariants (``ctxrl.types.Episode``) checkab
   a live sequence;
 - ``assistant(completion, message, turn)``: what the engine sampled (mask 1, with its behaviour
   log-probs) and the parsed message it decodes to;
+- ``scripted(completion, message, turn)``: an assistant turn a script wrote, not a policy (a scripted
+  opponent's move in a multi-role match, ``ctxrl.rollout.match``): the same ids an engine would have
+  sampled for the text, as context (mask 0), since no policy sampled them;
 - ``observation_ids(messages)`` then ``observe(messages, ids, turn)``: text the policy did not
   write, rendered *alone* through the chat template and appended (mask 0). The renderer encodes
   its special tokens and tool-call tags as plain text (``ctxrl.chat.guard``), so tool output cannot
@@ -86,6 +89,12 @@ class Recorder:
     def assistant(self, completion: Completion, message: Message, turn: int) -> None:
         """Append the sampled ids with their behaviour log-probs (mask 1) and the message they decode to."""
         self._write(completion.token_ids, sampled=True, turn=turn, logprobs=completion.logprobs)
+        self.episode.messages.append(message)
+        self.closed = completion.closed
+
+    def scripted(self, completion: Completion, message: Message, turn: int) -> None:
+        """Append a scripted assistant turn's ids as context (mask 0: no policy sampled them) and its message."""
+        self._write(completion.token_ids, sampled=False, turn=turn)
         self.episode.messages.append(message)
         self.closed = completion.closed
 

@@ -8,13 +8,16 @@ each one finishes. It reads the worker's engine at every request (a caller may r
 Three exist:
 
 - ``plain`` (here): the agent loop, one episode per ``(i, k)`` (``run_episodes``);
+- ``roles`` (here): a multi-role environment's matches (``ctxrl.rollout.match``), one episode per seat of
+  each ``(i, k)``, match after match; its roles played as ``roles.policies`` and the request's ``policies`` say;
 - ``meta`` (``ctxrl/meta/runner.py``): trials of several attempts and annealed demonstrations; a request
   that uses neither plays as ``plain`` does;
 - ``harness`` (``ctxrl/serve/harness.py``): a user's agent, through an OpenAI client (the environment
   ``ctxrl/envs/harness.py`` names it).
 
 Which one is chosen from the spec and the environment alone (``runner_name``): an environment class
-that names a ``runner`` (the harness environment) is played by it; a spec with trials in either phase
+that names a ``runner`` (the harness environment) is played by it; one that declares ``roles`` by ``roles``;
+a spec with trials in either phase
 or annealed demonstrations by ``meta``; any other by ``plain``. The runners of the layers above rollout
 register themselves when their package is imported (rollout never imports them; the configuration does,
 before it checks a config: ``ctxrl.config.RUNNER_PACKAGES``). A worker in another
@@ -29,13 +32,16 @@ from typing import ClassVar, Protocol, TypeVar
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.engine.base import Engine
+from ctxrl.envs.roles import is_multi_role, opponents_of, roles_of
 from ctxrl.errors import ConfigError
 from ctxrl.registry import Registry
 from ctxrl.rollout.agent import run_episodes
-from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.rollout.match import SeatPolicy, run_matches
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, parse_policy, spec_engine
 from ctxrl.types import Episode, Message
 
 PLAIN = "plain"
+ROLES = "roles"
 META = "meta"
 """The runner of trials and annealed demonstrations: defined in ``ctxrl.meta``, chosen here by name."""
 
@@ -50,6 +56,7 @@ class Worker(Protocol):
     env_cls: type
     engine: Engine
     renderer: ChatRenderer
+    role_engines: dict[str, Engine]
 
 
 class EpisodeRunner:
@@ -94,11 +101,80 @@ class PlainRunner(EpisodeRunner):
         return await play_episodes(worker, request, on_done)
 
 
+@register_runner
+class MatchRunner(EpisodeRunner):
+    """A multi-role environment's matches: every role played as the spec and the request say.
+
+    Frozen checkpoints are loaded once each, into engines of their own that nothing ever sends weights to.
+    """
+
+    name = ROLES
+
+    def __init__(self, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer) -> None:
+        self.spec, self.env_cls, self.renderer = spec, env_cls, renderer
+        self.scripts = opponents_of(env_cls)
+        self.frozen: dict[str, Engine] = {}
+
+    async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
+        return await run_matches(worker.env_cls, request.tasks,
+                                 self.seating(worker.engine, request.policies, worker.role_engines),
+                                 worker.renderer, request.limits(worker.spec), group_size=request.group_size,
+                                 seed=request.seed, first_group=request.task_offset, on_done=on_done,
+                                 reward_mode=worker.spec.roles.rewards, roles=roles_of(self.env_cls))
+
+    def seating(self, engine: Engine, overrides: dict[str, str] | None = None,
+                role_engines: dict[str, Engine] | None = None) -> dict[str, SeatPolicy]:
+        """Who plays each role: the spec's ``roles.policies`` under ``overrides``; ``engine`` is the shared policy's,
+        ``role_engines`` those of the roles with policies of their own (``own``)."""
+        seating = {}
+        for role in roles_of(self.env_cls):
+            label = self.spec.roles.policy(role, overrides)
+            try:
+                kind, argument = parse_policy(label)
+            except ValueError as exc:
+                raise ConfigError(f"role {role}: {exc}") from None
+            if kind == "scripted":
+                if argument not in self.scripts:
+                    raise ConfigError(f"role {role}: {self.env_cls.name} has no scripted player {argument!r}; its "
+                                      f"opponents(): {', '.join(self.scripts) or 'none'}")
+                seating[role] = SeatPolicy(label, script=self.scripts[argument], trains=False)
+            elif kind == "frozen":
+                seating[role] = SeatPolicy(label, engine=self.frozen_engine(argument), trains=False)
+            elif kind == "own":
+                if role not in (role_engines or {}):
+                    raise ConfigError(f"role {role} plays a policy of its own, but this worker has no engine for it: "
+                                      "only a trainer's in-process worker plays roles=own (docs/multi-agent.md)")
+                seating[role] = SeatPolicy(label, engine=role_engines[role])
+            else:
+                seating[role] = SeatPolicy(label, engine=engine)
+        return seating
+
+    def frozen_engine(self, path: str) -> Engine:
+        """An engine over the checkpoint at ``path`` (loaded the first time), which must share the policy's
+        tokenizer: its ids are the policy's ids."""
+        if path not in self.frozen:
+            from ctxrl.models.loader import load_model, load_tokenizer
+
+            try:
+                vocab = load_tokenizer(path).get_vocab()
+                model = load_model(path, dtype=self.spec.model.dtype, device=self.spec.model.device)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"frozen:{path}: cannot load a checkpoint there ({exc}); name a checkpoint "
+                                  "directory of this model (RUN/checkpoints/step-N or final)") from None
+            if vocab != self.renderer.tokenizer.get_vocab():
+                raise ConfigError(f"frozen:{path} has another tokenizer than {self.spec.model.name!r}; a frozen "
+                                  "opponent must be a checkpoint of the run's model")
+            self.frozen[path] = spec_engine(self.spec, model.eval(), self.renderer)
+        return self.frozen[path]
+
+
 def runner_name(spec: RolloutSpec, env_cls: type) -> str:
     """The runner that plays ``spec``'s requests in ``env_cls`` (see the module docstring)."""
     own = getattr(env_cls, "runner", None)
     if own:
         return own
+    if is_multi_role(env_cls):
+        return ROLES
     trials = max(spec.train_meta.num_attempts, spec.eval_meta.num_attempts) > 1
     return META if trials or spec.demos.max_demos > 0 else PLAIN
 

@@ -26,11 +26,27 @@ from ctxrl.types import Task
 
 PHASES = ("train", "eval")
 CARRIES = ("reflections", "attempts")
+SHARED = "shared"
+OWN = "own"
+POLICY_KINDS = (SHARED, OWN, "scripted", "frozen")
+"""Who plays a role of a multi-role environment (``roles.policies``): the run's policy (``shared``), a trainable
+policy of the role's own (``own``: a LoRA adapter per role, ``ctxrl.train.role_adapters``), the environment's
+scripted player ``scripted:NAME``, or a checkpoint that never trains ``frozen:PATH``."""
+
+
+def parse_policy(text: str) -> tuple[str, str]:
+    """``(kind, argument)`` of a role's policy (``POLICY_KINDS``); a bad one is a ``ValueError`` saying the forms."""
+    kind, _, argument = text.partition(":")
+    if kind not in POLICY_KINDS or (kind in (SHARED, OWN)) != (argument == ""):
+        raise ValueError(f"policy {text!r} must be shared, own (a LoRA adapter of the role's own), scripted:NAME "
+                         "(one of the environment's opponents()) or frozen:PATH (a checkpoint directory)")
+    return kind, argument
 
 
 DEFAULT_ENGINE_BATCH = 128
 """The engine's batch when ``rollout.max_batch_size`` is 0 (sized by the run) and no memory plan sizes it: a CPU
 run, or Ray rollout workers."""
+
 
 @dataclass(frozen=True)
 class RolloutLimits(PlainData):
@@ -124,6 +140,22 @@ class DemoSpec(PlainData):
 
 
 @dataclass(frozen=True)
+class RoleSpec(PlainData):
+    """Who plays each role of a multi-role environment, and how the seats' rewards relate (``[roles]``)."""
+
+    policies: dict[str, str] = field(default_factory=dict)
+    """Role -> policy (``parse_policy``); a role left out plays the shared policy."""
+    rewards: str = "env"
+    """``env``, ``zero_sum`` or ``team`` (``ctxrl.algo.roles.seat_rewards``)."""
+    eval_opponents: tuple[str, ...] = ()
+    """Policies the learner meets in evaluation (``ctxrl.eval.arena``)."""
+
+    def policy(self, role: str, overrides: dict[str, str] | None = None) -> str:
+        """The policy that plays ``role``: ``overrides`` (a request's), else the spec's, else ``shared``."""
+        return (overrides or {}).get(role) or self.policies.get(role) or SHARED
+
+
+@dataclass(frozen=True)
 class RolloutSpec(PlainData):
     """Everything rollout code reads, fixed for a run (see the module docstring)."""
 
@@ -147,6 +179,8 @@ class RolloutSpec(PlainData):
     """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
     judge: JudgeSpec = JudgeSpec()
     """The judge that grades training episodes (``reward.judge``; off when its target is empty)."""
+    roles: RoleSpec = RoleSpec()
+    """Who plays each role of a multi-role environment (``[roles]``)."""
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSpec:
@@ -192,7 +226,9 @@ class RolloutSpec(PlainData):
             max_batch_size=r.max_batch_size or DEFAULT_ENGINE_BATCH, sandbox_workers=r.sandbox_workers,
             engine_seed=seeds.engine,
             engine=r.engine,
-            plugins=config.run.plugins, judge=JudgeSpec.from_config(config, resolve_device(config.model.device)))
+            plugins=config.run.plugins, judge=JudgeSpec.from_config(config, resolve_device(config.model.device)),
+            roles=RoleSpec(policies=dict(p.split("=", 1) for p in config.roles.policies),
+                           rewards=config.roles.rewards, eval_opponents=tuple(config.roles.eval_opponents)))
 
 
 def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | None = None,
@@ -233,6 +269,9 @@ class RolloutRequest(PlainData):
     """These tasks are a shard of a larger request, from its task ``task_offset`` on: episode ``k`` of
     ``tasks[i]`` is played (seeded, grouped, given demonstrations) as task ``task_offset + i`` of the whole
     (``ctxrl.distributed``: a request split across rollout workers plays exactly the episodes it would whole)."""
+    policies: dict[str, str] = field(default_factory=dict)
+    """Role -> policy for this request's matches (a multi-role environment), over the spec's ``roles.policies``:
+    evaluation against an opponent pins the roles the learner does not play."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

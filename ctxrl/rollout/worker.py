@@ -43,13 +43,16 @@ class RolloutWorker:
     """Plays requests (see the module docstring). ``engine``: the worker's own (it is not shared).
 
     ``runner``: one built already (``make_runner``; the trainer builds it early, so that a missing
-    demonstration file stops the run before the model loads); None: the spec's, built now.
+    demonstration file stops the run before the model loads); None: the spec's, built now. ``role_engines``: an
+    engine per role with a trainable policy of its own (``ctxrl.train.role_adapters``), the trainer's to update.
     """
 
     def __init__(self, spec: RolloutSpec, engine: Engine, renderer: ChatRenderer, env_cls: type | None = None, *,
-                 runner: EpisodeRunner | None = None) -> None:
+                 runner: EpisodeRunner | None = None, role_engines: dict[str, Engine] | None = None) -> None:
         self.spec = spec
         self.engine = engine
+        self.role_engines = dict(role_engines or {})
+        """The engines of the roles with trainable policies of their own (``roles.policies`` ``ROLE=own``)."""
         self.renderer = renderer
         self.env_cls = env_cls if env_cls is not None else spec_env_class(spec)
         check = hook(self.env_cls, "check_tasks")

@@ -5,8 +5,8 @@ the policy's weights (``model.safetensors`` in ``model.dtype`` with its config a
 directory loads like any HF checkpoint; a LoRA run's adapters in PEFT's format instead), the
 optimiser (with the float32 master weights, under mixed precision), the loss scaler, the critic
 and its optimiser, the reference model (a LoRA run's reference is its base: nothing to save),
-every random generator, the learner's counters, the curriculum, the engine's policy version and
-the byte lengths of the logs.
+every random generator, the learner's counters, the curriculum, the estimator's state (``rae``'s baselines),
+the engine's policy version and the byte lengths of the logs.
 ``resume(trainer)`` restores all of it from ``checkpoints/latest``: every piece is required, and a
 configuration change that would alter a step is an error naming it. The logs are rewound to the
 checkpoint (lines written after it move to ``*.orphaned.jsonl``), so after the resumed run every
@@ -58,6 +58,8 @@ class Checkpointed(Protocol):
     learner: Any
     worker: Any
     curriculum: Any
+    estimator: Any
+    own: Any
     writer: Any
     consecutive_skips: int
 
@@ -130,11 +132,13 @@ def save(trainer: Checkpointed, step: int) -> Path:
         if reference is not None:
             save_model(reference, str(tmp / "reference.safetensors"))
         save_state(rng_state({"learner": learner.generator}), tmp, "rng")
-        state = {"format": FORMAT, "step": step, "policy_version": trainer.worker.policy_version,
+        own = trainer.own.save(tmp, save_state, rng_state)  # (roles' own optimisers; their adapters: policy.save)
+        state = {**own, "format": FORMAT, "step": step, "policy_version": trainer.worker.policy_version,
                  "skipped_updates": learner.skipped_updates, "consecutive_skips": trainer.consecutive_skips,
                  "curriculum": trainer.curriculum.state_dict(), "logs": trainer.writer.offsets(),
                  "critic": learner.critic is not None, "reference": reference is not None,
                  "lora": policy.is_lora, "loss_scaler": policy.precision.state_dict(),
+                 "estimator": trainer.estimator.state_dict(),
                  "device": trainer.device, "dtype": trainer.config.model.dtype}
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         (tmp / "config.toml").write_text(to_toml(trainer.config))
@@ -190,6 +194,38 @@ def resume(trainer: Checkpointed) -> int:
     if not verify_checksums(path):  # (before anything is read: a damaged file is named, never loaded)
         warnings.warn(f"checkpoint {path} has no checksums.json (written by an older ctxrl): its files are loaded "
                       "unverified", stacklevel=2)
+    state = _checked_state(trainer, path, reference)
+    if policy.is_lora:
+        policy.load_adapter_state(read_tensors(path / "adapter_model.safetensors"), str(path))
+    else:
+        load_weights(trainer.model, path / "model.safetensors")
+    try:
+        learner.optimizer.load_state_dict(load_state(path, "optimizer"))
+    except ValueError as exc:  # e.g. no float32 masters in it: written before, or with other precision settings
+        raise CheckpointError(f"{path}: the optimiser state does not fit this run: {exc}") from None
+    policy.precision.load_state_dict(state.get("loss_scaler") or {})
+    if learner.critic is not None:
+        _load_module(learner.critic, path / "critic.safetensors")
+        learner.critic_optimizer.load_state_dict(load_state(path, "critic_optimizer"))
+    if reference is not None:
+        _load_module(reference, path / "reference.safetensors")
+    set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
+    trainer.own.resume(path, state, load_state, read_tensors, set_rng_state)  # (roles' own adapters, if any)
+    trainer.sync_engine(int(state["policy_version"]))
+    learner.skipped_updates = int(state["skipped_updates"])
+    trainer.consecutive_skips = int(state["consecutive_skips"])
+    trainer.curriculum.load_state_dict(state["curriculum"])
+    trainer.estimator.load_state_dict(state.get("estimator") or {})  # (rae's baselines; older checkpoints: none)
+    try:
+        trainer.writer.rewind(state["logs"], step=int(state["step"]))
+    except LogRewindError as exc:
+        raise CheckpointError(str(exc)) from None
+    return int(state["step"])
+
+
+def _checked_state(trainer: Checkpointed, path: Path, reference) -> dict[str, Any]:
+    """``state.json`` of the checkpoint at ``path``, once its config, format and parts are known to fit ``trainer``."""
+    learner, policy = trainer.learner, trainer.policy
     differences = config_differences(load_config(path / "config.toml"), trainer.config)
     if differences:
         raise CheckpointError(f"cannot resume from {path}: the config changed in ways that matter: "
@@ -215,30 +251,7 @@ def resume(trainer: Checkpointed) -> int:
     if state.get("device", trainer.device).split(":")[0] != trainer.device.split(":")[0]:
         warnings.warn(f"resuming on {trainer.device} a run checkpointed on {state['device']}: it continues "
                       "correctly, but not with the numbers an uninterrupted run would have given", stacklevel=2)
-    if policy.is_lora:
-        policy.load_adapter_state(read_tensors(path / "adapter_model.safetensors"), str(path))
-    else:
-        load_weights(trainer.model, path / "model.safetensors")
-    try:
-        learner.optimizer.load_state_dict(load_state(path, "optimizer"))
-    except ValueError as exc:  # e.g. no float32 masters in it: written before, or with other precision settings
-        raise CheckpointError(f"{path}: the optimiser state does not fit this run: {exc}") from None
-    policy.precision.load_state_dict(state.get("loss_scaler") or {})
-    if learner.critic is not None:
-        _load_module(learner.critic, path / "critic.safetensors")
-        learner.critic_optimizer.load_state_dict(load_state(path, "critic_optimizer"))
-    if reference is not None:
-        _load_module(reference, path / "reference.safetensors")
-    set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
-    trainer.sync_engine(int(state["policy_version"]))
-    learner.skipped_updates = int(state["skipped_updates"])
-    trainer.consecutive_skips = int(state["consecutive_skips"])
-    trainer.curriculum.load_state_dict(state["curriculum"])
-    try:
-        trainer.writer.rewind(state["logs"], step=int(state["step"]))
-    except LogRewindError as exc:
-        raise CheckpointError(str(exc)) from None
-    return int(state["step"])
+    return state
 
 
 def _load_module(module, file: Path) -> None:

@@ -30,8 +30,10 @@ class Collected:
 
 
 def trainable(e: Episode) -> bool:
-    """Not errored, and something was sampled in it."""
-    return e.truncation != "error" and any(any(s.loss_mask) for s in e.sequences())
+    """Not errored, something was sampled in it, and its policy trains (not a pinned seat of a match: a frozen
+    checkpoint's turns carry log-probs, but are never the learner's to train on)."""
+    return (e.truncation != "error" and e.info.get("trains", True) is not False
+            and any(any(s.loss_mask) for s in e.sequences()))
 
 
 class Collector:
@@ -106,7 +108,9 @@ class Collector:
             rounds += 1
             episodes += batch
             ok = [e for e in batch if trainable(e)]
-            informative = informative_groups([e.reward for e in ok], [e.group_id for e in ok])
+            keys: dict[tuple[int, str], int] = {}  # a group's roles are judged apart (a match's seats)
+            informative = informative_groups([e.reward for e in ok],
+                                             [keys.setdefault(e.baseline_group, len(keys)) for e in ok])
             for g in dict.fromkeys(e.group_id for e, keep in zip(ok, informative) if keep):
                 if len(kept) < c.rollout.tasks_per_step:
                     kept.append(g)

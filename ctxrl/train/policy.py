@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ctxrl.errors import CheckpointError
-from ctxrl.models.lora import LoRASettings, wrap_lora
+from ctxrl.models.lora import LoRASettings, add_adapters, wrap_lora
 from ctxrl.train.logprobs import token_logprobs
 from ctxrl.train.precision import Precision
 
@@ -83,8 +83,9 @@ class Policy:
         self.name = name
 
     @classmethod
-    def load(cls, config, device: str) -> Policy:
-        """Load ``model.name`` as the run's trainable policy on ``device``."""
+    def load(cls, config, device: str, roles: tuple[str, ...] = ()) -> Policy:
+        """Load ``model.name`` as the run's trainable policy on ``device``; ``roles``: an adapter each beside the
+        shared one (LoRA; the roles with policies of their own, ``ctxrl.train.role_adapters``)."""
         from ctxrl.models.loader import load_model
 
         precision = Precision.from_config(config, device)
@@ -92,6 +93,7 @@ class Policy:
         model = load_model(config.model.name, dtype=config.model.dtype, device=device)
         if lora.rank > 0:
             model = wrap_lora(model, lora, adapter_dtype=precision.storage)
+            add_adapters(model, roles, lora, precision.storage)
         if config.train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         return cls(model, precision, lora=lora, name=config.model.name)
@@ -104,9 +106,13 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     # -- the engine ------------------------------------------------------------------------------------
-    def engine_model(self):
-        """The engine's own copy in the storage dtype (LoRA: sharing the frozen base tensors)."""
-        return module_copy(self.model, self.precision.storage, share_frozen=self.is_lora).eval()
+    def engine_model(self, adapter: str = "default"):
+        """The engine's own copy in the storage dtype (LoRA: sharing the frozen base tensors; ``adapter`` active,
+        a role's own policy: ``ctxrl.train.role_adapters``)."""
+        copy = module_copy(self.model, self.precision.storage, share_frozen=self.is_lora)
+        if adapter != "default":
+            copy.set_adapter(adapter)
+        return copy.eval()
 
     def trainable_copy(self):
         """An independent trainable copy of the module (the critic's trunk starts as one)."""
@@ -153,7 +159,8 @@ class Policy:
 
         result = set_peft_model_state_dict(self.model, state)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
-        missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k]
+        missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k and ".default." in k]
+        # (the adapters of roles with policies of their own are loaded apart: ctxrl.train.role_adapters)
         if unexpected or missing:
             raise CheckpointError(f"{source} does not fit the model's adapters: unexpected {unexpected[:3]}, missing "
                                   f"{missing[:3]}; were lora.* or model.name changed since it was written?")
@@ -162,15 +169,17 @@ class Policy:
 def module_copy(model, dtype: torch.dtype, *, share_frozen: bool = False, trainable: bool = False):
     """A deep copy of ``model`` whose parameters are new tensors in ``dtype`` (``trainable``: requiring grad).
 
-    ``share_frozen``: parameters that do not train are the same tensors in the copy (never written).
+    ``share_frozen``: parameters that do not train are the same tensors in the copy (never written), except
+    LoRA adapters (an adapter not active now, a role's own policy, still trains when its role's turn comes).
     New ``Parameter`` objects also mean the copy carries none of the originals' hooks (a
     ``MasterAdamW`` hooks every parameter it trains).
     """
     memo = {}
+    adapters = {id(p) for n, p in model.named_parameters() if "lora_" in n}
     for p in model.parameters():
         if id(p) in memo:
             continue
-        if share_frozen and not p.requires_grad:
+        if share_frozen and not p.requires_grad and id(p) not in adapters:
             memo[id(p)] = p
         else:
             memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=trainable)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ctxrl.eval.arena import role_figures
 from ctxrl.judge.figures import judge_figures
 from ctxrl.rollout.managers.stats import context_stats
 from ctxrl.rollout.summary import summarize
@@ -28,6 +29,7 @@ def step_row(step: int, collected, valid: list[Episode], rows: list[TrainSequenc
             **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
                if spec.demos.max_demos else {}),
             **(judge_figures(episodes) if spec.judge.enabled else {}),
+            **role_figures(episodes),
             "trained_episodes": trained_episodes, "trained_sequences": len(rows),
             "advantage_abs_mean": float(np.mean(np.abs(sampled))) if sampled else 0.0,
             "advantage_std": float(np.std(sampled)) if sampled else 0.0,
@@ -78,7 +80,7 @@ def _mean_terms(episodes: list[Episode]) -> dict[str, float]:
 
 
 def _zero_variance_groups(episodes: list[Episode]) -> int:
-    by_group: dict[int, set[float]] = {}
+    by_group: dict[tuple[int, str], set[float]] = {}
     for e in episodes:
-        by_group.setdefault(e.group_id, set()).add(e.reward)
+        by_group.setdefault(e.baseline_group, set()).add(e.reward)
     return sum(1 for rewards in by_group.values() if len(rewards) == 1)

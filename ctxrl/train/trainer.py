@@ -59,6 +59,7 @@ from ctxrl.train.loop import TrainingAborted
 from ctxrl.train.memory import MemoryPlan, with_learner_tokens
 from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.preflight import check_train_split, preflight
+from ctxrl.train.role_adapters import OwnRoles, own_roles
 from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
 from ctxrl.train.teacher import Teacher, check_teacher, teacher_name
@@ -114,8 +115,9 @@ class Trainer:
             self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
         else:
             self.config = bounded_micro_batches(config, self.device, self.progress, critic=critic)
-        self.policy = Policy.load(config, self.device)
+        self.policy = Policy.load(config, self.device, roles=own_roles(config))
         self.model = self.policy.model
+        self.own = OwnRoles(own_roles(config), self.policy)  # roles with trainable policies of their own
         self.parallel = parallel
         """Data-parallel learner ranks (``torchrun``): rank 0 (the leader) does everything else; the others only
         take the leader's rows and update with it (``ctxrl.distributed.data_parallel``)."""
@@ -124,7 +126,7 @@ class Trainer:
         self.teacher = Teacher.load(self.estimator.options, config, self.tokenizer, self.device) if (
             self.estimator.needs_teacher and self.leader) else None  # (distillation's: it scores the leader's rows)
         self.worker = None if not self.leader else rollout_worker(  # a follower: no engine, no run directory
-            config, self.spec, self.policy, self.renderer, self.env_cls, self.memory, runner)
+            config, self.spec, self.policy, self.renderer, self.env_cls, self.memory, runner, self.own)
         self.writer = None
         if self.leader:
             self.writer = RunWriter(run_dir, sinks=make_sinks(config.report, Path(run_dir), name=config.run.name,
@@ -152,6 +154,7 @@ class Trainer:
             self.worker.load_weights(state, version=version, partial=partial, wait=False)
         else:
             self.worker.load_weights(state, version=version, partial=partial)
+        self.own.sync(self.worker, version)
 
     # -- the outer loop --------------------------------------------------------------------------------
     def fit(self, *, resume: bool = False) -> dict[str, Any]:
@@ -178,6 +181,7 @@ class Trainer:
         row, demos = warm_start(self.config, self.spec, self.env_cls, self.renderer, self.model,
                                 under_manager=self.context_demos, on_step=on_step or self.progress.sft,
                                 precision=self.policy.precision)
+        self.own.after_warm_start()
         self.sync_engine(0)
         self.writer.log_metrics(row)
         self.writer.log_samples(0, demos[:2], self.renderer.decode, phase="sft")
@@ -214,16 +218,14 @@ class Trainer:
                                pad_token_id=self.tokenizer.pad_token_id, reference=reference,
                                precision=precision, seed=self.seeds.learner, critic=critic,
                                critic_optimizer=critic_optimizer, parallel=self.parallel)
+        self.own.make_learners(self, reference)
         return self.learner
 
     def save_final(self, name: str) -> Path:
-        """The policy's weights and tokenizer under ``checkpoints/``, for other tools to load.
-
-        Full fine-tuning: an HF checkpoint in ``model.dtype``, in transformers' own layout (which may
-        shard or convert to the hub's names; resumable step checkpoints keep the module's names).
-        LoRA: the adapters in PEFT's format, and with ``lora.export_merged`` the base with the
-        adapters merged in (``NAME-merged``), ready to serve.
-        """
+        """The policy's weights and tokenizer under ``checkpoints/``, for other tools to load: full fine-tuning, an
+        HF checkpoint in ``model.dtype`` in transformers' own layout (which may shard or convert to the hub's names;
+        step checkpoints keep the module's names); LoRA, the adapters in PEFT's format (a role's own in ``ROLE/``),
+        and with ``lora.export_merged`` the base with the shared adapters merged in (``NAME-merged``)."""
         checkpoint.refuse_non_finite(self, name)
         path = self.policy.save(self.writer.dir / "checkpoints" / name, self.tokenizer)
         if self.policy.is_lora and self.config.lora.export_merged:
@@ -295,14 +297,15 @@ class Trainer:
         metrics["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
         if a.void_turn_filter:
             metrics["void_turn_filtered"] = len(free) - sum(free)
-            per_episode = [rows for rows, keep in zip(per_episode, free) if keep]
-        return [row for rows in per_episode for row in rows], len(per_episode)
+        kept = [(e, rows) for e, rows, keep in zip(valid, per_episode, free) if keep or not a.void_turn_filter]
+        shared = self.own.take([e for e, _ in kept], [rows for _, rows in kept])  # (roles with policies of their own)
+        return [row for rows in shared for row in rows], len(kept)
 
     def update(self, rows: list[TrainSequence], step: int) -> dict[str, float]:
         """Phase 4: PPO updates on the collated rows; the engine gets the new weights as version ``step + 1``."""
         learner = self.learner
         self.followers.update(rows)  # (data-parallel: the follower ranks train on their shares of the same rows)
-        update = learner.update(learner.collate(rows)) if rows else {}
+        update = {**(learner.update(learner.collate(rows)) if rows else {}), **self.own.update()}
         if rows:
             health.check_update(self, step)
         if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
@@ -331,11 +334,11 @@ class Trainer:
 
 
 def rollout_worker(config: Config, spec: RolloutSpec, policy: Policy, renderer, env_cls: type,
-                   memory: MemoryPlan | None, runner: EpisodeRunner):
+                   memory: MemoryPlan | None, runner: EpisodeRunner, own: OwnRoles | None = None):
     """The run's rollout worker: Ray actors that load the model themselves (``distributed.backend = "ray"``; the
     weights follow by ``load_weights``; each builds its own episode runner from the spec), or one in this process
     over an engine with its own copy of the policy, sized by the memory plan where there is one, playing through
-    ``runner``."""
+    ``runner`` (and an engine per role with a policy of its own, ``own``)."""
     d = config.distributed
     if d.backend == "ray":
         from ctxrl.distributed.pool import RayRolloutPool
@@ -343,7 +346,8 @@ def rollout_worker(config: Config, spec: RolloutSpec, policy: Policy, renderer, 
         return RayRolloutPool(spec, workers=d.rollout_workers, address=d.address or None, timeout_s=d.timeout_s)
     sizes = {} if memory is None else {"max_batch_size": memory.kv_slots, "prefill_tokens": memory.prefill_tokens}
     engine = spec_engine(spec, policy.engine_model(), renderer, **sizes)
-    return RolloutWorker(spec, engine, renderer, env_cls, runner=runner)
+    return RolloutWorker(spec, engine, renderer, env_cls, runner=runner,
+                         role_engines=own.engines(spec, renderer) if own is not None else None)
 
 
 def train(config: Config, run_dir: str | Path, *, progress: Progress | None = None,
@@ -399,6 +403,9 @@ def data_parallel(config: Config, resume: bool = False):
     if config.distributed.backend != "none":
         raise ConfigError("a data-parallel learner (torchrun) runs its rollouts in rank 0's process; it cannot be "
                           f"combined with distributed.backend={config.distributed.backend!r} yet")
+    if own_roles(config):
+        raise ConfigError("roles.policies ROLE=own (a LoRA adapter per role) is not supported under torchrun yet: "
+                          "train it in one process")
     if resume:
         raise ConfigError("--resume under torchrun is not supported yet: resume the run in one process (the "
                           "checkpoint is the same whatever the number of learner ranks)")
@@ -523,10 +530,11 @@ def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token
 def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
     """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
 
-    Used after errored episodes are removed: a group left with one valid episode has no baseline.
+    Used after errored episodes are removed: a group left with one valid episode has no baseline. A group is a
+    task group's episodes of one role (``Episode.baseline_group``): the seats of a match are compared by role.
     """
-    counts: dict[int, int] = {}
+    counts: dict[tuple[int, str], int] = {}
     for e in episodes:
-        counts[e.group_id] = counts.get(e.group_id, 0) + 1
-    kept = [e for e in episodes if counts[e.group_id] >= 2]
+        counts[e.baseline_group] = counts.get(e.baseline_group, 0) + 1
+    kept = [e for e in episodes if counts[e.baseline_group] >= 2]
     return kept, len(episodes) - len(kept)

@@ -106,6 +106,16 @@ class Estimator:
         """
         raise NotImplementedError(f"{type(self).__name__} must define estimate()")
 
+    def state_dict(self) -> dict:
+        """What the estimator carries from step to step (``rae``'s baselines), as JSON values: saved in checkpoints
+        and restored on resume (``load_state_dict``). Most estimators carry nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        if state:
+            raise ValueError(f"the {self.name} estimator carries no state, but the checkpoint holds {sorted(state)}")
+
 
 def trained_sequences(episode: Episode) -> list[Segment]:
     """The sequences of ``episode`` that become training rows: the episode itself when it is one sequence, else

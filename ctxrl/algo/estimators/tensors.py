@@ -19,7 +19,10 @@ def padded(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def group_ids(episodes: list[Episode]) -> torch.Tensor:
-    return torch.tensor([e.group_id for e in episodes], dtype=torch.long)
+    """[N] ids of the episodes' baseline groups: one per (task group, role) (``Episode.baseline_group``), so the
+    seats of a multi-role match are compared within their role; a single-agent episode's is its task group."""
+    index: dict[tuple[int, str], int] = {}
+    return torch.tensor([index.setdefault(e.baseline_group, len(index)) for e in episodes], dtype=torch.long)
 
 
 def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
