@@ -47,7 +47,6 @@ ARMS = {
     "before": ["rollout.max_batch_size=128", "train.micro_batch_size=32", "train.max_tokens_per_microbatch={before}"],
     "tuned": ["rollout.max_batch_size=512", "train.micro_batch_size=512", "train.max_tokens_per_microbatch=32768"],
 }
-PROMPT_MARKERS = 8
 """Tokens the chat template adds around a prompt of words (system turn, markers, roles)."""
 SMOKE = {"model": "qwen2-test", "prompts": 4, "generations": 2, "completion_tokens": 16, "prompt_words": 16,
          "steps": 2, "device": "cpu", "dtype": "float32", "before_tokens": 256}
@@ -84,12 +83,29 @@ def arm_overrides(spec: str, args) -> tuple[str, list[str]]:
     return spec, [o.format(before=args.before_tokens) for o in ARMS[spec]]
 
 
+def prompt_tokens(checkpoint: Path, words: int) -> int:
+    """The rendered prompt's tokens under the checkpoint's chat template (system turn, the words, the assistant
+    header), so that every completion gets exactly ``--completion-tokens`` before the run's length limit."""
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ENVS))
+    from fixed_length import FixedLengthEnv
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    messages = [{"role": "system", "content": FixedLengthEnv.system_prompt},
+                {"role": "user", "content": " ".join(["word"] * words)}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    marker_ids = len(ids) - len(tokenizer(" ".join(["word"] * words), add_special_tokens=False)["input_ids"])
+    return words + marker_ids  # (each of the environment's words is one token: ctxrl.models.shapes.BENCH_WORDS)
+
+
 def base_overrides(args, checkpoint: Path) -> list[str]:
     return [f"model.name={checkpoint}", f"model.dtype={args.dtype}", f"model.device={args.device}",
             "env.name=fixed_length:FixedLengthEnv", "env.max_turns=1", "sft.enabled=false",
             f"rollout.tasks_per_step={args.prompts}", f"rollout.group_size={args.generations}",
             f"rollout.max_new_tokens={args.completion_tokens}",
-            f"rollout.max_total_tokens={args.prompt_words + PROMPT_MARKERS + args.completion_tokens}",
+            f"rollout.max_total_tokens={prompt_tokens(checkpoint, args.prompt_words) + args.completion_tokens}",
             "eval.tasks=1", "train.eval_every=0", "run.progress=false", "run.samples_per_step=0"]
 
 
@@ -133,18 +149,21 @@ def summarise(metrics: Path) -> dict:
     return {"steps_timed": len(timed), "step_s": median("time_step"), "rollout_s": median("time_rollout"),
             "update_s": median("time_update"), "peak_gib": median("peak_gpu_gib"),
             "tokens": median("tokens"), "kv_slots": memory.get("kv_slots"),
-            "learner_tokens": memory.get("learner_tokens"), "planned_gib": memory.get("planned_gib")}
+            "learner_tokens": memory.get("learner_tokens"), "planned_gib": memory.get("planned_gib"),
+            "micro_batches": median("learner_micro_batches"), "flat_forward": median("learner_flat_forward")}
 
 
 def print_table(report: dict) -> None:
     print(f"\n{report['card']} | {report['model']} {report['dtype']} | {report['workload']}")
-    print(f"{'arm':<10} {'step s':>7} {'rollout':>8} {'update':>7} {'peak GiB':>9} {'KV slots':>9} {'tokens/mb':>10}")
+    print(f"{'arm':<10} {'step s':>7} {'rollout':>8} {'update':>7} {'peak GiB':>9} {'KV slots':>9} {'tokens/mb':>10} "
+          f"{'micro':>6} {'flat':>5}")
     for r in report["arms"]:
         if "error" in r:
             print(f"{r['arm']:<10} error: {r['error']}")
             continue
-        cells = [r.get(k) for k in ("step_s", "rollout_s", "update_s", "peak_gib", "kv_slots", "learner_tokens")]
-        widths = (7, 8, 7, 9, 9, 10)
+        cells = [r.get(k) for k in ("step_s", "rollout_s", "update_s", "peak_gib", "kv_slots", "learner_tokens",
+                                    "micro_batches", "flat_forward")]
+        widths = (7, 8, 7, 9, 9, 10, 6, 5)
         print(f"{r['arm']:<10} " + " ".join(f"{'-' if v is None else v:>{w}}" for v, w in zip(cells, widths)))
 
 

@@ -218,6 +218,7 @@ def test_train_step_times_the_real_command_on_the_cpu(tmp_path):
     assert arm["steps_timed"] == 1 and arm["step_s"] > 0 and arm["rollout_s"] > 0 and arm["update_s"] > 0
     # 4 prompts x 2 completions of exactly 16 tokens (a random policy never stops) after a 16-word prompt
     assert arm["tokens"] >= 4 * 2 * (16 + 16)
+    assert arm["micro_batches"] >= 1 and arm["flat_forward"] == 0  # (the CPU trains through HF's pass)
     assert json.loads((tmp_path / "train_step.json").read_text())["arms"][0]["arm"] == "default"
     args = bench.parser().parse_args(["--before-tokens", "3328"])
     assert bench.arm_overrides("before", args)[1][-1] == "train.max_tokens_per_microbatch=3328"

@@ -144,6 +144,10 @@ class Learner:
         self.reference = reference if reference is None or isinstance(reference, Reference) else Reference(reference)
         self.precision = precision or Precision()
         self.generator = torch.Generator().manual_seed(seed)
+        self.micro_batches_run = 0
+        """Micro-batches the last ``update`` ran (every epoch's)."""
+        self.flat_rows = False
+        """Whether the last micro-batches ran through the flat forward pass (``ctxrl.models.flat``)."""
         self.skipped_updates = 0
         self.parallel = parallel
         """A ``ctxrl.distributed.data_parallel.DataParallel``: this rank trains on its share of each mini-batch's
@@ -169,6 +173,7 @@ class Learner:
         before = {}
         if s.old_logprobs == "recompute":
             batch, before = self.recompute_old_logprobs(batch)
+        self.micro_batches_run = 0
         for _ in range(s.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.generator).tolist()
             chunk = math.ceil(len(order) / s.mini_batches)
@@ -177,7 +182,10 @@ class Learner:
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
-        return {**before, **{k: v / max(count, 1) for k, v in totals.items()}}
+        # which pass trained and in how many micro-batches an epoch: the sizes a user tunes, seen in the step's row
+        layout = {"learner_micro_batches": self.micro_batches_run / max(s.ppo_epochs, 1),
+                  "learner_flat_forward": float(self.flat_rows)}
+        return {**before, **{k: v / max(count, 1) for k, v in totals.items()}, **layout}
 
     @torch.no_grad()
     def recompute_old_logprobs(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -232,6 +240,7 @@ class Learner:
                                               s.max_tokens_per_microbatch):
                     self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
                                       value_count=value_count)
+                    self.micro_batches_run += 1
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
             sums = self.parallel.sum_figures({k: sums.get(k, 0.0) for k in figure_keys(
                 self.settings, kl=self.reference is not None, critic=self.critic is not None)}, self.device)
@@ -243,11 +252,11 @@ class Learner:
         """``micro_batch_size``, or every row where only the token budget should bound a micro-batch: the flat
         forward pass (no padding: its memory follows the tokens) with a budget, over rows it takes."""
         s = self.settings
-        if s.max_tokens_per_microbatch <= 0 or not len(batch):
+        decoder = training_decoder(self.model, s.flat_forward) if len(batch) else None
+        self.flat_rows = decoder is not None and decoder.fits(int(batch.lengths.max()))
+        if s.max_tokens_per_microbatch <= 0:
             return s.micro_batch_size
-        decoder = training_decoder(self.model, s.flat_forward)
-        flat = decoder is not None and decoder.fits(int(batch.lengths.max()))
-        return max(len(batch), s.micro_batch_size) if flat else s.micro_batch_size
+        return max(len(batch), s.micro_batch_size) if self.flat_rows else s.micro_batch_size
 
     def _share(self, batch: Batch) -> tuple[list[int], Batch]:
         """The rows of ``batch`` this learner trains on (all of them, or this rank's share), and those rows."""
