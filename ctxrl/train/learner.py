@@ -183,8 +183,8 @@ class Learner:
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
         # which pass trained and in how many micro-batches an epoch: the sizes a user tunes, seen in the step's row
-        layout = {"learner_micro_batches": self.micro_batches_run / max(s.ppo_epochs, 1),
-                  "learner_flat_forward": float(self.flat_rows)}
+        # (this rank's own under data parallelism: LAYOUT_KEYS describe how it ran, not what it computed)
+        layout = dict(zip(LAYOUT_KEYS, (self.micro_batches_run / max(s.ppo_epochs, 1), float(self.flat_rows))))
         return {**before, **{k: v / max(count, 1) for k, v in totals.items()}, **layout}
 
     @torch.no_grad()
@@ -397,6 +397,11 @@ def figure_keys(s: PPOSettings, *, kl: bool, critic: bool) -> list[str]:
     if critic:
         keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
     return keys
+
+
+LAYOUT_KEYS = ("learner_micro_batches", "learner_flat_forward")
+"""Figures of an update that say how this process ran it (micro-batches an epoch, the flat pass or not), not what
+it computed: under data parallelism each rank reports its own share's."""
 
 
 def mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float]:
