@@ -85,25 +85,30 @@ def test_turn_level_advantages_per_role_on_recorded_matches(renderer):
 
 
 def test_role_conditioned_baselines_by_hand():
-    """alpha = 0.5. Step 1: player_0 returns (2, -1), mean 0.5: b = 0.5*0 + 0.5*0.5 = 0.25, A = (1.75, -1.25);
-    player_1 (-2, 1), mean -0.5: b = -0.25, A = (-1.75, 1.25). Step 2: player_0 returns 1: b = 0.5*0.25 + 0.5*1
-    = 0.625, A = 0.375; player_1 keeps its baseline."""
+    """alpha = 0.5; advantages against the baseline before the step moves it (SPIRAL). Step 1: baselines 0, so
+    A = the returns (2, -2, -1, 1); then player_0's returns (2, -1), mean 0.5: b = 0.5*0 + 0.5*0.5 = 0.25;
+    player_1's (-2, 1), mean -0.5: b = -0.25. Step 2: player_0 returns 1: A = 1 - 0.25 = 0.75, then
+    b = 0.5*0.25 + 0.5*1 = 0.625; player_1 keeps its baseline. With alpha = 0 and one episode a role a step,
+    A = R - R_previous (not 0: an episode's own return is never its baseline)."""
     advantages, baselines = rae_advantages(torch.tensor([2.0, -2.0, -1.0, 1.0]), torch.tensor([0, 1, 0, 1]),
                                            torch.zeros(2), alpha=0.5)
-    assert advantages.tolist() == pytest.approx([1.75, -1.75, -1.25, 1.25])
+    assert advantages.tolist() == pytest.approx([2.0, -2.0, -1.0, 1.0])
     assert baselines.tolist() == pytest.approx([0.25, -0.25])
     rae_cls = get_estimator("rae")
     rae = rae_cls(options=rae_cls.Settings(alpha=0.5))
     step1 = [advantage(r) for r in rae.estimate(MATCHES[:4])]
-    assert step1 == pytest.approx([1.75, -1.75, -1.25, 1.25]) and rae.baselines == pytest.approx(
+    assert step1 == pytest.approx([2.0, -2.0, -1.0, 1.0]) and rae.baselines == pytest.approx(
         {"player_0": 0.25, "player_1": -0.25})
     again = rae_cls(options=rae_cls.Settings(alpha=0.5))
     again.load_state_dict(rae.state_dict())  # what a checkpoint carries
     for estimator in (rae, again):
-        assert [advantage(r) for r in estimator.estimate([seat(2, "player_0", 1.0)])] == pytest.approx([0.375])
+        assert [advantage(r) for r in estimator.estimate([seat(2, "player_0", 1.0)])] == pytest.approx([0.75])
         assert estimator.baselines == pytest.approx({"player_0": 0.625, "player_1": -0.25})
     assert not rae_cls.needs_groups and rae_cls.one_per_episode
     with pytest.raises(ValueError, match="carries no state"):
         get_estimator("grpo")().load_state_dict({"baselines": {}})
+    first, b = rae_advantages(torch.tensor([3.0]), torch.tensor([0]), torch.zeros(1), alpha=0.0)
+    second, _ = rae_advantages(torch.tensor([5.0]), torch.tensor([0]), b, alpha=0.0)
+    assert first.tolist() == [3.0] and second.tolist() == [2.0]
     with pytest.raises(ValueError, match="alpha"):
         rae_advantages(torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.zeros(1), alpha=1.5)

@@ -19,6 +19,7 @@ from ctxrl.engine.hf import HFEngine
 from ctxrl.envs.check import check_env
 from ctxrl.envs.kuhn_poker import KuhnPokerEnv, payoff
 from ctxrl.envs.propose_solve import ProposeSolveEnv, check_problem, edge_reward
+from ctxrl.errors import CheckpointError
 from ctxrl.eval.arena import elo_ratings, wilson_interval
 from ctxrl.eval.evaluate import evaluate_split
 from ctxrl.rollout.spec import RolloutSpec
@@ -161,7 +162,6 @@ def test_the_configuration_refuses_what_cannot_work(overrides, message):
         load_config(None, overrides)
 
 
-@pytest.mark.slow  # three Trainers and four steps: ~20 s on two idle cores
 def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_path):
     """player_1 plays a LoRA adapter of its own (roles.policies player_1=own) beside the shared one on one base:
     each adapter is trained by its own optimiser on its own seats only, and two steps with a checkpoint and a
@@ -188,11 +188,13 @@ def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_pat
     stopped = Trainer(config, tmp_path / "stopped")
     stopped.make_learner()
     stopped.step(0)
+    stopped.own.learners["player_1"].skipped_updates = 2  # (a role's own count, resumed with it)
     path = checkpoint.save(stopped, 1)
     assert (path / "player_1" / "adapter_model.safetensors").exists()
     resumed = Trainer(config, tmp_path / "stopped")
     resumed.make_learner()
     assert checkpoint.resume(resumed) == 1
+    assert resumed.own.learners["player_1"].skipped_updates == 2 and resumed.learner.skipped_updates == 0
     resumed.step(1)
     for adapter in ("default", "player_1"):
         mine = adapter_parameters(resumed.model, adapter)
@@ -201,3 +203,7 @@ def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_pat
                            (straight.own.learners["player_1"], resumed.own.learners["player_1"])):
         a, b = learner.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
         assert a.keys() == b.keys() and all(torch.equal(a[k]["exp_avg"], b[k]["exp_avg"]) for k in a)
+    with torch.no_grad():  # a role's adapter gone non-finite is never saved, as the shared policy's is not
+        next(iter(own.values())).fill_(float("nan"))
+    with pytest.raises(CheckpointError, match="player_1"):
+        checkpoint.save(straight, 3)

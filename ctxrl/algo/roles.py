@@ -44,7 +44,9 @@ def rae_advantages(rewards: torch.Tensor, roles: torch.Tensor, baselines: torch.
     """SPIRAL's role-conditioned advantages and the updated baselines.
 
     rewards: [N] float; roles: [N] int in ``[0, R)``; baselines: [R] float  ->  (advantages [N], baselines [R]).
-    A role with no episode in the batch keeps its baseline.
+    Each advantage is ``R - b_role`` against the baseline *before* this step's returns move it (as SPIRAL does:
+    an episode's own return never enters the baseline it is judged against), then each role's baseline becomes
+    ``alpha * b + (1 - alpha) * mean(its returns)``. A role with no episode in the batch keeps its baseline.
     """
     if rewards.dim() != 1 or roles.shape != rewards.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and roles {tuple(roles.shape)} must be equal [N] tensors")
@@ -56,4 +58,4 @@ def rae_advantages(rewards: torch.Tensor, roles: torch.Tensor, baselines: torch.
             raise ValueError(f"role index {r} outside the {len(updated)} baselines")
         members = roles == r
         updated[r] = alpha * updated[r] + (1.0 - alpha) * rewards[members].float().mean()
-    return rewards.float() - updated[roles], updated
+    return rewards.float() - baselines.float()[roles], updated

@@ -151,7 +151,7 @@ def refuse_non_finite(trainer: Checkpointed, name: str) -> None:
     """A ``CheckpointError`` naming the last good checkpoint when the weights to be saved as ``checkpoints/NAME``
     hold a NaN or an infinity: a checkpoint is never written that would resume into them."""
     if trainer.learner is not None:
-        bad = non_finite_weights(trainer.learner)
+        bad = non_finite_weights(trainer.learner) + trainer.own.non_finite()
     else:
         bad = non_finite((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
     if bad:

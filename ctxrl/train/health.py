@@ -48,7 +48,7 @@ def check_sampled(trainer, episodes: list[Episode], step: int) -> None:
 def check_update(trainer, step: int) -> None:
     """``TrainingAborted`` when the update left NaN or infinite values in a trained tensor: they are never trained
     on, saved or handed to the engine."""
-    bad, lr = non_finite_weights(trainer.learner), trainer.config.train.lr
+    bad, lr = non_finite_weights(trainer.learner) + trainer.own.non_finite(), trainer.config.train.lr
     if bad:
         raise TrainingAborted(
             f"step {step + 1}: the update left NaN or infinite values in {len(bad)} trained tensors "

@@ -120,6 +120,24 @@ class OwnRoles:
         self.pending = {}
         return out
 
+    def skipped_all(self, update: dict[str, float]) -> bool:
+        """Whether some role's learner skipped every mini-batch update of the step (its ``skipped_ROLE`` figure)."""
+        return any(update.get(f"skipped_{role}", 0.0) >= 1.0 for role in self.learners)
+
+    def non_finite(self) -> list[str]:
+        """The roles' trained tensors holding a NaN or an infinity: each adapter and its optimiser's masters."""
+        from ctxrl.train.checkpoint import non_finite
+        from ctxrl.train.precision import trainable_grads
+
+        named = []
+        for role, learner in self.learners.items():
+            adapter = adapter_parameters(self.policy.model, role)
+            seen = {id(p) for p in adapter.values()}
+            named += [(f"{role}: {n}", p) for n, p in adapter.items()]
+            named += [(f"{role}: optimizer master {i}", m) for i, m in enumerate(trainable_grads(learner.optimizer))
+                      if id(m) not in seen]
+        return non_finite(named)
+
     def sync(self, worker, version: int) -> None:
         """Each role's engine gets its adapter, as policy ``version``."""
         for role in self.roles:
@@ -132,7 +150,8 @@ class OwnRoles:
         for role, learner in self.learners.items():
             save_state(learner.optimizer.state_dict(), directory, f"optimizer-{role}")
             save_state(rng_state({"learner": learner.generator}), directory, f"rng-{role}")
-        return {"own_roles": list(self.roles)}
+        return {"own_roles": list(self.roles),
+                "own_skipped_updates": {role: learner.skipped_updates for role, learner in self.learners.items()}}
 
     def resume(self, directory: Path, state: dict, load_state, read_tensors, set_rng_state) -> None:
         """Restore each role's adapter, optimiser and generator from a checkpoint ``save`` wrote."""
@@ -148,3 +167,4 @@ class OwnRoles:
             set_peft_model_state_dict(self.policy.model, read_tensors(file), adapter_name=role)
             learner.optimizer.load_state_dict(load_state(directory, f"optimizer-{role}"))
             set_rng_state(load_state(directory, f"rng-{role}"), {"learner": learner.generator})
+            learner.skipped_updates = int(state.get("own_skipped_updates", {}).get(role, 0))

@@ -308,7 +308,8 @@ class Trainer:
         update = {**(learner.update(learner.collate(rows)) if rows else {}), **self.own.update()}
         if rows:
             health.check_update(self, step)
-        if update and update.get("skipped", 0.0) >= 1.0:  # every mini-batch update of the step was skipped
+        # every mini-batch update of the step was skipped, the shared policy's or a role's own
+        if update and (update.get("skipped", 0.0) >= 1.0 or self.own.skipped_all(update)):
             self.consecutive_skips += 1
         elif update:
             self.consecutive_skips = 0
