@@ -207,3 +207,28 @@ def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_pat
         next(iter(own.values())).fill_(float("nan"))
     with pytest.raises(CheckpointError, match="player_1"):
         checkpoint.save(straight, 3)
+
+
+def test_pinned_seats_are_never_dropped_as_stale_in_asynchronous_rounds():
+    """A scripted or frozen seat is played by a policy that never moves (policy_version 0 forever): an asynchronous
+    round keeps it whatever the learner's version, and leaves it out of the staleness figures."""
+    from types import SimpleNamespace
+
+    from ctxrl.config import RewardConfig
+    from ctxrl.train.collect import Collector
+    from ctxrl.types import Episode, Task
+
+    def seat(version: int, trains: bool) -> Episode:
+        e = Episode(task=Task(id="t", prompt="p", answer="a"), policy_version=version)
+        if not trains:
+            e.info["trains"] = False
+        return e
+
+    played = [seat(5, True), seat(3, True), seat(0, False)]
+    worker = SimpleNamespace(policy_version=5, submit=lambda request: request, collect=lambda submitted: played)
+    config = SimpleNamespace(train=SimpleNamespace(steps=1), distributed=SimpleNamespace(max_staleness=1),
+                             reward=RewardConfig(), rollout=SimpleNamespace(max_total_tokens=64))
+    fake = SimpleNamespace(_prefetched=None, worker=worker, config=config, rollout_request=lambda step, r: None)
+    collected = Collector.asynchronous_round(fake, 0)
+    assert collected.episodes == [played[0], played[2]]  # the two-versions-old trained seat goes; the pinned stays
+    assert collected.metrics == {"staleness_mean": 1.0, "staleness_max": 2.0, "stale_dropped": 1.0}

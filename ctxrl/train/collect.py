@@ -80,8 +80,10 @@ class Collector:
             self._prefetched = (step + 1, self.worker.submit(self.rollout_request(step + 1, 0)))
         episodes = self.worker.collect(submitted)
         current, eta = self.worker.policy_version, self.config.distributed.max_staleness
-        kept = [e for e in episodes if current - e.policy_version <= eta]
-        ages = [current - e.policy_version for e in episodes]
+        # (a pinned seat, scripted or frozen, is played by a policy that never moves: it is never stale)
+        trains = [e for e in episodes if e.info.get("trains", True)]
+        kept = [e for e in episodes if not e.info.get("trains", True) or current - e.policy_version <= eta]
+        ages = [current - e.policy_version for e in trains]
         shape_rewards(kept, self.config.reward, max_total_tokens=self.config.rollout.max_total_tokens)
         return Collected(kept, kept, {"staleness_mean": sum(ages) / max(len(ages), 1),
                                       "staleness_max": float(max(ages, default=0)),
