@@ -739,6 +739,17 @@ def _validate_judge(config: Config) -> None:
                           "scores to the reward; set a weight (1 is the default) or reward.judge=\"\"")
     if r.judge.startswith(("http:", "https:")) and not r.judge.startswith(("http://", "https://")):
         raise ConfigError(f"reward.judge={r.judge!r} is not a URL; an endpoint is written http://HOST:PORT/v1")
+    from ctxrl.envs.base import EnvError
+    from ctxrl.envs.roles import is_multi_role
+
+    try:
+        env_cls = _env_class(config.env.name)
+    except EnvError:
+        return  # (an unknown environment is the rollout's error, with the known names)
+    if is_multi_role(env_cls):
+        raise ConfigError(f"reward.judge grades one agent's episodes; environment {config.env.name!r} plays "
+                          f"several roles ({', '.join(env_cls.roles)}), whose seats a judge does not grade yet: "
+                          "set reward.judge=\"\" (docs/judges.md)")
 
 
 def _validate_algo(config: Config, estimator: type) -> None:

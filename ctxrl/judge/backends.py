@@ -16,7 +16,9 @@ Temperature 0 is the first ask; ``Judge`` asks again with sampling after a malfo
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 from typing import Any
 
 from ctxrl.errors import ConfigError
@@ -79,15 +81,29 @@ class EndpointBackend:
             client, self._client, self._loop = self._client, None, None
             await client.close()
 
-    async def complete(self, messages: list[Message], max_tokens: int, *, temperature: float = 0.0,
-                       seed: int | None = None) -> str:
+    async def ready(self) -> None:
+        """Name the model before any question is keyed (``identity``): without ``reward.judge_model``, the first
+        the endpoint lists (``ctxrl serve`` serves one). A verdict is then never cached under an empty model name
+        that a later checkpoint behind the same URL would share."""
+        if self.model:
+            return
         openai, client = self.openai, self.client()
         try:
-            if not self.model:  # (ctxrl serve serves one model: the first listed is the one)
-                listed = await client.models.list()
-                if not listed.data:
-                    raise JudgeUnavailable(f"{self.base_url} lists no model; set reward.judge_model", permanent=True)
-                self.model = listed.data[0].id
+            listed = await client.models.list()
+        except openai.APIStatusError as exc:
+            raise JudgeUnavailable(f"{self.base_url} answered HTTP {exc.status_code} to /models: {_message(exc)}; "
+                                   "set reward.judge_model") from None
+        except openai.APIError as exc:
+            raise JudgeUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
+        if not listed.data:
+            raise JudgeUnavailable(f"{self.base_url} lists no model; set reward.judge_model", permanent=True)
+        self.model = listed.data[0].id
+
+    async def complete(self, messages: list[Message], max_tokens: int, *, temperature: float = 0.0,
+                       seed: int | None = None) -> str:
+        await self.ready()
+        openai, client = self.openai, self.client()
+        try:
             response = await client.chat.completions.create(
                 model=self.model, messages=[m.to_chat() for m in messages], max_tokens=max_tokens,
                 temperature=temperature, **({} if seed is None else {"seed": seed}))
@@ -120,6 +136,7 @@ class LocalBackend:
         from ctxrl.models.loader import generation_end_ids, load_model, load_tokenizer
 
         self.name = name
+        self.fingerprint = weights_fingerprint(name)
         tokenizer = load_tokenizer(name)
         self.renderer = ChatRenderer(tokenizer, template_name=name, end_ids=generation_end_ids(name))
         model = load_model(name, dtype=dtype, device=device).eval()
@@ -127,7 +144,10 @@ class LocalBackend:
 
     @property
     def identity(self) -> dict[str, str]:
-        return {"local": self.name}
+        return {"local": self.name, "weights": self.fingerprint}
+
+    async def ready(self) -> None:
+        """Nothing to ask: the model is loaded."""
 
     async def aclose(self) -> None:
         """Nothing to close: the engine stays loaded for the next request."""
@@ -146,3 +166,18 @@ class LocalBackend:
                                 stop_ids=tuple(self.renderer.end_ids), seed=seed)
         completion = await self.engine.generate(ids, params)
         return self.renderer.decode(completion.token_ids[:-1] if completion.closed else completion.token_ids)
+
+
+def weights_fingerprint(name: str) -> str:
+    """What a local judge's cache keys name besides ``name``: the resolved directory's absolute path and the size and
+    modification time of each of its files, so a relative path in another project, or a checkpoint written again
+    under the same name, never meets verdicts another model gave."""
+    from ctxrl.models.loader import resolve
+
+    try:
+        directory = Path(resolve(name)).resolve()
+    except Exception:  # noqa: BLE001 - a hub name the loader finds later: the name is all there is to key on
+        return name
+    files = sorted(f for f in directory.iterdir() if f.is_file()) if directory.is_dir() else [directory]
+    stamp = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return f"{directory}|{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"

@@ -71,9 +71,20 @@ class Judge:
     async def grade(self, episode: Episode, limit: asyncio.Semaphore | None = None) -> dict[str, Any]:
         """``info["judge"]`` of ``episode`` (module docstring); ``JudgeError`` when every try failed."""
         started = time.perf_counter()
+        await self.ready()
         messages, key = self.question(episode)
         result = await self.answer(messages, key, limit)
         return {**result, "seconds": time.perf_counter() - started}
+
+    async def ready(self) -> None:
+        """The backend knows which model it asks (its ``identity`` keys the cache); ``JudgeError`` if it cannot."""
+        ready = getattr(self.backend, "ready", None)
+        if ready is None:
+            return
+        try:
+            await ready()
+        except JudgeUnavailable as exc:
+            raise JudgeError(f"the judge could not name its model: {exc}") from None
 
     async def answer(self, messages, key: str, limit: asyncio.Semaphore | None = None) -> dict[str, Any]:
         """The cached verdict under ``key``, else the judge's (then cached)."""
@@ -105,6 +116,9 @@ class Judge:
                 problems.append(str(exc))
                 if exc.permanent:
                     break
+                await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
+            except Exception as exc:  # noqa: BLE001 - anything else (a local judge out of memory, a client's own
+                problems.append(f"{type(exc).__name__}: {exc}")  # error) is this episode's, never the request's
                 await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
         raise JudgeError(f"{len(problems)} of {1 + spec.retries} tries failed; last: {problems[-1]}")
 
@@ -138,11 +152,12 @@ class JudgeRound:
 
     async def attach(self, episode: Episode) -> None:
         started = time.perf_counter()
-        messages, key = self.judge.question(episode)
-        first = key not in self.asked
-        if first:
-            self.asked[key] = asyncio.ensure_future(self.judge.answer(messages, key, self.limit))
         try:
+            await self.judge.ready()
+            messages, key = self.judge.question(episode)
+            first = key not in self.asked
+            if first:
+                self.asked[key] = asyncio.ensure_future(self.judge.answer(messages, key, self.limit))
             result = await asyncio.shield(self.asked[key])
         except JudgeError as exc:
             episode.truncation = "error"
