@@ -492,13 +492,14 @@ EXAMPLES = {
     "check-env": (".venv/bin/ctxrl check-env minesweeper\n"
                   "  .venv/bin/ctxrl check-env fact_hunt --lengths tiny:envs=calculator+fact_hunt\n"
                   "  .venv/bin/ctxrl check-env jsonl_tools --data tasks.jsonl --tools calculator --verifier numeric\n"
-                  "  .venv/bin/ctxrl check-env jsonl_tools --data examples/mcp/tasks.jsonl --mcp-server "
-                  "'python examples/mcp/arith_server.py'\n"
+                  "  .venv/bin/ctxrl check-env jsonl_tools --data examples/mcp/tasks.jsonl --verifier numeric "
+                  "--mcp-server 'python examples/mcp/calculator_server.py'\n"
                   "  .venv/bin/ctxrl check-env mypkg.maze:MazeEnv --json"),
-    "tools": (".venv/bin/ctxrl tools examples/mcp_tiny.toml\n"
-              "  .venv/bin/ctxrl tools examples/calculator_tiny.toml env.mcp_servers='[\"http://127.0.0.1:8000/mcp\"]'"),
+    "tools": (".venv/bin/ctxrl tools examples/mcp/calculator.toml\n"
+              "  .venv/bin/ctxrl tools examples/calculator_tiny.toml "
+              "env.mcp_servers='[\"http://127.0.0.1:8000/mcp\"]'   # with ctxrl mcp-serve --tools python --port 8000"),
     "mcp-serve": (".venv/bin/ctxrl mcp-serve --tools calculator,python            # stdio, for a client to start\n"
-                  "  .venv/bin/ctxrl mcp-serve --port 8000                           # http://127.0.0.1:8000/mcp"),
+                  "  .venv/bin/ctxrl mcp-serve --tools python --port 8000            # http://127.0.0.1:8000/mcp"),
     "report": (".venv/bin/ctxrl report runs/calc            # writes runs/calc/report.html\n"
                "  .venv/bin/ctxrl report runs/a runs/b --out compare.html"),
 }
@@ -700,9 +701,20 @@ def _add_mcp_serve_parser(sub: argparse._SubParsersAction) -> None:
                      "command), or streamable HTTP at http://HOST:PORT/mcp with --port (docs/mcp.md).")
     serve.add_argument("--tools", default=",".join(BUILTIN_TOOLS),
                        help=f"comma-separated built-in tools to serve (default: all, {','.join(BUILTIN_TOOLS)})")
-    serve.add_argument("--port", type=int, help="serve streamable HTTP on this port instead of stdio")
+    serve.add_argument("--port", type=_port, help="serve streamable HTTP on this port instead of stdio")
     serve.add_argument("--host", default="127.0.0.1", help="with --port: the address to listen on (default loopback)")
     serve.set_defaults(fn=cmd_mcp_serve)
+
+
+def _port(text: str) -> int:
+    """A TCP port from the command line: 1..65535 (a larger number would wrap around to another port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: use 1-65535")
+    return port
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:

@@ -44,7 +44,9 @@ import tomllib
 NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
                   r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z][A-Za-z0-9.+]*(?:-[A-Za-z0-9.+]+)*))?$")
 TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math", "sq": "search_qa",
-         "hw": "hidden_word", "ca": "calculator"}
+         "hw": "hidden_word", "ca": "calculator", "cs": "reasoning_gym:chain_sum", "csnt": "reasoning_gym:chain_sum",
+         "pr": "reasoning_gym:products", "lc": "reasoning_gym:leg_counting", "kuhn": "kuhn_poker",
+         "ps": "propose_solve"}
 # 135: SmolLM2-135M-Instruct; 270: Gemma 3 270M (base): the real models
 SIZES = {"1": "1M", "5": "5.2M", "26": "26M", "135": "135M", "270": "270M"}
 

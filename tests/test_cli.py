@@ -161,3 +161,18 @@ def test_served_model_name_is_the_configs() -> None:
         "tiny", ("final", "runs/calc/checkpoints/final"))
     assert served_names("tiny", "calc", "runs/c/final") == ("calc", ("tiny", "final", "runs/c/final"))
     assert served_names("Qwen/Qwen2.5-0.5B-Instruct", None, None) == ("Qwen/Qwen2.5-0.5B-Instruct", ())
+
+
+def test_every_file_a_commands_help_names_exists_and_a_bad_port_is_refused(tmp_path: Path) -> None:
+    """The examples ``ctxrl COMMAND --help`` prints name files of the checkout (two named files that never existed
+    went unnoticed); ``mcp-serve --port`` outside 1..65535 is refused, not wrapped to another port."""
+    import re
+
+    from ctxrl.cli import EXAMPLES
+
+    root = Path(__file__).parents[1]
+    pattern = r"(?:examples|tests)/[\w./-]+\.(?:toml|py|jsonl)"
+    named = {path for text in EXAMPLES.values() for path in re.findall(pattern, text)}
+    assert named and not [p for p in sorted(named) if not (root / p).exists()]
+    proc = ctxrl("mcp-serve", "--port", "70000", cwd=tmp_path)
+    assert proc.returncode == 2 and "70000 is not a port number: use 1-65535" in proc.stderr

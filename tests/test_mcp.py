@@ -188,6 +188,39 @@ def test_an_http_server_on_loopback_and_a_reconnection_after_it_died(tmp_path, r
         server.wait(30)
 
 
+def test_a_server_down_for_a_moment_costs_one_restart_not_all_of_them(tmp_path, renderer):
+    """An HTTP server that is gone between calls and back 1.5 s later (a redeploy). The call that finds it gone
+    errors its episode (the session ended under it) and starts a restart, whose tries back off for seconds
+    (RESTART_DELAYS_S); the next episode waits for that restart and plays. Before, the restarts were spent in a
+    tenth of a second and every later call failed."""
+    import threading
+
+    port = free_port()
+    command = [sys.executable, str(ROOT / "tests/fixtures/mcp/server.py"), "--http", str(port)]
+    settings = McpSettings(servers=(f"http://127.0.0.1:{port}/mcp",), timeout_s=15, restarts=2)
+    env_cls = mcp_env(tasks_file(tmp_path, [{"prompt": "Add 2 and 3.", "answer": "5"}]), settings)
+    servers = [subprocess.Popen(command, stderr=subprocess.DEVNULL)]
+    try:
+        wait_for_port(port)
+        first, _ = play(env_cls, [call("add", a=2, b=3), "<answer>5</answer>"], renderer)
+        assert first.reward == 1.0
+        servers[0].kill()
+        servers[0].wait(30)
+        later = threading.Timer(1.5, lambda: servers.append(subprocess.Popen(command, stderr=subprocess.DEVNULL)))
+        later.start()
+        lost, _ = play(env_cls, [call("add", a=2, b=3), "<answer>5</answer>"], renderer)
+        assert lost.info["error_kind"] == "tool_server" and "started again for the next calls" in lost.info["error"]
+        after, _ = play(env_cls, [call("add", a=2, b=3), "<answer>5</answer>"], renderer)
+        later.join()
+        assert observations(after) == ["5"], after.info
+        assert after.reward == 1.0 and mcp_hub(settings).restarts() == [1]
+    finally:
+        close_hub(settings)
+        for server in servers:
+            server.kill()
+            server.wait(30)
+
+
 # -- the other direction, and the same episode either way --------------------------------------------------------
 def test_ctxrl_mcp_serve_over_stdio_and_http_serves_the_builtin_tools_as_ctxrl_runs_them(tmp_path, renderer):
     from ctxrl.tools.builtin import builtin_tool

@@ -37,6 +37,10 @@ class WorkerFailure(CtxrlError, RuntimeError):
     """A rollout worker failed past its retries, or did not answer in time."""
 
 
+CLOSE_TIMEOUT_S = 10.0
+"""How long ``close`` (and a restart) waits for an actor to shut its worker down before killing it."""
+
+
 class _Actor:
     """The body of one Ray actor: a ``RolloutWorker`` built from the spec in the actor's process, after importing
     the spec's plugins (``run.plugins``: a custom environment, manager or runner must be registered before the spec
@@ -69,6 +73,12 @@ class _Actor:
         import os
 
         return os.getpid()
+
+    def close(self) -> bool:
+        """Shut the worker down (its MCP servers, sandbox processes): ``ray.kill`` skips exit hooks, and a stdio
+        MCP server runs in a session of its own that the actor's process group does not reach."""
+        self.worker.close()
+        return True
 
 
 def shards(n_tasks: int, n_workers: int) -> list[tuple[int, int]]:
@@ -162,12 +172,27 @@ class RayRolloutPool:
         return episodes
 
     def close(self) -> None:
+        self._closed(self.actors)
         for actor in self.actors:
             try:
                 self.ray.kill(actor)
             except Exception:  # noqa: BLE001 - dead already
                 pass
         self.actors = []
+
+    def _closed(self, actors: list) -> None:
+        """Ask ``actors`` to shut their workers down and wait a bounded time; a dead or stuck one is killed after."""
+        refs = []
+        for actor in actors:
+            try:
+                refs.append(actor.close.remote())
+            except Exception:  # noqa: BLE001 - an actor dead already has nothing left to close
+                pass
+        try:
+            if refs:
+                self.ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - (as above)
+            pass
 
     # -- failures ----------------------------------------------------------------------------------------
     def _new_actor(self):

@@ -126,7 +126,8 @@ class McpHub:
         self._servers = [ServerSession(entry, f"env.mcp_servers[{i}] ({entry.text!r})", Path(self._logs) / f"{i}.log",
                                  self.settings.restarts) for i, entry in enumerate(self.entries)]
         try:
-            listings = self._wait(_gather(s.start() for s in self._servers), START_TIMEOUT_S + 10)
+            # (each server: START_TIMEOUT_S to connect, then as long to list its tools)
+            listings = self._wait(_gather(s.start() for s in self._servers), 2 * START_TIMEOUT_S + 10)
             return self._make_tools(listings)
         except BaseException:
             self._shutdown()

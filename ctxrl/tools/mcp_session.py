@@ -26,6 +26,8 @@ from ctxrl.tools.base import ToolServerLost
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
+RESTART_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+"""The waits between a restart's tries to start a server again (one restart: all of them, 7.5 s in all)."""
 """How long a server may take to start and list its tools (importing the ``mcp`` package alone takes a second)."""
 STOP_TIMEOUT_S = 10.0
 """How long shutting one server down may take before it is abandoned (the SDK kills a stdio server within 4 s)."""
@@ -180,17 +182,19 @@ class ServerSession:
 
     async def live(self, name: str) -> Any:
         """The live session: after waiting for a restart under way, or starting one for a server found dead;
-        ``ToolServerLost`` when it is down for good (``name``: the tool a call waits for)."""
-        for _ in range(2):
-            if self._restart is not None and not self._restart.done():
-                await asyncio.shield(self._restart)  # (a call past its deadline does not stop the restart)
-            if self._alive():
-                return self.client
+        ``ToolServerLost`` when it is down (``name``: the tool a call waits for). One call spends at most one
+        restart; a restart tries to reconnect for a few seconds (``RESTART_DELAYS_S``) before it gives up."""
+        if self._alive() and (self._restart is None or self._restart.done()):
+            return self.client
+        if self._restart is None or self._restart.done():
             if self.restarts >= self.max_restarts:
                 raise ToolServerLost(f"MCP server {self.label} is down ({self.failure or 'stopped'}) and was started "
                                      f"again {self.restarts} times already (env.mcp_restarts = {self.max_restarts}); "
                                      f"no call to {name} can run")
             self._after_death()  # it died between calls (an HTTP session that ended)
+        await asyncio.shield(self._restart)  # (a call past its deadline does not stop the restart)
+        if self._alive():
+            return self.client
         raise ToolServerLost(f"MCP server {self.label} died and could not be started again: {self.failure}")
 
     def _after_death(self) -> None:
@@ -206,10 +210,14 @@ class ServerSession:
         self.restarts += 1
         log.warning("MCP server %s is down (%s): starting it again (%d of at most %d)", self.label,
                     self.failure or "stopped", self.restarts, self.max_restarts)
-        try:
-            listing = await self.start()
-        except McpError as exc:
-            self.failure = str(exc)
+        for delay in (0.0, *RESTART_DELAYS_S):  # (a server being redeployed is back within seconds)
+            await asyncio.sleep(delay)
+            try:
+                listing = await self.start()
+                break
+            except McpError as exc:
+                self.failure = str(exc)
+        else:
             return
         if sorted(t.name for t in listing) != self.listed:  # (the policy keeps the tools it was shown)
             log.warning("MCP server %s lists other tools since it was started again: %s (the run offers %s)",
