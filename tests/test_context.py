@@ -267,6 +267,7 @@ def test_budget_curriculum_shrinks_linearly_to_the_final_budget():
                            "context.budget_start_tokens=200"])
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_context_experiment_runs_end_to_end(tmp_path):
     """experiments/context.py on the random-init model: every manager trains, the summary sweep evaluates.
 

@@ -114,6 +114,7 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_a_message(spec):
         pool.close()
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_a_worker_dead_at_weight_sync_is_replaced_holding_the_new_weights_within_the_bound(spec):
     """Killed while idle (as during an update) or while the weights load: the sync replaces it with a fresh actor
     that loads them; past ``retries`` deaths in one call, a WorkerFailure naming what it was doing."""

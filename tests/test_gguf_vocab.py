@@ -67,6 +67,7 @@ def _as_517_writes_it(good: dict, tokens: list[str], path: Path) -> dict:
     return bad
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_the_rebuilt_gemma_tokenizer_is_the_one_transformers_524_converts(gemma):
     from ctxrl.models.gguf_vocab import gguf_vocabulary
 
@@ -79,6 +80,7 @@ def test_the_rebuilt_gemma_tokenizer_is_the_one_transformers_524_converts(gemma)
     assert out["added_tokens"] == good["added_tokens"] and out["post_processor"] == good["post_processor"]
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_repair_rebuilds_only_a_degenerate_unigram_tokenizer(gemma, tmp_path):
     from transformers import AutoTokenizer
 

@@ -180,6 +180,7 @@ def _mount_namespace() -> bool:
         ["unshare", "-rm", "true"], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 @pytest.mark.skipif(not _mount_namespace(), reason="needs unshare -rm (user and mount namespaces)")
 def test_a_full_or_read_only_run_directory_is_one_line_naming_the_path_and_how_to_resume(tmp_path):
     """On real file systems of a private mount namespace: a 6 MB tmpfs fills up while the second checkpoint is written,

@@ -88,12 +88,14 @@ def test_env_training_reports_before_and_after(tmp_path, capsys):
     assert "calculator" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_gpu_memory_runs_both_modes_without_a_gpu(tmp_path):
     rows = script("benchmarks/gpu_memory.py").main(["--smoke", "--out", str(tmp_path)])
     assert [r["mode"] for r in rows] == ["cudnn-allowed", "cudnn-off"]
     assert all(r["wall_seconds"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "grpo_step.json"
     report = script("benchmarks/grpo_step.py").main(
@@ -116,6 +118,7 @@ def test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu(tmp_path, capsys):
     assert "learner: one PPO update" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_learner_memory_runs_every_setting_on_the_cpu(capsys):
     rows = script("benchmarks/learner_memory.py").main(
         ["--smoke", "--settings", "legacy,mixed,mixed+ckpt,lora,lora+ckpt"])
@@ -126,6 +129,7 @@ def test_learner_memory_runs_every_setting_on_the_cpu(capsys):
     assert "peak GiB" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu(tmp_path, capsys):
     rows = script("benchmarks/shared_gpu.py").main(["--dry-run", "--run-root", str(tmp_path), "--out",
                                                     str(tmp_path / "shared.json")])
@@ -178,6 +182,7 @@ def test_tiny_skills_scores_each_format(fmt):
         assert 0.0 <= module.transcription_accuracy(load_model(path), load_tokenizer(path), fmt, tasks) <= 1.0
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_async_rollouts_runs_both_arms_on_a_local_ray(capsys):
     pytest.importorskip("ray")
     rows = script("benchmarks/async_rollouts.py").main(["--smoke"])
@@ -187,6 +192,7 @@ def test_async_rollouts_runs_both_arms_on_a_local_ray(capsys):
     assert "async / sync step time" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_data_parallel_runs_one_and_two_ranks_over_gloo(tmp_path, capsys):
     rows = script("benchmarks/data_parallel.py").main(["--smoke", "--gpus", "1,2", "--out", str(tmp_path / "dp.json")])
     assert [r["world"] for r in rows] == [1, 2] and all("error" not in r for r in rows), rows

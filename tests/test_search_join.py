@@ -205,6 +205,7 @@ def test_the_gold_solution_writes_each_name_with_the_tokens_it_was_read_in(tmp_p
                          ids(f" {task.data['searches'][1]}"))  # without the space: other tokens
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
 def test_context_experiment_runs_on_search_join(tmp_path):
     """experiments/context.py on search_join with the random-init model, window and summarize, the smallest sizes (a
     budget above 448: the default tokenizer spells the invented names out, so its episodes are longer)."""
