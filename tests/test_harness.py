@@ -117,6 +117,52 @@ def test_a_harness_trains_like_a_built_in_environment(tmp_path):
     assert row["errored"] == 0.0 and row["turns"] >= 1.0 and row["sampled_tokens"] > 0
 
 
+def test_a_harness_with_roles_records_one_sequence_a_role_each_with_its_reward(renderer):
+    """``ask_and_answer.roles = ("asker", "answerer")``: a client a role, each on a session of its own, so one
+    episode a seat: its own ids (its prompt, its sampled tokens under the mask), its role, its reward, and a
+    baseline group of its own role."""
+    from ctxrl.serve.harness import run_harness
+
+    task = CalculatorEnv.sample_tasks("train", 1, seed=3)[0]
+    engine = ScriptedEngine([f"What is {task.prompt}?", f"<answer>{task.answer}</answer>"], renderer)
+    asker, answerer = asyncio.run(run_harness(harness_class(f"{FIXTURES}:ask_and_answer"), [task], engine, renderer,
+                                              limits(temperature=1.0), seed=2))
+    assert (asker.role, answerer.role) == ("asker", "answerer")
+    assert (asker.reward, asker.success, answerer.reward, answerer.success) == (0.5, True, 1.0, True)
+    assert asker.baseline_group == (0, "asker") and answerer.baseline_group == (0, "answerer")
+    assert asker.info["question"] == answerer.info["question"] == f"What is {task.prompt}?"
+    for episode, said in ((asker, f"What is {task.prompt}?"), (answerer, f"<answer>{task.answer}</answer>")):
+        sampled = [i for i, m in zip(episode.input_ids, episode.loss_mask) if m]
+        assert renderer.decode(sampled).startswith(said) and len(episode.turns) == 1
+        assert len(episode.input_ids) == len(episode.loss_mask) == len(episode.behavior_logprobs)
+    assert "Ask this" in renderer.decode(asker.input_ids) and "Ask this" not in renderer.decode(answerer.input_ids)
+    assert engine.prompts[0] == asker.input_ids[: len(engine.prompts[0])]  # what the engine saw, id for id
+    assert engine.prompts[1] == answerer.input_ids[: len(engine.prompts[1])]
+
+    engine = ScriptedEngine(["x"] * 4, renderer)
+    bad = asyncio.run(run_harness(harness_class(f"{FIXTURES}:forgets_a_role"), [task], engine, renderer, limits()))
+    assert [e.role for e in bad] == ["asker", "answerer"] and all(e.info["error_kind"] == "step" for e in bad)
+    assert "its roles are ['asker', 'answerer']: one reward each" in bad[0].info["error"]
+    with pytest.raises(ConfigError, match=r"roles \('alone',\) must be two or more distinct names"):
+        harness_class(f"{FIXTURES}:one_role")
+
+
+def test_a_harness_with_roles_trains_each_role_against_its_own_group(tmp_path):
+    from conftest import TINY
+
+    from ctxrl.train.trainer import Trainer
+
+    config = load_config(None, ["env.name=harness", f'env.harness="{FIXTURES}:ask_and_answer"',
+                                'env.data="env:calculator"', f"model.name={TINY}", "sft.enabled=false",
+                                "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                                "run.progress=false", "eval.tasks=2"])
+    trainer = Trainer(config, tmp_path)
+    trainer.make_learner()
+    row = trainer.step(0)
+    assert row["errored"] == 0.0 and trainer.worker.policy_version == 1
+    assert row["success_asker"] == 1.0 and row["reward_asker"] == 0.5 and "success_answerer" in row
+
+
 def _free_port() -> int:
     import socket
 

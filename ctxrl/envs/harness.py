@@ -15,6 +15,9 @@ Configuration::
     harness = "examples/harness_calculator.py:rollout"   # or package.module:rollout, or remote:PORT
     data = "env:calculator"     # tasks (and warm-start demonstrations) from a registered environment,
                                 # or a JSONL task file as for jsonl_tools
+
+A harness that plays several roles declares them on its function (``match.roles = ("asker", "answerer")``): it is
+called ``match(clients, task)`` with a client per role and returns a reward per role (``harness_roles``).
 """
 
 from __future__ import annotations
@@ -78,17 +81,34 @@ class HarnessEnv:
         remote = harness.startswith("remote")
         fn = remote_marker if remote else load_function(harness)
         port = _remote_port(harness) if remote else None
+        roles = harness_roles(fn, harness)
         if data.startswith("env:"):
             source = configured_env_class(data[4:])
         else:
             source = configured_env_class("jsonl_tools", data=data, tools=tools, verifier=verifier)
         # The source environment's class, with its tasks, splits and demonstrations; episodes come from the harness.
         return type(f"Harness[{getattr(source, 'name', source.__name__)}]", (source,),
-                    {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port, "runner": RUNNER})
+                    {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port, "runner": RUNNER,
+                     "harness_roles": roles})
 
     @staticmethod
     def sample_tasks(split: str, n: int, seed: int) -> list[Task]:
         raise ConfigError("the harness environment needs env.harness and env.data (docs/serve.md)")
+
+
+def harness_roles(fn: Callable, ref: str) -> tuple[str, ...]:
+    """The roles a harness plays (its function's ``roles`` attribute: ``match.roles = ("proposer", "solver")``), or
+    () for one agent. A harness with roles is called ``fn(clients, task)`` with one client a role, each bound to a
+    session of its own (one token-faithful sequence a role), and returns a reward a role."""
+    roles = getattr(fn, "roles", ())
+    if not roles:
+        return ()
+    if isinstance(roles, str) or not all(isinstance(r, str) and r.isidentifier() for r in roles):
+        raise ConfigError(f"env.harness: {ref}'s roles must be a tuple of names (identifiers), such as "
+                          f"('proposer', 'solver'); got {roles!r}")
+    if len(set(roles)) != len(roles) or len(roles) < 2:
+        raise ConfigError(f"env.harness: {ref}'s roles {tuple(roles)!r} must be two or more distinct names")
+    return tuple(roles)
 
 
 async def remote_marker(client, task):

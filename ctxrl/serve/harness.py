@@ -180,13 +180,49 @@ def _finite_reward(value: float) -> float:
     return reward
 
 
+def _role_results(value: Any, roles: tuple[str, ...]) -> dict[str, tuple[float, bool | None, dict]]:
+    """A multi-role harness's result, ``{role: reward}`` or ``{"rewards": {role: r}, "success": {role: bool},
+    "info": {...}}``, as ``(reward, success, info)`` a role; a ``TypeError`` / ``ValueError`` naming what is wrong."""
+    if not isinstance(value, dict):
+        raise TypeError(f"the harness returned {type(value).__name__}; a harness with roles returns a reward a role: "
+                        f"{{{', '.join(repr(r) + ': r' for r in roles)}}} or {{'rewards': {{...}}, 'success': "
+                        "{...}, 'info': {...}}")
+    rewards = value.get("rewards", value) if isinstance(value.get("rewards"), dict) else value
+    success = value.get("success") if isinstance(value.get("success"), dict) else {}
+    info = dict(value.get("info") or {}) if "rewards" in value else {}
+    missing = [r for r in roles if r not in rewards]
+    if missing or set(rewards) - set(roles):
+        raise ValueError(f"the harness returned rewards for {sorted(rewards)}; its roles are {list(roles)}: one "
+                         "reward each, no others")
+    out = {}
+    for role in roles:
+        reward = rewards[role]
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise TypeError(f"the harness returned {reward!r} as {role}'s reward; a reward is a number")
+        out[role] = (_finite_reward(reward), success.get(role), info)
+    return out
+
+
+async def _each(run, on_done: Callable[[Episode], None] | None) -> list[Episode]:
+    """Await ``run`` (a match's coroutine: its seats' episodes), then tell ``on_done`` about the match, through its
+    first seat, as the multi-role runner does (a request's progress counts matches)."""
+    episodes = await run
+    if on_done is not None:
+        on_done(episodes[0])
+    return episodes
+
+
 async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits, *, group_size: int = 1,
                       seed: int = 0, on_done: Callable[[Episode], None] | None = None,
                       first_group: int = 0) -> list[Episode]:
     """``group_size`` harness rollouts per task, concurrently; episode ``k`` of task ``i`` has group
-    ``first_group + i``."""
+    ``first_group + i``. A harness with roles (``ctxrl.envs.harness.harness_roles``) plays a match a rollout: one
+    session, and so one episode, a role, each with ``Episode.role`` set and its own reward."""
     if getattr(env_cls, "remote_port", None):
         return await _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done, first_group)
+    if getattr(env_cls, "harness_roles", ()):
+        return await _run_match_harness(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done,
+                                        first_group)
     import httpx
     import openai
 
@@ -224,6 +260,55 @@ async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits
         return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))
 
 
+async def _run_match_harness(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done,
+                             first_group) -> list[Episode]:
+    """``run_harness`` for a harness with roles: a client a role, each on a session of its own (the session id
+    names the role), seeded per role; the harness's failure errors every seat of its match."""
+    import httpx
+    import openai
+
+    roles = env_cls.harness_roles
+    server = training_server(engine, renderer, limits)
+    transport = httpx.ASGITransport(app=server.app(), raise_app_exceptions=False)
+    run_id = uuid.uuid4().hex[:8]
+    async with httpx.AsyncClient(transport=transport, base_url="http://ctxrl", timeout=None) as http:
+
+        async def match(task: Task, group_id: int, k: int) -> list[Episode]:
+            sids = {role: f"{run_id}-{group_id}-{k}-{role}" for role in roles}
+            episodes = {}
+            for i, role in enumerate(roles):  # (each seat its own seed: k-th match, i-th role)
+                session = _open(server, sids[role], task, group_id, k * len(roles) + i, seed, limits, engine)
+                session.episode.role = role
+                episodes[role] = session.episode
+            clients = {role: openai.AsyncOpenAI(base_url=f"http://ctxrl/sessions/{sids[role]}/v1", api_key="ctxrl",
+                                                http_client=http, max_retries=0) for role in roles}
+            start = time.perf_counter()
+            try:
+                call = env_cls.harness(clients, task)
+                value = await (asyncio.wait_for(call, limits.timeout_s) if limits.timeout_s > 0 else call)
+                results = _role_results(value, roles)
+            except (TimeoutError, asyncio.TimeoutError) as exc:
+                server.raise_internal()
+                for episode in episodes.values():
+                    record_error(episode, exc, limits, time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - the harness's failure: every seat of the match errored
+                server.raise_internal()
+                for episode in episodes.values():
+                    record_error(episode, EnvironmentFailure("step", exc), limits, time.perf_counter() - start)
+            else:
+                server.raise_internal()
+                for role, (reward, success, info) in results.items():
+                    episode = episodes[role]
+                    episode.reward = reward
+                    episode.success = bool(reward > 0) if success is None else bool(success)
+                    episode.info.update(info)
+            return [_close(server, sids[role], episodes[role], start) for role in roles]
+
+        runs = [match(task, group_id, k) for group_id, task in enumerate(tasks, start=first_group)
+                for k in range(group_size)]
+        return [e for seats in await asyncio.gather(*(_each(run, on_done) for run in runs)) for e in seats]
+
+
 @register_runner
 class HarnessRunner(EpisodeRunner):
     """The episode runner of a harness environment (``runner = "harness"`` on the class ``configure`` returns):
@@ -236,6 +321,10 @@ class HarnessRunner(EpisodeRunner):
         if request.meta(spec).num_attempts > 1 or (request.phase == "train" and spec.demos.max_demos > 0):
             raise ConfigError("a harness environment plays single episodes: meta.num_attempts = 1 and no "
                               "annealed demos (meta.demos_max = 0)")
+        roles = getattr(worker.env_cls, "harness_roles", ())
+        if roles and spec.judge.enabled:
+            raise ConfigError(f"reward.judge grades one agent's episodes; this harness plays the roles "
+                              f"{', '.join(roles)}, whose seats a judge does not grade yet: set reward.judge=\"\"")
         return await run_harness(worker.env_cls, request.tasks, worker.engine, worker.renderer,
                                  request.limits(spec), group_size=request.group_size, seed=request.seed,
                                  on_done=on_done, first_group=request.task_offset)
