@@ -12,8 +12,11 @@ Worker processes import the same list before they read their spec.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
+from types import ModuleType
 
 from ctxrl.errors import ConfigError
 
@@ -34,3 +37,13 @@ def import_plugins(plugins: str) -> None:
         except ImportError as exc:
             raise ConfigError(f"run.plugins: cannot import module {name!r} ({exc}); give an importable module "
                               "name, on PYTHONPATH or in the directory ctxrl runs in") from None
+
+
+def import_file(path: Path, prefix: str) -> ModuleType:
+    """The module in Python file ``path``, imported as ``PREFIX_STEM`` and kept in ``sys.modules`` (its classes'
+    dataclasses and pickles look their module up there); the caller checks that the file exists."""
+    spec = importlib.util.spec_from_file_location(f"{prefix}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

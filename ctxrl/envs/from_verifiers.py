@@ -44,11 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import json
 import random
 import signal
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +57,7 @@ from typing import Any, ClassVar
 import tomllib
 
 from ctxrl.envs.base import EnvError
+from ctxrl.plugins import import_file
 from ctxrl.tasks.space import ContextSpace, split_of, task_id
 from ctxrl.tools.base import Tool, schema_problems
 from ctxrl.types import SPLITS, Message, StepResult, Task, ToolCall
@@ -146,11 +145,7 @@ def _module(source: str):
         path = Path(source)
         if not path.is_file():
             raise EnvError(f"verifiers:{source}: no such file")
-        spec = importlib.util.spec_from_file_location(f"ctxrl_verifiers_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
+        return import_file(path, "ctxrl_verifiers")
     from verifiers.utils.env_utils import import_env_module
 
     try:

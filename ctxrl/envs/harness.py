@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from ctxrl.envs.registry import configured_env_class, register
 from ctxrl.errors import ConfigError
+from ctxrl.plugins import import_file
 from ctxrl.types import Task
 
 RUNNER = "harness"
@@ -47,10 +46,7 @@ def load_function(ref: str) -> Callable:
             path = Path(module_name)
             if not path.is_file():
                 raise ConfigError(f"env.harness: no file {path}")
-            spec = importlib.util.spec_from_file_location(f"ctxrl_harness_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
+            module = import_file(path, "ctxrl_harness")
         else:
             module = importlib.import_module(module_name)
     except ImportError as exc:
