@@ -465,3 +465,23 @@ def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer):
         load_config(None, ["context.branch_reward=0.1"])
     with pytest.raises(ConfigError, match="context.branch_reward must be >= 0"):
         load_config(None, ["context.manager=fold", "context.branch_reward=-0.1"])
+
+
+def test_an_environment_tool_named_like_the_context_managers_is_refused_before_the_episode(renderer):
+    """fold's own tools are ``branch`` and ``return``: an environment (or MCP server) offering a ``branch`` would be
+    shown beside it and every call taken by fold, so the run stops naming the tool and the fix."""
+    from types import SimpleNamespace
+
+    from ctxrl.errors import ConfigError
+    from ctxrl.rollout.agent import episode_tools
+    from ctxrl.rollout.managers.base import ContextPolicy
+    from ctxrl.tools.base import Tool
+
+    def tool(name):
+        return Tool(name=name, description="d", parameters={"type": "object", "properties": {}}, fn=lambda: "")
+
+    fold = ContextPolicy(manager="fold").make()
+    offered = episode_tools(SimpleNamespace(tools=[tool("search")]), fold, renderer)
+    assert [t["function"]["name"] for t in offered] == ["search", "branch", "return"]
+    with pytest.raises(ConfigError, match=r"tool named 'branch', as context.manager=fold does.*env.mcp_tools"):
+        episode_tools(SimpleNamespace(tools=[tool("branch")]), fold, renderer)

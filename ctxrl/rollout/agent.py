@@ -133,11 +133,28 @@ async def reset_env(env: Any, task: Task, seed: int | None, timeout_s: float) ->
         raise EnvironmentFailure("reset", exc) from exc
 
 
+def episode_tools(env, manager, renderer) -> list[dict] | None:
+    """The tool schemas an episode offers the policy: the environment's (an MCP server's among them), then the
+    context manager's; None for none. A name offered twice, or tools without a tool-call format, is ctxrl's
+    set-up, not the episode's fault: a ``ConfigError`` / ``TemplateError`` that stops the run and says why."""
+    from ctxrl.errors import ConfigError
+
+    own = [tool.schema() for tool in env.tools]
+    names = {schema["function"]["name"] for schema in own}
+    clash = sorted(names & {schema["function"]["name"] for schema in manager.tool_schemas})
+    if clash:
+        raise ConfigError(f"the environment offers a tool named {clash[0]!r}, as context.manager={manager.name} does "
+                          "(its own tool): the policy could not tell them apart; leave it out (env.mcp_tools for an "
+                          "MCP server's) or use another context manager")
+    tools = [*own, *manager.tool_schemas] or None
+    if tools and not renderer.has_tool_format:
+        raise renderer.tool_format_error()
+    return tools
+
+
 async def _play(env, engine, renderer, limits: RolloutLimits, seed, episode: Episode, opening) -> None:
     manager = limits.context.make()
-    tools = [*(tool.schema() for tool in env.tools), *manager.tool_schemas] or None
-    if tools and not renderer.has_tool_format:
-        raise renderer.tool_format_error()  # ctxrl's set-up, not the episode's fault: the run stops and says why
+    tools = episode_tools(env, manager, renderer)
     play = Play(Recorder(episode, renderer, tools), engine, limits, seed, list(opening))
     try:
         await _turns(env, play, manager)

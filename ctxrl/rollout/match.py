@@ -43,6 +43,7 @@ from ctxrl.envs.roles import ScriptedPolicy, roles_of, seat_role
 from ctxrl.rollout.agent import (
     EnvironmentFailure,
     episode_jobs,
+    episode_tools,
     prepare_env,
     record_error,
     record_turn_info,
@@ -172,9 +173,7 @@ def _seats(env: Any, task: Task, openings: Any, seating: Seating, renderer: Chat
             raise EnvironmentFailure("reset", EnvError(
                 f"reset returned seat {name!r}, whose role {role!r} is not one of its roles ({', '.join(seating)})"))
         manager = limits.context.make()
-        tools = [*(tool.schema() for tool in env.tools), *manager.tool_schemas] or None
-        if tools and not renderer.has_tool_format:
-            raise renderer.tool_format_error()  # ctxrl's set-up, not the match's fault
+        tools = episode_tools(env, manager, renderer)  # (ctxrl's set-up, not the match's fault, if it fails)
         policy = seating[role]
         episode = seat_episode(task, name, policy, group_id=group_id, match=match)
         engine = policy.engine if policy.engine is not None else _NoEngine()
