@@ -144,6 +144,7 @@ class JudgeRound:
         self.limit = asyncio.Semaphore(judge.spec.concurrency)
         self.asked: dict[str, asyncio.Task] = {}
         self.tasks: list[asyncio.Task] = []
+        self.naming = asyncio.Lock()  # (the first episode names the judge's model; the others wait, not ask too)
 
     def submit(self, episode: Episode) -> None:
         """Start grading ``episode`` now (an errored one is not graded: it trains on nothing)."""
@@ -153,7 +154,8 @@ class JudgeRound:
     async def attach(self, episode: Episode) -> None:
         started = time.perf_counter()
         try:
-            await self.judge.ready()
+            async with self.naming:
+                await self.judge.ready()
             messages, key = self.judge.question(episode)
             first = key not in self.asked
             if first:
