@@ -286,6 +286,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
     """The tools a run's policy will see: the environment's, its MCP servers' (started to list them), the context
     manager's; each with its description and parameters."""
     from ctxrl.envs.mcp import start_tools
+    from ctxrl.rollout.agent import check_tool_names
     from ctxrl.rollout.spec import RolloutSpec
     from ctxrl.rollout.worker import spec_env_class
     from ctxrl.tools.mcp import close_hubs, mcp_hub
@@ -300,7 +301,9 @@ def cmd_tools(args: argparse.Namespace) -> int:
         close_hubs()
     rows = [(t.schema(), "MCP server {} as {!r}".format(*sources[t.name]) if t.name in sources
              else f"environment {config.env.name}") for t in tools]
-    rows += [(schema, f"context manager {config.context.manager}") for schema in spec.train.context.make().tool_schemas]
+    manager = spec.train.context.make()
+    check_tool_names([t.schema() for t in tools], manager)  # (what the run's first episode would refuse)
+    rows += [(schema, f"context manager {config.context.manager}") for schema in manager.tool_schemas]
     if args.json:
         print(json.dumps([{"source": source, **schema} for schema, source in rows]))
         return 0

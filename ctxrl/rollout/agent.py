@@ -133,19 +133,25 @@ async def reset_env(env: Any, task: Task, seed: int | None, timeout_s: float) ->
         raise EnvironmentFailure("reset", exc) from exc
 
 
-def episode_tools(env, manager, renderer) -> list[dict] | None:
-    """The tool schemas an episode offers the policy: the environment's (an MCP server's among them), then the
-    context manager's; None for none. A name offered twice, or tools without a tool-call format, is ctxrl's
-    set-up, not the episode's fault: a ``ConfigError`` / ``TemplateError`` that stops the run and says why."""
+def check_tool_names(schemas: list[dict], manager) -> None:
+    """A ``ConfigError`` when one of the environment's tool ``schemas`` has the name of one of ``manager``'s own (the
+    policy could not tell them apart, and the manager would take every call)."""
     from ctxrl.errors import ConfigError
 
-    own = [tool.schema() for tool in env.tools]
-    names = {schema["function"]["name"] for schema in own}
+    names = {schema["function"]["name"] for schema in schemas}
     clash = sorted(names & {schema["function"]["name"] for schema in manager.tool_schemas})
     if clash:
         raise ConfigError(f"the environment offers a tool named {clash[0]!r}, as context.manager={manager.name} does "
                           "(its own tool): the policy could not tell them apart; leave it out (env.mcp_tools for an "
                           "MCP server's) or use another context manager")
+
+
+def episode_tools(env, manager, renderer) -> list[dict] | None:
+    """The tool schemas an episode offers the policy: the environment's (an MCP server's among them), then the
+    context manager's; None for none. A name offered twice, or tools without a tool-call format, is ctxrl's
+    set-up, not the episode's fault: a ``ConfigError`` / ``TemplateError`` that stops the run and says why."""
+    own = [tool.schema() for tool in env.tools]
+    check_tool_names(own, manager)
     tools = [*own, *manager.tool_schemas] or None
     if tools and not renderer.has_tool_format:
         raise renderer.tool_format_error()
