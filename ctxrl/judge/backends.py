@@ -178,6 +178,8 @@ def weights_fingerprint(name: str) -> str:
         directory = Path(resolve(name)).resolve()
     except Exception:  # noqa: BLE001 - a hub name the loader finds later: the name is all there is to key on
         return name
+    if not directory.exists():  # (a hub name the loader fetches: its name is its identity)
+        return name
     files = sorted(f for f in directory.iterdir() if f.is_file()) if directory.is_dir() else [directory]
     stamp = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     return f"{directory}|{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
