@@ -69,10 +69,7 @@ async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRender
         await _play(env, engine, renderer, limits, seed, episode, messages)
 
     try:
-        if limits.timeout_s > 0:
-            await asyncio.wait_for(body(), max(limits.timeout_s - spent_s, 1e-3))
-        else:
-            await body()
+        await within(body(), limits.timeout_s, spent_s)
     except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:  # an errored episode is data
         record_error(episode, exc, limits, time.perf_counter() - started)
     finally:
@@ -301,6 +298,14 @@ async def prepare_env(make_env: Callable[[], Any], task: Task, seed: int | None,
         except Exception:  # noqa: BLE001 - the episode is errored already
             pass
         return None, exc, time.perf_counter() - t0
+
+
+async def within(coro, timeout_s: float, spent_s: float = 0.0):
+    """``coro`` awaited within what is left of a ``timeout_s`` deadline after ``spent_s`` (0: no deadline);
+    ``asyncio.TimeoutError`` past it."""
+    if timeout_s <= 0:
+        return await coro
+    return await asyncio.wait_for(coro, max(timeout_s - spent_s, 1e-3))
 
 
 async def notify(run, on_done: Callable[[Episode], None] | None) -> Episode:

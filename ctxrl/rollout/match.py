@@ -48,6 +48,7 @@ from ctxrl.rollout.agent import (
     record_error,
     record_turn_info,
     reset_env,
+    within,
 )
 from ctxrl.rollout.generate import sampling_params
 from ctxrl.rollout.managers.base import ContextManager, Play
@@ -131,10 +132,7 @@ async def play_match(env: Any, task: Task, seating: Seating, renderer: ChatRende
                 seat.manager.finish(seat.play)
 
     try:
-        if limits.timeout_s > 0:
-            await asyncio.wait_for(body(), max(limits.timeout_s - spent_s, 1e-3))
-        else:
-            await body()
+        await within(body(), limits.timeout_s, spent_s)
     except (EnvironmentFailure, TimeoutError, asyncio.TimeoutError) as exc:  # an errored match is data
         episodes = [s.episode for s in seats.values()] or _role_episodes(env, task, seating, group_id, match)
         for episode in episodes:

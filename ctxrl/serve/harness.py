@@ -29,7 +29,7 @@ from typing import Any
 
 from ctxrl.envs.harness import RUNNER
 from ctxrl.errors import ConfigError
-from ctxrl.rollout.agent import EnvironmentFailure, notify, record_error
+from ctxrl.rollout.agent import EnvironmentFailure, notify, record_error, within
 from ctxrl.rollout.runners import EpisodeRunner, OnDone, Worker, register_runner
 from ctxrl.rollout.spec import RolloutRequest
 from ctxrl.seeds import episode_seed
@@ -143,7 +143,7 @@ async def _run_remote(env_cls, tasks, engine, renderer, limits, group_size, seed
         server.claims.put(session)
         start = time.perf_counter()
         try:
-            await (asyncio.wait_for(future, limits.timeout_s) if limits.timeout_s > 0 else future)
+            await within(future, limits.timeout_s)
         except (TimeoutError, asyncio.TimeoutError) as exc:
             record_error(episode, exc, limits, time.perf_counter() - start)
         finally:
@@ -240,7 +240,7 @@ async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits
             start = time.perf_counter()
             try:
                 call = env_cls.harness(client, task)
-                value = await (asyncio.wait_for(call, limits.timeout_s) if limits.timeout_s > 0 else call)
+                value = await within(call, limits.timeout_s)
                 reward, success, info = _result(value)
             except (TimeoutError, asyncio.TimeoutError) as exc:
                 server.raise_internal()
@@ -285,7 +285,7 @@ async def _run_match_harness(env_cls, tasks, engine, renderer, limits, group_siz
             start = time.perf_counter()
             try:
                 call = env_cls.harness(clients, task)
-                value = await (asyncio.wait_for(call, limits.timeout_s) if limits.timeout_s > 0 else call)
+                value = await within(call, limits.timeout_s)
                 results = _role_results(value, roles)
             except (TimeoutError, asyncio.TimeoutError) as exc:
                 server.raise_internal()
