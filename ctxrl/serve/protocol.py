@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctxrl.tools.base import TOOL_NAME
 from ctxrl.types import Message, ToolCall
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -157,6 +158,9 @@ def parse_tools(raw: Any) -> list[dict] | None:
                 or not isinstance(tool["function"].get("name"), str) or not tool["function"]["name"]:
             raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
         fn = tool["function"]
+        if not TOOL_NAME.match(fn["name"]):  # (a name is written into the prompt: no special tokens, no markup)
+            raise bad(f"tools[{i}].function.name {fn['name'][:80]!r} must be 1-64 letters, digits, _ or -",
+                      f"tools[{i}].function.name")
         _string_or_none(fn.get("description"), f"tools[{i}].function.description")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")

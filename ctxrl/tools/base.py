@@ -34,7 +34,8 @@ from ctxrl.types import Message
 
 ToolFn = Callable[..., str | Awaitable[str]]
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""What a tool's name may be (as OpenAI's API requires): letters, digits, ``_`` and ``-``, at most 64."""
 
 
 class ToolFailed(Exception):
@@ -81,7 +82,7 @@ class Tool:
 
     def __post_init__(self) -> None:
         # Fail at construction, where the author is, not mid-rollout.
-        if not _NAME.match(self.name):
+        if not TOOL_NAME.match(self.name):
             raise ValueError(f"tool name {self.name!r} must be 1-64 characters of letters, digits, '_' or '-'")
         problems = object_schema_problems(self.parameters) if self.checks_arguments else schema_problems(
             self.parameters)
