@@ -205,7 +205,9 @@ class TrainSequence(PlainData):
     Built by an advantage estimator from an episode (one per episode, or one per segment or
     attempt). Every list is aligned with ``input_ids``; ``advantages`` is 0 wherever ``loss_mask``
     is 0. ``returns``, ``old_values`` and ``value_mask`` are the critic's targets (GAE only;
-    ``value_mask`` None = train the value at every sampled token).
+    ``value_mask`` None = train the value at every sampled token). ``teacher_ids`` / ``teacher_probs``: a
+    distillation teacher's ``K`` likeliest tokens and their probabilities for each token (``K`` zeros where the
+    loss mask is 0; ``algo.distill.top_k``).
     """
 
     input_ids: list[int]
@@ -217,6 +219,8 @@ class TrainSequence(PlainData):
     value_mask: list[int] | None = None
     group_id: int = 0
     policy_version: int = 0
+    teacher_ids: list[list[int]] | None = None
+    teacher_probs: list[list[float]] | None = None
 
     @classmethod
     def of(cls, sequence: Episode | Segment, advantages: list[float], **targets: Any) -> TrainSequence:

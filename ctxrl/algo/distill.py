@@ -16,6 +16,18 @@ reward is one number per episode. What ctxrl computes, and what it leaves out:
 - **the mask.** Both are 0 wherever the loss mask is 0: prompts, tool output, observations and template tokens
   are never scored, exactly as the loss never trains them.
 
+The sampled-token term moves only the token the student drew: once the student is nearly certain of a token the
+teacher dislikes (``pi_s(x) -> 1``), the gradient of ``log pi_s(x)`` vanishes with ``1 - pi_s(x)`` and the
+teacher's preference for a token the student never samples is never seen. On SmolLM2-135M distilled from an
+RL-trained teacher that is what happened: the student learned the teacher's tool call, then repeated it every turn
+instead of answering (docs/experiments/distillation.md). ``topk_forward_kl`` is the dense remedy, GKD's
+supervised term on the student's own prefixes (Agarwal et al. 2024, ``beta = 0``): at every sampled position, the
+forward KL from the teacher's ``K`` likeliest next tokens to the student,
+``sum_k q_k (log q_k - log pi_s(v_k))`` with ``q_k = pi_t(v_k)`` (not renormalised: the mass outside the top
+``K`` is left out). Its gradient on the student's logits, ``(sum_k q_k) pi_s - q``, does not vanish when the
+student is certain, and reaches tokens it never sampled. It is a loss term, beside the advantages
+(``ctxrl.train.learner``), not an advantage.
+
 The breakdown (``kl_breakdown``) splits the mean KL per token by assistant turn and by the role of the generation
 a token belongs to (``token_roles``): a ``tool_call`` turn, an ``answer`` turn, a ``summary`` (the ``summarize``
 manager's), a ``reflection`` (the meta loop's).
@@ -55,6 +67,24 @@ def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.T
     [N, T] each  ->  [N, T], 0 where the mask is 0.
     """
     return -coef * reverse_kl(student_logprobs, teacher_logprobs, loss_mask)
+
+
+def topk_forward_kl(teacher_probs: torch.Tensor, student_logprobs: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
+    """``sum_k q_k (log q_k - log pi_s(v_k))`` per position: the forward KL from the teacher's top ``K`` to the
+    student, at the teacher's ``K`` tokens ``v_k``.
+
+    teacher_probs ``q`` [N, T, K] (``q_k = 0`` contributes 0), student_logprobs ``log pi_s(v_k)`` [N, T, K],
+    loss_mask [N, T]  ->  [N, T], 0 where the mask is 0. It is 0 exactly when the student matches the teacher on
+    those ``K`` tokens and the teacher's mass is all in them; with mass outside them it is bounded below by
+    ``sum_k q_k log sum_k q_k`` (a constant: the gradient is the true forward KL's restricted to the ``K`` tokens).
+    """
+    if teacher_probs.shape != student_logprobs.shape or teacher_probs.shape[:-1] != loss_mask.shape:
+        raise ValueError(f"teacher probs {tuple(teacher_probs.shape)} and student log-probs "
+                         f"{tuple(student_logprobs.shape)} must be [..., K] over the mask {tuple(loss_mask.shape)}")
+    q = teacher_probs.to(student_logprobs.dtype)
+    per_position = (torch.xlogy(q, q) - q * student_logprobs).sum(-1)
+    return per_position * loss_mask.to(per_position.dtype)
 
 
 def generation_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:

@@ -39,6 +39,10 @@ class Batch:
     """Where the critic's value is trained (None: at every sampled token)."""
     recomputed: torch.Tensor | None = None
     """The learner's own log-probs of the sampled tokens before the update (``old_logprobs="recompute"``)."""
+    teacher_ids: torch.Tensor | None = None
+    """[B, T-1, K]: a distillation teacher's ``K`` likeliest next tokens at each position (``algo.distill.top_k``)."""
+    teacher_probs: torch.Tensor | None = None
+    """[B, T-1, K]: their probabilities under the teacher (0 where the loss mask is 0)."""
 
     @property
     def targets(self) -> torch.Tensor:
@@ -108,8 +112,32 @@ def collate(rows: Sequence[Any], pad_token_id: int, device: torch.device | str =
             targets[name] = _per_token(rows, values, n, width, name)[:, 1:].to(device)
         else:
             targets[name] = None
+    targets.update(_teacher_topk(rows, width, device))
     return Batch(ids.to(device), attn.to(device), mask[:, 1:].to(device), old[:, 1:].to(device),
                  adv[:, 1:].to(device), lengths.to(device), **targets)
+
+
+def _teacher_topk(rows: Sequence[Any], width: int, device) -> dict[str, torch.Tensor | None]:
+    """The rows' teacher top-K ids and probabilities as [n, width-1, K] (shifted like the log-probs), or Nones."""
+    ids = [getattr(r, "teacher_ids", None) for r in rows]
+    probs = [getattr(r, "teacher_probs", None) for r in rows]
+    if all(i is None for i in ids) and all(p is None for p in probs):
+        return {"teacher_ids": None, "teacher_probs": None}
+    if any(i is None for i in ids) or any(p is None for p in probs):
+        raise ValueError("collate: some rows have a teacher's top-K and some do not")
+    k = max((len(entry) for row in ids for entry in row), default=0)
+    out_ids = torch.zeros((len(rows), width, k), dtype=torch.long)
+    out_probs = torch.zeros((len(rows), width, k))
+    for row, (r, i, p) in enumerate(zip(rows, ids, probs)):
+        if not len(i) == len(p) == len(r.input_ids):
+            raise ValueError(f"collate: row {row} has {len(r.input_ids)} tokens but {len(i)} teacher top-K id lists "
+                             f"and {len(p)} probability lists")
+        if i and any(len(entry) != k for entry in i) or any(len(a) != len(b) for a, b in zip(i, p)):
+            raise ValueError(f"collate: row {row}'s teacher top-K lists are not all {k} long")
+        if i:
+            out_ids[row, : len(i)] = torch.tensor(i, dtype=torch.long)
+            out_probs[row, : len(p)] = torch.tensor(p, dtype=torch.float32)
+    return {"teacher_ids": out_ids[:, 1:].to(device), "teacher_probs": out_probs[:, 1:].to(device)}
 
 
 def _per_token(rows: Sequence[Any], values: Any, n: int, width: int, what: str) -> torch.Tensor:

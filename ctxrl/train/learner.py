@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxrl.algo.distill import topk_forward_kl
 from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS, aggregate, gspo_loss, kl_penalty, policy_loss
 from ctxrl.models.flat import MODES as FLAT_MODES
 from ctxrl.models.flat import training_decoder
@@ -66,6 +67,9 @@ class PPOSettings:
     flat_forward: str = "auto"
     """``auto``/``on``/``off``: the forward pass over flat sequences (``ctxrl.models.flat``); it takes precedence over
     ``pack_sequences`` where it runs."""
+    distill_top_k_coef: float = 0.0
+    """Weight of the forward KL from a distillation teacher's top-K to the policy (``algo.distill.top_k``), on
+    batches that carry the teacher's top-K (``Batch.teacher_ids``)."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -89,23 +93,26 @@ class PPOSettings:
                    loss=a.loss, dual_clip=a.dual_clip or None, old_logprobs=a.old_logprobs, tis_cap=a.tis_cap,
                    vf_clip=a.vf_clip, norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens),
                    max_tokens_per_microbatch=t.max_tokens_per_microbatch, logprob_chunk_tokens=t.logprob_chunk_tokens,
-                   pack_sequences=t.pack_sequences, flat_forward=t.flat_forward)
+                   pack_sequences=t.pack_sequences, flat_forward=t.flat_forward,
+                   distill_top_k_coef=distill_top_k_coef(config))
 
-    def logprobs(self, model, micro: Batch, *, with_entropy: bool = False):
+    def logprobs(self, model, micro: Batch, *, with_entropy: bool = False, extra_ids: torch.Tensor | None = None):
         """The learner's log-probs (and entropy: with a gradient only when the loss has an entropy bonus) of
         ``micro``'s sampled tokens under ``model``; with ``pack_sequences`` the forward pass runs on packed rows
         and the results come back in ``micro``'s padded layout; with a flat decoder (``flat_forward``) they run laid
-        end to end."""
+        end to end. ``extra_ids`` [B, T-1, K]: also the log-probs of those tokens (last in the tuple), on the flat
+        or the padded pass (not packed rows)."""
         decoder = training_decoder(model, self.flat_forward)
         # (a micro-batch is cut to its longest row: its width; past a sliding window, HF's pass)
         if decoder is not None and decoder.fits(micro.input_ids.shape[1]):
             return flat_token_logprobs(decoder, micro.input_ids, micro.lengths, mask=micro.loss_mask,
                                        temperature=self.temperature, chunk=self.logprob_chunk_tokens,
-                                       with_entropy=with_entropy, entropy_grad=self.entropy_coef > 0)
-        if not self.pack_sequences:
+                                       with_entropy=with_entropy, entropy_grad=self.entropy_coef > 0,
+                                       extra_ids=extra_ids)
+        if not self.pack_sequences or extra_ids is not None:
             return token_logprobs(model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
                                   mask=micro.loss_mask, chunk=self.logprob_chunk_tokens, with_entropy=with_entropy,
-                                  entropy_grad=self.entropy_coef > 0)
+                                  entropy_grad=self.entropy_coef > 0, extra_ids=extra_ids)
         dtype = next(model.parameters()).dtype
         packed = pack(micro.input_ids, micro.lengths, pad_id=0,
                       dtype=dtype if dtype.is_floating_point else torch.float32)
@@ -279,7 +286,12 @@ class Learner:
                 sums["tis_truncated"] = sums.get("tis_truncated", 0.0) + (
                     (raw > s.tis_cap).float() * micro.loss_mask).sum()
             old = micro.recomputed
-        logprobs, entropy = s.logprobs(self.model, micro, with_entropy=True)
+        topk = s.distill_top_k_coef > 0 and micro.teacher_ids is not None
+        if topk:
+            logprobs, entropy, student_topk = s.logprobs(self.model, micro, with_entropy=True,
+                                                         extra_ids=micro.teacher_ids)
+        else:
+            logprobs, entropy = s.logprobs(self.model, micro, with_entropy=True)
         if s.loss == "gspo":
             loss, m = gspo_loss(logprobs, old, micro.advantages, micro.loss_mask,
                                 clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg,
@@ -300,6 +312,11 @@ class Learner:
             loss = loss + s.kl_coef * aggregate(kl, micro.loss_mask, s.agg, norm_length=norm_length,
                                                 denominator=denominator)
             sums["kl"] = sums.get("kl", 0.0) + (kl.detach() * micro.loss_mask).sum()
+        if topk:
+            forward_kl = topk_forward_kl(micro.teacher_probs, student_topk, micro.loss_mask)
+            loss = loss + s.distill_top_k_coef * aggregate(forward_kl, micro.loss_mask, s.agg,
+                                                           norm_length=norm_length, denominator=denominator)
+            sums["distill_topk_kl"] = sums.get("distill_topk_kl", 0.0) + forward_kl.detach().sum()
         if loss.requires_grad:  # (a micro-batch without one sampled token has nothing to learn from)
             self.precision.backward(loss)
         if self.critic is not None:
@@ -342,11 +359,12 @@ class Learner:
         precision = self.precision
         precision.unscale(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable_grads(self.optimizer), self.settings.max_grad_norm)
-        # A mini-batch whose every advantage is 0 (and no KL, entropy or critic term) has no learning
-        # signal: its gradient is 0, and an optimiser step would only replay Adam's momentum, a full
+        # A mini-batch whose every advantage is 0 (and no KL, entropy, distillation top-K or critic term) has no
+        # learning signal: its gradient is 0, and an optimiser step would only replay Adam's momentum, a full
         # learning-rate-sized move per parameter for several steps after one informative batch.
         s = self.settings
-        no_signal = (self.critic_optimizer is None and s.kl_coef == 0 and s.entropy_coef == 0
+        dense = s.distill_top_k_coef > 0 and batch.teacher_ids is not None
+        no_signal = (self.critic_optimizer is None and s.kl_coef == 0 and s.entropy_coef == 0 and not dense
                      and not bool((batch.advantages != 0).any()))
         metrics["no_signal"] = 0.0
         overflow = (precision.scaler is not None and not torch.isfinite(grad_norm) and math.isfinite(metrics["loss"])
@@ -386,6 +404,14 @@ class Learner:
         return metrics
 
 
+def distill_top_k_coef(config) -> float:
+    """``algo.distill.top_k_coef`` when the run distils with a top-K term (``algo.distill.top_k > 0``), else 0."""
+    if config.algo.advantage != "distill":
+        return 0.0
+    options = config.settings_of("algo", "distill")
+    return float(options.top_k_coef) if options.top_k else 0.0
+
+
 def figure_keys(s: PPOSettings, *, kl: bool, critic: bool) -> list[str]:
     """The sums a mini-batch accumulates under settings ``s`` (``Learner._micro_batch``, ``_critic_backward``);
     ``kl``: the learner has a reference, ``critic``: a critic."""
@@ -394,6 +420,8 @@ def figure_keys(s: PPOSettings, *, kl: bool, critic: bool) -> list[str]:
         keys += ["tis_weight", "tis_truncated"]
     if s.kl_coef > 0 and kl:
         keys.append("kl")
+    if s.distill_top_k_coef > 0:
+        keys.append("distill_topk_kl")
     if critic:
         keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
     return keys
@@ -414,7 +442,7 @@ def mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float
     if "vf_loss" in sums:
         out["vf_loss"] = sums["vf_loss"]
     for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
-                "tis_weight", "tis_truncated"):
+                "tis_weight", "tis_truncated", "distill_topk_kl"):
         if key in sums:
             out[key] = sums[key] / max(tokens, 1.0)
     for key in ("vf_clip_frac", "vf_explained_var"):

@@ -39,7 +39,8 @@ _SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
                    mask: torch.Tensor | None = None, chunk: int = 0, with_entropy: bool = False,
-                   entropy_grad: bool = False, return_logits: bool = False, position_ids: torch.Tensor | None = None):
+                   entropy_grad: bool = False, return_logits: bool = False, position_ids: torch.Tensor | None = None,
+                   extra_ids: torch.Tensor | None = None):
     """Log-probs ``[B, T-1]`` of each next token under ``model`` at ``temperature``.
 
     ``mask`` ``[B, T-1]``: the positions wanted (others are 0, and cost nothing in the chunked path).
@@ -51,13 +52,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ``return_logits`` (full path only, for tests): also return the ``[B, T-1, V]`` logits.
     ``position_ids``: positions per token, for packed rows (``ctxrl.train.packing``), whose
     ``attention_mask`` is then the 4D block-diagonal one.
+    ``extra_ids`` ``[B, T-1, K]``: also return the log-probs ``[B, T-1, K]`` of these tokens at each position (a
+    distillation teacher's top ``K``), with their gradient, last in the returned tuple.
     """
     if temperature <= 0:
         temperature = 1.0
     split = None if chunk <= 0 or return_logits else _split(model)
     if split is None:
         return _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits,
-                     position_ids)
+                     position_ids, extra_ids)
     backbone, head = split
     extra = {} if position_ids is None else {"position_ids": position_ids}
     with attention_kernels(input_ids.device):
@@ -65,15 +68,52 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     hidden = hidden.last_hidden_state
     wanted = torch.ones_like(input_ids[:, 1:], dtype=torch.bool) if mask is None else mask.bool()
     return _head_stats(hidden[:, :-1][wanted], input_ids[:, 1:][wanted], head, wanted, temperature=temperature,
-                       chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                       chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                       extra_ids=None if extra_ids is None else extra_ids[wanted])
+
+
+@torch.no_grad()
+def token_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, mask: torch.Tensor, k: int,
+               temperature: float = 1.0, chunk: int = 1024, vocab: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` likeliest next tokens and their probabilities at ``temperature`` at each wanted position
+    (``mask`` [B, T-1]): ids [B, T-1, k] and probabilities [B, T-1, k], zeros elsewhere. Through the backbone and
+    ``chunk`` positions of the head at a time where the model splits (``_split``), else the full logits.
+    ``vocab > 0``: only ids below it are candidates (a head padded past the tokenizer; the probabilities are still
+    of the whole distribution)."""
+    if temperature <= 0:
+        temperature = 1.0
+    wanted = mask.bool()
+    ids = torch.zeros((*wanted.shape, k), dtype=torch.long, device=input_ids.device)
+    probs = torch.zeros((*wanted.shape, k), dtype=torch.float32, device=input_ids.device)
+    split = _split(model) if chunk > 0 else None
+    if split is None:
+        with attention_kernels(input_ids.device):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        states, project = logits[wanted], (lambda x: x)
+    else:
+        backbone, head = split
+        with attention_kernels(input_ids.device):
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        states, project = hidden[:, :-1][wanted], (lambda x: F.linear(x, head.weight, head.bias))
+    step = chunk if chunk > 0 else max(int(states.shape[0]), 1)
+    top_ids, top_probs = [], []
+    for start in range(0, states.shape[0], step):
+        logprobs = torch.log_softmax(_at_least_fp32(project(states[start:start + step])) / temperature, dim=-1)
+        values, index = (logprobs[:, :vocab] if vocab > 0 else logprobs).topk(k, dim=-1)
+        top_ids.append(index)
+        top_probs.append(values.exp().float())
+    if top_ids:
+        ids[wanted] = torch.cat(top_ids)
+        probs[wanted] = torch.cat(top_probs)
+    return ids, probs
 
 
 def flat_token_logprobs(decoder, input_ids: torch.Tensor, lengths: torch.Tensor, *, mask: torch.Tensor,
                         temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False,
-                        entropy_grad: bool = False):
+                        entropy_grad: bool = False, extra_ids: torch.Tensor | None = None):
     """``token_logprobs`` through a ``FlatDecoder`` (``ctxrl.models.flat``): the rows of ``input_ids`` ([B, T],
     right-padded to ``lengths``) run laid end to end, without padding; the results come back ``[B, T-1]``.
-    ``mask`` is required and must lie within each row's length (a loss mask does)."""
+    ``mask`` is required and must lie within each row's length (a loss mask does); ``extra_ids`` as there."""
     if temperature <= 0:
         temperature = 1.0
     flat = flatten(input_ids, lengths)
@@ -83,14 +123,24 @@ def flat_token_logprobs(decoder, input_ids: torch.Tensor, lengths: torch.Tensor,
         hidden = decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest)
     return _head_stats(hidden[at], flat.ids[at + 1], decoder.head, wanted, temperature=temperature,
                        chunk=chunk if chunk > 0 else max(int(at.numel()), 1), with_entropy=with_entropy,
-                       entropy_grad=entropy_grad)
+                       entropy_grad=entropy_grad, extra_ids=None if extra_ids is None else extra_ids[wanted])
 
 
-def _head_stats(states, targets, head, wanted, *, temperature, chunk, with_entropy, entropy_grad):
+def _head_stats(states, targets, head, wanted, *, temperature, chunk, with_entropy, entropy_grad, extra_ids=None):
     """Log-probs (and entropy) of ``targets`` at hidden ``states`` [n, H], ``chunk`` at a time, scattered into
-    ``wanted``'s shape."""
-    logprob_parts, entropy_parts = [], []
+    ``wanted``'s shape; with ``extra_ids`` [n, K], the log-probs of those tokens too (through autograd's own
+    operations under activation checkpointing, as an entropy with a gradient is)."""
+    logprob_parts, entropy_parts, extra_parts = [], [], []
     for start in range(0, states.shape[0], chunk):
+        if extra_ids is not None:
+            args = (states[start:start + chunk], head.weight, head.bias, targets[start:start + chunk], temperature,
+                    with_entropy, entropy_grad, extra_ids[start:start + chunk])
+            lp, ent, extra = (checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
+                              else _chunk_stats(*args))
+            logprob_parts.append(lp)
+            entropy_parts.append(ent)
+            extra_parts.append(extra)
+            continue
         if not (with_entropy and entropy_grad):  # the fused head: one pass over the vocabulary, no checkpoint
             lp, ent = linear_logprobs(states[start:start + chunk], head.weight, head.bias,
                                       targets[start:start + chunk], temperature, with_entropy)
@@ -100,28 +150,34 @@ def _head_stats(states, targets, head, wanted, *, temperature, chunk, with_entro
         args = (states[start:start + chunk], head.weight, head.bias, targets[start:start + chunk], temperature,
                 with_entropy, entropy_grad)
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
+            lp, ent, _ = checkpoint(_chunk_stats, *args, use_reentrant=False)
         else:
-            lp, ent = _chunk_stats(*args)
+            lp, ent, _ = _chunk_stats(*args)
         logprob_parts.append(lp)
         entropy_parts.append(ent)
-    logprobs = _scatter(logprob_parts, wanted, wanted.device)
-    if not with_entropy:
-        return logprobs
-    return logprobs, _scatter(entropy_parts, wanted, wanted.device)
+    out = [_scatter(logprob_parts, wanted, wanted.device)]
+    if with_entropy:
+        out.append(_scatter(entropy_parts, wanted, wanted.device))
+    if extra_ids is not None:
+        out.append(_scatter_rows(extra_parts, wanted, extra_ids.shape[-1], out[0].dtype))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _chunk_stats(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                 temperature: float, with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``targets`` and (optionally) entropy at ``states`` [n, H] through the head ``weight``."""
+                 temperature: float, with_entropy: bool, entropy_grad: bool, extra_ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets``, (optionally) entropy, and (optionally) the log-probs of ``extra_ids`` [n, K] at
+    ``states`` [n, H] through the head ``weight``."""
     logits = _at_least_fp32(F.linear(states, weight, bias))
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    extra = None if extra_ids is None else logits.gather(-1, extra_ids) - lse.unsqueeze(-1)
     if not with_entropy:
-        return logprobs, logprobs.new_zeros(())
+        return logprobs, logprobs.new_zeros(()), extra
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logprobs, entropy_from_logits(logits)
+        return logprobs, entropy_from_logits(logits), extra
 
 
 def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -137,8 +193,16 @@ def _scatter(parts: list[torch.Tensor], wanted: torch.Tensor, device) -> torch.T
     return out
 
 
+def _scatter_rows(parts: list[torch.Tensor], wanted: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, K]`` rows into ``[*wanted.shape, K]`` at ``wanted``'s positions (zeros elsewhere), keeping the graph."""
+    out = torch.zeros((*wanted.shape, k), dtype=dtype, device=wanted.device)
+    if parts and wanted.any():
+        out = out.index_put((wanted,), torch.cat(parts).to(dtype))
+    return out
+
+
 def _full(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, return_logits,
-          position_ids=None):
+          position_ids=None, extra_ids=None):
     """The plain computation: the model's full logits."""
     extra = {} if position_ids is None else {"position_ids": position_ids}
     with attention_kernels(input_ids.device):
@@ -156,6 +220,9 @@ def _full(model, input_ids, attention_mask, temperature, mask, with_entropy, ent
             entropy = torch.zeros_like(logprobs)
             entropy[wanted] = entropy_from_logits(logits[wanted])
         out.append(entropy)
+    if extra_ids is not None:
+        extra = logits.gather(-1, extra_ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+        out.append(extra if mask is None else extra * mask.unsqueeze(-1))
     if return_logits:
         out.append(logits)
     return out[0] if len(out) == 1 else tuple(out)

@@ -8,6 +8,9 @@ the student's rendering, never a re-tokenized text, so each of its log-probs is 
 sampled. That is only meaningful when both map every id to the same token: ``tokenizer_difference`` finds the
 first place they do not, and the run stops there, before either model's weights load.
 
+With ``top_k = K > 0`` it also gives, at every sampled position, its ``K`` likeliest next tokens and their
+probabilities (``topk``), for the dense forward-KL term of the loss (``ctxrl.algo.distill.topk_forward_kl``).
+
 Where it runs: on the policy's device by default (the same GPU: its weights count in the run's memory plan), or
 on its own (``[algo.distill] device = "cuda:1"``). It is frozen (``eval()``, no gradients) and nothing writes
 to it; a resumed run loads it again from its name.
@@ -24,8 +27,8 @@ import torch
 from ctxrl.algo.distill import kl_breakdown, token_roles
 from ctxrl.algo.estimators.base import trained_sequences
 from ctxrl.errors import ConfigError
-from ctxrl.train.batch import collate, per_token_rows
-from ctxrl.train.logprobs import token_logprobs
+from ctxrl.train.batch import collate, micro_batches, per_token_rows
+from ctxrl.train.logprobs import token_logprobs, token_topk
 from ctxrl.types import Episode
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,10 @@ class Teacher:
     micro_batch_size: int = 32
     max_tokens: int = 0
     chunk: int = 1024
+    top_k: int = 0
+    """``K > 0``: ``score`` also gives the teacher's ``K`` likeliest tokens at every sampled position."""
+    vocab: int = 0
+    """The student's tokenizer size: top-K candidates are ids below it (0: every row of the teacher's head)."""
 
     @classmethod
     def load(cls, options, config, student_tokenizer, device: str) -> Teacher:
@@ -110,7 +117,7 @@ class Teacher:
         t = config.train
         return cls(module, options.teacher, temperature=config.rollout.temperature,
                    micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_microbatch,
-                   chunk=t.logprob_chunk_tokens)
+                   chunk=t.logprob_chunk_tokens, top_k=options.top_k, vocab=len(student_tokenizer))
 
     @property
     def device(self) -> torch.device:
@@ -132,6 +139,26 @@ class Teacher:
         rows = iter(per_token_rows(collate(sequences, pad_token_id), self.device, self.micro_batch_size, score,
                                    self.max_tokens))
         return [[next(rows) for _ in trained_sequences(e)] for e in episodes]
+
+    @torch.no_grad()
+    def topk(self, episodes: list[Episode], pad_token_id: int) -> list[list[tuple[list[list[int]], list[list[float]]]]]:
+        """Per episode, per trained sequence, the teacher's ``top_k`` likeliest tokens and their probabilities for
+        each token of its ``input_ids`` (the distribution the token was drawn against; ``K`` zeros where the loss
+        mask is 0, and at index 0)."""
+        sequences = [seq for e in episodes for seq in trained_sequences(e)]
+        if not sequences or self.top_k <= 0:
+            return [[] for _ in episodes]
+        batch = collate(sequences, pad_token_id)
+        out: list[tuple[list[list[int]], list[list[float]]] | None] = [None] * len(sequences)
+        empty = [[0] * self.top_k], [[0.0] * self.top_k]
+        for rows, micro in micro_batches(batch, self.micro_batch_size, self.device, self.max_tokens):
+            ids, probs = token_topk(self.module, micro.input_ids, micro.attention_mask, mask=micro.loss_mask,
+                                    k=self.top_k, temperature=self.temperature, chunk=self.chunk, vocab=self.vocab)
+            ids, probs = ids.cpu(), probs.cpu()
+            for j, (row, n) in enumerate(zip(rows, micro.lengths.tolist())):
+                out[row] = (empty[0] + ids[j, : int(n) - 1].tolist(), empty[1] + probs[j, : int(n) - 1].tolist())
+        rows_out = iter(out)
+        return [[next(rows_out) for _ in trained_sequences(e)] for e in episodes]
 
     def score(self, episodes: list[Episode], pad_token_id: int) -> tuple[list[list[list[float]]], dict[str, float]]:
         """``logprobs`` and their figures: the mean teacher-student KL per sampled token, per turn and per role."""

@@ -429,12 +429,15 @@ def check_before_load(config: Config, spec: RolloutSpec, env_cls: type, renderer
 def teacher_scores(teacher: Teacher | None, valid: list[Episode], pad_token_id: int,
                    metrics: dict[str, Any]) -> dict[str, Any]:
     """On-policy distillation: the teacher's log-probs of the sampled tokens, as the estimator's ``teacher_logprobs``
-    (its KL figures go into ``metrics``); nothing without a teacher."""
+    (its KL figures go into ``metrics``), and with ``top_k`` its likeliest tokens (``teacher_topk``); nothing
+    without a teacher."""
     if teacher is None or not valid:
         return {}
     logprobs, figures = teacher.score(valid, pad_token_id)
     metrics.update(figures)
-    return {"teacher_logprobs": logprobs}
+    if teacher.top_k <= 0:
+        return {"teacher_logprobs": logprobs}
+    return {"teacher_logprobs": logprobs, "teacher_topk": teacher.topk(valid, pad_token_id)}
 
 
 def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tuple[str, str], ...]:

@@ -7,6 +7,8 @@
     coef = 1.0                                   # weight of the teacher's term
     outcome = 0.0                                # weight of the outcome advantage (0: distillation alone)
     outcome_estimator = "grpo"
+    top_k = 0                                    # > 0: also the dense top-K forward KL in the loss
+    top_k_coef = 1.0                             # its weight
 
 The advantage of sampled token ``t`` of a sequence is ``-coef * (log pi_s(x_t) - log pi_t(x_t)) + outcome * A``
 where ``A`` is the episode's advantage under ``outcome_estimator`` (``grpo``, ``dr_grpo``, ``rloo``: one number per
@@ -14,6 +16,12 @@ episode from its shaped reward, group statistics included) and the log-probs are
 at the rollout temperature (``ctxrl.algo.distill``). Every sequence of an episode (each segment a context manager
 closed: summaries included) gets its own per-token teacher term, so this estimator works with every context
 manager; a segment's process bonus (``segment_bonus``) is added as ``broadcast`` adds it.
+
+With ``top_k = K > 0`` the teacher also gives its ``K`` likeliest next tokens and their probabilities at every
+sampled position (``teacher_topk``); they ride on the rows (``TrainSequence.teacher_ids`` / ``teacher_probs``) to
+the learner, whose loss adds ``top_k_coef`` times the forward KL from them to the student
+(``ctxrl.algo.distill.topk_forward_kl``), aggregated as the policy loss is. The sampled-token term alone cannot move
+a student that is certain of a wrong token; this one can (``ctxrl.algo.distill``).
 
 What the trainer does for it (``needs_teacher``): it loads the teacher once (``ctxrl.train.teacher``: refused
 unless teacher and student tokenize alike), scores every trained sequence's sampled tokens after each rollout
@@ -38,11 +46,16 @@ from ctxrl.algo.estimators.base import (
 from ctxrl.algo.estimators.outcome import OutcomeEstimator
 from ctxrl.algo.estimators.tensors import group_ids
 from ctxrl.errors import ConfigError
-from ctxrl.settings import NON_NEGATIVE
+from ctxrl.settings import NON_NEGATIVE, in_range
 from ctxrl.types import Episode, TrainSequence
 
 TeacherLogprobs = list[list[list[float]]]
 """Per episode, per trained sequence, one teacher log-prob per token (0 where the loss mask is 0)."""
+TeacherTopK = list[list[tuple[list[list[int]], list[list[float]]]]]
+"""Per episode, per trained sequence, the teacher's top-K token ids and probabilities per token (``K`` zeros where the
+loss mask is 0), aligned with ``input_ids`` as the log-probs are."""
+MAX_TOP_K = 256
+"""The most tokens ``top_k`` keeps a position: each costs 12 bytes a sampled token on the host and the card."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +75,16 @@ class DistillSettings:
     dtype: str = ""
     """The teacher's dtype: empty for ``model.dtype``, or ``float32``, ``bfloat16``, ``float16``."""
 
+    top_k: int = field(default=0, metadata=in_range(0, MAX_TOP_K))
+    """0: the sampled-token term alone. ``K > 0``: the loss also pulls the student toward the teacher's ``K``
+    likeliest next tokens at every sampled position (forward KL; dense where the sampled-token term is blind)."""
+    top_k_coef: float = field(default=1.0, metadata=NON_NEGATIVE)
+    """Weight of the top-``K`` forward KL in the loss (with ``top_k > 0``)."""
+
     def __post_init__(self) -> None:
-        if self.coef == 0 and self.outcome == 0:
-            raise ValueError("coef and outcome are both 0, so every advantage would be 0; set coef > 0 (the "
-                             "teacher's term) or outcome > 0")
+        if self.coef == 0 and self.outcome == 0 and not (self.top_k and self.top_k_coef):
+            raise ValueError("coef and outcome are both 0 and there is no top-K term, so nothing would be learned; "
+                             "set coef > 0 (the teacher's sampled-token term), outcome > 0, or top_k > 0")
 
 
 @register_estimator
@@ -108,7 +127,8 @@ class Distill(Estimator):
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None, segment_bonus: SegmentBonus | None = None,
-                 teacher_logprobs: TeacherLogprobs | None = None) -> list[list[TrainSequence]]:
+                 teacher_logprobs: TeacherLogprobs | None = None,
+                 teacher_topk: TeacherTopK | None = None) -> list[list[TrainSequence]]:
         if not episodes:
             return []
         if teacher_logprobs is None:
@@ -119,19 +139,28 @@ class Distill(Estimator):
                              "with it); put the KL to the reference in the loss")
         if len(teacher_logprobs) != len(episodes):
             raise ValueError(f"{len(teacher_logprobs)} teacher log-prob lists for {len(episodes)} episodes")
+        if self.options.top_k and teacher_topk is None:
+            raise ValueError(f"algo.distill.top_k={self.options.top_k} needs teacher_topk (per episode, per trained "
+                             "sequence); the trainer passes them when top_k > 0")
+        if teacher_topk is not None and len(teacher_topk) != len(episodes):
+            raise ValueError(f"{len(teacher_topk)} teacher top-K lists for {len(episodes)} episodes")
         outcome = self.outcome_advantages(episodes)
-        return [self.episode_rows(e, a, teacher, segment_bonus)
-                for e, a, teacher in zip(episodes, outcome, teacher_logprobs)]
+        topk = teacher_topk if teacher_topk is not None else [None] * len(episodes)
+        return [self.episode_rows(e, a, teacher, segment_bonus, top)
+                for e, a, teacher, top in zip(episodes, outcome, teacher_logprobs, topk)]
 
     def episode_rows(self, episode: Episode, outcome: float, teacher: list[list[float]],
-                     segment_bonus: SegmentBonus | None) -> list[TrainSequence]:
-        """One row per trained sequence: the teacher's term per token, the weighted outcome (and bonus) on each."""
+                     segment_bonus: SegmentBonus | None,
+                     topk: list[tuple[list[list[int]], list[list[float]]]] | None = None) -> list[TrainSequence]:
+        """One row per trained sequence: the teacher's term per token, the weighted outcome (and bonus) on each,
+        and the teacher's top-K per token when it was asked for."""
         sequences = trained_sequences(episode)
-        if len(teacher) != len(sequences):
+        if len(teacher) != len(sequences) or (topk is not None and len(topk) != len(sequences)):
             raise ValueError(f"episode of task {episode.task.id} trains {len(sequences)} sequences but has "
-                             f"{len(teacher)} teacher log-prob lists")
+                             f"{len(teacher)} teacher log-prob lists"
+                             + ("" if topk is None else f" and {len(topk)} top-K lists"))
         rows = []
-        for seq, scores in zip(sequences, teacher):
+        for k, (seq, scores) in enumerate(zip(sequences, teacher)):
             if len(scores) != len(seq.input_ids):
                 raise ValueError(f"a sequence of {len(seq.input_ids)} tokens got {len(scores)} teacher log-probs")
             mask = torch.tensor(seq.loss_mask, dtype=torch.float64)
@@ -139,6 +168,13 @@ class Distill(Estimator):
                                        torch.tensor(scores, dtype=torch.float64), mask, coef=self.options.coef)
             bonus = segment_bonus(seq) if segment_bonus is not None and episode.segments else 0.0
             advantages = dense + (self.options.outcome * outcome + bonus) * mask
+            extra = {}
+            if topk is not None:
+                ids, probs = topk[k]
+                if not len(ids) == len(probs) == len(seq.input_ids):
+                    raise ValueError(f"a sequence of {len(seq.input_ids)} tokens got {len(ids)} teacher top-K id "
+                                     f"lists and {len(probs)} probability lists")
+                extra = {"teacher_ids": ids, "teacher_probs": probs}
             rows.append(TrainSequence.of(seq, advantages.tolist(), group_id=episode.group_id,
-                                         policy_version=episode.policy_version))
+                                         policy_version=episode.policy_version, **extra))
         return rows
