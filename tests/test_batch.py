@@ -329,10 +329,12 @@ def test_every_issue38_run_is_a_valid_configuration(tmp_path):
     for job in jobs[1:]:
         config = load_config(None, [a for a in job.argv if re.match(r"[a-z]+\.[a-z_.]+=", a)])
         arms[job.name.rsplit("-", 1)[1]] = config
-    assert arms.keys() == {"verifier", "judge", "rl", "distill", "both"}
+    assert arms.keys() == {"verifier", "judge", "rl", "distill", "both", "dense", "dense_rl"}
     assert arms["judge"].reward.outcome == 0 and arms["judge"].reward.judge == "smollm2-135m-instruct"
     assert arms["distill"].settings_of("algo", "distill").outcome == 0
     assert arms["both"].settings_of("algo", "distill").outcome == 1 and not arms["rl"].sft.enabled
+    dense, dense_rl = (arms[a].settings_of("algo", "distill") for a in ("dense", "dense_rl"))
+    assert (dense.coef, dense.outcome, dense.top_k) == (0, 0, 16) and (dense_rl.outcome, dense_rl.top_k) == (1, 16)
     teacher = arms["both"].settings_of("algo", "distill").teacher
     assert teacher == str(tmp_path / "out" / "runs" / "ca135-b0-s0-verifier" / "calculator-s0" / "checkpoints" /
                           "final")
@@ -342,9 +344,9 @@ def test_every_issue38_run_is_a_valid_configuration(tmp_path):
 def test_the_issue38_plan_runs_at_tiny_size_on_the_cpu(tmp_path):
     """The teacher run of the plan, then a student distilled from its checkpoint, through batch.py at tiny size."""
     jobs = batch.load_plan(ISSUE38, tmp_path / "out", settings=TINY38)
-    keep = [j for j in jobs if j.name == "ca135-b0-s0-distill"]
+    keep = [j for j in jobs if j.name in ("ca135-b0-s0-distill", "ca135-b0-s0-dense")]
     jobs = [j for j in jobs if j.name in batch.needed_by(keep, jobs)]
-    assert [j.name for j in jobs] == ["build-m", "ca135-b0-s0-verifier", "ca135-b0-s0-distill"]
+    assert [j.name for j in jobs] == ["build-m", "ca135-b0-s0-verifier", "ca135-b0-s0-distill", "ca135-b0-s0-dense"]
     done = batch.run_plan(jobs, tmp_path / "out", ["cpu"], per_gpu=2, minutes=5, poll=0.2)
     logs = {j.name: (tmp_path / "out" / ("builds" if j.kind == "build" else "runs") / j.name / "log.txt")
             for j in done}
@@ -352,3 +354,6 @@ def test_the_issue38_plan_runs_at_tiny_size_on_the_cpu(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "runs" / "ca135-b0-s0-distill" / "calculator-s0" /
                                           "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("phase") == "rl" and "teacher_kl" in r for r in rows)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "runs" / "ca135-b0-s0-dense" / "calculator-s0" /
+                                          "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("phase") == "rl" and r.get("distill_topk_kl", -1.0) >= 0 for r in rows)
