@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -335,6 +336,8 @@ def decode_arm(args, arm: str) -> dict:
                        floor_frac=round(floor_ms / ms, 3))
             if last is not None:
                 row.update(logprob_mismatch(model, sets[-1], last, args.mismatch_rows, cuda))
+            if getattr(args, "profile", False):
+                row.update(profile_call(functools.partial(run, sets[-1], seed=7), cuda))
         except Exception as exc:  # noqa: BLE001 - the arm's result, e.g. torch.compile failing
             row["error"] = short(exc)
         out["rows"].append(row)
@@ -397,6 +400,8 @@ def agentic_arm(args, arm: str) -> dict:
         times.append(time.perf_counter() - t0)
         stats.append(numeric_delta(engine.stats, before))
     t = statistics.median(times)
+    if getattr(args, "profile", False):
+        out.update(profile_call(lambda: play(seed=99), cuda))
     asked = sum(a for a, _ in results)
     made = sum(m for _, m in results)
     last = stats[-1]
@@ -482,13 +487,23 @@ def learner_arm(args, arm: str) -> dict:
 
 
 def profile_update(learner, data, cuda: bool, top: int = 12) -> dict:
-    """One more update under ``torch.profiler``: device time by kind of kernel and the busiest kernels."""
+    """One more update under ``torch.profiler`` (``profile_call``)."""
+    return profile_call(lambda: learner.update(data), cuda, top)
+
+
+def profile_call(fn, cuda: bool, top: int = 12) -> dict:
+    """``fn()`` once more under ``torch.profiler``: its wall time, the device's busy time (the sum of its kernels'
+    times: below the wall time by what the host and the waits cost), that time by kind of kernel, the busiest
+    kernels, and how many kernels were launched."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        learner.update(data)
         sync(cuda)
+        t0 = time.perf_counter()
+        fn()
+        sync(cuda)
+        wall = time.perf_counter() - t0
     from torch.autograd import DeviceType
 
     # kernels only (an operator's entry also carries its kernels' time)
@@ -505,13 +520,18 @@ def profile_update(learner, data, cuda: bool, top: int = 12) -> dict:
             return "attention"
         if "triton" in low:
             return "compiled (triton)"
+        if "memcpy" in low or "memset" in low:
+            return "copies"
         return "other"
 
     kinds: dict[str, float] = {}
     for e in events:
         kinds[kind(e.key)] = kinds.get(kind(e.key), 0.0) + key(e) / 1e6
     busiest = sorted(events, key=key, reverse=True)[:top]
-    return {"profile_busy_s": round(busy, 3), "profile_by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
+    return {"profile_wall_s": round(wall, 3), "profile_busy_s": round(busy, 3),
+            "profile_busy_frac": round(busy / wall, 3) if wall > 0 else None,
+            "profile_kernels": int(sum(e.count for e in events)),
+            "profile_by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
             "profile_top": [[e.key[:80], round(key(e) / 1e6, 4), e.count] for e in busiest]}
 
 
@@ -879,6 +899,7 @@ def print_tables(report: dict) -> None:
                       f"{row['floor_ms_per_step']:8.3f} {100 * row['floor_frac']:6.1f}% {row['first_s']:7.1f} "
                       f"{fmt(row.get('lp_mean'), '.2e'):>10s} {fmt(row.get('lp_p99'), '.2e'):>8s} "
                       f"{fmt(row.get('lp_max'), '.2e'):>8s}")
+                print_profile(row, f"{'':18s} ")
             if r.get("capture_seconds") is not None:
                 print(f"{'':18s} capture/compile seconds: {r['capture_seconds']}")
     if "agentic" in sections:
@@ -889,6 +910,7 @@ def print_tables(report: dict) -> None:
             print(f"{r['arm']:12s} {r['episodes']:8d} {r['episodes_s']:7.2f} {r['gen_tok_s']:9d} "
                   f"{r['prompt_tokens']:10d} {fmt(r.get('prefill_tokens')):>10s} "
                   f"{fmt(r.get('reused_tokens')):>10s} {r['seconds']:8.2f}")
+            print_profile(r, f"{'':12s} ")
         done = {r["arm"]: r for r in sections["agentic"] if "seconds" in r}
         if {"hfengine", "fastengine"} <= set(done):
             ratio = done["fastengine"]["episodes_s"] / done["hfengine"]["episodes_s"]
@@ -913,6 +935,15 @@ def print_tables(report: dict) -> None:
                   f"{fmt(r.get('sync_s'), '.3f'):>7s} {fmt(r.get('gen_tok_s')):>9s} "
                   f"{fmt(None if mfu is None else 100 * mfu, '.1f'):>7s} {r['peak_gib']:8.2f} "
                   f"{fmt(lp, '.2e') if isinstance(lp, float) else fmt(lp):>15s}")
+
+
+def print_profile(row: dict, indent: str) -> None:
+    """One line of a profiled run (``profile_call``): wall, device-busy share, kernels, time by kind."""
+    if row.get("profile_wall_s") is None:
+        return
+    kinds = ", ".join(f"{k} {v:.3f}" for k, v in sorted(row["profile_by_kind_s"].items(), key=lambda kv: -kv[1]))
+    print(f"{indent}profiled: wall {row['profile_wall_s']:.3f} s, device busy {row['profile_busy_s']:.3f} s "
+          f"({100 * (row['profile_busy_frac'] or 0):.0f}%), {row['profile_kernels']} kernels; {kinds}")
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -963,7 +994,9 @@ def parser() -> argparse.ArgumentParser:
     learner.add_argument("--learner-updates", type=int, default=3, help="timed updates, after one warm-up")
     learner.add_argument("--chunk", type=int, default=1024, help="positions per chunk of the output head")
     learner.add_argument("--matmul-size", type=int, default=8192)
-    learner.add_argument("--profile", action="store_true", help="profile one more update per learner arm")
+    learner.add_argument("--profile", action="store_true",
+                         help="profile one more learner update, decode run (per batch) or agentic round per arm: "
+                              "wall and device-busy time, time by kind of kernel, the busiest kernels")
     learner.add_argument("--packed", action="store_true",
                          help="also the learner's packed-sequences mode (train.pack_sequences)")
     g = ap.add_argument_group("grpo")

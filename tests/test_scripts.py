@@ -99,7 +99,8 @@ def test_gpu_memory_runs_both_modes_without_a_gpu(tmp_path):
 def test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "grpo_step.json"
     report = script("benchmarks/grpo_step.py").main(
-        ["--smoke", "--sections", "decode,agentic,learner", "--decode-arms", "hfengine,fastengine", "--out", str(out)])
+        ["--smoke", "--sections", "decode,agentic,learner", "--decode-arms", "hfengine,fastengine", "--profile",
+         "--out", str(out)])
     assert json.loads(out.read_text())["sections"].keys() == {"decode", "agentic", "learner"}
     decode = {r["arm"]: r for r in report["sections"]["decode"]}
     assert [row["batch"] for row in decode["hfengine"]["rows"]] == [2, 4]
@@ -115,7 +116,13 @@ def test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu(tmp_path, capsys):
         assert "error" not in learner and learner["tok_s"] > 0 and learner["mfu"] >= 0, learner
     assert learners["flat"]["flat_vs_hf_logprob_max"] < 1e-4  # the same model through both forward passes
     assert learners["flat"]["loss"] == pytest.approx(learners["padded"]["loss"], abs=1e-5)
-    assert "learner: one PPO update" in capsys.readouterr().out
+    # --profile: one more run of each under the profiler, its wall and busy time (on the CPU: CPU ops' self time;
+    # the engine's decode loop runs on its own thread, which the CPU profiler does not follow: CUDA kernels it sees)
+    for profiled in [agentic["hfengine"], learners["flat"]]:
+        assert profiled["profile_wall_s"] > 0 and profiled["profile_busy_s"] >= 0 and profiled["profile_kernels"] > 0
+    assert decode["hfengine"]["rows"][-1]["profile_wall_s"] > 0
+    printed = capsys.readouterr().out
+    assert "learner: one PPO update" in printed and "profiled: wall" in printed
 
 
 @pytest.mark.slow  # minutes on a 2-core CPU: out of the default run (`-m slow` runs it)
