@@ -329,12 +329,12 @@ def test_every_issue38_run_is_a_valid_configuration(tmp_path):
     for job in jobs[1:]:
         config = load_config(None, [a for a in job.argv if re.match(r"[a-z]+\.[a-z_.]+=", a)])
         arms[job.name.rsplit("-", 1)[1]] = config
-    assert arms.keys() == {"verifier", "judge", "rl", "distill", "both", "dense", "dense_rl"}
+    assert arms.keys() == {"verifier", "judge", "rl", "distill", "both", "dense", "denserl"}
     assert arms["judge"].reward.outcome == 0 and arms["judge"].reward.judge == "smollm2-135m-instruct"
     assert arms["distill"].settings_of("algo", "distill").outcome == 0
     assert arms["both"].settings_of("algo", "distill").outcome == 1 and not arms["rl"].sft.enabled
-    dense, dense_rl = (arms[a].settings_of("algo", "distill") for a in ("dense", "dense_rl"))
-    assert (dense.coef, dense.outcome, dense.top_k) == (0, 0, 16) and (dense_rl.outcome, dense_rl.top_k) == (1, 16)
+    dense, denserl = (arms[a].settings_of("algo", "distill") for a in ("dense", "denserl"))
+    assert (dense.coef, dense.outcome, dense.top_k) == (0, 0, 16) and (denserl.outcome, denserl.top_k) == (1, 16)
     teacher = arms["both"].settings_of("algo", "distill").teacher
     assert teacher == str(tmp_path / "out" / "runs" / "ca135-b0-s0-verifier" / "calculator-s0" / "checkpoints" /
                           "final")
