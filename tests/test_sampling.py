@@ -281,3 +281,38 @@ def test_draw_reports_the_log_prob_of_the_distribution_drawn_from():
     # greedy rows ignore truncation
     assert choice[3:].tolist() == logits[3:].argmax(-1).tolist()
     torch.testing.assert_close(logprob[3:], expected_1[3:], atol=1e-5, rtol=0)
+
+
+def test_draw_in_one_vocabulary_pass_equals_the_two_level_draw_over_full_weights():
+    """``draw`` reads the vocabulary once (``row_stats``) and then only the chosen block; the draw before that
+    change exponentiated the whole tempered vocabulary and ran ``sample_blocked`` over it. Same ids, same log-probs,
+    for float32 and bfloat16 logits, vocabularies that are and are not whole blocks, sampled and greedy rows."""
+    from ctxrl.engine.sampling import SAMPLE_BLOCK, draw, row_stats, sample_blocked
+
+    def full_weights_draw(logits, temperature, greedy, seeds, step):
+        target = torch.div(logits, temperature.float())
+        top, best = target.max(-1, keepdim=True)
+        weights = (target - top).exp_()
+        choice, total = sample_blocked(weights, uniforms(seeds, step), with_total=True)
+        choice = torch.where(greedy, best.squeeze(-1), choice)
+        logprob = target.gather(-1, choice.unsqueeze(-1)).squeeze(-1) - top.squeeze(-1) - total.log().float()
+        return choice, logprob
+
+    g = torch.Generator().manual_seed(9)
+    for vocab, dtype in [(3 * SAMPLE_BLOCK, torch.float32), (2500, torch.float32), (5000, torch.bfloat16)]:
+        rows = 16
+        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        temperature = torch.rand(rows, 1, generator=g) + 0.3
+        greedy = torch.rand(rows, generator=g) < 0.25
+        temperature[greedy] = 1.0
+        seeds = torch.randint(0, 1 << 40, (rows,), generator=g)
+        for step in (0, 7, torch.arange(rows)):
+            want = full_weights_draw(logits, temperature, greedy, seeds, step)
+            got = draw(logits, temperature, greedy, seeds, step)
+            assert torch.equal(got[0], want[0]), (vocab, dtype, step)
+            torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=0)
+    # the block sums add up to the softmax's normaliser; padding past the vocabulary adds nothing
+    logits = torch.randn(3, 2500, generator=g)
+    top, best, sums = row_stats(logits, torch.ones(3, 1), SAMPLE_BLOCK)
+    assert sums.shape == (3, 3) and torch.equal(best, logits.argmax(-1))
+    torch.testing.assert_close(top.squeeze(-1) + sums.sum(-1).log().float(), torch.logsumexp(logits, -1))

@@ -11,7 +11,10 @@ draws exactly from the filtered distribution.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 MASK32 = 0xFFFFFFFF
 
@@ -102,6 +105,32 @@ def sample_blocked(weights: torch.Tensor, u: torch.Tensor, block: int = SAMPLE_B
     return (choice, cdf[:, -1]) if with_total else choice
 
 
+def row_stats(logits: torch.Tensor, temperature: torch.Tensor,
+              block: int = SAMPLE_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a draw needs from the whole vocabulary, in one pass over ``logits`` [rows, vocab]: each row's largest
+    tempered logit ``top`` [rows, 1] (float32), its index ``best`` [rows], and the float64 sums of
+    ``exp(logits / T - top)`` over blocks of ``block`` entries [rows, ceil(vocab / block)].
+
+    On CUDA it runs compiled (``draw``): one fused reduction reading the logits, where the eager form writes the
+    float32 tempered logits and their exponentials over the whole vocabulary first (a decode step's largest
+    element-wise kernels at batch 256 and a 152k vocabulary)."""
+    target = logits.float() / temperature.float()
+    top, best = target.max(-1, keepdim=True)
+    weights = torch.exp(target - top)
+    rows, vocab = weights.shape
+    pad = (-vocab) % block
+    if pad:
+        weights = F.pad(weights, (0, pad))
+    return top, best.squeeze(-1), weights.view(rows, -1, block).sum(-1, dtype=torch.float64)
+
+
+@functools.cache
+def _compiled_row_stats():
+    from ctxrl.models.fused import guarded_compile
+
+    return guarded_compile(row_stats, "the sampler's vocabulary pass")
+
+
 def draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
          step: int | torch.Tensor, top_k: list[int] | None = None,
          top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,18 +139,34 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, 
 
     ``temperature`` ``[rows, 1]``; ``greedy`` ``[rows]`` (argmax, reporting the untruncated T=1
     log-prob); ``seeds`` and ``step`` give each row's uniform draw (``uniforms``). Sampled rows
-    draw from ``softmax(filter(logits / T))`` by inverse CDF (``sample_blocked``) and report that
-    distribution's log-prob. Without ``top_k``/``top_p`` nothing syncs with the host, so a CUDA
-    graph can hold it; a few passes over the vocabulary, in float32.
+    draw from ``softmax(filter(logits / T))`` by inverse CDF over blocks (``sample_blocked``'s two levels)
+    and report that distribution's log-prob. The whole vocabulary is read once (``row_stats``: the row's
+    maximum, argmax and block sums; compiled on CUDA), then only the chosen block of each row. Without
+    ``top_k``/``top_p`` nothing syncs with the host, so a CUDA graph can hold it.
     """
-    target = torch.div(logits, temperature.float())  # float32 even for bf16 logits, in one pass
+    temperature = temperature.float()
     if top_k is not None and top_p is not None:
-        filtered = filter_logits(target, top_k, top_p)
-        if filtered is not target:
-            target = torch.where(greedy.unsqueeze(-1), target, filtered)
-    top, best = target.max(-1, keepdim=True)
-    weights = (target - top).exp_()
-    choice, total = sample_blocked(weights, uniforms(seeds, step), with_total=True)
-    choice = torch.where(greedy, best.squeeze(-1), choice)
-    logprob = target.gather(-1, choice.unsqueeze(-1)).squeeze(-1) - top.squeeze(-1) - total.log().float()
+        tempered = torch.div(logits, temperature)
+        filtered = filter_logits(tempered, top_k, top_p)
+        if filtered is not tempered:  # the filter works on tempered logits: the rest runs at T = 1 on them
+            logits = torch.where(greedy.unsqueeze(-1), tempered, filtered)
+            temperature = torch.ones_like(temperature)
+    stats = _compiled_row_stats() if logits.is_cuda else row_stats
+    top, best, sums = stats(logits, temperature, SAMPLE_BLOCK)
+    rows, vocab = logits.shape
+    cdf = sums.cumsum(-1)
+    total = cdf[:, -1]
+    target = (uniforms(seeds, step).to(cdf.device) * total).unsqueeze(-1)
+    which = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)  # [rows, 1]
+    before = torch.where(which > 0, cdf.gather(-1, (which - 1).clamp(min=0)), torch.zeros_like(target))
+    index = which * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=logits.device)
+    inside = torch.exp(logits.gather(-1, index.clamp(max=vocab - 1)).float() / temperature - top) * (index < vocab)
+    offset = torch.searchsorted(inside.double().cumsum(-1) + before, target, right=True).clamp(max=SAMPLE_BLOCK - 1)
+    choice = (which * SAMPLE_BLOCK + offset).squeeze(-1).clamp(max=vocab - 1)
+    chosen = logits.gather(-1, choice.unsqueeze(-1)).float() / temperature  # [rows, 1]
+    # u * total can round up to total itself; fall back to the heaviest token then.
+    choice = torch.where(torch.exp(chosen - top).squeeze(-1) <= 0, best, choice)
+    choice = torch.where(greedy, best, choice)
+    chosen = logits.gather(-1, choice.unsqueeze(-1)).float() / temperature
+    logprob = (chosen - top).squeeze(-1) - total.log().float()
     return choice, logprob
