@@ -1,14 +1,15 @@
 """Fine-tune a small model into a one-word judge for a rubric, and measure it before and after.
 
 SmolLM2-135M-Instruct, asked as ``examples/rubrics/answer_matches_reference.toml`` whether a calculator answer
-matches the reference, says Yes to nearly everything and often gives no verdict at all (docs/judges.md), so RL
-rewarded by it learns nothing. This script teaches such a model the rubric's verdict:
+matches the reference, gives no verdict in its greedy reply and Yes to nearly everything when sampled
+(docs/judges.md), so RL rewarded by it learns nothing. This script teaches such a model the rubric's verdict (on an
+H200, 300 steps made SmolLM2 right on 399 of 400 held-out answers):
 
 1. **Examples.** Tasks from an environment's train split (its own ``sample_tasks``), each made into a pair: the
    environment's gold final message (the last turn of its ``solve``), labelled with the rubric's accepting word,
    and the same message with the reference answer replaced by a plausible wrong one (``WRONG_KINDS``: off by one,
-   a digit changed, the sign flipped, another task's answer, empty, not a number; a changed character for an
-   answer that is not a number), labelled with its rejecting word. Half of the examples say yes, half no.
+   a digit changed, the sign flipped, another task's answer, empty, not a number; a letter changed in a word),
+   labelled with its rejecting word. Half of the examples say yes, half no.
 2. **The prompt the judge will see.** Each example is an episode ending in that final message, asked through
    ``Judge.question`` (``reward.judge_input=answer``, ``reward.judge_reference=true``) and rendered by the judge's
    own ``LocalBackend`` (the model's chat template through ctxrl's guarded renderer): the ids are those a run's
@@ -165,8 +166,8 @@ def make_examples(env_cls: type, tasks: list[Task], n: int, seed: int) -> list[J
     return out[:n]
 
 
-def draw_tasks(env_cls: type, env: str, split: str, n: int, seed: int, *, avoid: set[str] = frozenset()
-               ) -> list[Task]:
+def draw_tasks(env_cls: type, env: str, split: str, n: int, seed: int, *,
+               avoid: set[str] | frozenset[str] = frozenset()) -> list[Task]:
     """``n`` tasks of ``split`` whose prompts are not in ``avoid`` (the training tasks'), distinct by prompt."""
     from ctxrl.envs.hooks import available_splits
 
