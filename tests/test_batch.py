@@ -327,9 +327,14 @@ def test_every_issue38_run_is_a_valid_configuration(tmp_path):
     jobs = batch.load_plan(ISSUE38, tmp_path / "out")
     arms = {}
     for job in jobs[1:]:
+        if "benchmarks/env_training.py" not in job.argv:
+            assert job.name == "tune-judge" and "experiments/judge_tune.py" in job.argv
+            continue
         config = load_config(None, [a for a in job.argv if re.match(r"[a-z]+\.[a-z_.]+=", a)])
         arms[job.name.rsplit("-", 1)[1]] = config
-    assert arms.keys() == {"verifier", "judge", "rl", "distill", "both", "dense", "denserl"}
+    assert arms.keys() == {"verifier", "judge", "rl", "distill", "both", "dense", "denserl", "judgetuned"}
+    tuned = tmp_path / "out" / "runs" / "tune-judge" / "judge"
+    assert arms["judgetuned"].reward.judge == str(tuned) and arms["judgetuned"].reward.outcome == 0
     assert arms["judge"].reward.outcome == 0 and arms["judge"].reward.judge == "smollm2-135m-instruct"
     assert arms["distill"].settings_of("algo", "distill").outcome == 0
     assert arms["both"].settings_of("algo", "distill").outcome == 1 and not arms["rl"].sft.enabled

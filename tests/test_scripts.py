@@ -45,6 +45,8 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
     "benchmarks/train_step.py": "tests/test_scripts.py::test_train_step_times_the_real_command_on_the_cpu",
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",
+    "experiments/judge_tune.py":
+        "tests/test_judge_tune.py::test_the_tuned_judge_saves_reloads_as_reward_judge_and_its_verdict_parses",
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
     "experiments/selfplay.py": "tests/test_scripts.py::test_selfplay_trains_evaluates_and_rates_checkpoints",
