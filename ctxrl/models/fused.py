@@ -12,6 +12,7 @@ times the weight; the rotation in the model's dtype.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -73,24 +74,37 @@ def rotated_qkv(fused, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return fused.rotate(q, cos, sin), fused.rotate(k, cos, sin), v
 
 
+COMPILED_CALLS = threading.RLock()
+"""Held by every call of a ``guarded_compile`` function, in every thread of the process.
+
+A compiled function compiles again on a new shape, and while one thread compiles (FX-traces) any call of a compiled
+function from another thread fails ("Detected that you are using FX to symbolically trace a dynamo-optimized
+function"): the tracing flag is the process's, not the thread's. A run has such threads: the fast engine's worker
+(its decode step and sampler), a local judge's engine beside it, the learner. Seen on an H200: two of three
+judge-rewarded runs died 60 s in. One lock makes the calls take turns; each is a few kernel launches, or a
+compilation the others must wait for anyway."""
+
+
 def guarded_compile(fn, name: str, *, fullgraph: bool = True, on_failure=None):
     """``fn`` compiled (``torch.compile``, dynamic shapes) on first call; if compiling fails, a warning and ``fn``
-    itself from then on (slower, same numbers), and ``on_failure()`` once."""
+    itself from then on (slower, same numbers), and ``on_failure()`` once. Calls from several threads take turns
+    (``COMPILED_CALLS``)."""
     compiled = torch.compile(fn, dynamic=True, fullgraph=fullgraph)
     state = {"fn": compiled, "tried": False}
 
     def call(*args):
-        if state["tried"]:
-            return state["fn"](*args)
-        state["tried"] = True
-        try:
-            return compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - fall back to eager: slower, same numbers
-            log.warning("torch.compile of %s failed (%s); running it eagerly", name, exc)
-            state["fn"] = fn
-            if on_failure is not None:
-                on_failure()
-            return fn(*args)
+        with COMPILED_CALLS:
+            if state["tried"]:
+                return state["fn"](*args)
+            state["tried"] = True
+            try:
+                return compiled(*args)
+            except Exception as exc:  # noqa: BLE001 - fall back to eager: slower, same numbers
+                log.warning("torch.compile of %s failed (%s); running it eagerly", name, exc)
+                state["fn"] = fn
+                if on_failure is not None:
+                    on_failure()
+                return fn(*args)
 
     return call
 
