@@ -328,12 +328,12 @@ def test_every_issue38_run_is_a_valid_configuration(tmp_path):
     arms = {}
     for job in jobs[1:]:
         if "benchmarks/env_training.py" not in job.argv:
-            assert job.name == "tune-judge" and "experiments/judge_tune.py" in job.argv
+            assert job.name == "ca135-b0-s0-tunejudge" and "experiments/judge_tune.py" in job.argv
             continue
         config = load_config(None, [a for a in job.argv if re.match(r"[a-z]+\.[a-z_.]+=", a)])
         arms[job.name.rsplit("-", 1)[1]] = config
     assert arms.keys() == {"verifier", "judge", "rl", "distill", "both", "dense", "denserl", "judgetuned"}
-    tuned = tmp_path / "out" / "runs" / "tune-judge" / "judge"
+    tuned = tmp_path / "out" / "runs" / "ca135-b0-s0-tunejudge" / "judge"
     assert arms["judgetuned"].reward.judge == str(tuned) and arms["judgetuned"].reward.outcome == 0
     assert arms["judge"].reward.outcome == 0 and arms["judge"].reward.judge == "smollm2-135m-instruct"
     assert arms["distill"].settings_of("algo", "distill").outcome == 0
