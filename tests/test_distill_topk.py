@@ -117,13 +117,16 @@ def test_token_topk_matches_the_full_logits(model):
     with torch.no_grad():
         logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1] / 0.7, -1)
     for chunk in (0, 3):
-        got_ids, got_probs = token_topk(model, ids, attention, mask=mask, k=4, temperature=0.7, chunk=chunk)
+        got_lp, got_ids, got_probs = token_topk(model, ids, attention, mask=mask, k=4, temperature=0.7, chunk=chunk)
         want_lp, want_ids = logprobs.topk(4, dim=-1)
         wanted = mask.bool()
         assert torch.equal(got_ids[wanted], want_ids[wanted])
         torch.testing.assert_close(got_probs[wanted], want_lp[wanted].exp(), atol=1e-5, rtol=1e-5)
         assert got_ids[~wanted].abs().sum() == 0 and got_probs[~wanted].abs().sum() == 0
-    capped, _ = token_topk(model, ids, attention, mask=mask, k=4, chunk=3, vocab=10)
+        # the same pass gives the next token's own log-prob, as token_logprobs does
+        torch.testing.assert_close(got_lp[wanted], logprobs.gather(-1, ids[:, 1:, None])[..., 0][wanted])
+        assert got_lp[~wanted].abs().sum() == 0
+    _, capped, _ = token_topk(model, ids, attention, mask=mask, k=4, chunk=3, vocab=10)
     assert capped.max() < 10  # a head padded past the student's tokenizer offers no id beyond it
 
 
@@ -202,7 +205,8 @@ def test_the_topk_term_moves_a_student_toward_its_teacher(scored_episodes):
     teacher = random_model("qwen2-test", torch.float32, "cpu", seed=1).eval()
     episodes = scored_episodes(student.config.vocab_size, [10, 8, 12, 9])
     batch = collate(episodes, 0)
-    ids, probs = token_topk(teacher, batch.input_ids, batch.attention_mask, mask=batch.loss_mask, k=8, chunk=16)
+    _, ids, probs = token_topk(teacher, batch.input_ids, batch.attention_mask, mask=batch.loss_mask, k=8,
+                               chunk=16)
     rows = []
     for j, e in enumerate(episodes):
         n = len(e.input_ids)
@@ -214,6 +218,38 @@ def test_the_topk_term_moves_a_student_toward_its_teacher(scored_episodes):
     for _ in range(15):
         last = learner.update(collate(rows, 0))["distill_topk_kl"]
     assert last < 0.5 * first, (first, last)
+
+
+def test_one_teacher_pass_gives_the_logprobs_score_gives_and_the_topk(model, renderer):
+    """``Teacher.score_topk``: the log-probs and figures of ``score``, and the top K, from one forward pass."""
+    import asyncio
+    import copy
+
+    from ctxrl.engine.hf import HFEngine
+    from ctxrl.envs.calculator import CalculatorEnv
+    from ctxrl.rollout.agent import run_episodes
+    from ctxrl.rollout.spec import RolloutLimits
+    from ctxrl.train.teacher import Teacher
+
+    engine = HFEngine(model, pad_token_id=renderer.tokenizer.pad_token_id)
+    limits = RolloutLimits(max_turns=2, max_new_tokens=10, max_total_tokens=400, temperature=0.7)
+    episodes = asyncio.run(run_episodes(CalculatorEnv, CalculatorEnv.sample_tasks("train", 2, seed=3), engine,
+                                        renderer, limits, group_size=2, seed=4))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    teacher = Teacher(other, "test", temperature=0.7, micro_batch_size=3, chunk=4, top_k=5)
+    pad = renderer.tokenizer.pad_token_id
+    want, want_figures = teacher.score(episodes, pad)
+    got, topk, figures = teacher.score_topk(episodes, pad)
+    for a, b in zip(got, want):
+        for row_a, row_b in zip(a, b):
+            assert row_a == pytest.approx(row_b, abs=1e-5)
+    assert figures == pytest.approx(want_figures, abs=1e-5)
+    for e, [(ids, probs)] in zip(episodes, topk):
+        assert len(ids) == len(probs) == len(e.input_ids) and all(len(i) == 5 for i in ids)
+        assert all((sum(p) > 0) == bool(m) for p, m in zip(probs, e.loss_mask))
 
 
 # -- one training step -----------------------------------------------------------------------------------------

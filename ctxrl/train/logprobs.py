@@ -74,15 +74,18 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 @torch.no_grad()
 def token_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, mask: torch.Tensor, k: int,
-               temperature: float = 1.0, chunk: int = 1024, vocab: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` likeliest next tokens and their probabilities at ``temperature`` at each wanted position
-    (``mask`` [B, T-1]): ids [B, T-1, k] and probabilities [B, T-1, k], zeros elsewhere. Through the backbone and
+               temperature: float = 1.0, chunk: int = 1024, vocab: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From one forward pass, at each wanted position (``mask`` [B, T-1]) at ``temperature``: the log-prob of the
+    next token itself [B, T-1] (``token_logprobs``'s figure), the ``k`` likeliest next tokens [B, T-1, k] and their
+    probabilities [B, T-1, k]; zeros elsewhere. Through the backbone and
     ``chunk`` positions of the head at a time where the model splits (``_split``), else the full logits.
     ``vocab > 0``: only ids below it are candidates (a head padded past the tokenizer; the probabilities are still
     of the whole distribution)."""
     if temperature <= 0:
         temperature = 1.0
     wanted = mask.bool()
+    targets = input_ids[:, 1:][wanted]
     ids = torch.zeros((*wanted.shape, k), dtype=torch.long, device=input_ids.device)
     probs = torch.zeros((*wanted.shape, k), dtype=torch.float32, device=input_ids.device)
     split = _split(model) if chunk > 0 else None
@@ -96,16 +99,17 @@ def token_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, 
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         states, project = hidden[:, :-1][wanted], (lambda x: F.linear(x, head.weight, head.bias))
     step = chunk if chunk > 0 else max(int(states.shape[0]), 1)
-    top_ids, top_probs = [], []
+    target_parts, top_ids, top_probs = [], [], []
     for start in range(0, states.shape[0], step):
         logprobs = torch.log_softmax(_at_least_fp32(project(states[start:start + step])) / temperature, dim=-1)
+        target_parts.append(logprobs.gather(-1, targets[start:start + step].unsqueeze(-1)).squeeze(-1))
         values, index = (logprobs[:, :vocab] if vocab > 0 else logprobs).topk(k, dim=-1)
         top_ids.append(index)
         top_probs.append(values.exp().float())
     if top_ids:
         ids[wanted] = torch.cat(top_ids)
         probs[wanted] = torch.cat(top_probs)
-    return ids, probs
+    return _scatter(target_parts, wanted, wanted.device), ids, probs
 
 
 def flat_token_logprobs(decoder, input_ids: torch.Tensor, lengths: torch.Tensor, *, mask: torch.Tensor,

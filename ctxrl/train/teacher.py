@@ -26,6 +26,7 @@ import torch
 
 from ctxrl.algo.distill import kl_breakdown, token_roles
 from ctxrl.algo.estimators.base import trained_sequences
+from ctxrl.algo.estimators.distill import TeacherTopK
 from ctxrl.errors import ConfigError
 from ctxrl.train.batch import collate, micro_batches, per_token_rows
 from ctxrl.train.logprobs import token_logprobs, token_topk
@@ -141,24 +142,29 @@ class Teacher:
         return [[next(rows) for _ in trained_sequences(e)] for e in episodes]
 
     @torch.no_grad()
-    def topk(self, episodes: list[Episode], pad_token_id: int) -> list[list[tuple[list[list[int]], list[list[float]]]]]:
-        """Per episode, per trained sequence, the teacher's ``top_k`` likeliest tokens and their probabilities for
-        each token of its ``input_ids`` (the distribution the token was drawn against; ``K`` zeros where the loss
-        mask is 0, and at index 0)."""
+    def score_topk(self, episodes: list[Episode], pad_token_id: int
+                   ) -> tuple[list[list[list[float]]], TeacherTopK, dict[str, float]]:
+        """``score``'s log-probs and figures and, from the same forward pass, per episode and trained sequence, the
+        teacher's ``top_k`` likeliest tokens and their probabilities for each token of its ``input_ids`` (the
+        distribution the token was drawn against; ``K`` zeros where the loss mask is 0, and at index 0)."""
         sequences = [seq for e in episodes for seq in trained_sequences(e)]
-        if not sequences or self.top_k <= 0:
-            return [[] for _ in episodes]
+        if not sequences:
+            return [[] for _ in episodes], [[] for _ in episodes], kl_metrics(episodes, [[] for _ in episodes])
         batch = collate(sequences, pad_token_id)
-        out: list[tuple[list[list[int]], list[list[float]]] | None] = [None] * len(sequences)
-        empty = [[0] * self.top_k], [[0.0] * self.top_k]
-        for rows, micro in micro_batches(batch, self.micro_batch_size, self.device, self.max_tokens):
-            ids, probs = token_topk(self.module, micro.input_ids, micro.attention_mask, mask=micro.loss_mask,
-                                    k=self.top_k, temperature=self.temperature, chunk=self.chunk, vocab=self.vocab)
-            ids, probs = ids.cpu(), probs.cpu()
-            for j, (row, n) in enumerate(zip(rows, micro.lengths.tolist())):
-                out[row] = (empty[0] + ids[j, : int(n) - 1].tolist(), empty[1] + probs[j, : int(n) - 1].tolist())
-        rows_out = iter(out)
-        return [[next(rows_out) for _ in trained_sequences(e)] for e in episodes]
+        rows: list[tuple[list[float], list[list[int]], list[list[float]]] | None] = [None] * len(sequences)
+        k = max(self.top_k, 1)
+        for index, micro in micro_batches(batch, self.micro_batch_size, self.device, self.max_tokens):
+            logprobs, ids, probs = token_topk(self.module, micro.input_ids, micro.attention_mask, mask=micro.loss_mask,
+                                              k=k, temperature=self.temperature, chunk=self.chunk, vocab=self.vocab)
+            logprobs, ids, probs = logprobs.float().cpu(), ids.cpu(), probs.cpu()
+            for j, (row, n) in enumerate(zip(index, micro.lengths.tolist())):
+                rows[row] = ([0.0] + logprobs[j, : int(n) - 1].tolist(), [[0] * k] + ids[j, : int(n) - 1].tolist(),
+                             [[0.0] * k] + probs[j, : int(n) - 1].tolist())
+        per_sequence = iter(rows)
+        grouped = [[next(per_sequence) for _ in trained_sequences(e)] for e in episodes]
+        teacher = [[lp for lp, _, _ in seqs] for seqs in grouped]
+        topk = [[(ids, probs) for _, ids, probs in seqs] for seqs in grouped]
+        return teacher, topk, kl_metrics(episodes, teacher)
 
     def score(self, episodes: list[Episode], pad_token_id: int) -> tuple[list[list[list[float]]], dict[str, float]]:
         """``logprobs`` and their figures: the mean teacher-student KL per sampled token, per turn and per role."""

@@ -433,11 +433,13 @@ def teacher_scores(teacher: Teacher | None, valid: list[Episode], pad_token_id: 
     without a teacher."""
     if teacher is None or not valid:
         return {}
-    logprobs, figures = teacher.score(valid, pad_token_id)
-    metrics.update(figures)
     if teacher.top_k <= 0:
+        logprobs, figures = teacher.score(valid, pad_token_id)
+        metrics.update(figures)
         return {"teacher_logprobs": logprobs}
-    return {"teacher_logprobs": logprobs, "teacher_topk": teacher.topk(valid, pad_token_id)}
+    logprobs, topk, figures = teacher.score_topk(valid, pad_token_id)  # (one forward pass for both)
+    metrics.update(figures)
+    return {"teacher_logprobs": logprobs, "teacher_topk": topk}
 
 
 def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tuple[str, str], ...]:
