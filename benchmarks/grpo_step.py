@@ -93,8 +93,11 @@ if str(ROOT) not in sys.path:  # run as a file from anywhere, ctxrl installed or
     sys.path.insert(0, str(ROOT))
 
 SECTIONS = ("decode", "agentic", "learner", "grpo")
-DECODE_ARMS = ("hf_eager", "hf_static_compile", "hfengine", "fastengine")
-AGENTIC_ARMS = ("hfengine", "fastengine")
+DECODE_ARMS = ("hf_eager", "hf_static_compile", "hfengine", "fastengine", "fastengine_unfused")
+AGENTIC_ARMS = ("hfengine", "fastengine", "fastengine_unfused")
+ENGINE_ARMS = ("hfengine", "fastengine", "fastengine_unfused")
+"""``fastengine_unfused``: the fast engine without its joined products and rotary-and-write kernel
+(``FastEngine(fuse=False)``), the baseline for them; not run unless asked for."""
 LEARNER_ARMS = ("padded", "packed", "flat", "flat_compiled")
 GRPO_ARMS = ("ctxrl", "trl_default", "trl_bf16_nockpt", "trl_paged")
 VARIANTS = ("fixed", "ragged")
@@ -122,10 +125,10 @@ def trl_error() -> str | None:
 
 
 def engine_class(name: str):
-    if name == "fastengine":
+    if name.startswith("fastengine"):
         from ctxrl.engine.fast import FastEngine
 
-        return FastEngine
+        return functools.partial(FastEngine, fuse=name != "fastengine_unfused")
     from ctxrl.engine.hf import HFEngine
 
     return HFEngine
@@ -292,7 +295,7 @@ def decode_arm(args, arm: str) -> dict:
     vocab, P, N = info["vocab"], args.prompt_tokens, args.new_tokens
     out = {"arm": arm, "bandwidth_gbs": round(bandwidth / 1e9, 1), "rows": []}
     engine = None
-    if arm in ("hfengine", "fastengine"):
+    if arm in ENGINE_ARMS:
         engine = engine_class(arm)(model, pad_token_id=PAD, max_batch_size=max(args.batches), seed=0,
                                    max_total_tokens=P + N + 8)
 
@@ -402,6 +405,7 @@ def agentic_arm(args, arm: str) -> dict:
     t = statistics.median(times)
     if getattr(args, "profile", False):
         out.update(profile_call(lambda: play(seed=99), cuda))
+        out["host_stacks"] = host_stacks(lambda: play(seed=98))
     asked = sum(a for a, _ in results)
     made = sum(m for _, m in results)
     last = stats[-1]
@@ -533,6 +537,62 @@ def profile_call(fn, cuda: bool, top: int = 12) -> dict:
             "profile_kernels": int(sum(e.count for e in events)),
             "profile_by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
             "profile_top": [[e.key[:80], round(key(e) / 1e6, 4), e.count] for e in busiest]}
+
+
+def host_stacks(fn, interval: float = 0.0005, top: int = 12) -> dict:
+    """``fn()`` once more while a sampler thread reads every thread's Python stack each ``interval`` seconds
+    (``sys._current_frames``): per thread, the share of samples in each innermost frame, and in each innermost
+    frame inside ``ctxrl`` (what of ctxrl's own code the thread was running or waiting in). The host-side
+    counterpart of ``profile_call``: where an engine's worker thread and the event loop spend their wall time,
+    waits included (a thread blocked in a device sync shows the line that waits)."""
+    import threading
+    from collections import Counter
+
+    import ctxrl
+
+    package = os.path.dirname(ctxrl.__file__) + os.sep
+    stop = threading.Event()
+    leaf: dict[str, Counter] = {}
+    own: dict[str, Counter] = {}
+    totals: Counter = Counter()
+
+    def where(frame) -> str:
+        code = frame.f_code
+        path = code.co_filename
+        name = "ctxrl/" + path[len(package):] if path.startswith(package) else Path(path).name
+        return f"{name}:{code.co_name}:{frame.f_lineno}"
+
+    def sample():
+        while not stop.is_set():
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == threading.get_ident():  # the sampler itself
+                    continue
+                name = names.get(ident, str(ident))
+                totals[name] += 1
+                leaf.setdefault(name, Counter())[where(frame)] += 1
+                f = frame
+                while f is not None and not f.f_code.co_filename.startswith(package):
+                    f = f.f_back
+                own.setdefault(name, Counter())[where(f) if f is not None else "(outside ctxrl)"] += 1
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, name="stack-sampler", daemon=True)
+    t0 = time.perf_counter()
+    sampler.start()
+    try:
+        fn()
+    finally:
+        stop.set()
+        sampler.join()
+    wall = time.perf_counter() - t0
+
+    def shares(counter: Counter, n: int) -> list:
+        return [[k, round(v / n, 3)] for k, v in counter.most_common(top)]
+
+    return {"wall_s": round(wall, 3), "threads": {name: {"samples": n, "leaf": shares(leaf[name], n),
+                                                          "ctxrl": shares(own[name], n)}
+                                                   for name, n in totals.most_common() if n >= 10}}
 
 
 def flat_agreement(learner, model, data, cuda: bool) -> dict:
@@ -855,7 +915,7 @@ def arms_of(args) -> list[tuple[str, str, str]]:
 
 
 def skip_reason(section: str, arm: str, args, checks: dict) -> str | None:
-    if arm == "fastengine" or (section == "grpo" and arm == "ctxrl" and args.ctxrl_engine == "fastengine"
+    if arm.startswith("fastengine") or (section == "grpo" and arm == "ctxrl" and args.ctxrl_engine == "fastengine"
                                and not args.smoke):
         return checks["fast"]
     if arm.startswith("trl"):
@@ -911,6 +971,7 @@ def print_tables(report: dict) -> None:
                   f"{r['prompt_tokens']:10d} {fmt(r.get('prefill_tokens')):>10s} "
                   f"{fmt(r.get('reused_tokens')):>10s} {r['seconds']:8.2f}")
             print_profile(r, f"{'':12s} ")
+            print_stacks(r.get("host_stacks"), f"{'':12s} ")
         done = {r["arm"]: r for r in sections["agentic"] if "seconds" in r}
         if {"hfengine", "fastengine"} <= set(done):
             ratio = done["fastengine"]["episodes_s"] / done["hfengine"]["episodes_s"]
@@ -946,6 +1007,15 @@ def print_profile(row: dict, indent: str) -> None:
           f"({100 * (row['profile_busy_frac'] or 0):.0f}%), {row['profile_kernels']} kernels; {kinds}")
 
 
+def print_stacks(stacks: dict | None, indent: str, top: int = 6) -> None:
+    """The busiest ctxrl frames of each sampled thread (``host_stacks``)."""
+    if not stacks:
+        return
+    for name, thread in stacks["threads"].items():
+        frames = "; ".join(f"{frame} {100 * share:.0f}%" for frame, share in thread["ctxrl"][:top])
+        print(f"{indent}host {name} ({thread['samples']} samples): {frames}")
+
+
 # -- main ----------------------------------------------------------------------------------------------
 def csv(kind, choices=None):
     def parse(text: str):
@@ -968,7 +1038,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true", help="every arm tiny (qwen2-test) on the CPU")
     ap.add_argument("--arm-timeout", type=int, default=900, help="seconds before an arm's process is stopped")
     d = ap.add_argument_group("decode")
-    d.add_argument("--decode-arms", type=csv(str, DECODE_ARMS), default=list(DECODE_ARMS))
+    d.add_argument("--decode-arms", type=csv(str, DECODE_ARMS), default=list(DECODE_ARMS[:-1]))
     d.add_argument("--batches", type=csv(int), default=[64, 256, 512])
     d.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (decode and grpo)")
     d.add_argument("--new-tokens", type=int, default=256)
@@ -976,7 +1046,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--mismatch-rows", type=int, default=128, help="rows whose log-probs are checked")
     d.add_argument("--copy-bytes", type=int, default=1 << 30)
     a = ap.add_argument_group("agentic")
-    a.add_argument("--agentic-arms", type=csv(str, AGENTIC_ARMS), default=list(AGENTIC_ARMS))
+    a.add_argument("--agentic-arms", type=csv(str, AGENTIC_ARMS), default=list(AGENTIC_ARMS[:-1]))
     a.add_argument("--tasks", type=int, default=64)
     a.add_argument("--samples", type=int, default=8)
     a.add_argument("--turns", type=int, default=4)

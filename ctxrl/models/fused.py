@@ -43,6 +43,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_mul_joined(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul`` of the two halves of a joined gate/up product (the gate's first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def qkv_projections(attn, h: torch.Tensor, *, fuse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attn``'s q, k and v projections of ``h``. ``fuse``: as one matrix product over the three weights laid end
     to end (and their biases), where all three are plain linear layers with biases alike: one kernel instead of
@@ -113,7 +119,7 @@ class Fused:
     """The functions above (and ``gated_mlp``'s backward steps), compiled on first use when ``compile`` is set,
     eager otherwise."""
 
-    NAMES = ("rms_norm", "add_rms_norm", "rotate", "silu_mul", "silu_mul_grads")
+    NAMES = ("rms_norm", "add_rms_norm", "rotate", "silu_mul", "silu_mul_joined", "silu_mul_grads")
 
     def __init__(self, compile: bool) -> None:
         self.compiled = compile

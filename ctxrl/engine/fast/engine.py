@@ -64,7 +64,11 @@ class FastEngine:
     def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 64, seed: int = 0,
                  max_total_tokens: int | None = None, decode=None, decode_chunk: int = DECODE_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, cuda_graphs: bool | None = None,
-                 compile: bool | None = None) -> None:
+                 compile: bool | None = None, fuse: bool = True) -> None:
+        """``fuse``: q/k/v and gate/up as one product each and, on CUDA, the rotary positions and the cache write as
+        one kernel (``fast.model``); off, the modules' own products and the unfused steps (a benchmark's baseline).
+        The engine takes ``model`` over: with ``fuse`` its projections' parameters become views of joined
+        tensors."""
         limit = int(getattr(model.config, "max_position_embeddings", DEFAULT_MAX_TOTAL_TOKENS))
         self.max_total_tokens = min(max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS, limit)
         reason = unsupported_reason(model, self.max_total_tokens)
@@ -81,7 +85,8 @@ class FastEngine:
         self.prefill_tokens = prefill_tokens
         self.capacity = slot_capacity(self.max_total_tokens, decode_chunk)
         on_cuda = next(model.parameters()).device.type == "cuda"
-        self.view = DecoderView(model, self.capacity, compile=on_cuda if compile is None else compile)
+        self.view = DecoderView(model, self.capacity, compile=on_cuda if compile is None else compile, join=fuse,
+                                fuse_kv_write=fuse)
         self.device = self.view.device
         self.kernel_attention = triton_ready(torch.empty(1, 1, 1, self.view.head_dim, device=self.device))
         too_big = cache_fits(self.view.cache_bytes(max_batch_size, self.capacity), self.device)

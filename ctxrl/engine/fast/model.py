@@ -1,8 +1,10 @@
 """The decoder forward the fast engine runs: the HF model's own modules, attention over a slot cache.
 
-Embeddings, norms, projections, MLPs and the LM head are the HF modules themselves, called as
-the learner calls them, so the weights (and their in-place updates) are shared and the numerics
-match. Only attention is the engine's: each new token's keys and values are written in place
+Embeddings, norms, projections, MLPs and the LM head are the HF modules' own weights, so their
+in-place updates reach the engine and the numerics match the learner's. Two changes of layout, not of
+maths: the q/k/v and the gate/up projections run as one matrix product each over their weights laid
+end to end (``joined``: the modules' parameters become views of the joined tensors), and on CUDA the
+rotary positions and the cache write are one kernel (``kv_write``). Attention is the engine's: each new token's keys and values are written in place
 into its slot of a preallocated cache (``SlotCache``), and queries attend to their slot's keys
 without expanding grouped K/V to every query head: the query heads that share a KV head are
 folded into the query axis (``[rows, kv_heads, group * queries, head_dim]``), so one
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ctxrl.engine.fast import kv_write
 from ctxrl.engine.fast.attention import decode_attention
+from ctxrl.engine.fast.joined import JoinedLayer, join_layer
 from ctxrl.models.fused import Fused, rotated_qkv
 from ctxrl.models.layout import norm_args as _norm_args
 from ctxrl.models.layout import unsupported_reason
@@ -83,12 +87,17 @@ def bucket(n: int, smallest: int, largest: int) -> int:
 class DecoderView:
     """Runs an HF Llama-layout causal LM over a ``SlotCache``; see the module docstring."""
 
-    def __init__(self, model, max_positions: int, compile: bool = False) -> None:
+    def __init__(self, model, max_positions: int, compile: bool = False, *, join: bool = True,
+                 fuse_kv_write: bool = True) -> None:
+        """``join``: the joined products (``joined``); ``fuse_kv_write``: the rotary-and-write kernel where it can run
+        (``kv_write.kernel_ready``). Both on by default; off, the modules' own products and the unfused steps
+        (what a benchmark compares against)."""
         self.model = model
         self.fused = Fused(compile)
         self.inner = model.model
         config = model.config
         self.layers = list(self.inner.layers)
+        self.joined = [join_layer(layer) if join else JoinedLayer(None, None) for layer in self.layers]
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.q_heads = config.num_attention_heads
@@ -103,6 +112,10 @@ class DecoderView:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # [max_positions, head_dim]
+        self.kernel_write = (fuse_kv_write and not hasattr(attn, "q_norm") and all(j.qkv is not None for j in self.joined)
+                             and kv_write.kernel_ready(self.cos, self.head_dim))
+        """Every layer's rotation and cache write runs as ``kv_write``'s kernel (which reads the cos/sin tables by
+        position itself)."""
 
     def cache_bytes(self, slots: int, capacity: int) -> int:
         """What ``new_cache(slots, capacity)`` allocates."""
@@ -116,8 +129,10 @@ class DecoderView:
         """Logits (in the model's dtype) of the tokens at flat indices ``last`` (all tokens if ``None``)."""
         f = self.fused
         x = self.inner.embed_tokens(batch.tokens)  # [T, hidden]
-        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[batch.positions].unsqueeze(1)
+        cos = sin = None
+        if not self.kernel_write:
+            cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
+            sin = self.sin[batch.positions].unsqueeze(1)
         write_pos = batch.positions.clamp(max=cache.capacity - 1)
         mask = None
         if batch.rows is not None:  # prefill: each query sees its slot's positions up to its own
@@ -130,8 +145,11 @@ class DecoderView:
         for index, layer in enumerate(self.layers):
             out = self._attention(layer.self_attn, h, cos, sin, batch, cache, index, write_pos, mask)
             x, h = f.add_rms_norm(x, out, *_norm_args(layer.post_attention_layernorm))
-            mlp = layer.mlp
-            out = mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            mlp, gate_up = layer.mlp, self.joined[index].gate_up
+            if gate_up is not None:
+                out = mlp.down_proj(f.silu_mul_joined(F.linear(h, gate_up.weight, gate_up.bias)))
+            else:
+                out = mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
             if index + 1 < len(self.layers):
                 x, h = f.add_rms_norm(x, out, *_norm_args(self.layers[index + 1].input_layernorm))
             else:
@@ -141,10 +159,20 @@ class DecoderView:
         return self.model.lm_head(f.rms_norm(x, *_norm_args(self.inner.norm)))
 
     def _attention(self, attn, h, cos, sin, batch: Batch, cache: SlotCache, index: int, write_pos, mask):
-        q, k, v = rotated_qkv(self.fused, attn, h, cos, sin, self.q_heads, self.kv_heads, self.head_dim)
         cache_k, cache_v = cache.k[index], cache.v[index]
-        cache_k[batch.slots, :, write_pos] = k.to(cache_k.dtype)
-        cache_v[batch.slots, :, write_pos] = v.to(cache_v.dtype)
+        qkv = self.joined[index].qkv
+        if qkv is not None and not hasattr(attn, "q_norm"):  # Qwen3's per-head norms come before the rotation
+            joined = F.linear(h, qkv.weight, qkv.bias)
+            if self.kernel_write:
+                q = kv_write.rope_write(joined, self.cos, self.sin, batch.positions, batch.slots, write_pos, cache_k,
+                                        cache_v, self.q_heads, self.kv_heads, self.head_dim)
+            else:
+                q = kv_write.reference(self.fused, joined, cos, sin, batch.slots, write_pos, cache_k, cache_v,
+                                       self.q_heads, self.kv_heads, self.head_dim)
+        else:
+            q, k, v = rotated_qkv(self.fused, attn, h, cos, sin, self.q_heads, self.kv_heads, self.head_dim)
+            cache_k[batch.slots, :, write_pos] = k.to(cache_k.dtype)
+            cache_v[batch.slots, :, write_pos] = v.to(cache_v.dtype)
         n, width, g = batch.n_rows, batch.width, self.group
         if batch.rows is None:  # decode, width 1: the group is the query axis
             query = q.view(n, self.kv_heads, g, self.head_dim)
