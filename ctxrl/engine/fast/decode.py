@@ -21,7 +21,7 @@ import torch
 
 from ctxrl.engine.base import SamplingParams
 from ctxrl.engine.fast.graphs import StepGraphs
-from ctxrl.engine.fast.model import Batch, DecoderView, SlotCache, bucket
+from ctxrl.engine.fast.model import Batch, DecoderView, SlotCache, bucket, to_device
 from ctxrl.engine.fast.rows import Row
 from ctxrl.engine.sampling import draw
 from ctxrl.seeds import SEED_MODULUS
@@ -35,6 +35,7 @@ class Chunk:
     steps: int
     buffer: tuple[torch.Tensor, torch.Tensor]
     done: torch.cuda.Event | None
+    _lists: tuple[list, list] | None = None
 
     def wait(self) -> None:
         """Until the chunk's outputs are in the host buffer."""
@@ -42,9 +43,12 @@ class Chunk:
             self.done.synchronize()
 
     def outputs(self, slot: int) -> list[tuple[int, float]]:
-        """(id, log-prob) of each step of the chunk in ``slot``."""
-        tokens, logprobs = self.buffer[0], self.buffer[1]
-        return list(zip(tokens[slot, : self.steps].tolist(), logprobs[slot, : self.steps].tolist()))
+        """(id, log-prob) of each step of the chunk in ``slot``. The buffer becomes Python lists once per chunk (a
+        conversion per row cost more than the rows' own bookkeeping)."""
+        if self._lists is None:
+            high = max(self.rows) + 1
+            self._lists = (self.buffer[0][:high, : self.steps].tolist(), self.buffer[1][:high, : self.steps].tolist())
+        return list(zip(self._lists[0][slot], self._lists[1][slot]))
 
 
 class Decoder:
@@ -80,14 +84,14 @@ class Decoder:
 
         Returns the ids and log-probs drawn."""
         dev = self.device
-        index = torch.tensor(slots, dtype=torch.long, device=dev)
-        seeds = torch.tensor([p.seed % SEED_MODULUS for p in params], dtype=torch.long, device=dev)
-        temp = torch.tensor([[p.temperature if p.temperature > 0 else 1.0] for p in params], device=dev)
-        greedy = torch.tensor([p.temperature <= 0 for p in params], device=dev)
-        top_p = torch.tensor([[p.top_p] for p in params], device=dev)
+        index = to_device(slots, dev)
+        seeds = to_device([p.seed % SEED_MODULUS for p in params], dev)
+        temp = to_device([[p.temperature if p.temperature > 0 else 1.0] for p in params], dev, torch.float32)
+        greedy = to_device([p.temperature <= 0 for p in params], dev, torch.bool)
+        top_p = to_device([[p.top_p] for p in params], dev, torch.float32)
         token, logprob = draw(logits, temp, greedy, seeds, 0, [p.top_k for p in params], top_p)
         self._tok[index] = token
-        self._pos[index] = torch.tensor(prompt_lengths, dtype=torch.long, device=dev)
+        self._pos[index] = to_device(prompt_lengths, dev)
         self._steps[index] = 1
         self._seeds[index] = seeds
         self._temp[index] = temp

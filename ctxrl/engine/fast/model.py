@@ -29,28 +29,70 @@ from ctxrl.models.fused import Fused, rotated_qkv
 from ctxrl.models.layout import norm_args as _norm_args
 from ctxrl.models.layout import unsupported_reason
 
-__all__ = ["Batch", "DecoderView", "SlotCache", "bucket", "unsupported_reason"]
+__all__ = ["Batch", "DecoderView", "SlotCache", "bucket", "to_device", "unsupported_reason"]
 
 
 class SlotCache:
-    """Keys and values of every layer, ``[slots, kv_heads, capacity, head_dim]`` each, written in place."""
+    """Keys and values of every layer, ``[slots, kv_heads, capacity, head_dim]`` each, written in place.
+
+    All layers' keys are one tensor (``k_all``, ``[layers, slots, ...]``; the same for values) and ``k[i]`` is
+    layer ``i``'s view of it, so copying prefixes between slots is one indexed copy for every layer at once
+    (``copy_prefixes``), not one per layer and slot."""
+
+    COPY_BYTES = 256 << 20
+    """Most bytes one batched copy gathers at once (its temporary); more copies run in several batches."""
 
     def __init__(self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (slots, kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        shape = (layers, slots, kv_heads, capacity, head_dim)
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.slots, self.capacity = slots, capacity
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in (self.k_all, self.v_all))
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Make slot ``dst`` hold the first ``length`` positions of slot ``src``."""
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :length].copy_(k[src, :, :length])
-            v[dst, :, :length].copy_(v[src, :, :length])
+        self.k_all[:, dst, :, :length].copy_(self.k_all[:, src, :, :length])
+        self.v_all[:, dst, :, :length].copy_(self.v_all[:, src, :, :length])
+
+    def copy_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
+        """Each ``(src, dst, length)`` of ``copies``, in order; see ``copy_prefix``.
+
+        Where no destination is also a source (or twice a destination), order cannot matter and the copies run
+        batched: every layer's first ``max(length)`` positions of all the sources gathered at once, then written
+        to the destinations. A destination receives positions past its own length too; nothing reads them
+        before a prefill or a decode step writes them (a row reads its slot only below its own position)."""
+        copies = [(s, d, n) for s, d, n in copies if n > 0 and s != d]
+        if not copies:
+            return
+        dsts = [d for _, d, _ in copies]
+        if len(set(dsts)) < len(dsts) or set(dsts) & {s for s, _, _ in copies}:
+            for src, dst, length in copies:
+                self.copy_prefix(src, dst, length)
+            return
+        length = max(n for _, _, n in copies)
+        layers, _, heads, _, dim = self.k_all.shape
+        per_copy = layers * heads * length * dim * self.k_all.element_size()
+        batch = max(1, self.COPY_BYTES // max(1, per_copy))
+        for start in range(0, len(copies), batch):
+            part = copies[start:start + batch]
+            src = to_device([s for s, _, _ in part], self.k_all.device)
+            dst = to_device([d for _, d, _ in part], self.k_all.device)
+            for cache in (self.k_all, self.v_all):
+                cache[:, dst, :, :length] = cache[:, src, :, :length]
+
+
+def to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` without waiting for the device: on CUDA through pinned host memory and
+    a non-blocking copy (``torch.tensor(values, device="cuda")`` waits for every kernel queued before it, which
+    stalls the engine's host thread behind a whole decode chunk)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass

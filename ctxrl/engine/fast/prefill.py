@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ctxrl.engine.fast.admission import Round
-from ctxrl.engine.fast.model import Batch, DecoderView, SlotCache, bucket
+from ctxrl.engine.fast.model import Batch, DecoderView, SlotCache, bucket, to_device
 from ctxrl.engine.fast.rows import Request
 from ctxrl.engine.fast.slots import Placement
 
@@ -26,13 +26,12 @@ from ctxrl.engine.fast.slots import Placement
 def prefill_round(round_: Round, view: DecoderView, cache: SlotCache, *, prefill_tokens: int,
                   stats: dict) -> torch.Tensor:
     """Logits ``[len(round_.requests), vocab]``; see the module docstring. Counts ``stats["prefill_tokens"]``."""
-    for _, placement in round_.leaders:  # copies read kept prefixes before any prefill overwrites them
-        if placement.source is not None:
-            cache.copy_prefix(placement.source, placement.slot, placement.cached)
+    # copies read kept prefixes before any prefill overwrites them
+    cache.copy_prefixes([(p.source, p.slot, p.cached) for _, p in round_.leaders if p.source is not None])
     logits = _prefill(round_.leaders, view, cache, prefill_tokens, stats)
-    for request, slot, leader in round_.followers:
-        cache.copy_prefix(round_.leaders[leader][1].slot, slot, len(request.prompt_ids))
-    return logits[round_.logit_rows]
+    cache.copy_prefixes([(round_.leaders[leader][1].slot, slot, len(request.prompt_ids))
+                         for request, slot, leader in round_.followers])
+    return logits[to_device(round_.logit_rows, logits.device)]
 
 
 def _prefill(leaders: list[tuple[Request, Placement]], view: DecoderView, cache: SlotCache, prefill_tokens: int,
@@ -69,7 +68,7 @@ def _prefill_group(group: list[tuple[Request, Placement]], view: DecoderView, ca
     dev = view.device
 
     def tensor(values):
-        return torch.tensor(values, dtype=torch.long, device=dev)
+        return to_device(values, dev)
 
     batch = Batch(tokens=tensor(tokens), positions=tensor(positions), slots=tensor(slots),
                   rows=tensor([p.slot for _, p in group]), row_of=tensor(row_of), offset=tensor(offset),
