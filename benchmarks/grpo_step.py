@@ -495,7 +495,7 @@ def profile_update(learner, data, cuda: bool, top: int = 12) -> dict:
     return profile_call(lambda: learner.update(data), cuda, top)
 
 
-def profile_call(fn, cuda: bool, top: int = 12) -> dict:
+def profile_call(fn, cuda: bool, top: int = 30) -> dict:
     """``fn()`` once more under ``torch.profiler``: its wall time, the device's busy time (the sum of its kernels'
     times: below the wall time by what the host and the waits cost), that time by kind of kernel, the busiest
     kernels, and how many kernels were launched."""
@@ -541,8 +541,9 @@ def profile_call(fn, cuda: bool, top: int = 12) -> dict:
 
 def host_stacks(fn, interval: float = 0.0005, top: int = 12) -> dict:
     """``fn()`` once more while a sampler thread reads every thread's Python stack each ``interval`` seconds
-    (``sys._current_frames``): per thread, the share of samples in each innermost frame, and in each innermost
-    frame inside ``ctxrl`` (what of ctxrl's own code the thread was running or waiting in). The host-side
+    (``sys._current_frames``): per thread, the share of samples in each innermost frame, in each innermost
+    frame inside ``ctxrl`` (what of ctxrl's own code the thread was running or waiting in), and the commonest
+    stacks (their ten innermost frames). The host-side
     counterpart of ``profile_call``: where an engine's worker thread and the event loop spend their wall time,
     waits included (a thread blocked in a device sync shows the line that waits)."""
     import threading
@@ -554,6 +555,7 @@ def host_stacks(fn, interval: float = 0.0005, top: int = 12) -> dict:
     stop = threading.Event()
     leaf: dict[str, Counter] = {}
     own: dict[str, Counter] = {}
+    chains: dict[str, Counter] = {}
     totals: Counter = Counter()
 
     def where(frame) -> str:
@@ -575,6 +577,11 @@ def host_stacks(fn, interval: float = 0.0005, top: int = 12) -> dict:
                 while f is not None and not f.f_code.co_filename.startswith(package):
                     f = f.f_back
                 own.setdefault(name, Counter())[where(f) if f is not None else "(outside ctxrl)"] += 1
+                chain, g = [], frame
+                while g is not None and len(chain) < 10:
+                    chain.append(where(g))
+                    g = g.f_back
+                chains.setdefault(name, Counter())[" < ".join(chain)] += 1
             time.sleep(interval)
 
     sampler = threading.Thread(target=sample, name="stack-sampler", daemon=True)
@@ -591,7 +598,9 @@ def host_stacks(fn, interval: float = 0.0005, top: int = 12) -> dict:
         return [[k, round(v / n, 3)] for k, v in counter.most_common(top)]
 
     return {"wall_s": round(wall, 3), "threads": {name: {"samples": n, "leaf": shares(leaf[name], n),
-                                                          "ctxrl": shares(own[name], n)}
+                                                          "ctxrl": shares(own[name], n),
+                                                          "stacks": [[k, round(v / n, 3)]
+                                                                     for k, v in chains[name].most_common(8)]}
                                                    for name, n in totals.most_common() if n >= 10}}
 
 

@@ -316,3 +316,26 @@ def test_draw_in_one_vocabulary_pass_equals_the_two_level_draw_over_full_weights
     top, best, sums = row_stats(logits, torch.ones(3, 1), SAMPLE_BLOCK)
     assert sums.shape == (3, 3) and torch.equal(best, logits.argmax(-1))
     torch.testing.assert_close(top.squeeze(-1) + sums.sum(-1).log().float(), torch.logsumexp(logits, -1))
+
+
+def test_the_compiled_sampler_draws_what_the_eager_one_draws():
+    """On CUDA ``draw`` runs everything after the filter as one compiled graph (``_draw_core``). Compiled here on
+    the CPU (the same inductor lowering of the same graph), it gives the eager form's ids and log-probs for new
+    row counts (a compiled graph serves every batch size), bfloat16 logits, and an integer or per-row step."""
+    from ctxrl.engine import sampling
+    from ctxrl.models.fused import guarded_compile
+
+    failures: list[str] = []
+    compiled = guarded_compile(sampling._draw_core, "test sampler", on_failure=lambda: failures.append("x"))
+    g = torch.Generator().manual_seed(4)
+    for rows, vocab, dtype in [(16, 2500, torch.float32), (5, 3000, torch.float32), (33, 2500, torch.bfloat16)]:
+        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        temperature = torch.rand(rows, 1, generator=g) + 0.3
+        greedy = torch.rand(rows, generator=g) < 0.25
+        seeds = torch.randint(0, 1 << 40, (rows,), generator=g)
+        for step in (torch.full((rows,), 3), torch.arange(rows)):
+            want = sampling._draw_core(logits, temperature, greedy, seeds, step)
+            got = compiled(logits, temperature, greedy, seeds, step)
+            assert torch.equal(got[0], want[0]), (rows, vocab, dtype)
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    assert not failures, "the sampler did not compile: the CUDA path would run it eagerly"

@@ -111,7 +111,7 @@ def row_stats(logits: torch.Tensor, temperature: torch.Tensor,
     tempered logit ``top`` [rows, 1] (float32), its index ``best`` [rows], and the float64 sums of
     ``exp(logits / T - top)`` over blocks of ``block`` entries [rows, ceil(vocab / block)].
 
-    On CUDA it runs compiled (``draw``): one fused reduction reading the logits, where the eager form writes the
+    On CUDA it runs compiled (inside ``draw``'s graph): one fused reduction reading the logits, where the eager form writes the
     float32 tempered logits and their exponentials over the whole vocabulary first (a decode step's largest
     element-wise kernels at batch 256 and a 152k vocabulary)."""
     target = logits.float() / temperature.float()
@@ -124,35 +124,10 @@ def row_stats(logits: torch.Tensor, temperature: torch.Tensor,
     return top, best.squeeze(-1), weights.view(rows, -1, block).sum(-1, dtype=torch.float64)
 
 
-@functools.cache
-def _compiled_row_stats():
-    from ctxrl.models.fused import guarded_compile
-
-    return guarded_compile(row_stats, "the sampler's vocabulary pass")
-
-
-def draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
-         step: int | torch.Tensor, top_k: list[int] | None = None,
-         top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its behaviour log-prob, from ``logits`` ``[rows, vocab]`` (any float dtype; the
-    maths runs in float32).
-
-    ``temperature`` ``[rows, 1]``; ``greedy`` ``[rows]`` (argmax, reporting the untruncated T=1
-    log-prob); ``seeds`` and ``step`` give each row's uniform draw (``uniforms``). Sampled rows
-    draw from ``softmax(filter(logits / T))`` by inverse CDF over blocks (``sample_blocked``'s two levels)
-    and report that distribution's log-prob. The whole vocabulary is read once (``row_stats``: the row's
-    maximum, argmax and block sums; compiled on CUDA), then only the chosen block of each row. Without
-    ``top_k``/``top_p`` nothing syncs with the host, so a CUDA graph can hold it.
-    """
-    temperature = temperature.float()
-    if top_k is not None and top_p is not None:
-        tempered = torch.div(logits, temperature)
-        filtered = filter_logits(tempered, top_k, top_p)
-        if filtered is not tempered:  # the filter works on tempered logits: the rest runs at T = 1 on them
-            logits = torch.where(greedy.unsqueeze(-1), tempered, filtered)
-            temperature = torch.ones_like(temperature)
-    stats = _compiled_row_stats() if logits.is_cuda else row_stats
-    top, best, sums = stats(logits, temperature, SAMPLE_BLOCK)
+def _draw_core(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
+               step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw`` after any filtering: tensors in, tensors out, no host sync (so it compiles as one graph)."""
+    top, best, sums = row_stats(logits, temperature, SAMPLE_BLOCK)
     rows, vocab = logits.shape
     cdf = sums.cumsum(-1)
     total = cdf[:, -1]
@@ -170,3 +145,38 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, 
     chosen = logits.gather(-1, choice.unsqueeze(-1)).float() / temperature
     logprob = (chosen - top).squeeze(-1) - total.log().float()
     return choice, logprob
+
+
+@functools.cache
+def _compiled_core():
+    from ctxrl.models.fused import guarded_compile
+
+    return guarded_compile(_draw_core, "the sampler")
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
+         step: int | torch.Tensor, top_k: list[int] | None = None,
+         top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its behaviour log-prob, from ``logits`` ``[rows, vocab]`` (any float dtype; the
+    maths runs in float32).
+
+    ``temperature`` ``[rows, 1]``; ``greedy`` ``[rows]`` (argmax, reporting the untruncated T=1
+    log-prob); ``seeds`` and ``step`` give each row's uniform draw (``uniforms``). Sampled rows
+    draw from ``softmax(filter(logits / T))`` by inverse CDF over blocks (``sample_blocked``'s two levels)
+    and report that distribution's log-prob. The whole vocabulary is read once (``row_stats``: the row's
+    maximum, argmax and block sums), then only the chosen block of each row. On CUDA everything after the
+    filter is one compiled graph (``_draw_core``: a decode step's sampler was some sixty small kernels, each
+    costing more to run than its work). Without ``top_k``/``top_p`` nothing syncs with the host, so a CUDA
+    graph can hold it.
+    """
+    temperature = temperature.float()
+    if top_k is not None and top_p is not None:
+        tempered = torch.div(logits, temperature)
+        filtered = filter_logits(tempered, top_k, top_p)
+        if filtered is not tempered:  # the filter works on tempered logits: the rest runs at T = 1 on them
+            logits = torch.where(greedy.unsqueeze(-1), tempered, filtered)
+            temperature = torch.ones_like(temperature)
+    if not isinstance(step, torch.Tensor):
+        step = torch.full_like(seeds, step)
+    core = _compiled_core() if logits.is_cuda else _draw_core
+    return core(logits, temperature, greedy, seeds, step)

@@ -97,6 +97,7 @@ class FastEngine:
         self.cache = self.view.new_cache(max_batch_size, self.capacity)
         self.table = SlotTable(max_batch_size)
         self.stats = {"requests": 0, "prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "chunks": 0,
+                      "admission_rounds": 0, "prefill_forwards": 0,
                       "graphs": 0, "capture_seconds": 0.0, "generate_seconds": 0.0, "cache_bytes": self.cache.nbytes}
         self.decoder = Decoder(self.view, self.cache, slots=max_batch_size, decode_chunk=decode_chunk,
                                kernel_attention=self.kernel_attention, stats=self.stats,
@@ -223,6 +224,7 @@ class FastEngine:
                 self._queue.extendleft(reversed(round_.deferred))
         if not round_.leaders:
             return
+        self.stats["admission_rounds"] += 1
         requests, slots = round_.requests, round_.slots
         try:
             logits = prefill_round(round_, self.view, self.cache, prefill_tokens=self.prefill_tokens,

@@ -74,4 +74,5 @@ def _prefill_group(group: list[tuple[Request, Placement]], view: DecoderView, ca
                   rows=tensor([p.slot for _, p in group]), row_of=tensor(row_of), offset=tensor(offset),
                   width=width, n_rows=len(group), key_len=bucket(longest, 64, cache.capacity))
     stats["prefill_tokens"] += len(tokens)
+    stats["prefill_forwards"] = stats.get("prefill_forwards", 0) + 1
     return view.forward(batch, cache, last=tensor(last))
