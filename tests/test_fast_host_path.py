@@ -83,3 +83,23 @@ def test_a_chunks_outputs_per_slot():
     chunk = Chunk(rows={0: None, 2: None}, steps=3, buffer=(tokens, logprobs), done=None)
     assert chunk.outputs(2) == [(12, -1.2000000476837158), (13, -1.2999999523162842), (14, -1.399999976158142)]
     assert [t for t, _ in chunk.outputs(0)] == [0, 1, 2]
+
+
+def test_prefill_token_layout_matches_the_per_token_lists():
+    from ctxrl.engine.fast.prefill import token_layout
+
+    rng = random.Random(3)
+    for _ in range(20):
+        n = rng.randrange(1, 7)
+        starts = [rng.randrange(0, 50) for _ in range(n)]
+        counts = [rng.randrange(1, 9) for _ in range(n)]
+        slots = rng.sample(range(20), n)
+        positions, slot_of, row_of, offset, last = [], [], [], [], []
+        for i in range(n):  # the lists the prefill used to build on the host
+            positions += range(starts[i], starts[i] + counts[i])
+            slot_of += [slots[i]] * counts[i]
+            row_of += [i] * counts[i]
+            offset += range(counts[i])
+            last.append(len(positions) - 1)
+        got = token_layout(torch.tensor([starts, counts, slots]), sum(counts))
+        assert [t.tolist() for t in got] == [positions, slot_of, row_of, offset, last]

@@ -53,26 +53,31 @@ def _prefill(leaders: list[tuple[Request, Placement]], view: DecoderView, cache:
 
 def _prefill_group(group: list[tuple[Request, Placement]], view: DecoderView, cache: SlotCache,
                    stats: dict) -> torch.Tensor:
-    tokens, positions, slots, row_of, offset, last = [], [], [], [], [], []
-    width = 0
-    for index, (request, placement) in enumerate(group):
-        new = request.prompt_ids[placement.cached:]
-        tokens += new
-        positions += range(placement.cached, len(request.prompt_ids))
-        slots += [placement.slot] * len(new)
-        row_of += [index] * len(new)
-        offset += range(len(new))
-        last.append(len(tokens) - 1)
-        width = max(width, len(new))
+    tokens: list[int] = []
+    for request, placement in group:
+        tokens += request.prompt_ids[placement.cached:]
+    starts = [p.cached for _, p in group]
+    counts = [len(r.prompt_ids) - p.cached for r, p in group]
     longest = max(len(r.prompt_ids) for r, _ in group)
     dev = view.device
-
-    def tensor(values):
-        return to_device(values, dev)
-
-    batch = Batch(tokens=tensor(tokens), positions=tensor(positions), slots=tensor(slots),
-                  rows=tensor([p.slot for _, p in group]), row_of=tensor(row_of), offset=tensor(offset),
-                  width=width, n_rows=len(group), key_len=bucket(longest, 64, cache.capacity))
+    rows = [p.slot for _, p in group]
+    positions, slots, row_of, offset, last = token_layout(to_device([starts, counts, rows], dev), len(tokens))
+    batch = Batch(tokens=to_device(tokens, dev), positions=positions, slots=slots, rows=to_device(rows, dev),
+                  row_of=row_of, offset=offset, width=max(counts), n_rows=len(group),
+                  key_len=bucket(longest, 64, cache.capacity))
     stats["prefill_tokens"] += len(tokens)
     stats["prefill_forwards"] = stats.get("prefill_forwards", 0) + 1
-    return view.forward(batch, cache, last=tensor(last))
+    return view.forward(batch, cache, last=last)
+
+
+def token_layout(rows: torch.Tensor, total: int) -> tuple[torch.Tensor, ...]:
+    """Where each of ``total`` packed prefill tokens goes, from ``rows`` ``[3, n]``: each row's first new position,
+    its count of new tokens and its slot. Returns per token its position, its slot, its row and its offset in the
+    row, and per row the index of its last token. Computed on the rows' device from ``3 n`` values (the host
+    sends those, not five lists of ``total`` each), without a sync (``output_size`` is given)."""
+    starts, counts, slots = rows[0], rows[1], rows[2]
+    n = counts.shape[0]
+    ends = counts.cumsum(0)
+    row_of = torch.repeat_interleave(torch.arange(n, device=rows.device), counts, output_size=total)
+    offset = torch.arange(total, device=rows.device) - (ends - counts)[row_of]
+    return starts[row_of] + offset, slots[row_of], row_of, offset, ends - 1
