@@ -264,3 +264,44 @@ def test_a_real_model_on_the_cpu_gets_micro_batches_its_activations_fit():
     tiny = load_config(None, ["model.name=tiny:pretrain_steps=0"])
     assert bounded_micro_batches(tiny, "cpu", Heard(), critic=False) is tiny
     assert len(said) == 1
+
+
+def test_the_fast_engine_with_joined_projections_samples_what_the_hf_engine_does(smol_renderer):
+    """The fast engine joins each layer's q/k/v and gate/up weights into one tensor each (its modules' parameters
+    become views); on the real model, greedy and seeded sampled replies equal the HF engine's, before and after
+    ``load_weights`` copies the weights in again."""
+    import asyncio
+    import copy
+
+    import torch
+
+    from ctxrl.engine.base import SamplingParams
+    from ctxrl.engine.fast import FastEngine
+    from ctxrl.engine.hf import HFEngine
+    from ctxrl.models.loader import load_model
+    from ctxrl.types import Message
+
+    model = load_model(NAME, dtype="float32", device="cpu").eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pad = smol_renderer.tokenizer.pad_token_id
+    fast = FastEngine(copy.deepcopy(model), pad_token_id=pad, max_batch_size=4, max_total_tokens=256)
+    hf = HFEngine(model, pad_token_id=pad)
+    assert all(j.qkv is not None and j.gate_up is not None for j in fast.view.joined)
+    prompts = [smol_renderer.prompt_ids([Message("user", text)], None)
+               for text in ("Name the capital of France.", "What is 17 times 3?")]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=12, stop_ids=smol_renderer.end_ids),
+              SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, stop_ids=smol_renderer.end_ids)]
+
+    def replies(engine):
+        async def go():
+            return await asyncio.gather(*(engine.generate(p, q) for p in prompts for q in params))
+        return asyncio.run(go())
+
+    try:
+        for _ in range(2):
+            for a, b in zip(replies(fast), replies(hf)):
+                assert a.token_ids == b.token_ids
+                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-4, rtol=0)
+            fast.load_weights(state, version=1)
+    finally:
+        fast.close()
