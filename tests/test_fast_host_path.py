@@ -42,7 +42,7 @@ def test_batched_copies_give_every_destination_its_sources_prefix():
     want, got = _cache(), _cache()
     _sequential(want, copies)
     got.copy_prefixes(copies)
-    for src, dst, n in copies:  # within each destination's length: exactly the sequential result
+    for _, dst, n in copies:  # within each destination's length: exactly the sequential result
         assert torch.equal(got.k_all[:, dst, :, :n], want.k_all[:, dst, :, :n])
         assert torch.equal(got.v_all[:, dst, :, :n], want.v_all[:, dst, :, :n])
     for slot in (0, 1, 2):  # slots that were no destination are untouched
@@ -103,3 +103,50 @@ def test_prefill_token_layout_matches_the_per_token_lists():
             last.append(len(positions) - 1)
         got = token_layout(torch.tensor([starts, counts, slots]), sum(counts))
         assert [t.tolist() for t in got] == [positions, slot_of, row_of, offset, last]
+
+
+def test_best_match_is_the_longest_common_prefix_lowest_slot_first_with_claimed_slots_indexed_or_not():
+    """``SlotTable.best_match`` against brute force: among parked slots and slots claimed earlier in the round, the
+    longest common prefix with ``prompt[:-1]`` (at least one block) wins, the lowest slot among equals. ``Claimed``
+    (the round's index of claimed slots by first block) and a plain dict give the same answer."""
+    from ctxrl.engine.fast.slots import BLOCK, Claimed, SlotTable
+
+    def brute(table, prompt, claimed):
+        target = tuple(prompt[:-1])
+        best, best_len = None, 0
+        for slot in sorted(set(table.parked) | set(claimed)):
+            ids = table.parked.get(slot, claimed.get(slot))
+            n = 0
+            while n < min(len(ids), len(target)) and ids[n] == target[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = slot, n
+        return (best, best_len) if best_len >= BLOCK else (None, 0)
+
+    rng = random.Random(7)
+    for case in range(300):
+        heads = [[rng.randrange(3) for _ in range(BLOCK)] for _ in range(2)]  # few first blocks: many share one
+
+        def ids(n, heads=heads):
+            return rng.choice(heads) + [rng.randrange(2) for _ in range(n)]
+
+        table = SlotTable(10)
+        slots = rng.sample(range(10), rng.randrange(1, 10))
+        for slot in slots:
+            table.park(slot, ids(rng.randrange(0, 40)))
+        taken = rng.sample(slots, rng.randrange(0, len(slots)))
+        plain, indexed = {}, Claimed()
+        for slot in taken:
+            held = table.parked[slot]
+            plain[slot] = indexed[slot] = held
+        for slot in taken:
+            table._forget(slot)
+        for _ in range(5):
+            base = rng.choice([table.parked[s] for s in table.parked] + list(plain.values()) + [()])
+            tail = [rng.randrange(2) for _ in range(rng.randrange(1, 20))]
+            prompt = list(base[:rng.randrange(0, len(base) + 1)]) + tail
+            if len(prompt) < 2:
+                continue
+            want = brute(table, prompt, plain)
+            assert table.best_match(prompt, plain) == want, (case, prompt)
+            assert table.best_match(prompt, indexed) == want, (case, prompt)

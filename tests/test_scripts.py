@@ -34,6 +34,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
     "benchmarks/async_rollouts.py": "tests/test_scripts.py::test_async_rollouts_runs_both_arms_on_a_local_ray",
     "benchmarks/data_parallel.py": "tests/test_scripts.py::test_data_parallel_runs_one_and_two_ranks_over_gloo",
+    "benchmarks/engine_host.py": "tests/test_scripts.py::test_engine_host_times_a_turns_admission_and_parking",
     "benchmarks/engine_throughput.py": "tests/test_scripts.py::test_engine_throughput_checks_and_measures_on_the_cpu",
     "benchmarks/env_training.py": "tests/test_scripts.py::test_env_training_reports_before_and_after",
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
@@ -61,6 +62,19 @@ def test_every_script_is_smoke_run_somewhere():
         file, name = test.split("::")
         source = (ROOT / file).read_text()
         assert f"def {name}(" in source and f'{Path(path).name}"' in source, test
+
+
+def test_engine_host_times_a_turns_admission_and_parking(tmp_path):
+    report = script("benchmarks/engine_host.py").main(
+        ["--tasks", "2", "--samples", "3", "--turns", "3", "--task-tokens", "40", "--turn-tokens", "8",
+         "--obs-tokens", "20", "--repeats", "1", "--out", str(tmp_path / "host.json")])
+    turns = report["turns"]
+    assert [t["turn"] for t in turns] == [0, 1, 2] and all(t["plan_ms"] >= 0 and t["park_ms"] >= 0 for t in turns)
+    # turn 0: each task's prompt prefilled once, copied to its other 2 samples; later turns reuse each episode's
+    # kept ids (its prompt and all it sampled but the last id)
+    assert turns[0]["reused"] == 2 * 2 * 40
+    assert turns[1]["reused"] == 6 * (40 + 8 - 1) and turns[2]["reused"] == 6 * (40 + 8 + 20 + 8 - 1)
+    assert json.loads((tmp_path / "host.json").read_text())["turns"] == turns
 
 
 def test_engine_throughput_checks_and_measures_on_the_cpu(capsys):

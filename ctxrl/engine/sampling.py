@@ -111,9 +111,9 @@ def row_stats(logits: torch.Tensor, temperature: torch.Tensor,
     tempered logit ``top`` [rows, 1] (float32), its index ``best`` [rows], and the float64 sums of
     ``exp(logits / T - top)`` over blocks of ``block`` entries [rows, ceil(vocab / block)].
 
-    On CUDA it runs compiled (inside ``draw``'s graph): one fused reduction reading the logits, where the eager form writes the
-    float32 tempered logits and their exponentials over the whole vocabulary first (a decode step's largest
-    element-wise kernels at batch 256 and a 152k vocabulary)."""
+    On CUDA it runs compiled (inside ``draw``'s graph): one fused reduction reading the logits, where the eager
+    form writes the float32 tempered logits and their exponentials over the whole vocabulary first (a decode step's
+    largest element-wise kernels at batch 256 and a 152k vocabulary)."""
     target = logits.float() / temperature.float()
     top, best = target.max(-1, keepdim=True)
     weights = torch.exp(target - top)

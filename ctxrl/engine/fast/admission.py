@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ctxrl.engine.fast.rows import Request
-from ctxrl.engine.fast.slots import Placement, SlotTable
+from ctxrl.engine.fast.slots import Claimed, Placement, SlotTable
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Round:
 def plan_round(waiting: list[Request], table: SlotTable) -> Round:
     """Place the ``waiting`` requests (in arrival order) in ``table``'s slots; see the module docstring."""
     round_ = Round()
-    claimed: dict[int, tuple[int, ...]] = {}
+    claimed = Claimed()
     by_prompt: dict[tuple[int, ...], int] = {}
     for request in waiting:
         if request.future.cancelled():

@@ -273,5 +273,7 @@ class FastEngine:
 
     def _finish(self, slot: int, reason: str) -> None:
         row = self._rows.pop(slot)
-        self.table.park(slot, row.kept_ids)  # the slot's keys and values, kept for a later turn to extend
+        # The answer first: the caller's next step (a tool call) overlaps the bookkeeping below. Parking is done
+        # before this thread admits anything, so a next turn arriving at once still finds the slot.
         deliver(row.request, row.completion(reason), None)
+        self.table.park(slot, row.kept_ids)  # the slot's keys and values, kept for a later turn to extend

@@ -4,10 +4,10 @@ Embeddings, norms, projections, MLPs and the LM head are the HF modules' own wei
 in-place updates reach the engine and the numerics match the learner's. Two changes of layout, not of
 maths: the q/k/v and the gate/up projections run as one matrix product each over their weights laid
 end to end (``joined``: the modules' parameters become views of the joined tensors), and on CUDA the
-rotary positions and the cache write are one kernel (``kv_write``). Attention is the engine's: each new token's keys and values are written in place
-into its slot of a preallocated cache (``SlotCache``), and queries attend to their slot's keys
-without expanding grouped K/V to every query head: the query heads that share a KV head are
-folded into the query axis (``[rows, kv_heads, group * queries, head_dim]``), so one
+rotary positions and the cache write are one kernel (``kv_write``). Attention is the engine's: each new
+token's keys and values are written in place into its slot of a preallocated cache (``SlotCache``), and
+queries attend to their slot's keys without expanding grouped K/V to every query head: the query heads
+that share a KV head are folded into the query axis (``[rows, kv_heads, group * queries, head_dim]``), so one
 scaled-dot-product call reads each cached key once.
 
 Supported families: decoders with Llama's layout (Llama, Qwen2, Qwen2.5, Qwen3 with its q/k
@@ -154,7 +154,8 @@ class DecoderView:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # [max_positions, head_dim]
-        self.kernel_write = (fuse_kv_write and not hasattr(attn, "q_norm") and all(j.qkv is not None for j in self.joined)
+        self.kernel_write = (fuse_kv_write and not hasattr(attn, "q_norm")
+                             and all(j.qkv is not None for j in self.joined)
                              and kv_write.kernel_ready(self.cos, self.head_dim))
         """Every layer's rotation and cache write runs as ``kv_write``'s kernel (which reads the cos/sin tables by
         position itself)."""
