@@ -150,3 +150,47 @@ def test_best_match_is_the_longest_common_prefix_lowest_slot_first_with_claimed_
             want = brute(table, prompt, plain)
             assert table.best_match(prompt, plain) == want, (case, prompt)
             assert table.best_match(prompt, indexed) == want, (case, prompt)
+
+
+def test_parking_extends_the_prompts_hashes_and_they_equal_hashing_from_scratch():
+    """``place`` keeps the prompt's block hashes for its slot; ``park`` goes on from them instead of hashing the
+    prompt again. The index must be what hashing the kept ids from scratch gives, including when the kept ids do
+    not start with the placed prompt (then nothing is reused)."""
+    from ctxrl.engine.fast.slots import BLOCK, SlotTable, block_hashes
+
+    rng = random.Random(11)
+    table = SlotTable(6)
+    prompts = {i: [rng.randrange(50) for _ in range(rng.randrange(2, 70))] for i in range(6)}
+    for turn in range(4):
+        placed = {}
+        for i, prompt in prompts.items():
+            placement = table.place(prompt, {})
+            placed[i] = placement.slot
+            assert table.started[placement.slot][1] == block_hashes(prompt[:-1])
+        for i, slot in placed.items():
+            kept = prompts[i] + [rng.randrange(50) for _ in range(rng.randrange(0, 20))]
+            if i == 5 and turn == 2:  # ids that are not the prompt's continuation: hashed from scratch
+                kept = [7] * (BLOCK * 3)
+            table.park(slot, kept)
+            assert slot not in table.started
+            assert table.hashes[slot] == block_hashes(kept)
+            prompts[i] = kept + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+    index = {}
+    for slot, hashes in table.hashes.items():
+        for h in hashes:
+            index.setdefault(h, set()).add(slot)
+    assert table.index == index
+    # a released slot forgets what it started with
+    slot = table.place([1] * 40, {}).slot
+    table.release(slot)
+    assert slot not in table.started
+
+
+def test_block_hashes_go_on_from_known_ones():
+    from ctxrl.engine.fast.slots import BLOCK, block_hashes
+
+    ids = list(range(5 * BLOCK + 3))
+    full = block_hashes(ids)
+    for k in range(len(full) + 1):
+        assert block_hashes(ids, full[:k]) == full
+    assert block_hashes(tuple(ids)) == full

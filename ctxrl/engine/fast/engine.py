@@ -273,7 +273,7 @@ class FastEngine:
 
     def _finish(self, slot: int, reason: str) -> None:
         row = self._rows.pop(slot)
-        # The answer first: the caller's next step (a tool call) overlaps the bookkeeping below. Parking is done
-        # before this thread admits anything, so a next turn arriving at once still finds the slot.
-        deliver(row.request, row.completion(reason), None)
+        # Parked before the answer goes out: once every answer is in, a caller may load new weights, which forgets
+        # every parked slot; a slot parked after that would offer keys computed by the old weights.
         self.table.park(slot, row.kept_ids)  # the slot's keys and values, kept for a later turn to extend
+        deliver(row.request, row.completion(reason), None)

@@ -24,11 +24,15 @@ BLOCK = 16
 (recomputing it costs less than the bookkeeping)."""
 
 
-def block_hashes(ids) -> list[int]:
-    """Chained hashes of ``ids``' whole blocks: entry ``j`` stands for ``ids[:BLOCK * (j + 1)]``."""
+def block_hashes(ids, known: list[int] | None = None) -> list[int]:
+    """Chained hashes of ``ids``' whole blocks: entry ``j`` stands for ``ids[:BLOCK * (j + 1)]``.
+
+    ``known``: the hashes of ``ids``' first ``len(known)`` blocks, already computed (the caller vouches that they
+    are ``ids``'): the chain goes on from there."""
     ids = ids if isinstance(ids, tuple) else tuple(ids)  # (a tuple's slices are tuples: one copy a block, not two)
-    out, h = [], 0
-    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+    out = list(known or ())
+    h = out[-1] if out else 0
+    for start in range(BLOCK * len(out), len(ids) - BLOCK + 1, BLOCK):
         h = hash((h, ids[start:start + BLOCK]))
         out.append(h)
     return out
@@ -72,6 +76,9 @@ class SlotTable:
     index: dict[int, set[int]] = field(default_factory=dict)
     """Block hash -> parked slots whose ids start with that chain of blocks."""
     hashes: dict[int, list[int]] = field(default_factory=dict)
+    started: dict[int, tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)
+    """Active slot -> its request's prompt (less the last id) and that prompt's block hashes, which ``place``
+    computed: parking the slot extends them instead of hashing the prompt again."""
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -103,6 +110,10 @@ class SlotTable:
 
         Parked slots are searched through the block index, and ``also`` (slots claimed earlier in
         this admission round, whose kept prefix stays intact until the round's prefill)."""
+        return self._match(prompt, also)[:2]
+
+    def _match(self, prompt: list[int], also) -> tuple[int | None, int, tuple[int, ...], list[int]]:
+        """``best_match``, and the prompt less its last id with that part's block hashes."""
         limit = len(prompt) - 1
         target = tuple(prompt[:limit])
         prompt_hashes = block_hashes(target)
@@ -130,7 +141,7 @@ class SlotTable:
             length = self.common_prefix(ids, target)
             if length > best_len or (length == best_len and best is not None and slot < best):
                 best, best_len = slot, length
-        return (best, best_len) if best_len >= BLOCK else (None, 0)
+        return ((best, best_len) if best_len >= BLOCK else (None, 0)) + (target, prompt_hashes)
 
     @staticmethod
     def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -152,7 +163,7 @@ class SlotTable:
         ``claimed`` collects the parked slots taken in this admission round (slot -> kept ids): a
         later request of the round that matches one gets a free slot and a copy of the prefix,
         which the engine makes before the round's prefill overwrites anything."""
-        slot, length = self.best_match(prompt, claimed)
+        slot, length, head, hashes = self._match(prompt, claimed)
         if slot is not None and slot in self.parked:
             claimed[slot] = self._forget(slot)
             placement = Placement(slot, length)
@@ -164,6 +175,7 @@ class SlotTable:
         self.clock += 1
         self.active.add(placement.slot)
         self.last_used[placement.slot] = self.clock
+        self.started[placement.slot] = (head, hashes)
         return placement
 
     def take(self) -> Placement | None:
@@ -174,6 +186,7 @@ class SlotTable:
         self.clock += 1
         self.active.add(slot)
         self.last_used[slot] = self.clock
+        self.started.pop(slot, None)
         return Placement(slot)
 
     def park(self, slot: int, ids: list[int]) -> None:
@@ -183,13 +196,21 @@ class SlotTable:
         self.clock += 1
         self.parked[slot] = kept = tuple(ids)
         self.last_used[slot] = self.clock
-        self.hashes[slot] = block_hashes(kept)
-        for h in self.hashes[slot]:
-            self.index.setdefault(h, set()).add(slot)
+        prompt, known = self.started.pop(slot, ((), []))
+        done = BLOCK * len(known)  # the kept ids start with the prompt: its hashes stand (checked, one compare)
+        self.hashes[slot] = block_hashes(kept, known if kept[:done] == prompt[:done] else None)
+        index = self.index
+        for h in self.hashes[slot]:  # (no new set where the block is indexed already: allocations wake the GC)
+            holders = index.get(h)
+            if holders is None:
+                index[h] = {slot}
+            else:
+                holders.add(slot)
 
     def release(self, slot: int) -> None:
         """Forget a slot's contents (a failed or cancelled request)."""
         self.active.discard(slot)
+        self.started.pop(slot, None)
         self._forget(slot)
         if slot not in self.free:
             self.free.append(slot)
