@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ctxrl.engine.fast import kv_write
+import ctxrl.engine.fast.kv_write as kv_write
 from ctxrl.engine.fast.attention import decode_attention
 from ctxrl.engine.fast.joined import JoinedLayer, join_layer
 from ctxrl.models.fused import Fused, rotated_qkv
