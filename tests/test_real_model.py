@@ -289,8 +289,8 @@ def test_the_fast_engine_with_joined_projections_samples_what_the_hf_engine_does
     assert all(j.qkv is not None and j.gate_up is not None for j in fast.view.joined)
     prompts = [smol_renderer.prompt_ids([Message("user", text)], None)
                for text in ("Name the capital of France.", "What is 17 times 3?")]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=12, stop_ids=smol_renderer.end_ids),
-              SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, stop_ids=smol_renderer.end_ids)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6, stop_ids=smol_renderer.end_ids),
+              SamplingParams(temperature=1.0, max_new_tokens=6, seed=3, stop_ids=smol_renderer.end_ids)]
 
     def replies(engine):
         async def go():

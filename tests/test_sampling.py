@@ -328,7 +328,7 @@ def test_the_compiled_sampler_draws_what_the_eager_one_draws():
     failures: list[str] = []
     compiled = guarded_compile(sampling._draw_core, "test sampler", on_failure=lambda: failures.append("x"))
     g = torch.Generator().manual_seed(4)
-    for rows, vocab, dtype in [(16, 2500, torch.float32), (5, 3000, torch.float32), (33, 2500, torch.bfloat16)]:
+    for rows, vocab, dtype in [(16, 2500, torch.float32), (33, 3000, torch.bfloat16)]:
         logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
         temperature = torch.rand(rows, 1, generator=g) + 0.3
         greedy = torch.rand(rows, generator=g) < 0.25
