@@ -37,13 +37,14 @@ def join(modules: list[torch.nn.Module]) -> Joined | None:
     if any(m.weight.dtype != first.dtype or m.weight.device != first.device or m.in_features != modules[0].in_features
            for m in modules):
         return None
-    biased = {m.bias is not None for m in modules}
-    if len(biased) > 1 or (True in biased and any(m.bias.dtype != first.dtype for m in modules)):
+    biases = [m.bias for m in modules]
+    biased = biases[0] is not None
+    if any((b is not None) != biased or (biased and b.dtype != first.dtype) for b in biases):
         return None
     widths = tuple(m.out_features for m in modules)
     with torch.no_grad():
         weight = torch.cat([m.weight.detach() for m in modules])
-        bias = torch.cat([m.bias.detach() for m in modules]) if True in biased else None
+        bias = torch.cat([b.detach() for b in biases]) if biased else None
         start = 0
         for m, width in zip(modules, widths):
             m.weight.data = weight[start:start + width]

@@ -66,7 +66,7 @@ def _prefill_group(group: list[tuple[Request, Placement]], view: DecoderView, ca
                   row_of=row_of, offset=offset, width=max(counts), n_rows=len(group),
                   key_len=bucket(longest, 64, cache.capacity))
     stats["prefill_tokens"] += len(tokens)
-    stats["prefill_forwards"] = stats.get("prefill_forwards", 0) + 1
+    stats["prefill_forwards"] += 1
     return view.forward(batch, cache, last=last)
 
 
