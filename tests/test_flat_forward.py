@@ -132,8 +132,8 @@ def test_under_a_token_budget_the_flat_learner_packs_by_tokens_alone(scored_epis
     seen: dict[str, list[int]] = {}
     real = learner_module.micro_batches
 
-    def counting(b, size, device, max_tokens=0):
-        for rows, micro in real(b, size, device, max_tokens):
+    def counting(b, size, device, max_tokens=0, padded=True):
+        for rows, micro in real(b, size, device, max_tokens, padded=padded):
             seen.setdefault(mode, []).append(len(rows))
             yield rows, micro
 
@@ -147,7 +147,7 @@ def test_under_a_token_budget_the_flat_learner_packs_by_tokens_alone(scored_epis
         learner.update(batch)
         out.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
     assert seen["off"] == [1] * 6  # one row at a time, as asked
-    assert seen["on"] == [4, 2]  # 12 x 4 = 48 tokens padded, then 7 and 5 (pack: longest first)
+    assert seen["on"] == [6]  # their own tokens, not their padding: 12 + 10 + 8 + 7 + 5 + 3 = 45 <= 48
     torch.testing.assert_close(out[0], out[1], atol=1e-10, rtol=1e-9)
 
 
@@ -202,7 +202,7 @@ def test_auto_uses_the_hf_path_off_cuda_and_on_refuses_what_it_cannot_run():
     assert training_decoder(model, "off") is None
     decoder = training_decoder(model, "on")
     assert isinstance(decoder, FlatDecoder) and training_decoder(model, "on") is decoder  # built once
-    with pytest.raises(ValueError, match="flat_forward must be one of auto, on, compiled, off"):
+    with pytest.raises(ValueError, match="flat_forward must be one of auto, on, compiled, graphed, off"):
         training_decoder(model, "yes")
     with pytest.raises(ValueError, match="flat_forward must be one of"):
         PPOSettings(flat_forward="fast")
@@ -260,5 +260,5 @@ def test_the_config_field_reaches_the_learner_and_is_validated():
     config.train.flat_forward = "on"
     assert PPOSettings.from_config(config).flat_forward == "on"
     config.train.flat_forward = "sometimes"
-    with pytest.raises(ConfigError, match="train.flat_forward must be one of auto, on, compiled, off"):
+    with pytest.raises(ConfigError, match="train.flat_forward must be one of auto, on, compiled, graphed, off"):
         validate(config)

@@ -40,6 +40,7 @@ from ctxrl.models.fused import Fused, guarded_compile, rotated_qkv
 from ctxrl.models.fused import rms_norm as fused_rms_norm
 from ctxrl.models.fused import rotate as fused_rotate
 from ctxrl.models.gated_mlp import gated_mlp, supports
+from ctxrl.models.layer_graphs import Bucket, CaptureFailed, LayerGraphs, pad
 from ctxrl.models.layout import norm_args, rope_type, unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 class FlatDecoder:
     """Final hidden states of a Llama-layout HF causal LM over flat packed sequences (module docstring)."""
 
-    def __init__(self, model, *, compile: bool = False, compile_layers: bool = False) -> None:
+    def __init__(self, model, *, compile: bool = False, compile_layers: bool = False, graphed: bool = False) -> None:
         reason = unsupported_reason(model, 0, training=True)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot run through the flat forward pass: {reason}")
@@ -74,6 +75,8 @@ class FlatDecoder:
         """Each decoder layer as one compiled graph (``layer_math``: ``train.flat_forward = "compiled"``), or None."""
         if compile_layers:
             self.compiled_layers = guarded_compile(layer_math, "a decoder layer", fullgraph=False)
+        self.graphs = LayerGraphs(self.layers, self._block) if graphed else None
+        """The layers as CUDA graphs for a training micro-batch (``train.flat_forward = "graphed"``), or None."""
 
     def fits(self, longest: int) -> bool:
         """Whether sequences of ``longest`` tokens run here exactly (not past a sliding window)."""
@@ -100,11 +103,14 @@ class FlatDecoder:
         ``positions`` ``[N]``: each token's position in its sequence; ``cu_seqlens`` ``[S + 1]`` int32:
         where each sequence starts (and the total); ``longest``: the longest sequence.
         """
-        cos, sin = self.rotary(positions, longest)
-        x = self.inner.embed_tokens(ids)
         model = self._model()
         recompute = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
                                                     for m in (model, self.inner, self.layers[0]))
+        if (self.graphs is not None and torch.is_grad_enabled() and not recompute
+                and self.inner.embed_tokens.weight.requires_grad):
+            return self._graphed(ids, positions, cu_seqlens, longest)
+        cos, sin = self.rotary(positions, longest)
+        x = self.inner.embed_tokens(ids)
         block = self._compiled_block if self.compiled_layers is not None else self._block
         for layer in self.layers:
             if recompute:
@@ -112,6 +118,21 @@ class FlatDecoder:
             else:
                 x = block(layer, x, cos, sin, cu_seqlens, longest)
         return self.fused.rms_norm(x, *norm_args(self.inner.norm))
+
+    def _graphed(self, ids, positions, cu_seqlens, longest):
+        """``hidden_states`` through the layers' CUDA graphs: the micro-batch laid into a bucket, then cut back."""
+        n = ids.shape[0]
+        bucket = Bucket.covering(n, cu_seqlens.shape[0] - 1, longest, current=self.graphs.bucket,
+                                 min_tokens=self.graphs.min_tokens)
+        padded_ids, padded_positions, padded_cu = pad(ids, positions, cu_seqlens, bucket)
+        cos, sin = self.rotary(padded_positions, bucket.longest)
+        try:
+            x = self.graphs.run(self.inner.embed_tokens(padded_ids), cos, sin, padded_cu, bucket)
+        except CaptureFailed as exc:  # (the eager layers still train: slower, never wrong)
+            log.warning("learner: the decoder layers run eagerly from now on: %s", exc)
+            self.graphs = None
+            return self.hidden_states(ids, positions, cu_seqlens, longest)
+        return self.fused.rms_norm(x[:n], *norm_args(self.inner.norm))
 
     def _compiled_block(self, layer, x, cos, sin, cu_seqlens, longest):
         """``_block`` as one compiled graph: the layer's tensors passed in, so every layer shares the graph."""
@@ -187,6 +208,8 @@ def per_sequence_attention(q, k, v, cu_seqlens, scale):
     bounds = cu_seqlens.tolist()
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:  # (an empty sequence: a bucket's tail, ``ctxrl.models.layer_graphs``)
+            continue
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         if group > 1:
             ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
@@ -212,7 +235,9 @@ def _varlen():
     return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
-MODES = ("auto", "on", "compiled", "off")
+MODES = ("auto", "on", "compiled", "graphed", "off")
+AUTO_GRAPHED = True
+"""Whether ``auto`` on CUDA replays the layers as CUDA graphs in training (``ctxrl.models.layer_graphs``)."""
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -220,9 +245,11 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     """The ``FlatDecoder`` the learner uses for ``model`` under ``train.flat_forward = mode``, or None (the HF path).
 
     ``auto``: on CUDA in bf16/fp16 where torch has the variable-length flash kernel, for a supported model that
-    the check reproduces; ``on``: wherever supported (an error names why not); ``compiled``: ``on``, with each
-    decoder layer compiled as one graph (``layer_math``: fewer kernel launches from the host, a slower first
-    step); ``off``: never. Built once per model and mode.
+    the check reproduces, with the layers replayed as CUDA graphs in training (``AUTO_GRAPHED``); ``on``: wherever
+    supported (an error names why not), eager; ``compiled``: ``on``, with each decoder layer compiled as one graph
+    (``layer_math``: fewer kernel launches from the host, a slower first step); ``graphed``: ``on``, with the layers'
+    forward and backward passes captured as CUDA graphs (``ctxrl.models.layer_graphs``; CUDA only); ``off``: never.
+    Built once per model and mode.
     """
     if mode not in MODES:
         raise ValueError(f"train.flat_forward must be one of {', '.join(MODES)}, not {mode!r}")
@@ -232,13 +259,19 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     if mode == "auto" and (param.device.type != "cuda" or param.dtype not in (torch.bfloat16, torch.float16)
                            or _varlen() is None):
         return None  # (auto: only where the variable-length flash kernel runs; elsewhere HF's pass is faster)
-    compiled = mode == "compiled"
+    if mode == "graphed" and param.device.type != "cuda":
+        from ctxrl.errors import ConfigError
+
+        raise ConfigError(f"train.flat_forward=graphed replays CUDA graphs, but the model is on {param.device}; "
+                          "set train.flat_forward=on (or auto) off CUDA")
+    variant = ("graphed" if AUTO_GRAPHED else "on") if mode == "auto" else mode
     built = _DECODERS.setdefault(model, {})
-    if compiled not in built:
-        built[compiled] = _checked_decoder(model, param.device, compile_layers=compiled)
-        if built[compiled][0] is None and mode == "auto":
-            log.info("learner: the HF forward pass (flat forward unavailable: %s)", built[compiled][1])
-    decoder, reason = built[compiled]
+    if variant not in built:
+        built[variant] = _checked_decoder(model, param.device, compile_layers=variant == "compiled",
+                                          graphed=variant == "graphed")
+        if built[variant][0] is None and mode == "auto":
+            log.info("learner: the HF forward pass (flat forward unavailable: %s)", built[variant][1])
+    decoder, reason = built[variant]
     if decoder is None and mode != "auto":
         from ctxrl.errors import ConfigError
 
@@ -247,12 +280,12 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     return decoder
 
 
-def _checked_decoder(model, device: torch.device, *, compile_layers: bool = False
+def _checked_decoder(model, device: torch.device, *, compile_layers: bool = False, graphed: bool = False
                      ) -> tuple[FlatDecoder | None, str | None]:
     reason = unsupported_reason(model, 0, training=True)
     if reason is not None:
         return None, reason
-    decoder = FlatDecoder(model, compile=device.type == "cuda", compile_layers=compile_layers)
+    decoder = FlatDecoder(model, compile=device.type == "cuda", compile_layers=compile_layers, graphed=graphed)
     try:
         error = _disagreement(model, decoder)
     except Exception as exc:  # noqa: BLE001 - a kernel this machine lacks: the HF path still works

@@ -157,13 +157,14 @@ def _per_token(rows: Sequence[Any], values: Any, n: int, width: int, what: str) 
 
 
 # -- micro-batches ----------------------------------------------------------------------------------
-def pack(lengths: Sequence[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+def pack(lengths: Sequence[int], max_rows: int, max_tokens: int = 0, *, padded: bool = True) -> list[list[int]]:
     """Row indices of each micro-batch.
 
     ``max_tokens = 0``: consecutive rows, ``max_rows`` at a time. Otherwise rows go longest first
     into micro-batches of at most ``max_rows`` rows whose padded size (rows x longest row) stays
     within ``max_tokens``; a row longer than the budget is a micro-batch of its own. Sorting by
-    length keeps the padding small, so a micro-batch of short rows holds many of them.
+    length keeps the padding small, so a micro-batch of short rows holds many of them. ``padded=False``
+    (the flat forward pass, which runs no padding): the rows' own tokens stay within ``max_tokens``.
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -172,27 +173,31 @@ def pack(lengths: Sequence[int], max_rows: int, max_tokens: int = 0) -> list[lis
         return [list(range(start, min(start + max_rows, n))) for start in range(0, n, max_rows)]
     groups: list[list[int]] = []
     current: list[int] = []
+    held = 0
     for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        if current and (len(current) >= max_rows or (len(current) + 1) * lengths[current[0]] > max_tokens):
+        size = (len(current) + 1) * lengths[current[0]] if padded and current else held + lengths[i]
+        if current and (len(current) >= max_rows or size > max_tokens):
             groups.append(current)
-            current = []
+            current, held = [], 0
         current.append(i)
+        held += lengths[i]
     if current:
         groups.append(current)
     return groups
 
 
-def micro_batches(batch: Batch, size: int, device: torch.device | str, max_tokens: int = 0):
+def micro_batches(batch: Batch, size: int, device: torch.device | str, max_tokens: int = 0, *, padded: bool = True):
     """``(rows, micro_batch)`` pairs covering ``batch`` (``pack``), each cut to its longest row and on ``device``."""
-    for rows in pack(batch.lengths.tolist(), size, max_tokens):
+    for rows in pack(batch.lengths.tolist(), size, max_tokens, padded=padded):
         yield rows, batch.select(rows).to(device)
 
 
-def per_token_rows(batch: Batch, device, micro_batch_size: int, fn, max_tokens: int = 0) -> list[list[float]]:
+def per_token_rows(batch: Batch, device, micro_batch_size: int, fn, max_tokens: int = 0, *,
+                   padded: bool = True) -> list[list[float]]:
     """``fn(micro_batch) -> [b, T-1]`` over micro-batches, as one list per row of ``batch`` (in its order), aligned
     with the row's ``input_ids`` (index 0, the first prompt token, gets 0)."""
     out: list[list[float] | None] = [None] * len(batch)
-    for rows, micro in micro_batches(batch, micro_batch_size, device, max_tokens):
+    for rows, micro in micro_batches(batch, micro_batch_size, device, max_tokens, padded=padded):
         values = fn(micro).detach().float().cpu()
         for k, (row, n) in enumerate(zip(rows, micro.lengths.tolist())):
             out[row] = [0.0] + values[k, : int(n) - 1].tolist()

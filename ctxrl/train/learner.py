@@ -159,7 +159,9 @@ class Learner:
         self.parallel = parallel
         """A ``ctxrl.distributed.data_parallel.DataParallel``: this rank trains on its share of each mini-batch's
         rows, the loss normalised by the whole mini-batch's counts, gradients and figures summed across ranks."""
-        training_decoder(model, settings.flat_forward)  # decided now, on every rank alike (an error here, not later)
+        decoder = training_decoder(model, settings.flat_forward)  # decided now, on every rank alike (an error here)
+        if decoder is not None and decoder.graphs is not None:  # one capture for every micro-batch of the run
+            decoder.graphs.min_tokens = settings.max_tokens_per_microbatch
 
     @property
     def device(self) -> torch.device:
@@ -214,8 +216,9 @@ class Learner:
             return lp * m
 
         mine, share = self._share(batch)
-        rows = per_token_rows(share, self.device, self.rows_per_micro_batch(share), learner_logprobs,
-                              s.max_tokens_per_microbatch) if mine else []
+        size = self.rows_per_micro_batch(share)  # (which also says whether the rows run flat: no padding to count)
+        rows = per_token_rows(share, self.device, size, learner_logprobs, s.max_tokens_per_microbatch,
+                              padded=not self.flat_rows) if mine else []
         recomputed = torch.zeros_like(batch.old_logprobs)
         for row, values in zip(mine, rows):
             recomputed[row, : len(values) - 1] = torch.tensor(values[1:])
@@ -243,8 +246,9 @@ class Learner:
         # not reproduce what the forward pass saved
         with attention_kernels(self.device):
             if mine:
-                for _, micro in micro_batches(share, self.rows_per_micro_batch(share), self.device,
-                                              s.max_tokens_per_microbatch):
+                size = self.rows_per_micro_batch(share)  # (which also says whether the rows run flat)
+                for _, micro in micro_batches(share, size, self.device, s.max_tokens_per_microbatch,
+                                              padded=not self.flat_rows):
                     self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
                                       value_count=value_count)
                     self.micro_batches_run += 1
