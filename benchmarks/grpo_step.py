@@ -98,7 +98,7 @@ AGENTIC_ARMS = ("hfengine", "fastengine", "fastengine_unfused")
 ENGINE_ARMS = ("hfengine", "fastengine", "fastengine_unfused")
 """``fastengine_unfused``: the fast engine without its joined products and rotary-and-write kernel
 (``FastEngine(fuse=False)``), the baseline for them; not run unless asked for."""
-LEARNER_ARMS = ("padded", "packed", "flat", "flat_compiled")
+LEARNER_ARMS = ("padded", "packed", "flat", "flat_compiled", "flat_graphed")
 GRPO_ARMS = ("ctxrl", "trl_default", "trl_bf16_nockpt", "trl_paged")
 VARIANTS = ("fixed", "ragged")
 PEAK_BF16 = 989e12  # H100 SXM, dense bf16
@@ -458,7 +458,7 @@ def learner_arm(args, arm: str) -> dict:
     from ctxrl.models.shapes import random_model
 
     args.packed_arm = arm == "packed"
-    args.flat_mode = {"flat": "on", "flat_compiled": "compiled"}.get(arm, "off")
+    args.flat_mode = {"flat": "on", "flat_compiled": "compiled", "flat_graphed": "graphed"}.get(arm, "off")
     precision = make_precision(args, cuda)
     model = random_model(args.model, precision.storage, device)
     info = shape_info(model)
@@ -471,6 +471,8 @@ def learner_arm(args, arm: str) -> dict:
     data = episodes([r[:prompt] for r in ids], [r[prompt:] for r in ids], behaviour,
                     [1.0 if i % 2 else -1.0 for i in range(S)])
     agreement = flat_agreement(learner, model, data, cuda) if arm.startswith("flat") else {}
+    if arm == "flat_graphed":
+        agreement.update(graph_agreement(learner, model, data))
     reset_peak(cuda)
     times = []
     for _ in range(max(1, args.learner_updates) + 1):
@@ -619,6 +621,36 @@ def flat_agreement(learner, model, data, cuda: bool) -> dict:
     delta = ((flat - hf).abs() * micro.loss_mask)[micro.loss_mask.bool()].float()
     return {"flat_vs_hf_logprob_mean": round(float(delta.mean()), 5),
             "flat_vs_hf_logprob_max": round(float(delta.max()), 5)}
+
+
+def graph_agreement(learner, model, data) -> dict:
+    """One micro-batch's log-probs and every weight's gradient through the layers' CUDA graphs against the eager
+    flat pass (``train.flat_forward`` graphed vs on), relative to the largest gradient; and the captures made."""
+    import dataclasses
+
+    import torch
+
+    from ctxrl.models.flat import training_decoder
+    from ctxrl.train.batch import micro_batches
+
+    _, micro = next(micro_batches(data, len(data), learner.device, learner.settings.max_tokens_per_microbatch,
+                                  padded=False))
+    out = []
+    for mode in ("graphed", "on"):
+        model.zero_grad(set_to_none=True)
+        lp = dataclasses.replace(learner.settings, flat_forward=mode).logprobs(model, micro)
+        (lp * micro.loss_mask).sum().backward()
+        out.append((lp.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()
+                                                    if p.grad is not None])))
+    model.zero_grad(set_to_none=True)
+    (lp_g, g_g), (lp_e, g_e) = out
+    mask = micro.loss_mask.bool()
+    graphs = training_decoder(model, "graphed").graphs
+    return {"graph_vs_eager_logprob_max": round(float((lp_g - lp_e).abs()[mask].max()), 5),
+            "graph_vs_eager_grad_rel": round(float((g_g - g_e).abs().max() / g_e.abs().max()), 5),
+            "graph_vs_eager_grad_cos": round(float(torch.nn.functional.cosine_similarity(g_g, g_e, dim=0)), 6),
+            "graph_bucket": None if graphs is None else str(graphs.bucket), "graph_captures": 0 if graphs is None
+            else graphs.captures}
 
 
 # -- 4. grpo -------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ sizes the run chose (its ``memory`` row: KV slots, learner tokens per micro-batc
 
     python benchmarks/train_step.py                         # qwen2.5-0.5b on the GPU: default, before, tuned
     python benchmarks/train_step.py --model qwen2.5-1.5b --arms default,tuned
+    python benchmarks/train_step.py --model smollm2-135m-instruct --arms default   # the real model
     python benchmarks/train_step.py --smoke                 # a few-MB shape on the CPU, 2 steps
 """
 
@@ -54,7 +55,9 @@ SMOKE = {"model": "qwen2-test", "prompts": 4, "generations": 2, "completion_toke
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-0.5b", help="a shape of ctxrl.models.shapes")
+    ap.add_argument("--model", default="qwen2.5-0.5b", help="a shape of ctxrl.models.shapes (random weights), or a "
+                    "named real model (smollm2-135m-instruct: its replies may stop before --completion-tokens, so "
+                    "compare its tokens per step)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--arms", default="default,before,tuned", help="comma-separated: default, before, tuned, or "
@@ -83,21 +86,24 @@ def arm_overrides(spec: str, args) -> tuple[str, list[str]]:
     return spec, [o.format(before=args.before_tokens) for o in ARMS[spec]]
 
 
-def prompt_tokens(checkpoint: Path, words: int) -> int:
-    """The rendered prompt's tokens under the checkpoint's chat template (system turn, the words, the assistant
-    header), so that every completion gets exactly ``--completion-tokens`` before the run's length limit."""
-    from transformers import AutoTokenizer
+def prompt_tokens(checkpoint: Path | str, words: int) -> int:
+    """The rendered prompt's most tokens under the model's chat template (system turn, the words, the assistant
+    header), so that every completion gets ``--completion-tokens`` before the run's length limit: each of the
+    environment's words is one token under ``save_random_checkpoint``'s tokenizer; under a real model's, the
+    prompt is counted as if every word were the one that takes the most tokens."""
+    from ctxrl.models.loader import load_tokenizer
+    from ctxrl.models.shapes import BENCH_WORDS
 
     sys.path.insert(0, str(ENVS))
     from fixed_length import FixedLengthEnv
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = load_tokenizer(str(checkpoint))
+    widest = max(BENCH_WORDS, key=lambda w: len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]))
     messages = [{"role": "system", "content": FixedLengthEnv.system_prompt},
-                {"role": "user", "content": " ".join(["word"] * words)}]
+                {"role": "user", "content": " ".join([widest] * words)}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    marker_ids = len(ids) - len(tokenizer(" ".join(["word"] * words), add_special_tokens=False)["input_ids"])
-    return words + marker_ids  # (each of the environment's words is one token: ctxrl.models.shapes.BENCH_WORDS)
+    return len(ids)
 
 
 def base_overrides(args, checkpoint: Path) -> list[str]:
@@ -172,9 +178,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
+    from ctxrl.models.named import named_model
     from ctxrl.models.shapes import save_random_checkpoint
 
-    checkpoint = save_random_checkpoint(args.model, args.cache / f"{args.model}-{args.dtype}", dtype=args.dtype)
+    if named_model(args.model) is not None:  # a real model: its own weights, and replies that may stop early
+        checkpoint = args.model
+    else:
+        checkpoint = save_random_checkpoint(args.model, args.cache / f"{args.model}-{args.dtype}", dtype=args.dtype)
     card = "cpu"
     if args.device.startswith("cuda"):
         import torch

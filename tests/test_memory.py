@@ -385,3 +385,37 @@ def test_the_plan_expects_the_flat_pass_only_where_it_can_run():
     assert not expects_flat(load_config(None, ["model.dtype=bfloat16", "train.flat_forward=off"]), llama)
     assert not expects_flat(load_config(None, ["model.dtype=bfloat16", "lora.rank=8"]), llama)
     assert not expects_flat(load_config(None, ["model.dtype=bfloat16"]), PretrainedConfig())
+
+
+def test_through_cuda_graphed_layers_the_learner_defaults_to_8k_tokens_and_counts_the_graphs_gradients(qwen05):
+    from ctxrl.train.memory import GRAPHED_LEARNER_TOKENS, graph_bytes, optimizer_bytes
+
+    run = default_run(qwen05, 2, flat=True, max_total_tokens=1024, device_bytes=141 * GIB)
+    graphed = dataclasses.replace(run, graphed=True)
+    assert plan_memory(run).learner_tokens == DEFAULT_LEARNER_TOKENS
+    assert plan_memory(graphed).learner_tokens == GRAPHED_LEARNER_TOKENS == 8192
+    # the graphs' own gradient of each layer's weights, in bf16: 24 x (896 x (896 + 2 x 128 + 896) + 3 x 896 x 4864
+    # + 2 x 896) x 2 bytes
+    per_layer = 896 * (896 + 2 * 128 + 896) + 3 * 896 * 4864 + 2 * 896
+    assert graph_bytes(graphed) == 24 * per_layer * 2 and graph_bytes(run) == 0
+    assert optimizer_bytes(graphed) - optimizer_bytes(run) == graph_bytes(graphed)
+    # a user's budget is kept; a small card still bounds the default by the activation budget
+    assert plan_memory(dataclasses.replace(graphed, max_tokens_per_microbatch=32768)).learner_tokens == 32768
+    small = dataclasses.replace(graphed, device_bytes=16 * GIB)  # 4 GiB of activations: 5,376 tokens
+    assert plan_memory(small).learner_tokens == 4 * GIB // 791_808 // 256 * 256 == 5_376
+
+
+def test_the_plan_expects_graphed_layers_for_auto_and_graphed_without_checkpointing():
+    from ctxrl.train.sizing import expects_graphs
+
+    assert expects_graphs(load_config(None, []))  # auto
+    assert expects_graphs(load_config(None, ["train.flat_forward=graphed"]))
+    assert not expects_graphs(load_config(None, ["train.flat_forward=on"]))
+    assert not expects_graphs(load_config(None, ["train.gradient_checkpointing=true"]))
+    config = load_config(None, ["model.dtype=bfloat16", "train.gradient_checkpointing=true"])
+    from ctxrl.train.memory import ModelShape, RunSizes
+
+    shape = ModelShape(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10, parameters=500)
+    sizes = RunSizes.from_config(config, shape, device_bytes=GIB, kv_tokens_per_slot=16, engine=True, critic=False,
+                                 flat=True, graphed=True)
+    assert not sizes.graphed  # (checkpointing recomputes the layers: no graphs)

@@ -86,6 +86,10 @@ DEFAULT_LEARNER_TOKENS = 32768
 the learner's speed stops growing with the micro-batch (Qwen2.5-0.5B's shape on an H100, ctxrl's flat forward pass:
 22.6% MFU at 32k tokens, 12.7% at 8k, where the GPU sat idle for half of the update, waiting on the host;
 docs/performance.md) ..."""
+GRAPHED_LEARNER_TOKENS = 8192
+"""The same where the layers replay as CUDA graphs (``RunSizes.graphed``): the host no longer launches every kernel,
+so the speed stops growing at a smaller micro-batch, whose activations are a quarter of 32,768 tokens'
+(docs/performance.md, "The learner's layers as CUDA graphs")."""
 DEFAULT_ACTIVATION_BYTES = 4 * GIB
 """... or fewer, where that many tokens' activations would pass the activation budget: this, or
 ``ACTIVATION_SHARE`` of the card's share (``card_share``), whichever is larger."""
@@ -231,12 +235,16 @@ class RunSizes:
     model, no LoRA): the lean MLP's activations, and micro-batches bounded by tokens alone (no row cap)."""
     card_share: float = 1.0
     """The share of the card an uncapped plan sizes its automatic parts from (``GPU_SHARE_VARIABLE``)."""
+    graphed: bool = False
+    """The flat pass replays its layers as CUDA graphs (``ctxrl.models.layer_graphs``): ``GRAPHED_LEARNER_TOKENS``
+    by default, and the graphs' own copy of the layers' gradients (``graph_bytes``)."""
 
     @classmethod
     def from_config(cls, config, shape: ModelShape, *, device_bytes: int, kv_tokens_per_slot: int, engine: bool,
-                    critic: bool, flat: bool = False, card_share: float = 1.0) -> RunSizes:
+                    critic: bool, flat: bool = False, card_share: float = 1.0, graphed: bool = False) -> RunSizes:
         """The sizes of ``config``'s run. ``engine``: the rollout engine lives in this process; ``flat``: the learner
-        will run the flat forward pass (``ctxrl.train.sizing.expects_flat``)."""
+        will run the flat forward pass (``ctxrl.train.sizing.expects_flat``), ``graphed``: with CUDA-graphed layers
+        (``ctxrl.train.sizing.expects_graphs``)."""
         r, t, m = config.rollout, config.train, config.meta
         eval_trials = m.eval_trials if max(m.eval_attempts, m.num_attempts) > 1 else 1
         in_flight = max(r.tasks_per_step * r.group_size, config.eval.tasks * eval_trials)
@@ -250,7 +258,8 @@ class RunSizes:
                    lora_targets=config.lora.target_modules,
                    float32_masters=t.master_weights == "float32" and config.model.dtype != "float32",
                    reference=config.algo.kl_coef > 0, critic=critic, device_bytes=device_bytes,
-                   gpu_memory_fraction=config.model.gpu_memory_fraction, flat=flat, card_share=card_share)
+                   gpu_memory_fraction=config.model.gpu_memory_fraction, flat=flat, card_share=card_share,
+                   graphed=flat and graphed and not t.gradient_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -327,11 +336,22 @@ def weights_bytes(run: RunSizes) -> int:
 
 
 def optimizer_bytes(run: RunSizes) -> int:
-    """Gradients and AdamW state of what trains: 16 bytes a parameter with float32 masters, else 3 x dtype."""
+    """Gradients and AdamW state of what trains: 16 bytes a parameter with float32 masters, else 3 x dtype; and the
+    learner's CUDA graphs' own gradients (``graph_bytes``)."""
     trained = lora_parameters(run.shape, run.lora_rank, run.lora_targets) if run.lora_rank else run.shape.parameters
     if run.critic:
         trained += run.shape.parameters
-    return trained * (16 if run.float32_masters else 3 * run.dtype_bytes)
+    return trained * (16 if run.float32_masters else 3 * run.dtype_bytes) + graph_bytes(run)
+
+
+def graph_bytes(run: RunSizes) -> int:
+    """The learner's CUDA graphs (``RunSizes.graphed``) keep each layer's weight gradients in their own pool, beside
+    the ones the optimiser reads: one more copy of the decoder layers' weights in ``model.dtype``."""
+    if not run.graphed:
+        return 0
+    s = run.shape
+    per_layer = sum(i * o for i, o in s.linear_shapes().values()) + 2 * s.hidden
+    return s.layers * per_layer * run.dtype_bytes
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
@@ -416,10 +436,11 @@ def auto_slots(run: RunSizes, per_slot: int) -> int:
 
 
 def default_learner_tokens(run: RunSizes) -> int:
-    """Tokens per micro-batch without a cap or a user's value: ``DEFAULT_LEARNER_TOKENS``, fewer where their
-    activations would pass ``DEFAULT_ACTIVATION_BYTES`` (``fitting_tokens``), never fewer than one longest row and
-    never more than a micro-batch holds."""
-    return learner_peak_tokens(run, min(DEFAULT_LEARNER_TOKENS, fitting_tokens(run)))
+    """Tokens per micro-batch without a cap or a user's value: ``DEFAULT_LEARNER_TOKENS`` (``GRAPHED_LEARNER_TOKENS``
+    through CUDA-graphed layers), fewer where their activations would pass ``DEFAULT_ACTIVATION_BYTES``
+    (``fitting_tokens``), never fewer than one longest row and never more than a micro-batch holds."""
+    wanted = GRAPHED_LEARNER_TOKENS if run.graphed else DEFAULT_LEARNER_TOKENS
+    return learner_peak_tokens(run, min(wanted, fitting_tokens(run)))
 
 
 def allocator_cap(fraction: float, device_bytes: int) -> int:

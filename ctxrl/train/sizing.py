@@ -90,7 +90,8 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,
     positions = min(config.rollout.max_total_tokens, getattr(hf, "max_position_embeddings", None) or 10**9)
     sizes = RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
                                  kv_tokens_per_slot=slot_capacity(positions),
-                                 flat=expects_flat(config, hf), card_share=card_share())
+                                 flat=expects_flat(config, hf), card_share=card_share(),
+                                 graphed=expects_graphs(config))
     if beside:
         sizes = dataclasses.replace(sizes, frozen_bytes=sum(frozen_bytes(name, dtype) for name, dtype in beside))
     plan = plan_memory(sizes)
@@ -110,6 +111,16 @@ def expects_flat(config: Config, hf_config) -> bool:
 
     return (config.train.flat_forward != "off" and config.model.dtype in ("bfloat16", "float16")
             and config.lora.rank == 0 and getattr(hf_config, "model_type", None) in FAMILIES)
+
+
+def expects_graphs(config: Config) -> bool:
+    """Whether the flat pass (where it runs) will replay its layers as CUDA graphs: ``train.flat_forward`` is
+    ``graphed``, or ``auto`` while ``ctxrl.models.flat.AUTO_GRAPHED`` holds (a run with gradient checkpointing
+    recomputes its layers instead)."""
+    from ctxrl.models.flat import AUTO_GRAPHED
+
+    mode = config.train.flat_forward
+    return (mode == "graphed" or (mode == "auto" and AUTO_GRAPHED)) and not config.train.gradient_checkpointing
 
 
 def card_share() -> float:
