@@ -635,14 +635,17 @@ def graph_agreement(learner, model, data) -> dict:
 
     _, micro = next(micro_batches(data, len(data), learner.device, learner.settings.max_tokens_per_microbatch,
                                   padded=False))
+    # (with float32 masters the gradients land in the optimiser's masters, and the model's own are let go)
+    params = [p for group in learner.optimizer.param_groups for p in group["params"]]
     out = []
     for mode in ("graphed", "on"):
+        learner.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         lp = dataclasses.replace(learner.settings, flat_forward=mode).logprobs(model, micro)
         (lp * micro.loss_mask).sum().backward()
-        out.append((lp.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()
-                                                    if p.grad is not None])))
-    model.zero_grad(set_to_none=True)
+        grads = [p.grad for p in (*model.parameters(), *params) if p.grad is not None]
+        out.append((lp.detach().double(), torch.cat([g.double().flatten() for g in grads])))
+    learner.optimizer.zero_grad(set_to_none=True)
     (lp_g, g_g), (lp_e, g_e) = out
     mask = micro.loss_mask.bool()
     graphs = training_decoder(model, "graphed").graphs
@@ -934,7 +937,7 @@ def run_one(spec: str, argv: list[str], args) -> dict:
             oom = "OutOfMemoryError" in text or "out of memory" in text
             lines = [line for line in text.splitlines() if line.strip()]
             why = "out of memory" if oom else (lines[-1][:400] if lines else f"exit {proc.returncode}")
-            return {**base, "error": why, "process_s": wall}
+            return {**base, "error": why, "process_s": wall, "stderr_tail": lines[-40:]}
         return {**json.loads(result.read_text()), "process_s": wall}
 
 
