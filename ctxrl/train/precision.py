@@ -33,7 +33,6 @@ from collections.abc import Iterable
 import torch
 
 from ctxrl.errors import ConfigError
-from ctxrl.train import grad_accumulate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -154,10 +153,10 @@ class MasterAdamW(torch.optim.AdamW):
     def _accumulate(master: torch.Tensor):
         def hook(param: torch.Tensor) -> None:
             with torch.no_grad():
-                if master.grad is None:  # (zeros, then the add: torch's casting copy is as slow as its mixed add)
-                    master.grad = torch.zeros_like(master)
-                # one vectorised program on CUDA (ctxrl.train.grad_accumulate)
-                grad_accumulate.accumulate(master.grad, param.grad)
+                if master.grad is None:
+                    master.grad = param.grad.to(torch.float32)
+                else:
+                    master.grad.add_(param.grad)
             param.grad = None
         return hook
 
