@@ -486,8 +486,9 @@ class TrainConfig:
     flat_forward: str = field(default="auto", metadata=RESUMABLE)
     """The learner's forward pass: ``auto`` (on CUDA, for Llama-layout models: Llama, Qwen2/2.5/3, Mistral) runs the
     micro-batch's sequences laid end to end without padding through ctxrl's own decoder forward (variable-length
-    flash attention, compiled norms and activations; checked against the HF forward pass once), with its layers'
-    forward and backward passes replayed as CUDA graphs in training (``graphed``), else HF's forward pass; ``on``
+    flash attention, compiled norms and activations; checked against the HF forward pass once), for models at most
+    1024 wide with its layers' forward and backward passes replayed as CUDA graphs in training (``graphed``), else
+    HF's forward pass; ``on``
     forces the flat pass, eager (an error if the model cannot), ``compiled`` is ``on`` with each decoder layer
     compiled as one graph (fewer kernel launches; a slower first step), ``graphed`` is ``on`` with the layers
     captured as CUDA graphs (CUDA only; a micro-batch is padded to the captured size), ``off`` always uses HF's.

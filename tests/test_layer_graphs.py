@@ -187,3 +187,10 @@ def test_a_learner_update_on_the_graphed_path_equals_the_eager_update(scored_epi
     torch.testing.assert_close(w_a, w_b, atol=1e-10, rtol=1e-9)
     for key in ("loss", "entropy", "grad_norm"):
         assert m_a[key] == pytest.approx(m_b[key], rel=1e-7, abs=1e-12), key
+
+
+def test_auto_graphs_only_models_narrow_enough_to_be_launch_bound():
+    from ctxrl.models.flat import AUTO_GRAPHED_MAX_HIDDEN, auto_graphs
+
+    assert auto_graphs(576) and auto_graphs(896) and auto_graphs(AUTO_GRAPHED_MAX_HIDDEN)
+    assert not auto_graphs(1536) and not auto_graphs(None) and not auto_graphs(0)

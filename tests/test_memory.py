@@ -405,13 +405,18 @@ def test_through_cuda_graphed_layers_the_learner_defaults_to_8k_tokens_and_count
     assert plan_memory(small).learner_tokens == 4 * GIB // 791_808 // 256 * 256 == 5_376
 
 
-def test_the_plan_expects_graphed_layers_for_auto_and_graphed_without_checkpointing():
+def test_the_plan_expects_graphed_layers_for_narrow_models_under_auto_and_for_graphed_without_checkpointing():
+    from transformers import Qwen2Config
+
     from ctxrl.train.sizing import expects_graphs
 
-    assert expects_graphs(load_config(None, []))  # auto
-    assert expects_graphs(load_config(None, ["train.flat_forward=graphed"]))
-    assert not expects_graphs(load_config(None, ["train.flat_forward=on"]))
-    assert not expects_graphs(load_config(None, ["train.gradient_checkpointing=true"]))
+    narrow, wide = Qwen2Config(hidden_size=896), Qwen2Config(hidden_size=1536)
+    assert expects_graphs(load_config(None, []), narrow)  # auto, Qwen2.5-0.5B's width
+    assert not expects_graphs(load_config(None, []), wide)  # auto, 1.5B's: eager, larger micro-batches
+    assert not expects_graphs(load_config(None, []))  # (no width known: eager)
+    assert expects_graphs(load_config(None, ["train.flat_forward=graphed"]), wide)
+    assert not expects_graphs(load_config(None, ["train.flat_forward=on"]), narrow)
+    assert not expects_graphs(load_config(None, ["train.gradient_checkpointing=true"]), narrow)
     config = load_config(None, ["model.dtype=bfloat16", "train.gradient_checkpointing=true"])
     from ctxrl.train.memory import ModelShape, RunSizes
 

@@ -236,8 +236,18 @@ def _varlen():
 
 
 MODES = ("auto", "on", "compiled", "graphed", "off")
-AUTO_GRAPHED = True
-"""Whether ``auto`` on CUDA replays the layers as CUDA graphs in training (``ctxrl.models.layer_graphs``)."""
+AUTO_GRAPHED_MAX_HIDDEN = 1024
+"""``auto`` on CUDA replays the layers as CUDA graphs in training (``ctxrl.models.layer_graphs``) for models at most
+this wide, whose micro-batches are otherwise bound by the host's kernel launches. Measured on an H200, the default
+``ctxrl train`` step (docs/performance.md): graphed 8,192-token micro-batches against eager 32,768-token ones took
+SmolLM2-135M (width 576) from 26.7 to 15.7 GiB at the same speed and Qwen2.5-0.5B's shape (896) from 41.1 to 22.8
+GiB at 3.43 against 3.64 s, but made Qwen2.5-1.5B's shape (1536) 18% slower (6.78 against 5.72 s), whose kernels
+are long enough to hide their launches; wider models keep the eager pass and its larger micro-batches."""
+
+
+def auto_graphs(hidden_size: int | None) -> bool:
+    """Whether ``train.flat_forward = auto`` runs a model of this width through CUDA-graphed layers."""
+    return hidden_size is not None and 0 < hidden_size <= AUTO_GRAPHED_MAX_HIDDEN
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -245,7 +255,8 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     """The ``FlatDecoder`` the learner uses for ``model`` under ``train.flat_forward = mode``, or None (the HF path).
 
     ``auto``: on CUDA in bf16/fp16 where torch has the variable-length flash kernel, for a supported model that
-    the check reproduces, with the layers replayed as CUDA graphs in training (``AUTO_GRAPHED``); ``on``: wherever
+    the check reproduces, with the layers replayed as CUDA graphs in training for narrow models (``auto_graphs``);
+    ``on``: wherever
     supported (an error names why not), eager; ``compiled``: ``on``, with each decoder layer compiled as one graph
     (``layer_math``: fewer kernel launches from the host, a slower first step); ``graphed``: ``on``, with the layers'
     forward and backward passes captured as CUDA graphs (``ctxrl.models.layer_graphs``; CUDA only); ``off``: never.
@@ -264,7 +275,10 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
 
         raise ConfigError(f"train.flat_forward=graphed replays CUDA graphs, but the model is on {param.device}; "
                           "set train.flat_forward=on (or auto) off CUDA")
-    variant = ("graphed" if AUTO_GRAPHED else "on") if mode == "auto" else mode
+    if mode == "auto":
+        variant = "graphed" if auto_graphs(getattr(model.config, "hidden_size", None)) else "on"
+    else:
+        variant = mode
     built = _DECODERS.setdefault(model, {})
     if variant not in built:
         built[variant] = _checked_decoder(model, param.device, compile_layers=variant == "compiled",

@@ -91,7 +91,7 @@ def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,
     sizes = RunSizes.from_config(config, shape, device_bytes=total, engine=engine, critic=critic,
                                  kv_tokens_per_slot=slot_capacity(positions),
                                  flat=expects_flat(config, hf), card_share=card_share(),
-                                 graphed=expects_graphs(config))
+                                 graphed=expects_graphs(config, hf))
     if beside:
         sizes = dataclasses.replace(sizes, frozen_bytes=sum(frozen_bytes(name, dtype) for name, dtype in beside))
     plan = plan_memory(sizes)
@@ -113,14 +113,18 @@ def expects_flat(config: Config, hf_config) -> bool:
             and config.lora.rank == 0 and getattr(hf_config, "model_type", None) in FAMILIES)
 
 
-def expects_graphs(config: Config) -> bool:
+def expects_graphs(config: Config, hf_config=None) -> bool:
     """Whether the flat pass (where it runs) will replay its layers as CUDA graphs: ``train.flat_forward`` is
-    ``graphed``, or ``auto`` while ``ctxrl.models.flat.AUTO_GRAPHED`` holds (a run with gradient checkpointing
-    recomputes its layers instead)."""
-    from ctxrl.models.flat import AUTO_GRAPHED
+    ``graphed``, or ``auto`` for a model narrow enough (``ctxrl.models.flat.auto_graphs``, from the HF config's
+    ``hidden_size``); never with gradient checkpointing (which recomputes the layers instead)."""
+    from ctxrl.models.flat import auto_graphs
 
+    if config.train.gradient_checkpointing:
+        return False
     mode = config.train.flat_forward
-    return (mode == "graphed" or (mode == "auto" and AUTO_GRAPHED)) and not config.train.gradient_checkpointing
+    if hf_config is not None and hasattr(hf_config, "get_text_config"):
+        hf_config = hf_config.get_text_config()
+    return mode == "graphed" or (mode == "auto" and auto_graphs(getattr(hf_config, "hidden_size", None)))
 
 
 def card_share() -> float:
