@@ -126,7 +126,7 @@ def test_a_capture_that_does_not_reproduce_the_layers_falls_back_to_the_eager_la
         caplog.clear()
 
 
-def test_without_a_gradient_or_under_checkpointing_the_layers_run_eagerly():
+def test_without_a_gradient_under_checkpointing_or_with_length_dependent_rotary_the_layers_run_eagerly():
     model = random_model("qwen2-test", torch.float64, "cpu", seed=0).train()
     flat = flatten(torch.tensor([[5, 6, 7]]), torch.tensor([3]))
     decoder = FlatDecoder(model)
@@ -134,6 +134,9 @@ def test_without_a_gradient_or_under_checkpointing_the_layers_run_eagerly():
     decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_eager_capture(calls))
     with torch.no_grad():
         decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest)
+    decoder.exact_rotary = True  # (longrope: rotary tables that depend on the length asked for)
+    decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest).sum().backward()
+    decoder.exact_rotary = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest).sum().backward()
     assert calls == []

@@ -106,7 +106,8 @@ class FlatDecoder:
         model = self._model()
         recompute = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
                                                     for m in (model, self.inner, self.layers[0]))
-        if (self.graphs is not None and torch.is_grad_enabled() and not recompute
+        # (longrope's tables depend on the length asked for: a bucket's longer one would change the real tokens')
+        if (self.graphs is not None and torch.is_grad_enabled() and not recompute and not self.exact_rotary
                 and self.inner.embed_tokens.weight.requires_grad):
             return self._graphed(ids, positions, cu_seqlens, longest)
         cos, sin = self.rotary(positions, longest)

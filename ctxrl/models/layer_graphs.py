@@ -18,6 +18,11 @@ A graph replays fixed shapes, so a micro-batch is laid into a ``Bucket`` (``pad`
 Padding rows get zero gradient from the loss (the caller keeps the first ``N`` rows), and attention keeps them
 apart, so their gradient stays exactly zero through every layer and adds nothing to the weights' gradients.
 
+Not graphed: a pass without a gradient, one under activation checkpointing, and a model whose rotary tables
+depend on the length asked for (longrope). A capture assumes no other thread of the process launches CUDA work
+meanwhile: in one process rollouts never overlap the update (``ctxrl.config`` refuses ``distributed.max_staleness``
+without Ray), and a failed capture leaves the eager layers.
+
 One bucket is captured at a time, and a bucket only grows (``Bucket.covering``): a micro-batch that does not fit
 the captured one is captured again, larger (the old graphs and their memory are let go). The learner sets
 ``LayerGraphs.min_tokens`` to its token budget, so every micro-batch of a run fits the first capture.
