@@ -72,6 +72,40 @@ def _eager_capture(calls):
     return capture
 
 
+def _buffered_capture(calls=None):
+    """A capture that behaves as ``make_graphed_callables``' replays do where it matters to correctness: each layer's
+    weight gradients come back in buffers of its own that the next backward overwrites (``b.detach()`` of a static
+    gradient), and the forward runs without building an autograd graph of its own."""
+    def capture(modules, samples):
+        if calls is not None:
+            calls.append(samples[0][0].shape[0])
+        replays = []
+        for module in modules:
+            params = tuple(module.parameters())
+            buffers = [torch.zeros_like(p) for p in params]
+
+            class Replay(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, cos, sin, cu, *ps, module=module):
+                    ctx.save_for_backward(x, cos, sin, cu)
+                    return module(x, cos, sin, cu)
+
+                @staticmethod
+                def backward(ctx, grad, module=module, params=params, buffers=buffers):
+                    x, cos, sin, cu = ctx.saved_tensors
+                    with torch.enable_grad():
+                        v = x.detach().requires_grad_(True)
+                        found = torch.autograd.grad(module(v, cos, sin, cu), (v, *params), grad)
+                    for buffer, g in zip(buffers, found[1:]):
+                        buffer.copy_(g)
+                    return (found[0], None, None, None, *(b.detach() for b in buffers))
+
+            replays.append(lambda x, cos, sin, cu, replay=Replay, params=params: replay.apply(x, cos, sin, cu,
+                                                                                               *params))
+        return tuple(replays)
+    return capture
+
+
 def _hidden_and_grads(model, flat, graphed, capture=None):
     m = copy.deepcopy(model).train()
     decoder = FlatDecoder(m)
@@ -144,7 +178,7 @@ def test_without_a_gradient_under_checkpointing_or_with_length_dependent_rotary_
 
 def test_graphed_mode_is_refused_off_cuda_with_the_fix():
     model = random_model("qwen2-test", torch.float64, "cpu", seed=0)
-    with pytest.raises(ConfigError, match="train.flat_forward=on"):
+    with pytest.raises(ConfigError, match="torch.float64 on cpu: set train.flat_forward=on"):
         training_decoder(model, "graphed")
 
 
@@ -165,6 +199,9 @@ def test_flat_micro_batches_count_their_own_tokens_not_their_padding():
     # flat: the tokens themselves, longest first (90 + 4 x 10 = 130 <= 150)
     assert pack(lengths, 64, 150, padded=False) == [[0], [5, 1, 2, 3, 4]]
     assert pack(lengths, 3, 150, padded=False) == [[0], [5, 1, 2], [3, 4]]  # (and never more rows than asked)
+    # one long row leading many short ones: rows x the longest stay within PADDED_BOUND x the budget (4 x 100)
+    assert pack([100] + [1] * 20, 64, 100, padded=False) == [[0], list(range(1, 21))]
+    assert pack([40] + [1] * 20, 64, 100, padded=False) == [[0, *range(1, 10)], list(range(10, 21))]
 
 
 def test_a_learner_update_on_the_graphed_path_equals_the_eager_update(scored_episodes, monkeypatch):
@@ -176,13 +213,15 @@ def test_a_learner_update_on_the_graphed_path_equals_the_eager_update(scored_epi
         m = copy.deepcopy(model)
         decoder = FlatDecoder(m)
         calls: list[int] = []
-        if graphed:
-            decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_eager_capture(calls))
+        if graphed:  # (replays whose weight gradients come back in buffers the next one overwrites)
+            decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture(calls))
         monkeypatch.setattr("ctxrl.train.learner.training_decoder", lambda model, mode, d=decoder: d)
-        settings = PPOSettings(flat_forward="on", logprob_chunk_tokens=4, micro_batch_size=2, mini_batches=2,
-                               max_tokens_per_microbatch=20)
+        # (one mini-batch of four micro-batches by their tokens: 12 | 10 | 8 + 5 | 3, whose gradients must add up)
+        settings = PPOSettings(flat_forward="on", logprob_chunk_tokens=4, micro_batch_size=2, mini_batches=1,
+                               max_tokens_per_microbatch=13)
         learner = Learner(m, torch.optim.SGD(m.parameters(), lr=0.1), settings, pad_token_id=0, seed=3)
         metrics = learner.update(batch)
+        assert learner.micro_batches_run == 4
         out.append((metrics, torch.cat([p.detach().flatten() for p in m.parameters()])))
         if graphed:
             assert calls == [1024] and decoder.graphs.captures == 1  # (the budget, rounded up to a bucket step)
@@ -193,7 +232,52 @@ def test_a_learner_update_on_the_graphed_path_equals_the_eager_update(scored_epi
 
 
 def test_auto_graphs_only_models_narrow_enough_to_be_launch_bound():
+    from transformers import LlamaConfig, Phi3Config
+
     from ctxrl.models.flat import AUTO_GRAPHED_MAX_HIDDEN, auto_graphs
 
-    assert auto_graphs(576) and auto_graphs(896) and auto_graphs(AUTO_GRAPHED_MAX_HIDDEN)
-    assert not auto_graphs(1536) and not auto_graphs(None) and not auto_graphs(0)
+    for width in (576, 896, AUTO_GRAPHED_MAX_HIDDEN):
+        assert auto_graphs(LlamaConfig(hidden_size=width))
+    assert not auto_graphs(LlamaConfig(hidden_size=1536)) and not auto_graphs(None)
+    longrope = Phi3Config(hidden_size=512, num_attention_heads=8, max_position_embeddings=8192,
+                          original_max_position_embeddings=4096,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32})
+    assert not auto_graphs(longrope)
+
+
+def test_a_bucket_that_grows_is_captured_again_and_the_old_graphs_let_go():
+    model = random_model("qwen2-test", torch.float64, "cpu", seed=0).train()
+    decoder = FlatDecoder(model)
+    calls: list[int] = []
+    decoder.graphs = graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture(calls))
+    short = flatten(torch.tensor([[5, 6, 7]]), torch.tensor([3]))
+    decoder.hidden_states(short.ids, short.positions, short.cu_seqlens, short.longest).sum().backward()
+    first = graphs.bucket
+    hooks = len(graphs._hooks)
+    assert first.longest == 4 and hooks == sum(1 for layer in decoder.layers for _ in layer.parameters())
+    # a longer row: the bucket grows in its longest only, and the gradients hooks are not doubled
+    ids = torch.arange(3, 40).unsqueeze(0)
+    longer = flatten(ids, torch.tensor([37]))
+    want, want_grads, _ = _hidden_and_grads(model, longer, graphed=False)
+    model.zero_grad(set_to_none=True)
+    got = decoder.hidden_states(longer.ids, longer.positions, longer.cu_seqlens, longer.longest)
+    (got * torch.linspace(-1, 1, got.numel(), dtype=got.dtype).view_as(got)).sum().backward()
+    assert graphs.captures == 2 and graphs.bucket.longest == 64 and graphs.bucket.tokens == first.tokens
+    assert len(graphs._hooks) == hooks
+    torch.testing.assert_close(got.detach(), want, atol=1e-10, rtol=1e-9)
+    for name, p in model.named_parameters():
+        if name in want_grads:
+            torch.testing.assert_close(p.grad, want_grads[name], atol=1e-10, rtol=1e-9, msg=name)
+    graphs.release()
+    assert graphs.bucket is None and graphs._hooks == []
+
+
+def test_layers_with_module_hooks_are_not_graphed(caplog):
+    model = random_model("qwen2-test", torch.float64, "cpu", seed=0).train()
+    decoder = FlatDecoder(model)
+    decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture())
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: None)
+    flat = flatten(torch.tensor([[5, 6, 7]]), torch.tensor([3]))
+    with caplog.at_level(logging.WARNING, logger="ctxrl.models.flat"):
+        decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest).sum().backward()
+    assert decoder.graphs is None and "module hooks" in caplog.text and "mlp" in caplog.text

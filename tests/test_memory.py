@@ -401,8 +401,17 @@ def test_through_cuda_graphed_layers_the_learner_defaults_to_8k_tokens_and_count
     assert optimizer_bytes(graphed) - optimizer_bytes(run) == graph_bytes(graphed)
     # a user's budget is kept; a small card still bounds the default by the activation budget
     assert plan_memory(dataclasses.replace(graphed, max_tokens_per_microbatch=32768)).learner_tokens == 32768
-    small = dataclasses.replace(graphed, device_bytes=16 * GIB)  # 4 GiB of activations: 5,376 tokens
-    assert plan_memory(small).learner_tokens == 4 * GIB // 791_808 // 256 * 256 == 5_376
+    # each layer's graph also keeps a static input, output and output gradient: 3 x 24 x 896 x 2 bytes a token more
+    assert activation_bytes_per_token(graphed) == 791_808 + 3 * 24 * 896 * 2 == 920_832
+    small = dataclasses.replace(graphed, device_bytes=16 * GIB)  # 4 GiB of activations: 4,608 tokens
+    assert plan_memory(small).learner_tokens == 4 * GIB // 920_832 // 256 * 256 == 4_608
+    # under a cap the learner's tokens grow in a graph bucket's steps, so the padding the plan did not count is none
+    from ctxrl.models.layer_graphs import TOKEN_STEP
+    from ctxrl.train.memory import GRAPH_TOKEN_STEP
+
+    assert GRAPH_TOKEN_STEP == TOKEN_STEP
+    capped = plan_memory(dataclasses.replace(graphed, gpu_memory_fraction=0.2, kv_slots=64))
+    assert capped.learner_tokens % TOKEN_STEP == 0 and capped.learner_tokens > 8192
 
 
 def test_the_plan_expects_graphed_layers_for_narrow_models_under_auto_and_for_graphed_without_checkpointing():

@@ -131,6 +131,7 @@ class FlatDecoder:
             x = self.graphs.run(self.inner.embed_tokens(padded_ids), cos, sin, padded_cu, bucket)
         except CaptureFailed as exc:  # (the eager layers still train: slower, never wrong)
             log.warning("learner: the decoder layers run eagerly from now on: %s", exc)
+            self.graphs.release()
             self.graphs = None
             return self.hidden_states(ids, positions, cu_seqlens, longest)
         return self.fused.rms_norm(x[:n], *norm_args(self.inner.norm))
@@ -246,9 +247,15 @@ GiB at 3.43 against 3.64 s, but made Qwen2.5-1.5B's shape (1536) 18% slower (6.7
 are long enough to hide their launches; wider models keep the eager pass and its larger micro-batches."""
 
 
-def auto_graphs(hidden_size: int | None) -> bool:
-    """Whether ``train.flat_forward = auto`` runs a model of this width through CUDA-graphed layers."""
-    return hidden_size is not None and 0 < hidden_size <= AUTO_GRAPHED_MAX_HIDDEN
+def auto_graphs(config) -> bool:
+    """Whether ``train.flat_forward = auto`` runs the model of this HF config through CUDA-graphed layers: at most
+    ``AUTO_GRAPHED_MAX_HIDDEN`` wide, and not longrope (whose rotary tables depend on the length asked for, so a
+    bucket's padding would change them: ``FlatDecoder`` never graphs it)."""
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    hidden = getattr(config, "hidden_size", None)
+    return (isinstance(hidden, int) and 0 < hidden <= AUTO_GRAPHED_MAX_HIDDEN
+            and rope_type(config) != "longrope")
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -271,13 +278,15 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     if mode == "auto" and (param.device.type != "cuda" or param.dtype not in (torch.bfloat16, torch.float16)
                            or _varlen() is None):
         return None  # (auto: only where the variable-length flash kernel runs; elsewhere HF's pass is faster)
-    if mode == "graphed" and param.device.type != "cuda":
+    if mode == "graphed" and (param.device.type != "cuda" or param.dtype not in (torch.bfloat16, torch.float16)
+                              or _varlen() is None):
         from ctxrl.errors import ConfigError
 
-        raise ConfigError(f"train.flat_forward=graphed replays CUDA graphs, but the model is on {param.device}; "
-                          "set train.flat_forward=on (or auto) off CUDA")
+        raise ConfigError(f"train.flat_forward=graphed replays CUDA graphs of the variable-length flash kernel, which "
+                          f"needs CUDA, bfloat16 or float16 and a torch that has it; this model is {param.dtype} on "
+                          f"{param.device}: set train.flat_forward=on (or auto)")
     if mode == "auto":
-        variant = "graphed" if auto_graphs(getattr(model.config, "hidden_size", None)) else "on"
+        variant = "graphed" if auto_graphs(model.config) else "on"
     else:
         variant = mode
     built = _DECODERS.setdefault(model, {})

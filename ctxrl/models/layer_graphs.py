@@ -30,6 +30,7 @@ the captured one is captured again, larger (the old graphs and their memory are 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from dataclasses import dataclass
@@ -144,6 +145,7 @@ class LayerGraphs:
         self.captures = 0
         """How many times the graphs were captured (a growing bucket recaptures)."""
         self._graphed: tuple | None = None
+        self._hooks: list = []
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
             bucket: Bucket) -> torch.Tensor:
@@ -156,8 +158,12 @@ class LayerGraphs:
         return x
 
     def _capture(self, x, cos, sin, cu_seqlens, bucket: Bucket) -> None:
-        self._graphed = self.bucket = None  # (the old graphs' pool is freed before the new one is taken)
-        torch.cuda.empty_cache()
+        self.release()  # (the old graphs' pool is let go before the new one is taken)
+        hooked = [name for layer in self.layers for name, m in layer.named_modules()
+                  if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+        if hooked:
+            raise CaptureFailed(f"module hooks on the layers ({', '.join(sorted(set(hooked))[:3])}) would run only "
+                                "while capturing, never on a replay")
         modules = tuple(_Layer(self.block, layer, bucket.longest) for layer in self.layers)
         # each layer's own static inputs, shaped and flagged like the live ones
         samples = tuple((x.detach().clone().requires_grad_(True), cos.clone(), sin.clone(), cu_seqlens.clone())
@@ -170,11 +176,31 @@ class LayerGraphs:
             raise CaptureFailed(f"capturing them as CUDA graphs failed ({type(exc).__name__}: {exc})") from exc
         if not error <= CHECK_TOLERANCE:
             raise CaptureFailed(f"their CUDA graphs did not reproduce the eager layers (relative error {error:.2g})")
+        # A replay hands back its weight gradients in buffers that the next replay overwrites; a parameter without a
+        # gradient would take the buffer itself as its .grad, and the next micro-batch would overwrite and double it
+        # instead of adding (the float32 masters' hook copies and frees it, plain optimisers do not): each
+        # parameter gets its own copy before it is accumulated.
+        self._hooks = [p.register_hook(_own_copy) for layer in self.layers for p in layer.parameters()
+                       if p.requires_grad]
         self._graphed = graphed
         self.bucket = bucket
         self.captures += 1
         log.info("learner: decoder layers captured as CUDA graphs for %d tokens in %d sequences (at most %d long)",
                  bucket.tokens, bucket.sequences, bucket.longest)
+
+    def release(self) -> None:
+        """Let the graphs, their memory pool and the gradient hooks go (a recapture, or the eager layers from now)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._graphed = self.bucket = None
+        gc.collect()  # (make_graphed_callables' closures hold the graphs in reference cycles)
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def _own_copy(grad: torch.Tensor) -> torch.Tensor:
+    return grad.clone()
 
 
 def capture_graphs(modules: tuple[torch.nn.Module, ...], samples: tuple) -> tuple:
@@ -182,12 +208,30 @@ def capture_graphs(modules: tuple[torch.nn.Module, ...], samples: tuple) -> tupl
     return torch.cuda.make_graphed_callables(modules, samples, num_warmup_iters=2)
 
 
-@torch.no_grad()
 def _disagreement(graphed, x, cos, sin, cu_seqlens, block, layers, longest: int) -> float:
-    """Largest relative difference between the replayed and the eager layers' output on ``x``."""
-    got, want = x, x
-    for replay, layer in zip(graphed, layers):
-        got = replay(got, cos, sin, cu_seqlens)
-        want = block(layer, want, cos, sin, cu_seqlens, longest)
-    scale = want.float().abs().max().clamp(min=1.0)
+    """Largest relative difference between the replayed and the eager layers: the whole stack's output on ``x``, and
+    the first layer's gradients (of its input and of each weight) for one output gradient. (One layer's backward, so
+    that the check holds no more than one eager layer's activations beside the graphs' pool.)"""
+    with torch.no_grad():
+        got, want = x, x
+        for replay, layer in zip(graphed, layers):
+            got = replay(got, cos, sin, cu_seqlens)
+            want = block(layer, want, cos, sin, cu_seqlens, longest)
+    worst = _relative(got, want)
+    params = [p for p in layers[0].parameters() if p.requires_grad]
+    probe = torch.randn(x.shape, generator=torch.Generator(device=x.device).manual_seed(0), device=x.device,
+                        dtype=x.dtype)
+    grads = []
+    for run in (lambda v: graphed[0](v, cos, sin, cu_seqlens), lambda v: block(layers[0], v, cos, sin, cu_seqlens,
+                                                                                  longest)):
+        v = x.detach().clone().requires_grad_(True)
+        found = torch.autograd.grad(run(v), [v, *params], probe, allow_unused=True)
+        grads.append([None if g is None else g.clone() for g in found])
+    for g, w in zip(*grads):
+        worst = math.inf if (g is None) != (w is None) else worst if g is None else max(worst, _relative(g, w))
+    return worst
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.float().abs().max().clamp(min=1e-30)
     return float((got.float() - want.float()).abs().max() / scale)

@@ -157,6 +157,10 @@ def _per_token(rows: Sequence[Any], values: Any, n: int, width: int, what: str) 
 
 
 # -- micro-batches ----------------------------------------------------------------------------------
+PADDED_BOUND = 4
+"""A flat micro-batch's rows x its longest row stays within this many times its token budget (``pack``)."""
+
+
 def pack(lengths: Sequence[int], max_rows: int, max_tokens: int = 0, *, padded: bool = True) -> list[list[int]]:
     """Row indices of each micro-batch.
 
@@ -164,7 +168,9 @@ def pack(lengths: Sequence[int], max_rows: int, max_tokens: int = 0, *, padded: 
     into micro-batches of at most ``max_rows`` rows whose padded size (rows x longest row) stays
     within ``max_tokens``; a row longer than the budget is a micro-batch of its own. Sorting by
     length keeps the padding small, so a micro-batch of short rows holds many of them. ``padded=False``
-    (the flat forward pass, which runs no padding): the rows' own tokens stay within ``max_tokens``.
+    (the flat forward pass, which runs no padding): the rows' own tokens stay within ``max_tokens``, and
+    their padded size within ``PADDED_BOUND`` times it (the loss's ``[rows, longest]`` tensors, a teacher's
+    ``[rows, longest, k]`` ids, stay bounded when one long row leads many short ones).
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -175,8 +181,9 @@ def pack(lengths: Sequence[int], max_rows: int, max_tokens: int = 0, *, padded: 
     current: list[int] = []
     held = 0
     for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        size = (len(current) + 1) * lengths[current[0]] if padded and current else held + lengths[i]
-        if current and (len(current) >= max_rows or size > max_tokens):
+        grid = (len(current) + 1) * lengths[current[0]] if current else lengths[i]
+        over = grid > max_tokens if padded else (held + lengths[i] > max_tokens or grid > PADDED_BOUND * max_tokens)
+        if current and (len(current) >= max_rows or over):
             groups.append(current)
             current, held = [], 0
         current.append(i)

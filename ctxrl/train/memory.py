@@ -86,6 +86,8 @@ DEFAULT_LEARNER_TOKENS = 32768
 the learner's speed stops growing with the micro-batch (Qwen2.5-0.5B's shape on an H100, ctxrl's flat forward pass:
 22.6% MFU at 32k tokens, 12.7% at 8k, where the GPU sat idle for half of the update, waiting on the host;
 docs/performance.md) ..."""
+GRAPH_TOKEN_STEP = 1024
+"""``ctxrl.models.layer_graphs.TOKEN_STEP``: graphed micro-batches are padded to a multiple of it."""
 GRAPHED_LEARNER_TOKENS = 8192
 """The same where the layers replay as CUDA graphs (``RunSizes.graphed``): the host no longer launches every kernel,
 so the speed stops growing at a smaller micro-batch, whose activations are a quarter of 32,768 tokens'
@@ -387,6 +389,8 @@ def activation_bytes_per_token(run: RunSizes) -> int:
     kept = s.layers * s.hidden + layer if run.gradient_checkpointing else s.layers * layer
     if run.reference:  # the reference's forward pass runs while the policy's activations are held
         kept += layer
+    if run.graphed:  # each layer's graph keeps a static input, output and output gradient of its own
+        kept += 3 * s.layers * s.hidden
     per_token = (kept + 3 * s.hidden) * run.dtype_bytes
     if run.logprob_chunk_tokens <= 0:  # full logits: the head's cost grows with the micro-batch
         per_token += logit_bytes_per_position(s, run.dtype_bytes)
@@ -495,8 +499,9 @@ def plan_memory(run: RunSizes) -> MemoryPlan:
         slots = min(wanted, room // least.per_slot)
         room -= slots * least.per_slot
         tokens = least.tokens
-        if not explicit:  # (in multiples of 64, at most what a micro-batch can hold)
-            grown = (least.tokens + room // activation_bytes_per_token(run)) // 64 * 64
+        if not explicit:  # (in multiples of 64, or of a graph bucket's step, at most what a micro-batch can hold)
+            step = GRAPH_TOKEN_STEP if run.graphed else 64
+            grown = (least.tokens + room // activation_bytes_per_token(run)) // step * step
             tokens = learner_peak_tokens(run, max(least.tokens, grown))
     learner = learner_bytes(run, tokens)
     activations = learner - logit_bytes_per_position(run.shape, run.dtype_bytes) * max(run.logprob_chunk_tokens, 0)

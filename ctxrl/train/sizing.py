@@ -115,16 +115,14 @@ def expects_flat(config: Config, hf_config) -> bool:
 
 def expects_graphs(config: Config, hf_config=None) -> bool:
     """Whether the flat pass (where it runs) will replay its layers as CUDA graphs: ``train.flat_forward`` is
-    ``graphed``, or ``auto`` for a model narrow enough (``ctxrl.models.flat.auto_graphs``, from the HF config's
-    ``hidden_size``); never with gradient checkpointing (which recomputes the layers instead)."""
+    ``graphed``, or ``auto`` for a model narrow enough and not longrope (``ctxrl.models.flat.auto_graphs``, from
+    its HF config); never with gradient checkpointing (which recomputes the layers instead)."""
     from ctxrl.models.flat import auto_graphs
 
     if config.train.gradient_checkpointing:
         return False
     mode = config.train.flat_forward
-    if hf_config is not None and hasattr(hf_config, "get_text_config"):
-        hf_config = hf_config.get_text_config()
-    return mode == "graphed" or (mode == "auto" and auto_graphs(getattr(hf_config, "hidden_size", None)))
+    return mode == "graphed" or (mode == "auto" and auto_graphs(hf_config))
 
 
 def card_share() -> float:
