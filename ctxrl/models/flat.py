@@ -256,6 +256,8 @@ def auto_graphs(config) -> bool:
     hidden = getattr(config, "hidden_size", None)
     return (isinstance(hidden, int) and 0 < hidden <= AUTO_GRAPHED_MAX_HIDDEN
             and rope_type(config) != "longrope")
+
+
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -264,10 +266,10 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
 
     ``auto``: on CUDA in bf16/fp16 where torch has the variable-length flash kernel, for a supported model that
     the check reproduces, with the layers replayed as CUDA graphs in training for narrow models (``auto_graphs``);
-    ``on``: wherever
-    supported (an error names why not), eager; ``compiled``: ``on``, with each decoder layer compiled as one graph
-    (``layer_math``: fewer kernel launches from the host, a slower first step); ``graphed``: ``on``, with the layers'
-    forward and backward passes captured as CUDA graphs (``ctxrl.models.layer_graphs``; CUDA only); ``off``: never.
+    ``on``: wherever supported (an error names why not), eager; ``compiled``: ``on``, with each decoder layer
+    compiled as one graph (``layer_math``: fewer kernel launches from the host, a slower first step);
+    ``graphed``: ``on``, with the layers' forward and backward passes captured as CUDA graphs
+    (``ctxrl.models.layer_graphs``; CUDA, bf16 / fp16); ``off``: never.
     Built once per model and mode.
     """
     if mode not in MODES:
@@ -275,11 +277,10 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     if mode == "off":
         return None
     param = next(model.parameters())
-    if mode == "auto" and (param.device.type != "cuda" or param.dtype not in (torch.bfloat16, torch.float16)
-                           or _varlen() is None):
+    flash = param.device.type == "cuda" and param.dtype in (torch.bfloat16, torch.float16) and _varlen() is not None
+    if mode == "auto" and not flash:
         return None  # (auto: only where the variable-length flash kernel runs; elsewhere HF's pass is faster)
-    if mode == "graphed" and (param.device.type != "cuda" or param.dtype not in (torch.bfloat16, torch.float16)
-                              or _varlen() is None):
+    if mode == "graphed" and not flash:
         from ctxrl.errors import ConfigError
 
         raise ConfigError(f"train.flat_forward=graphed replays CUDA graphs of the variable-length flash kernel, which "
