@@ -73,8 +73,10 @@ class SlotTable:
     last_used: dict[int, int] = field(default_factory=dict)
     active: set[int] = field(default_factory=set)
     clock: int = 0
-    index: dict[int, set[int]] = field(default_factory=dict)
-    """Block hash -> parked slots whose ids start with that chain of blocks."""
+    index: dict[int, int | set[int]] = field(default_factory=dict)
+    """Block hash -> the parked slot whose ids start with that chain of blocks, or a set of them where several do
+    (a group's shared prompt). One slot is an int, not a set of one: parking 512 episodes a turn created tens of
+    thousands of sets, whose collections by the garbage collector were most of the parking's time (``holders``)."""
     hashes: dict[int, list[int]] = field(default_factory=dict)
     started: dict[int, tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)
     """Active slot -> its request's prompt (less the last id) and that prompt's block hashes, which ``place``
@@ -85,13 +87,24 @@ class SlotTable:
             raise ValueError(f"a slot table needs at least one slot, got {self.slots}")
         self.free = list(range(self.slots))
 
+    def holders(self, h: int) -> set[int]:
+        """The parked slots indexed under block hash ``h``."""
+        found = self.index.get(h)
+        return set() if found is None else {found} if isinstance(found, int) else set(found)
+
     def _forget(self, slot: int) -> tuple[int, ...] | None:
+        index = self.index
         for h in self.hashes.pop(slot, []):
-            holders = self.index.get(h)
-            if holders is not None:
-                holders.discard(slot)
-                if not holders:
-                    del self.index[h]
+            holders = index.get(h)
+            if holders is None:
+                continue
+            if isinstance(holders, int):
+                if holders == slot:
+                    del index[h]
+                continue
+            holders.discard(slot)
+            if len(holders) == 1:
+                index[h] = next(iter(holders))
         return self.parked.pop(slot, None)
 
     def _take_free(self) -> int | None:
@@ -117,12 +130,13 @@ class SlotTable:
         limit = len(prompt) - 1
         target = tuple(prompt[:limit])
         prompt_hashes = block_hashes(target)
-        deepest: set[int] = set()
+        deepest: int | set[int] = set()
         for h in prompt_hashes:  # the deepest block some parked slot shares
             holders = self.index.get(h)
-            if not holders:
+            if holders is None:
                 break
-            deepest = set(holders)
+            deepest = holders
+        deepest = {deepest} if isinstance(deepest, int) else set(deepest)
         extra = also or {}
         if isinstance(extra, Claimed):
             others = extra.starting_as(prompt) - deepest
@@ -200,10 +214,13 @@ class SlotTable:
         done = BLOCK * len(known)  # the kept ids start with the prompt: its hashes stand (checked, one compare)
         self.hashes[slot] = block_hashes(kept, known if kept[:done] == prompt[:done] else None)
         index = self.index
-        for h in self.hashes[slot]:  # (no new set where the block is indexed already: allocations wake the GC)
+        for h in self.hashes[slot]:  # (a set only where a second slot shares the block: allocations wake the GC)
             holders = index.get(h)
             if holders is None:
-                index[h] = {slot}
+                index[h] = slot
+            elif isinstance(holders, int):
+                if holders != slot:
+                    index[h] = {holders, slot}
             else:
                 holders.add(slot)
 
