@@ -75,8 +75,8 @@ class Bucket:
         floor = current or Bucket(0, MIN_SEQUENCES, 1)
         tokens = max(floor.tokens, _round_up(max(n_tokens, min_tokens, 1), TOKEN_STEP))
         long = max(floor.longest, _power_of_two(longest))
-        sequences = max(floor.sequences, _power_of_two(n_sequences + math.ceil((tokens - n_tokens) / long)))
-        return Bucket(tokens, sequences, long)
+        padding = Bucket(tokens, 0, long).padding_sequences(n_tokens)
+        return Bucket(tokens, max(floor.sequences, _power_of_two(n_sequences + padding)), long)
 
 
 def _round_up(n: int, step: int) -> int:

@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 from ctxrl.engine.capacity import PREFILL_TOKENS
 from ctxrl.errors import ConfigError
+from ctxrl.models.layer_graphs import TOKEN_STEP as GRAPH_TOKEN_STEP  # (graphed micro-batches pad to its multiples)
 
 GIB = 2**30
 MIB = 2**20
@@ -86,8 +87,6 @@ DEFAULT_LEARNER_TOKENS = 32768
 the learner's speed stops growing with the micro-batch (Qwen2.5-0.5B's shape on an H100, ctxrl's flat forward pass:
 22.6% MFU at 32k tokens, 12.7% at 8k, where the GPU sat idle for half of the update, waiting on the host;
 docs/performance.md) ..."""
-GRAPH_TOKEN_STEP = 1024
-"""``ctxrl.models.layer_graphs.TOKEN_STEP``: graphed micro-batches are padded to a multiple of it."""
 GRAPHED_LEARNER_TOKENS = 8192
 """The same where the layers replay as CUDA graphs (``RunSizes.graphed``): the host no longer launches every kernel,
 so the speed stops growing at a smaller micro-batch, whose activations are a quarter of 32,768 tokens'
