@@ -19,6 +19,7 @@ from ctxrl.models.shapes import random_model
 from ctxrl.train.batch import collate, pack
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.packing import flatten
+from ctxrl.train.precision import MasterAdamW, Precision
 
 
 def test_a_bucket_rounds_tokens_up_and_the_longest_and_sequence_count_to_powers_of_two():
@@ -229,6 +230,49 @@ def test_a_learner_update_on_the_graphed_path_equals_the_eager_update(scored_epi
     torch.testing.assert_close(w_a, w_b, atol=1e-10, rtol=1e-9)
     for key in ("loss", "entropy", "grad_norm"):
         assert m_a[key] == pytest.approx(m_b[key], rel=1e-7, abs=1e-12), key
+
+
+def test_under_float32_masters_a_graphed_update_needs_no_gradient_copies_and_equals_the_eager_one(
+        scored_episodes, monkeypatch):
+    # the masters' hooks add each gradient into a float32 one and free it before the next replay overwrites its
+    # buffer: the learner turns the copies off, and four micro-batches still add up to the eager update
+    model = random_model("qwen2-test", torch.bfloat16, "cpu", seed=0)
+    batch = collate(scored_episodes(model.config.vocab_size, [12, 5, 8, 3, 10], seed=2), 0,
+                    advantages=[1.0, -1.0, 0.5, -0.5, 0.25])
+    precision = Precision("bfloat16", "float32", "cpu")
+    out = []
+    for graphed in (False, True):
+        m = copy.deepcopy(model)
+        decoder = FlatDecoder(m)
+        if graphed:
+            decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture())
+        monkeypatch.setattr("ctxrl.train.learner.training_decoder", lambda model, mode, d=decoder: d)
+        settings = PPOSettings(flat_forward="on", logprob_chunk_tokens=4, micro_batch_size=2, mini_batches=1,
+                               max_tokens_per_microbatch=13)
+        optimizer = precision.optimizer(m.parameters(), lr=1e-3)
+        assert isinstance(optimizer, MasterAdamW)
+        learner = Learner(m, optimizer, settings, pad_token_id=0, seed=3, precision=precision)
+        metrics = learner.update(batch)
+        assert learner.micro_batches_run == 4
+        if graphed:
+            assert decoder.graphs.copy_grads is False and decoder.graphs._hooks == []
+        out.append((metrics, torch.cat([p.detach().flatten() for p in optimizer.masters])))
+    (m_a, w_a), (m_b, w_b) = out
+    torch.testing.assert_close(w_a, w_b, atol=0, rtol=0)
+    assert m_a["grad_norm"] == m_b["grad_norm"]
+
+
+def test_a_plain_optimiser_after_a_master_one_gets_the_gradient_copies_back():
+    model = random_model("qwen2-test", torch.float64, "cpu", seed=0)
+    decoder = FlatDecoder(model)
+    graphs = decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture())
+    graphs.copy_grads = False
+    flat = flatten(torch.randint(3, 50, (2, 6)), torch.tensor([6, 4]))
+    decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest).sum().backward()
+    assert graphs.captures == 1 and graphs._hooks == []
+    graphs.copy_grads = True  # (a later learner with a plain optimiser, after the capture)
+    trained = [p for layer in decoder.layers for p in layer.parameters() if p.requires_grad]
+    assert len(graphs._hooks) == len(trained) > 0
 
 
 def test_auto_graphs_only_models_narrow_enough_to_be_launch_bound():

@@ -141,6 +141,7 @@ class LayerGraphs:
         another)."""
         self.min_tokens = 0
         """Buckets hold at least this many tokens (the learner's token budget, so one capture serves a run)."""
+        self._copy_grads = True
         self.bucket: Bucket | None = None
         self.captures = 0
         """How many times the graphs were captured (a growing bucket recaptures)."""
@@ -179,14 +180,34 @@ class LayerGraphs:
         # A replay hands back its weight gradients in buffers that the next replay overwrites; a parameter without a
         # gradient would take the buffer itself as its .grad, and the next micro-batch would overwrite and double it
         # instead of adding (the float32 masters' hook copies and frees it, plain optimisers do not): each
-        # parameter gets its own copy before it is accumulated.
-        self._hooks = [p.register_hook(_own_copy) for layer in self.layers for p in layer.parameters()
-                       if p.requires_grad]
+        # parameter gets its own copy before it is accumulated, unless ``copy_grads`` says the gradients are consumed.
         self._graphed = graphed
+        self._hook_copies()
         self.bucket = bucket
         self.captures += 1
         log.info("learner: decoder layers captured as CUDA graphs for %d tokens in %d sequences (at most %d long)",
                  bucket.tokens, bucket.sequences, bucket.longest)
+
+    @property
+    def copy_grads(self) -> bool:
+        """Each parameter takes its own copy of a replay's weight gradient (``_capture`` says why). False where
+        something consumes every gradient as soon as it is accumulated, before the next replay: the float32 masters'
+        hooks (``ctxrl.train.precision.MasterAdamW``) add it into the master's and free it. The learner sets it from
+        its optimiser; without the copies a micro-batch saves a launch a parameter and a read and a write of the
+        layers' gradients."""
+        return self._copy_grads
+
+    @copy_grads.setter
+    def copy_grads(self, value: bool) -> None:
+        self._copy_grads = bool(value)
+        if self._graphed is not None:  # (already captured: the hooks follow)
+            self._hook_copies()
+
+    def _hook_copies(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [p.register_hook(_own_copy) for layer in self.layers for p in layer.parameters()
+                       if p.requires_grad] if self._copy_grads else []
 
     def release(self) -> None:
         """Let the graphs, their memory pool and the gradient hooks go (a recapture, or the eager layers from now)."""

@@ -32,7 +32,7 @@ from ctxrl.train.batch import Batch, collate, micro_batches, per_token_rows
 from ctxrl.train.logprobs import flat_token_logprobs, token_logprobs
 from ctxrl.train.packing import pack
 from ctxrl.train.policy import Reference
-from ctxrl.train.precision import Precision, trainable_grads
+from ctxrl.train.precision import MasterAdamW, Precision, trainable_grads
 
 __all__ = ["Learner", "PPOSettings", "micro_batches", "per_token_rows", "token_logprobs"]
 
@@ -162,6 +162,8 @@ class Learner:
         decoder = training_decoder(model, settings.flat_forward)  # decided now, on every rank alike (an error here)
         if decoder is not None and decoder.graphs is not None:  # one capture for every micro-batch of the run
             decoder.graphs.min_tokens = settings.max_tokens_per_microbatch
+            # float32 masters take every gradient as it is accumulated: a replay's buffer needs no copy of its own
+            decoder.graphs.copy_grads = not isinstance(optimizer, MasterAdamW)
 
     @property
     def device(self) -> torch.device:
