@@ -191,10 +191,10 @@ class LayerGraphs:
     @property
     def copy_grads(self) -> bool:
         """Each parameter takes its own copy of a replay's weight gradient (``_capture`` says why). False where
-        something consumes every gradient as soon as it is accumulated, before the next replay: the float32 masters'
-        hooks (``ctxrl.train.precision.MasterAdamW``) add it into the master's and free it. The learner sets it from
-        its optimiser; without the copies a micro-batch saves a launch a parameter and a read and a write of the
-        layers' gradients."""
+        something consumes every gradient before the next replay: the float32 masters' hooks
+        (``ctxrl.train.precision.MasterAdamW``) take it from the parameter and add it into the master's by the end of
+        the backward pass. The learner sets it from its optimiser; without the copies a micro-batch saves a launch a
+        parameter and a read and a write of the layers' gradients."""
         return self._copy_grads
 
     @copy_grads.setter

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 
 from ctxrl.errors import ConfigError
+from ctxrl.train.grad_accumulate import Waiting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,9 +129,12 @@ class MasterAdamW(torch.optim.AdamW):
     """AdamW on float32 master copies of low-precision model parameters.
 
     ``param_groups`` hold the masters: clip ``trainable_grads(optimizer)``, as for any optimiser.
-    Every model parameter gets a hook that adds its gradient, as soon as a backward pass has
-    accumulated it, into its master's float32 ``grad`` and frees the low-precision one; ``step``
-    updates the masters and copies them (rounded) into the model. ``close()`` removes the hooks:
+    Every model parameter gets a hook that takes its gradient as soon as a backward pass has
+    accumulated it and frees the model's low-precision ``grad``. A master without a gradient yet takes the float32
+    cast of it; later ones wait, and are added into their masters' float32 ``grad`` together
+    (``ctxrl.train.grad_accumulate``: one program on CUDA instead of a launch a parameter) once
+    ``Waiting.FLUSH_BYTES`` of them wait and when the backward pass ends. ``step`` updates the masters and copies them
+    (rounded) into the model. ``close()`` removes the hooks:
     call it before another optimiser trains the same parameters (the warm start's does). ``state_dict`` carries the
     masters too, so a resumed run continues from the exact float32 values.
     """
@@ -142,26 +146,21 @@ class MasterAdamW(torch.optim.AdamW):
         masters = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for p in self.model_params]
         fused = fused and all(p.is_cuda for p in masters)
         super().__init__(masters, **kwargs, **({"fused": True} if fused else {}))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(m))
+        self._waiting = Waiting()
+        self._hooks = [p.register_post_accumulate_grad_hook(_accumulate(m, self._waiting))
                        for p, m in zip(self.model_params, masters)]
 
     @property
     def masters(self) -> list[torch.Tensor]:
         return trainable_grads(self)
 
-    @staticmethod
-    def _accumulate(master: torch.Tensor):
-        def hook(param: torch.Tensor) -> None:
-            with torch.no_grad():
-                if master.grad is None:
-                    master.grad = param.grad.to(torch.float32)
-                else:
-                    master.grad.add_(param.grad)
-            param.grad = None
-        return hook
+    def flush(self) -> None:
+        """Add the waiting low-precision gradients into their masters' (the end of every backward pass does)."""
+        self._waiting.flush()
 
     @torch.no_grad()
     def step(self, closure=None):
+        self.flush()
         loss = super().step(closure)
         for p, m in zip(self.model_params, self.masters):
             p.copy_(m)
@@ -174,6 +173,7 @@ class MasterAdamW(torch.optim.AdamW):
         self._hooks = []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._waiting.drop()
         super().zero_grad(set_to_none)
         for p in self.model_params:
             p.grad = None
@@ -194,3 +194,17 @@ class MasterAdamW(torch.optim.AdamW):
             for m, saved, p in zip(self.masters, masters, self.model_params):
                 m.copy_(saved)
                 p.copy_(m)
+
+
+def _accumulate(master: torch.Tensor, waiting: Waiting):
+    """The hook on a model parameter: its gradient into ``master``'s (cast, or waiting to be added), the model's own
+    freed. (It holds the master and the queue, not the optimiser, whose moments would otherwise live as long as the
+    model does.)"""
+    def hook(param: torch.Tensor) -> None:
+        grad, param.grad = param.grad, None
+        with torch.no_grad():
+            if master.grad is None:
+                master.grad = grad.to(torch.float32)
+            else:
+                waiting.add(master.grad, grad)
+    return hook
