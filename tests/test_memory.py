@@ -387,13 +387,13 @@ def test_the_plan_expects_the_flat_pass_only_where_it_can_run():
     assert not expects_flat(load_config(None, ["model.dtype=bfloat16"]), PretrainedConfig())
 
 
-def test_through_cuda_graphed_layers_the_learner_defaults_to_8k_tokens_and_counts_the_graphs_gradients(qwen05):
+def test_through_cuda_graphed_layers_the_learner_defaults_to_5k_tokens_and_counts_the_graphs_gradients(qwen05):
     from ctxrl.train.memory import GRAPHED_LEARNER_TOKENS, graph_bytes, optimizer_bytes
 
     run = default_run(qwen05, 2, flat=True, max_total_tokens=1024, device_bytes=141 * GIB)
     graphed = dataclasses.replace(run, graphed=True)
     assert plan_memory(run).learner_tokens == DEFAULT_LEARNER_TOKENS
-    assert plan_memory(graphed).learner_tokens == GRAPHED_LEARNER_TOKENS == 8192
+    assert plan_memory(graphed).learner_tokens == GRAPHED_LEARNER_TOKENS == 5120
     # the graphs' own gradient of each layer's weights, in bf16: 24 x (896 x (896 + 2 x 128 + 896) + 3 x 896 x 4864
     # + 2 x 896) x 2 bytes
     per_layer = 896 * (896 + 2 * 128 + 896) + 3 * 896 * 4864 + 2 * 896

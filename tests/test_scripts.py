@@ -40,6 +40,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
     "benchmarks/grpo_step.py": "tests/test_scripts.py::test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu",
     "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
+    "benchmarks/master_grad_add.py": "tests/test_scripts.py::test_master_grad_add_times_both_ways_and_checks_the_sums",
     "benchmarks/reasoning_gym_families.py": "tests/test_scripts.py::test_reasoning_gym_families_checks_and_tabulates",
     "benchmarks/serve_soak.py": "tests/test_scripts.py::test_serve_soak_loses_no_episode_to_hostile_clients",
     "benchmarks/shared_gpu.py": "tests/test_scripts.py::test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu",
@@ -75,6 +76,15 @@ def test_engine_host_times_a_turns_admission_and_parking(tmp_path):
     assert turns[0]["reused"] == 2 * 2 * 40
     assert turns[1]["reused"] == 6 * (40 + 8 - 1) and turns[2]["reused"] == 6 * (40 + 8 + 20 + 8 - 1)
     assert json.loads((tmp_path / "host.json").read_text())["turns"] == turns
+
+
+def test_master_grad_add_times_both_ways_and_checks_the_sums(tmp_path, capsys):
+    report = script("benchmarks/master_grad_add.py").main(["--smoke", "--out", str(tmp_path / "add.json")])
+    assert report["equal"] is True and report["triton_program"] is False  # (the CPU: one add_ a pair)
+    assert [r["arm"] for r in report["arms"]] == ["per_parameter", "adder"] and all(r["ms"] > 0 for r in report["arms"])
+    assert report["tensors"] == 2 * 12 + 2 and report["elements"] > 0  # (qwen2-test: 2 layers of 12, embedding, norm)
+    assert json.loads((tmp_path / "add.json").read_text()) == report
+    assert "sums equal: True" in capsys.readouterr().out
 
 
 def test_engine_throughput_checks_and_measures_on_the_cpu(capsys):

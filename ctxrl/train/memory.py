@@ -87,10 +87,11 @@ DEFAULT_LEARNER_TOKENS = 32768
 the learner's speed stops growing with the micro-batch (Qwen2.5-0.5B's shape on an H100, ctxrl's flat forward pass:
 22.6% MFU at 32k tokens, 12.7% at 8k, where the GPU sat idle for half of the update, waiting on the host;
 docs/performance.md) ..."""
-GRAPHED_LEARNER_TOKENS = 8192
+GRAPHED_LEARNER_TOKENS = 5120
 """The same where the layers replay as CUDA graphs (``RunSizes.graphed``): the host no longer launches every kernel,
-so the speed stops growing at a smaller micro-batch, whose activations are a quarter of 32,768 tokens'
-(docs/performance.md, "The learner's layers as CUDA graphs")."""
+so the speed stops growing at a much smaller micro-batch. Qwen2.5-0.5B's default step on an H200, one call: 3.75 s
+at 23.1 GiB with 8,192 tokens, 3.83 s at 21.3 GiB with 6,144 and 3.81 s at 19.9 GiB with 5,120 (6,144 and 8,192
+were within 2% of each other in two more calls; docs/performance.md, "Issue 35's targets, one call")."""
 DEFAULT_ACTIVATION_BYTES = 4 * GIB
 """... or fewer, where that many tokens' activations would pass the activation budget: this, or
 ``ACTIVATION_SHARE`` of the card's share (``card_share``), whichever is larger."""
