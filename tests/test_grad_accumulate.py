@@ -12,7 +12,7 @@ import torch
 from ctxrl.models.shapes import random_model
 from ctxrl.train import grad_accumulate
 from ctxrl.train.grad_accumulate import Adder, Waiting
-from ctxrl.train.precision import Precision
+from ctxrl.train.precision import MasterAdamW, Precision, _accumulate
 
 
 def _pairs(sizes, dtype=torch.bfloat16, seed=0):
@@ -83,3 +83,61 @@ def test_masters_take_several_micro_batches_as_the_sum_of_their_float32_casts():
         assert torch.equal(master.grad, want)
     optimizer.zero_grad()
     assert all(m.grad is None for m in optimizer.masters) and optimizer._waiting.pairs == []
+
+
+def test_a_backward_pass_that_raises_leaves_its_adds_for_the_next_pass_to_make():
+    waiting = Waiting()
+    dst = torch.zeros(3)
+    y = torch.ones(3, requires_grad=True)
+
+    def hook(param):
+        waiting.add(dst, param.grad.to(torch.bfloat16))
+        param.grad = None
+    y.register_post_accumulate_grad_hook(hook)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("boom")
+
+    failing = Boom.apply(torch.ones(1, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match="boom"):  # (made later, y's nodes run first: its gradient is in)
+        (failing + (2 * y).sum()).backward()
+    assert len(waiting.pairs) == 1 and torch.equal(dst, torch.zeros(3))
+    (3 * y).sum().backward()  # the next pass's end adds both, in order
+    assert waiting.pairs == [] and torch.equal(dst, torch.full((3,), 5.0))
+
+
+def test_a_launch_never_holds_one_destination_twice_nor_more_than_its_tensors():
+    a, b, c = torch.zeros(2), torch.zeros(3), torch.zeros(4)
+    src = torch.zeros(1, dtype=torch.bfloat16)
+    pairs = [(a, src), (b, src), (a, src), (c, src), (b, src)]
+    groups = grad_accumulate.launch_groups(pairs)
+    assert [[d.numel() for d, _ in g] for g in groups] == [[2, 3], [2, 4, 3]]
+    assert [[d.numel() for d, _ in g] for g in grad_accumulate.launch_groups(pairs, max_tensors=2)] == [
+        [2, 3], [2, 4], [3]]
+    assert grad_accumulate.launch_groups([]) == []
+
+
+def test_zeroing_the_gradients_in_place_forgets_what_waits():
+    model = random_model("qwen2-test", torch.bfloat16, "cpu", seed=0)
+    optimizer = Precision("bfloat16").optimizer(model.parameters(), lr=1e-3)
+    optimizer._waiting.pairs.append((optimizer.masters[0], torch.ones_like(optimizer.masters[0])))
+    optimizer.zero_grad(set_to_none=False)
+    assert optimizer._waiting.pairs == []
+
+
+def test_a_float32_gradient_becomes_a_master_gradient_of_its_own_not_an_alias():
+    # (a CUDA graph's float32 weight gradient is a buffer the next replay overwrites)
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))]
+    optimizer = MasterAdamW(params, lr=1e-3)
+    buffer = torch.full((4,), 2.0)
+    params[0].grad = buffer
+    _accumulate(optimizer.masters[0], optimizer._waiting)(params[0])  # (the hook, called as autograd would)
+    assert params[0].grad is None and optimizer.masters[0].grad.data_ptr() != buffer.data_ptr()
+    buffer.fill_(7.0)
+    assert torch.equal(optimizer.masters[0].grad, torch.full((4,), 2.0))

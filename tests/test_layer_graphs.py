@@ -325,3 +325,25 @@ def test_layers_with_module_hooks_are_not_graphed(caplog):
     with caplog.at_level(logging.WARNING, logger="ctxrl.models.flat"):
         decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest).sum().backward()
     assert decoder.graphs is None and "module hooks" in caplog.text and "mlp" in caplog.text
+
+
+def test_gradient_copies_stay_unless_live_masters_take_every_layer_parameter(monkeypatch):
+    def copies(make_optimizer):
+        model = random_model("qwen2-test", torch.bfloat16, "cpu", seed=0)
+        decoder = FlatDecoder(model)
+        decoder.graphs = LayerGraphs(decoder.layers, decoder._block)
+        monkeypatch.setattr("ctxrl.train.learner.training_decoder", lambda m, mode: decoder)
+        Learner(model, make_optimizer(model), PPOSettings(flat_forward="on"), pad_token_id=0)
+        return decoder.graphs.copy_grads
+
+    precision = Precision("bfloat16", "float32", "cpu")
+    assert copies(lambda m: precision.optimizer(m.parameters(), lr=1e-3)) is False
+    # masters over only some of the layers' parameters: the others' gradients would alias the graphs' buffers
+    assert copies(lambda m: precision.optimizer(list(m.parameters())[:3], lr=1e-3)) is True
+
+    def closed(m):
+        optimizer = precision.optimizer(m.parameters(), lr=1e-3)
+        optimizer.close()
+        return optimizer
+    assert copies(closed) is True
+    assert copies(lambda m: torch.optim.SGD(m.parameters(), lr=0.1)) is True

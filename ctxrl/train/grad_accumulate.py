@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
 
 import torch
@@ -69,6 +70,20 @@ def applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and dst.is_contiguous() and src.is_contiguous())
 
 
+def launch_groups(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_tensors: int = MAX_TENSORS) -> list[list]:
+    """``pairs`` in order, cut into launches of at most ``max_tensors`` whose destinations are all different (two
+    programs adding into one tensor at once would lose one's add; a later launch runs after the earlier one)."""
+    groups: list[list] = [[]]
+    seen: set[int] = set()
+    for dst, src in pairs:
+        if len(groups[-1]) >= max_tensors or dst.data_ptr() in seen:
+            groups.append([])
+            seen = set()
+        groups[-1].append((dst, src))
+        seen.add(dst.data_ptr())
+    return [g for g in groups if g]
+
+
 class Adder:
     """``add_into`` with its state: the device tables of addresses it made, and whether the program checked out."""
 
@@ -85,8 +100,8 @@ class Adder:
             else:
                 dst.add_(src)
         for (device, dtype), pairs in by_kind.items():
-            for start in range(0, len(pairs), MAX_TENSORS):
-                self._launch(pairs[start:start + MAX_TENSORS], device, dtype)
+            for group in launch_groups(pairs):
+                self._launch(group, device, dtype)
 
     def _launch(self, pairs, device: torch.device, dtype: torch.dtype) -> None:
         key = tuple((d.data_ptr(), s.data_ptr(), d.numel()) for d, s in pairs)
@@ -108,7 +123,6 @@ class Adder:
     def _works(self, device: torch.device) -> bool:
         """The program's first run in this process on ``device``, against ``add_`` on tensors of block-edge sizes."""
         if device not in self._checked:
-            self._checked[device] = True  # (the check itself goes through the program)
             try:
                 ok = _self_check(self, device)
             except Exception as exc:  # noqa: BLE001 - a program that does not run is one that is not used
@@ -124,21 +138,29 @@ class Adder:
 
 
 def _self_check(adder: Adder, device: torch.device) -> bool:
+    """Block-edge sizes, then infinities, signed zeros and subnormals; twice (the second launch reuses its table);
+    compared bit for bit with ``add_``."""
     g = torch.Generator(device=device).manual_seed(0)
     sizes = (1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK * PROGRAMS_PER_TENSOR + 17)
     for dtype in (torch.bfloat16, torch.float16):
-        dsts = [torch.randn(n, generator=g, device=device) for n in sizes]
-        srcs = [(torch.randn(n, generator=g, device=device) * 3).to(dtype) for n in sizes]
-        want = [d.clone().add_(s) for d, s in zip(dsts, srcs)]
-        adder._launch(list(zip(dsts, srcs)), device, dtype)
-        if not all(torch.equal(d, w) for d, w in zip(dsts, want)):
-            return False
+        tiny = torch.finfo(dtype).tiny
+        special = torch.tensor([float("inf"), -float("inf"), -0.0, 0.0, tiny / 4, -tiny / 2, 1e-40, -1.0],
+                               device=device)
+        dsts = [torch.randn(n, generator=g, device=device) for n in sizes] + [special.flip(0).clone()]
+        srcs = [(torch.randn(n, generator=g, device=device) * 3).to(dtype) for n in sizes] + [special.to(dtype)]
+        for _ in range(2):
+            want = [d.clone().add_(s) for d, s in zip(dsts, srcs)]
+            adder._launch(list(zip(dsts, srcs)), device, dtype)
+            if not all(torch.equal(d.view(torch.int32), w.view(torch.int32)) for d, w in zip(dsts, want)):
+                return False
     return True
 
 
 class Waiting:
     """Gradients waiting to be added into float32 ones: added together (``Adder``) once ``FLUSH_BYTES`` of them wait,
-    and when the backward pass that produced them ends."""
+    and when the backward pass that produced them ends. Every add asks for the flush at the end of its pass (a pass
+    that raised leaves its pairs waiting: the next pass's end adds them). One stream is assumed: the gradients'
+    producers and the adds run on the current one."""
 
     FLUSH_BYTES = 128 * 2**20
     """(Bounded so that gradients the backward pass would have freed wait in no more than this much memory.)"""
@@ -147,26 +169,32 @@ class Waiting:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bytes = 0
         self.adder = Adder()
+        self._lock = threading.Lock()  # (a model on several cards runs its hooks on one autograd thread per card)
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst += src``, now or with others: within a backward pass, by its end at the latest; outside one, now."""
-        if not self.pairs:
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-            except RuntimeError:  # (not inside a backward pass: nothing would call it)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        except RuntimeError:  # (not inside a backward pass: nothing would call it)
+            self.flush()
+            with torch.no_grad():
                 dst.add_(src)
-                return
-        self.pairs.append((dst, src))
-        self.bytes += src.numel() * src.element_size()
-        if self.bytes >= self.FLUSH_BYTES:
+            return
+        with self._lock:
+            self.pairs.append((dst, src))
+            self.bytes += src.numel() * src.element_size()
+            full = self.bytes >= self.FLUSH_BYTES
+        if full:
             self.flush()
 
     def flush(self) -> None:
-        if self.pairs:
+        with self._lock:
             pairs, self.pairs, self.bytes = self.pairs, [], 0
+        if pairs:
             with torch.no_grad():
                 self.adder.add_into([d for d, _ in pairs], [s for _, s in pairs])
 
     def drop(self) -> None:
         """Forget what waits (its float32 gradients are being discarded)."""
-        self.pairs, self.bytes = [], 0
+        with self._lock:
+            self.pairs, self.bytes = [], 0

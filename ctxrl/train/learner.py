@@ -162,8 +162,10 @@ class Learner:
         decoder = training_decoder(model, settings.flat_forward)  # decided now, on every rank alike (an error here)
         if decoder is not None and decoder.graphs is not None:  # one capture for every micro-batch of the run
             decoder.graphs.min_tokens = settings.max_tokens_per_microbatch
-            # float32 masters take every gradient as it is accumulated: a replay's buffer needs no copy of its own
-            decoder.graphs.copy_grads = not isinstance(optimizer, MasterAdamW)
+            # float32 masters whose hooks take every layer's gradient as it is accumulated: a replay's buffer needs no
+            # copy of its own
+            layer_params = [p for layer in decoder.layers for p in layer.parameters()]
+            decoder.graphs.copy_grads = not (isinstance(optimizer, MasterAdamW) and optimizer.consumes(layer_params))
 
     @property
     def device(self) -> torch.device:

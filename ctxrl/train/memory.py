@@ -64,9 +64,11 @@ episodes, or an evaluation's: a request beyond them waits for a slot), and an ex
 ``train.max_tokens_per_microbatch`` is kept. A plan that cannot fit its budget, or more than the card
 has free when the run starts, is a ``ConfigError`` naming the figures and the settings to change.
 
-Not counted: the HF engine's own KV cache when it serves instead of the fast engine (sized here as if it
-were the pool), a padded prefill whose rows differ much in length (its padding is not bounded by the
-chunk), an entropy bonus's unfused head (``algo.entropy_coef > 0``), Ray rollout actors on the same card.
+Not counted: up to 128 MiB of low-precision gradients waiting to be added into the float32 masters'
+(``ctxrl.train.grad_accumulate.Waiting``; on CUDA-graphed layers they are the graphs' own buffers), the HF
+engine's own KV cache when it serves instead of the fast engine (sized here as if it were the pool), a padded
+prefill whose rows differ much in length (its padding is not bounded by the chunk), an entropy bonus's unfused
+head (``algo.entropy_coef > 0``), Ray rollout actors on the same card.
 """
 
 from __future__ import annotations

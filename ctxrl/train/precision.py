@@ -158,6 +158,12 @@ class MasterAdamW(torch.optim.AdamW):
         """Add the waiting low-precision gradients into their masters' (the end of every backward pass does)."""
         self._waiting.flush()
 
+    def consumes(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Whether this optimiser's hooks take every one of ``params``' gradients off the parameter as it is
+        accumulated (they are live, and every parameter that trains is one of this optimiser's)."""
+        mine = {id(p) for p in self.model_params} if self._hooks else set()
+        return all(id(p) in mine for p in params if p.requires_grad)
+
     @torch.no_grad()
     def step(self, closure=None):
         self.flush()
@@ -203,8 +209,8 @@ def _accumulate(master: torch.Tensor, waiting: Waiting):
     def hook(param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
         with torch.no_grad():
-            if master.grad is None:
-                master.grad = grad.to(torch.float32)
+            if master.grad is None:  # (a copy even of a float32 gradient: it may be a CUDA graph's buffer)
+                master.grad = grad.to(torch.float32, copy=True)
             else:
                 waiting.add(master.grad, grad)
     return hook
