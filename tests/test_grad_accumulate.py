@@ -141,3 +141,26 @@ def test_a_float32_gradient_becomes_a_master_gradient_of_its_own_not_an_alias():
     assert params[0].grad is None and optimizer.masters[0].grad.data_ptr() != buffer.data_ptr()
     buffer.fill_(7.0)
     assert torch.equal(optimizer.masters[0].grad, torch.full((4,), 2.0))
+
+
+def test_a_backward_pass_asks_once_for_its_flush_and_asks_again_where_torch_gives_no_pass_id(monkeypatch):
+    class Counting(Waiting):  # (each flush asked for runs once, at the pass's end)
+        calls = 0
+
+        def flush(self):
+            Counting.calls += 1
+            super().flush()
+
+    waiting = Counting()
+    ys = [torch.ones(2, requires_grad=True) for _ in range(4)]
+    dsts = [torch.zeros(2) for _ in ys]
+    for y, d in zip(ys, dsts):
+        def hook(param, d=d):
+            waiting.add(d, param.grad.to(torch.bfloat16))
+            param.grad = None
+        y.register_post_accumulate_grad_hook(hook)
+    sum(y.sum() for y in ys).backward()
+    assert Counting.calls == 1 and all(torch.equal(d, torch.ones(2)) for d in dsts)
+    monkeypatch.setattr(grad_accumulate, "_graph_task", lambda: None)  # (an older torch: no id to go by)
+    sum(y.sum() for y in ys).backward()
+    assert Counting.calls == 1 + 4 and all(torch.equal(d, torch.full((2,), 2.0)) for d in dsts)

@@ -156,10 +156,16 @@ def _self_check(adder: Adder, device: torch.device) -> bool:
     return True
 
 
+def _graph_task() -> int | None:
+    """The id of the backward pass running on this thread (-1 outside one), or None where torch does not say."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else current()
+
+
 class Waiting:
     """Gradients waiting to be added into float32 ones: added together (``Adder``) once ``FLUSH_BYTES`` of them wait,
-    and when the backward pass that produced them ends. Every add asks for the flush at the end of its pass (a pass
-    that raised leaves its pairs waiting: the next pass's end adds them). One stream is assumed: the gradients'
+    and when the backward pass that produced them ends. The first add of each pass asks for the flush at its end (a
+    pass that raised leaves its pairs waiting: the next pass's end adds them). One stream is assumed: the gradients'
     producers and the adds run on the current one."""
 
     FLUSH_BYTES = 128 * 2**20
@@ -170,16 +176,21 @@ class Waiting:
         self.bytes = 0
         self.adder = Adder()
         self._lock = threading.Lock()  # (a model on several cards runs its hooks on one autograd thread per card)
+        self._queued_for: int | None = None
+        """The backward pass whose end already flushes (its graph task's id), or None: ask on every add."""
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst += src``, now or with others: within a backward pass, by its end at the latest; outside one, now."""
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        except RuntimeError:  # (not inside a backward pass: nothing would call it)
-            self.flush()
-            with torch.no_grad():
-                dst.add_(src)
-            return
+        task = _graph_task()
+        if task is None or task != self._queued_for:  # (once a pass; a pass that raised had another id)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            except RuntimeError:  # (not inside a backward pass: nothing would call it)
+                self.flush()
+                with torch.no_grad():
+                    dst.add_(src)
+                return
+            self._queued_for = task
         with self._lock:
             self.pairs.append((dst, src))
             self.bytes += src.numel() * src.element_size()
