@@ -6,7 +6,8 @@ for Qwen2.5-0.5B, and torch runs ``float32 += bfloat16`` with its unvectorised m
 update of 64 x 1024 tokens spent 61 ms in 2,030 of them (docs/performance.md, "Issue 35's targets, one call").
 ``add_into`` adds a list of pairs with one Triton program on CUDA: a grid of (blocks, tensors), each program
 reading its pair's addresses and walking that tensor's blocks. Added in isolation on an H200, the model's 494M
-gradients took 2.94 ms one ``add_`` a parameter and 1.24 ms as one program. Elsewhere (the CPU, no Triton, other
+gradients took 2.98 ms one ``add_`` a parameter and 1.32 ms as one program
+(``benchmarks/results/master_grad_add-h200-oneoff.txt``). Elsewhere (the CPU, no Triton, other
 dtypes or layouts) it is one ``add_`` a pair. The sum is the same bit for bit either way: the cast is exact and the
 add is one float32 add.
 
