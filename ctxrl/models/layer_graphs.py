@@ -179,7 +179,7 @@ class LayerGraphs:
             raise CaptureFailed(f"their CUDA graphs did not reproduce the eager layers (relative error {error:.2g})")
         # A replay hands back its weight gradients in buffers that the next replay overwrites; a parameter without a
         # gradient would take the buffer itself as its .grad, and the next micro-batch would overwrite and double it
-        # instead of adding (the float32 masters' hook copies and frees it, plain optimisers do not): each
+        # instead of adding (the float32 masters' hook takes it off first, plain optimisers do not): each
         # parameter gets its own copy before it is accumulated, unless ``copy_grads`` says the gradients are consumed.
         self._graphed = graphed
         self._hook_copies()

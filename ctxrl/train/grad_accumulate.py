@@ -95,8 +95,9 @@ class Adder:
     def add_into(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         """``dst += src`` in place for each pair (``dst`` float32, ``src`` its low-precision gradient)."""
         by_kind: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        program = _program() is not None  # (once a call, not once a pair: this runs every micro-batch)
         for dst, src in zip(dsts, srcs, strict=True):
-            if applies(dst, src) and _program() is not None and self._works(dst.device):
+            if program and applies(dst, src) and self._works(dst.device):
                 by_kind.setdefault((dst.device, src.dtype), []).append((dst, src))
             else:
                 dst.add_(src)
