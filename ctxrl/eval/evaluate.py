@@ -12,7 +12,42 @@ from __future__ import annotations
 from ctxrl.rollout.summary import summarize
 from ctxrl.types import Episode
 
-__all__ = ["evaluate_split", "summarize"]
+__all__ = ["evaluate_split", "summarize", "task_outcomes"]
+
+
+def task_outcomes(episodes: list[Episode]) -> dict[str, dict]:
+    """Each task's outcome, for statistics over tasks as well as seeds (``experiments/tables.py``).
+
+    ``task_success``: task id -> mean success over its episodes (its trials: success by the last attempt, as
+    ``trial_success``; an errored one is a failure). Trials add ``task_success_by_attempt``: task id -> success
+    by attempt k for k = 1..K, averaged over its trials. A rewriting manager's ``fact_survival`` pairs add
+    ``task_fact_survival``: task id -> facts kept / facts seen over its rewrites (tasks with none left out).
+    """
+    from ctxrl.rollout.managers.facts import episode_survival
+
+    by_task: dict[str, list[Episode]] = {}
+    for e in episodes:
+        by_task.setdefault(e.task.id, []).append(e)
+    out: dict[str, dict] = {"task_success": {t: sum(e.success and e.truncation != "error" for e in es) / len(es)
+                                             for t, es in by_task.items()}}
+    if any("attempts" in e.info for e in episodes):
+        out["task_success_by_attempt"] = {t: _by_attempt(es) for t, es in by_task.items()}
+    survival = {t: [episode_survival(e) for e in es] for t, es in by_task.items()}
+    scored = {t: (sum(k for k, _ in p), sum(s for _, s in p)) for t, p in survival.items()}
+    if any(seen for _, seen in scored.values()):
+        out["task_fact_survival"] = {t: kept / seen for t, (kept, seen) in scored.items() if seen}
+    return out
+
+
+def _by_attempt(trials: list[Episode]) -> list[float]:
+    """Success by attempt k (1..K: any of the first k succeeded), averaged over ``trials``; a trial that stopped
+    early on a success counts as solved at every later k, one that errored as failed."""
+    k_max = max(e.info.get("num_attempts", len(e.info.get("attempts", [])) or 1) for e in trials)
+    rows = []
+    for e in trials:
+        attempts = [bool(r["success"]) and r.get("truncation") != "error" for r in e.info.get("attempts", [])]
+        rows.append([any(attempts[:k]) for k in range(1, k_max + 1)])
+    return [sum(r[k] for r in rows) / len(rows) for k in range(k_max)]
 
 
 def evaluate_split(worker, split: str, n_tasks: int, *, seed: int, trials_per_task: int = 1,

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ctxrl.config import Config
-from ctxrl.eval.evaluate import evaluate_split
+from ctxrl.eval.evaluate import evaluate_split, task_outcomes
 from ctxrl.report.progress import Progress
 from ctxrl.report.writer import RunWriter
 from ctxrl.rollout.managers import get_manager
@@ -34,6 +34,7 @@ def evaluate_splits(worker: RolloutWorker, config: Config, writer: RunWriter, st
         summary["seconds"] = time.perf_counter() - t0
         if get_manager(config.context.manager).rewrites_context:
             summary.update(context_stats(episodes))
+        summary.update(task_outcomes(episodes))
         writer.log_metrics({"phase": "eval", "step": step, "split": split, **summary})
         writer.log_samples(step, episodes[:2], worker.renderer.decode, phase=f"eval-{split}")
         results[split] = summary

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from ctxrl.prompts import SELECT_INSTRUCTION
 from ctxrl.rollout.generate import sample_aside
 from ctxrl.rollout.managers.base import ContextManager, ContextPolicy, Play, register_manager
+from ctxrl.rollout.managers.facts import note_survival
 from ctxrl.rollout.managers.window import group_turns, leaves_room, split_turns
 from ctxrl.rollout.messages import text_only
 from ctxrl.seeds import SELECT_SALT
@@ -169,6 +170,7 @@ class Select(ContextManager):
         info["select_tokens"] = info.get("select_tokens", 0) + aside.tokens
         info["turns_kept"] = info.get("turns_kept", 0) + len(kept)
         info["select_fallbacks"] = info.get("select_fallbacks", 0) + int(fallback)
+        note_survival(episode, play.opening, [*recorder.messages, *observations], candidate(kept))
         recorder.restart(candidate(kept), ended_by="select")
         self.numbers = [*(n for n, _ in kept), newest_number]
         return True

@@ -2,12 +2,14 @@
 
 ``context_stats`` is what the trainer and the evaluation log when a manager rewrites the context:
 tokens per generation, the peak context, summaries, windows, branches and selections per episode, how many
-tokens the manager kept out of the context, and success with and without a summary.
+tokens the manager kept out of the context, success with and without a summary, and how many of the facts the
+answer needs each rewrite kept (``fact_survival``, ``ctxrl.rollout.managers.facts``).
 ``scheduled_budget`` is the shrinking-budget curriculum (BACM-style, ``context.budget_start_tokens``).
 """
 
 from __future__ import annotations
 
+from ctxrl.rollout.managers.facts import survival_rate
 from ctxrl.types import Episode
 
 
@@ -21,6 +23,7 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
     total_summary_tokens = sum(e.info.get("summary_tokens", 0) for e in episodes)
     full = [sum(len(s.input_ids) for s in e.sequences()) for e in episodes]
     n = len(episodes)
+    survival, scored = survival_rate(episodes)
     return {
         "context_peak_tokens_mean": sum(peaks) / n,
         "context_peak_tokens_max": float(max(peaks)),
@@ -36,6 +39,8 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
         "context_tokens_saved": (sum(full) - sum(peaks)) / n,
         "success_with_summary": _rate([e.success for e, k in zip(episodes, summaries) if k]),
         "success_without_summary": _rate([e.success for e, k in zip(episodes, summaries) if not k]),
+        "fact_survival": survival,
+        "fact_survival_rewrites": float(scored),
     }
 
 

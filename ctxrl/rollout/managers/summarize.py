@@ -18,6 +18,7 @@ from __future__ import annotations
 from ctxrl.prompts import SUMMARY_HEADER
 from ctxrl.rollout.generate import sample_aside
 from ctxrl.rollout.managers.base import ContextManager, Play, register_manager
+from ctxrl.rollout.managers.facts import note_survival
 from ctxrl.rollout.messages import task_with
 from ctxrl.seeds import SUMMARY_SALT
 from ctxrl.types import Message
@@ -56,7 +57,9 @@ class Summarize(ContextManager):
             hit_total = len(play.recorder) >= play.limits.max_total_tokens
             episode.truncation = "max_total_tokens" if hit_total else "max_new_tokens"
             return False
-        play.recorder.restart(restart_messages(play.opening, aside.text), ended_by="summary")
+        restarted = restart_messages(play.opening, aside.text)
+        note_survival(episode, play.opening, [*play.recorder.messages, *observations], restarted)
+        play.recorder.restart(restarted, ended_by="summary")
         if not self.fits(len(play.recorder), play.limits.max_new_tokens):
             episode.truncation = "max_context"  # task + summary alone leave no room for a turn
             return False

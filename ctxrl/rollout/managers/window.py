@@ -11,6 +11,7 @@ episode ends with truncation ``max_context``.
 from __future__ import annotations
 
 from ctxrl.rollout.managers.base import ContextManager, Play, register_manager
+from ctxrl.rollout.managers.facts import note_survival
 from ctxrl.rollout.messages import text_only
 from ctxrl.types import Message
 
@@ -66,11 +67,13 @@ class Window(ContextManager):
 
     async def make_room(self, play: Play, observations: list[Message], turn: int) -> bool:
         recorder = play.recorder
-        kept = window_messages([*recorder.messages, *observations],
+        before = [*recorder.messages, *observations]
+        kept = window_messages(before,
                                lambda messages: leaves_room(play, self.policy.max_context_tokens, messages))
         if kept is None:
             play.episode.truncation = "max_context"
             return False
+        note_survival(play.episode, play.opening, before, kept)
         recorder.restart(kept, ended_by="window")
         play.episode.info["windows"] = play.episode.info.get("windows", 0) + 1
         return True
