@@ -61,9 +61,13 @@ class Registry(Generic[T]):
         return cls
 
     def names(self) -> list[str]:
-        """Every registered name (built-ins first), then entry points not loaded yet."""
+        """Every registered name: the built-ins in the order their modules are named (whichever module happened to
+        be imported first), then other registrations in their order, then entry points not loaded yet."""
         self.load_builtins()
-        return [*self._entries, *(n for n in self._entry_points() if n not in self._entries)]
+        order = {module: i for i, module in enumerate(self.builtins)}
+        entries = sorted(self._entries, key=lambda n: order.get(getattr(self._entries[n], "__module__", ""),
+                                                                len(order)))  # (stable: a module's own order kept)
+        return [*entries, *(n for n in self._entry_points() if n not in self._entries)]
 
     def get(self, name: str) -> T:
         """The class registered as ``name`` (loading its entry point if need be)."""
