@@ -35,10 +35,11 @@ def print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="success per split, before vs after RL (greedy)")
+    after = "after SFT-only control" if summary.get("objective") == "sft" else "after RL"
+    table = Table(title=f"success per split, before vs {after} (greedy)")
     table.add_column("split")
     table.add_column("after warm start" if summary.get("warm_start") else "before RL", justify="right")
-    table.add_column("after RL", justify="right")
+    table.add_column(after, justify="right")
     table.add_column("change", justify="right")
     def cell(x: float | None, form: str = ".2f") -> str:
         return "-" if x is None else format(x, form)  # "-": a split the environment has no tasks for

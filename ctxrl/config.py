@@ -311,6 +311,16 @@ class SFTConfig:
     """Fraction of the demos played as scripted trials: a failed attempt, its reflection, then the solution
     (ctxrl.meta.trial_demos; only the reflection and the solution train). Teaches the format of trials before
     meta-RL; needs the env's ``failure`` and ``reflection`` hooks (minesweeper, bandit)."""
+    format_demos_env: str = ""
+    """A format-only warm start: another environment whose demos, played under the run's context manager
+    with its scripted summaries (selections), join this environment's demos, which then use the full context. The
+    policy sees how to summarise, never what to keep on this task: what its own summaries hold here is RL's to
+    learn. Empty: the run's own environment shows the manager (``context_demos``)."""
+    format_demos: int = field(default=0, metadata=NON_NEGATIVE)
+    """How many demos of ``format_demos_env`` join the warm start (besides ``demos`` of the run's environment)."""
+    format_demos_budget: int = field(default=0, metadata=NON_NEGATIVE)
+    """The working-context budget those demos play under (its scripted summaries need one that fits that
+    environment's turns); 0 = the run's ``context.max_context_tokens``."""
     epochs: int = field(default=2, metadata=POSITIVE)
     """Passes over the demonstrations."""
     batch_size: int = field(default=32, metadata=POSITIVE)
@@ -440,6 +450,11 @@ class RewardConfig:
 class TrainConfig:
     steps: int = field(default=40, metadata={**RESUMABLE, **NON_NEGATIVE})
     """RL steps (each: rollout, advantages, updates)."""
+    objective: str = "rl"
+    """What each step trains on: ``rl`` (rollouts, advantages, the policy loss) or ``sft``, the SFT-only control of
+    an RL claim: each step trains instead on fresh demos of the warm start's mix, as many optimiser steps as an RL
+    step takes (``ppo_epochs`` x ``mini_batches``, each a batch of ``sft.batch_size``) at ``sft.lr``, with the same
+    evaluations. An RL effect is RL's own only beyond this control (docs/experiments/README.md)."""
     lr: float = field(default=1e-4, metadata=NON_NEGATIVE)
     """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
     few rollouts earn a reward, so keep it well below the warm start's)."""
@@ -661,6 +676,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
             "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
             "curriculum.kind": CURRICULA, "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
+            "train.objective": ("rl", "sft"),
             "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
@@ -700,6 +716,7 @@ def validate(config: Config) -> None:
     _validate_distributed(config)
     _validate_judge(config)
     _validate_roles(config, estimator, manager)
+    _validate_warm_start(config, manager)
     if config.sft.context_demos == "on" and not manager.scripts_demos():
         raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
                           f"(summarize: its summary hook; fold: its folded hook); context.manager="
@@ -716,6 +733,41 @@ def _validate_fields(config: Config) -> None:
             check_number(key, value, f.metadata, f.default)
             if key in choices and value not in choices[key]:
                 raise ConfigError(f"{key} must be one of {', '.join(choices[key])}; got {value!r}")
+
+
+def _validate_warm_start(config: Config, manager: type) -> None:
+    """A format-only warm start (``sft.format_demos_env``) and the SFT-only control (``train.objective=sft``)."""
+    c = config.sft
+    if config.train.objective == "sft" and config.train.steps > 0 and not c.enabled:
+        raise ConfigError("train.objective=sft trains each step on the warm start's demos: it is the SFT-only "
+                          "control of a warm-started RL run, so it needs sft.enabled=true")
+    if not c.format_demos_env:
+        if c.format_demos:
+            raise ConfigError(f"sft.format_demos={c.format_demos} needs sft.format_demos_env, the environment that "
+                              "plays them (or set sft.format_demos=0)")
+        return
+    if c.format_demos_env == config.env.name:
+        raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r} is the run's own environment; a format-only "
+                          "warm start shows the manager on another one (or use sft.context_demos for this one)")
+    if not manager.scripts_demos():
+        raise ConfigError(f"sft.format_demos_env shows how context.manager scripts its requests, and "
+                          f"context.manager={config.context.manager!r} makes none; use summarize, select or fold")
+    if c.format_demos <= 0:
+        raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r} needs sft.format_demos > 0 (the demos it "
+                          "plays)")
+    if c.context_demos == "on":
+        raise ConfigError("sft.format_demos_env plays this environment's demos with the full context; "
+                          "sft.context_demos=on asks for the opposite: set it to auto or off")
+    from ctxrl.envs.base import EnvError
+
+    try:
+        other = _env_class(c.format_demos_env)
+    except EnvError as exc:
+        raise ConfigError(f"sft.format_demos_env: {exc}") from None
+    if not manager.demo_ready(other):
+        raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r} has no {manager.demo_hooks()} hook to script "
+                          f"{config.context.manager} demos; pick an environment that has one (fact_hunt, "
+                          "search_join, kv_chain, search_qa)")
 
 
 def _validate_distributed(config: Config) -> None:

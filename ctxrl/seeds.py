@@ -93,6 +93,15 @@ class Seeds:
         return self.run + 78
 
     @property
+    def format_demos(self) -> int:
+        """The other environment's demos of a format-only warm start (``sft.format_demos_env``)."""
+        return derive_seed(self.run + 77, 1)
+
+    def control_demos(self, step: int) -> int:
+        """The fresh demos the SFT-only control trains on at its step ``step`` (``train.objective=sft``)."""
+        return derive_seed(self.run + 77, 2, step)
+
+    @property
     def sft_order(self) -> int:
         """The warm start's batch order."""
         return self.run

@@ -194,7 +194,7 @@ def test_the_resumable_settings_are_marked_where_they_are_declared():
            "distributed.timeout_s")
     fields = describe_fields()
     expected = {k for k, *_ in fields if any(k == r or (r.endswith(".") and k.startswith(r)) for r in old)}
-    assert resumable_keys() == expected and len(expected) == 43
+    assert resumable_keys() == expected and len(expected) == 46  # + sft.format_demos_env, _demos, _budget
     for key, _, _, doc in fields:  # the configuration reference says which
         assert doc.endswith("May change on `--resume`.") == (key in expected), key
     assert {"model.dtype", "train.lr", "algo.advantage", "lora.rank"}.isdisjoint(resumable_keys())
@@ -219,8 +219,8 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
               for f in dataclasses.fields(cls) if "range" in f.metadata}
     # the three hand-kept sets the metadata replaced had 26 + 38 + 9 keys; then train.max_grad_norm and the
     # three of [distributed] that _validate_distributed checked by hand; then the judge's tokens, retries, deadline
-    # and concurrency; then env.mcp_timeout_s and env.mcp_restarts
-    assert len(bounds) == 83
+    # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget
+    assert len(bounds) == 85
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),

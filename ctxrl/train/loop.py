@@ -62,7 +62,8 @@ def run(trainer, resume: bool) -> dict[str, Any]:
         trainer.progress.message(("after warm start: " if config.sft.enabled else "before RL: ") + "  ".join(
             f"{split} {before[split]['success']:.2f}" for split in ("heldout", "ood") if split in before))
         steps = config.train.steps
-        trainer.progress.rl_start(f"RL ({config.algo.advantage}, {config.algo.loss})", steps, first)
+        trainer.progress.rl_start(f"RL ({config.algo.advantage}, {config.algo.loss})" if config.train.objective == "rl"
+                                  else "SFT-only control", steps, first)
         done = first
         for step in range(first, steps):
             if stop.signal is not None:
@@ -75,19 +76,22 @@ def run(trainer, resume: bool) -> dict[str, Any]:
                 _add_note(exc, crash_note(trainer, step))
                 raise
             done = step + 1
-            figures = [f"reward {row['reward']:.2f}", f"success {row['success']:.2f}"]
+            figures = ([f"reward {row['reward']:.2f}", f"success {row['success']:.2f}"] if "reward" in row
+                       else [f"sft loss {row['sft_loss']:.3f}"])
             if config.train.eval_every and done % config.train.eval_every == 0 and done < steps:
                 for split, result in trainer.evaluate(done, splits=("heldout",)).items():
                     figures.append(f"{split} {result['success']:.2f}")
                 write_report(trainer)
-            figures += [f"tools/ep {row['tool_calls']:.2f}", f"{row['time_step']:.1f}s/step"]
+            figures += [f"tools/ep {row['tool_calls']:.2f}"] if "tool_calls" in row else []
+            figures.append(f"{row['time_step']:.1f}s/step")
             if every and done % every == 0:
                 checkpoint.save(trainer, done)
             trainer.progress.rl_step(figures)
         if stop.signal is not None and done < steps:
             stopped(trainer, stop.signal, done, first)
         after = trainer.evaluate(steps) if steps else before
-    summary.update({"steps": steps, "resumed_from": first if resume else None, "warm_start": config.sft.enabled})
+    summary.update({"steps": steps, "resumed_from": first if resume else None, "warm_start": config.sft.enabled,
+                    "objective": config.train.objective})
     return finish(trainer, summary, before, after, started)
 
 

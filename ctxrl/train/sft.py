@@ -17,7 +17,7 @@ from ctxrl.models.kernels import attention_kernels
 from ctxrl.train.batch import collate, micro_batches
 from ctxrl.train.logprobs import token_logprobs
 from ctxrl.train.precision import Precision, trainable_grads
-from ctxrl.types import Episode
+from ctxrl.types import Episode, TrainSequence
 
 
 def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int, batch_size: int, lr: float,
@@ -52,29 +52,38 @@ def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int,
     for _ in range(epochs):
         order = torch.randperm(len(episodes), generator=generator).tolist()
         for start in range(0, len(order), batch_size):
-            batch = collate([episodes[i] for i in order[start:start + batch_size]], pad_token_id)
-            tokens = batch.loss_mask.sum().clamp(min=1.0)
-            optimizer.zero_grad(set_to_none=True)
-            batch_loss = 0.0
-            with attention_kernels(device):  # (the backward pass too: checkpointing recomputes attention there)
-                for _, micro in micro_batches(batch, batch_size, device, max_tokens):
-                    logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, mask=micro.loss_mask,
-                                              chunk=chunk)
-                    loss = -(logprobs * micro.loss_mask).sum() / tokens
-                    if loss.requires_grad:
-                        precision.backward(loss)
-                    batch_loss += loss.item()
-            precision.unscale(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(trainable_grads(optimizer), 1.0)
-            if torch.isfinite(norm):
-                precision.step(optimizer)
-            else:
-                optimizer.zero_grad(set_to_none=True)
-            precision.update()
+            losses.append(sft_step(model, [episodes[i] for i in order[start:start + batch_size]], optimizer,
+                                   pad_token_id=pad_token_id, device=device, precision=precision, chunk=chunk,
+                                   max_tokens=max_tokens, micro_rows=batch_size))
             scheduler.step()
-            losses.append(batch_loss)
             if on_step is not None:
                 on_step(len(losses), total, losses[-1])
     if hasattr(optimizer, "close"):  # a MasterAdamW's gradient hooks: the RL optimiser comes next
         optimizer.close()
     return losses
+
+
+def sft_step(model, rows: list[TrainSequence], optimizer, *, pad_token_id: int, device, precision: Precision,
+             chunk: int = 0, max_tokens: int = 0, micro_rows: int = 0, max_grad_norm: float = 1.0) -> float:
+    """One optimiser step of cross-entropy on the mask-1 tokens of ``rows`` (token-mean over the whole batch, in
+    micro-batches of at most ``max_tokens`` padded tokens); returns the loss. A non-finite gradient norm skips the
+    step, as the learner does. ``sft_train`` and the SFT-only control (``ctxrl.train.sft_control``) share it."""
+    batch = collate(rows, pad_token_id)
+    tokens = batch.loss_mask.sum().clamp(min=1.0)
+    optimizer.zero_grad(set_to_none=True)
+    batch_loss = 0.0
+    with attention_kernels(device):  # (the backward pass too: checkpointing recomputes attention there)
+        for _, micro in micro_batches(batch, micro_rows or len(rows), device, max_tokens):
+            logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, mask=micro.loss_mask, chunk=chunk)
+            loss = -(logprobs * micro.loss_mask).sum() / tokens
+            if loss.requires_grad:
+                precision.backward(loss)
+            batch_loss += loss.item()
+    precision.unscale(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(trainable_grads(optimizer), max_grad_norm)
+    if torch.isfinite(norm):
+        precision.step(optimizer)
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    precision.update()
+    return batch_loss

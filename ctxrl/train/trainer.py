@@ -60,6 +60,7 @@ from ctxrl.train.memory import MemoryPlan, with_learner_tokens
 from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.preflight import check_train_split, preflight
 from ctxrl.train.role_adapters import OwnRoles, own_roles
+from ctxrl.train.sft_control import control_step
 from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
 from ctxrl.train.teacher import Teacher, check_teacher, teacher_name
@@ -237,6 +238,8 @@ class Trainer:
         """One RL step (collect -> filter -> estimate -> update -> log); returns its metrics row."""
         if self.learner is None:
             raise RuntimeError("call make_learner() before the first RL step")
+        if self.config.train.objective == "sft":  # the SFT-only control: demos instead of rollouts
+            return control_step(self, step)
         t0 = time.perf_counter()
         collected = self.collect(step)
         t_rollout = time.perf_counter() - t0

@@ -45,8 +45,8 @@ def context_demos(config: Any, env_cls: type) -> bool:
     before the model loads; ``auto`` then plays full-context demos, and the warm start says so once.
     """
     manager = get_manager(config.context.manager)
-    if config.sft.context_demos == "off" or not manager.scripts_demos():
-        return False
+    if config.sft.context_demos == "off" or not manager.scripts_demos() or config.sft.format_demos_env:
+        return False  # (a format-only warm start shows the manager on another environment only)
     if manager.demo_ready(env_cls):
         return True
     if config.sft.context_demos == "on":
@@ -85,7 +85,16 @@ def check_demos_fit(config: Any, spec: RolloutSpec, env_cls: type, renderer: Cha
     ``select`` at 384 tokens with SmolLM2's tokenizer leaves a quarter of fact_hunt's demos no room for a turn.
     """
     c = config.sft
-    if not c.enabled or not under_manager or c.demos <= 0:
+    if not c.enabled:
+        return
+    if c.format_demos_env and c.format_demos > 0:
+        try:
+            play_format_demos(config, spec, renderer, min(FIT_SAMPLE, c.format_demos))
+        except RuntimeError as exc:
+            raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r}: its demos do not fit "
+                              f"sft.format_demos_budget (found before loading the model, on "
+                              f"{min(FIT_SAMPLE, c.format_demos)} of them): {exc}") from exc
+    if not under_manager or c.demos <= 0:
         return
     try:
         play_demos(config, spec, env_cls, renderer, min(FIT_SAMPLE, c.demos), under_manager=True)
@@ -95,14 +104,28 @@ def check_demos_fit(config: Any, spec: RolloutSpec, env_cls: type, renderer: Cha
 
 
 def play_demos(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, n: int, *,
-               under_manager: bool) -> list[Episode]:
-    """``n`` of the warm start's scripted demos (``sft``'s mix, its seed), played under the run's context manager
-    or with the full context; ``build_demos``'s error when one cannot finish."""
+               under_manager: bool, seed: int | None = None) -> list[Episode]:
+    """``n`` of the warm start's scripted demos (``sft``'s mix; ``seed``, by default the warm start's), played under
+    the run's context manager or with the full context; ``build_demos``'s error when one cannot finish."""
     c = config.sft
+    seed = Seeds(config.run.seed).warm_start_demos if seed is None else seed
     return asyncio.run(build_demos(env_cls, renderer, n, shortcut_fraction=c.shortcut_fraction,
-                                   redundant_fraction=c.redundant_fraction,
-                                   seed=Seeds(config.run.seed).warm_start_demos, other_worlds=c.other_worlds,
+                                   redundant_fraction=c.redundant_fraction, seed=seed, other_worlds=c.other_worlds,
                                    limits=demo_limits(spec, under_manager)))
+
+
+def play_format_demos(config: Any, spec: RolloutSpec, renderer: ChatRenderer, n: int, *,
+                      seed: int | None = None) -> list[Episode]:
+    """``n`` demos of ``sft.format_demos_env`` played under the run's context manager at ``sft.format_demos_budget``
+    (a format-only warm start: ``ctxrl.config.SFTConfig.format_demos_env``); plain solutions, no shortcuts."""
+    from ctxrl.envs.registry import get_env_class
+
+    c = config.sft
+    limits = demo_limits(spec, True)
+    budget = c.format_demos_budget or limits.context.max_context_tokens
+    limits = dataclasses.replace(limits, context=dataclasses.replace(limits.context, max_context_tokens=budget))
+    seed = Seeds(config.run.seed).format_demos if seed is None else seed
+    return asyncio.run(build_demos(get_env_class(c.format_demos_env), renderer, n, seed=seed, limits=limits))
 
 
 def demo_limits(spec: RolloutSpec, under_manager: bool) -> RolloutLimits | None:
@@ -128,12 +151,14 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
     t0 = time.perf_counter()
     manager = get_manager(config.context.manager)
     purpose = manager.scripted_hook
-    if manager.scripts_demos() and not under_manager and c.context_demos == "auto":
+    if manager.scripts_demos() and not under_manager and c.context_demos == "auto" and not c.format_demos_env:
         shown = f"{purpose} requests" if purpose else f"{manager.name} solutions"
         warnings.warn(f"environment {config.env.name!r} has no {manager.demo_hooks()} hook: its warm-start demos "
                       f"use the full context and show no {shown} (sft.context_demos=auto)", stacklevel=2)
     n_trials = round(c.demos * c.trial_demos)
     demos = play_demos(config, spec, env_cls, renderer, c.demos - n_trials, under_manager=under_manager)
+    if c.format_demos_env and c.format_demos > 0:
+        demos += play_format_demos(config, spec, renderer, c.format_demos)
     if n_trials:
         # the notes say "attempt 2 of K" for the largest K the run plays
         k = max(2, spec.train_meta.num_attempts, spec.eval_meta.num_attempts)
@@ -145,6 +170,7 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
     row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
            "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
            "context_demos": under_manager, "trial_demos": n_trials,
+           "format_demos": c.format_demos if c.format_demos_env else 0,
            "demo_summaries_per_episode": sum(e.info.get("summaries", 0) for e in demos) / len(demos),
            "demo_branches_per_episode": sum(e.info.get("branches", 0) for e in demos) / len(demos),
            "demo_tool_calls_per_episode": sum(e.tool_calls for e in demos) / len(demos)}
