@@ -44,14 +44,18 @@ ENV_OVERRIDES = {
 }
 
 
+def run_overrides(env: str, seed: int, model: str, steps: int, overrides: list[str]) -> list[str]:
+    """The config overrides of one run (``experiments/plan_check.py`` rebuilds a plan's configs from them)."""
+    return [f"model.name={model}", f"env.name={env}", f"train.steps={steps}", f"run.seed={seed}",
+            f"train.eval_every={max(1, steps // 4)}", "run.progress=false", f"run.name={env}",
+            *ENV_OVERRIDES.get(env, []), *overrides]
+
+
 def run_one(env: str, seed: int, model: str, steps: int, overrides: list[str], run_dir: Path) -> dict:
     from ctxrl.config import load_config
     from ctxrl.train.trainer import train
 
-    config = load_config(None, [f"model.name={model}", f"env.name={env}", f"train.steps={steps}", f"run.seed={seed}",
-                                f"train.eval_every={max(1, steps // 4)}", "run.progress=false", f"run.name={env}",
-                                *ENV_OVERRIDES.get(env, []), *overrides])
-    return train(config, run_dir)
+    return train(load_config(None, run_overrides(env, seed, model, steps, overrides)), run_dir)
 
 
 def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -63,7 +67,8 @@ def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["success"]) for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``experiments/plan_check.py`` parses a plan's runs with it too)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", action="append", help=f"environment (repeatable; default {', '.join(DEFAULT_ENVS)})")
     parser.add_argument("--seed", action="append", type=int, help="run.seed (repeatable; default 0)")
@@ -73,7 +78,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parallel", action="store_true", help="one process per (environment, seed), all at once")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run ENV:SEED, print its summary as JSON
     parser.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     if args.one:
         env, seed = args.one.rsplit(":", 1)

@@ -109,9 +109,10 @@ def load_plan(path: Path, out: Path, python: str = sys.executable, settings: dic
         plan = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise PlanError(f"cannot read plan {path}: {exc}") from None
-    unknown = set(plan) - {"vars", "models", "run"}
+    unknown = set(plan) - {"vars", "models", "run", "compare"}
     if unknown:
-        raise PlanError(f"{path}: unknown sections {sorted(unknown)}; a plan has [vars], [models] and [[run]]")
+        raise PlanError(f"{path}: unknown sections {sorted(unknown)}; a plan has [vars], [models], [[run]] and "
+                        "[[compare]] (read by experiments/plan_check.py)")
     variables = {k: str(v) for k, v in plan.get("vars", {}).items()}
     models = {k: str(v) for k, v in plan.get("models", {}).items()}
     for key, value in (settings or {}).items():
@@ -263,17 +264,51 @@ def run_plan(jobs: list[Job], out: Path, gpus: list[str], per_gpu: int, minutes:
 
 
 def pack(directory: Path, target: Path) -> Path:
-    """A gzipped tar of ``directory`` without weights or optimizer state (``HEAVY`` suffixes)."""
+    """A gzipped tar of ``directory`` without weights, optimizer state (``HEAVY`` suffixes) or ``checkpoints/`` folders
+    (their tokenizer files alone are megabytes a run)."""
     if not directory.is_dir():
         raise SystemExit(f"nothing to pack: {directory} is not a directory")
 
     def keep(info: tarfile.TarInfo):
-        return None if info.name.endswith(HEAVY) else info
+        return None if info.name.endswith(HEAVY) or "/checkpoints/" in f"/{info.name}/" else info
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(target, "w:gz") as tar:
         tar.add(directory, arcname=directory.name, filter=keep)
     return target
+
+
+def progress(directory: Path) -> str:
+    """One line a run of a batch directory: its state, its last step row (RL or SFT-only control) and its last
+    held-out evaluation, read from what it has written so far."""
+    status_path = directory / "status.json"
+    if not status_path.is_file():
+        return f"{directory}: no status.json yet"
+    status = json.loads(status_path.read_text())
+    lines = [f"{status['elapsed_s']:.0f}s: " + ", ".join(f"{n} {s}" for s, n in sorted(status["counts"].items()))]
+    for job in status["jobs"]:
+        if job["kind"] != "run":
+            continue
+        step, heldout = None, None
+        for metrics in sorted((directory / "runs" / job["name"]).glob("*/metrics.jsonl")):
+            for line in metrics.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # (a line being written)
+                if row.get("phase") in ("rl", "sft_control"):
+                    step = row
+                elif row.get("phase") == "eval" and row.get("split") == "heldout":
+                    heldout = row
+        text = f"{job['name']:42s} {job['state']:8s}"
+        if step:
+            figures = (f"success {step['success']:.2f} zero-var {step.get('zero_variance_groups', '-')}"
+                       if "success" in step else f"sft loss {step['sft_loss']:.3f}")
+            text += f" step {step['step']:3d} {figures} {step['time_step']:.1f}s/step"
+        if heldout:
+            text += f" | held-out@{heldout['step']} {heldout['success']:.2f}"
+        lines.append(text)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,9 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     packer = sub.add_parser("pack", help="tar.gz a batch directory without checkpoints")
     packer.add_argument("directory", type=Path)
     packer.add_argument("target", type=Path)
+    watch = sub.add_parser("progress", help="where each run of a batch directory stands (while it runs)")
+    watch.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     if args.command == "pack":
         print(pack(args.directory, args.target))
+        return 0
+    if args.command == "progress":
+        print(progress(args.directory))
         return 0
     try:
         settings = dict(_setting(text) for text in args.set)

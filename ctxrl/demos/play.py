@@ -80,30 +80,36 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
         raise ValueError(f"environment {getattr(env_cls, 'name', env_cls.__name__)!r} has no {manager.demo_hooks()} "
                          f"hook, so its demos cannot be played under the {limits.context.manager} manager; give it "
                          "one (docs/environments.md) or play the demos with the full context (sft.context_demos=off)")
-    purpose, script, solution = manager.scripted_hook, manager.demo_script(env_cls), manager.demo_solution(env_cls)
+    solution = manager.demo_solution(env_cls)
     pick = _demo_scripts(env_cls, shortcut_fraction, redundant_fraction, random.Random(seed), solve=solution)
     tasks = env_cls.sample_tasks("train", n, seed)
-    jobs = []
-    for task in tasks:
-        texts = pick(task)
-        if is_multi_role(env_cls):  # every seat plays its turns of the script, in play order, as the shared policy
-            engine = ScriptedEngine(texts, renderer)
-            seating = {role: SeatPolicy("shared", engine=engine) for role in env_cls.roles}
-            jobs.append(play_match(env_cls(), task, seating, renderer, limits, seed=seed))
-            continue
-        if script is not None:
-            env = RecordedEnv(env_cls())
-            engine = ScriptedEngine(texts, renderer,
-                                    scripts={purpose: lambda env=env, task=task: script(task, env.messages)})
-        else:
-            env, engine = env_cls(), ScriptedEngine(texts, renderer)
-        jobs.append(run_episode(env, task, engine, renderer, limits, seed=seed))
-    played = await asyncio.gather(*jobs)
+    played = await asyncio.gather(*(play_script(env_cls, task, pick(task), renderer, limits, seed=seed)
+                                     for task in tasks))
     episodes = [e for one in played for e in (one if isinstance(one, list) else [one])]
     for ep in episodes:
         if ep.truncation is not None:
             raise RuntimeError(_ended_early(ep, limits))
     return episodes
+
+
+async def play_script(env_cls, task: Task, texts: list[str], renderer: ChatRenderer, limits: RolloutLimits, *,
+                      seed: int = 0) -> Episode | list[Episode]:
+    """Play ``texts`` on ``task`` through the real agent loop under ``limits`` (its context manager's side requests
+    answered by the environment's scripted hook, when the manager has one); a multi-role environment's match gives
+    one episode per seat. The episode may end early: callers decide what that means."""
+    if is_multi_role(env_cls):  # every seat plays its turns of the script, in play order, as the shared policy
+        engine = ScriptedEngine(texts, renderer)
+        seating = {role: SeatPolicy("shared", engine=engine) for role in env_cls.roles}
+        return await play_match(env_cls(), task, seating, renderer, limits, seed=seed)
+    manager = get_manager(limits.context.manager)
+    script = manager.demo_script(env_cls)
+    if script is not None:
+        env = RecordedEnv(env_cls())
+        engine = ScriptedEngine(texts, renderer,
+                                scripts={manager.scripted_hook: lambda: script(task, env.messages)})
+    else:
+        env, engine = env_cls(), ScriptedEngine(texts, renderer)
+    return await run_episode(env, task, engine, renderer, limits, seed=seed)
 
 
 def demo_mix_problem(env_cls, shortcut_fraction: float, redundant_fraction: float) -> str | None:
