@@ -49,6 +49,8 @@ TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "pytho
          "ps": "propose_solve"}
 # 135: SmolLM2-135M-Instruct; 270: Gemma 3 270M (base): the real models
 SIZES = {"1": "1M", "5": "5.2M", "26": "26M", "135": "135M", "270": "270M"}
+TASK_VARIANTS = {"csnt": "notool"}  # task codes that name a setting of their task, not another task
+KINDS = ("context", "meta", "training", "selfplay")  # what a record is: which script's run it reads
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -191,14 +193,22 @@ class _Skip(ValueError):
     """Why a run directory gives no records."""
 
 
+def _base(name: str, machine: str, g: dict) -> dict:
+    """The fields every record of a run has, from the groups of its name (``NAME``). A task code that stands for
+    a setting of its task (``csnt``: chain_sum without a tool) adds that setting to the variant, so the two runs
+    are not paired as one arm."""
+    variant = "-".join(v for v in (TASK_VARIANTS.get(g["task"]), g["variant"]) if v) or None
+    return {"name": name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
+            "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"]),
+            "variant": variant}
+
+
 def _read_run(run_dir: Path, machine: str) -> list[dict]:
     match = NAME.match(run_dir.name)
     if not match or (match["variant"] and not match["arm"]):
         raise _Skip("not a TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]][-VARIANT] name")
     g = match.groupdict()
-    base = {"name": run_dir.name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
-            "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"]),
-            "variant": g["variant"]}
+    base = _base(run_dir.name, machine, g)
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
@@ -217,6 +227,116 @@ def _read_run(run_dir: Path, machine: str) -> list[dict]:
         raise _Skip("no results (no summary.json, or metrics.jsonl without an evaluation after RL): it failed "
                     "or was stopped")
     return [record]
+
+
+RECORD_FILE_SUFFIXES = (".json", ".jsonl")
+# What records carry since issue 49 (held-out outcomes per task, summary retention, the training objective);
+# a record written before has none of them, and reads them as None.
+OUTCOME_FIELDS = ("objective", "heldout_tasks_before", "heldout_tasks_after", "heldout_tasks_by_attempt_after",
+                  "sampled_tasks_by_attempt", "summary_retention_before", "summary_retention_after",
+                  "summaries_scored_before", "summaries_scored_after", "summary_retention_tasks_before",
+                  "summary_retention_tasks_after")
+
+
+def normalise(record: dict) -> dict:
+    """A record with every field of today's records: the ones an older record lacks are None."""
+    return {"variant": None, **dict.fromkeys(OUTCOME_FIELDS), **record}
+
+
+def load_records(path: Path, skipped: list[str]) -> list[dict]:
+    """Every record one committed file holds, whatever wrote it: ``collect``'s records, or the hand-made lists of
+    issues 36 and 37 and ``experiments/selfplay.py``'s summaries. A file, or an entry of one, that this cannot
+    interpret is added to ``skipped`` as ``PATH: why`` (never dropped silently)."""
+    try:
+        text = path.read_text()
+        data = [json.loads(x) for x in text.splitlines() if x.strip()] if path.suffix == ".jsonl" else json.loads(text)
+    except (OSError, ValueError) as exc:
+        skipped.append(f"{path}: could not be read ({type(exc).__name__}: {exc})")
+        return []
+    for reader in (_collected_records, _hand_made_records, _selfplay_summary_records):
+        records = reader(data, path, skipped)
+        if records is not None:
+            return [normalise(r) for r in records]
+    skipped.append(f"{path}: {_unread_shape(data)}")
+    return []
+
+
+def _dicts_with(data, key: str) -> bool:
+    return isinstance(data, list) and bool(data) and all(isinstance(x, dict) and key in x for x in data)
+
+
+def _collected_records(data, path: Path, skipped: list[str]) -> list[dict] | None:
+    """``collect``'s own output: a list of records, each with its ``kind``."""
+    return data if _dicts_with(data, "kind") else None
+
+
+HAND_NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-s(?P<seed>\d+)-(?P<arm>[a-z]+)$")
+
+
+def _hand_made_records(data, path: Path, skipped: list[str]) -> list[dict] | None:
+    """A list of runs written by hand from a batch's output, one entry per run with its ``run`` name (issue 36:
+    success before and after per split; issue 37: ``selfplay.py``'s evaluation rows before and after). A name
+    without a build (``cs135-s0-warm``) is the plan's ``b0``: a named real model has one build. The machine is
+    the file's directory (``issue36``)."""
+    if not _dicts_with(data, "run"):
+        return None
+    records = []
+    for entry in data:
+        match = NAME.match(entry["run"]) or HAND_NAME.match(entry["run"])
+        if not match or not match["arm"]:
+            skipped.append(f"{path}: {entry['run']}: not a TASK SIZE-[bBUILD-]sSEED-ARM name")
+            continue
+        base = {**_base(entry["run"], path.parent.name, {"build": "0", "variant": None, **match.groupdict()}),
+                "arm": match["arm"]}
+        if isinstance(entry.get("before"), dict) and isinstance(entry.get("after"), dict):
+            records.append(_selfplay_record(base, entry["before"], entry["after"], entry.get("steps")))
+        elif "heldout_before" in entry and "heldout_after" in entry:
+            records.append({**base, "kind": "training", "steps": entry.get("steps"),
+                            "heldout_before": entry["heldout_before"], "heldout_after": entry["heldout_after"],
+                            "ood_after": entry.get("ood_after")})
+        else:
+            skipped.append(f"{path}: {entry['run']}: neither held-out success before and after nor evaluation rows")
+    return records
+
+
+def _selfplay_summary_records(data, path: Path, skipped: list[str]) -> list[dict] | None:
+    """``experiments/selfplay.py``'s ``selfplay.json``: evaluation rows before and after per ``ENV-sSEED``. It
+    names no model, so the records' size is None."""
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, dict) or not runs or \
+            not all(isinstance(r, dict) and {"before", "after"} <= set(r) for r in runs.values()):
+        return None
+    records = []
+    for key, run in runs.items():
+        task, _, seed = key.rpartition("-s")
+        if not seed.isdigit():
+            skipped.append(f"{path}: {key}: not an ENV-sSEED key")
+            continue
+        base = {"name": f"{path.stem}:{key}", "machine": path.parent.name, "task": task, "size": None,
+                "build": f"{path.parent.name}/b0", "seed": int(seed), "variant": None, "arm": "selfplay"}
+        records.append(_selfplay_record(base, run["before"], run["after"], run.get("steps")))
+    return records
+
+
+def _selfplay_record(base: dict, before: dict, after: dict, steps: int | None) -> dict:
+    """A self-play run's held-out success before and after RL, and its win rate and chips a hand against each
+    scripted opponent (``win_rate_vs_random_before`` ...)."""
+    opponents = sorted(k.removeprefix("win_rate_vs_") for k in before if k.startswith("win_rate_vs_"))
+    return {**base, "kind": "selfplay", "steps": steps, "heldout_before": before.get("success"),
+            "heldout_after": after.get("success"),
+            **{f"{figure}_vs_{o}_{when}": row.get(f"{figure}_vs_{o}") for o in opponents
+               for figure in ("win_rate", "reward") for when, row in (("before", before), ("after", after))}}
+
+
+def _unread_shape(data) -> str:
+    """Why a file's contents are not records, in words."""
+    if isinstance(data, dict) and "experiment" in data:
+        return (f"a meta.py summary ({data['experiment']!r}): it names no run, seed or model size to file its "
+                "figures under")
+    if _dicts_with(data, "phase"):
+        return "a run's metrics rows on their own: no run name to file them under"
+    keys = ", ".join(list(data)[:6]) if isinstance(data, dict) else f"{len(data)} entries"
+    return f"not a records file this reads (a JSON {type(data).__name__}: {keys})"
 
 
 def _fmt(x: float | None) -> str:
@@ -341,6 +461,21 @@ def training_table(records: list[dict]) -> str:
                                                                 "void_turn_rate_last10", "grad_norm_max"))
         lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {len(group)} | {cells} | "
                      f"{_runs(group, 'heldout_after')} |")
+    return "\n".join(lines) + "\n"
+
+
+def selfplay_table(records: list[dict]) -> str:
+    """Held-out success before and after RL per self-play arm, and the win rate against each scripted opponent."""
+    lines = ["| task | model | arm | runs | held-out before | held-out after | win rate before → after, per opponent |",
+             "|---|---|---|---|---|---|---|"]
+    groups = _groups(records, "selfplay", ("task", "size", "arm", "variant"))
+    for (task, size, arm, variant), group in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        opponents = sorted({k[len("win_rate_vs_"):-len("_before")] for r in group for k in r
+                            if k.startswith("win_rate_vs_") and k.endswith("_before")})
+        rates = "; ".join(f"{o}: {_cell(_values(group, f'win_rate_vs_{o}_before'))} → "
+                          f"{_cell(_values(group, f'win_rate_vs_{o}_after'))}" for o in opponents)
+        cells = " | ".join(_cell(_values(group, f)) for f in ("heldout_before", "heldout_after"))
+        lines.append(f"| {task} | {size or '–'} | {_arm(arm, variant)} | {len(group)} | {cells} | {rates or '–'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -597,6 +732,8 @@ def report(records: list[dict]) -> str:
         parts += ["\n## RL on an environment\n", training_table(records)]
         if any(r.get("heldout_curve") for r in records if r["kind"] == "training"):
             parts += ["\n### Against GRPO at a step both runs evaluated\n", step_table(records)]
+    if any(r["kind"] == "selfplay" for r in records):
+        parts += ["\n## Self-play and proposer-solver\n", selfplay_table(records)]
     parts += ["\n## Paired comparisons\n", contrasts(records)]
     return "\n".join(parts)
 
@@ -626,7 +763,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(keep + new, indent=1))
         print(f"{len(new)} records from {len(args.batches)} batch(es); {len(keep) + len(new)} in {args.out}")
         return 0
-    records = json.loads(args.records.read_text())
+    skipped = []
+    records = load_records(args.records, skipped)
+    for line in skipped:
+        print(f"skipped {line}", file=sys.stderr)
     print(report(records))
     if args.plots:
         args.plots.mkdir(parents=True, exist_ok=True)

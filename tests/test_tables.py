@@ -307,3 +307,42 @@ def test_first_step_keeps_what_rl_met_after_the_warm_start(tmp_path):
     assert tables.NAME.match("fh135-b0-s2-summarize384-d1500lr1e-5").groupdict() == {
         "task": "fh", "size": "135", "build": "0", "seed": "2", "arm": "summarize", "budget": "384",
         "variant": "d1500lr1e-5"}
+
+
+DATA = Path(__file__).parents[1] / "docs" / "experiments" / "data"
+RECORD_FILES = sorted(p for p in DATA.rglob("*") if p.suffix in tables.RECORD_FILE_SUFFIXES)
+
+
+@pytest.mark.parametrize("path", RECORD_FILES, ids=lambda p: str(p.relative_to(DATA)))
+def test_every_committed_records_file_is_read_or_named_as_skipped(path):
+    """``report`` crashed on the hand-made records of issues 36 and 37: ``KeyError: 'kind'`` on issue 36's list of
+    runs and issue 37's SmolLM2 list, ``TypeError: string indices must be integers`` on the tiny-model Kuhn files
+    (a JSON object, iterated as its keys). Every file is now read, or named in ``skipped`` with the reason, and
+    the report over what was read does not crash."""
+    skipped: list[str] = []
+    records = tables.load_records(path, skipped)
+    assert records or any(line.startswith(f"{path}: ") for line in skipped), path
+    assert all(r["kind"] in tables.KINDS and "objective" in r and "heldout_tasks_after" in r for r in records)
+    tables.report(records)
+
+
+def test_the_hand_made_records_of_issues_36_and_37_are_read_as_runs():
+    skipped: list[str] = []
+    gym = tables.load_records(DATA / "issue36" / "runs.json", skipped)
+    assert len(gym) == 8 and not skipped
+    no_tool = next(r for r in gym if r["name"] == "csnt135-s1-warm")
+    assert (no_tool["kind"], no_tool["task"], no_tool["size"], no_tool["seed"], no_tool["arm"], no_tool["variant"],
+            no_tool["heldout_before"], no_tool["heldout_after"], no_tool["build"]) == \
+        ("training", "reasoning_gym:chain_sum", "135M", 1, "warm", "notool", 0.37, 0.38, "issue36/b0")
+    smol = tables.load_records(DATA / "issue37" / "selfplay-smollm2.json", skipped)
+    kuhn = [r for r in smol if r["task"] == "kuhn_poker"]
+    assert len(smol) == 6 and len(kuhn) == 3 and {r["arm"] for r in smol} == {"selfplay", "proposer"}
+    s0 = next(r for r in kuhn if r["seed"] == 0)
+    assert (s0["kind"], s0["size"], s0["win_rate_vs_random_before"], s0["win_rate_vs_random_after"],
+            s0["win_rate_vs_nash_after"], s0["heldout_before"]) == ("selfplay", "135M", 0.39, 0.685, 0.625, 0.45)
+    (tiny,) = tables.load_records(DATA / "issue37" / "kuhn_poker-tiny-s2.json", skipped)
+    assert (tiny["task"], tiny["seed"], tiny["size"], tiny["win_rate_vs_random_before"]) == \
+        ("kuhn_poker", 2, None, 0.305)
+    assert not skipped
+    tables.load_records(DATA / "issue38" / "judge_tune.json", skipped)
+    assert skipped and skipped[0].startswith(f"{DATA / 'issue38' / 'judge_tune.json'}: not a records file")
