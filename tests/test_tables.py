@@ -1,4 +1,5 @@
-"""experiments/tables.py: records from batch runs, means with standard errors, paired comparisons, plots."""
+"""experiments/tables.py and stats.py: records from batch runs, means with standard errors, paired comparisons,
+plots; bootstrap intervals, paired tests and the claims table."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("tables", Path(__file__).parents[1] / "experiments" / "tables.py")
-tables = importlib.util.module_from_spec(_spec)
-sys.modules["tables"] = tables
-_spec.loader.exec_module(tables)
+
+def _load(name: str):
+    """A module of experiments/ by its path (experiments/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+stats = _load("stats")
+tables = _load("tables")
+S = stats.SeedOutcome
 
 
 def context_run(batch: Path, name: str, manager: str, before: float, after: float, budget: int | None) -> None:
@@ -346,3 +356,109 @@ def test_the_hand_made_records_of_issues_36_and_37_are_read_as_runs():
     assert not skipped
     tables.load_records(DATA / "issue38" / "judge_tune.json", skipped)
     assert skipped and skipped[0].startswith(f"{DATA / 'issue38' / 'judge_tune.json'}: not a records file")
+
+
+def test_the_student_t_tail_matches_hand_checked_values():
+    """Two-sided p of Student's t: the tables' 97.5% points give 0.05; df 1 (Cauchy) and df 2 have closed forms."""
+    assert stats.student_t_two_sided_p(2.776, 4) == pytest.approx(0.05, abs=2e-4)
+    assert stats.student_t_two_sided_p(12.706, 1) == pytest.approx(0.05, abs=2e-4)
+    assert stats.student_t_two_sided_p(2.228, 10) == pytest.approx(0.05, abs=2e-4)
+    assert stats.student_t_two_sided_p(1.96, 1e6) == pytest.approx(0.05, abs=2e-4)  # the normal limit
+    for t in (0.3, 1.0, 4.0):
+        assert stats.student_t_two_sided_p(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), rel=1e-10)
+        assert stats.student_t_two_sided_p(t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-10)
+    assert stats.student_t_two_sided_p(0.0, 5) == 1.0 and stats.student_t_two_sided_p(math.inf, 5) == 0.0
+    for x in (0.1, 0.5, 0.9):  # I_x(a, 1) = x^a, I_x(1, b) = 1 - (1 - x)^b
+        assert stats.regularized_incomplete_beta(x, 3.0, 1.0) == pytest.approx(x ** 3, rel=1e-10)
+        assert stats.regularized_incomplete_beta(x, 1.0, 2.5) == pytest.approx(1 - (1 - x) ** 2.5, rel=1e-10)
+
+
+def test_the_paired_t_test_and_its_degenerate_cases():
+    # differences 0.4, 0.2, 0.6: mean 0.4, sd 0.2, t = 0.4 / (0.2 / sqrt 3) = 2 sqrt 3, df 2: p = 1 - t / sqrt(t^2 + 2)
+    t, df, p = stats.paired_t_test([0.4, 0.2, 0.6])
+    assert (t, df) == (pytest.approx(2 * math.sqrt(3)), 2) and p == pytest.approx(1 - 2 * math.sqrt(3) / math.sqrt(14))
+    assert stats.paired_t_test([1.0, 1.0, 1.0]) == (math.inf, 2, 0.0)  # every seed the same difference
+    assert stats.paired_t_test([-0.5, -0.5]) == (-math.inf, 1, 0.0)
+    assert stats.paired_t_test([0.0, 0.0, 0.0]) == (0.0, 2, 1.0)
+    for one_or_none in ([0.3], []):
+        t, _, p = stats.paired_t_test(one_or_none)
+        assert math.isnan(t) and math.isnan(p)
+
+
+def test_the_exact_sign_flip_test_is_hand_checked():
+    # 1, 2, 3: of the 8 sign patterns only +++ and --- reach |sum| 6
+    assert stats.sign_flip_p([1.0, 2.0, 3.0]) == 0.25
+    # 3, 1: sums 4, 2, -2, -4; |sum| >= 4 in two of four
+    assert stats.sign_flip_p([3.0, 1.0]) == 0.5
+    assert stats.sign_flip_p([1.0, -1.0]) == 1.0 and stats.sign_flip_p([0.0, 0.0]) == 1.0
+    assert stats.sign_flip_p([0.1] * 5) == 0.0625 == stats.sign_flip_floor(5)  # the floor with five seeds
+    assert stats.sign_flip_p([0.1] * 3) == 0.25 == stats.sign_flip_floor(3)
+    assert stats.sign_flip_p([0.7]) == 1.0 and math.isnan(stats.sign_flip_p([]))
+    with pytest.raises(ValueError, match="17 seeds"):
+        stats.sign_flip_p([1.0] * 17)
+
+
+def test_the_bootstrap_over_seeds_is_hand_checked():
+    """Two seeds, seeds only: the resampled mean is 0, 0.5 or 1 with chances 1/4, 1/2, 1/4, so the 2.5% and 97.5%
+    quantiles are 0 and 1."""
+    interval = stats.bootstrap_difference([S(1.0), S(0.0)], [S(0.0), S(0.0)])
+    assert interval == (0.5, 0.0, 1.0, 2, 0) and interval.seeds_only
+    assert stats.bootstrap_mean([S(0.2), S(0.4)]) == (pytest.approx(0.3), 0.2, 0.4, 2, 0)
+    # every seed the same difference: no spread to resample
+    assert stats.bootstrap_difference([S(1.0)] * 3, [S(0.25)] * 3) == (0.75, 0.75, 0.75, 3, 0)
+    one = stats.bootstrap_difference([S(0.9)], [S(0.1)])  # one seed, no tasks: no interval, not a zero-width one
+    assert one.mean == pytest.approx(0.8) and math.isnan(one.low) and math.isnan(one.high) and one.n_seeds == 1
+    none = stats.bootstrap_difference([], [])
+    assert none.n_seeds == 0 and math.isnan(none.mean)
+    with pytest.raises(ValueError, match="pair seed by seed"):
+        stats.bootstrap_difference([S(1.0)], [])
+    # relative: (1 - 2) / 2 on every seed; a zero baseline has no ratio
+    assert stats.bootstrap_difference([S(1.0)] * 2, [S(2.0)] * 2, relative=True) == (-0.5, -0.5, -0.5, 2, 0)
+    assert math.isnan(stats.bootstrap_difference([S(1.0)] * 2, [S(0.0), S(1.0)], relative=True).low)
+
+
+def test_the_bootstrap_resamples_tasks_within_seeds_paired_by_task_id():
+    # one seed, tasks a and b: the resampled task mean is 0, 0.5 or 1 (chances 1/4, 1/2, 1/4)
+    interval = stats.bootstrap_difference([S(0.5, {"a": 1.0, "b": 0.0})], [S(0.0, {"a": 0.0, "b": 0.0})])
+    assert interval == (0.5, 0.0, 1.0, 1, 2) and not interval.seeds_only
+    # tasks pair by id: c has no partner and is left out; a and b differ by 1 each
+    paired = stats.bootstrap_difference([S(1.0, {"a": 1.0, "b": 1.0, "c": 0.0}), S(1.0, {"a": 1.0, "b": 1.0})],
+                                        [S(0.0, {"a": 0.0, "b": 0.0}), S(0.0, {"b": 0.0, "a": 0.0})])
+    assert paired == (1.0, 1.0, 1.0, 2, 2)
+    # the same seed means with and without task noise: seeds alone see no spread, seeds and tasks do
+    noisy = [S(0.5, {str(i): float(i % 2) for i in range(10)}) for _ in range(3)]
+    flat = [S(0.5, dict.fromkeys(map(str, range(10)), 0.5)) for _ in range(3)]
+    seeds_only = stats.bootstrap_mean([S(0.5)] * 3)
+    both = stats.bootstrap_mean(noisy)
+    assert seeds_only == (0.5, 0.5, 0.5, 3, 0) and stats.bootstrap_mean(flat) == (0.5, 0.5, 0.5, 3, 10)
+    assert both.low < 0.5 < both.high and both.n_tasks == 10
+    assert both == stats.bootstrap_mean(noisy)  # seeded: a page regenerates to the same digits
+    # a seed without per-task outcomes (an old record) sends every seed back to its mean, and says so
+    mixed = stats.bootstrap_difference([noisy[0], S(0.5)], [S(0.0, dict.fromkeys(map(str, range(10)), 0.0)), S(0.0)])
+    assert mixed.seeds_only and mixed == (0.5, 0.5, 0.5, 2, 0)
+    # seeds that share no task id cannot pair by task either
+    assert stats.bootstrap_difference([S(1.0, {"a": 1.0})], [S(0.0, {"b": 0.0})]).seeds_only
+
+
+def test_verdicts_follow_the_documented_rules():
+    I = stats.Interval  # noqa: E741
+    big, small, across = I(0.5, 0.4, 0.6, 5, 60), I(0.1, 0.05, 0.15, 5, 60), I(0.1, -0.05, 0.25, 5, 60)
+
+    def verdict(figure, share=None, direction="up", goal=0.3):
+        return stats.verdict(figure, share, direction=direction, goal=goal)[0]
+
+    assert verdict(big) == "no control"
+    assert verdict(big, share=I(0.2, 0.1, 0.3, 5, 60)) == "reproduced"
+    assert verdict(big, share=across) == "direction only"  # RL's share includes 0
+    assert verdict(small, share=I(0.2, 0.1, 0.3, 5, 60)) == "direction only"  # below the size goal
+    assert verdict(big, share=I(-0.1, -0.2, 0.0, 5, 60)) == "not reproduced"  # the warm start's effect
+    assert verdict(across) == "not reproduced"
+    assert verdict(I(-0.5, -0.6, -0.4, 5, 0), direction="down") == "no control"
+    assert verdict(big, direction="down") == "not reproduced"
+    assert verdict(I(0.0, 0.0, 0.0, 5, 0), direction="within", goal=0.03) == "reproduced"
+    assert verdict(I(0.01, -0.05, 0.06, 5, 0), direction="within", goal=0.03) == "direction only"
+    assert verdict(I(-0.13, -0.2, -0.05, 5, 0), direction="within", goal=0.03) == "not reproduced"
+    assert verdict(I(0.8, math.nan, math.nan, 1, 0)) == "no interval"
+    assert verdict(I(math.nan, math.nan, math.nan, 0, 0)) == "not run"
+    assert stats.verdict(big._replace(n_seeds=3), None, direction="up", goal=0.3) == \
+        ("no control", "direction and size met; RL's share not measured; pilot: 3 seeds")
