@@ -37,6 +37,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import tomllib
@@ -84,11 +85,74 @@ def first_step(metrics: Path) -> dict[str, float | None]:
     return {"entropy_first": first.get("entropy"), "zero_variance_first": first.get("zero_variance_groups")}
 
 
+# A record's per-evaluation fields and the eval-row keys they are read from, the first a row has. The retention
+# figures were named twice while issue 49's runs were written: summary_fact_retention / summaries_scored /
+# task_summary_retention, and ctxrl's fact_survival / fact_survival_rewrites / task_fact_survival.
+EVAL_ROW_KEYS = {"heldout_tasks": ("task_success",),
+                 "summary_retention": ("summary_fact_retention", "fact_survival"),
+                 "summaries_scored": ("summaries_scored", "fact_survival_rewrites"),
+                 "summary_retention_tasks": ("task_summary_retention", "task_fact_survival")}
+
+
+def heldout_outcomes(rows: list[dict]) -> dict:
+    """Per-task held-out outcomes and what summaries kept, from a run's metrics rows (issue 49's fields of an
+    ``eval`` row; None where a row lacks them): the first held-out evaluation is "before" (the warm start's) and
+    the last "after". A run that evaluated once (a meta-RL arm, a warm start) has an "after" and no "before".
+
+    - ``heldout_tasks_before``/``_after``: task id -> success (mean over that task's episodes);
+    - ``heldout_tasks_by_attempt_after``: task id -> success by attempt k = 1..K (trial evaluations);
+    - ``summary_retention_*``: the fraction of the facts the answer needs that survive each summary;
+      ``summaries_scored_*``: how many summaries that is over; ``summary_retention_tasks_*``: per task."""
+    heldout = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
+    last = heldout[-1] if heldout else {}
+    first = heldout[0] if len(heldout) > 1 else {}
+    return {"heldout_tasks_by_attempt_after": last.get("task_success_by_attempt"),
+            **{f"{field}_{when}": next((row[k] for k in keys if k in row), None)
+               for field, keys in EVAL_ROW_KEYS.items() for when, row in (("before", first), ("after", last))}}
+
+
+def run_outcomes(directory: Path) -> dict:
+    """What one run directory (a ``config.toml`` beside a ``metrics.jsonl``) adds to its record: its training
+    ``objective`` (``train.objective``: "rl" unless it is the SFT-only control, "sft") and ``heldout_outcomes``."""
+    config = directory / "config.toml"
+    train = tomllib.loads(config.read_text()).get("train", {}) if config.is_file() else {}
+    metrics = directory / "metrics.jsonl"
+    return {"objective": train.get("objective", "rl"), **heldout_outcomes(_rows(metrics) if metrics.is_file() else [])}
+
+
+def _by_attempt(field: str, pick: Callable[[list[float]], float]) -> Callable[[dict], dict[str, float] | None]:
+    """Per-task outcomes read from a record's success-by-attempt lists: ``pick(list)`` per task."""
+    def read(record: dict) -> dict[str, float] | None:
+        lists = record.get(field)
+        return {task: pick(by_attempt) for task, by_attempt in lists.items()} if lists else None
+    return read
+
+
+# The per-task outcomes behind a record's figure, for the bootstrap over tasks (``task_outcomes``). A figure not
+# named here (a training-time figure, or one the runs record no per-task outcomes for) is resampled over seeds only.
+TASK_OUTCOMES = {
+    "heldout_before": lambda r: r.get("heldout_tasks_before"),
+    "heldout_after": lambda r: r.get("heldout_tasks_after"),
+    "summary_retention_before": lambda r: r.get("summary_retention_tasks_before"),
+    "summary_retention_after": lambda r: r.get("summary_retention_tasks_after"),
+    "attempt1": _by_attempt("heldout_tasks_by_attempt_after", lambda s: s[0]),
+    "success_by_k": _by_attempt("heldout_tasks_by_attempt_after", lambda s: s[-1]),
+    "gain": _by_attempt("heldout_tasks_by_attempt_after", lambda s: s[-1] - s[0]),
+    "success_by_k_sampled": _by_attempt("sampled_tasks_by_attempt", lambda s: s[-1]),
+}
+
+
+def task_outcomes(record: dict, field: str) -> dict[str, float] | None:
+    """Task id -> the outcome whose mean is the record's ``field``; None where the record has none for it."""
+    read = TASK_OUTCOMES.get(field)
+    return read(record) if read else None
+
+
 def _context_record(base: dict, manager: str, run_dir: Path, r: dict) -> dict:
     """One context manager's record from its figures ``r`` (the names of ``summary.json``)."""
     budget = _config(run_dir, manager).get("context", {}).get("max_context_tokens") or None  # None: unlimited
     return {**base, "kind": "context", "arm": manager, "budget": budget,
-            **first_step(run_dir / manager / "metrics.jsonl"),
+            **first_step(run_dir / manager / "metrics.jsonl"), **run_outcomes(run_dir / manager),
             "heldout_before": r["heldout_before"], "heldout_after": r["heldout_after"], "ood_after": r["ood_after"],
             **{k: r.get(k) for k in ("peak_context", "summaries_per_episode", "selections_per_episode",
                                      "heldout_by_eval_summaries", "ood_by_eval_summaries")}}
@@ -131,13 +195,17 @@ def _partial_sweep(run_dir: Path, manager: str) -> dict[str, dict[str, float]]:
     return dict(sorted(sweep.items(), key=lambda kv: int(kv[0])))
 
 
-def _meta_records(base: dict, summary: dict) -> list[dict]:
+def _meta_records(base: dict, summary: dict, run_dir: Path) -> list[dict]:
+    """One record per arm of a reflection run, its figures from ``summary.json`` and its per-task outcomes from
+    the arm's directory (``ARM/metrics.jsonl``; the sampled evaluation's from ``ARM-sampled``)."""
     k = summary["attempts"]
     records = []
     for arm, r in summary["arms"].items():
         h, s = r["heldout"], r.get("sampled", {})
         first, by_k = h.get("success"), h.get(f"success_by_{k}")
+        sampled = run_outcomes(run_dir / f"{arm}-sampled")["heldout_tasks_by_attempt_after"]
         records.append({**base, "kind": "meta", "arm": arm, "attempts": k, "steps": summary["steps"],
+                        **run_outcomes(run_dir / arm), "sampled_tasks_by_attempt": sampled,
                         "attempt1": first, "success_by_k": by_k,
                         "gain": None if first is None or by_k is None else by_k - first,
                         "success_at_k": h.get(f"success_at_{k}"), "tool_errors_at_1": h.get("tool_errors_at_1"),
@@ -146,20 +214,24 @@ def _meta_records(base: dict, summary: dict) -> list[dict]:
 
 
 def _training_record(base: dict, metrics: Path) -> dict | None:
+    """An ``env_training.py`` run's record from its ``metrics.jsonl``: None unless it took steps and evaluated
+    after them. The SFT-only control's steps (``sft_control`` rows) count as its steps; it has no rollouts, so
+    the figures of RL's own rows (tool calls, void turns, gradient norms while training) are None for it."""
     rows = _rows(metrics)
     rl = [r for r in rows if r.get("phase") == "rl"]
+    steps = rl or [r for r in rows if r.get("phase") == "sft_control"]
     heldout = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
-    if not rl or len(heldout) < 2:
+    if not steps or len(heldout) < 2:
         return None
     last = rl[-10:]
     sft = next((r for r in rows if r.get("phase") == "sft"), {})
-    return {**base, "kind": "training", "steps": len(rl), "sft_loss_last": sft.get("sft_loss_last"),
-            **first_step(metrics),
+    return {**base, "kind": "training", "steps": len(steps), "sft_loss_last": sft.get("sft_loss_last"),
+            **first_step(metrics), **run_outcomes(metrics.parent),
             "heldout_before": heldout[0]["success"], "heldout_after": heldout[-1]["success"],
             "heldout_calls_after": heldout[-1].get("tool_calls"),
-            "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last),
-            "void_turn_rate_last10": sum(r.get("void_turn_rate", 0.0) for r in last) / len(last),
-            "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl),
+            "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last) if last else None,
+            "void_turn_rate_last10": sum(r.get("void_turn_rate", 0.0) for r in last) / len(last) if last else None,
+            "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl) if rl else None,
             "heldout_curve": [[r["step"], r["success"], r.get("tool_calls")] for r in heldout]}
 
 
@@ -213,7 +285,7 @@ def _read_run(run_dir: Path, machine: str) -> list[dict]:
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
         if summary.get("experiment") == "reflection":
-            return _meta_records(base, summary)
+            return _meta_records(base, summary, run_dir)
         if summary and all(isinstance(v, dict) and "heldout_after" in v for v in summary.values()):
             return _context_records(base, summary, run_dir)
     if g["arm"] and (run_dir / g["arm"] / "metrics.jsonl").is_file():  # a context run cut short

@@ -462,3 +462,79 @@ def test_verdicts_follow_the_documented_rules():
     assert verdict(I(math.nan, math.nan, math.nan, 0, 0)) == "not run"
     assert stats.verdict(big._replace(n_seeds=3), None, direction="up", goal=0.3) == \
         ("no control", "direction and size met; RL's share not measured; pilot: 3 seeds")
+
+
+def _write_rows(directory: Path, rows: list[dict], config: str = "") -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (directory / "config.toml").write_text(config)
+
+
+def _heldout(step: int, tasks: dict[str, float], **extra) -> dict:
+    return {"phase": "eval", "split": "heldout", "step": step, "success": sum(tasks.values()) / len(tasks),
+            "tool_calls": 1.0, "task_success": tasks, **extra}
+
+
+def test_collect_reads_per_task_outcomes_the_objective_and_summary_retention(tmp_path):
+    """Issue 49's eval rows: per-task success before and after, success by attempt per task for trials, summary
+    retention for context runs; ``train.objective`` from the run's config (the SFT-only control's steps are
+    ``sft_control`` rows, and it has no RL rows)."""
+    runs = tmp_path / "batch" / "runs"
+    rl_rows = [{"phase": "rl", "step": i, "tool_calls": 1.0, "grad_norm": 0.5} for i in range(1, 4)]
+    _write_rows(runs / "pm135-b0-s0-grpo" / "python_math-s0",
+                [_heldout(0, {"t1": 0.0, "t2": 0.5}), *rl_rows, _heldout(3, {"t1": 1.0, "t2": 0.5})])
+    control_rows = [{"phase": "sft_control", "step": i, "sft_loss": 0.1} for i in range(1, 4)]
+    _write_rows(runs / "pm135-b0-s0-grpo-ctl" / "python_math-s0",
+                [_heldout(0, {"t1": 0.0, "t2": 0.5}), *control_rows, _heldout(3, {"t1": 0.0, "t2": 1.0})],
+                config='[train]\nobjective = "sft"\n')
+    context = runs / "fh135-b0-s0-summarize384"
+    _write_rows(context / "summarize",
+                [_heldout(0, {"a": 1.0}, fact_survival=0.5, fact_survival_rewrites=4.0, task_fact_survival={"a": 0.5}),
+                 _heldout(30, {"a": 1.0}, summary_fact_retention=0.75, summaries_scored=8,
+                          task_summary_retention={"a": 0.75})],
+                config="[context]\nmax_context_tokens = 384\n")
+    (context / "summary.json").write_text(json.dumps({"summarize": {"heldout_before": 1.0, "heldout_after": 1.0,
+                                                                    "ood_after": 0.0}}))
+    meta = runs / "hw135-b0-s0-meta"
+    _write_rows(meta / "warm", [_heldout(0, {"w": 0.0}, task_success_by_attempt={"w": [0.0, 0.5, 0.5]})])
+    _write_rows(meta / "meta", [_heldout(20, {"w": 1.0}, task_success_by_attempt={"w": [0.5, 1.0, 1.0]})])
+    _write_rows(meta / "meta-sampled", [_heldout(0, {"w": 0.5}, task_success_by_attempt={"w": [0.25, 0.5, 0.75]})])
+    arms = {arm: {"heldout": {"success": 0.1, "success_by_3": 0.4}} for arm in ("warm", "meta")}
+    (meta / "summary.json").write_text(json.dumps({"experiment": "reflection", "attempts": 3, "steps": 20,
+                                                   "arms": arms}))
+    out = tmp_path / "records.json"
+    assert tables.main(["collect", str(tmp_path / "batch"), "--machine", "m", "--out", str(out)]) == 0
+    skipped: list[str] = []
+    recs = {(r["name"], r["arm"]): r for r in tables.load_records(out, skipped)}
+    assert not skipped
+    grpo, control = recs["pm135-b0-s0-grpo", "grpo"], recs["pm135-b0-s0-grpo-ctl", "grpo"]
+    assert (grpo["objective"], grpo["heldout_tasks_before"], grpo["heldout_tasks_after"]) == \
+        ("rl", {"t1": 0.0, "t2": 0.5}, {"t1": 1.0, "t2": 0.5})
+    assert (control["objective"], control["variant"], control["steps"], control["heldout_tasks_after"],
+            control["train_calls_last10"], control["grad_norm_max"]) == \
+        ("sft", "ctl", 3, {"t1": 0.0, "t2": 1.0}, None, None)
+    summarize = recs["fh135-b0-s0-summarize384", "summarize"]
+    assert (summarize["summary_retention_before"], summarize["summaries_scored_before"],
+            summarize["summary_retention_tasks_before"]) == (0.5, 4.0, {"a": 0.5})  # ctxrl's names
+    assert (summarize["summary_retention_after"], summarize["summaries_scored_after"],
+            summarize["summary_retention_tasks_after"]) == (0.75, 8, {"a": 0.75})  # the issue's names
+    warm, trained = recs["hw135-b0-s0-meta", "warm"], recs["hw135-b0-s0-meta", "meta"]
+    assert warm["heldout_tasks_by_attempt_after"] == {"w": [0.0, 0.5, 0.5]} and warm["heldout_tasks_before"] is None
+    assert trained["heldout_tasks_by_attempt_after"] == {"w": [0.5, 1.0, 1.0]}
+    assert trained["sampled_tasks_by_attempt"] == {"w": [0.25, 0.5, 0.75]} and warm["sampled_tasks_by_attempt"] is None
+    # the per-task outcomes behind each figure a claim may compare
+    assert tables.task_outcomes(trained, "gain") == {"w": 0.5}
+    assert tables.task_outcomes(trained, "attempt1") == {"w": 0.5}
+    assert tables.task_outcomes(trained, "success_by_k_sampled") == {"w": 0.75}
+    assert tables.task_outcomes(grpo, "heldout_before") == {"t1": 0.0, "t2": 0.5}
+    assert tables.task_outcomes(grpo, "train_calls_last10") is None  # a figure of training, not of held-out tasks
+
+
+def test_records_written_before_issue_49_read_the_new_fields_as_none(tmp_path):
+    old = {"name": "pm5-b0-s0-grpo", "machine": "m", "task": "python_math", "size": "5.2M", "build": "m/b0",
+           "seed": 0, "kind": "training", "arm": "grpo", "heldout_after": 0.5}  # no variant, no objective
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps([old]))
+    (record,) = tables.load_records(path, [])
+    assert record["variant"] is None and all(record[f] is None for f in tables.OUTCOME_FIELDS)
+    assert tables.task_outcomes(record, "heldout_after") is None
