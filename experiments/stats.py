@@ -8,7 +8,8 @@ scipy), so a figure on a page can be recomputed anywhere and checked by hand in 
   tasks with replacement, tasks paired by task id between the arms. Both sources of error a figure carries
   (which seeds ran, which tasks were drawn) are in the interval. Records that carry no per-task outcomes (every
   record committed before issue 49) resample seeds only, and the interval says so (``n_tasks == 0``).
-- ``bootstrap_mean``: the same for one arm's mean.
+- ``bootstrap_mean``: the same for one arm's mean; ``bootstrap_contrast``: the difference and both arms' means from
+  the same resamples (a claim's figure and the two levels it is the difference of).
 - ``paired_t_test`` over seed-level differences, with the Student-t tail computed here from the regularized
   incomplete beta function; and ``sign_flip_p``, the exact permutation test over seeds. The t-test is the
   primary one: the sign-flip test makes no assumption of normality but cannot go below ``2 / 2**n`` with n seeds
@@ -71,14 +72,18 @@ def paired_units(arm: list[SeedOutcome], baseline: list[SeedOutcome]) -> tuple[l
             for a, b in zip(arm, baseline)], True
 
 
-def _statistic(units: list[list[tuple[float, float]]], relative: bool) -> float:
-    """Mean over seeds of each seed's mean arm value, minus the same for the baseline; divided by the baseline's
-    mean when ``relative`` (NaN where that is 0)."""
-    arm = _mean([_mean([a for a, _ in unit]) for unit in units])
-    baseline = _mean([_mean([b for _, b in unit]) for unit in units])
+def _seed_means(unit: list[tuple[float, float]]) -> tuple[float, float]:
+    """One seed's mean arm value and mean baseline value over its (resampled) tasks."""
+    return sum(a for a, _ in unit) / len(unit), sum(b for _, b in unit) / len(unit)
+
+
+def _statistics(seed_means: list[tuple[float, float]], relative: bool) -> tuple[float, float, float]:
+    """(arm − baseline, arm, baseline): the means over seeds of the seeds' means (each seed counts once); the
+    difference divided by the baseline's mean when ``relative`` (NaN where that is 0)."""
+    arm, baseline = _seed_means(seed_means)
     if not relative:
-        return arm - baseline
-    return (arm - baseline) / baseline if baseline else math.nan
+        return arm - baseline, arm, baseline
+    return ((arm - baseline) / baseline if baseline else math.nan), arm, baseline
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -89,30 +94,45 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[below] + (position - below) * (sorted_values[above] - sorted_values[below])
 
 
-def bootstrap_difference(arm: list[SeedOutcome], baseline: list[SeedOutcome], *, relative: bool = False,
-                         resamples: int = RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0) -> Interval:
-    """Mean of arm − baseline over seeds paired by index, with a two-level percentile bootstrap interval (module
-    docstring). ``relative``: the difference as a fraction of the baseline's mean, recomputed in every resample.
-    Seeded, so a page regenerates to the same digits."""
+def bootstrap_contrast(arm: list[SeedOutcome], baseline: list[SeedOutcome], *, relative: bool = False,
+                       resamples: int = RESAMPLES, confidence: float = CONFIDENCE,
+                       seed: int = 0) -> tuple[Interval, Interval, Interval]:
+    """(arm − baseline, the arm's mean, the baseline's mean) over seeds paired by index, each with its two-level
+    percentile bootstrap interval (module docstring), all three from the same resamples. ``relative``: the
+    difference as a fraction of the baseline's mean, recomputed in every resample. Seeded, so a page regenerates
+    to the same digits."""
     if len(arm) != len(baseline):
         raise ValueError(f"arm and baseline must pair seed by seed: {len(arm)} against {len(baseline)}")
     units, by_task = paired_units(arm, baseline)
-    n_tasks = min(len(u) for u in units) if by_task else 0
+    n_seeds, n_tasks = len(units), (min(len(u) for u in units) if by_task else 0)
     if not units:
-        return Interval(math.nan, math.nan, math.nan, 0, 0)
-    mean = _statistic(units, relative)
-    if len(units) == 1 and not by_task:
-        return Interval(mean, math.nan, math.nan, 1, 0)
+        return (Interval(math.nan, math.nan, math.nan, 0, 0),) * 3
+    seed_means = [_seed_means(u) for u in units]
+    means = _statistics(seed_means, relative)
+    if n_seeds == 1 and not by_task:
+        return tuple(Interval(m, math.nan, math.nan, 1, 0) for m in means)
     rng = random.Random(seed)
     draws = []
     for _ in range(resamples):
-        seeds = rng.choices(units, k=len(units))
-        draws.append(_statistic([rng.choices(u, k=len(u)) for u in seeds] if by_task else seeds, relative))
-    if any(math.isnan(d) for d in draws):  # a resample whose baseline mean is 0: the ratio is undefined
-        return Interval(mean, math.nan, math.nan, len(units), n_tasks)
-    draws.sort()
+        if by_task:  # seeds, then each drawn seed's tasks
+            drawn = [_seed_means(rng.choices(u, k=len(u))) for u in rng.choices(units, k=n_seeds)]
+        else:
+            drawn = rng.choices(seed_means, k=n_seeds)
+        draws.append(_statistics(drawn, relative))
     tail = (1 - confidence) / 2
-    return Interval(mean, percentile(draws, tail), percentile(draws, 1 - tail), len(units), n_tasks)
+    intervals = []
+    for mean, values in zip(means, zip(*draws)):
+        values = sorted(values)
+        if any(math.isnan(v) for v in values):  # a resample whose baseline mean is 0: the ratio is undefined
+            intervals.append(Interval(mean, math.nan, math.nan, n_seeds, n_tasks))
+        else:
+            intervals.append(Interval(mean, percentile(values, tail), percentile(values, 1 - tail), n_seeds, n_tasks))
+    return tuple(intervals)
+
+
+def bootstrap_difference(arm: list[SeedOutcome], baseline: list[SeedOutcome], **kwargs) -> Interval:
+    """Mean of arm − baseline over seeds paired by index, with its two-level interval (``bootstrap_contrast``)."""
+    return bootstrap_contrast(arm, baseline, **kwargs)[0]
 
 
 def bootstrap_mean(arm: list[SeedOutcome], **kwargs) -> Interval:
@@ -230,7 +250,8 @@ def verdict(figure: Interval, share: Interval | None, *, direction: str, goal: f
     """(verdict, what it rests on) for a claim, from ctxrl's figure and RL's share (None: no SFT-only control).
 
     1. No pairs: ``not run``. One seed without per-task outcomes: ``no interval``.
-    2. The figure's interval misses the paper's direction: ``not reproduced`` (a control cannot rescue it).
+    2. The figure's interval does not exclude 0 on the paper's side (``within``: its mean lies outside the goal):
+       ``not reproduced`` (a control cannot rescue it).
     3. ``within`` claims (no effect expected) stand on the figure alone: ``reproduced`` when the interval is
        within the goal, else ``direction only``.
     4. No SFT-only control: ``no control`` - the effect is there, but nothing says RL rather than the warm start
@@ -247,9 +268,13 @@ def verdict(figure: Interval, share: Interval | None, *, direction: str, goal: f
     if seen == "no interval":
         return "no interval", f"one seed, no per-task outcomes{pilot}"
     if seen == "none":
-        return "not reproduced", f"the interval misses the paper's direction{pilot}"
+        missed = "the mean lies outside the goal" if direction == "within" else \
+            "the interval does not exclude 0 on the paper's side"
+        return "not reproduced", missed + pilot
     if direction == "within":
-        return ("reproduced" if seen == "size" else "direction only"), met[seen] + pilot
+        within = {"size": "the interval lies within the goal", "direction": "the mean lies within the goal, the "
+                  "interval does not"}
+        return ("reproduced" if seen == "size" else "direction only"), within[seen] + pilot
     if share is None:
         return "no control", f"{met[seen]}; RL's share not measured{pilot}"
     sign = {"up": 1.0, "down": -1.0}[direction]

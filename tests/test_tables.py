@@ -6,23 +6,26 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 
-def _load(name: str):
-    """A module of experiments/ by its path (experiments/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "experiments" / f"{name}.py")
+def _load(file: str):
+    """A module of experiments/ by its path (experiments/ is not a package), under its file's stem."""
+    name = Path(file).stem
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "experiments" / file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-stats = _load("stats")
-tables = _load("tables")
+stats = _load("stats.py")
+tables = _load("tables.py")
 S = stats.SeedOutcome
 
 
@@ -404,6 +407,9 @@ def test_the_bootstrap_over_seeds_is_hand_checked():
     interval = stats.bootstrap_difference([S(1.0), S(0.0)], [S(0.0), S(0.0)])
     assert interval == (0.5, 0.0, 1.0, 2, 0) and interval.seeds_only
     assert stats.bootstrap_mean([S(0.2), S(0.4)]) == (pytest.approx(0.3), 0.2, 0.4, 2, 0)
+    # the two levels of a figure come from the same resamples as the figure itself
+    difference, arm, baseline = stats.bootstrap_contrast([S(1.0), S(0.0)], [S(0.25), S(0.25)])
+    assert (difference, arm, baseline) == ((0.25, -0.25, 0.75, 2, 0), (0.5, 0.0, 1.0, 2, 0), (0.25, 0.25, 0.25, 2, 0))
     # every seed the same difference: no spread to resample
     assert stats.bootstrap_difference([S(1.0)] * 3, [S(0.25)] * 3) == (0.75, 0.75, 0.75, 3, 0)
     one = stats.bootstrap_difference([S(0.9)], [S(0.1)])  # one seed, no tasks: no interval, not a zero-width one
@@ -538,3 +544,88 @@ def test_records_written_before_issue_49_read_the_new_fields_as_none(tmp_path):
     (record,) = tables.load_records(path, [])
     assert record["variant"] is None and all(record[f] is None for f in tables.OUTCOME_FIELDS)
     assert tables.task_outcomes(record, "heldout_after") is None
+
+
+def _training_records(arm: str, per_seed: list[float], *, objective: str | None = None, tasks: int = 4) -> list[dict]:
+    """Records of one arm, seed i held-out at ``per_seed[i]`` on every one of ``tasks`` tasks (tasks=0: none)."""
+    return [{"name": f"pm135-b0-s{i}-{arm}", "machine": "m", "task": "python_math", "size": "135M", "build": "m/b0",
+             "seed": i, "variant": None, "kind": "training", "arm": arm, "objective": objective,
+             "heldout_after": value, "heldout_tasks_after": {f"t{j}": value for j in range(tasks)} if tasks else None}
+            for i, value in enumerate(per_seed)]
+
+
+def _claim(**fields) -> str:
+    lines = ["[[claim]]"]
+    for key, value in fields.items():
+        lines.append(f"{key} = {json.dumps(value)}" if not isinstance(value, dict) else
+                     f"{key} = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in value.items())} }}")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_claims_table_from_a_tiny_claims_file(tmp_path):
+    """Per-task records with an SFT-only control give an interval over seeds and tasks, RL's share and a verdict;
+    old records give seeds only and no control; an arm with no records is 'not run'."""
+    new = _training_records("otc", [1.0] * 5) + _training_records("grpo", [0.0, 0.1, 0.2, 0.3, 0.4]) + \
+        _training_records("otc", [0.5] * 5, objective="sft")
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    old = [{k: v for k, v in r.items() if k not in ("objective", "heldout_tasks_after")}
+           for r in _training_records("otc", [0.6, 0.7, 0.8]) + _training_records("grpo", [0.1, 0.1, 0.2])]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    common = {"kind": "training", "arm": "otc", "baseline": "grpo", "field": "heldout_after",
+              "where": {"task": "python_math", "size": "135M"}, "direction": "up", "why": "Because."}
+    claims = tmp_path / "claims.toml"
+    claims.write_text('page = "out/page.md"\nrecords_dir = "."\n\n' +
+                      _claim(name="Per task", paper="a | b", records=["new.json"], goal=0.3, **common) +
+                      _claim(name="Old", paper="p", records=["old.json"], **common) +
+                      _claim(name="Nothing", paper="p", records=["old.json"], **{**common, "arm": "void"}))
+    (tmp_path / "out").mkdir()
+    assert tables.main(["claims", str(claims), "--write"]) == 0
+    text = (tmp_path / "out" / "page.md").read_text()
+    assert text == tables.claims_page(claims)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
+    assert len(rows) == 3 and all(row.count(" | ") == 5 for row in rows)  # the | in "a | b" is escaped
+
+    # differences by seed 1.0, 0.9, 0.8, 0.7, 0.6: mean 0.8, sd sqrt(0.025), t = 0.8 / (sd / sqrt 5) = 11.31, df 4;
+    # all five positive: the sign-flip floor 2 / 2^5
+    spec = tables.claim_settings(tomllib.loads(claims.read_text())["claim"][0], 0)
+    figures = tables.claim_figures(spec, new)
+    assert figures.figure.mean == pytest.approx(0.8) and (figures.figure.n_seeds, figures.figure.n_tasks) == (5, 4)
+    assert 0.6 <= figures.figure.low < 0.8 < figures.figure.high <= 1.0
+    assert figures.share == (0.5, 0.5, 0.5, 5, 4)  # after RL 1.0 on every task, after the SFT-only control 0.5
+    assert figures.t_test[:2] == (pytest.approx(0.8 / (math.sqrt(0.025) / math.sqrt(5))), 4)
+    assert figures.sign_flip_p == 0.0625
+    per_task, seeds_only, nothing = rows
+    assert "**+0.80 [" in per_task and "+0.50 [+0.50, +0.50]; 5 seeds × 4 tasks" in per_task
+    assert "t = +11.31, df 4" in per_task and "sign-flip p = 0.062" in per_task
+    assert "**reproduced** (direction and size met; RL's share excludes 0). Because." in per_task
+    assert "a \\| b" in per_task and "[new.json](../new.json)" in per_task
+    assert "3 seeds, seeds only" in seeds_only and "no SFT-only control run" in seeds_only
+    assert "**no control** (direction and size met; RL's share not measured; pilot: 3 seeds)" in seeds_only
+    assert "| not run |" in nothing and "**not run**" in nothing
+    assert "python experiments/tables.py claims" in text and "Fewer than 5 seeds is a pilot" in text
+
+
+def test_a_claims_file_that_cannot_be_read_says_which_claim_and_why():
+    base = {"name": "c", "paper": "p", "records": [], "kind": "training", "arm": "otc", "field": "heldout_after",
+            "direction": "up", "why": "w", "baseline": "grpo"}
+    assert tables.claim_settings(base, 0)["baseline_field"] == "heldout_after"
+    with pytest.raises(tables.ClaimError, match=r"claim 3 \(c\): unknown keys \['basline'\]"):
+        tables.claim_settings({**base, "basline": "grpo"}, 2)
+    with pytest.raises(tables.ClaimError, match=r"missing keys \['why'\]"):
+        tables.claim_settings({k: v for k, v in base.items() if k != "why"}, 0)
+    with pytest.raises(tables.ClaimError, match="direction 'higher'; choose from up, down, within"):
+        tables.claim_settings({**base, "direction": "higher"}, 0)
+    with pytest.raises(tables.ClaimError, match="compares the arm with itself"):
+        tables.claim_settings({k: v for k, v in base.items() if k != "baseline"}, 0)
+
+
+def test_the_claims_page_is_what_the_generator_writes_from_the_committed_records():
+    """docs/experiments/README.md cannot drift from the records: it is regenerated here and compared, and every
+    link in it stays inside the repository and names a file that exists."""
+    root = Path(__file__).parents[1]
+    page = root / "docs" / "experiments" / "README.md"
+    assert page.read_text() == tables.claims_page(root / "experiments" / "claims.toml"), \
+        "regenerate it: python experiments/tables.py claims experiments/claims.toml --write"
+    for target in re.findall(r"\]\(([^)]+)\)", page.read_text()):
+        resolved = (page.parent / target).resolve()
+        assert "://" not in target and resolved.is_relative_to(root) and resolved.exists(), target
