@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import random
 from typing import NamedTuple
 
@@ -77,6 +78,22 @@ def _seed_means(unit: list[tuple[float, float]]) -> tuple[float, float]:
     return sum(a for a, _ in unit) / len(unit), sum(b for _, b in unit) / len(unit)
 
 
+def _columns(unit: list[tuple[float, float]]) -> tuple[range, tuple[float, ...], tuple[float, ...]]:
+    """A seed's task indices, arm values and baseline values, laid out for ``_resampled_means``."""
+    return range(len(unit)), tuple(a for a, _ in unit), tuple(b for _, b in unit)
+
+
+def _resampled_means(columns: tuple[range, tuple[float, ...], tuple[float, ...]],
+                     rng: random.Random) -> tuple[float, float]:
+    """One seed's mean arm and baseline values over its tasks drawn with replacement (the same draws for both, so
+    tasks stay paired). ``itemgetter`` picks the drawn values in C: this loop is where the page's time goes."""
+    indices, arm, baseline = columns
+    if len(indices) == 1:
+        return arm[0], baseline[0]
+    pick = operator.itemgetter(*rng.choices(indices, k=len(indices)))
+    return sum(pick(arm)) / len(indices), sum(pick(baseline)) / len(indices)
+
+
 def _statistics(seed_means: list[tuple[float, float]], relative: bool) -> tuple[float, float, float]:
     """(arm − baseline, arm, baseline): the means over seeds of the seeds' means (each seed counts once); the
     difference divided by the baseline's mean when ``relative`` (NaN where that is 0)."""
@@ -112,10 +129,11 @@ def bootstrap_contrast(arm: list[SeedOutcome], baseline: list[SeedOutcome], *, r
     if n_seeds == 1 and not by_task:
         return tuple(Interval(m, math.nan, math.nan, 1, 0) for m in means)
     rng = random.Random(seed)
+    columns = [_columns(u) for u in units]
     draws = []
     for _ in range(resamples):
         if by_task:  # seeds, then each drawn seed's tasks
-            drawn = [_seed_means(rng.choices(u, k=len(u))) for u in rng.choices(units, k=n_seeds)]
+            drawn = [_resampled_means(c, rng) for c in rng.choices(columns, k=n_seeds)]
         else:
             drawn = rng.choices(seed_means, k=n_seeds)
         draws.append(_statistics(drawn, relative))
