@@ -897,6 +897,7 @@ class ClaimFigures(NamedTuple):
     baseline: Interval
     share: Interval | None  # after RL − the SFT-only control; None where no control ran
     differences: list[float]  # arm − baseline per seed, what the paired tests test
+    steps: list[int]  # the RL steps the arm's paired runs took (empty where the records do not say)
     t_test: tuple[float, int, float]  # (t, degrees of freedom, two-sided p)
     sign_flip_p: float
 
@@ -913,10 +914,12 @@ def claim_figures(claim: dict, records: list[dict]) -> ClaimFigures:
     keys = sorted(set(arm) & set(baseline))
     a, b = [arm[k] for k in keys], [baseline[k] for k in keys]
     differences = [x.value - y.value for x, y in zip(a, b)]
+    steps = sorted({r["steps"] for r in _where(records, claim["kind"], arm=claim["arm"], **where)
+                    if (r["build"], r["seed"]) in set(keys) and r.get("steps") is not None})
     shared = sorted(set(arm) & set(control))
     share = bootstrap_difference([arm[k] for k in shared], [control[k] for k in shared],
                                  relative=claim["relative"]) if shared else None
-    return ClaimFigures(*bootstrap_contrast(a, b, relative=claim["relative"]), share, differences,
+    return ClaimFigures(*bootstrap_contrast(a, b, relative=claim["relative"]), share, differences, steps,
                         paired_t_test(differences),
                         sign_flip_p(differences) if len(differences) <= MAX_SIGN_FLIP_SEEDS else math.nan)
 
@@ -985,8 +988,9 @@ def claim_row(claim: dict, figures: ClaimFigures, links: list[str]) -> str:
     """One row of the claims table."""
     relative = claim["relative"]
     level = _interval(figures.arm, signed=False) + " vs " + _interval(figures.baseline, signed=False)
+    steps = f"; {_span(figures.steps)} RL steps" if figures.steps else ""
     figure = "not run" if not figures.figure.n_seeds else \
-        f"**{_interval(figures.figure, relative=relative)}** ({level}); {_sample(figures.figure)}"
+        f"**{_interval(figures.figure, relative=relative)}** ({level}); {_sample(figures.figure)}{steps}"
     share = "no SFT-only control run" if figures.share is None else \
         f"{_interval(figures.share, relative=relative)}; {_sample(figures.share)}"
     verdict_label, basis = verdict(figures.figure, figures.share, direction=claim["direction"], goal=claim["goal"])

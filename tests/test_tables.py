@@ -442,6 +442,8 @@ def test_the_bootstrap_resamples_tasks_within_seeds_paired_by_task_id():
     # a seed without per-task outcomes (an old record) sends every seed back to its mean, and says so
     mixed = stats.bootstrap_difference([noisy[0], S(0.5)], [S(0.0, dict.fromkeys(map(str, range(10)), 0.0)), S(0.0)])
     assert mixed.seeds_only and mixed == (0.5, 0.5, 0.5, 2, 0)
+    # a record whose evaluation listed no tasks is a record without per-task outcomes
+    assert stats.bootstrap_difference([S(1.0, {}), S(0.0, {})], [S(0.0, {}), S(0.0, {})]) == (0.5, 0.0, 1.0, 2, 0)
     # seeds that share no task id cannot pair by task either
     assert stats.bootstrap_difference([S(1.0, {"a": 1.0})], [S(0.0, {"b": 0.0})]).seeds_only
 
@@ -603,6 +605,7 @@ def test_the_claims_table_from_a_tiny_claims_file(tmp_path):
     assert "**no control** (direction and size met; RL's share not measured; pilot: 3 seeds)" in seeds_only
     assert "| not run |" in nothing and "**not run**" in nothing
     assert "python experiments/tables.py claims" in text and "Fewer than 5 seeds is a pilot" in text
+    assert "RL steps" not in text  # these records do not say how many steps their runs took
 
 
 def test_a_claims_file_that_cannot_be_read_says_which_claim_and_why():
