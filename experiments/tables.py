@@ -885,10 +885,18 @@ def seed_outcomes(records: list[dict], *, kind: str, arm: str, field: str, where
                   objective: str) -> dict[tuple[str, int], SeedOutcome]:
     """(build, seed) -> ``field`` of the records of ``kind`` and ``arm`` that match ``where`` and were trained with
     ``objective`` (a record without one is an RL run: the SFT-only control came with issue 49), with the per-task
-    outcomes behind it where the record has them."""
-    return {(r["build"], r["seed"]): SeedOutcome(r[field], task_outcomes(r, field))
-            for r in _where(records, kind, arm=arm, **where)
-            if r.get(field) is not None and (r.get("objective") or "rl") == objective}
+    outcomes behind it where the record has them. Two records for one build and seed are a ``ClaimError``: the
+    filters do not say which run the claim means."""
+    chosen = [r for r in _where(records, kind, arm=arm, **where)
+              if r.get(field) is not None and (r.get("objective") or "rl") == objective]
+    by_seed: dict[tuple[str, int], dict] = {}
+    for r in chosen:
+        key = (r["build"], r["seed"])
+        if key in by_seed:
+            raise ClaimError(f"{arm} ({objective}) has two records for {key[0]} seed {key[1]}: "
+                             f"{by_seed[key]['name']} and {r['name']}; narrow the claim's filters")
+        by_seed[key] = r
+    return {key: SeedOutcome(r[field], task_outcomes(r, field)) for key, r in by_seed.items()}
 
 
 class ClaimFigures(NamedTuple):
@@ -909,8 +917,10 @@ def claim_figures(claim: dict, records: list[dict]) -> ClaimFigures:
                         objective="rl")
     baseline = seed_outcomes(records, kind=claim["kind"], arm=claim["baseline"], field=claim["baseline_field"],
                              where={**where, **_filters(claim["baseline_where"])}, objective="rl")
+    # a control run cannot share its RL run's name, so it differs in its variant: any variant, unless named
+    control_where = {k: v for k, v in where.items() if k != "variant"} | _filters(claim["control_where"])
     control = seed_outcomes(records, kind=claim["kind"], arm=claim["arm"], field=claim["field"],
-                            where={**where, **_filters(claim["control_where"])}, objective="sft")
+                            where=control_where, objective="sft")
     keys = sorted(set(arm) & set(baseline))
     a, b = [arm[k] for k in keys], [baseline[k] for k in keys]
     differences = [x.value - y.value for x, y in zip(a, b)]

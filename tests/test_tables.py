@@ -548,10 +548,12 @@ def test_records_written_before_issue_49_read_the_new_fields_as_none(tmp_path):
     assert tables.task_outcomes(record, "heldout_after") is None
 
 
-def _training_records(arm: str, per_seed: list[float], *, objective: str | None = None, tasks: int = 4) -> list[dict]:
+def _training_records(arm: str, per_seed: list[float], *, objective: str | None = None, variant: str | None = None,
+                      tasks: int = 4) -> list[dict]:
     """Records of one arm, seed i held-out at ``per_seed[i]`` on every one of ``tasks`` tasks (tasks=0: none)."""
-    return [{"name": f"pm135-b0-s{i}-{arm}", "machine": "m", "task": "python_math", "size": "135M", "build": "m/b0",
-             "seed": i, "variant": None, "kind": "training", "arm": arm, "objective": objective,
+    return [{"name": f"pm135-b0-s{i}-{arm}" + (f"-{variant}" if variant else ""), "machine": "m",
+             "task": "python_math", "size": "135M", "build": "m/b0", "seed": i, "variant": variant,
+             "kind": "training", "arm": arm, "objective": objective,
              "heldout_after": value, "heldout_tasks_after": {f"t{j}": value for j in range(tasks)} if tasks else None}
             for i, value in enumerate(per_seed)]
 
@@ -568,7 +570,7 @@ def test_the_claims_table_from_a_tiny_claims_file(tmp_path):
     """Per-task records with an SFT-only control give an interval over seeds and tasks, RL's share and a verdict;
     old records give seeds only and no control; an arm with no records is 'not run'."""
     new = _training_records("otc", [1.0] * 5) + _training_records("grpo", [0.0, 0.1, 0.2, 0.3, 0.4]) + \
-        _training_records("otc", [0.5] * 5, objective="sft")
+        _training_records("otc", [0.5] * 5, objective="sft", variant="sft")  # the control: its own name
     (tmp_path / "new.json").write_text(json.dumps(new))
     old = [{k: v for k, v in r.items() if k not in ("objective", "heldout_tasks_after")}
            for r in _training_records("otc", [0.6, 0.7, 0.8]) + _training_records("grpo", [0.1, 0.1, 0.2])]
@@ -606,6 +608,14 @@ def test_the_claims_table_from_a_tiny_claims_file(tmp_path):
     assert "| not run |" in nothing and "**not run**" in nothing
     assert "python experiments/tables.py claims" in text and "Fewer than 5 seeds is a pilot" in text
     assert "RL steps" not in text  # these records do not say how many steps their runs took
+
+
+def test_a_claim_whose_filters_match_two_runs_of_one_seed_is_refused():
+    records = _training_records("otc", [1.0], objective="sft", variant="sft") + \
+        _training_records("otc", [0.7], objective="sft", variant="sft2")
+    with pytest.raises(tables.ClaimError, match="otc \\(sft\\) has two records for m/b0 seed 0: "
+                       "pm135-b0-s0-otc-sft and pm135-b0-s0-otc-sft2; narrow"):
+        tables.seed_outcomes(records, kind="training", arm="otc", field="heldout_after", where={}, objective="sft")
 
 
 def test_a_claims_file_that_cannot_be_read_says_which_claim_and_why():
