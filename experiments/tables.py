@@ -1032,7 +1032,8 @@ def claims_page(claims_path: Path) -> str:
         links = [f"[{name}]({os.path.relpath(records_dir / name, page.parent)})" for name in claim["records"]]
         rows.append((claim, claim_figures(claim, records), links))
     seeds = sorted({figures.figure.n_seeds for _, figures, _ in rows if figures.figure.n_seeds})
-    lines = [*_page_header(claims_path, page, seeds), "",
+    controlled = sum(figures.share is not None for _, figures, _ in rows)
+    lines = [*_page_header(claims_path, page, seeds, controlled, len(rows)), "",
              "| claim (setting: contrast; records) | paper's figure | ctxrl's figure: mean [95% interval] (arm vs "
              "baseline); n | RL's share: after RL − SFT-only control | paired test | verdict |",
              "|---|---|---|---|---|---|",
@@ -1049,7 +1050,7 @@ def _span(values: list[int]) -> str:
     return str(values[0]) if values[0] == values[-1] else f"{values[0]} to {values[-1]}"
 
 
-def _page_header(claims_path: Path, page: Path, seeds: list[int]) -> list[str]:
+def _page_header(claims_path: Path, page: Path, seeds: list[int], controlled: int, claims: int) -> list[str]:
     """How the page is made and how to read it; every number in it comes from ``experiments/stats.py``."""
     claims_link = os.path.relpath(claims_path.resolve(), page.parent)
     repository = Path(__file__).resolve().parents[1]
@@ -1071,7 +1072,8 @@ def _page_header(claims_path: Path, page: Path, seeds: list[int]) -> list[str]:
         f"- **Seeds**: the claims below rest on {_span(seeds)} seeds each. Fewer than {RESULT_SEEDS} seeds is a "
         f"pilot; {RESULT_SEEDS} is a result.",
         "- **RL's share**: the arm's figure after RL minus the same arm after the SFT-only control (the same warm "
-        "start, then as many SFT optimizer steps as RL takes: `train.objective = \"sft\"`), paired by seed.",
+        "start, then as many SFT optimizer steps as RL takes: `train.objective = \"sft\"`), paired by seed. "
+        f"{controlled} of the {claims} claims below have such a control run.",
         "- **Paired test**: the paired t-test over seed-level differences (two-sided) is the test used. The exact "
         "sign-flip test is beside it; it cannot go below 2 / 2^n with n seeds "
         f"({floors} seeds).",
