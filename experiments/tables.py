@@ -1,4 +1,5 @@
-"""Tables and plots from ``experiments/batch.py`` runs: means with standard errors over builds and seeds.
+"""Tables and plots from ``experiments/batch.py`` runs: means with standard errors over builds and seeds, and the
+claims table of the seed papers with bootstrap intervals and paired tests (``experiments/stats.py``).
 
 Run names follow the plans' pattern ``TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]][-VARIANT]``
 (``fh26-b1-s0-window320``: fact_hunt, the 26M model, build 1, RL seed 0, the window manager at 320
@@ -15,6 +16,12 @@ records, small enough to keep in the docs; it names every run it skips and why:
   episode over the last 10 RL steps, void-turn rate, the largest gradient norm, and every held-out
   evaluation (step, success, calls), so that an arm is compared with GRPO at a step both reached.
 
+Since issue 49 every record also carries its training ``objective`` ("rl", or "sft" for the SFT-only control)
+and, from the first and last held-out evaluations, the outcome per task (``heldout_tasks_before``/``_after``; for
+trials success by attempt per task) and what summaries kept (``summary_retention_*``); older records read these
+as None. ``load_records`` reads any committed records file: ``collect``'s, the hand-made lists of issues 36 and
+37, ``experiments/selfplay.py``'s summaries; a file or entry it cannot interpret is named, with the reason.
+
 A build is named by the machine that made it too (``--machine``): GPU pre-training is not
 reproducible across machines, so ``b0`` on two machines is two builds. A run named in several batches
 of one ``collect`` (run again after a failure) is taken from the last of them.
@@ -26,6 +33,11 @@ the model ladder (``ladder-*.png``).
 
     python experiments/tables.py collect runs/batch --machine h100x4 --out results.json
     python experiments/tables.py report results.json --plots docs/experiments    # markdown on stdout
+    python experiments/tables.py claims experiments/claims.toml --write          # docs/experiments/README.md
+
+``claims`` compares each claim of ``experiments/claims.toml`` (an arm against a baseline, paired by build and
+seed) and writes the page: ctxrl's figure with its 95% interval over seeds and held-out tasks, RL's share (after
+RL minus the SFT-only control), the paired tests and the verdict (the rules are ``stats.verdict``'s).
 """
 
 from __future__ import annotations
@@ -33,13 +45,34 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import tomllib
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # stats.py beside this file, also when loaded by its path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats import (  # noqa: E402
+    CONFIDENCE,
+    DIRECTIONS,
+    MAX_SIGN_FLIP_SEEDS,
+    RESAMPLES,
+    RESULT_SEEDS,
+    Interval,
+    SeedOutcome,
+    bootstrap_contrast,
+    bootstrap_difference,
+    paired_t_test,
+    sign_flip_floor,
+    sign_flip_p,
+    verdict,
+)
 
 NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
                   r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z][A-Za-z0-9.+]*(?:-[A-Za-z0-9.+]+)*))?$")
@@ -49,6 +82,8 @@ TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "pytho
          "ps": "propose_solve"}
 # 135: SmolLM2-135M-Instruct; 270: Gemma 3 270M (base): the real models
 SIZES = {"1": "1M", "5": "5.2M", "26": "26M", "135": "135M", "270": "270M"}
+TASK_VARIANTS = {"csnt": "notool"}  # task codes that name a setting of their task, not another task
+KINDS = ("context", "meta", "training", "selfplay")  # what a record is: which script's run it reads
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -82,11 +117,74 @@ def first_step(metrics: Path) -> dict[str, float | None]:
     return {"entropy_first": first.get("entropy"), "zero_variance_first": first.get("zero_variance_groups")}
 
 
+# A record's per-evaluation fields and the eval-row keys they are read from, the first a row has. The retention
+# figures were named twice while issue 49's runs were written: summary_fact_retention / summaries_scored /
+# task_summary_retention, and ctxrl's fact_survival / fact_survival_rewrites / task_fact_survival.
+EVAL_ROW_KEYS = {"heldout_tasks": ("task_success",),
+                 "summary_retention": ("summary_fact_retention", "fact_survival"),
+                 "summaries_scored": ("summaries_scored", "fact_survival_rewrites"),
+                 "summary_retention_tasks": ("task_summary_retention", "task_fact_survival")}
+
+
+def heldout_outcomes(rows: list[dict]) -> dict:
+    """Per-task held-out outcomes and what summaries kept, from a run's metrics rows (issue 49's fields of an
+    ``eval`` row; None where a row lacks them): the first held-out evaluation is "before" (the warm start's) and
+    the last "after". A run that evaluated once (a meta-RL arm, a warm start) has an "after" and no "before".
+
+    - ``heldout_tasks_before``/``_after``: task id -> success (mean over that task's episodes);
+    - ``heldout_tasks_by_attempt_after``: task id -> success by attempt k = 1..K (trial evaluations);
+    - ``summary_retention_*``: the fraction of the facts the answer needs that survive each summary;
+      ``summaries_scored_*``: how many summaries that is over; ``summary_retention_tasks_*``: per task."""
+    heldout = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
+    last = heldout[-1] if heldout else {}
+    first = heldout[0] if len(heldout) > 1 else {}
+    return {"heldout_tasks_by_attempt_after": last.get("task_success_by_attempt"),
+            **{f"{field}_{when}": next((row[k] for k in keys if k in row), None)
+               for field, keys in EVAL_ROW_KEYS.items() for when, row in (("before", first), ("after", last))}}
+
+
+def run_outcomes(directory: Path) -> dict:
+    """What one run directory (a ``config.toml`` beside a ``metrics.jsonl``) adds to its record: its training
+    ``objective`` (``train.objective``: "rl" unless it is the SFT-only control, "sft") and ``heldout_outcomes``."""
+    config = directory / "config.toml"
+    train = tomllib.loads(config.read_text()).get("train", {}) if config.is_file() else {}
+    metrics = directory / "metrics.jsonl"
+    return {"objective": train.get("objective", "rl"), **heldout_outcomes(_rows(metrics) if metrics.is_file() else [])}
+
+
+def _by_attempt(field: str, pick: Callable[[list[float]], float]) -> Callable[[dict], dict[str, float] | None]:
+    """Per-task outcomes read from a record's success-by-attempt lists: ``pick(list)`` per task."""
+    def read(record: dict) -> dict[str, float] | None:
+        lists = record.get(field)
+        return {task: pick(by_attempt) for task, by_attempt in lists.items()} if lists else None
+    return read
+
+
+# The per-task outcomes behind a record's figure, for the bootstrap over tasks (``task_outcomes``). A figure not
+# named here (a training-time figure, or one the runs record no per-task outcomes for) is resampled over seeds only.
+TASK_OUTCOMES = {
+    "heldout_before": lambda r: r.get("heldout_tasks_before"),
+    "heldout_after": lambda r: r.get("heldout_tasks_after"),
+    "summary_retention_before": lambda r: r.get("summary_retention_tasks_before"),
+    "summary_retention_after": lambda r: r.get("summary_retention_tasks_after"),
+    "attempt1": _by_attempt("heldout_tasks_by_attempt_after", lambda s: s[0]),
+    "success_by_k": _by_attempt("heldout_tasks_by_attempt_after", lambda s: s[-1]),
+    "gain": _by_attempt("heldout_tasks_by_attempt_after", lambda s: s[-1] - s[0]),
+    "success_by_k_sampled": _by_attempt("sampled_tasks_by_attempt", lambda s: s[-1]),
+}
+
+
+def task_outcomes(record: dict, field: str) -> dict[str, float] | None:
+    """Task id -> the outcome whose mean is the record's ``field``; None where the record has none for it."""
+    read = TASK_OUTCOMES.get(field)
+    return read(record) if read else None
+
+
 def _context_record(base: dict, manager: str, run_dir: Path, r: dict) -> dict:
     """One context manager's record from its figures ``r`` (the names of ``summary.json``)."""
     budget = _config(run_dir, manager).get("context", {}).get("max_context_tokens") or None  # None: unlimited
     return {**base, "kind": "context", "arm": manager, "budget": budget,
-            **first_step(run_dir / manager / "metrics.jsonl"),
+            **first_step(run_dir / manager / "metrics.jsonl"), **run_outcomes(run_dir / manager),
             "heldout_before": r["heldout_before"], "heldout_after": r["heldout_after"], "ood_after": r["ood_after"],
             **{k: r.get(k) for k in ("peak_context", "summaries_per_episode", "selections_per_episode",
                                      "heldout_by_eval_summaries", "ood_by_eval_summaries")}}
@@ -129,13 +227,17 @@ def _partial_sweep(run_dir: Path, manager: str) -> dict[str, dict[str, float]]:
     return dict(sorted(sweep.items(), key=lambda kv: int(kv[0])))
 
 
-def _meta_records(base: dict, summary: dict) -> list[dict]:
+def _meta_records(base: dict, summary: dict, run_dir: Path) -> list[dict]:
+    """One record per arm of a reflection run, its figures from ``summary.json`` and its per-task outcomes from
+    the arm's directory (``ARM/metrics.jsonl``; the sampled evaluation's from ``ARM-sampled``)."""
     k = summary["attempts"]
     records = []
     for arm, r in summary["arms"].items():
         h, s = r["heldout"], r.get("sampled", {})
         first, by_k = h.get("success"), h.get(f"success_by_{k}")
+        sampled = run_outcomes(run_dir / f"{arm}-sampled")["heldout_tasks_by_attempt_after"]
         records.append({**base, "kind": "meta", "arm": arm, "attempts": k, "steps": summary["steps"],
+                        **run_outcomes(run_dir / arm), "sampled_tasks_by_attempt": sampled,
                         "attempt1": first, "success_by_k": by_k,
                         "gain": None if first is None or by_k is None else by_k - first,
                         "success_at_k": h.get(f"success_at_{k}"), "tool_errors_at_1": h.get("tool_errors_at_1"),
@@ -144,20 +246,24 @@ def _meta_records(base: dict, summary: dict) -> list[dict]:
 
 
 def _training_record(base: dict, metrics: Path) -> dict | None:
+    """An ``env_training.py`` run's record from its ``metrics.jsonl``: None unless it took steps and evaluated
+    after them. The SFT-only control's steps (``sft_control`` rows) count as its steps; it has no rollouts, so
+    the figures of RL's own rows (tool calls, void turns, gradient norms while training) are None for it."""
     rows = _rows(metrics)
     rl = [r for r in rows if r.get("phase") == "rl"]
+    steps = rl or [r for r in rows if r.get("phase") == "sft_control"]
     heldout = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
-    if not rl or len(heldout) < 2:
+    if not steps or len(heldout) < 2:
         return None
     last = rl[-10:]
     sft = next((r for r in rows if r.get("phase") == "sft"), {})
-    return {**base, "kind": "training", "steps": len(rl), "sft_loss_last": sft.get("sft_loss_last"),
-            **first_step(metrics),
+    return {**base, "kind": "training", "steps": len(steps), "sft_loss_last": sft.get("sft_loss_last"),
+            **first_step(metrics), **run_outcomes(metrics.parent),
             "heldout_before": heldout[0]["success"], "heldout_after": heldout[-1]["success"],
             "heldout_calls_after": heldout[-1].get("tool_calls"),
-            "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last),
-            "void_turn_rate_last10": sum(r.get("void_turn_rate", 0.0) for r in last) / len(last),
-            "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl),
+            "train_calls_last10": sum(r["tool_calls"] for r in last) / len(last) if last else None,
+            "void_turn_rate_last10": sum(r.get("void_turn_rate", 0.0) for r in last) / len(last) if last else None,
+            "grad_norm_max": max(r.get("grad_norm", 0.0) for r in rl) if rl else None,
             "heldout_curve": [[r["step"], r["success"], r.get("tool_calls")] for r in heldout]}
 
 
@@ -191,19 +297,27 @@ class _Skip(ValueError):
     """Why a run directory gives no records."""
 
 
+def _base(name: str, machine: str, g: dict) -> dict:
+    """The fields every record of a run has, from the groups of its name (``NAME``). A task code that stands for
+    a setting of its task (``csnt``: chain_sum without a tool) adds that setting to the variant, so the two runs
+    are not paired as one arm."""
+    variant = "-".join(v for v in (TASK_VARIANTS.get(g["task"]), g["variant"]) if v) or None
+    return {"name": name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
+            "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"]),
+            "variant": variant}
+
+
 def _read_run(run_dir: Path, machine: str) -> list[dict]:
     match = NAME.match(run_dir.name)
     if not match or (match["variant"] and not match["arm"]):
         raise _Skip("not a TASK SIZE-bBUILD-sSEED[-ARM[BUDGET]][-VARIANT] name")
     g = match.groupdict()
-    base = {"name": run_dir.name, "machine": machine, "task": TASKS.get(g["task"], g["task"]),
-            "size": SIZES.get(g["size"], g["size"]), "build": f"{machine}/b{g['build']}", "seed": int(g["seed"]),
-            "variant": g["variant"]}
+    base = _base(run_dir.name, machine, g)
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
         if summary.get("experiment") == "reflection":
-            return _meta_records(base, summary)
+            return _meta_records(base, summary, run_dir)
         if summary and all(isinstance(v, dict) and "heldout_after" in v for v in summary.values()):
             return _context_records(base, summary, run_dir)
     if g["arm"] and (run_dir / g["arm"] / "metrics.jsonl").is_file():  # a context run cut short
@@ -217,6 +331,116 @@ def _read_run(run_dir: Path, machine: str) -> list[dict]:
         raise _Skip("no results (no summary.json, or metrics.jsonl without an evaluation after RL): it failed "
                     "or was stopped")
     return [record]
+
+
+RECORD_FILE_SUFFIXES = (".json", ".jsonl")
+# What records carry since issue 49 (held-out outcomes per task, summary retention, the training objective);
+# a record written before has none of them, and reads them as None.
+OUTCOME_FIELDS = ("objective", "heldout_tasks_before", "heldout_tasks_after", "heldout_tasks_by_attempt_after",
+                  "sampled_tasks_by_attempt", "summary_retention_before", "summary_retention_after",
+                  "summaries_scored_before", "summaries_scored_after", "summary_retention_tasks_before",
+                  "summary_retention_tasks_after")
+
+
+def normalise(record: dict) -> dict:
+    """A record with every field of today's records: the ones an older record lacks are None."""
+    return {"variant": None, **dict.fromkeys(OUTCOME_FIELDS), **record}
+
+
+def load_records(path: Path, skipped: list[str]) -> list[dict]:
+    """Every record one committed file holds, whatever wrote it: ``collect``'s records, or the hand-made lists of
+    issues 36 and 37 and ``experiments/selfplay.py``'s summaries. A file, or an entry of one, that this cannot
+    interpret is added to ``skipped`` as ``PATH: why`` (never dropped silently)."""
+    try:
+        text = path.read_text()
+        data = [json.loads(x) for x in text.splitlines() if x.strip()] if path.suffix == ".jsonl" else json.loads(text)
+    except (OSError, ValueError) as exc:
+        skipped.append(f"{path}: could not be read ({type(exc).__name__}: {exc})")
+        return []
+    for reader in (_collected_records, _hand_made_records, _selfplay_summary_records):
+        records = reader(data, path, skipped)
+        if records is not None:
+            return [normalise(r) for r in records]
+    skipped.append(f"{path}: {_unread_shape(data)}")
+    return []
+
+
+def _dicts_with(data, key: str) -> bool:
+    return isinstance(data, list) and bool(data) and all(isinstance(x, dict) and key in x for x in data)
+
+
+def _collected_records(data, path: Path, skipped: list[str]) -> list[dict] | None:
+    """``collect``'s own output: a list of records, each with its ``kind``."""
+    return data if _dicts_with(data, "kind") else None
+
+
+HAND_NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-s(?P<seed>\d+)-(?P<arm>[a-z]+)$")
+
+
+def _hand_made_records(data, path: Path, skipped: list[str]) -> list[dict] | None:
+    """A list of runs written by hand from a batch's output, one entry per run with its ``run`` name (issue 36:
+    success before and after per split; issue 37: ``selfplay.py``'s evaluation rows before and after). A name
+    without a build (``cs135-s0-warm``) is the plan's ``b0``: a named real model has one build. The machine is
+    the file's directory (``issue36``)."""
+    if not _dicts_with(data, "run"):
+        return None
+    records = []
+    for entry in data:
+        match = NAME.match(entry["run"]) or HAND_NAME.match(entry["run"])
+        if not match or not match["arm"]:
+            skipped.append(f"{path}: {entry['run']}: not a TASK SIZE-[bBUILD-]sSEED-ARM name")
+            continue
+        base = {**_base(entry["run"], path.parent.name, {"build": "0", "variant": None, **match.groupdict()}),
+                "arm": match["arm"]}
+        if isinstance(entry.get("before"), dict) and isinstance(entry.get("after"), dict):
+            records.append(_selfplay_record(base, entry["before"], entry["after"], entry.get("steps")))
+        elif "heldout_before" in entry and "heldout_after" in entry:
+            records.append({**base, "kind": "training", "steps": entry.get("steps"),
+                            "heldout_before": entry["heldout_before"], "heldout_after": entry["heldout_after"],
+                            "ood_after": entry.get("ood_after")})
+        else:
+            skipped.append(f"{path}: {entry['run']}: neither held-out success before and after nor evaluation rows")
+    return records
+
+
+def _selfplay_summary_records(data, path: Path, skipped: list[str]) -> list[dict] | None:
+    """``experiments/selfplay.py``'s ``selfplay.json``: evaluation rows before and after per ``ENV-sSEED``. It
+    names no model, so the records' size is None."""
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, dict) or not runs or \
+            not all(isinstance(r, dict) and {"before", "after"} <= set(r) for r in runs.values()):
+        return None
+    records = []
+    for key, run in runs.items():
+        task, _, seed = key.rpartition("-s")
+        if not seed.isdigit():
+            skipped.append(f"{path}: {key}: not an ENV-sSEED key")
+            continue
+        base = {"name": f"{path.stem}:{key}", "machine": path.parent.name, "task": task, "size": None,
+                "build": f"{path.parent.name}/b0", "seed": int(seed), "variant": None, "arm": "selfplay"}
+        records.append(_selfplay_record(base, run["before"], run["after"], run.get("steps")))
+    return records
+
+
+def _selfplay_record(base: dict, before: dict, after: dict, steps: int | None) -> dict:
+    """A self-play run's held-out success before and after RL, and its win rate and chips a hand against each
+    scripted opponent (``win_rate_vs_random_before`` ...)."""
+    opponents = sorted(k.removeprefix("win_rate_vs_") for k in before if k.startswith("win_rate_vs_"))
+    return {**base, "kind": "selfplay", "steps": steps, "heldout_before": before.get("success"),
+            "heldout_after": after.get("success"),
+            **{f"{figure}_vs_{o}_{when}": row.get(f"{figure}_vs_{o}") for o in opponents
+               for figure in ("win_rate", "reward") for when, row in (("before", before), ("after", after))}}
+
+
+def _unread_shape(data) -> str:
+    """Why a file's contents are not records, in words."""
+    if isinstance(data, dict) and "experiment" in data:
+        return (f"a meta.py summary ({data['experiment']!r}): it names no run, seed or model size to file its "
+                "figures under")
+    if _dicts_with(data, "phase"):
+        return "a run's metrics rows on their own: no run name to file them under"
+    keys = ", ".join(list(data)[:6]) if isinstance(data, dict) else f"{len(data)} entries"
+    return f"not a records file this reads (a JSON {type(data).__name__}: {keys})"
 
 
 def _fmt(x: float | None) -> str:
@@ -341,6 +565,21 @@ def training_table(records: list[dict]) -> str:
                                                                 "void_turn_rate_last10", "grad_norm_max"))
         lines.append(f"| {task} | {size} | {_arm(arm, variant)} | {len(group)} | {cells} | "
                      f"{_runs(group, 'heldout_after')} |")
+    return "\n".join(lines) + "\n"
+
+
+def selfplay_table(records: list[dict]) -> str:
+    """Held-out success before and after RL per self-play arm, and the win rate against each scripted opponent."""
+    lines = ["| task | model | arm | runs | held-out before | held-out after | win rate before → after, per opponent |",
+             "|---|---|---|---|---|---|---|"]
+    groups = _groups(records, "selfplay", ("task", "size", "arm", "variant"))
+    for (task, size, arm, variant), group in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        opponents = sorted({k[len("win_rate_vs_"):-len("_before")] for r in group for k in r
+                            if k.startswith("win_rate_vs_") and k.endswith("_before")})
+        rates = "; ".join(f"{o}: {_cell(_values(group, f'win_rate_vs_{o}_before'))} → "
+                          f"{_cell(_values(group, f'win_rate_vs_{o}_after'))}" for o in opponents)
+        cells = " | ".join(_cell(_values(group, f)) for f in ("heldout_before", "heldout_after"))
+        lines.append(f"| {task} | {size or '–'} | {_arm(arm, variant)} | {len(group)} | {cells} | {rates or '–'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -597,8 +836,254 @@ def report(records: list[dict]) -> str:
         parts += ["\n## RL on an environment\n", training_table(records)]
         if any(r.get("heldout_curve") for r in records if r["kind"] == "training"):
             parts += ["\n### Against GRPO at a step both runs evaluated\n", step_table(records)]
+    if any(r["kind"] == "selfplay" for r in records):
+        parts += ["\n## Self-play and proposer-solver\n", selfplay_table(records)]
     parts += ["\n## Paired comparisons\n", contrasts(records)]
     return "\n".join(parts)
+
+
+# The claims table: each claim of the seed papers against ctxrl's figure, RL's share and a verdict
+# (``experiments/claims.toml`` says what each claim compares; ``experiments/stats.py`` computes the figures).
+
+CLAIM_KEYS = {"name": None, "paper": None, "records": None, "kind": None, "arm": None, "field": None,
+              "direction": None, "why": None, "baseline": "", "baseline_field": "", "where": {},
+              "baseline_where": {}, "control_where": {}, "goal": 0.0, "relative": False}
+
+
+class ClaimError(ValueError):
+    """A claims file that cannot be read as written: the message names the claim and what to fix."""
+
+
+def claim_settings(entry: dict, index: int) -> dict:
+    """One ``[[claim]]`` of a claims file with its defaults filled in; a missing or unknown key, or a direction
+    other than ``up``/``down``/``within``, is a ``ClaimError`` naming the claim."""
+    label = f"claim {index + 1} ({entry.get('name', 'no name')})"
+    unknown = sorted(set(entry) - set(CLAIM_KEYS))
+    missing = sorted(k for k, default in CLAIM_KEYS.items() if default is None and k not in entry)
+    if unknown or missing:
+        raise ClaimError(f"{label}: " + "; ".join(
+            ([f"unknown keys {unknown} (known: {sorted(CLAIM_KEYS)})"] if unknown else []) +
+            ([f"missing keys {missing}"] if missing else [])))
+    claim = {**CLAIM_KEYS, **entry}
+    if claim["direction"] not in DIRECTIONS:
+        raise ClaimError(f"{label}: direction {claim['direction']!r}; choose from {', '.join(DIRECTIONS)}")
+    claim["baseline"] = claim["baseline"] or claim["arm"]
+    claim["baseline_field"] = claim["baseline_field"] or claim["field"]
+    if (claim["baseline"], claim["baseline_field"], claim["baseline_where"]) == (claim["arm"], claim["field"], {}):
+        raise ClaimError(f"{label}: it compares the arm with itself; name a baseline arm, a baseline_field "
+                         "(heldout_before: what RL added) or a baseline_where")
+    return claim
+
+
+def _filters(table: dict) -> dict:
+    """A claim's record filters as records hold them: ``budget = 0`` is no budget (None), as
+    ``context.max_context_tokens = 0`` is."""
+    return {k: (None if k == "budget" and v == 0 else v) for k, v in table.items()}
+
+
+def seed_outcomes(records: list[dict], *, kind: str, arm: str, field: str, where: dict,
+                  objective: str) -> dict[tuple[str, int], SeedOutcome]:
+    """(build, seed) -> ``field`` of the records of ``kind`` and ``arm`` that match ``where`` and were trained with
+    ``objective`` (a record without one is an RL run: the SFT-only control came with issue 49), with the per-task
+    outcomes behind it where the record has them. Two records for one build and seed are a ``ClaimError``: the
+    filters do not say which run the claim means."""
+    chosen = [r for r in _where(records, kind, arm=arm, **where)
+              if r.get(field) is not None and (r.get("objective") or "rl") == objective]
+    by_seed: dict[tuple[str, int], dict] = {}
+    for r in chosen:
+        key = (r["build"], r["seed"])
+        if key in by_seed:
+            raise ClaimError(f"{arm} ({objective}) has two records for {key[0]} seed {key[1]}: "
+                             f"{by_seed[key]['name']} and {r['name']}; narrow the claim's filters")
+        by_seed[key] = r
+    return {key: SeedOutcome(r[field], task_outcomes(r, field)) for key, r in by_seed.items()}
+
+
+class ClaimFigures(NamedTuple):
+    figure: Interval  # arm − baseline, paired by build and seed
+    arm: Interval
+    baseline: Interval
+    share: Interval | None  # after RL − the SFT-only control; None where no control ran
+    differences: list[float]  # arm − baseline per seed, what the paired tests test
+    steps: list[int]  # the RL steps the arm's paired runs took (empty where the records do not say)
+    t_test: tuple[float, int, float]  # (t, degrees of freedom, two-sided p)
+    sign_flip_p: float
+
+
+def claim_figures(claim: dict, records: list[dict]) -> ClaimFigures:
+    """ctxrl's figure for one claim, the two levels it is the difference of, RL's share and the paired tests."""
+    where = {"variant": None, **_filters(claim["where"])}  # plain runs unless a variant is named, as ``paired``
+    arm = seed_outcomes(records, kind=claim["kind"], arm=claim["arm"], field=claim["field"], where=where,
+                        objective="rl")
+    baseline = seed_outcomes(records, kind=claim["kind"], arm=claim["baseline"], field=claim["baseline_field"],
+                             where={**where, **_filters(claim["baseline_where"])}, objective="rl")
+    # a control run cannot share its RL run's name, so it differs in its variant: any variant, unless named
+    control_where = {k: v for k, v in where.items() if k != "variant"} | _filters(claim["control_where"])
+    control = seed_outcomes(records, kind=claim["kind"], arm=claim["arm"], field=claim["field"],
+                            where=control_where, objective="sft")
+    keys = sorted(set(arm) & set(baseline))
+    a, b = [arm[k] for k in keys], [baseline[k] for k in keys]
+    differences = [x.value - y.value for x, y in zip(a, b)]
+    steps = sorted({r["steps"] for r in _where(records, claim["kind"], arm=claim["arm"], **where)
+                    if (r["build"], r["seed"]) in set(keys) and r.get("steps") is not None})
+    shared = sorted(set(arm) & set(control))
+    share = bootstrap_difference([arm[k] for k in shared], [control[k] for k in shared],
+                                 relative=claim["relative"]) if shared else None
+    return ClaimFigures(*bootstrap_contrast(a, b, relative=claim["relative"]), share, differences, steps,
+                        paired_t_test(differences),
+                        sign_flip_p(differences) if len(differences) <= MAX_SIGN_FLIP_SEEDS else math.nan)
+
+
+def _number(x: float, *, signed: bool, relative: bool) -> str:
+    """``+0.61``, ``−0.84``, ``−50%``: two decimals (whole percents) and a minus sign; ``−0.00`` is a negative
+    number too small to show, so an interval that reaches below 0 never reads as starting at ``+0.00``."""
+    x, digits = (100 * x, 0) if relative else (x, 2)
+    x = 0.0 if x == 0 else x  # (-0.0 is 0)
+    text = f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+    return text.replace("-", "−") + ("%" if relative else "")
+
+
+def _interval(iv: Interval, *, signed: bool = True, relative: bool = False) -> str:
+    """``+0.61 [+0.59, +0.63]``; ``(no interval)`` where there is none."""
+    if math.isnan(iv.mean):
+        return "–"
+    mean = _number(iv.mean, signed=signed, relative=relative)
+    if math.isnan(iv.low):
+        return f"{mean} (no interval)"
+    return f"{mean} [{_number(iv.low, signed=signed, relative=relative)}, " \
+           f"{_number(iv.high, signed=signed, relative=relative)}]"
+
+
+def _sample(iv: Interval) -> str:
+    """``5 seeds × 60 tasks``, or ``3 seeds, seeds only``."""
+    seeds = f"{iv.n_seeds} seed{'s' * (iv.n_seeds != 1)}"
+    return f"{seeds}, seeds only" if iv.seeds_only else f"{seeds} × {iv.n_tasks} tasks"
+
+
+def _p(p: float) -> str:
+    """``p = 0.056``, ``p < 0.001``."""
+    return "p = –" if math.isnan(p) else ("p < 0.001" if p < 0.001 else f"p = {p:.3f}")
+
+
+def _tests(figures: ClaimFigures) -> str:
+    """The paired t-test's p (the test used), the sign-flip test's beside it."""
+    t, df, p = figures.t_test
+    if math.isnan(t):
+        return "– (fewer than 2 seeds)"
+    if max(figures.differences) - min(figures.differences) <= 1e-12:
+        t_cell = "no spread: every seed the same difference"
+    else:
+        t_cell = f"t = {_number(t, signed=True, relative=False)}, df {df}, {_p(p)}"
+    return f"{t_cell}; sign-flip {_p(figures.sign_flip_p)}"
+
+
+def _setting(claim: dict) -> str:
+    """``fact_hunt 135M, budget 384, d300``: the filters a claim's arm is read with."""
+    where = claim["where"]
+    parts = [" ".join(str(where[k]) for k in ("task", "size") if k in where)]
+    parts += [f"budget {where['budget'] or 'none'}"] if "budget" in where else []
+    parts += [str(where["variant"])] if where.get("variant") else []
+    return ", ".join(p for p in parts if p)
+
+
+def _contrast(claim: dict) -> str:
+    """``summarize − window``, ``heldout_after − heldout_before``, or both where arm and field differ."""
+    arms = claim["arm"] if claim["baseline"] == claim["arm"] else f"{claim['arm']} − {claim['baseline']}"
+    fields = claim["field"] if claim["baseline_field"] == claim["field"] else \
+        f"{claim['field']} − {claim['baseline_field']}"
+    return f"`{arms}`, `{fields}`" + (" (relative to the baseline)" if claim["relative"] else "")
+
+
+def claim_row(claim: dict, figures: ClaimFigures, links: list[str]) -> str:
+    """One row of the claims table."""
+    relative = claim["relative"]
+    level = _interval(figures.arm, signed=False) + " vs " + _interval(figures.baseline, signed=False)
+    steps = f"; {_span(figures.steps)} RL steps" if figures.steps else ""
+    figure = "not run" if not figures.figure.n_seeds else \
+        f"**{_interval(figures.figure, relative=relative)}** ({level}); {_sample(figures.figure)}{steps}"
+    share = "no SFT-only control run" if figures.share is None else \
+        f"{_interval(figures.share, relative=relative)}; {_sample(figures.share)}"
+    verdict_label, basis = verdict(figures.figure, figures.share, direction=claim["direction"], goal=claim["goal"])
+    goal = "" if not claim["goal"] else \
+        f"; goal: {'within ±' if claim['direction'] == 'within' else ''}" \
+        f"{_number(claim['goal'], signed=False, relative=relative)}"
+    name, paper, why = (claim[k].replace("|", "\\|") for k in ("name", "paper", "why"))  # a | would end the cell
+    return (f"| {name} ({_setting(claim)}: {_contrast(claim)}{goal}; {', '.join(links)}) | {paper} "
+            f"| {figure} | {share} | {_tests(figures)} "
+            f"| **{verdict_label}** ({basis}). {why} |")
+
+
+def claims_page(claims_path: Path) -> str:
+    """The page ``claims_path`` describes (its ``page``): how it is made, then one row per claim, then the
+    records that could not be read. Records files are named relative to ``records_dir``; links are relative to
+    the page, so they stay inside the repository."""
+    spec = tomllib.loads(claims_path.read_text())
+    claims = [claim_settings(entry, i) for i, entry in enumerate(spec.get("claim", []))]
+    page = (claims_path.parent / spec["page"]).resolve()
+    records_dir = (claims_path.parent / spec["records_dir"]).resolve()
+    loaded: dict[str, list[dict]] = {}
+    skipped: list[str] = []
+    rows = []
+    for claim in claims:
+        for name in claim["records"]:
+            if name not in loaded:
+                loaded[name] = load_records(records_dir / name, skipped)
+        records = [r for name in claim["records"] for r in loaded[name]]
+        links = [f"[{name}]({os.path.relpath(records_dir / name, page.parent)})" for name in claim["records"]]
+        rows.append((claim, claim_figures(claim, records), links))
+    seeds = sorted({figures.figure.n_seeds for _, figures, _ in rows if figures.figure.n_seeds})
+    controlled = sum(figures.share is not None for _, figures, _ in rows)
+    lines = [*_page_header(claims_path, page, seeds, controlled, len(rows)), "",
+             "| claim (setting: contrast; records) | paper's figure | ctxrl's figure: mean [95% interval] (arm vs "
+             "baseline); n | RL's share: after RL − SFT-only control | paired test | verdict |",
+             "|---|---|---|---|---|---|",
+             *(claim_row(claim, figures, links) for claim, figures, links in rows)]
+    if skipped:
+        lines += ["", "Records named above that could not be read:", "", *(f"- {line}" for line in skipped)]
+    return "\n".join(lines) + "\n"
+
+
+def _span(values: list[int]) -> str:
+    """``1 to 9``, ``3``, or ``no``."""
+    if not values:
+        return "no"
+    return str(values[0]) if values[0] == values[-1] else f"{values[0]} to {values[-1]}"
+
+
+def _page_header(claims_path: Path, page: Path, seeds: list[int], controlled: int, claims: int) -> list[str]:
+    """How the page is made and how to read it; every number in it comes from ``experiments/stats.py``."""
+    claims_link = os.path.relpath(claims_path.resolve(), page.parent)
+    repository = Path(__file__).resolve().parents[1]
+    command = f"python experiments/tables.py claims {os.path.relpath(claims_path.resolve(), repository)} --write"
+    floors = ", ".join(f"{sign_flip_floor(n):.4g} with {n}" for n in sorted({*seeds, RESULT_SEEDS}))
+    return [
+        "# The seed papers' claims against ctxrl's records",
+        "",
+        f"Generated by `{command}` from the records that [claims.toml]({claims_link}) names; edit that file, "
+        "not this page (`tests/test_tables.py` fails when the two differ). Each row compares one arm with a "
+        "baseline, run with the same seeds.",
+        "",
+        f"- **ctxrl's figure**: arm − baseline, paired by build and seed (a seed below is one such pair): the mean "
+        f"over seeds, its "
+        f"{CONFIDENCE:.0%} percentile-bootstrap interval ({RESAMPLES} resamples of the seeds, then of each drawn "
+        "seed's held-out tasks, paired by task id) and n seeds × n tasks. Records without per-task outcomes, which "
+        "is every record committed before issue 49, resample seeds only (*seeds only*): their intervals leave out "
+        "the error of the held-out tasks drawn, and are too narrow.",
+        f"- **Seeds**: the claims below rest on {_span(seeds)} seeds each. Fewer than {RESULT_SEEDS} seeds is a "
+        f"pilot; {RESULT_SEEDS} is a result.",
+        "- **RL's share**: the arm's figure after RL minus the same arm after the SFT-only control (the same warm "
+        "start, then as many SFT optimizer steps as RL takes: `train.objective = \"sft\"`), paired by seed. "
+        f"{controlled} of the {claims} claims below have such a control run.",
+        "- **Paired test**: the paired t-test over seed-level differences (two-sided) is the test used. The exact "
+        "sign-flip test is beside it; it cannot go below 2 / 2^n with n seeds "
+        f"({floors} seeds).",
+        "- **Verdict** (`verdict` in `experiments/stats.py`): *not reproduced* when the interval does not exclude 0 "
+        "on the paper's side; a claim of no effect (*within*) is *reproduced* when the whole interval lies within "
+        "its goal; otherwise *no control* when no SFT-only control ran (an effect, but nothing says RL made it "
+        "rather than the warm start), *reproduced* when RL's share also excludes 0 on the paper's side and the "
+        "size goal is met, *direction only* when the direction holds but not the size or RL's share. Then the "
+        "claim's own 'why'.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -611,7 +1096,19 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="markdown tables (and plots) from collected records")
     r.add_argument("records", type=Path)
     r.add_argument("--plots", type=Path, default=None, help="write PNGs here")
+    k = sub.add_parser("claims", help="the claims table (markdown page) from a claims file and committed records")
+    k.add_argument("claims", type=Path)
+    k.add_argument("--write", action="store_true", help="write the page the claims file names, not stdout")
     args = parser.parse_args(argv)
+    if args.command == "claims":
+        text = claims_page(args.claims)
+        if not args.write:
+            print(text, end="")
+            return 0
+        page = args.claims.parent / tomllib.loads(args.claims.read_text())["page"]
+        page.write_text(text)
+        print(f"wrote {os.path.normpath(page)}")
+        return 0
     if args.command == "collect":
         missing = [str(b) for b in args.batches if not (b / "runs").is_dir()]
         if missing:
@@ -626,7 +1123,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(keep + new, indent=1))
         print(f"{len(new)} records from {len(args.batches)} batch(es); {len(keep) + len(new)} in {args.out}")
         return 0
-    records = json.loads(args.records.read_text())
+    skipped = []
+    records = load_records(args.records, skipped)
+    for line in skipped:
+        print(f"skipped {line}", file=sys.stderr)
     print(report(records))
     if args.plots:
         args.plots.mkdir(parents=True, exist_ok=True)

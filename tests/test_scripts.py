@@ -54,6 +54,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/context.py": "tests/test_context.py::test_context_experiment_runs_end_to_end",
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
     "experiments/selfplay.py": "tests/test_scripts.py::test_selfplay_trains_evaluates_and_rates_checkpoints",
+    "experiments/stats.py": "tests/test_tables.py::test_the_bootstrap_over_seeds_is_hand_checked",
     "experiments/tables.py": "tests/test_tables.py::test_collecting_again_replaces_records_and_reports_write_plots",
 }
 

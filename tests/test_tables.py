@@ -1,19 +1,32 @@
-"""experiments/tables.py: records from batch runs, means with standard errors, paired comparisons, plots."""
+"""experiments/tables.py and stats.py: records from batch runs, means with standard errors, paired comparisons,
+plots; bootstrap intervals, paired tests and the claims table."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
-_spec = importlib.util.spec_from_file_location("tables", Path(__file__).parents[1] / "experiments" / "tables.py")
-tables = importlib.util.module_from_spec(_spec)
-sys.modules["tables"] = tables
-_spec.loader.exec_module(tables)
+
+def _load(file: str):
+    """A module of experiments/ by its path (experiments/ is not a package), under its file's stem."""
+    name = Path(file).stem
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "experiments" / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+stats = _load("stats.py")
+tables = _load("tables.py")
+S = stats.SeedOutcome
 
 
 def context_run(batch: Path, name: str, manager: str, before: float, after: float, budget: int | None) -> None:
@@ -307,3 +320,325 @@ def test_first_step_keeps_what_rl_met_after_the_warm_start(tmp_path):
     assert tables.NAME.match("fh135-b0-s2-summarize384-d1500lr1e-5").groupdict() == {
         "task": "fh", "size": "135", "build": "0", "seed": "2", "arm": "summarize", "budget": "384",
         "variant": "d1500lr1e-5"}
+
+
+DATA = Path(__file__).parents[1] / "docs" / "experiments" / "data"
+RECORD_FILES = sorted(p for p in DATA.rglob("*") if p.suffix in tables.RECORD_FILE_SUFFIXES)
+
+
+@pytest.mark.parametrize("path", RECORD_FILES, ids=lambda p: str(p.relative_to(DATA)))
+def test_every_committed_records_file_is_read_or_named_as_skipped(path):
+    """``report`` crashed on the hand-made records of issues 36 and 37: ``KeyError: 'kind'`` on issue 36's list of
+    runs and issue 37's SmolLM2 list, ``TypeError: string indices must be integers`` on the tiny-model Kuhn files
+    (a JSON object, iterated as its keys). Every file is now read, or named in ``skipped`` with the reason, and
+    the report over what was read does not crash."""
+    skipped: list[str] = []
+    records = tables.load_records(path, skipped)
+    assert records or any(line.startswith(f"{path}: ") for line in skipped), path
+    assert all(r["kind"] in tables.KINDS and "objective" in r and "heldout_tasks_after" in r for r in records)
+    tables.report(records)
+
+
+def test_the_hand_made_records_of_issues_36_and_37_are_read_as_runs():
+    skipped: list[str] = []
+    gym = tables.load_records(DATA / "issue36" / "runs.json", skipped)
+    assert len(gym) == 8 and not skipped
+    no_tool = next(r for r in gym if r["name"] == "csnt135-s1-warm")
+    assert (no_tool["kind"], no_tool["task"], no_tool["size"], no_tool["seed"], no_tool["arm"], no_tool["variant"],
+            no_tool["heldout_before"], no_tool["heldout_after"], no_tool["build"]) == \
+        ("training", "reasoning_gym:chain_sum", "135M", 1, "warm", "notool", 0.37, 0.38, "issue36/b0")
+    smol = tables.load_records(DATA / "issue37" / "selfplay-smollm2.json", skipped)
+    kuhn = [r for r in smol if r["task"] == "kuhn_poker"]
+    assert len(smol) == 6 and len(kuhn) == 3 and {r["arm"] for r in smol} == {"selfplay", "proposer"}
+    s0 = next(r for r in kuhn if r["seed"] == 0)
+    assert (s0["kind"], s0["size"], s0["win_rate_vs_random_before"], s0["win_rate_vs_random_after"],
+            s0["win_rate_vs_nash_after"], s0["heldout_before"]) == ("selfplay", "135M", 0.39, 0.685, 0.625, 0.45)
+    (tiny,) = tables.load_records(DATA / "issue37" / "kuhn_poker-tiny-s2.json", skipped)
+    assert (tiny["task"], tiny["seed"], tiny["size"], tiny["win_rate_vs_random_before"]) == \
+        ("kuhn_poker", 2, None, 0.305)
+    assert not skipped
+    tables.load_records(DATA / "issue38" / "judge_tune.json", skipped)
+    assert skipped and skipped[0].startswith(f"{DATA / 'issue38' / 'judge_tune.json'}: not a records file")
+
+
+def test_the_student_t_tail_matches_hand_checked_values():
+    """Two-sided p of Student's t: the tables' 97.5% points give 0.05; df 1 (Cauchy) and df 2 have closed forms."""
+    assert stats.student_t_two_sided_p(2.776, 4) == pytest.approx(0.05, abs=2e-4)
+    assert stats.student_t_two_sided_p(12.706, 1) == pytest.approx(0.05, abs=2e-4)
+    assert stats.student_t_two_sided_p(2.228, 10) == pytest.approx(0.05, abs=2e-4)
+    assert stats.student_t_two_sided_p(1.96, 1e6) == pytest.approx(0.05, abs=2e-4)  # the normal limit
+    for t in (0.3, 1.0, 4.0):
+        assert stats.student_t_two_sided_p(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), rel=1e-10)
+        assert stats.student_t_two_sided_p(t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-10)
+    assert stats.student_t_two_sided_p(0.0, 5) == 1.0 and stats.student_t_two_sided_p(math.inf, 5) == 0.0
+    for x in (0.1, 0.5, 0.9):  # I_x(a, 1) = x^a, I_x(1, b) = 1 - (1 - x)^b
+        assert stats.regularized_incomplete_beta(x, 3.0, 1.0) == pytest.approx(x ** 3, rel=1e-10)
+        assert stats.regularized_incomplete_beta(x, 1.0, 2.5) == pytest.approx(1 - (1 - x) ** 2.5, rel=1e-10)
+
+
+def test_the_paired_t_test_and_its_degenerate_cases():
+    # differences 0.4, 0.2, 0.6: mean 0.4, sd 0.2, t = 0.4 / (0.2 / sqrt 3) = 2 sqrt 3, df 2: p = 1 - t / sqrt(t^2 + 2)
+    t, df, p = stats.paired_t_test([0.4, 0.2, 0.6])
+    assert (t, df) == (pytest.approx(2 * math.sqrt(3)), 2) and p == pytest.approx(1 - 2 * math.sqrt(3) / math.sqrt(14))
+    assert stats.paired_t_test([1.0, 1.0, 1.0]) == (math.inf, 2, 0.0)  # every seed the same difference
+    assert stats.paired_t_test([-0.5, -0.5]) == (-math.inf, 1, 0.0)
+    assert stats.paired_t_test([0.0, 0.0, 0.0]) == (0.0, 2, 1.0)
+    for one_or_none in ([0.3], []):
+        t, _, p = stats.paired_t_test(one_or_none)
+        assert math.isnan(t) and math.isnan(p)
+
+
+def test_the_exact_sign_flip_test_is_hand_checked():
+    # 1, 2, 3: of the 8 sign patterns only +++ and --- reach |sum| 6
+    assert stats.sign_flip_p([1.0, 2.0, 3.0]) == 0.25
+    # 3, 1: sums 4, 2, -2, -4; |sum| >= 4 in two of four
+    assert stats.sign_flip_p([3.0, 1.0]) == 0.5
+    assert stats.sign_flip_p([1.0, -1.0]) == 1.0 and stats.sign_flip_p([0.0, 0.0]) == 1.0
+    assert stats.sign_flip_p([0.1] * 5) == 0.0625 == stats.sign_flip_floor(5)  # the floor with five seeds
+    assert stats.sign_flip_p([0.1] * 3) == 0.25 == stats.sign_flip_floor(3)
+    assert stats.sign_flip_p([0.7]) == 1.0 and math.isnan(stats.sign_flip_p([]))
+    with pytest.raises(ValueError, match="17 seeds"):
+        stats.sign_flip_p([1.0] * 17)
+
+
+def test_the_bootstrap_over_seeds_is_hand_checked():
+    """Two seeds, seeds only: the resampled mean is 0, 0.5 or 1 with chances 1/4, 1/2, 1/4, so the 2.5% and 97.5%
+    quantiles are 0 and 1."""
+    interval = stats.bootstrap_difference([S(1.0), S(0.0)], [S(0.0), S(0.0)])
+    assert interval == (0.5, 0.0, 1.0, 2, 0) and interval.seeds_only
+    assert stats.bootstrap_mean([S(0.2), S(0.4)]) == (pytest.approx(0.3), 0.2, 0.4, 2, 0)
+    # the two levels of a figure come from the same resamples as the figure itself
+    difference, arm, baseline = stats.bootstrap_contrast([S(1.0), S(0.0)], [S(0.25), S(0.25)])
+    assert (difference, arm, baseline) == ((0.25, -0.25, 0.75, 2, 0), (0.5, 0.0, 1.0, 2, 0), (0.25, 0.25, 0.25, 2, 0))
+    # every seed the same difference: no spread to resample
+    assert stats.bootstrap_difference([S(1.0)] * 3, [S(0.25)] * 3) == (0.75, 0.75, 0.75, 3, 0)
+    one = stats.bootstrap_difference([S(0.9)], [S(0.1)])  # one seed, no tasks: no interval, not a zero-width one
+    assert one.mean == pytest.approx(0.8) and math.isnan(one.low) and math.isnan(one.high) and one.n_seeds == 1
+    none = stats.bootstrap_difference([], [])
+    assert none.n_seeds == 0 and math.isnan(none.mean)
+    with pytest.raises(ValueError, match="pair seed by seed"):
+        stats.bootstrap_difference([S(1.0)], [])
+    # relative: (1 - 2) / 2 on every seed; a zero baseline has no ratio
+    assert stats.bootstrap_difference([S(1.0)] * 2, [S(2.0)] * 2, relative=True) == (-0.5, -0.5, -0.5, 2, 0)
+    assert math.isnan(stats.bootstrap_difference([S(1.0)] * 2, [S(0.0), S(1.0)], relative=True).low)
+
+
+def test_the_bootstrap_resamples_tasks_within_seeds_paired_by_task_id():
+    # one seed, tasks a and b: the resampled task mean is 0, 0.5 or 1 (chances 1/4, 1/2, 1/4)
+    interval = stats.bootstrap_difference([S(0.5, {"a": 1.0, "b": 0.0})], [S(0.0, {"a": 0.0, "b": 0.0})])
+    assert interval == (0.5, 0.0, 1.0, 1, 2) and not interval.seeds_only
+    # tasks pair by id: c has no partner and is left out; a and b differ by 1 each
+    paired = stats.bootstrap_difference([S(1.0, {"a": 1.0, "b": 1.0, "c": 0.0}), S(1.0, {"a": 1.0, "b": 1.0})],
+                                        [S(0.0, {"a": 0.0, "b": 0.0}), S(0.0, {"b": 0.0, "a": 0.0})])
+    assert paired == (1.0, 1.0, 1.0, 2, 2)
+    # the same seed means with and without task noise: seeds alone see no spread, seeds and tasks do
+    noisy = [S(0.5, {str(i): float(i % 2) for i in range(10)}) for _ in range(3)]
+    flat = [S(0.5, dict.fromkeys(map(str, range(10)), 0.5)) for _ in range(3)]
+    seeds_only = stats.bootstrap_mean([S(0.5)] * 3)
+    both = stats.bootstrap_mean(noisy)
+    assert seeds_only == (0.5, 0.5, 0.5, 3, 0) and stats.bootstrap_mean(flat) == (0.5, 0.5, 0.5, 3, 10)
+    assert both.low < 0.5 < both.high and both.n_tasks == 10
+    assert both == stats.bootstrap_mean(noisy)  # seeded: a page regenerates to the same digits
+    # a seed without per-task outcomes (an old record) sends every seed back to its mean, and says so
+    mixed = stats.bootstrap_difference([noisy[0], S(0.5)], [S(0.0, dict.fromkeys(map(str, range(10)), 0.0)), S(0.0)])
+    assert mixed.seeds_only and mixed == (0.5, 0.5, 0.5, 2, 0)
+    # a record whose evaluation listed no tasks is a record without per-task outcomes
+    assert stats.bootstrap_difference([S(1.0, {}), S(0.0, {})], [S(0.0, {}), S(0.0, {})]) == (0.5, 0.0, 1.0, 2, 0)
+    # seeds that share no task id cannot pair by task either
+    assert stats.bootstrap_difference([S(1.0, {"a": 1.0})], [S(0.0, {"b": 0.0})]).seeds_only
+
+
+def test_verdicts_follow_the_documented_rules():
+    I = stats.Interval  # noqa: E741
+    big, small, across = I(0.5, 0.4, 0.6, 5, 60), I(0.1, 0.05, 0.15, 5, 60), I(0.1, -0.05, 0.25, 5, 60)
+
+    def verdict(figure, share=None, direction="up", goal=0.3):
+        return stats.verdict(figure, share, direction=direction, goal=goal)[0]
+
+    assert verdict(big) == "no control"
+    assert verdict(big, share=I(0.2, 0.1, 0.3, 5, 60)) == "reproduced"
+    assert verdict(big, share=across) == "direction only"  # RL's share includes 0
+    assert verdict(small, share=I(0.2, 0.1, 0.3, 5, 60)) == "direction only"  # below the size goal
+    assert verdict(big, share=I(-0.1, -0.2, 0.0, 5, 60)) == "not reproduced"  # the warm start's effect
+    assert verdict(across) == "not reproduced"
+    assert verdict(I(-0.5, -0.6, -0.4, 5, 0), direction="down") == "no control"
+    assert verdict(big, direction="down") == "not reproduced"
+    assert verdict(I(0.0, 0.0, 0.0, 5, 0), direction="within", goal=0.03) == "reproduced"
+    assert verdict(I(0.01, -0.05, 0.06, 5, 0), direction="within", goal=0.03) == "direction only"
+    assert verdict(I(-0.13, -0.2, -0.05, 5, 0), direction="within", goal=0.03) == "not reproduced"
+    assert verdict(I(0.8, math.nan, math.nan, 1, 0)) == "no interval"
+    assert verdict(I(math.nan, math.nan, math.nan, 0, 0)) == "not run"
+    assert stats.verdict(big._replace(n_seeds=3), None, direction="up", goal=0.3) == \
+        ("no control", "direction and size met; RL's share not measured; pilot: 3 seeds")
+
+
+def _write_rows(directory: Path, rows: list[dict], config: str = "") -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (directory / "config.toml").write_text(config)
+
+
+def _heldout(step: int, tasks: dict[str, float], **extra) -> dict:
+    return {"phase": "eval", "split": "heldout", "step": step, "success": sum(tasks.values()) / len(tasks),
+            "tool_calls": 1.0, "task_success": tasks, **extra}
+
+
+def test_collect_reads_per_task_outcomes_the_objective_and_summary_retention(tmp_path):
+    """Issue 49's eval rows: per-task success before and after, success by attempt per task for trials, summary
+    retention for context runs; ``train.objective`` from the run's config (the SFT-only control's steps are
+    ``sft_control`` rows, and it has no RL rows)."""
+    runs = tmp_path / "batch" / "runs"
+    rl_rows = [{"phase": "rl", "step": i, "tool_calls": 1.0, "grad_norm": 0.5} for i in range(1, 4)]
+    _write_rows(runs / "pm135-b0-s0-grpo" / "python_math-s0",
+                [_heldout(0, {"t1": 0.0, "t2": 0.5}), *rl_rows, _heldout(3, {"t1": 1.0, "t2": 0.5})])
+    control_rows = [{"phase": "sft_control", "step": i, "sft_loss": 0.1} for i in range(1, 4)]
+    _write_rows(runs / "pm135-b0-s0-grpo-ctl" / "python_math-s0",
+                [_heldout(0, {"t1": 0.0, "t2": 0.5}), *control_rows, _heldout(3, {"t1": 0.0, "t2": 1.0})],
+                config='[train]\nobjective = "sft"\n')
+    context = runs / "fh135-b0-s0-summarize384"
+    _write_rows(context / "summarize",
+                [_heldout(0, {"a": 1.0}, fact_survival=0.5, fact_survival_rewrites=4.0, task_fact_survival={"a": 0.5}),
+                 _heldout(30, {"a": 1.0}, summary_fact_retention=0.75, summaries_scored=8,
+                          task_summary_retention={"a": 0.75})],
+                config="[context]\nmax_context_tokens = 384\n")
+    (context / "summary.json").write_text(json.dumps({"summarize": {"heldout_before": 1.0, "heldout_after": 1.0,
+                                                                    "ood_after": 0.0}}))
+    meta = runs / "hw135-b0-s0-meta"
+    _write_rows(meta / "warm", [_heldout(0, {"w": 0.0}, task_success_by_attempt={"w": [0.0, 0.5, 0.5]})])
+    _write_rows(meta / "meta", [_heldout(20, {"w": 1.0}, task_success_by_attempt={"w": [0.5, 1.0, 1.0]})])
+    _write_rows(meta / "meta-sampled", [_heldout(0, {"w": 0.5}, task_success_by_attempt={"w": [0.25, 0.5, 0.75]})])
+    arms = {arm: {"heldout": {"success": 0.1, "success_by_3": 0.4}} for arm in ("warm", "meta")}
+    (meta / "summary.json").write_text(json.dumps({"experiment": "reflection", "attempts": 3, "steps": 20,
+                                                   "arms": arms}))
+    out = tmp_path / "records.json"
+    assert tables.main(["collect", str(tmp_path / "batch"), "--machine", "m", "--out", str(out)]) == 0
+    skipped: list[str] = []
+    recs = {(r["name"], r["arm"]): r for r in tables.load_records(out, skipped)}
+    assert not skipped
+    grpo, control = recs["pm135-b0-s0-grpo", "grpo"], recs["pm135-b0-s0-grpo-ctl", "grpo"]
+    assert (grpo["objective"], grpo["heldout_tasks_before"], grpo["heldout_tasks_after"]) == \
+        ("rl", {"t1": 0.0, "t2": 0.5}, {"t1": 1.0, "t2": 0.5})
+    assert (control["objective"], control["variant"], control["steps"], control["heldout_tasks_after"],
+            control["train_calls_last10"], control["grad_norm_max"]) == \
+        ("sft", "ctl", 3, {"t1": 0.0, "t2": 1.0}, None, None)
+    summarize = recs["fh135-b0-s0-summarize384", "summarize"]
+    assert (summarize["summary_retention_before"], summarize["summaries_scored_before"],
+            summarize["summary_retention_tasks_before"]) == (0.5, 4.0, {"a": 0.5})  # ctxrl's names
+    assert (summarize["summary_retention_after"], summarize["summaries_scored_after"],
+            summarize["summary_retention_tasks_after"]) == (0.75, 8, {"a": 0.75})  # the issue's names
+    warm, trained = recs["hw135-b0-s0-meta", "warm"], recs["hw135-b0-s0-meta", "meta"]
+    assert warm["heldout_tasks_by_attempt_after"] == {"w": [0.0, 0.5, 0.5]} and warm["heldout_tasks_before"] is None
+    assert trained["heldout_tasks_by_attempt_after"] == {"w": [0.5, 1.0, 1.0]}
+    assert trained["sampled_tasks_by_attempt"] == {"w": [0.25, 0.5, 0.75]} and warm["sampled_tasks_by_attempt"] is None
+    # the per-task outcomes behind each figure a claim may compare
+    assert tables.task_outcomes(trained, "gain") == {"w": 0.5}
+    assert tables.task_outcomes(trained, "attempt1") == {"w": 0.5}
+    assert tables.task_outcomes(trained, "success_by_k_sampled") == {"w": 0.75}
+    assert tables.task_outcomes(grpo, "heldout_before") == {"t1": 0.0, "t2": 0.5}
+    assert tables.task_outcomes(grpo, "train_calls_last10") is None  # a figure of training, not of held-out tasks
+
+
+def test_records_written_before_issue_49_read_the_new_fields_as_none(tmp_path):
+    old = {"name": "pm5-b0-s0-grpo", "machine": "m", "task": "python_math", "size": "5.2M", "build": "m/b0",
+           "seed": 0, "kind": "training", "arm": "grpo", "heldout_after": 0.5}  # no variant, no objective
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps([old]))
+    (record,) = tables.load_records(path, [])
+    assert record["variant"] is None and all(record[f] is None for f in tables.OUTCOME_FIELDS)
+    assert tables.task_outcomes(record, "heldout_after") is None
+
+
+def _training_records(arm: str, per_seed: list[float], *, objective: str | None = None, variant: str | None = None,
+                      tasks: int = 4) -> list[dict]:
+    """Records of one arm, seed i held-out at ``per_seed[i]`` on every one of ``tasks`` tasks (tasks=0: none)."""
+    return [{"name": f"pm135-b0-s{i}-{arm}" + (f"-{variant}" if variant else ""), "machine": "m",
+             "task": "python_math", "size": "135M", "build": "m/b0", "seed": i, "variant": variant,
+             "kind": "training", "arm": arm, "objective": objective,
+             "heldout_after": value, "heldout_tasks_after": {f"t{j}": value for j in range(tasks)} if tasks else None}
+            for i, value in enumerate(per_seed)]
+
+
+def _claim(**fields) -> str:
+    lines = ["[[claim]]"]
+    for key, value in fields.items():
+        lines.append(f"{key} = {json.dumps(value)}" if not isinstance(value, dict) else
+                     f"{key} = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in value.items())} }}")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_claims_table_from_a_tiny_claims_file(tmp_path):
+    """Per-task records with an SFT-only control give an interval over seeds and tasks, RL's share and a verdict;
+    old records give seeds only and no control; an arm with no records is 'not run'."""
+    new = _training_records("otc", [1.0] * 5) + _training_records("grpo", [0.0, 0.1, 0.2, 0.3, 0.4]) + \
+        _training_records("otc", [0.5] * 5, objective="sft", variant="sft")  # the control: its own name
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    old = [{k: v for k, v in r.items() if k not in ("objective", "heldout_tasks_after")}
+           for r in _training_records("otc", [0.6, 0.7, 0.8]) + _training_records("grpo", [0.1, 0.1, 0.2])]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    common = {"kind": "training", "arm": "otc", "baseline": "grpo", "field": "heldout_after",
+              "where": {"task": "python_math", "size": "135M"}, "direction": "up", "why": "Because."}
+    claims = tmp_path / "claims.toml"
+    claims.write_text('page = "out/page.md"\nrecords_dir = "."\n\n' +
+                      _claim(name="Per task", paper="a | b", records=["new.json"], goal=0.3, **common) +
+                      _claim(name="Old", paper="p", records=["old.json"], **common) +
+                      _claim(name="Nothing", paper="p", records=["old.json"], **{**common, "arm": "void"}))
+    (tmp_path / "out").mkdir()
+    assert tables.main(["claims", str(claims), "--write"]) == 0
+    text = (tmp_path / "out" / "page.md").read_text()
+    assert text == tables.claims_page(claims)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
+    assert len(rows) == 3 and all(row.count(" | ") == 5 for row in rows)  # the | in "a | b" is escaped
+
+    # differences by seed 1.0, 0.9, 0.8, 0.7, 0.6: mean 0.8, sd sqrt(0.025), t = 0.8 / (sd / sqrt 5) = 11.31, df 4;
+    # all five positive: the sign-flip floor 2 / 2^5
+    spec = tables.claim_settings(tomllib.loads(claims.read_text())["claim"][0], 0)
+    figures = tables.claim_figures(spec, new)
+    assert figures.figure.mean == pytest.approx(0.8) and (figures.figure.n_seeds, figures.figure.n_tasks) == (5, 4)
+    assert 0.6 <= figures.figure.low < 0.8 < figures.figure.high <= 1.0
+    assert figures.share == (0.5, 0.5, 0.5, 5, 4)  # after RL 1.0 on every task, after the SFT-only control 0.5
+    assert figures.t_test[:2] == (pytest.approx(0.8 / (math.sqrt(0.025) / math.sqrt(5))), 4)
+    assert figures.sign_flip_p == 0.0625
+    per_task, seeds_only, nothing = rows
+    assert "**+0.80 [" in per_task and "+0.50 [+0.50, +0.50]; 5 seeds × 4 tasks" in per_task
+    assert "t = +11.31, df 4" in per_task and "sign-flip p = 0.062" in per_task
+    assert "**reproduced** (direction and size met; RL's share excludes 0). Because." in per_task
+    assert "a \\| b" in per_task and "[new.json](../new.json)" in per_task
+    assert "3 seeds, seeds only" in seeds_only and "no SFT-only control run" in seeds_only
+    assert "**no control** (direction and size met; RL's share not measured; pilot: 3 seeds)" in seeds_only
+    assert "| not run |" in nothing and "**not run**" in nothing
+    assert "python experiments/tables.py claims" in text and "Fewer than 5 seeds is a pilot" in text
+    assert "RL steps" not in text  # these records do not say how many steps their runs took
+
+
+def test_a_claim_whose_filters_match_two_runs_of_one_seed_is_refused():
+    records = _training_records("otc", [1.0], objective="sft", variant="sft") + \
+        _training_records("otc", [0.7], objective="sft", variant="sft2")
+    with pytest.raises(tables.ClaimError, match="otc \\(sft\\) has two records for m/b0 seed 0: "
+                       "pm135-b0-s0-otc-sft and pm135-b0-s0-otc-sft2; narrow"):
+        tables.seed_outcomes(records, kind="training", arm="otc", field="heldout_after", where={}, objective="sft")
+
+
+def test_a_claims_file_that_cannot_be_read_says_which_claim_and_why():
+    base = {"name": "c", "paper": "p", "records": [], "kind": "training", "arm": "otc", "field": "heldout_after",
+            "direction": "up", "why": "w", "baseline": "grpo"}
+    assert tables.claim_settings(base, 0)["baseline_field"] == "heldout_after"
+    with pytest.raises(tables.ClaimError, match=r"claim 3 \(c\): unknown keys \['basline'\]"):
+        tables.claim_settings({**base, "basline": "grpo"}, 2)
+    with pytest.raises(tables.ClaimError, match=r"missing keys \['why'\]"):
+        tables.claim_settings({k: v for k, v in base.items() if k != "why"}, 0)
+    with pytest.raises(tables.ClaimError, match="direction 'higher'; choose from up, down, within"):
+        tables.claim_settings({**base, "direction": "higher"}, 0)
+    with pytest.raises(tables.ClaimError, match="compares the arm with itself"):
+        tables.claim_settings({k: v for k, v in base.items() if k != "baseline"}, 0)
+
+
+def test_the_claims_page_is_what_the_generator_writes_from_the_committed_records():
+    """docs/experiments/README.md cannot drift from the records: it is regenerated here and compared, and every
+    link in it stays inside the repository and names a file that exists."""
+    root = Path(__file__).parents[1]
+    page = root / "docs" / "experiments" / "README.md"
+    assert page.read_text() == tables.claims_page(root / "experiments" / "claims.toml"), \
+        "regenerate it: python experiments/tables.py claims experiments/claims.toml --write"
+    for target in re.findall(r"\]\(([^)]+)\)", page.read_text()):
+        resolved = (page.parent / target).resolve()
+        assert "://" not in target and resolved.is_relative_to(root) and resolved.exists(), target
