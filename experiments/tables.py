@@ -43,6 +43,7 @@ RL minus the SFT-only control), the paired tests and the verdict (the rules are 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -104,15 +105,24 @@ def _config(run_dir: Path, manager: str) -> dict:
     return tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
+def _exists(path: Path) -> bool:
+    """Whether a ``metrics.jsonl`` is there, or its ``.gz`` (``_rows`` reads either)."""
+    return path.is_file() or path.with_name(path.name + ".gz").is_file()
+
+
 def _rows(path: Path) -> list[dict]:
-    """The JSON lines of a ``metrics.jsonl``."""
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    """The JSON lines of a ``metrics.jsonl`` (or of the ``metrics.jsonl.gz`` beside it, as committed records keep
+    them)."""
+    if not path.is_file() and path.with_name(path.name + ".gz").is_file():
+        path = path.with_name(path.name + ".gz")
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
 
 
 def first_step(metrics: Path) -> dict[str, float | None]:
     """What RL met right after the warm start: the first RL step's policy entropy and how many of its groups had
     no reward variance (groups that teach nothing); None where the run has no RL row."""
-    rl = [r for r in _rows(metrics) if r.get("phase") == "rl"] if metrics.is_file() else []
+    rl = [r for r in _rows(metrics) if r.get("phase") == "rl"] if _exists(metrics) else []
     first = rl[0] if rl else {}
     return {"entropy_first": first.get("entropy"), "zero_variance_first": first.get("zero_variance_groups")}
 
@@ -149,7 +159,7 @@ def run_outcomes(directory: Path) -> dict:
     config = directory / "config.toml"
     train = tomllib.loads(config.read_text()).get("train", {}) if config.is_file() else {}
     metrics = directory / "metrics.jsonl"
-    return {"objective": train.get("objective", "rl"), **heldout_outcomes(_rows(metrics) if metrics.is_file() else [])}
+    return {"objective": train.get("objective", "rl"), **heldout_outcomes(_rows(metrics) if _exists(metrics) else [])}
 
 
 def _by_attempt(field: str, pick: Callable[[list[float]], float]) -> Callable[[dict], dict[str, float] | None]:
@@ -257,7 +267,13 @@ def _training_record(base: dict, metrics: Path) -> dict | None:
         return None
     last = rl[-10:]
     sft = next((r for r in rows if r.get("phase") == "sft"), {})
+    config = metrics.parent / "config.toml"
+    context = tomllib.loads(config.read_text()).get("context", {}) if config.is_file() else {}
+    final = heldout[-1]
     return {**base, "kind": "training", "steps": len(steps), "sft_loss_last": sft.get("sft_loss_last"),
+            "budget": context.get("max_context_tokens") or None,
+            "peak_context_after": final.get("context_peak_tokens_max"),
+            "summaries_per_episode_after": final.get("summaries_per_episode"),
             **first_step(metrics), **run_outcomes(metrics.parent),
             "heldout_before": heldout[0]["success"], "heldout_after": heldout[-1]["success"],
             "heldout_calls_after": heldout[-1].get("tool_calls"),
@@ -320,12 +336,13 @@ def _read_run(run_dir: Path, machine: str) -> list[dict]:
             return _meta_records(base, summary, run_dir)
         if summary and all(isinstance(v, dict) and "heldout_after" in v for v in summary.values()):
             return _context_records(base, summary, run_dir)
-    if g["arm"] and (run_dir / g["arm"] / "metrics.jsonl").is_file():  # a context run cut short
+    if g["arm"] and _exists(run_dir / g["arm"] / "metrics.jsonl"):  # a context run cut short
         record = _context_from_metrics(base, g["arm"], run_dir)
         if not record:
             raise _Skip("stopped before its evaluation after RL")
         return [record]
-    metrics = sorted(run_dir.glob("*/metrics.jsonl"))
+    metrics = sorted({p.with_suffix("") if p.suffix == ".gz" else p
+                      for p in [*run_dir.glob("*/metrics.jsonl"), *run_dir.glob("*/metrics.jsonl.gz")]})
     record = _training_record({**base, "arm": g["arm"]}, metrics[0]) if metrics and g["arm"] else None
     if not record:
         raise _Skip("no results (no summary.json, or metrics.jsonl without an evaluation after RL): it failed "
@@ -1086,6 +1103,23 @@ def _page_header(claims_path: Path, page: Path, seeds: list[int], controlled: in
     ]
 
 
+CONTEXT_RL_PAGE = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "context-rl.md"
+
+
+def _context_rl(write: bool) -> int:
+    """``context-rl``: the page's tables on stdout, or (``--write``) into the page, with its plot."""
+    import context_rl
+
+    tables = context_rl.page_tables()
+    if not write:
+        print("\n\n".join(f"<!-- {name} -->\n{table}" for name, table in tables.items()))
+        return 0
+    CONTEXT_RL_PAGE.write_text(context_rl.fill_page(CONTEXT_RL_PAGE.read_text(), tables))
+    context_rl.plot(context_rl.DATA / "batch", CONTEXT_RL_PAGE.with_suffix(".png"))
+    print(f"wrote {CONTEXT_RL_PAGE} and its plot")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1096,10 +1130,14 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="markdown tables (and plots) from collected records")
     r.add_argument("records", type=Path)
     r.add_argument("--plots", type=Path, default=None, help="write PNGs here")
+    cr = sub.add_parser("context-rl", help="the tables and plot of docs/experiments/context-rl.md (issue 49)")
+    cr.add_argument("--write", action="store_true", help="fill the page's blocks and draw its plot")
     k = sub.add_parser("claims", help="the claims table (markdown page) from a claims file and committed records")
     k.add_argument("claims", type=Path)
     k.add_argument("--write", action="store_true", help="write the page the claims file names, not stdout")
     args = parser.parse_args(argv)
+    if args.command == "context-rl":
+        return _context_rl(args.write)
     if args.command == "claims":
         text = claims_page(args.claims)
         if not args.write:

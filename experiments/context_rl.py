@@ -1,0 +1,200 @@
+"""The tables of docs/experiments/context-rl.md, from its committed records (``experiments/tables.py context-rl``).
+
+Issue 49's context experiment: ``fact_hunt`` on SmolLM2-135M-Instruct, policy-written summaries after a format-only
+warm start, their SFT-only control and a window matched on peak context (``experiments/plans/issue49.toml``). The
+records are ``docs/experiments/data/issue49/``:
+
+- ``runs.json``: ``experiments/tables.py collect`` of ``batch/`` (each run's config, metrics and samples, gzipped);
+- ``ceilings-fact_hunt.json``: ``experiments/ceilings.py``, the managers' scripted ceilings by budget;
+- ``evals/``: the summarising runs' final checkpoints evaluated with more summaries allowed (``ctxrl eval`` with
+  ``context.eval_max_summaries``), on held-out and on OOD trails.
+
+``trail_lengths`` rebuilds each held-out task from its seed (the environment is deterministic; the ids are checked)
+to say on which trails the successes fell. Intervals are ``experiments/stats.py``'s two-level bootstrap over seeds
+and held-out tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats import SeedOutcome, bootstrap_mean  # noqa: E402  (a sibling script, not a package)
+
+DATA = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "data" / "issue49"
+ARMS = {("summarize", "fmt", "rl"): "summarize 384, RL", ("summarize", "fmt-sftonly", "sft"): "summarize 384, SFT-only",
+        ("window", "d300", "rl"): "window 456, RL"}
+"""The arms of the page, in its order: (arm, variant, objective) -> label."""
+
+
+def _cell(iv) -> str:
+    return f"{iv.mean:.2f} [{iv.low:.2f}, {iv.high:.2f}]"
+
+
+def arm_records(records: list[dict]) -> dict[str, list[dict]]:
+    """The records of each arm of ``ARMS``, by label, ordered by seed."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["seed"]):
+        label = ARMS.get((r.get("arm"), r.get("variant"), r.get("objective") or "rl"))
+        if label:
+            out[label].append(r)
+    return out
+
+
+def interval(runs: list[dict], field: str, tasks_field: str | None):
+    """The arm's mean of ``field`` with its 95% interval over seeds (and tasks, where the records have them)."""
+    return bootstrap_mean([SeedOutcome(r[field], r.get(tasks_field) if tasks_field else None) for r in runs])
+
+
+def trail_lengths(seed: int, eval_seed: int, n: int = 60) -> dict[str, int]:
+    """Task id -> pages in its trail, for the ``n`` held-out tasks a run of ``eval.seed = eval_seed`` evaluates."""
+    from ctxrl.envs.fact_hunt import FactHuntEnv
+
+    return {t.id: len(t.data["trail"]) for t in FactHuntEnv.sample_tasks("heldout", n, eval_seed)}
+
+
+def successes_by_trail(runs: list[dict]) -> tuple[int, int, int]:
+    """(held-out successes after training, of them on two-page trails, two-page trails evaluated) over the runs."""
+    solved = two = two_total = 0
+    for r in runs:
+        pages = trail_lengths(r["seed"], 1000 + r["seed"])
+        tasks = r["heldout_tasks_after"]
+        if set(tasks) - set(pages):
+            raise ValueError(f"{r['name']}: its task ids are not the held-out tasks of eval.seed {1000 + r['seed']}")
+        solved += sum(v > 0 for v in tasks.values())
+        two += sum(v > 0 and pages[t] == 2 for t, v in tasks.items())
+        two_total += sum(pages[t] == 2 for t in tasks)
+    return solved, two, two_total
+
+
+def arms_table(records: list[dict]) -> str:
+    """Per arm: held-out success after the warm start and after 100 steps, what summaries kept, summaries per
+    episode and peak working context after, and where the successes fell."""
+    lines = ["| arm | runs | held-out after the warm start | held-out after 100 steps [95%] | answer's facts kept "
+             "by summaries, before → after | summaries / episode after | peak working context after (max) | "
+             "held-out successes on two-page trails |", "|---|---|---|---|---|---|---|---|"]
+    for label, runs in arm_records(records).items():
+        before = interval(runs, "heldout_before", "heldout_tasks_before")
+        after = interval(runs, "heldout_after", "heldout_tasks_after")
+        if runs[0].get("summary_retention_before") is not None:
+            kept = (f"{_cell(interval(runs, 'summary_retention_before', 'summary_retention_tasks_before'))} → "
+                    f"{_cell(interval(runs, 'summary_retention_after', 'summary_retention_tasks_after'))}")
+        else:
+            kept = "– (no summaries)"
+        summaries = sum(r["summaries_per_episode_after"] or 0 for r in runs) / len(runs)
+        peak = max(r["peak_context_after"] for r in runs)
+        solved, two, two_total = successes_by_trail(runs)
+        lines.append(f"| {label} | {len(runs)} | {_cell(before)} | {_cell(after)} | {kept} | {summaries:.2f} | "
+                     f"{peak:.0f} | {two} of {solved} (of {two_total} two-page trails evaluated) |")
+    return "\n".join(lines)
+
+
+def ceilings_table(path: Path) -> str:
+    """Scripted ceiling (peak working context) of each manager at each budget."""
+    records = json.loads(path.read_text())
+    budgets = sorted({r["budget"] for r in records if r.get("budget")})
+    managers = list(dict.fromkeys(r["manager"] for r in records))
+    by = {(r["manager"], r.get("budget")): r for r in records}
+    lines = ["| manager | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for m in managers:
+        if (m, None) in by:  # no budget: one figure
+            r = by[(m, None)]
+            lines.append(f"| {m} (no budget) | " + " | ".join(
+                [f"{r['ceiling']:.2f} ({r['peak_context_max']})"] + ["" for _ in budgets[1:]]) + " |")
+            continue
+        cells = []
+        for b in budgets:
+            r = by.get((m, b))
+            cells.append("–" if r is None or "error" in r else f"{r['ceiling']:.2f} ({r['peak_context_max']})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def eval_limits_table(evals: Path) -> str:
+    """The summarising RL runs' final checkpoints with more summaries allowed at evaluation, per split and limit."""
+    rows: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for metrics in sorted(evals.glob("*/metrics.jsonl")):
+        name = metrics.parent.name  # fh135-b0-sS-summarize384-fmt-SPLIT-K
+        *_, split, limit = name.split("-")
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("phase") == "eval" and row.get("split") == split:
+                rows[(split, int(limit))].append(row["success"])
+    lines = ["| split | summaries allowed | runs | success, mean (min–max over runs) |", "|---|---|---|---|"]
+    for (split, limit), values in sorted(rows.items()):
+        lines.append(f"| {split} | {limit} | {len(values)} | {sum(values) / len(values):.2f} "
+                     f"({min(values):.2f}–{max(values):.2f}) |")
+    return "\n".join(lines)
+
+
+def page_tables(data: Path = DATA) -> dict[str, str]:
+    """Every generated table of the page, by the name of the block that holds it."""
+    records = json.loads((data / "runs.json").read_text())
+    return {"arms": arms_table(records), "ceilings": ceilings_table(data / "ceilings-fact_hunt.json"),
+            "limits": eval_limits_table(data / "evals")}
+
+
+def fill_page(text: str, tables: dict[str, str]) -> str:
+    """``text`` with each block ``<!-- NAME -->`` ... ``<!-- /NAME -->`` holding ``tables[NAME]``; a block the page
+    lacks is an error, so that no table is silently left out."""
+    for name, table in tables.items():
+        begin, end = f"<!-- {name} -->\n", f"\n<!-- /{name} -->"
+        if begin not in text or end not in text:
+            raise ValueError(f"the page has no block {begin.strip()} ... {end.strip()}")
+        head, rest = text.split(begin, 1)
+        text = head + begin + table + end + rest.split(end, 1)[1]
+    return text
+
+
+def curves(batch: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Per arm label, per figure (held-out success, facts kept): the mean over the arm's runs at each evaluation."""
+    import gzip
+
+    by: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for path in sorted(batch.glob("runs/*/*/metrics.jsonl.gz")):
+        rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
+        config = (path.parent / "config.toml").read_text()
+        objective = "sft" if 'objective = "sft"' in config else "rl"
+        name = path.parent.parent.name  # fh135-b0-sS-ARMBUDGET-VARIANT
+        arm = name.split("-", 3)[3]
+        key = next((label for (a, variant, obj), label in ARMS.items()
+                    if arm.startswith(a) and arm.endswith(variant) and obj == objective), None)
+        if key is None:
+            continue
+        for r in rows:
+            if r.get("phase") == "eval" and r.get("split") == "heldout":
+                by[key]["success"][r["step"]].append(r["success"])
+                kept = r.get("fact_survival")
+                if isinstance(kept, (int, float)) and kept == kept:
+                    by[key]["facts kept"][r["step"]].append(kept)
+    return {label: {fig: sorted((s, sum(v) / len(v)) for s, v in steps.items()) for fig, steps in figs.items()}
+            for label, figs in by.items()}
+
+
+def plot(batch: Path, path: Path) -> Path:
+    """Held-out success (left) and the answer's facts kept by each rewrite (right) by step, mean of each arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = curves(batch)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, figure in zip(axes, ("success", "facts kept")):
+        for label, figs in data.items():
+            if figs.get(figure):
+                steps, values = zip(*figs[figure])
+                ax.plot(steps, values, marker="o", markersize=3, label=label)
+        ax.set_xlabel("step (RL, or SFT-only control)")
+        ax.set_ylabel("held-out success" if figure == "success" else "answer's facts kept by a rewrite")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("fact_hunt, SmolLM2-135M-Instruct, 5 seeds each (mean)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
