@@ -100,7 +100,7 @@ print(json.dumps({**names, RUNNERS.kind: sorted(RUNNERS.names())}))
     assert done.returncode == 0, done.stderr[-2000:]
     names = json.loads(done.stdout.strip().splitlines()[-1])
     assert names["advantage estimator"] == ["distill", "dr_grpo", "gae", "grpo", "meta", "rae", "reinforce_pp",
-                                              "rloo", "turn_grpo"]
+                                              "rloo", "turn_grpo", "turn_loo"]
     assert names["tool format"] == ["hermes", "llama3_json", "mistral", "pythonic"]
     assert {"calculator", "harness", "jsonl_tools", "kuhn_poker", "propose_solve"} <= set(names["environment"])
     assert names["episode runner"] == ["harness", "meta", "plain", "roles"]

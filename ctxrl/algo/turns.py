@@ -14,6 +14,30 @@ earned), compared with the same turn of the other episodes in its group:
 3. ``broadcast_turn_advantages`` puts ``A[i,k]`` on every sampled token of turn ``k``.
 
 With one turn per episode this is exactly ``grpo_advantages`` of the outcome rewards.
+
+That definition (``turn_advantages``, the estimator ``turn_grpo``) is biased when the agent chooses how
+many turns to take. The episodes that reach turn ``k`` are a subset chosen by the policy's own earlier
+actions; the std of a cell includes the return it scores, and late cells shrink to one or two episodes
+(advantage 0 or +-0.71 whatever the returns). In a group where stopping and continuing earn the same
+expected return but with different spreads, it favours the low-variance choice: a biased gradient
+where the true one is zero (``tests/test_turn_credit.py`` computes it exactly). Issue 52 asks for a
+definition whose baseline does not depend on the action it scores; so does the verl RFC on
+MT-GRPO-style normalisation that it cites.
+
+``turn_loo_advantages`` (the estimator ``turn_loo``) is that definition:
+
+1. the same returns ``G[i,k]``;
+2. ``A[i,k] = G[i,k] - b[i,k]`` with ``b[i,k]`` the mean of ``G[j,k]`` over the *other* episodes
+   ``j != i`` of the group that reached turn ``k`` (leave-one-out, Kool et al. 2019; RLOO);
+3. where no other episode reached turn ``k``, ``b[i,k]`` is the episode-level leave-one-out
+   baseline: the mean of the other episodes' whole returns ``G[j,0]``; a group of one gets 0.
+
+``b[i,k]`` is a function of the other episodes only, which are sampled independently of episode
+``i``; so it cannot depend on ``i``'s action at turn ``k`` (or any of ``i``'s actions), and
+``E[(G - b) grad log pi(a_k)] = E[G grad log pi(a_k)]``: the gradient is unbiased whatever the
+turn counts. Which baseline is used (turn cell or fallback) also depends on the others only. There
+is deliberately no division by a std: a std over the cell includes ``G[i,k]`` itself, which is what
+biases ``turn_advantages`` (the returns keep the environment's scale, as in Dr.GRPO and RLOO).
 """
 
 from __future__ import annotations
@@ -60,6 +84,34 @@ def turn_advantages(turn_rewards: torch.Tensor, turn_mask: torch.Tensor, group_i
             centred = g - g.mean()
             advantages[rows, k] = centred / (g.std(unbiased=True) + eps) if std_normalize else centred
     return advantages
+
+
+def turn_loo_advantages(turn_rewards: torch.Tensor, turn_mask: torch.Tensor, group_ids: torch.Tensor, *,
+                        gamma: float = 1.0) -> torch.Tensor:
+    """Turn returns minus a leave-one-out baseline that never depends on the scored episode (module docstring).
+
+    ``A[i,k] = G[i,k] - mean_{j in g, j != i, j reached k} G[j,k]``; where no other episode of ``i``'s group
+    reached turn ``k``, ``A[i,k] = G[i,k] - mean_{j in g, j != i} G[j,0]``; a group of one gets 0.
+
+    turn_rewards, turn_mask: [N,K]; group_ids: [N]  ->  [N,K] (0 on padding turns)
+    """
+    if group_ids.dim() != 1 or group_ids.shape[0] != turn_rewards.shape[0]:
+        raise ValueError(f"group_ids {tuple(group_ids.shape)} must be [N] with N = {turn_rewards.shape[0]}")
+    returns = turn_returns(turn_rewards, turn_mask, gamma)
+    live = turn_mask.bool().to(returns.dtype)
+    _, group = torch.unique(group_ids, return_inverse=True)
+    members = torch.zeros(int(group.max()) + 1 if len(group) else 0, len(group), dtype=returns.dtype)
+    members[group, torch.arange(len(group))] = 1.0  # [groups, N]
+    # per (group, turn): the sum of the returns of the episodes that reached it, and their count
+    others_sum = (members @ (returns * live))[group] - returns * live
+    others_n = (members @ live)[group] - live
+    episode_sum = (members @ (returns[:, :1] * live[:, :1]))[group] - returns[:, :1] * live[:, :1]
+    episode_n = (members @ live[:, :1])[group] - live[:, :1]
+    turn_baseline = others_sum / others_n.clamp(min=1.0)
+    episode_baseline = (episode_sum / episode_n.clamp(min=1.0)).expand_as(returns)
+    baseline = torch.where(others_n > 0, turn_baseline, episode_baseline)
+    has_baseline = (others_n > 0) | (episode_n > 0)
+    return torch.where(live.bool() & has_baseline, returns - baseline, 0.0)
 
 
 def broadcast_turn_advantages(turn_adv: torch.Tensor, token_turns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from ctxrl.algo.estimators.base import (
 )
 
 ESTIMATORS.add_builtins("ctxrl.algo.estimators.outcome", "ctxrl.algo.estimators.reinforce_pp",
-                        "ctxrl.algo.estimators.turn_grpo", "ctxrl.algo.estimators.gae", "ctxrl.algo.estimators.meta",
+                        "ctxrl.algo.estimators.turn_grpo", "ctxrl.algo.estimators.turn_loo",
+                        "ctxrl.algo.estimators.gae", "ctxrl.algo.estimators.meta",
                         "ctxrl.algo.estimators.distill", "ctxrl.algo.estimators.rae")
 
 __all__ = ["Estimator", "EstimatorSettings", "broadcast", "estimator_names", "get_estimator", "register_estimator",
