@@ -150,7 +150,10 @@ def test_an_environment_gets_its_table_as_options_on_its_configured_class():
     assert spec_env_class(spec) is cls  # the same table, the same class
     plain = spec_env_class(RolloutSpec.from_config(load_config(None, ["env.name=calculator_settings_for_test"])))
     assert plain.options == Greeting() and plain is not cls
-    assert not hasattr(spec_env_class(RolloutSpec.from_config(load_config(None, []))), "options")  # calculator: none
+    from ctxrl.envs.tool_answer import Settings as ToolAnswerSettings
+
+    # calculator: the settings every tool-answer environment has (its context ranges), at their defaults
+    assert spec_env_class(RolloutSpec.from_config(load_config(None, []))).options == ToolAnswerSettings()
     with pytest.raises(ConfigError, match=r"unknown config key env.calculator_settings_for_test.wrd"):
         load_config(None, ["env.name=calculator_settings_for_test", "env.calculator_settings_for_test.wrd=x"])
     with pytest.raises(ConfigError, match=r"\[env.no_such_env\]: unknown environment 'no_such_env'"):

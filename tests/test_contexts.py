@@ -106,3 +106,40 @@ def test_sample_tasks_unique_and_exhaustion() -> None:
         sample_tasks(constant, tiny, "train", 10, seed=0, heldout_fraction=0.0, unique=True, max_attempts=500)
     with pytest.raises(ContextError, match="heldout_fraction is 0"):
         sample_tasks(constant, tiny, "heldout", 1, seed=0, heldout_fraction=0.0)
+
+
+def test_context_ranges_narrow_train_and_heldout_and_keep_ood():
+    from ctxrl.tasks.space import ContextError, ContextParam, ContextSpace, parse_ranges
+
+    assert parse_ranges("") == {} and parse_ranges("pages=3-4, filler=5") == {"pages": (3, 4), "filler": (5, 5)}
+    for bad in ("pages", "pages=3to4", "=3-4", "pages=3-4,pages=2-3"):
+        with pytest.raises(ContextError, match="NAME=LOW-HIGH"):
+            parse_ranges(bad)
+    space = ContextSpace([ContextParam("pages", "int", low=2, high=4, default=2, ood_low=6, ood_high=8),
+                          ContextParam("filler", "int", low=0, high=12)])
+    narrow = space.narrowed({"pages": (3, 4)})
+    pages = narrow.params[0]
+    assert (pages.low, pages.high, pages.default, pages.range("ood")) == (3, 4, 3, (6, 8))
+    assert narrow.params[1] == space.params[1]
+    with pytest.raises(ContextError, match="within its train range"):
+        space.narrowed({"pages": (1, 4)})
+    with pytest.raises(ContextError, match="unknown params"):
+        space.narrowed({"page": (3, 4)})
+
+
+def test_an_environment_draws_only_the_ranges_its_table_asks_for():
+    from ctxrl.config import ConfigError, load_config
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import spec_env_class
+
+    def env_class(*overrides):
+        return spec_env_class(RolloutSpec.from_config(load_config(None, ["env.name=fact_hunt", *overrides])))
+
+    cls = env_class("env.fact_hunt.context_ranges=pages=3-4")
+    for split, allowed in (("train", {3, 4}), ("heldout", {3, 4}), ("ood", {6, 7, 8})):
+        assert {len(t.data["trail"]) for t in cls.sample_tasks(split, 60, 1)} <= allowed
+    assert {len(t.data["trail"]) for t in env_class().sample_tasks("train", 60, 1)} == {2, 3, 4}
+    with pytest.raises(ConfigError, match=r"\[env.fact_hunt\]: context ranges name unknown params \['page'\]"):
+        env_class("env.fact_hunt.context_ranges=page=3-4")
+    with pytest.raises(ConfigError, match="NAME=LOW-HIGH"):
+        load_config(None, ["env.name=fact_hunt", "env.fact_hunt.context_ranges=pages:3"])

@@ -126,5 +126,14 @@ def _with_settings(cls: type, where: str, table: str) -> type:
     from ctxrl.settings import parse_settings
 
     options = parse_settings(settings_class(cls), json.loads(table), where)
-    return type(cls.__name__, (cls,), {"options": options, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    configured = type(cls.__name__, (cls,), {"options": options, "__module__": cls.__module__,
+                                             "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    check = getattr(configured, "check_options", None)
+    if check is not None:  # what the settings mean for this environment (a range of a param it has)
+        from ctxrl.errors import ConfigError
+
+        try:
+            check()
+        except ValueError as exc:
+            raise ConfigError(f"[{where}]: {exc}") from None
+    return configured

@@ -20,10 +20,11 @@ they judge whole tool calls and answers, failed when the attempt failed.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ctxrl.envs.base import EnvError
-from ctxrl.tasks.space import ContextSpace, sample_tasks
+from ctxrl.tasks.space import ContextSpace, parse_ranges, sample_tasks
 from ctxrl.tools.base import Tool, execute_tool_calls
 from ctxrl.types import Message, StepResult, Task
 
@@ -36,6 +37,19 @@ def parse_answer(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What every tool-answer environment reads from its table ``[env.NAME]``."""
+
+    context_ranges: str = ""
+    """Narrower train and held-out ranges for some of the environment's context params, ``NAME=LOW-HIGH`` comma-
+    separated (``pages=3-4``: only trails of 3 or 4 pages); each within the param's own train range. OOD tasks keep
+    their ranges. Empty: the environment's own ranges."""
+
+    def __post_init__(self) -> None:
+        parse_ranges(self.context_ranges)  # (malformed: an error as the config loads; a wrong name: check_options)
+
+
 class ToolAnswerEnv:
     name: ClassVar[str]
     system_prompt: ClassVar[str]
@@ -44,6 +58,8 @@ class ToolAnswerEnv:
     required_data: ClassVar[tuple[str, ...]] = ()
     names_actions: ClassVar[bool] = False
     """True when the tools ``note_action`` every action (see the module docstring)."""
+    Settings: ClassVar[type] = Settings
+    options: ClassVar[Settings] = Settings()
 
     def __init__(self) -> None:
         self.tools: list[Tool] = self.make_tools()
@@ -87,9 +103,27 @@ class ToolAnswerEnv:
 
     # -- the protocol ----------------------------------------------------------------------------
     @classmethod
+    def task_space(cls) -> ContextSpace:
+        """The context space tasks are drawn from: ``context_space``, narrowed by ``[env.NAME].context_ranges``."""
+        ranges = parse_ranges(getattr(cls.options, "context_ranges", ""))  # (a subclass may have Settings of its own)
+        return cls.context_space.narrowed(ranges) if ranges else cls.context_space
+
+    @classmethod
+    def check_options(cls) -> None:
+        """A ``ValueError`` when ``[env.NAME].context_ranges`` names a param this environment lacks, a range outside
+        it, or an environment that draws its tasks some other way: found when the configured class is made, before
+        any model loads."""
+        own_draw = cls.sample_tasks.__func__ is not ToolAnswerEnv.sample_tasks.__func__
+        if getattr(cls.options, "context_ranges", "") and own_draw:
+            raise ValueError(f"environment {cls.name!r} draws its tasks from its own source, so context_ranges has "
+                             "nothing to narrow; remove it")
+        cls.task_space()
+
+    @classmethod
     def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        return sample_tasks(cls.generate, cls.context_space, split, n, seed,
-                            heldout_fraction=cls.heldout_fraction, id_prefix=cls.name)
+        """``n`` tasks of ``split``, drawn from ``task_space()``."""
+        return sample_tasks(cls.generate, cls.task_space(), split, n, seed, heldout_fraction=cls.heldout_fraction,
+                            id_prefix=cls.name)
 
     def reset(self, task: Task, *, seed: int | None = None) -> list[Message]:
         """Start an episode (deterministic: ``seed`` is unused by this shape)."""

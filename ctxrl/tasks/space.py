@@ -17,6 +17,7 @@ salted ``hash()``), so a task set is the same on every machine and every run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Callable, Sequence
@@ -159,6 +160,29 @@ class ContextSpace:
         """Whether some value of ``context`` lies outside its param's train range."""
         return any(p.kind != "choice" and not p.contains(context.get(p.name), "train") for p in self.params)
 
+    def narrowed(self, ranges: dict[str, tuple[float, float]]) -> ContextSpace:
+        """This space with the train (and held-out) range of each named param replaced by ``ranges[name]``, which
+        must lie inside it; OOD ranges are kept, so the OOD split still tests what training never saw. An unknown
+        param, a ``choice`` param or a range outside the param's own is a ``ContextError`` naming it."""
+        unknown = sorted(set(ranges) - set(self.names))
+        if unknown:
+            raise ContextError(f"context ranges name unknown params {unknown}; this environment's are {self.names}")
+        params = []
+        for p in self.params:
+            if p.name not in ranges:
+                params.append(p)
+                continue
+            low, high = ranges[p.name]
+            if p.kind == "choice":
+                raise ContextError(f"context param {p.name!r} is a choice of {list(p.choices)}, not a range")
+            if not (p.low <= low <= high <= p.high):
+                raise ContextError(f"context range {p.name}={low}-{high} must lie within its train range "
+                                   f"[{p.low}, {p.high}] (low <= high)")
+            ood_low, ood_high = p.range("ood")
+            params.append(dataclasses.replace(p, low=low, high=high, default=min(max(p.default, low), high),
+                                              ood_low=ood_low, ood_high=ood_high))
+        return ContextSpace(params)
+
     def describe(self) -> list[dict[str, Any]]:
         """One plain dict per param, for tables and reports."""
         rows = []
@@ -171,6 +195,24 @@ class ContextSpace:
                 row["ood"] = list(p.range("ood"))
             rows.append(row)
         return rows
+
+
+def parse_ranges(text: str) -> dict[str, tuple[float, float]]:
+    """``"pages=3-4,filler=0-6"`` as ``{"pages": (3, 4), "filler": (0, 6)}``; an empty text is no ranges. A
+    malformed entry is a ``ContextError`` showing the form."""
+    ranges: dict[str, tuple[float, float]] = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, sep, span = entry.partition("=")
+        low, dash, high = span.strip().partition("-")
+        try:
+            values = (float(low), float(high if dash else low))
+        except ValueError:
+            values = None
+        if not sep or not name.strip() or values is None or name.strip() in ranges:
+            raise ContextError(f"context range {entry!r}: write NAME=LOW-HIGH (or NAME=VALUE), each name once, "
+                               "comma-separated: pages=3-4,filler=0-6")
+        ranges[name.strip()] = tuple(int(v) if v.is_integer() else v for v in values)  # type: ignore[assignment]
+    return ranges
 
 
 def _check_split(split: str) -> None:
