@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,11 +68,12 @@ def test_a_pilot_whose_baseline_was_decided_by_the_warm_start_is_refused(tmp_pat
     assert "decided it before RL" in capsys.readouterr().out
 
 
-def test_the_issue49_plan_passes_its_own_check_at_tiny_size(tmp_path, tiny_path):
-    """The committed plan parses, names runs that exist and controls that are controls (budgets are SmolLM2's, so
+@pytest.mark.parametrize("plan", ["issue49.toml", "issue49b.toml"])
+def test_the_issue49_plans_pass_their_own_check_at_tiny_size(plan, tiny_path):
+    """The committed plans parse, name runs that exist and controls that are controls (budgets are SmolLM2's, so
     only the structure is checked here: the tiny tokenizer's lengths differ)."""
     check = _plan_check()
-    comparisons, configs = check.load_comparisons(ROOT / "experiments" / "plans" / "issue49.toml", {"m": tiny_path})
+    comparisons, configs = check.load_comparisons(ROOT / "experiments" / "plans" / plan, {"m": tiny_path})
     for c in comparisons:
         for seed in c["seeds"]:
             arm, control = c["arm"].format(seed=seed), c["control"].format(seed=seed)
