@@ -453,8 +453,8 @@ class TrainConfig:
     objective: str = "rl"
     """What each step trains on: ``rl`` (rollouts, advantages, the policy loss) or ``sft``, the SFT-only control of
     an RL claim: each step trains instead on fresh demos of the warm start's mix, as many optimiser steps as an RL
-    step takes (``ppo_epochs`` x ``mini_batches``, each a batch of ``sft.batch_size``) at ``sft.lr``, with the same
-    evaluations. An RL effect is RL's own only beyond this control (docs/experiments/README.md)."""
+    step takes (``ppo_epochs`` x ``mini_batches``, each a batch of ``sft.batch_size``) at ``train.lr``, with the
+    same evaluations. An RL effect is RL's own only beyond this control (docs/experiments/README.md)."""
     lr: float = field(default=1e-4, metadata=NON_NEGATIVE)
     """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
     few rollouts earn a reward, so keep it well below the warm start's)."""

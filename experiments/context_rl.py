@@ -49,25 +49,40 @@ def interval(runs: list[dict], field: str, tasks_field: str | None):
     return bootstrap_mean([SeedOutcome(r[field], r.get(tasks_field) if tasks_field else None) for r in runs])
 
 
-def trail_lengths(seed: int, eval_seed: int, n: int = 60) -> dict[str, int]:
-    """Task id -> pages in its trail, for the ``n`` held-out tasks a run of ``eval.seed = eval_seed`` evaluates."""
+def trail_lengths(eval_seed: int, ids: set[str], n: int = 60) -> dict[str, list[int]]:
+    """Task id -> the pages of each held-out task behind it, for the ``n`` tasks of ``eval.seed = eval_seed``.
+
+    ``ids`` are a record's: the runs of issue 49 were evaluated before task ids hashed a task's hidden data, when
+    two trails from one first page shared an id (and an evaluation merged their outcomes); their ids are matched
+    the old way, by the prompt alone, so one id may stand for two trails."""
     from ctxrl.envs.fact_hunt import FactHuntEnv
+    from ctxrl.tasks.space import task_id
 
-    return {t.id: len(t.data["trail"]) for t in FactHuntEnv.sample_tasks("heldout", n, eval_seed)}
+    tasks = FactHuntEnv.sample_tasks("heldout", n, eval_seed)
+    by_id: dict[str, list[int]] = defaultdict(list)
+    legacy = not ids <= {t.id for t in tasks}
+    for t in tasks:
+        by_id[task_id(FactHuntEnv.name, t.prompt) if legacy else t.id].append(len(t.data["trail"]))
+    if not ids <= set(by_id):
+        raise ValueError(f"task ids {sorted(ids - set(by_id))[:3]} are not held-out tasks of eval.seed {eval_seed}")
+    return dict(by_id)
 
 
-def successes_by_trail(runs: list[dict]) -> tuple[int, int, int]:
-    """(held-out successes after training, of them on two-page trails, two-page trails evaluated) over the runs."""
-    solved = two = two_total = 0
+def successes_by_trail(runs: list[dict]) -> tuple[int, int, int, int]:
+    """Over the runs: (held-out tasks solved, of them two-page trails, of them an id shared by a two-page and a
+    longer trail, where the record cannot say which was solved; two-page trails evaluated)."""
+    solved = two = unclear = two_total = 0
     for r in runs:
-        pages = trail_lengths(r["seed"], 1000 + r["seed"])
         tasks = r["heldout_tasks_after"]
-        if set(tasks) - set(pages):
-            raise ValueError(f"{r['name']}: its task ids are not the held-out tasks of eval.seed {1000 + r['seed']}")
-        solved += sum(v > 0 for v in tasks.values())
-        two += sum(v > 0 and pages[t] == 2 for t, v in tasks.items())
-        two_total += sum(pages[t] == 2 for t in tasks)
-    return solved, two, two_total
+        pages = trail_lengths(1000 + r["seed"], set(tasks))
+        two_total += sum(p.count(2) for p in pages.values())
+        for task, value in tasks.items():
+            if value <= 0:
+                continue
+            solved += 1
+            two += set(pages[task]) == {2}
+            unclear += 2 in pages[task] and set(pages[task]) != {2}
+    return solved, two, unclear, two_total
 
 
 def arms_table(records: list[dict]) -> str:
@@ -86,9 +101,10 @@ def arms_table(records: list[dict]) -> str:
             kept = "– (no summaries)"
         summaries = sum(r["summaries_per_episode_after"] or 0 for r in runs) / len(runs)
         peak = max(r["peak_context_after"] for r in runs)
-        solved, two, two_total = successes_by_trail(runs)
+        solved, two, unclear, two_total = successes_by_trail(runs)
+        shared = f", {unclear} more shares its id with a longer trail" if unclear else ""
         lines.append(f"| {label} | {len(runs)} | {_cell(before)} | {_cell(after)} | {kept} | {summaries:.2f} | "
-                     f"{peak:.0f} | {two} of {solved} (of {two_total} two-page trails evaluated) |")
+                     f"{peak:.0f} | {two} of {solved}{shared} ({two_total} two-page trails evaluated) |")
     return "\n".join(lines)
 
 
@@ -167,9 +183,9 @@ def curves(batch: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
         for r in rows:
             if r.get("phase") == "eval" and r.get("split") == "heldout":
                 by[key]["success"][r["step"]].append(r["success"])
-                kept = r.get("fact_survival")
-                if isinstance(kept, (int, float)) and kept == kept:
-                    by[key]["facts kept"][r["step"]].append(kept)
+                kept = r.get("task_fact_survival")  # per task, then their mean: as the table's column
+                if kept:
+                    by[key]["facts kept"][r["step"]].append(sum(kept.values()) / len(kept))
     return {label: {fig: sorted((s, sum(v) / len(v)) for s, v in steps.items()) for fig, steps in figs.items()}
             for label, figs in by.items()}
 
@@ -189,7 +205,7 @@ def plot(batch: Path, path: Path) -> Path:
                 steps, values = zip(*figs[figure])
                 ax.plot(steps, values, marker="o", markersize=3, label=label)
         ax.set_xlabel("step (RL, or SFT-only control)")
-        ax.set_ylabel("held-out success" if figure == "success" else "answer's facts kept by a rewrite")
+        ax.set_ylabel("held-out success" if figure == "success" else "answer's facts a rewrite keeps (per task)")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper left")

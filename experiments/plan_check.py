@@ -18,9 +18,11 @@ For each comparison the checker rebuilds the arm's and the baseline's configs fr
   needs, as ``window`` at 384 tokens on ``fact_hunt``);
 - with ``--pilot RECORDS`` (``experiments/tables.py collect`` of a pilot batch), the baseline's held-out success
   after the warm start was 0.00 or 1.00 on every seed: the warm start decided the comparison before RL began;
-- ``control`` is not the arm with ``train.objective=sft`` and nothing else changed (the same warm start);
-- the seeds are not the same in every arm, or every seed evaluates the same held-out tasks (``eval.seed`` must vary
-  with the seed, so that the interval covers task sampling too);
+- ``control`` is not the arm with ``train.objective=sft`` and nothing else changed but ``train.lr`` (the same warm
+  start);
+- the seeds are not the same in every arm, one seed's arms evaluate different held-out tasks (they pair by task),
+  or every seed evaluates the same held-out tasks (``eval.seed`` must vary with the seed, so that the interval
+  covers task sampling too);
 - ``peak_matched`` and the baseline's budget is below the arm's scripted peak working context.
 
 It prints each comparison's ceilings and peaks. Ceilings are the managers' mechanics with perfect scripted side
@@ -44,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch import PLACEHOLDER, PlanError, load_plan  # noqa: E402  (a sibling script, not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
-IGNORED_IN_CONTROL = {("train", "objective"), ("run", "name")}
-"""Where a control may differ from its arm."""
+IGNORED_IN_CONTROL = {("train", "objective"), ("train", "lr"), ("run", "name")}
+"""Where a control may differ from its arm: its objective, and the rate it trains at (a plan may run a control at
+RL's rate and one at the warm start's, and report the stronger)."""
 
 
 def _env_training():
@@ -164,9 +167,15 @@ def check(comparison: dict, configs: dict[str, list[str]], *, tasks: int, pilot:
             difference = control_difference(configs[arm], configs[control])
             if difference:
                 problems.append(f"{control} is not the SFT-only control of {arm}: {'; '.join(difference)}")
-    if len(seeds) > 1:
-        from ctxrl.config import load_config
+    from ctxrl.config import load_config
 
+    for seed in seeds:  # per-task outcomes pair by task id only within one draw of tasks
+        draws = {role: load_config(None, configs[comparison[role].format(seed=seed)]).eval.seed
+                 for role in ("arm", "baseline", "control") if role in comparison}
+        if len(set(draws.values())) > 1:
+            problems.append(f"seed {seed}: the arms evaluate different held-out tasks (eval.seed {draws}); give them "
+                            "the same eval.seed, so that tasks pair")
+    if len(seeds) > 1:
         eval_seeds = {load_config(None, configs[comparison["arm"].format(seed=s)]).eval.seed for s in seeds}
         if len(eval_seeds) == 1:
             problems.append("every seed evaluates the same held-out tasks: set eval.seed per seed (e.g. 1234 + seed) "

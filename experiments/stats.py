@@ -36,10 +36,12 @@ MAX_SIGN_FLIP_SEEDS = 16  # 2**16 sign patterns; beyond that the exact test is t
 
 
 class SeedOutcome(NamedTuple):
-    """One seed's figure: its value, and the per-task outcomes it is the mean of (None where the record has none)."""
+    """One seed's figure: its value, the per-task outcomes it is the mean of (None where the record has none), and
+    which draw of held-out tasks they come from (``eval.seed``; None where the record does not say)."""
 
     value: float
     tasks: dict[str, float] | None = None
+    draw: int | None = None
 
 
 class Interval(NamedTuple):
@@ -62,11 +64,19 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _same_draw(a: SeedOutcome, b: SeedOutcome) -> bool:
+    """Whether two seeds' per-task outcomes can pair by task id: both have some, from the same draw of tasks (a
+    shared id between two different draws would pair unrelated tasks), sharing at least one id."""
+    known = a.draw is not None and b.draw is not None
+    return bool(a.tasks and b.tasks and set(a.tasks) & set(b.tasks)) and (not known or a.draw == b.draw)
+
+
 def paired_units(arm: list[SeedOutcome], baseline: list[SeedOutcome]) -> tuple[list[list[tuple[float, float]]], bool]:
     """What the bootstrap resamples: per seed (``arm[i]`` pairs with ``baseline[i]``), a list of (arm, baseline)
     values, one per task id both have. When any seed of either arm lacks per-task outcomes, or a seed's two arms
-    share no task id, every seed falls back to the single pair of its means; the flag says which (True: by task)."""
-    by_task = bool(arm) and all(a.tasks and b.tasks and set(a.tasks) & set(b.tasks) for a, b in zip(arm, baseline))
+    come from different draws of tasks or share no task id, every seed falls back to the single pair of its means;
+    the flag says which (True: by task)."""
+    by_task = bool(arm) and all(_same_draw(a, b) for a, b in zip(arm, baseline))
     if not by_task:
         return [[(a.value, b.value)] for a, b in zip(arm, baseline)], False
     return [[(a.tasks[t], b.tasks[t]) for t in sorted(set(a.tasks) & set(b.tasks))]
@@ -148,6 +158,18 @@ def bootstrap_contrast(arm: list[SeedOutcome], baseline: list[SeedOutcome], *, r
     return tuple(intervals)
 
 
+def seed_differences(arm: list[SeedOutcome], baseline: list[SeedOutcome], *, relative: bool = False) -> list[float]:
+    """Arm − baseline per seed, from the same units the bootstrap resamples (``paired_units``: the means over the
+    tasks both have, or the seeds' own values): what a paired test over seeds must test, so that the test and the
+    interval are about one figure."""
+    units, _ = paired_units(arm, baseline)
+    out = []
+    for unit in units:
+        a, b = _seed_means(unit)
+        out.append(((a - b) / b if b else math.nan) if relative else a - b)
+    return out
+
+
 def bootstrap_difference(arm: list[SeedOutcome], baseline: list[SeedOutcome], **kwargs) -> Interval:
     """Mean of arm − baseline over seeds paired by index, with its two-level interval (``bootstrap_contrast``)."""
     return bootstrap_contrast(arm, baseline, **kwargs)[0]
@@ -155,7 +177,7 @@ def bootstrap_difference(arm: list[SeedOutcome], baseline: list[SeedOutcome], **
 
 def bootstrap_mean(arm: list[SeedOutcome], **kwargs) -> Interval:
     """One arm's mean over seeds, with the same two-level interval (a baseline of zeros on the same task ids)."""
-    zeros = [SeedOutcome(0.0, dict.fromkeys(a.tasks, 0.0) if a.tasks else None) for a in arm]
+    zeros = [SeedOutcome(0.0, dict.fromkeys(a.tasks, 0.0) if a.tasks else None, a.draw) for a in arm]
     return bootstrap_difference(arm, zeros, relative=False, **kwargs)
 
 

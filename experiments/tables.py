@@ -70,6 +70,7 @@ from stats import (  # noqa: E402
     bootstrap_contrast,
     bootstrap_difference,
     paired_t_test,
+    seed_differences,
     sign_flip_floor,
     sign_flip_p,
     verdict,
@@ -157,9 +158,10 @@ def run_outcomes(directory: Path) -> dict:
     """What one run directory (a ``config.toml`` beside a ``metrics.jsonl``) adds to its record: its training
     ``objective`` (``train.objective``: "rl" unless it is the SFT-only control, "sft") and ``heldout_outcomes``."""
     config = directory / "config.toml"
-    train = tomllib.loads(config.read_text()).get("train", {}) if config.is_file() else {}
+    table = tomllib.loads(config.read_text()) if config.is_file() else {}
     metrics = directory / "metrics.jsonl"
-    return {"objective": train.get("objective", "rl"), **heldout_outcomes(_rows(metrics) if _exists(metrics) else [])}
+    return {"objective": table.get("train", {}).get("objective", "rl"), "eval_seed": table.get("eval", {}).get("seed"),
+            **heldout_outcomes(_rows(metrics) if _exists(metrics) else [])}
 
 
 def _by_attempt(field: str, pick: Callable[[list[float]], float]) -> Callable[[dict], dict[str, float] | None]:
@@ -353,10 +355,10 @@ def _read_run(run_dir: Path, machine: str) -> list[dict]:
 RECORD_FILE_SUFFIXES = (".json", ".jsonl")
 # What records carry since issue 49 (held-out outcomes per task, summary retention, the training objective);
 # a record written before has none of them, and reads them as None.
-OUTCOME_FIELDS = ("objective", "heldout_tasks_before", "heldout_tasks_after", "heldout_tasks_by_attempt_after",
-                  "sampled_tasks_by_attempt", "summary_retention_before", "summary_retention_after",
-                  "summaries_scored_before", "summaries_scored_after", "summary_retention_tasks_before",
-                  "summary_retention_tasks_after")
+OUTCOME_FIELDS = ("objective", "eval_seed", "heldout_tasks_before", "heldout_tasks_after",
+                  "heldout_tasks_by_attempt_after", "sampled_tasks_by_attempt", "summary_retention_before",
+                  "summary_retention_after", "summaries_scored_before", "summaries_scored_after",
+                  "summary_retention_tasks_before", "summary_retention_tasks_after")
 
 
 def normalise(record: dict) -> dict:
@@ -864,7 +866,10 @@ def report(records: list[dict]) -> str:
 
 CLAIM_KEYS = {"name": None, "paper": None, "records": None, "kind": None, "arm": None, "field": None,
               "direction": None, "why": None, "baseline": "", "baseline_field": "", "where": {},
-              "baseline_where": {}, "control_where": {}, "goal": 0.0, "relative": False}
+              "baseline_where": {}, "control_where": {}, "goal": 0.0, "relative": False, "at_most": ""}
+VERDICT_ORDER = ("not run", "no interval", "not reproduced", "no control", "direction only", "reproduced")
+"""Verdicts from the weakest to the strongest, for a claim's ``at_most``: a verdict its 'why' caps (a gain that a
+baseline matched, a shortcut) whatever the numbers' rule gives."""
 
 
 class ClaimError(ValueError):
@@ -886,6 +891,8 @@ def claim_settings(entry: dict, index: int) -> dict:
         raise ClaimError(f"{label}: direction {claim['direction']!r}; choose from {', '.join(DIRECTIONS)}")
     claim["baseline"] = claim["baseline"] or claim["arm"]
     claim["baseline_field"] = claim["baseline_field"] or claim["field"]
+    if claim["at_most"] and claim["at_most"] not in VERDICT_ORDER:
+        raise ClaimError(f"{label}: at_most {claim['at_most']!r}; choose from {', '.join(VERDICT_ORDER)}")
     if (claim["baseline"], claim["baseline_field"], claim["baseline_where"]) == (claim["arm"], claim["field"], {}):
         raise ClaimError(f"{label}: it compares the arm with itself; name a baseline arm, a baseline_field "
                          "(heldout_before: what RL added) or a baseline_where")
@@ -913,7 +920,7 @@ def seed_outcomes(records: list[dict], *, kind: str, arm: str, field: str, where
             raise ClaimError(f"{arm} ({objective}) has two records for {key[0]} seed {key[1]}: "
                              f"{by_seed[key]['name']} and {r['name']}; narrow the claim's filters")
         by_seed[key] = r
-    return {key: SeedOutcome(r[field], task_outcomes(r, field)) for key, r in by_seed.items()}
+    return {key: SeedOutcome(r[field], task_outcomes(r, field), r.get("eval_seed")) for key, r in by_seed.items()}
 
 
 class ClaimFigures(NamedTuple):
@@ -940,7 +947,7 @@ def claim_figures(claim: dict, records: list[dict]) -> ClaimFigures:
                             where=control_where, objective="sft")
     keys = sorted(set(arm) & set(baseline))
     a, b = [arm[k] for k in keys], [baseline[k] for k in keys]
-    differences = [x.value - y.value for x, y in zip(a, b)]
+    differences = seed_differences(a, b)  # what the interval is about, so that the test is too
     steps = sorted({r["steps"] for r in _where(records, claim["kind"], arm=claim["arm"], **where)
                     if (r["build"], r["seed"]) in set(keys) and r.get("steps") is not None})
     shared = sorted(set(arm) & set(control))
@@ -1021,6 +1028,9 @@ def claim_row(claim: dict, figures: ClaimFigures, links: list[str]) -> str:
     share = "no SFT-only control run" if figures.share is None else \
         f"{_interval(figures.share, relative=relative)}; {_sample(figures.share)}"
     verdict_label, basis = verdict(figures.figure, figures.share, direction=claim["direction"], goal=claim["goal"])
+    cap = claim["at_most"]
+    if cap and VERDICT_ORDER.index(verdict_label) > VERDICT_ORDER.index(cap):
+        verdict_label, basis = cap, f"{basis}; held to {cap} by what the records show beyond the figure (below)"
     goal = "" if not claim["goal"] else \
         f"; goal: {'within ±' if claim['direction'] == 'within' else ''}" \
         f"{_number(claim['goal'], signed=False, relative=relative)}"

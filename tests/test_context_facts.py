@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ctxrl.rollout.managers.facts import answer_facts, contains, survival, survival_rate
+from ctxrl.rollout.managers.facts import answer_facts, contains, facts_at_answer, survival, survival_rate
 from ctxrl.types import Episode, Message, Task
 
 
@@ -57,6 +57,9 @@ def test_scripted_summaries_keep_every_fact_a_window_loses_the_first_code(render
     cut = [e for e in windowed if e.info.get("windows")]
     assert cut and all(e.info["fact_survival"][0] == [0, 1] for e in cut)  # the first code, dropped
     assert context_stats(windowed)["fact_survival"] < 1.0  # (a later window keeps the newest page's last code)
+    # at the answer: the summaries carried both codes; a window holds the last code and never the first
+    assert context_stats(summarized)["facts_at_answer"] == 1.0
+    assert {facts_at_answer(e) for e in cut} == {0.5} and context_stats(windowed)["facts_at_answer_episodes"] > 0
 
 
 async def _window(renderer):
@@ -87,6 +90,7 @@ def test_task_outcomes_give_each_tasks_success_by_attempt_and_survival():
               ep("c", True, num_attempts=3, attempts=[{"success": True}])]
     out = task_outcomes(trials)
     assert out["task_success_by_attempt"] == {"a": [0.0, 1.0, 1.0], "b": [0.0, 0.0, 0.0], "c": [1.0, 1.0, 1.0]}
+    assert out["task_success"] == {"a": 0.0, "b": 0.0, "c": 1.0}  # attempt 1, as the row's success
     errored = Episode(task=Task(id="e", prompt="p", answer="a"), success=True, truncation="error")
     assert task_outcomes([errored])["task_success"] == {"e": 0.0}
 

@@ -39,8 +39,8 @@ def test_every_arm_has_five_seeds_and_the_successes_fall_where_the_page_says():
     assert all([r["seed"] for r in runs] == [0, 1, 2, 3, 4] and all(r["steps"] == 100 for r in runs)
                for runs in arms.values())
     for runs in arms.values():
-        solved, two, _ = context_rl.successes_by_trail(runs)
-        assert solved == two  # every held-out success is a two-page trail
+        solved, two, unclear, _ = context_rl.successes_by_trail(runs)
+        assert solved == two + unclear and unclear <= 1  # every success is a two-page trail, but one the id hides
 
 
 def test_a_page_without_a_block_is_refused():

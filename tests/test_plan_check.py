@@ -18,7 +18,8 @@ def _plan_check():
     return module
 
 
-def _plan(tmp_path: Path, model: str, *, window: int, control_extra: str = "", eval_seeds: bool = True) -> Path:
+def _plan(tmp_path: Path, model: str, *, window: int, control_extra: str = "", eval_seeds: bool = True,
+          baseline_extra: str = "") -> Path:
     common = "--env fact_hunt --steps 2 --model {m} --out {out}"
     limits = "env.max_turns=6 rollout.max_total_tokens=1024 rollout.max_new_tokens=32"
     runs = []
@@ -30,7 +31,8 @@ def _plan(tmp_path: Path, model: str, *, window: int, control_extra: str = "", e
                  f'{common} --seed {seed} {ev} context.manager=summarize context.max_context_tokens=400 '
                  f'train.objective=sft {control_extra}"\n',
                  f'[[run]]\nname = "fh1-b0-s{seed}-window{window}"\ncmd = "python benchmarks/env_training.py '
-                 f'{common} --seed {seed} {ev} context.manager=window context.max_context_tokens={window}"\n']
+                 f'{common} --seed {seed} {ev} context.manager=window context.max_context_tokens={window} '
+                 f'{baseline_extra}"\n']
     text = (f'[models]\nm = "{model}"\n\n' + "\n".join(runs) +
             f'\n[[compare]]\nclaim = "summarize beats window"\narm = "fh1-b0-s{{seed}}-summarize400"\n'
             f'baseline = "fh1-b0-s{{seed}}-window{window}"\ncontrol = "fh1-b0-s{{seed}}-summarize400-sftonly"\n'
@@ -56,6 +58,10 @@ def test_a_fair_comparison_passes_a_changed_control_not(tmp_path, tiny_path, cap
     assert "is not the SFT-only control" in capsys.readouterr().out
     assert check.main([str(_plan(tmp_path, tiny_path, window=600, eval_seeds=False)), "--tasks", "8"]) == 2
     assert "same held-out tasks" in capsys.readouterr().out
+    assert check.main([str(_plan(tmp_path, tiny_path, window=600, control_extra="train.lr=3e-5")), "--tasks", "8"]) == 0
+    capsys.readouterr()  # a control at another rate is still the arm's control
+    assert check.main([str(_plan(tmp_path, tiny_path, window=600, baseline_extra="eval.seed=7")), "--tasks", "8"]) == 2
+    assert "evaluate different held-out tasks" in capsys.readouterr().out
 
 
 def test_a_pilot_whose_baseline_was_decided_by_the_warm_start_is_refused(tmp_path, tiny_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 
 from ctxrl.config import ConfigError, load_config
 from ctxrl.seeds import Seeds
-from ctxrl.train.sft_control import demo_mix, split_rows, updates_per_step
+from ctxrl.train.sft_control import split_rows, updates_per_step
 
 
 def test_the_control_takes_as_many_optimiser_steps_as_an_rl_step():
@@ -17,13 +17,29 @@ def test_the_control_takes_as_many_optimiser_steps_as_an_rl_step():
     assert updates_per_step(config) == 6
 
 
-def test_the_controls_demos_keep_the_warm_starts_mix_and_are_fresh_each_step():
-    plain = load_config(None, ["sft.demos=300"])
-    assert demo_mix(plain, 32) == (32, 0)
-    mixed = load_config(None, ["env.name=fact_hunt", "context.manager=summarize", "context.max_context_tokens=384",
-                               "sft.demos=300", "sft.format_demos_env=search_join", "sft.format_demos=100"])
-    assert demo_mix(mixed, 32) == (24, 8)
-    assert demo_mix(mixed, 1) == (1, 0)  # at least one of the run's own
+def test_the_controls_demos_keep_the_warm_starts_mix_and_are_fresh_each_step(tiny_path):
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import spec_env_class, spec_renderer
+    from ctxrl.train.warm_start import demo_mix
+
+    config = load_config(None, [f"model.name={tiny_path}", "env.name=fact_hunt", "env.max_turns=6",
+                                "context.manager=summarize", "context.max_context_tokens=400",
+                                "rollout.max_total_tokens=1024", "rollout.max_new_tokens=32", "sft.demos=30",
+                                "sft.format_demos_env=search_join", "sft.format_demos=10",
+                                "sft.format_demos_budget=600"])
+    spec = RolloutSpec.from_config(config)
+    env_cls, renderer = spec_env_class(spec), spec_renderer(spec)
+
+    def mix(n, seed):
+        demos = demo_mix(config, spec, env_cls, renderer, n, under_manager=False, seeds=(seed, seed + 1, seed + 2))
+        own = [e for e in demos if e.task.id.startswith("fact_hunt")]
+        other = [e for e in demos if e.task.id.startswith("search_join")]
+        assert len(own) + len(other) == len(demos)
+        return own, other
+
+    own, other = mix(12, 5)
+    assert len(own) == 12 and len(other) == 4  # 10 format demos to 30 of the run's own, as in the warm start
+    assert {e.task.id for e in mix(12, 6)[0]} != {e.task.id for e in own}  # another step, other tasks
     seeds = Seeds(3)
     assert len({seeds.control_demos(s) for s in range(50)} | {seeds.warm_start_demos, seeds.format_demos}) == 52
 

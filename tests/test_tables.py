@@ -630,6 +630,22 @@ def test_a_claims_file_that_cannot_be_read_says_which_claim_and_why():
         tables.claim_settings({**base, "direction": "higher"}, 0)
     with pytest.raises(tables.ClaimError, match="compares the arm with itself"):
         tables.claim_settings({k: v for k, v in base.items() if k != "baseline"}, 0)
+    with pytest.raises(tables.ClaimError, match="at_most 'maybe'; choose from not run"):
+        tables.claim_settings({**base, "at_most": "maybe"}, 0)
+
+
+def test_a_claim_held_to_a_weaker_verdict_says_so():
+    """``at_most`` caps what the numbers' rule gives, and the row says the cap is there."""
+    from stats import Interval
+
+    claim = tables.claim_settings({"name": "c", "paper": "p", "records": [], "kind": "training", "arm": "rl",
+                                   "field": "heldout_after", "baseline_field": "heldout_before", "direction": "up",
+                                   "why": "A shortcut.", "goal": 0.1, "at_most": "direction only"}, 0)
+    strong = Interval(0.3, 0.2, 0.4, 5, 60)
+    figures = tables.ClaimFigures(strong, strong, Interval(0.0, 0.0, 0.0, 5, 60), strong, [0.3] * 5, [100],
+                                  (9.0, 4, 0.001), 0.0625)
+    row = tables.claim_row(claim, figures, [])
+    assert "**direction only** (direction and size met" in row and "held to direction only" in row
 
 
 def test_the_claims_page_is_what_the_generator_writes_from_the_committed_records():

@@ -24,19 +24,14 @@ from typing import Any
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.demos.play import DEMO_MAX_TURNS, play_script
 from ctxrl.rollout.managers import get_manager
-from ctxrl.rollout.managers.facts import answer_facts, contains
+from ctxrl.rollout.managers.facts import facts_at_answer
 from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.types import Episode
 
 
 def reachable(episode: Episode) -> bool:
     """Whether ``episode`` finished and the context its last turn was written from holds every fact of the answer."""
-    if episode.truncation is not None or not episode.messages or episode.messages[-1].role != "assistant":
-        return False
-    opening = episode.segments[0].messages if episode.segments else episode.messages
-    facts = answer_facts(episode.task.answer or "", "\n".join(m.content for m in opening[:2]))
-    seen = "\n".join(m.content for m in episode.messages[:-1])
-    return all(contains(seen, f) for f in facts)
+    return episode.truncation is None and facts_at_answer(episode) == 1.0
 
 
 def scripted_ceiling(env_cls, renderer: ChatRenderer, limits: RolloutLimits, n_tasks: int, *, split: str = "heldout",

@@ -18,12 +18,13 @@ __all__ = ["evaluate_split", "summarize", "task_outcomes"]
 def task_outcomes(episodes: list[Episode]) -> dict[str, dict]:
     """Each task's outcome, for statistics over tasks as well as seeds (``experiments/tables.py``).
 
-    ``task_success``: task id -> mean success over its episodes (its trials: success by the last attempt, as
-    ``trial_success``; an errored one is a failure). Trials add ``task_success_by_attempt``: task id -> success
+    ``task_success``: task id -> mean success over its episodes (its trials: attempt 1's, as the evaluation row's
+    ``success``; an errored one is a failure). Trials add ``task_success_by_attempt``: task id -> success
     by attempt k for k = 1..K, averaged over its trials. A rewriting manager's ``fact_survival`` pairs add
-    ``task_fact_survival``: task id -> facts kept / facts seen over its rewrites (tasks with none left out).
+    ``task_fact_survival``: task id -> facts kept / facts seen over its rewrites (tasks with none left out); single
+    episodes add ``task_facts_at_answer``: of the answer's facts, the share in context when it answered.
     """
-    from ctxrl.rollout.managers.facts import episode_survival
+    from ctxrl.rollout.managers.facts import episode_survival, facts_at_answer
 
     by_task: dict[str, list[Episode]] = {}
     for e in episodes:
@@ -31,11 +32,16 @@ def task_outcomes(episodes: list[Episode]) -> dict[str, dict]:
     out: dict[str, dict] = {"task_success": {t: sum(e.success and e.truncation != "error" for e in es) / len(es)
                                              for t, es in by_task.items()}}
     if any("attempts" in e.info for e in episodes):
-        out["task_success_by_attempt"] = {t: _by_attempt(es) for t, es in by_task.items()}
+        by_attempt = {t: _by_attempt(es) for t, es in by_task.items()}
+        out["task_success_by_attempt"] = by_attempt
+        out["task_success"] = {t: k[0] for t, k in by_attempt.items()}  # attempt 1's, as the row's ``success``
     survival = {t: [episode_survival(e) for e in es] for t, es in by_task.items()}
     scored = {t: (sum(k for k, _ in p), sum(s for _, s in p)) for t, p in survival.items()}
     if any(seen for _, seen in scored.values()):
         out["task_fact_survival"] = {t: kept / seen for t, (kept, seen) in scored.items() if seen}
+    at_answer = {t: [v for v in map(facts_at_answer, es) if v is not None] for t, es in by_task.items()}
+    if any("attempts" not in e.info for e in episodes) and any(at_answer.values()):
+        out["task_facts_at_answer"] = {t: sum(v) / len(v) for t, v in at_answer.items() if v}
     return out
 
 

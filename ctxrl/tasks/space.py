@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -225,9 +226,13 @@ def stable_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def task_id(prefix: str, prompt: str) -> str:
-    """A stable task id: ``prefix-`` plus 16 hex digits of the prompt's hash."""
-    digest = stable_hash(prompt)[:16]
+def task_id(prefix: str, prompt: str, *, answer: str | None = None, data: dict[str, Any] | None = None) -> str:
+    """A stable task id: ``prefix-`` plus 16 hex digits of a hash of the prompt, and of the answer and the hidden
+    data when given. Two generated tasks can share a prompt and differ in what they hide (two ``fact_hunt`` trails
+    from the same first page): their ids must differ, or an evaluation's per-task outcomes merge them."""
+    text = prompt if answer is None and data is None else json.dumps([prompt, answer, data], sort_keys=True,
+                                                                     default=str)
+    digest = stable_hash(text)[:16]
     return f"{prefix}-{digest}" if prefix else digest
 
 
@@ -277,7 +282,7 @@ def sample_tasks(
         if unique and prompt in seen:
             continue
         seen.add(prompt)
-        tasks.append(Task(id=task_id(id_prefix, prompt), prompt=prompt, answer=answer,
+        tasks.append(Task(id=task_id(id_prefix, prompt, answer=answer, data=data), prompt=prompt, answer=answer,
                           context=context, split=split, data=dict(data)))
     if len(tasks) < n:
         raise ContextError(f"drew only {len(tasks)} of {n} {split} tasks in {budget} attempts; the space is too "

@@ -2,42 +2,35 @@
 optimiser steps, no RL.
 
 An effect is RL's own only beyond what more supervised training from the same warm start would have given (issue
-49). So each step of a control run trains on fresh demos of the warm start's own mix (its shortcuts, its context
-demos, a format-only warm start's other environment, in the same proportions; new tasks every step) instead of
-rollouts: ``train.ppo_epochs`` x ``train.mini_batches`` optimiser steps, as many as an RL step takes, each a batch of
-``sft.batch_size`` sequences, at ``sft.lr`` held constant, through the learner's own optimiser (its float32
-masters, clipping at ``train.max_grad_norm``, checkpoints and resume). Evaluations, their cadence and the run
-directory are an RL run's, so the two compare step for step. It is deliberately the *same recipe continued*; "more
-SFT" in the other sense (a warm start with more demos) is a plain run with a larger ``sft.demos``.
+49). So each step of a control run trains on fresh demos of the warm start's own mix (its shortcuts, its trials, its
+context demos, a format-only warm start's other environment, in the same proportions; new tasks every step)
+instead of rollouts: ``train.ppo_epochs`` x ``train.mini_batches`` optimiser steps, as many as an RL step takes,
+each a batch of ``sft.batch_size`` sequences drawn at random from the step's demos (so the mix's share of
+sequences holds), through the learner's own optimiser at ``train.lr`` (its float32 masters, clipping at
+``train.max_grad_norm``, checkpoints and resume): only the objective differs from the RL run. A plan may run a
+second control at a higher ``train.lr`` (the warm start's ``sft.lr``, say) and report the stronger of the two.
+Evaluations, their cadence and the run directory are an RL run's, so the two compare step for step. "More SFT" in
+the other sense (a warm start with more demos) is a plain run with a larger ``sft.demos``.
 
 Its rows are ``phase = "sft_control"``: the step's mean loss, the demos and sequences it trained on, its time.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
 from ctxrl.algo.estimators.base import broadcast
 from ctxrl.seeds import Seeds
 from ctxrl.train.sft import sft_step
-from ctxrl.train.warm_start import play_demos, play_format_demos
+from ctxrl.train.warm_start import demo_mix
 from ctxrl.types import Episode, TrainSequence
 
 
 def updates_per_step(config) -> int:
     """Optimiser steps one RL step takes, which the control matches: ``ppo_epochs`` x ``mini_batches``."""
     return config.train.ppo_epochs * config.train.mini_batches
-
-
-def demo_mix(config, n: int) -> tuple[int, int]:
-    """(demos of the run's environment, demos of ``sft.format_demos_env``) among ``n``, in the warm start's
-    proportions (at least one of the run's own)."""
-    c = config.sft
-    other = c.format_demos if c.format_demos_env else 0
-    n_other = round(n * other / (c.demos + other)) if other else 0
-    n_other = min(n_other, n - 1)
-    return n - n_other, n_other
 
 
 def split_rows(rows: list[TrainSequence], parts: int) -> list[list[TrainSequence]]:
@@ -53,15 +46,13 @@ def split_rows(rows: list[TrainSequence], parts: int) -> list[list[TrainSequence
 
 
 def control_demos(trainer, step: int) -> list[Episode]:
-    """Fresh demos for step ``step``: enough for ``updates_per_step`` batches of ``sft.batch_size`` demos."""
+    """Fresh demos of the warm start's mix for step ``step`` (``ctxrl.train.warm_start.demo_mix``): as many demos as
+    the step's sequences, ``updates_per_step`` batches of ``sft.batch_size``."""
     config = trainer.config
     seed = Seeds(config.run.seed).control_demos(step)
-    own, other = demo_mix(config, updates_per_step(config) * config.sft.batch_size)
-    demos = play_demos(config, trainer.spec, trainer.env_cls, trainer.renderer, own,
-                       under_manager=trainer.context_demos, seed=seed)
-    if other:
-        demos += play_format_demos(config, trainer.spec, trainer.renderer, other, seed=seed + 1)
-    return demos
+    return demo_mix(config, trainer.spec, trainer.env_cls, trainer.renderer,
+                    updates_per_step(config) * config.sft.batch_size, under_manager=trainer.context_demos,
+                    seeds=(seed, seed + 1, seed + 2))
 
 
 def control_step(trainer, step: int) -> dict[str, Any]:
@@ -70,9 +61,9 @@ def control_step(trainer, step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     demos = control_demos(trainer, step)
     size = updates_per_step(config) * config.sft.batch_size
-    rows = [row for e in demos for row in broadcast(e, 1.0)][:size]  # (a summarising demo gives several)
-    for group in learner.optimizer.param_groups:  # the recipe continued: the warm start's rate, held constant
-        group["lr"] = config.sft.lr
+    rows = [row for e in demos for row in broadcast(e, 1.0)]  # (a summarising demo gives several)
+    random.Random(Seeds(config.run.seed).control_demos(step)).shuffle(rows)  # the mix's share of sequences, kept
+    rows = rows[:size]
     model = trainer.model
     model.train()
     device = next(model.parameters()).device

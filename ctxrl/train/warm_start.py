@@ -141,12 +141,33 @@ def demo_limits(spec: RolloutSpec, under_manager: bool) -> RolloutLimits | None:
                                timeout_s=0.0)
 
 
+def demo_mix(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, n: int, *, under_manager: bool,
+             seeds: tuple[int, int, int]) -> list[Episode]:
+    """``n`` demos of the warm start's mix, drawn with ``seeds`` (the environment's demos, its scripted trials, the
+    format-only warm start's other environment's): ``sft.trial_demos`` of them trials, and the other environment's
+    in the proportion ``sft.format_demos / sft.demos`` (so ``n = sft.demos`` gives exactly ``sft.format_demos``).
+    The warm start and the SFT-only control (``ctxrl.train.sft_control``) both draw from it."""
+    from ctxrl.meta.trial_demos import build_trial_demos
+
+    c = config.sft
+    demo_seed, trial_seed, format_seed = seeds
+    n_trials = round(n * c.trial_demos)
+    demos = play_demos(config, spec, env_cls, renderer, n - n_trials, under_manager=under_manager, seed=demo_seed)
+    n_format = round(n * c.format_demos / c.demos) if c.format_demos_env and c.demos else 0
+    if n_format:
+        demos += play_format_demos(config, spec, renderer, n_format, seed=format_seed)
+    if n_trials:
+        # the notes say "attempt 2 of K" for the largest K the run plays
+        k = max(2, spec.train_meta.num_attempts, spec.eval_meta.num_attempts)
+        policy = dataclasses.replace(spec.train_meta, num_attempts=k)
+        demos += asyncio.run(build_trial_demos(env_cls, renderer, n_trials, policy, seed=trial_seed))
+    return demos
+
+
 def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, model, *,
                under_manager: bool, on_step: Callable[[int, int, float], None] | None = None,
                precision: Precision | None = None) -> tuple[dict[str, Any], list[Episode]]:
     """Build the demos and train ``model`` on them (under ``precision``); returns the metrics row and the demos."""
-    from ctxrl.meta.trial_demos import build_trial_demos
-
     c, seeds = config.sft, Seeds(config.run.seed)
     t0 = time.perf_counter()
     manager = get_manager(config.context.manager)
@@ -155,15 +176,9 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
         shown = f"{purpose} requests" if purpose else f"{manager.name} solutions"
         warnings.warn(f"environment {config.env.name!r} has no {manager.demo_hooks()} hook: its warm-start demos "
                       f"use the full context and show no {shown} (sft.context_demos=auto)", stacklevel=2)
+    demos = demo_mix(config, spec, env_cls, renderer, c.demos, under_manager=under_manager,
+                     seeds=(seeds.warm_start_demos, seeds.trial_demos, seeds.format_demos))
     n_trials = round(c.demos * c.trial_demos)
-    demos = play_demos(config, spec, env_cls, renderer, c.demos - n_trials, under_manager=under_manager)
-    if c.format_demos_env and c.format_demos > 0:
-        demos += play_format_demos(config, spec, renderer, c.format_demos)
-    if n_trials:
-        # the notes say "attempt 2 of K" for the largest K the run plays
-        k = max(2, spec.train_meta.num_attempts, spec.eval_meta.num_attempts)
-        policy = dataclasses.replace(spec.train_meta, num_attempts=k)
-        demos += asyncio.run(build_trial_demos(env_cls, renderer, n_trials, policy, seed=seeds.trial_demos))
     losses = sft_train(model, demos, pad_token_id=renderer.tokenizer.pad_token_id, epochs=c.epochs,
                        batch_size=c.batch_size, lr=c.lr, seed=seeds.sft_order, on_step=on_step, precision=precision,
                        chunk=config.train.logprob_chunk_tokens, max_tokens=config.train.max_tokens_per_microbatch)

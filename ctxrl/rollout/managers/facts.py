@@ -1,12 +1,16 @@
 """What a context rewrite keeps of the facts the answer needs: the measure of *what* a summary (a selection, a
 window) holds, not only whether the episode succeeded.
 
-A manager that rewrites the context (``summarize``, ``select``, ``window``) calls ``note_survival`` with the
+Two figures. ``facts_at_answer`` is the episode's: of the answer's facts, the fraction in the context its last turn
+was written from; it compares managers (and ``full``) on one footing. ``fact_survival`` is each rewrite's: a
+manager that rewrites the context (``summarize``, ``select``, ``window``) calls ``note_survival`` with the
 conversation the policy could see before the rewrite (the live messages and the observations that did not fit)
 and the one it restarts from. The facts are the words of the task's answer (``answer_facts``: ``731 482`` on
 ``fact_hunt``, the two firms and the code on ``search_join``): a fact counts as *seen* when it is in the text
 before, and as *kept* when it is still in the text after. Facts the episode has not met yet (the last code, before
-the last page) count neither way, so a summary written halfway is scored only on what it could have carried.
+the last page) count neither way, so a summary written halfway is scored only on what it could have carried. A
+window rewrites at every turn once full and a summary only when asked, so rewrite figures compare runs of one
+manager, not managers.
 
 It is a string match on whole words, deliberately simple: a number or a name either survives or it does not. It does
 not judge paraphrase, and an answer whose words also appear in the task's own prompt (which every restart keeps)
@@ -64,3 +68,23 @@ def survival_rate(episodes: list[Episode]) -> tuple[float, int]:
     pairs = [p for e in episodes for p in (e.info.get(SURVIVAL) or []) if p[1] > 0]
     seen = sum(s for _, s in pairs)
     return (sum(k for k, _ in pairs) / seen if seen else float("nan")), len(pairs)
+
+
+def facts_at_answer(episode: Episode) -> float | None:
+    """Of the answer's facts, the fraction in the context the episode's last turn was written from; None when the
+    episode did not end on a turn of the policy's (it was cut short before answering)."""
+    messages = episode.messages
+    if not messages or messages[-1].role != "assistant":
+        return None
+    opening = (episode.segments[0].messages if episode.segments else messages)[:2]
+    facts = answer_facts(episode.task.answer or "", _text(opening))
+    if not facts:
+        return None
+    seen = _text(messages[:-1])
+    return sum(contains(seen, f) for f in facts) / len(facts)
+
+
+def answered_rate(episodes: list[Episode]) -> tuple[float, int]:
+    """(the mean of ``facts_at_answer`` over the episodes that answered, how many did); NaN, 0 without any."""
+    values = [v for v in map(facts_at_answer, episodes) if v is not None]
+    return (sum(values) / len(values) if values else float("nan")), len(values)

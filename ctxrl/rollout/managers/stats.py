@@ -9,7 +9,7 @@ answer needs each rewrite kept (``fact_survival``, ``ctxrl.rollout.managers.fact
 
 from __future__ import annotations
 
-from ctxrl.rollout.managers.facts import survival_rate
+from ctxrl.rollout.managers.facts import answered_rate, survival_rate
 from ctxrl.types import Episode
 
 
@@ -24,6 +24,7 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
     full = [sum(len(s.input_ids) for s in e.sequences()) for e in episodes]
     n = len(episodes)
     survival, scored = survival_rate(episodes)
+    at_answer, answered = answered_rate(episodes)
     return {
         "context_peak_tokens_mean": sum(peaks) / n,
         "context_peak_tokens_max": float(max(peaks)),
@@ -41,6 +42,8 @@ def context_stats(episodes: list[Episode]) -> dict[str, float]:
         "success_without_summary": _rate([e.success for e, k in zip(episodes, summaries) if not k]),
         "fact_survival": survival,
         "fact_survival_rewrites": float(scored),
+        "facts_at_answer": at_answer,
+        "facts_at_answer_episodes": float(answered),
     }
 
 
