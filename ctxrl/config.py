@@ -766,8 +766,8 @@ def _validate_warm_start(config: Config, manager: type) -> None:
         raise ConfigError(f"sft.format_demos_env: {exc}") from None
     if not manager.demo_ready(other):
         raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r} has no {manager.demo_hooks()} hook to script "
-                          f"{config.context.manager} demos; pick an environment that has one (fact_hunt, "
-                          "search_join, kv_chain, search_qa)")
+                          f"{config.context.manager} demos; pick an environment that has one (`ctxrl check-env NAME` "
+                          "lists what each environment's hooks enable)")
 
 
 def _validate_distributed(config: Config) -> None:

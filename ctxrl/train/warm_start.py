@@ -90,10 +90,11 @@ def check_demos_fit(config: Any, spec: RolloutSpec, env_cls: type, renderer: Cha
     if c.format_demos_env and c.format_demos > 0:
         try:
             play_format_demos(config, spec, renderer, min(FIT_SAMPLE, c.format_demos))
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # (the demos' budget is sft.format_demos_budget, whatever the message calls it)
+            detail = str(exc).replace("context.max_context_tokens", "sft.format_demos_budget")
             raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r}: its demos do not fit "
                               f"sft.format_demos_budget (found before loading the model, on "
-                              f"{min(FIT_SAMPLE, c.format_demos)} of them): {exc}") from exc
+                              f"{min(FIT_SAMPLE, c.format_demos)} of them): {detail}") from exc
     if not under_manager or c.demos <= 0:
         return
     try:
