@@ -56,6 +56,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/meta.py": "tests/test_meta_experiment.py::test_reflection_experiment_smoke",
     "experiments/selfplay.py": "tests/test_scripts.py::test_selfplay_trains_evaluates_and_rates_checkpoints",
     "experiments/stats.py": "tests/test_tables.py::test_the_bootstrap_over_seeds_is_hand_checked",
+    "experiments/claims.py": "tests/test_tables.py::test_the_claims_table_from_a_tiny_claims_file",
     "experiments/tables.py": "tests/test_tables.py::test_collecting_again_replaces_records_and_reports_write_plots",
 }
 

@@ -26,6 +26,7 @@ def _load(file: str):
 
 stats = _load("stats.py")
 tables = _load("tables.py")
+claims = _load("claims.py")
 S = stats.SeedOutcome
 
 
@@ -577,22 +578,22 @@ def test_the_claims_table_from_a_tiny_claims_file(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(old))
     common = {"kind": "training", "arm": "otc", "baseline": "grpo", "field": "heldout_after",
               "where": {"task": "python_math", "size": "135M"}, "direction": "up", "why": "Because."}
-    claims = tmp_path / "claims.toml"
-    claims.write_text('page = "out/page.md"\nrecords_dir = "."\n\n' +
+    claims_file = tmp_path / "claims.toml"
+    claims_file.write_text('page = "out/page.md"\nrecords_dir = "."\n\n' +
                       _claim(name="Per task", paper="a | b", records=["new.json"], goal=0.3, **common) +
                       _claim(name="Old", paper="p", records=["old.json"], **common) +
                       _claim(name="Nothing", paper="p", records=["old.json"], **{**common, "arm": "void"}))
     (tmp_path / "out").mkdir()
-    assert tables.main(["claims", str(claims), "--write"]) == 0
+    assert tables.main(["claims", str(claims_file), "--write"]) == 0
     text = (tmp_path / "out" / "page.md").read_text()
-    assert text == tables.claims_page(claims)
+    assert text == claims.claims_page(claims_file)
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
     assert len(rows) == 3 and all(row.count(" | ") == 5 for row in rows)  # the | in "a | b" is escaped
 
     # differences by seed 1.0, 0.9, 0.8, 0.7, 0.6: mean 0.8, sd sqrt(0.025), t = 0.8 / (sd / sqrt 5) = 11.31, df 4;
     # all five positive: the sign-flip floor 2 / 2^5
-    spec = tables.claim_settings(tomllib.loads(claims.read_text())["claim"][0], 0)
-    figures = tables.claim_figures(spec, new)
+    spec = claims.claim_settings(tomllib.loads(claims_file.read_text())["claim"][0], 0)
+    figures = claims.claim_figures(spec, new)
     assert figures.figure.mean == pytest.approx(0.8) and (figures.figure.n_seeds, figures.figure.n_tasks) == (5, 4)
     assert 0.6 <= figures.figure.low < 0.8 < figures.figure.high <= 1.0
     assert figures.share == (0.5, 0.5, 0.5, 5, 4)  # after RL 1.0 on every task, after the SFT-only control 0.5
@@ -613,38 +614,38 @@ def test_the_claims_table_from_a_tiny_claims_file(tmp_path):
 def test_a_claim_whose_filters_match_two_runs_of_one_seed_is_refused():
     records = _training_records("otc", [1.0], objective="sft", variant="sft") + \
         _training_records("otc", [0.7], objective="sft", variant="sft2")
-    with pytest.raises(tables.ClaimError, match="otc \\(sft\\) has two records for m/b0 seed 0: "
+    with pytest.raises(claims.ClaimError, match="otc \\(sft\\) has two records for m/b0 seed 0: "
                        "pm135-b0-s0-otc-sft and pm135-b0-s0-otc-sft2; narrow"):
-        tables.seed_outcomes(records, kind="training", arm="otc", field="heldout_after", where={}, objective="sft")
+        claims.seed_outcomes(records, kind="training", arm="otc", field="heldout_after", where={}, objective="sft")
 
 
 def test_a_claims_file_that_cannot_be_read_says_which_claim_and_why():
     base = {"name": "c", "paper": "p", "records": [], "kind": "training", "arm": "otc", "field": "heldout_after",
             "direction": "up", "why": "w", "baseline": "grpo"}
-    assert tables.claim_settings(base, 0)["baseline_field"] == "heldout_after"
-    with pytest.raises(tables.ClaimError, match=r"claim 3 \(c\): unknown keys \['basline'\]"):
-        tables.claim_settings({**base, "basline": "grpo"}, 2)
-    with pytest.raises(tables.ClaimError, match=r"missing keys \['why'\]"):
-        tables.claim_settings({k: v for k, v in base.items() if k != "why"}, 0)
-    with pytest.raises(tables.ClaimError, match="direction 'higher'; choose from up, down, within"):
-        tables.claim_settings({**base, "direction": "higher"}, 0)
-    with pytest.raises(tables.ClaimError, match="compares the arm with itself"):
-        tables.claim_settings({k: v for k, v in base.items() if k != "baseline"}, 0)
-    with pytest.raises(tables.ClaimError, match="at_most 'maybe'; choose from not run"):
-        tables.claim_settings({**base, "at_most": "maybe"}, 0)
+    assert claims.claim_settings(base, 0)["baseline_field"] == "heldout_after"
+    with pytest.raises(claims.ClaimError, match=r"claim 3 \(c\): unknown keys \['basline'\]"):
+        claims.claim_settings({**base, "basline": "grpo"}, 2)
+    with pytest.raises(claims.ClaimError, match=r"missing keys \['why'\]"):
+        claims.claim_settings({k: v for k, v in base.items() if k != "why"}, 0)
+    with pytest.raises(claims.ClaimError, match="direction 'higher'; choose from up, down, within"):
+        claims.claim_settings({**base, "direction": "higher"}, 0)
+    with pytest.raises(claims.ClaimError, match="compares the arm with itself"):
+        claims.claim_settings({k: v for k, v in base.items() if k != "baseline"}, 0)
+    with pytest.raises(claims.ClaimError, match="at_most 'maybe'; choose from not run"):
+        claims.claim_settings({**base, "at_most": "maybe"}, 0)
 
 
 def test_a_claim_held_to_a_weaker_verdict_says_so():
     """``at_most`` caps what the numbers' rule gives, and the row says the cap is there."""
     from stats import Interval
 
-    claim = tables.claim_settings({"name": "c", "paper": "p", "records": [], "kind": "training", "arm": "rl",
+    claim = claims.claim_settings({"name": "c", "paper": "p", "records": [], "kind": "training", "arm": "rl",
                                    "field": "heldout_after", "baseline_field": "heldout_before", "direction": "up",
                                    "why": "A shortcut.", "goal": 0.1, "at_most": "direction only"}, 0)
     strong = Interval(0.3, 0.2, 0.4, 5, 60)
-    figures = tables.ClaimFigures(strong, strong, Interval(0.0, 0.0, 0.0, 5, 60), strong, [0.3] * 5, [100],
+    figures = claims.ClaimFigures(strong, strong, Interval(0.0, 0.0, 0.0, 5, 60), strong, [0.3] * 5, [100],
                                   (9.0, 4, 0.001), 0.0625)
-    row = tables.claim_row(claim, figures, [])
+    row = claims.claim_row(claim, figures, [])
     assert "**direction only** (direction and size met" in row and "held to direction only" in row
 
 
@@ -653,7 +654,7 @@ def test_the_claims_page_is_what_the_generator_writes_from_the_committed_records
     link in it stays inside the repository and names a file that exists."""
     root = Path(__file__).parents[1]
     page = root / "docs" / "experiments" / "README.md"
-    assert page.read_text() == tables.claims_page(root / "experiments" / "claims.toml"), \
+    assert page.read_text() == claims.claims_page(root / "experiments" / "claims.toml"), \
         "regenerate it: python experiments/tables.py claims experiments/claims.toml --write"
     for target in re.findall(r"\]\(([^)]+)\)", page.read_text()):
         resolved = (page.parent / target).resolve()
