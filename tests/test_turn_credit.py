@@ -103,6 +103,12 @@ TURN_NOISE = [  # the same outcomes, plus a zero-mean reward of +-1 on every tur
     for outcome in [rewards[-1]]
     for noise in itertools.product((-1.0, 1.0), repeat=len(rewards) - 1)
 ]
+TURN_SCALED = [  # rewards on every turn, scaled so that the return from turn 0 is 1 whatever the length, and the
+    # return from turn k the same for every length that reaches k (0.5 from turn 1, 0.25 from turn 2): again no
+    # action changes the expected return, but the returns at late turns are smaller than the whole return
+    ((1.0,), 1 / 3), ((0.5, 0.5), 1 / 3), ((0.5, 0.25, 0.25), 1 / 3),
+]
+SUPPORTS = {"outcome": OUTCOME_ONLY, "turn_noise": TURN_NOISE, "turn_scaled": TURN_SCALED}
 
 
 def enumerate_groups(support, group_size):
@@ -145,9 +151,10 @@ def assert_no_length_bias(means, tol=1e-6):
     assert not biased, f"expected advantage != 0 at (turn, turn count): {biased}"
 
 
-@pytest.mark.parametrize("support", [OUTCOME_ONLY, TURN_NOISE], ids=["outcome", "turn_noise"])
+@pytest.mark.parametrize("support", ["outcome", "turn_noise", pytest.param("turn_scaled", marks=pytest.mark.xfail(
+    strict=True, reason="the fallback to the whole return G[j,0] is biased where returns shrink with the turn"))])
 def test_turn_loo_has_no_length_bias(support):
-    means = expected_advantages(turn_loo_advantages, support)
+    means = expected_advantages(turn_loo_advantages, SUPPORTS[support])
     assert len(means) == 6  # turns 0..L-1 for L = 1, 2, 3
     assert_no_length_bias(means)
 
