@@ -25,6 +25,13 @@ def group_ids(episodes: list[Episode]) -> torch.Tensor:
     return torch.tensor([index.setdefault(e.baseline_group, len(index)) for e in episodes], dtype=torch.long)
 
 
+def task_group_ids(episodes: list[Episode]) -> torch.Tensor:
+    """[N] ids of the episodes' task groups (``Episode.group_id``): the seats of one match share one, whatever their
+    roles, so a statistic that must not depend on an episode's actions leaves out its task group."""
+    index: dict[int, int] = {}
+    return torch.tensor([index.setdefault(e.group_id, len(index)) for e in episodes], dtype=torch.long)
+
+
 def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
     """[N,T] with each turn's reward on the last sampled token of that turn."""
     rewards = torch.zeros_like(mask)
