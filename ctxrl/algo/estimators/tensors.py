@@ -43,6 +43,17 @@ def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch
     return rewards
 
 
+def turn_sums(values: torch.Tensor, turns: torch.Tensor, num_turns: int) -> torch.Tensor:
+    """[N,K]: the sum of per-token ``values`` over each turn's tokens (a per-token reward summed into its turn's).
+
+    values, turns (turn index of each token, -1 on the prompt): [N,T]; num_turns: K  ->  [N,K]
+    """
+    out = torch.zeros(values.shape[0], num_turns, dtype=values.dtype)
+    for k in range(num_turns):
+        out[:, k] = (values * (turns == k)).sum(1)
+    return out
+
+
 def rows(x: torch.Tensor, episodes: list[Episode]) -> list[list[float]]:
     """Row ``i`` of ``x`` cut to episode ``i``'s length."""
     return [x[i, : len(e.input_ids)].tolist() for i, e in enumerate(episodes)]

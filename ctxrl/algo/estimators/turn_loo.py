@@ -21,7 +21,7 @@ this is ``rloo`` (a group of one gets ``rloo``'s 0 only when it is alone in the 
 from __future__ import annotations
 
 from ctxrl.algo.estimators.base import Estimator, SegmentBonus, one_row_each, register_estimator, unsegmented
-from ctxrl.algo.estimators.tensors import group_ids, padded, per_token, rows, task_group_ids
+from ctxrl.algo.estimators.tensors import group_ids, padded, per_token, rows, task_group_ids, turn_sums
 from ctxrl.algo.turns import broadcast_turn_advantages, episode_turn_tensors, turn_loo_advantages
 from ctxrl.types import Episode, TrainSequence
 
@@ -40,8 +40,7 @@ class TurnLOO(Estimator):
         mask, turns = padded(episodes)
         extra = per_token(episodes, token_rewards, mask, "token rewards") * mask
         turn_rewards, turn_mask = episode_turn_tensors(episodes)
-        for k in range(turn_rewards.shape[1]):
-            turn_rewards[:, k] += (extra * (turns == k)).sum(1)
+        turn_rewards = turn_rewards + turn_sums(extra, turns, turn_rewards.shape[1])
         turn_adv = turn_loo_advantages(turn_rewards, turn_mask, group_ids(episodes),
                                        task_group_ids=task_group_ids(episodes), gamma=self.settings.gamma)
         return one_row_each(episodes, rows(broadcast_turn_advantages(turn_adv, turns, mask), episodes))
