@@ -112,6 +112,26 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, m: torch.Tensor) -> tuple[torch
     return (log_ratio * m).sum(-1), (m.sum(-1) > 0).to(m.dtype)
 
 
+def _reject_sequences(mask: torch.Tensor, m: torch.Tensor, live: torch.Tensor, *, tested: torch.Tensor,
+                      bounds: tuple[float, float], weight: torch.Tensor, ratio: torch.Tensor,
+                      on_device: bool) -> OffPolicyCorrection:
+    """A sequence-level rejection: a sequence whose ``tested`` log-ratio lies outside the log ``bounds`` leaves the
+    loss mask; a kept sequence's tokens are weighted by its ``weight``. Figures: ``ratio_mean`` (of ``ratio``, over
+    sequences), ``weight_mean``, ``masked_frac`` (tokens) and ``seq_masked_frac`` (sequences).
+
+    mask, m (the mask as the log-ratio's dtype): [B,T]; live (1 for a sequence with a sampled token), tested,
+    weight, ratio: [B]  ->  OffPolicyCorrection
+    """
+    low, high = bounds
+    keep = ((tested >= low) & (tested <= high)).to(m.dtype) * live
+    loss_mask = mask * keep.unsqueeze(-1).to(mask.dtype)
+    weights = (weight * keep).unsqueeze(-1) * m
+    metrics = {"ratio_mean": _mean(ratio, live), "weight_mean": _mean(weights, m),
+               "masked_frac": _mean(1.0 - keep.unsqueeze(-1).expand_as(m), m),
+               "seq_masked_frac": _mean(1.0 - keep, live)}
+    return OffPolicyCorrection(weights, loss_mask, _out(metrics, on_device))
+
+
 @_register("token_tis")
 @torch.no_grad()
 def token_tis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
@@ -177,17 +197,12 @@ def sequence_mis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tenso
 
     learner_logprobs, behaviour_logprobs, mask: [B,T]  ->  OffPolicyCorrection
     """
-    low, high = _bounds(lower, upper)
+    bounds = _bounds(lower, upper)
     log_ratio, m = _log_ratio(learner_logprobs, behaviour_logprobs, mask)
     seq_log_ratio, live = _sequence_log_ratio(log_ratio, m)
-    keep = ((seq_log_ratio >= low) & (seq_log_ratio <= high)).to(m.dtype) * live
     raw = torch.exp(seq_log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    loss_mask = mask * keep.unsqueeze(-1).to(mask.dtype)
-    weights = (raw * keep).unsqueeze(-1) * m
-    metrics = {"ratio_mean": _mean(raw, live), "weight_mean": _mean(weights, m),
-               "masked_frac": _mean(1.0 - keep.unsqueeze(-1).expand_as(m), m),
-               "seq_masked_frac": _mean(1.0 - keep, live)}
-    return OffPolicyCorrection(weights, loss_mask, _out(metrics, on_device))
+    return _reject_sequences(mask, m, live, tested=seq_log_ratio, bounds=bounds, weight=raw, ratio=raw,
+                             on_device=on_device)
 
 
 @_register("geometric_mis")
@@ -206,18 +221,13 @@ def geometric_mis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tens
 
     learner_logprobs, behaviour_logprobs, mask: [B,T]  ->  OffPolicyCorrection
     """
-    low, high = _bounds(lower, upper)
+    bounds = _bounds(lower, upper)
     log_ratio, m = _log_ratio(learner_logprobs, behaviour_logprobs, mask)
     seq_log_ratio, live = _sequence_log_ratio(log_ratio, m)
     geo_log_ratio = seq_log_ratio / m.sum(-1).clamp(min=1.0)
-    keep = ((geo_log_ratio >= low) & (geo_log_ratio <= high)).to(m.dtype) * live
     geo = torch.exp(geo_log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    loss_mask = mask * keep.unsqueeze(-1).to(mask.dtype)
-    weights = ((geo if reweight else torch.ones_like(geo)) * keep).unsqueeze(-1) * m
-    metrics = {"ratio_mean": _mean(geo, live), "weight_mean": _mean(weights, m),
-               "masked_frac": _mean(1.0 - keep.unsqueeze(-1).expand_as(m), m),
-               "seq_masked_frac": _mean(1.0 - keep, live)}
-    return OffPolicyCorrection(weights, loss_mask, _out(metrics, on_device))
+    return _reject_sequences(mask, m, live, tested=geo_log_ratio, bounds=bounds,
+                             weight=geo if reweight else torch.ones_like(geo), ratio=geo, on_device=on_device)
 
 
 @_register("icepop")

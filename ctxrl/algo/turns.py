@@ -29,14 +29,28 @@ MT-GRPO-style normalisation that it cites.
 1. the same returns ``G[i,k]``;
 2. ``A[i,k] = G[i,k] - b[i,k]`` with ``b[i,k]`` the mean of ``G[j,k]`` over the *other* episodes
    ``j != i`` of the group that reached turn ``k`` (leave-one-out, Kool et al. 2019; RLOO);
-3. where no other episode reached turn ``k``, ``b[i,k]`` is the episode-level leave-one-out
-   baseline: the mean of the other episodes' whole returns ``G[j,0]``; a group of one gets 0.
+3. where no other episode of the group reached turn ``k`` (fewer than two did), ``b[i,k]`` is the mean of
+   ``G[j,k]`` over the batch's episodes of *other task groups* that reached turn ``k``: still a return of the
+   same turn index, from outside the episode and its match; where none did either, there is nothing to compare
+   turn ``k`` with, and ``A[i,k] = 0``. A group of one is in this case at every turn.
 
-``b[i,k]`` is a function of the other episodes only, which are sampled independently of episode
-``i``; so it cannot depend on ``i``'s action at turn ``k`` (or any of ``i``'s actions), and
-``E[(G - b) grad log pi(a_k)] = E[G grad log pi(a_k)]``: the gradient is unbiased whatever the
-turn counts. Which baseline is used (turn cell or fallback) also depends on the others only. There
-is deliberately no division by a std: a std over the cell includes ``G[i,k]`` itself, which is what
+``b[i,k]`` is a function of other episodes only: the other episodes of ``i``'s group, sampled independently of
+``i``, and the episodes of other task groups (the fallback leaves out ``i``'s task group, whose other seats may have
+played against ``i``). So it cannot depend on ``i``'s action at turn ``k`` (or any of ``i``'s actions), and
+``E[(G - b) grad log pi(a_k)] = E[G grad log pi(a_k)]``: the gradient is unbiased whatever the turn counts and the
+rewards. Which baseline is used (the group's cell, the other task groups, none) also depends on the others only.
+
+What the expected advantage is: if the expected return from turn ``k`` is the same ``m_k`` whatever the number of
+turns an episode goes on to take (no action changes the expected return), ``E[A[i,k] | i took L turns]`` is the
+same for every ``L > k``; it is 0 where the returns ``b[i,k]`` averages have expected value ``m_k`` too: always in
+the group's cell, and in the fallback when the other task groups are drawn like ``i``'s (``tests/test_turn_credit.py``
+enumerates both exactly). A fallback to tasks with another expected return at turn ``k`` shifts that turn's
+advantage by an amount that none of ``i``'s actions changes: variance, not bias. (An earlier fallback, the other
+episodes' *whole* return ``G[j,0]``, was unbiased too, but compared a turn's return with the return of another turn:
+with per-turn rewards it gave the third of three turns an expected advantage of -0.33 where no action changes the
+return.)
+
+There is deliberately no division by a std: a std over the cell includes ``G[i,k]`` itself, which is what
 biases ``turn_advantages`` (the returns keep the environment's scale, as in Dr.GRPO and RLOO).
 """
 
@@ -87,31 +101,49 @@ def turn_advantages(turn_rewards: torch.Tensor, turn_mask: torch.Tensor, group_i
 
 
 def turn_loo_advantages(turn_rewards: torch.Tensor, turn_mask: torch.Tensor, group_ids: torch.Tensor, *,
-                        gamma: float = 1.0) -> torch.Tensor:
-    """Turn returns minus a leave-one-out baseline that never depends on the scored episode (module docstring).
+                        task_group_ids: torch.Tensor | None = None, gamma: float = 1.0) -> torch.Tensor:
+    """Turn returns minus a baseline of the same turn that never depends on the scored episode (module docstring).
 
-    ``A[i,k] = G[i,k] - mean_{j in g, j != i, j reached k} G[j,k]``; where no other episode of ``i``'s group
-    reached turn ``k``, ``A[i,k] = G[i,k] - mean_{j in g, j != i} G[j,0]``; a group of one gets 0.
+    ``A[i,k] = G[i,k] - b[i,k]`` on every turn ``k`` episode ``i`` reached, with ``b[i,k]``:
 
-    turn_rewards, turn_mask: [N,K]; group_ids: [N]  ->  [N,K] (0 on padding turns)
+    - the mean of ``G[j,k]`` over the other episodes ``j != i`` of ``i``'s group that reached turn ``k``;
+    - where none did (fewer than two episodes of the group reached ``k``), the mean of ``G[j,k]`` over the
+      episodes of the batch's other task groups that reached turn ``k``;
+    - where none of those did either, there is no return at turn ``k`` to compare with, and ``A[i,k] = 0``.
+
+    ``task_group_ids`` says which episodes may have played each other: the seats of a match share a task group but
+    not a group (one group per role), and a seat's return depends on the other seats' actions; so the fallback takes
+    no episode of ``i``'s task group. None: every group is its own task group (single-agent episodes).
+
+    turn_rewards, turn_mask: [N,K]; group_ids, task_group_ids: [N]  ->  [N,K] (0 on padding turns)
     """
     if group_ids.dim() != 1 or group_ids.shape[0] != turn_rewards.shape[0]:
         raise ValueError(f"group_ids {tuple(group_ids.shape)} must be [N] with N = {turn_rewards.shape[0]}")
+    if task_group_ids is None:
+        task_group_ids = group_ids
+    if task_group_ids.shape != group_ids.shape:
+        raise ValueError(f"task_group_ids {tuple(task_group_ids.shape)} must be [N] like group_ids "
+                         f"{tuple(group_ids.shape)}")
     returns = turn_returns(turn_rewards, turn_mask, gamma)
     live = turn_mask.bool().to(returns.dtype)
-    _, group = torch.unique(group_ids, return_inverse=True)
-    members = torch.zeros(int(group.max()) + 1 if len(group) else 0, len(group), dtype=returns.dtype)
-    members[group, torch.arange(len(group))] = 1.0  # [groups, N]
-    # per (group, turn): the sum of the returns of the episodes that reached it, and their count
-    others_sum = (members @ (returns * live))[group] - returns * live
-    others_n = (members @ live)[group] - live
-    episode_sum = (members @ (returns[:, :1] * live[:, :1]))[group] - returns[:, :1] * live[:, :1]
-    episode_n = (members @ live[:, :1])[group] - live[:, :1]
-    turn_baseline = others_sum / others_n.clamp(min=1.0)
-    episode_baseline = (episode_sum / episode_n.clamp(min=1.0)).expand_as(returns)
-    baseline = torch.where(others_n > 0, turn_baseline, episode_baseline)
-    has_baseline = (others_n > 0) | (episode_n > 0)
+    reached = returns * live
+    # per turn: the sum and the count of the returns of the other episodes of i's group that reached it ...
+    group_sum, group_n = _sum_by(group_ids, reached) - reached, _sum_by(group_ids, live) - live
+    # ... and of the episodes of the other task groups
+    outside_sum = reached.sum(0) - _sum_by(task_group_ids, reached)
+    outside_n = live.sum(0) - _sum_by(task_group_ids, live)
+    baseline = torch.where(group_n > 0, group_sum / group_n.clamp(min=1.0), outside_sum / outside_n.clamp(min=1.0))
+    has_baseline = (group_n > 0) | (outside_n > 0)
     return torch.where(live.bool() & has_baseline, returns - baseline, 0.0)
+
+
+def _sum_by(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Row ``i``: the sum of the rows ``j`` of ``x`` with ``ids[j] == ids[i]`` (``i`` included).
+
+    ids: [N]; x: [N,K]  ->  [N,K]
+    """
+    _, index = torch.unique(ids, return_inverse=True)
+    return torch.zeros_like(x).index_add_(0, index, x)[index]
 
 
 def broadcast_turn_advantages(turn_adv: torch.Tensor, token_turns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,13 @@ def group_ids(episodes: list[Episode]) -> torch.Tensor:
     return torch.tensor([index.setdefault(e.baseline_group, len(index)) for e in episodes], dtype=torch.long)
 
 
+def task_group_ids(episodes: list[Episode]) -> torch.Tensor:
+    """[N] ids of the episodes' task groups (``Episode.group_id``): the seats of one match share one, whatever their
+    roles, so a statistic that must not depend on an episode's actions leaves out its task group."""
+    index: dict[int, int] = {}
+    return torch.tensor([index.setdefault(e.group_id, len(index)) for e in episodes], dtype=torch.long)
+
+
 def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
     """[N,T] with each turn's reward on the last sampled token of that turn."""
     rewards = torch.zeros_like(mask)
@@ -34,6 +41,17 @@ def token_turn_rewards(episodes: list[Episode], mask: torch.Tensor, turns: torch
             if len(positions):
                 rewards[i, int(positions[-1])] += float(turn.reward)
     return rewards
+
+
+def turn_sums(values: torch.Tensor, turns: torch.Tensor, num_turns: int) -> torch.Tensor:
+    """[N,K]: the sum of per-token ``values`` over each turn's tokens (a per-token reward summed into its turn's).
+
+    values, turns (turn index of each token, -1 on the prompt): [N,T]; num_turns: K  ->  [N,K]
+    """
+    out = torch.zeros(values.shape[0], num_turns, dtype=values.dtype)
+    for k in range(num_turns):
+        out[:, k] = (values * (turns == k)).sum(1)
+    return out
 
 
 def rows(x: torch.Tensor, episodes: list[Episode]) -> list[list[float]]:

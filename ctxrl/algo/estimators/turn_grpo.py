@@ -8,10 +8,8 @@ on every sampled token of that turn. Optional per-token rewards are summed per t
 
 from __future__ import annotations
 
-import torch
-
 from ctxrl.algo.estimators.base import Estimator, SegmentBonus, one_row_each, register_estimator, unsegmented
-from ctxrl.algo.estimators.tensors import group_ids, padded, per_token, rows
+from ctxrl.algo.estimators.tensors import group_ids, padded, per_token, rows, turn_sums
 from ctxrl.algo.turns import broadcast_turn_advantages, episode_turn_tensors, turn_advantages
 from ctxrl.types import Episode, TrainSequence
 
@@ -31,9 +29,7 @@ class TurnGRPO(Estimator):
         extra = per_token(episodes, token_rewards, mask, "token rewards") * mask
         groups, gamma = group_ids(episodes), self.settings.gamma
         turn_rewards, turn_mask = episode_turn_tensors(episodes)
-        turn_extra = torch.zeros_like(turn_rewards)
-        for k in range(turn_rewards.shape[1]):
-            turn_extra[:, k] = (extra * (turns == k)).sum(1)
+        turn_extra = turn_sums(extra, turns, turn_rewards.shape[1])
         turn_adv = turn_advantages(turn_rewards, turn_mask, groups, gamma=gamma) + \
             turn_advantages(turn_extra, turn_mask, groups, gamma=gamma, std_normalize=False)
         return one_row_each(episodes, rows(broadcast_turn_advantages(turn_adv, turns, mask), episodes))
