@@ -225,3 +225,11 @@ def test_the_render_queue_takes_clients_in_turn_and_bounds_each(monkeypatch):
     for future in (a1, b0, a2_after):
         future.result(10)
     assert order.index("b0") < order.index("a2")  # b's turn comes before a's next
+
+
+def test_the_in_process_training_server_bounds_no_episode_by_the_per_client_queue(stack):  # noqa: F811
+    """In process every harness episode comes through one ASGI transport, one "client": the trainer bounds them."""
+    from ctxrl.serve.harness import training_server
+
+    limits = SimpleNamespace(max_total_tokens=MAX_TOTAL, max_new_tokens=4, stop_ids=(), stop_strings=())
+    assert training_server(stack.engine, stack.renderer, limits).renders_per_client >= 1 << 20

@@ -44,7 +44,7 @@ def training_server(engine, renderer, limits, api_key: str | None = None):
     server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
                     max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
                     max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",), api_key=api_key,
-                    client_sessions=False)
+                    client_sessions=False, renders_per_client=1 << 30)  # (in process, every episode is one client)
     server.stop_strings = tuple(limits.stop_strings)
     return server
 
