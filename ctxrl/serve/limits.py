@@ -48,6 +48,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from ctxrl.errors import ConfigError
 from ctxrl.serve.protocol import APIError
 
 RECENT_ERRORS = 16
@@ -194,8 +195,12 @@ configured ones): the MCP SDK's loopback defaults, and the same names without a 
 
 def host_check(allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> Any:
     """The MCP SDK's DNS-rebinding check (``TransportSecurityMiddleware``, which ``ctxrl mcp-serve`` runs too) for
-    the loopback names and these (exact, or ``name:*`` for any port)."""
-    from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+    the loopback names and these (exact, or ``name:*`` for any port); a ``ConfigError`` without the ``mcp`` package."""
+    try:
+        from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+    except ImportError:
+        raise ConfigError("ctxrl serve checks Host and Origin with the mcp package's DNS-rebinding check, and mcp is "
+                          "not installed: pip install -e '.[serve]'") from None
 
     return TransportSecurityMiddleware(TransportSecuritySettings(
         allowed_hosts=[*LOOPBACK_HOSTS, *allowed_hosts], allowed_origins=[*LOOPBACK_ORIGINS, *allowed_origins]))
@@ -220,12 +225,12 @@ class Guard:
     """ASGI middleware: Host and Origin (421, 403), the key (401), a declared body over the limit (413), and errors
     inside ctxrl (500)."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, errors: ErrorLog,
-                 allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> None:
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, errors: ErrorLog, hosts: Any) -> None:
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
         self.max_body_bytes, self.errors = max_body_bytes, errors
-        self.hosts = host_check(allowed_hosts, allowed_origins)
+        self.hosts = hosts
+        """``host_check``'s check."""
 
     async def refused_host(self, scope) -> APIError | None:
         """A 421 or 403 naming the header, when a request on a loopback address names a host it may not."""

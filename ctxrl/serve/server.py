@@ -57,7 +57,7 @@ from ctxrl.errors import ConfigError
 from ctxrl.plain import to_json
 from ctxrl.rollout.recorder import Rerendered
 from ctxrl.seeds import derive_seed
-from ctxrl.serve.limits import ErrorLog, Guard, RenderQueue, Slots, read_body
+from ctxrl.serve.limits import ErrorLog, Guard, RenderQueue, Slots, host_check, read_body
 from ctxrl.serve.protocol import (
     APIError,
     ChatRequest,
@@ -180,6 +180,7 @@ class Server:
         """The largest reward, either way, a client may post: past it, a 400 (the learner computes in float32)."""
         self.allowed_hosts, self.allowed_origins = tuple(allowed_hosts), tuple(allowed_origins)
         """``Host`` and ``Origin`` values allowed besides loopback ones (``name:*``: any port; ``limits.Guard``)."""
+        self.hosts = host_check(self.allowed_hosts, self.allowed_origins)  # (now: without mcp, one line at start)
         self.renders_per_client = renders_per_client
 
     @property
@@ -352,7 +353,7 @@ class Server:
         app = FastAPI(title="ctxrl", docs_url=None, redoc_url=None, openapi_url=None)
         _add_error_handlers(app, self)
         app.add_middleware(Guard, api_key=self.api_key, max_body_bytes=self.max_body_bytes, errors=self.errors,
-                           allowed_hosts=self.allowed_hosts, allowed_origins=self.allowed_origins)
+                           hosts=self.hosts)
         _add_openai_routes(app, self)
         _add_session_routes(app, self)
         _add_training_routes(app, self)
