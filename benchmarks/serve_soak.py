@@ -5,8 +5,12 @@ tiny model, then for ``--seconds`` runs ``--clients`` honest clients, each playi
 sessions of its own (a call with tools, the reply and a tool result or user turn sent back, a second
 call, the reward with one reward per turn, the recorded episode read back and checked), beside
 ``--hostile`` clients that send, in turn: bodies that are not JSON, NaN numbers, NaN rewards, wrong
-keys, 8 MiB bodies (declared, and chunked), bodies that trickle in and stall, malformed fields, and
-1 MB messages to tokenise. It prints the server's RSS as it goes, then:
+keys, 8 MiB bodies (declared, and chunked), bodies that trickle in and stall, malformed fields,
+1 MB messages to tokenise, and issue 51's mixes: a lone surrogate (``"\ud800"``) in a message, a
+tool's description or a call's arguments, a reward of 1e308, a ``Host`` of another name (DNS
+rebinding), a session id ``a%00b``; beside ``--huge`` clients (2) that each send 3.9 MB messages
+one after another, at once (before issue 51 each took 12 s to tokenise on the one render thread,
+and honest calls waited behind them). It prints the server's RSS as it goes, then:
 
 - RSS at the start (after warm-up), its peak and at the end (flat under hostile requests: nothing is kept
   per request; it rises slowly with the honest episodes, because a finished session is kept, for
@@ -21,6 +25,7 @@ keys, 8 MiB bodies (declared, and chunked), bodies that trickle in and stall, ma
     python benchmarks/serve_soak.py --seconds 300 --clients 8 --hostile 4
     python benchmarks/serve_soak.py --session-timeout 3   # finished sessions dropped: RSS flat
     python benchmarks/serve_soak.py --smoke           # a few seconds: does it run?
+    python benchmarks/serve_soak.py --huge 0          # without the two 3.9 MB clients
 """
 
 from __future__ import annotations
@@ -156,8 +161,9 @@ async def honest_client(base: str, index: int, stop_at: float, stats: dict) -> N
 
 # -- hostile clients ---------------------------------------------------------------------------------------
 
-def _request(path: str, body: bytes, *, key: str = KEY, chunked: bool = False, length: int | None = None) -> bytes:
-    head = [f"POST {path} HTTP/1.1", "Host: soak", "Content-Type: application/json", f"Authorization: Bearer {key}"]
+def _request(path: str, body: bytes, *, key: str = KEY, chunked: bool = False, length: int | None = None,
+             host: str = "127.0.0.1") -> bytes:
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json", f"Authorization: Bearer {key}"]
     head.append("Transfer-Encoding: chunked" if chunked else
                 f"Content-Length: {len(body) if length is None else length}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if chunked else body)
@@ -178,7 +184,13 @@ def chat_body(**fields) -> bytes:
 
 
 ATTACKS = ["not_json", "nan_number", "nan_reward", "wrong_key", "huge_body", "huge_chunked", "slow_body",
-           "bad_field", "huge_message"]
+           "bad_field", "huge_message", "surrogate_content", "surrogate_tool", "surrogate_arguments", "huge_reward",
+           "rebinding", "nul_session"]
+SURROGATE_TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluate \ud800.",
+                                                   "parameters": {"type": "object", "properties": {}}}}
+SURROGATE_CALL = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"x": "\\ud800"}'}}
+HUGE_MESSAGE = chat_body(messages=[{"role": "user", "content": "ab " * 1_300_000}])
+"""3.9 MB: what a ``--huge`` client sends, one after another."""
 
 
 async def attack(port: int, kind: str, n: int, read_timeout: float) -> int:
@@ -209,16 +221,32 @@ async def attack(port: int, kind: str, n: int, read_timeout: float) -> int:
         elif kind == "huge_message":  # 1 MB of text to tokenise, far past the context
             writer.write(_request("/v1/chat/completions", chat_body(messages=[{"role": "user",
                                                                                "content": "ab " * 330_000}])))
+        elif kind == "surrogate_content":
+            writer.write(_request("/v1/chat/completions", chat_body(messages=[{"role": "user", "content": "\ud800"}])))
+        elif kind == "surrogate_tool":
+            writer.write(_request("/v1/chat/completions", chat_body(tools=[SURROGATE_TOOL])))
+        elif kind == "surrogate_arguments":
+            writer.write(_request("/v1/chat/completions", chat_body(messages=[
+                {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [SURROGATE_CALL]}])))
+        elif kind == "huge_reward":
+            writer.write(_request(f"/sessions/hostile-{n}/reward", b'{"reward": 1e308}'))
+        elif kind == "rebinding":
+            writer.write(_request("/v1/chat/completions", chat_body(), host=f"attacker.example:{port}"))
+        elif kind == "nul_session":
+            writer.write(_request("/sessions/a%00b/v1/chat/completions", chat_body()))
+        elif kind == "huge_4mb":
+            writer.write(_request("/v1/chat/completions", HUGE_MESSAGE))
         await writer.drain()
         return await _status(reader, read_timeout + 30)
     finally:
         writer.close()
 
 
-async def hostile_client(port: int, index: int, stop_at: float, stats: dict, read_timeout: float) -> None:
+async def hostile_client(port: int, index: int, stop_at: float, stats: dict, read_timeout: float,
+                         kinds: tuple[str, ...] = tuple(ATTACKS)) -> None:
     n = index
     while time.monotonic() < stop_at:
-        kind = ATTACKS[n % len(ATTACKS)]
+        kind = kinds[n % len(kinds)]
         n += 1
         try:
             status = await attack(port, kind, n, read_timeout)
@@ -254,7 +282,9 @@ async def soak(args, port: int, pid: int) -> dict:
                 await asyncio.sleep(args.sample_every)
 
     await asyncio.gather(sample_rss(), *(honest_client(base, i, stop_at, stats) for i in range(args.clients)),
-                         *(hostile_client(port, i, stop_at, stats, args.read_timeout) for i in range(args.hostile)))
+                         *(hostile_client(port, i, stop_at, stats, args.read_timeout) for i in range(args.hostile)),
+                         *(hostile_client(port, i, stop_at, stats, args.read_timeout, ("huge_4mb",))
+                           for i in range(args.huge)))
     stats["rss"].append((round(time.monotonic() - start, 1), round(rss_mb(pid), 1)))
     return stats
 
@@ -264,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--clients", type=int, default=4, help="honest clients, each playing episodes in turn")
     parser.add_argument("--hostile", type=int, default=3, help="hostile clients")
+    parser.add_argument("--huge", type=int, default=2, help="clients sending 3.9 MB messages, one after another")
     parser.add_argument("--read-timeout", type=float, default=2.0, help="the server's --read-timeout")
     parser.add_argument("--session-timeout", type=float, default=600.0,
                         help="the server's --session-timeout: how long a finished session is kept")
@@ -275,13 +306,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="config overrides for the server, e.g. model.name=...")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.seconds, args.clients, args.hostile, args.sample_every = 2.5, 2, 2, 1.0
+        args.seconds, args.clients, args.hostile, args.huge, args.sample_every = 2.5, 2, 2, 1, 1.0
     port = free_port()
     server = start_server(args, port)
     try:
         wait_until_up(server, port)
-        print(f"ctxrl serve (pid {server.pid}) on 127.0.0.1:{port}: {args.clients} honest and {args.hostile} "
-              f"hostile clients for {args.seconds:g} s", flush=True)
+        print(f"ctxrl serve (pid {server.pid}) on 127.0.0.1:{port}: {args.clients} honest, {args.hostile} hostile "
+              f"and {args.huge} 3.9 MB clients for {args.seconds:g} s", flush=True)
         stats = asyncio.run(soak(args, port, server.pid))
         alive = server.poll() is None
     finally:
@@ -293,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
     latency = sorted(stats["latency"])
     rss = [mb for _, mb in stats["rss"]]
     figures = {
-        "seconds": args.seconds, "clients": args.clients, "hostile_clients": args.hostile,
+        "seconds": args.seconds, "clients": args.clients, "hostile_clients": args.hostile, "huge_clients": args.huge,
         "rss_start_mb": rss[0], "rss_peak_mb": max(rss), "rss_end_mb": rss[-1],
         "latency_p50_s": round(statistics.median(latency), 4) if latency else None,
         "latency_p95_s": round(latency[int(0.95 * (len(latency) - 1))], 4) if latency else None,

@@ -87,7 +87,7 @@ def test_malformed_replies_are_refused_with_what_is_wrong(rubric, reply, message
 
 def test_the_prompt_names_the_criteria_and_shows_the_reference_only_when_asked():
     system, user = TWO.messages("What is 2 plus 3?", "ASSISTANT:\n5", what="answer")
-    assert system.role == "system" and "correct: right answer" in user.content and "concise: 5" in user.content
+    assert system.role == "system" and "correct - right answer" in user.content and "concise: <score>" in user.content
     assert "Reference" not in user.content and "from 1 (worst) to 5 (best)" in user.content
     _, user = VERDICT.messages("task", "work", reference="5")
     assert "Reference answer (correct):\n5" in user.content and "Reply with one word: YES or NO." in user.content

@@ -69,6 +69,7 @@ from ctxrl.chat.formats import (
 )
 from ctxrl.chat.formats import parse_assistant as parse_with
 from ctxrl.chat.guard import Guard, encode_marked, markers_intact, special_tokens
+from ctxrl.chat.surrogates import replace_surrogates
 from ctxrl.chat.tool_prompt import in_system_turn, tools_system_text
 from ctxrl.chat.toolcalls import HERMES
 from ctxrl.types import Message
@@ -252,12 +253,14 @@ class ChatRenderer:
         return self._apply(self.chat(messages), tools or None, add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text``, its special-token strings as special tokens (template text, policy text)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Ids of ``text``, its special-token strings as special tokens (template text, policy text); a lone surrogate,
+        which no tokenizer takes, as U+FFFD (``ctxrl.chat.surrogates``)."""
+        return list(self.tokenizer.encode(replace_surrogates(text), add_special_tokens=False))
 
     def encode_plain(self, text: str) -> list[int]:
         """Ids of ``text`` with special-token strings taken as plain characters (text the policy did not write)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+        return list(self.tokenizer.encode(replace_surrogates(text), add_special_tokens=False,
+                                          split_special_tokens=True))
 
     def _render(self, messages: list[Message], tools: list[dict] | None, *,
                 add_generation_prompt: bool) -> tuple[str, list[str]]:

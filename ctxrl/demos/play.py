@@ -41,6 +41,7 @@ from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.match import SeatPolicy, play_match
 from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.tools.mcp_session import McpError
 from ctxrl.types import Episode, Task
 
 WORLD_EPISODES = 100
@@ -87,6 +88,10 @@ async def build_demos(env_cls, renderer: ChatRenderer, n: int, *, shortcut_fract
                                      for task in tasks))
     episodes = [e for one in played for e in (one if isinstance(one, list) else [one])]
     for ep in episodes:
+        if ep.truncation is not None and ep.info.get("error_kind") == "tool_server":  # (the server's fault: one line)
+            raise McpError(f"the warm start's demonstration of task {ep.task.id} lost its tool server: "
+                           f"{ep.info.get('error', '')}; fix the server, or warm-start without demonstrations "
+                           "(sft.enabled=false)")
         if ep.truncation is not None:
             raise RuntimeError(_ended_early(ep, limits))
     return episodes

@@ -29,7 +29,9 @@ object, a field of the wrong type (``context`` must be an object, ``solution`` a
 a string or number), an empty or null ``answer`` (``exact`` and ``contains`` would take any reply for it, and
 ``null`` is no answer), one that ``exact``/``contains`` normalise away (``"the"``), and a prompt longer than
 ``rollout.max_total_tokens`` can hold (``check_tasks``: by characters when the run is configured, by the
-model's tokenizer once a rollout worker has it). A task naming a tool the run does not offer is refused when the
+model's tokenizer once a rollout worker has it), a lone surrogate (``"\\ud800"``: valid JSON, but no text:
+``ctxrl.chat.surrogates``), a number of more digits than Python reads (write it as a string), and an ``id`` that
+an earlier line has already. A task naming a tool the run does not offer is refused when the
 first environment is built (an MCP server's tools are known only once it runs): a rollout worker builds one before
 any episode.
 """
@@ -39,10 +41,12 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ctxrl.chat.surrogates import find_surrogate
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.registry import register
 from ctxrl.envs.tool_answer import ToolAnswerEnv
@@ -95,7 +99,7 @@ def read_tasks(path: str | Path, heldout_fraction: float = 0.2, *, verifier: str
     if not path.is_file():
         raise EnvError(f"jsonl_tools: task file {str(path)!r} does not exist or is not a file "
                        "(set env.data to a JSONL file)")
-    tasks = []
+    tasks, ids = [], {}
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
             where = f"{path}:{line_no}"
@@ -106,16 +110,36 @@ def read_tasks(path: str | Path, heldout_fraction: float = 0.2, *, verifier: str
                                "save the task file as UTF-8") from None
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EnvError(f"{where}: not JSON ({exc.msg}); one task object per line") from None
-            except RecursionError:
-                raise EnvError(f"{where}: JSON nested too deep; one flat task object per line") from None
-            tasks.append((where, _task(row, where, heldout_fraction, verifier)))
+            row = _row(line, where)
+            task = _task(row, where, heldout_fraction, verifier)
+            if "id" in row and row["id"] not in (None, ""):
+                if task.id in ids:
+                    raise EnvError(f"{where}: task id {task.id!r} is taken already, by line {ids[task.id]}; give each "
+                                   "task an id of its own")
+                ids[task.id] = line_no
+            tasks.append((where, task))
     if not tasks:
         raise EnvError(f"jsonl_tools: {path} holds no tasks")
     return tasks
+
+
+def _row(line: str, where: str) -> Any:
+    """One line's JSON, or an ``EnvError`` naming what keeps it from being a task's."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise EnvError(f"{where}: not JSON ({exc.msg}); one task object per line") from None
+    except RecursionError:
+        raise EnvError(f"{where}: JSON nested too deep; one flat task object per line") from None
+    except ValueError:  # (an integer of more digits than Python converts)
+        raise EnvError(f"{where}: a number of more than {sys.get_int_max_str_digits()} digits, more than Python "
+                       "reads; write it as a string (\"answer\": \"123...\")") from None
+    found = find_surrogate(row)
+    if found is not None:
+        field = f'a key of "{found[9:]}"' if found.startswith("a key of ") else f'"{found}"'
+        raise EnvError(f"{where}: {field} holds a lone surrogate (a \\ud800-\\udfff escape on its own), which is "
+                       "not text; write the character itself (a pair of escapes), or drop it")
+    return row
 
 
 def _kind(value: Any) -> str:

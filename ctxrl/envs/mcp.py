@@ -10,12 +10,16 @@ entry is a URL or a command line whose program exists, and that the environment 
 
 ``start_tools(env_cls)`` builds one environment and closes it: a rollout worker calls it before the first episode,
 so a server that cannot start, two tools of one name, or a ``jsonl_tools`` task naming a tool nobody offers stops
-the run at once, with one line, instead of erroring every episode.
+the run at once, with one line, instead of erroring every episode. Just before, the worker's ``check_tasks`` (with
+the model's tokenizer) starts the servers and refuses tools whose schemas alone take the context
+(``check_schema_tokens``): every episode would be cut.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from collections.abc import Callable
 
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.tool_answer import ToolAnswerEnv
@@ -65,8 +69,32 @@ def _with_tools(cls: type, settings: McpSettings) -> type:
                            "env.mcp_tools, or rename it in its server")
         return [*own, *offered]
 
+    own_check = getattr(cls, "check_tasks", None)
+
+    def check_tasks(max_total_tokens: int, count_tokens: Callable[[str], int] | None = None) -> None:
+        """The environment's own check, then, with the model's tokenizer (a rollout worker's start), the MCP tools'
+        schemas against the context (``check_schema_tokens``)."""
+        if own_check is not None:
+            own_check(max_total_tokens, count_tokens)
+        if count_tokens is not None:  # (not at ctxrl config, which starts no server)
+            check_schema_tokens(mcp_hub(settings).tools(), max_total_tokens, count_tokens)
+
     return type(cls.__name__, (cls,), {"make_tools": make_tools, "mcp_settings": settings, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                                       "check_tasks": staticmethod(check_tasks)})
+
+
+def check_schema_tokens(tools: list[Tool], max_total_tokens: int, count_tokens: Callable[[str], int]) -> None:
+    """An ``EnvError`` when the MCP tools' schemas, which every episode's prompt carries, take the whole context (as
+    JSON, measured with ``count_tokens``): every episode would be cut before the policy wrote a token."""
+    sizes = sorted(((count_tokens(json.dumps(t.schema(), ensure_ascii=False)), t.name) for t in tools), reverse=True)
+    total = sum(n for n, _ in sizes)
+    if total >= max_total_tokens:
+        largest = ", ".join(f"{name}: {n}" for n, name in sizes[:3])
+        raise EnvError(f"the MCP tools' schemas take {total} tokens of the model's tokenizer ({largest}), and every "
+                       f"episode's prompt carries them: rollout.max_total_tokens = {max_total_tokens} cannot hold "
+                       "them; leave tools out with env.mcp_tools, shorten their schemas in the server, or raise "
+                       "rollout.max_total_tokens")
 
 
 def start_tools(env_cls: type) -> list[Tool]:

@@ -106,7 +106,8 @@ class Judge:
                 reply = await asyncio.wait_for(self.backend.complete(messages, spec.max_tokens,
                                                                      temperature=temperature, seed=attempt),
                                                spec.timeout_s)
-                return reply, self.rubric.parse(reply), attempt + 1
+                asked = "\n".join(m.content for m in messages)  # (lines it echoes are the prompt's, not a verdict)
+                return reply, self.rubric.parse(reply, asked), attempt + 1
             except JudgeParseError as exc:
                 problems.append(f"malformed reply: {exc}")
                 temperature = RETRY_TEMPERATURE

@@ -16,13 +16,20 @@ A rubric is a TOML file (``reward.judge_rubric``)::
     description = "The answer says only what the task asks for."
     weight = 1.0
 
-The judge is asked for one line per criterion, ``name: score``; ``parse_scores`` reads the last such line of each
+The judge is asked for one line per criterion, ``name: score``; ``parse`` reads the last such line of each
 criterion (a judge may reason first), or a JSON object with the criteria as keys, and refuses a reply that misses
 one, gives a non-number or leaves the scale (``JudgeParseError``: the judge is asked again, within its retries).
 A one-criterion rubric may instead name verdicts (``[labels]``, e.g. ``yes = 1`` and ``no = 0`` with ``scale = [0,
 1]``): the judge answers with one word, the reply's first word when it is a verdict, else the one verdict it names
 (a reply naming two, such as an echo of "YES or NO", is refused). Small judges follow a one-word verdict far more
 often than a score line.
+
+What is never a verdict, for every parser: text inside an echo of the work's fence (which the policy's text cannot
+close: ``fenced``), a line the judge repeats from its own prompt (``asked``: the prompt's example and criteria, the
+policy's lines), and text quoted outside the fence: a score line whose name follows a quote mark, a backtick or a
+``>`` (``"correct = 10"``, ``> **correct**: 10``), a JSON object in quotes or backticks, a verdict word in double
+quotes or backticks. The prompt's own format lines hold no number (``correct: <score>``), so a judge that echoes its
+prompt gives no score at all, and is asked again.
 
 The episode's score is ``sum_i w_i (s_i - low) / (high - low) / sum_i w_i``, in [0, 1] (``Rubric.combine``).
 Without a rubric file the judge uses ``DEFAULT``: one criterion, ``correct``, on a 0-10 scale.
@@ -96,15 +103,15 @@ class Rubric:
         shown), then the ``work`` to grade (``what``: ``transcript`` or ``answer``) last, between ``WORK_BEGIN``
         and ``WORK_END`` and said to be data: every instruction comes before the policy's text, which cannot
         close the fence (``fenced``), and ``parse`` never reads a score inside an echo of it."""
-        criteria = "\n".join(f"- {i.name}: {i.description}" for i in self.items)
+        criteria = "\n".join(f"- {i.name} - {i.description}" for i in self.items)
         parts = [f"Grade the assistant's {what} at the end on each criterion, from {self.low:g} (worst) to "
                  f"{self.high:g} (best).", f"Criteria:\n{criteria}"]
         if self.labels:
             words = " or ".join(w.upper() for w in self.labels)
             parts.append(f"Reply with one word: {words}.")
-        else:
-            example = "\n".join(f"{i.name}: {self.high:g}" for i in self.items)
-            parts.append(f"Reply with one line per criterion, `name: score`, for example:\n{example}")
+        else:  # (no number in the format: a judge that echoes its prompt gives no score)
+            form = "\n".join(f"{i.name}: <score>" for i in self.items)
+            parts.append(f"Reply with one line per criterion, `name: score`, the score a number:\n{form}")
         parts.append(f"Task:\n{task}")
         if reference is not None:
             parts.append(f"Reference answer (correct):\n{reference}")
@@ -114,11 +121,12 @@ class Rubric:
         return [Message("system", self.instructions), Message("user", "\n\n".join(parts))]
 
     # -- reading ---------------------------------------------------------------------------------------------
-    def parse(self, reply: str) -> dict[str, float]:
-        """The score of each criterion in ``reply``; ``JudgeParseError`` naming what is missing or wrong."""
+    def parse(self, reply: str, asked: str = "") -> dict[str, float]:
+        """The score of each criterion in ``reply``, less what it echoes (``asked``: the judge's prompt, whose lines
+        it repeats are not its verdict); ``JudgeParseError`` naming what is missing or wrong."""
+        reply = outside_work(without_echo(reply, asked))
         if self.labels:
             return {self.items[0].name: self._verdict(reply)}
-        reply = outside_work(reply)
         scores = _last_scores(reply, self.items)
         missing = [i.name for i in self.items if i.name not in scores]
         if missing:
@@ -132,7 +140,7 @@ class Rubric:
     def _verdict(self, reply: str) -> float:
         """The reply's verdict: its first word when that is a label, else the one label it names anywhere (a reply
         naming several, such as an echo of "YES or NO", is ambiguous)."""
-        words = re.findall(r"[A-Za-z_]+", reply.lower())
+        words = re.findall(r"[A-Za-z_]+", QUOTED.sub(" ", reply).lower())
         if words and words[0] in self.labels:
             return self.labels[words[0]]
         named = [label for label in self.labels if label in words]
@@ -166,7 +174,7 @@ def _line_scores(reply: str, items: tuple[RubricItem, ...]) -> tuple[dict[str, f
     out, end = {}, -1
     for item in items:
         names = [re.escape(item.name)] + (["score"] if len(items) == 1 else [])
-        pattern = rf"^[\W_]*(?:{'|'.join(names)})[\W_]*\s*[:=]\s*\**({NUMBER})"
+        pattern = rf"^{MARKDOWN}(?:{'|'.join(names)})[*_]*\s*[:=]\s*\**({NUMBER})"
         found = list(re.finditer(pattern, reply, flags=re.IGNORECASE | re.MULTILINE))
         if found:
             out[item.name] = float(found[-1].group(1))
@@ -179,6 +187,11 @@ def _json_scores(reply: str, items: tuple[RubricItem, ...]) -> tuple[dict[str, f
     ({}, -1) if there is none."""
     last: tuple[dict[str, float], int] = ({}, -1)
     for match in re.finditer(r"\{[^{}]*\}", reply):
+        line_start = reply.rfind("\n", 0, match.start()) + 1
+        before = reply[line_start:match.start()]
+        mark = before.rstrip()[-1:]
+        if mark and mark in QUOTE_MARKS or before.lstrip().startswith(">"):  # (quoted, not given)
+            continue
         try:
             data = json.loads(match.group(0))
         except ValueError:
@@ -196,10 +209,27 @@ WORK_END = "WORK>>>"
 """The fence around the work in the judge's prompt (``Rubric.messages``)."""
 
 
+MARKDOWN = r"[ \t*_#+\-]*"
+"""What may stand before a criterion's name on a score line: markdown's emphasis, list and heading marks, never a
+quote mark, a backtick or a blockquote's ``>``."""
+QUOTE_MARKS = "\"'`\u201c\u2018"
+QUOTED = re.compile(r'"[^"\n]*"|\u201c[^\u201d\n]*\u201d|`[^`\n]*`|^[ \t]*>.*$', flags=re.MULTILINE)
+"""Spans a verdict word inside is quoted, not given: double quotes, backticks, a blockquote line."""
+
+
 def fenced(work: str) -> str:
-    """``work`` with any copy of the fence's markers broken (``<<<`` and ``>>>`` lose a character), so the policy's
-    text cannot end the fence and write after it."""
-    return work.replace("<<<", "<<").replace(">>>", ">>")
+    """``work`` with every run of three or more ``<`` or ``>`` cut to two, so the policy's text holds no copy of the
+    fence's markers (``WORK>>>>`` too) and cannot end the fence and write after it."""
+    return re.sub(r">{3,}", ">>", re.sub(r"<{3,}", "<<", work))
+
+
+def without_echo(reply: str, asked: str) -> str:
+    """``reply`` less each line that repeats a line of ``asked`` (the judge's prompt: its format, its criteria, the
+    policy's text): a repeated line is the prompt's, not the judge's verdict."""
+    if not asked:
+        return reply
+    prompt_lines = {line.strip() for line in asked.splitlines() if line.strip()}
+    return "\n".join(line for line in reply.splitlines() if line.strip() not in prompt_lines)
 
 
 def outside_work(reply: str) -> str:

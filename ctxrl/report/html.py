@@ -10,6 +10,11 @@ conversation with the loss mask on the text (sampled, mask 1, vs given, mask 0),
 earlier sequence of a rewritten context (summaries, windows, folds, attempts, reflections); with two or more runs,
 the curves overlaid and a table of final figures.
 
+A damaged run directory (a crash mid-write, a full disk, a bad copy, a hand edit) is read as far as it can be, and
+what was skipped is named on the page and on stderr, file by file: lines cut off, not UTF-8, not JSON, not an
+object or longer than ``MAX_LINE_BYTES`` (never read whole into memory), sample episodes whose spans or segments
+are not lists of objects, a file that cannot be read, a ``config.toml`` that is not UTF-8.
+
 What it does not do: read checkpoints or load a model, tokenize (the spans' text is what the run decoded), or
 trust any text: episode text is model output and is HTML-escaped everywhere.
 """
@@ -18,10 +23,17 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from collections.abc import Callable, Iterator
 from html import escape
 from pathlib import Path
+from typing import IO, Any
 
+from ctxrl.errors import CtxrlError
 from ctxrl.report.svg import PALETTE, Series, finite, line_chart
+
+MAX_LINE_BYTES = 8 << 20
+"""The longest log line read (a metrics row or a sample episode is far shorter); a longer one is skipped unread."""
 
 EPISODES_PER_PHASE = 2
 """Sample episodes shown per phase (sft, rl, eval-heldout, ...): those of the phase's last logged step."""
@@ -48,10 +60,36 @@ class Run:
             raise FileNotFoundError(f"{self.dir}/metrics.jsonl not found: is {self.dir} a run directory "
                                     "(ctxrl train --run-dir)?")
         self.name = self.dir.resolve().name
-        self.rows = _jsonl(self.dir / "metrics.jsonl")
-        self.samples = _jsonl(self.dir / "samples.jsonl") if (self.dir / "samples.jsonl").is_file() else []
-        config = self.dir / "config.toml"
-        self.config = config.read_text(encoding="utf-8") if config.is_file() else ""
+        self.skipped: list[str] = []
+        """What could not be read, one line each (the module docstring)."""
+        self.rows = self._log("metrics.jsonl")
+        self.samples = self._log("samples.jsonl", sample_problem) if (self.dir / "samples.jsonl").exists() else []
+        self.config = self._config()
+
+    def _log(self, name: str, problem: Callable[[dict], str | None] | None = None) -> list[dict]:
+        try:
+            rows, skipped = read_jsonl(self.dir / name, problem)
+        except OSError as exc:
+            self.skipped.append(f"{name}: cannot be read ({exc.strerror or exc})")
+            return []
+        if skipped:
+            self.skipped.append(f"{name}: {skipped}")
+        return rows
+
+    def _config(self) -> str:
+        path = self.dir / "config.toml"
+        if not path.exists():
+            return ""
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            self.skipped.append(f"config.toml: cannot be read ({exc.strerror or exc})")
+            return ""
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.skipped.append(f"config.toml: not UTF-8 (byte {exc.start}); shown with replacement characters")
+            return data.decode("utf-8", errors="replace")
 
     def phase(self, phase: str) -> list[dict]:
         return [r for r in self.rows if r.get("phase") == phase]
@@ -69,7 +107,8 @@ class Run:
 
     def splits(self) -> list[str]:
         order = {"train": 0, "heldout": 1, "ood": 2}
-        return sorted({r.get("split", "") for r in self.phase("eval")}, key=lambda s: (order.get(s, 9), s))
+        splits = {r.get("split", "") for r in self.phase("eval") if isinstance(r.get("split", ""), str)}
+        return sorted(splits, key=lambda s: (order.get(s, 9), s))
 
     def final(self) -> dict[str, float | None]:
         """The last figures: each split's last evaluated success, and the last training step's figures."""
@@ -85,18 +124,79 @@ class Run:
         return out
 
 
-def _jsonl(path: Path) -> list[dict]:
-    """The rows of a JSONL log; a line cut by a crash (or still being written) is left out."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
+def read_jsonl(path: Path, problem: Callable[[dict], str | None] | None = None) -> tuple[list[dict], str]:
+    """The objects of a JSONL log, and what was skipped, as one phrase ("" for nothing): lines cut off (a crash, or
+    a run still writing), not UTF-8, not JSON, not an object, longer than ``MAX_LINE_BYTES``, or refused by
+    ``problem`` (which says why)."""
+    rows, skipped = [], {}
+    with open(path, "rb") as f:
+        for number, line in enumerate(_lines(f), 1):
+            row, why = _row(line, number == 1)
+            if why is None and problem is not None:
+                why = problem(row)
+            if why is not None:
+                skipped.setdefault(why, []).append(number)
+            elif row is not None:
                 rows.append(row)
-    return rows
+    count = sum(len(numbers) for numbers in skipped.values())
+    if not count:
+        return rows, ""
+    reasons = "; ".join(f"{len(n)} {why} ({'line' if len(n) == 1 else 'lines'} {_numbers(n)})"
+                        for why, n in skipped.items())
+    return rows, f"skipped {count} line{'s' if count > 1 else ''}: {reasons}"
+
+
+def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
+    """The lines of ``f``, each read at most ``MAX_LINE_BYTES`` at a time: None for a longer one (the rest of it is
+    read past in pieces, never held)."""
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = f.readline(1 << 20)
+            yield None
+            continue
+        yield line
+
+
+def _row(line: bytes | None, first: bool) -> tuple[dict | None, str | None]:
+    """One line's object, or why it is skipped (None, None for a blank line)."""
+    if line is None:
+        return None, f"longer than {MAX_LINE_BYTES >> 20} MiB"
+    try:
+        text = line.decode("utf-8-sig" if first else "utf-8").strip()
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    if not text:
+        return None, None
+    try:
+        row = json.loads(text)
+    except (ValueError, RecursionError):  # (JSONDecodeError, a number of more digits than Python reads)
+        return None, "cut off" if not line.endswith(b"\n") else "not JSON"
+    if not isinstance(row, dict):
+        return None, "not a JSON object"
+    return row, None
+
+
+def _numbers(numbers: list[int], shown: int = 5) -> str:
+    return ", ".join(map(str, numbers[:shown])) + (f" and {len(numbers) - shown} more" if len(numbers) > shown else "")
+
+
+def sample_problem(record: dict) -> str | None:
+    """Why a sample episode cannot be shown (its spans or segments are not lists of objects), or None."""
+    spans = record.get("spans") or []
+    segments = record.get("segments") or []
+    if not _objects(spans):
+        return "sample episodes whose spans are not a list of objects"
+    if not _objects(segments) or not all(_objects(seg.get("spans") or []) for seg in segments):
+        return "sample episodes whose segments are not a list of objects with spans"
+    return None
+
+
+def _objects(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, dict) for item in value)
 
 
 # -- charts ----------------------------------------------------------------------------------------------------
@@ -186,7 +286,7 @@ def messages_of(spans: list[dict]) -> list[dict]:
     messages = [{"role": role, "pieces": [], "start": start} for start, role in cuts]
     pos, k = 0, 0
     for span in spans:
-        piece, mask = str(span.get("text", "")), int(span.get("mask", 0))
+        piece, mask = str(span.get("text", "")), 1 if finite(span.get("mask")) else 0
         while piece:
             while k + 1 < len(messages) and messages[k + 1]["start"] <= pos:
                 k += 1
@@ -328,13 +428,16 @@ def run_section(run: Run) -> str:
         out.append("<p>no samples logged yet</p>")
     if run.config:
         out.append(f'<details class="config"><summary>config.toml</summary><pre>{escape(run.config)}</pre></details>')
+    if run.skipped:
+        out.append('<div class="skipped"><h3>Skipped (damaged files)</h3><ul>'
+                   + "".join(f"<li>{escape(line)}</li>" for line in run.skipped) + "</ul></div>")
     out.append("</section>")
     return "".join(out)
 
 
-def render(run_dirs: list[str | Path]) -> str:
-    """The page (a string) for one run directory, or a comparison of several."""
-    runs = [Run(d) for d in run_dirs]
+def render(run_dirs: list[str | Path], runs: list[Run] | None = None) -> str:
+    """The page (a string) for one run directory, or a comparison of several (``runs``: read already)."""
+    runs = runs if runs is not None else [Run(d) for d in run_dirs]
     title = "ctxrl run " + runs[0].name if len(runs) == 1 else "ctxrl runs: " + ", ".join(r.name for r in runs)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            f"<title>{escape(title)}</title><style>{CSS}</style></head><body>", f"<h1>{escape(title)}</h1>"]
@@ -350,10 +453,19 @@ def render(run_dirs: list[str | Path]) -> str:
 
 
 def write_report(run_dirs: list[str | Path] | str | Path, out: str | Path | None = None) -> Path:
-    """Write the page to ``out`` (default: the first run's ``report.html``), through a temporary file."""
+    """Write the page to ``out`` (default: the first run's ``report.html``), through a temporary file; say on stderr
+    what was skipped (``Run.skipped``). A ``CtxrlError`` when ``out`` is a folder or in none."""
     dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
     path = Path(out) if out is not None else Path(dirs[0]) / "report.html"
+    if path.is_dir():
+        raise CtxrlError(f"--out {path} is a folder; give the page's file name, such as {path / 'report.html'}")
+    if not path.parent.is_dir():
+        raise CtxrlError(f"--out {path}: there is no folder {path.parent}; create it, or write the page elsewhere")
+    runs = [Run(d) for d in dirs]
+    for run in runs:
+        for line in run.skipped:
+            print(f"ctxrl report: {run.dir}/{line}", file=sys.stderr)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render(dirs), encoding="utf-8")
+    tmp.write_text(render(dirs, runs), encoding="utf-8")
     tmp.replace(path)  # a reader (a browser reloading it mid-run) never sees half a page
     return path

@@ -28,11 +28,20 @@ class Series:
     dashed: bool = False
 
 
+PLOTTABLE = 1e150
+"""The largest magnitude a chart plots: past it (1e308), the span between two values overflows a float."""
+
+
 def finite(value) -> float | None:
-    """``value`` as a float if it is a finite number (the logs write NaN as the string ``"nan"``), else None."""
+    """``value`` as a float if it is a finite number a chart can scale (the logs write NaN as the string ``"nan"``;
+    past ``PLOTTABLE`` either way is left out too), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:  # (an integer past a float)
+        return None
+    return number if math.isfinite(number) and abs(number) <= PLOTTABLE else None
 
 
 def _ticks(low: float, high: float, count: int = 5, *, integer: bool = False) -> list[float]:

@@ -44,7 +44,7 @@ def training_server(engine, renderer, limits, api_key: str | None = None):
     server = Server(engine, renderer, model_name="policy", max_total_tokens=limits.max_total_tokens,
                     max_new_tokens=limits.max_new_tokens, stop_ids=limits.stop_ids, max_concurrency=1 << 30,
                     max_sessions=1 << 30, session_timeout_s=float("inf"), aliases=("ctxrl",), api_key=api_key,
-                    client_sessions=False)
+                    client_sessions=False, renders_per_client=1 << 30)  # (in process, every episode is one client)
     server.stop_strings = tuple(limits.stop_strings)
     return server
 
@@ -73,18 +73,23 @@ class Remote:
 
         import uvicorn
 
+        from ctxrl.serve.server import bind
+
         key = type(self).api_key or os.environ.get("CTXRL_API_KEY") or None
+        sock = bind(host, port)  # (a port that is no port, or is in use: one line, before anything says it serves)
         self.server = training_server(engine, renderer, limits, api_key=key)
         self.server.claims = queue.Queue()
         self.server.on_finish = self._finished
         self.waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.server.app(), host=host, port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, name="ctxrl-train-server", daemon=True)
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, name="ctxrl-train-server",
+                                       daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.uvicorn.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the training server could not start on {host}:{port} (is the port in use?)")
+                sock.close()
+                raise RuntimeError(f"the training server did not start on {host}:{port} within 30 s")
             time.sleep(0.01)
         print(f"ctxrl: harnesses take episodes from http://{host}:{port}/train/next", file=sys.stderr)
 
@@ -169,14 +174,20 @@ def _result(value: Any) -> tuple[float, bool | None, dict]:
 
 
 def _finite_reward(value: float) -> float:
-    """A harness's reward as a float; NaN or infinite is the harness's failure (an errored episode), never a
-    reward that would poison the step's advantages."""
+    """A harness's reward as a float; NaN, infinite or past ``MAX_ABS_REWARD`` either way (1e308 is infinite in the
+    learner's float32) is the harness's failure (an errored episode), never a reward that would poison the step's
+    advantages."""
+    from ctxrl.serve.server import MAX_ABS_REWARD
+
     try:
         reward = float(value)
     except OverflowError:
         reward = math.inf
     if not math.isfinite(reward):
         raise ValueError(f"the harness returned the reward {value!r}; a reward must be a finite number")
+    if abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(f"the harness returned the reward {reward:g}, past {MAX_ABS_REWARD:g} either way (the learner "
+                         "computes in float32, where 1e308 is infinite); scale the reward down")
     return reward
 
 

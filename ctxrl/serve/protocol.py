@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctxrl.chat.surrogates import find_surrogate
 from ctxrl.tools.base import TOOL_NAME
 from ctxrl.types import Message, ToolCall
 
@@ -100,13 +101,18 @@ def _tool_calls(raw: Any, where: str) -> list[ToolCall]:
         if call.get("type", "function") != "function":
             raise bad(f"{where}.tool_calls[{i}].type must be 'function'", f"{where}.tool_calls")
         _string_or_none(call.get("id"), f"{where}.tool_calls[{i}].id")
-        args = fn.get("arguments", "{}")
+        args, field = fn.get("arguments", "{}"), f"{where}.tool_calls[{i}].function.arguments"
         try:
             parsed = json.loads(args) if isinstance(args, str) else args
         except json.JSONDecodeError as exc:
-            raise bad(f"{where}.tool_calls[{i}].function.arguments is not JSON: {exc}", f"{where}.tool_calls") from None
+            raise bad(f"{field} is not JSON: {exc}", f"{where}.tool_calls") from None
+        except RecursionError:
+            raise bad(f"{field} nests too deeply to read", f"{where}.tool_calls") from None
         if not isinstance(parsed, dict):
-            raise bad(f"{where}.tool_calls[{i}].function.arguments must be a JSON object", f"{where}.tool_calls")
+            raise bad(f"{field} must be a JSON object", f"{where}.tool_calls")
+        if find_surrogate(parsed) is not None:  # (an escape inside the arguments' own JSON text)
+            raise bad(f"{field} holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is not "
+                      "text; send valid Unicode", field)
         calls.append(ToolCall(fn["name"], parsed, call.get("id")))
     return calls
 

@@ -11,17 +11,23 @@ Routes (the URL scheme is the contract):
   in another process says so; ``Server.finished`` hands it to whoever trains);
 - ``GET /sessions/<id>/episode``: the recorded episode as JSON (ctxrl's plain-data form).
 
-Safe by default: ``ctxrl serve`` binds 127.0.0.1; ``api_key`` makes every route ask for
-``Authorization: Bearer <key>`` (compared in constant time); a body over ``max_body_bytes`` gets 413
-as soon as it passes the limit, and one not all in within ``read_timeout_s`` 408; more than
+Safe by default: ``ctxrl serve`` binds 127.0.0.1; a request on a loopback address must name a loopback
+``Host`` (or one of ``allowed_hosts``) and, if it sends one, a loopback ``Origin`` (or one of
+``allowed_origins``): a web page cannot reach the server through DNS rebinding; ``api_key`` makes every
+route ask for ``Authorization: Bearer <key>`` (compared in constant time); a body over ``max_body_bytes``
+gets 413 as soon as it passes the limit, and one not all in within ``read_timeout_s`` 408; more than
 ``max_concurrency`` requests at work get 429 (a request takes its slot once its body is read, and
 ``/health`` none); a session idle past ``session_timeout_s`` is closed and counted
-(``store.expired``). Errors have OpenAI's body and 4xx codes; they are counted, the last few kept as
-text (``errors``, shown by ``/health``), and the connection they came on stays open. One session's
-bad request never touches another's. Rendering, tokenising and decoding run on one worker thread
-(``render``), off the event loop: a huge message delays other renders, never ``/health``, rewards or
-the replies being sent. (One thread, not several: a Hugging Face fast tokenizer switches shared
-state, ``split_special_tokens``, on every call.) ``ctxrl.serve.limits`` holds these guards.
+(``store.expired``); a reward past ``max_abs_reward`` either way is a 400 (1e308 is a float64, but
+infinite in the learner's float32). A lone surrogate (``"\\ud800"``) anywhere in a request is a 400
+naming the field. Errors have OpenAI's body and 4xx codes; they are counted, the last few kept as text
+(``errors``, shown by ``/health``), and the connection they came on stays open. One session's bad
+request never touches another's. Rendering, tokenising and decoding run on one worker thread
+(``render``), off the event loop, each client's work in turn (``limits.RenderQueue``): a huge message
+delays another client's call by one render at most, never ``/health``, rewards or the replies being
+sent; and a message past the context is refused having tokenised little more than the context holds
+(``exceeds``). (One thread, not several: a Hugging Face fast tokenizer switches shared state,
+``split_special_tokens``, on every call.) ``ctxrl.serve.limits`` holds these guards.
 
 Needs the ``serve`` extra (FastAPI, uvicorn): ``pip install -e '.[serve]'``.
 """
@@ -29,12 +35,14 @@ Needs the ``serve`` extra (FastAPI, uvicorn): ``pip install -e '.[serve]'``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
 import math
 import queue
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import re
+import socket
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,11 +51,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError as TemplateRefused
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ctxrl.chat.surrogates import find_surrogate
 from ctxrl.engine.base import SamplingParams
+from ctxrl.errors import ConfigError
 from ctxrl.plain import to_json
 from ctxrl.rollout.recorder import Rerendered
 from ctxrl.seeds import derive_seed
-from ctxrl.serve.limits import ErrorLog, Guard, Slots, read_body
+from ctxrl.serve.limits import ErrorLog, Guard, RenderQueue, Slots, host_check, read_body
 from ctxrl.serve.protocol import (
     APIError,
     ChatRequest,
@@ -65,17 +75,75 @@ MAX_DEPTH = 64
 """How deeply a request's JSON may nest (a tool's parameter schema is the deepest part of a real request)."""
 MAX_SESSION_ID = 256
 """The longest session id a client may open (ids are kept while the session lives)."""
-RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxrl-serve-render")
+SESSION_ID = re.compile(rf"[!-~]{{1,{MAX_SESSION_ID}}}")
+"""A session id: visible ASCII characters (it is echoed in a header, which takes no control character)."""
+MAX_ABS_REWARD = 1e6
+"""The default largest reward, either way, a client may post (``Server.max_abs_reward``)."""
+RENDERS_PER_CLIENT = 4
+"""The default renders one client (one connection) may have waiting or running (``Server.renders_per_client``)."""
+RENDER = RenderQueue()
 """The one thread every server of this process renders, tokenises and decodes on (see the module docstring)."""
 
 
-async def render(fn: Callable, *args):
-    """``fn(*args)`` on the render thread, the event loop free meanwhile; a chat template's own refusal of the
-    messages (Jinja's ``raise_exception``: roles that do not alternate, say) is the client's 400."""
+async def render(client: Hashable, limit: int, fn: Callable, *args):
+    """``fn(*args)`` on the render thread in ``client``'s turn (at most ``limit`` of its renders at once), the event
+    loop free meanwhile; a chat template's own refusal of the messages (Jinja's ``raise_exception``: roles that do
+    not alternate, say) is the client's 400."""
     try:
-        return await asyncio.get_running_loop().run_in_executor(RENDER, functools.partial(fn, *args))
+        return await asyncio.wrap_future(RENDER.submit(client, functools.partial(fn, *args), limit))
     except TemplateRefused as exc:
         raise bad(f"the model's chat template refused these messages: {exc}", "messages") from None
+
+
+def exceeds(encode: Callable[[str], list[int]], text: str, limit: int) -> bool:
+    """Whether ``text`` takes more than ``limit`` tokens, found by tokenising little more of it than that: prefixes
+    of ``4 * limit`` characters, doubled while they hold fewer tokens, each cut before a space (where a tokenizer
+    starts a token anyway). False when no prefix short of the whole text passes the limit: the full render counts."""
+    size = 4 * limit
+    while size < len(text):
+        cut = text.rfind(" ", size // 2, size)
+        if len(encode(text[:cut if cut > 0 else size])) > limit:
+            return True
+        size *= 2
+    return False
+
+
+def check_settings(*, max_total_tokens: int, max_new_tokens: int, max_concurrency: int, max_body_bytes: int,
+                   read_timeout_s: float, session_timeout_s: float, max_sessions: int, max_abs_reward: float,
+                   renders_per_client: int) -> None:
+    """A ``ConfigError`` naming the first setting out of range (``ctxrl serve --read-timeout nan``), before anything
+    is served."""
+    counts = {"max_total_tokens": max_total_tokens, "max_new_tokens": max_new_tokens,
+              "max_concurrency (--max-concurrency)": max_concurrency, "max_body_bytes": max_body_bytes,
+              "max_sessions": max_sessions, "renders_per_client": renders_per_client}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"ctxrl serve: {name} must be a whole number >= 1, got {value!r}")
+    finite = {"read_timeout_s (--read-timeout)": read_timeout_s, "max_abs_reward": max_abs_reward}
+    for name, value in {**finite, "session_timeout_s (--session-timeout)": session_timeout_s}.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+                name in finite and math.isinf(value)):
+            kind = "a finite number" if name in finite else "a number (inf: never)"
+            raise ConfigError(f"ctxrl serve: {name} must be {kind} > 0, got {value!r}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` for uvicorn (``uvicorn.Server.run(sockets=[...])``), bound before anything
+    says it serves; a ``ConfigError`` for a port that is not one (1-65535, or 0: any free one) or is in use."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"ctxrl serve: {port!r} is not a port number: use 1-65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        in_use = exc.errno == errno.EADDRINUSE
+        problem = "is in use (another server listens there)" if in_use else f"cannot be bound ({exc.strerror})"
+        raise ConfigError(f"ctxrl serve: {host}:{port} {problem}; choose another --port or --host") from None
+    return sock
 
 
 class Server:
@@ -84,7 +152,13 @@ class Server:
     def __init__(self, engine, renderer, *, model_name: str, max_total_tokens: int, max_new_tokens: int = 512,
                  stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_concurrency: int = 256,
                  max_body_bytes: int = 4 << 20, read_timeout_s: float = 30.0, session_timeout_s: float = 600.0,
-                 max_sessions: int = 4096, aliases: tuple[str, ...] = (), client_sessions: bool = True) -> None:
+                 max_sessions: int = 4096, aliases: tuple[str, ...] = (), client_sessions: bool = True,
+                 max_abs_reward: float = MAX_ABS_REWARD, allowed_hosts: tuple[str, ...] = (),
+                 allowed_origins: tuple[str, ...] = (), renders_per_client: int = RENDERS_PER_CLIENT) -> None:
+        check_settings(max_total_tokens=max_total_tokens, max_new_tokens=max_new_tokens,
+                       max_concurrency=max_concurrency, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
+                       session_timeout_s=session_timeout_s, max_sessions=max_sessions, max_abs_reward=max_abs_reward,
+                       renders_per_client=renders_per_client)
         self.engine, self.renderer = engine, renderer
         self.model_name = model_name
         self.models = (model_name, *aliases)
@@ -102,6 +176,12 @@ class Server:
         """Sessions a trainer opened for harnesses in other processes to claim (``GET /train/next``)."""
         self.errors = ErrorLog()
         """Errors answered (counted, the last few as text) and the first engine failure, for a trainer to stop on."""
+        self.max_abs_reward = max_abs_reward
+        """The largest reward, either way, a client may post: past it, a 400 (the learner computes in float32)."""
+        self.allowed_hosts, self.allowed_origins = tuple(allowed_hosts), tuple(allowed_origins)
+        """``Host`` and ``Origin`` values allowed besides loopback ones (``name:*``: any port; ``limits.Guard``)."""
+        self.hosts = host_check(self.allowed_hosts, self.allowed_origins)  # (now: without mcp, one line at start)
+        self.renders_per_client = renders_per_client
 
     @property
     def in_flight(self) -> int:
@@ -109,22 +189,24 @@ class Server:
         return self.slots.in_use
 
     # -- the work ----------------------------------------------------------------------------------
-    async def chat(self, request: ChatRequest, session_id: str | None) -> tuple[dict | list[dict], int]:
-        """``(response JSON or stream chunks, prompt tokens)`` for one validated request."""
+    async def chat(self, request: ChatRequest, session_id: str | None,
+                   client: Hashable = "in-process") -> tuple[dict | list[dict], int]:
+        """``(response JSON or stream chunks, prompt tokens)`` for one validated request; ``client`` (its connection)
+        says whose turn on the render thread it takes."""
         if request.model not in self.models:
             raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
                                 f"{', '.join(map(repr, self.models))}", type="invalid_request_error",
                            param="model", code="model_not_found")
         if session_id is None:
             with self.slots.take():
-                ids = await render(self.renderer.prompt_ids, request.messages, request.tools)
+                ids = await self._render(client, self._within_context, request, self.renderer.prompt_ids,
+                                         request.messages, request.tools)
                 self._check_length(len(ids))
-                return await self._sample(request, ids, None, None)
+                return await self._sample(request, ids, None, None, client)
         if request.n > 1:
             raise bad("n > 1 in a recorded session: one session is one episode; send n = 1, or open a "
                       "session per sample", "n")
-        if len(session_id) > MAX_SESSION_ID:
-            raise bad(f"a session id may have at most {MAX_SESSION_ID} characters, got {len(session_id)}", "session")
+        check_session_id(session_id)
         session = self.store.get(session_id, create=self.client_sessions)
         if session.finished:
             raise APIError(409, f"session {session_id!r} is finished", type="invalid_request_error",
@@ -132,7 +214,8 @@ class Server:
         with self.slots.take():
             async with session.lock:
                 try:
-                    kind, ids = await render(session.plan, request.messages, request.views, request.tools)
+                    kind, ids = await self._render(client, self._within_context, request, session.plan,
+                                                   request.messages, request.views, request.tools)
                     self._check_length(session.length_after(kind, ids))
                 except APIError:
                     if not len(session.recorder) and not session.episode.segments and self.client_sessions:
@@ -141,14 +224,28 @@ class Server:
                 # (a template that rewrote history gives the whole conversation anew: Rerendered ids)
                 extends = kind == "extend" and not isinstance(ids, Rerendered)
                 prompt = session.recorder.ids + list(ids) if extends else list(ids)
-                return await self._sample(request, prompt, session, (kind, ids))
+                return await self._sample(request, prompt, session, (kind, ids), client)
+
+    def _render(self, client: Hashable, fn: Callable, *args):
+        return render(client, self.renders_per_client, fn, *args)
+
+    def _within_context(self, request: ChatRequest, fn: Callable, *args):
+        """``fn(*args)`` (a render), unless the request's text alone takes more than the context (``exceeds``): then
+        a 400 having tokenised little more than the context holds, not the whole of a 4 MB message."""
+        texts = [m.content for m in request.messages] + [json.dumps(t) for t in request.tools or ()]
+        texts += [json.dumps(c.arguments) for m in request.messages for c in m.tool_calls]
+        if exceeds(self.renderer.encode_plain, "\n".join(texts), self.max_total_tokens):
+            raise APIError(400, f"this model's maximum context length is {self.max_total_tokens} tokens; the "
+                                "messages take more", param="messages", code="context_length_exceeded")
+        return fn(*args)
 
     def _check_length(self, length: int) -> None:
         if length >= self.max_total_tokens:
             raise APIError(400, f"this model's maximum context length is {self.max_total_tokens} tokens; the "
                                 f"messages take {length}", param="messages", code="context_length_exceeded")
 
-    async def _sample(self, request: ChatRequest, prompt: list[int], session: Session | None, plan):
+    async def _sample(self, request: ChatRequest, prompt: list[int], session: Session | None, plan,
+                      client: Hashable):
         budget = min(request.max_tokens or self.max_new_tokens, self.max_total_tokens - len(prompt))
         temperature, top_p, top_k = request.temperature, request.top_p, 0
         seed = request.seed
@@ -166,7 +263,7 @@ class Server:
             self.errors.engine_failed(exc)
             raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"[:300], type="server_error",
                            code="engine_error") from None
-        choices, parsed = await render(self._replies, request, completions, stops)
+        choices, parsed = await self._render(client, self._replies, request, completions, stops)
         if session is not None:
             kind, ids = plan
             session.commit(kind, ids, request.messages, request.views, request.tools)
@@ -206,6 +303,7 @@ class Server:
 
     def set_reward(self, session_id: str, body: Any, *, finish: bool) -> dict:
         """Check the whole body first: a rejected request changes nothing."""
+        check_session_id(session_id)
         session = self.store.get(session_id, create=False)
         if not isinstance(body, dict):
             raise bad("the body must be a JSON object")
@@ -213,14 +311,14 @@ class Server:
         if reward is None and not finish:
             raise bad("reward is required", "reward")
         if reward is not None:
-            reward = _finite(reward, "reward")
+            reward = self._reward(reward, "reward")
         turn_rewards = body.get("turn_rewards")
         turns = session.episode.turns
         if turn_rewards is not None:
             if not isinstance(turn_rewards, list) or len(turn_rewards) != len(turns):
                 raise bad(f"turn_rewards must be a list of {len(turns)} numbers (one per recorded turn)",
                           "turn_rewards")
-            turn_rewards = [_finite(r, f"turn_rewards[{i}]", "turn_rewards") for i, r in enumerate(turn_rewards)]
+            turn_rewards = [self._reward(r, f"turn_rewards[{i}]", "turn_rewards") for i, r in enumerate(turn_rewards)]
         if "success" in body and not isinstance(body["success"], bool):
             raise bad("success must be true or false", "success")
         if reward is not None:
@@ -235,7 +333,17 @@ class Server:
         return {"session": session_id, "reward": session.episode.reward, "turns": len(session.episode.turns),
                 "finished": session.finished}
 
+    def _reward(self, value: Any, field: str, param: str | None = None) -> float:
+        """``value`` as a finite float within ``max_abs_reward`` either way, or a 400 naming ``field``."""
+        reward = _finite(value, field, param)
+        if abs(reward) > self.max_abs_reward:
+            raise bad(f"{field} is {reward:g}, past this server's max_abs_reward = {self.max_abs_reward:g} either way "
+                      "(the learner computes in float32, where 1e308 is infinite): scale the reward down",
+                      param or field)
+        return reward
+
     def episode_json(self, session_id: str) -> dict:
+        check_session_id(session_id)
         return json.loads(to_json(self.store.get(session_id, create=False).episode))
 
     # -- the ASGI app ----------------------------------------------------------------------------
@@ -244,12 +352,22 @@ class Server:
         then the routes."""
         app = FastAPI(title="ctxrl", docs_url=None, redoc_url=None, openapi_url=None)
         _add_error_handlers(app, self)
-        app.add_middleware(Guard, api_key=self.api_key, max_body_bytes=self.max_body_bytes, errors=self.errors)
+        app.add_middleware(Guard, api_key=self.api_key, max_body_bytes=self.max_body_bytes, errors=self.errors,
+                           hosts=self.hosts)
         _add_openai_routes(app, self)
         _add_session_routes(app, self)
         _add_training_routes(app, self)
         _add_health_route(app, self)
         return app
+
+
+def check_session_id(session_id: str) -> None:
+    """A 400 for a session id that is not 1-256 visible ASCII characters (``a%00b`` is ``a\\x00b``, which no header
+    may echo)."""
+    if not SESSION_ID.fullmatch(session_id):
+        shown = session_id if len(session_id) <= 40 else session_id[:40] + "..."
+        raise bad(f"a session id is 1-{MAX_SESSION_ID} visible ASCII characters (letters, digits, - _ . :), got "
+                  f"{shown!r}", "session")
 
 
 def _finite(value: Any, field: str, param: str | None = None) -> float:
@@ -328,7 +446,19 @@ def parse_body(raw: bytes) -> Any:
         raise bad(f"{path} is {constants[0]}: JSON numbers must be finite", param=path)
     if _deeper_than(body, MAX_DEPTH):
         raise bad(f"the body's JSON nests too deeply: more than {MAX_DEPTH} levels")
+    found = find_surrogate(body) if SURROGATE_ESCAPE.search(text) else None
+    if found is not None:
+        raise bad(surrogate_message(found), param=found)
     return body
+
+
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""The JSON escape of a surrogate (a body without one holds no lone surrogate: UTF-8 cannot encode one)."""
+
+
+def surrogate_message(where: str) -> str:
+    return (f"{where} holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is not text; "
+            "send valid Unicode")
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -367,7 +497,7 @@ async def _completions(server: Server, request: Request, session_id: str | None)
     """One Chat Completions call, as JSON or as server-sent events; recorded when ``session_id`` is given."""
     body = await _body_of(server, request)
     chat = await asyncio.to_thread(parse_request, body, max_total_tokens=server.max_total_tokens)
-    result, _ = await server.chat(chat, session_id)
+    result, _ = await server.chat(chat, session_id, tuple(request.client) if request.client else "in-process")
     headers = {"x-ctxrl-session": session_id or "none"}
     if not chat.stream:
         return JSONResponse(result, headers=headers)

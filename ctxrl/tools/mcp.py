@@ -7,7 +7,9 @@ shell; otherwise it gets the MCP SDK's safe subset of ours (``HOME``, ``PATH``, 
 is ``python`` or ``python3`` runs with the interpreter that runs ctxrl, so a server written with the ``mcp``
 package finds it without an activated virtual environment. ``McpHub`` starts or connects to every server,
 lists their tools (all of them, or the ones ``env.mcp_tools`` names), and makes each a ``Tool`` whose schema
-is the server's input schema (``ctxrl.tools.mcp_content``); calling it sends ``tools/call``.
+is the server's input schema (``ctxrl.tools.mcp_content``), checked against JSON Schema's own metaschema first (an
+invalid one is an ``McpError`` naming the server and the tool); calling it sends ``tools/call``. A lone surrogate
+in a description, a schema or a result is U+FFFD (``ctxrl.chat.surrogates``).
 
 Why a thread: a rollout worker plays each request in its own event loop (``asyncio.run``), an MCP session
 belongs to the loop it was opened in, and starting a server per request or per episode would cost a second or
@@ -49,8 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ctxrl.chat.surrogates import replace_surrogates, without_surrogates
 from ctxrl.plain import PlainData
-from ctxrl.tools.base import Tool, ToolServerLost
+from ctxrl.tools.base import Tool, ToolServerLost, object_schema_problems
 from ctxrl.tools.builtin import parse_names
 from ctxrl.tools.mcp_content import clean_schema, exposed_name, result_text
 from ctxrl.tools.mcp_session import (  # noqa: F401 - McpError and parse_server: this module's API too
@@ -159,6 +162,17 @@ class McpHub:
         return tools
 
     def _tool(self, server: ServerSession, listed: Any, name: str) -> Tool:
+        """``listed`` as a ``Tool``; an ``McpError`` naming the server and the tool when its input schema is not a
+        JSON Schema of an object (checked with ``jsonschema``, which the ``mcp`` package depends on)."""
+        schema = without_surrogates(clean_schema(listed.input_schema))
+        problem = schema_problem(schema)
+        if problem:
+            raise McpError(f"{server.label} lists tool {listed.name!r} with an invalid input schema: {problem}; fix "
+                           "the schema in the server, or leave the tool out with env.mcp_tools")
+        description = replace_surrogates(listed.description or getattr(listed, "title", None) or "")
+        return self._callable(server, listed, name, description, schema)
+
+    def _callable(self, server: ServerSession, listed: Any, name: str, description: str, schema: dict) -> Tool:
         async def on_hub(coroutine: Any) -> Any:
             loop = self._loop
             if self.closed or loop is None or loop.is_closed():
@@ -172,8 +186,7 @@ class McpHub:
         async def call(**arguments: Any) -> str:
             return result_text(await on_hub(server.call(listed.name, arguments)))
 
-        return Tool(name=name, description=listed.description or getattr(listed, "title", None) or "",
-                    parameters=clean_schema(listed.input_schema), fn=call, timeout_s=self.settings.timeout_s,
+        return Tool(name=name, description=description, parameters=schema, fn=call, timeout_s=self.settings.timeout_s,
                     checks_arguments=True, ready=ready)
 
     def restarts(self) -> list[int]:
@@ -200,6 +213,22 @@ class McpHub:
             self._loop.close()
         self._loop = None
         shutil.rmtree(self._logs, ignore_errors=True)
+
+
+def schema_problem(schema: Any) -> str:
+    """What keeps ``schema`` from being a tool's input schema ("" for nothing): it breaks JSON Schema itself (its
+    metaschema, as ``jsonschema`` checks it), or it does not describe an object with ``properties`` a dict."""
+    from jsonschema import SchemaError, validators
+
+    problems = object_schema_problems(schema)
+    if problems:
+        return "; ".join(problems)
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(map(str, exc.absolute_path)) or "the schema"
+        return f"{where}: {exc.message}"[:300]
+    return ""
 
 
 async def _gather(coroutines: Any) -> list[Any]:

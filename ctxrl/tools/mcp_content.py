@@ -16,6 +16,7 @@ import json
 import re
 from typing import Any
 
+from ctxrl.chat.surrogates import replace_surrogates
 from ctxrl.tools.base import ToolFailed
 
 MAX_OUTPUT_CHARS = 16_000
@@ -58,6 +59,7 @@ def result_text(result: Any, limit: int = MAX_OUTPUT_CHARS) -> str:
     is nothing else; cut at ``limit`` characters. A result the server marks ``isError`` raises ``ToolFailed`` with
     that text, which ``execute_tool_calls`` makes an ``Error: tool NAME failed: ...`` observation."""
     text = "\n".join(filter(None, (_block_text(block) for block in getattr(result, "content", None) or [])))
+    text = replace_surrogates(text)  # (JSON can carry a lone surrogate; no tokenizer takes one)
     structured = getattr(result, "structured_content", None)
     if not text and structured is not None:
         text = json.dumps(structured, ensure_ascii=False)

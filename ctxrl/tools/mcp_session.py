@@ -1,10 +1,13 @@
 """One MCP server: its entry in ``env.mcp_servers``, parsed, and its session (``ServerSession``).
 
-A session lives on the hub's event loop (``ctxrl.tools.mcp``): a task opens it (starting the process, for a
-command line) and holds it open until ``stop``, because the SDK's transports must be closed by the task that
-opened them. ``call`` sends ``tools/call``; when the session turns out to be gone (the connection closed), the call
-raises ``ToolServerLost`` and the server is started again in a task of its own (``restart``), which later calls wait
-for (``live``) before their deadline starts. A stdio server's stderr goes to a file, whose last lines errors quote.
+A stdio server is started through ``ctxrl.tools.mcp_reaper`` (on Linux), in a session of its own as the SDK
+starts it: when the server exits or is stopped, every process under it ends too, those in a session or process
+group of their own included. A session lives on the hub's event loop (``ctxrl.tools.mcp``): a task opens it
+(starting the process, for a command line) and holds it open until ``stop``, because the SDK's transports must be
+closed by the task that opened them. ``call`` sends ``tools/call``; when the session turns out to be gone (the
+connection closed), the call raises ``ToolServerLost`` and the server is started again in a task of its own
+(``restart``), which later calls wait for (``live``) before their deadline starts. A stdio server's stderr goes to
+a file, whose last lines errors quote.
 """
 
 from __future__ import annotations
@@ -126,8 +129,8 @@ class ServerSession:
                 from mcp.client.stdio import StdioServerParameters, stdio_client
 
                 errlog = self.log_path.open("w", encoding="utf-8", errors="replace")  # (this start's stderr only)
-                params = StdioServerParameters(command=self.entry.argv[0], args=list(self.entry.argv[1:]),
-                                               env=dict(self.entry.env) or None)
+                argv = supervised(self.entry.argv)
+                params = StdioServerParameters(command=argv[0], args=list(argv[1:]), env=dict(self.entry.env) or None)
                 transport = stdio_client(params, errlog=errlog)
             async with Client(transport) as client:
                 self.client = client
@@ -232,11 +235,15 @@ class ServerSession:
         await self.stop()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
+        """End the session and its process; the task is forgotten only once it is done (a ``stop`` cancelled while
+        it waits, as ``close`` cancels a restart, leaves it for the next ``stop`` to wait for)."""
+        task = self._task
         if task is None:
             return
         self._stop.set()
         done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
+        if self._task is task:
+            self._task = None
         if not done:
             task.cancel()
             log.warning("MCP server %s did not stop within %g s; abandoned", self.label, STOP_TIMEOUT_S)
@@ -254,6 +261,22 @@ class ServerSession:
         tail = " | ".join(lines[-6:])
         cut = "..." if len(tail) > STDERR_TAIL or len(lines) > 6 else ""
         return f"; it wrote to stderr: {cut}{tail[-STDERR_TAIL:]}"
+
+
+REAPER = Path(__file__).with_name("mcp_reaper.py")
+_said_no_reaper: list[bool] = []
+
+
+def supervised(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """``argv`` started through ``mcp_reaper`` (on Linux), so that every process the server starts, in its group or
+    in a session of its own, ends when it does; elsewhere ``argv`` itself, said once."""
+    if sys.platform.startswith("linux"):
+        return (sys.executable, "-I", "-S", str(REAPER), "--", *argv)
+    if not _said_no_reaper:
+        _said_no_reaper.append(True)
+        log.warning("MCP servers are started without ctxrl's reaper on %s: processes a server starts in a session of "
+                    "its own may outlive it (the SDK ends its process group)", sys.platform)
+    return argv
 
 
 def describe(exc: BaseException) -> str:

@@ -16,6 +16,10 @@ A format is a small class with a ``name`` and three methods, registered by name
 ``result_tags`` are the format's structure strings, which text the framework did not lay out cannot
 make (``ctxrl.chat.guard``); a format without tags (``pythonic``) has empty ones.
 
+A call is data whatever the policy wrote in it: a lone surrogate (``"\\ud800"``, valid JSON but no text) is
+U+FFFD in the parsed call (``tool_call``, ``ctxrl.chat.surrogates``), and JSON nested deeper than Python reads is a
+malformed call (``json_error``), never an exception that stops the run.
+
 What a format deliberately does not do: decide what a call means (the environment's tools do,
 with their schemas) or render conversations (the chat template does).
 """
@@ -26,6 +30,7 @@ import hashlib
 import json
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from ctxrl.chat.surrogates import replace_surrogates, without_surrogates
 from ctxrl.errors import ConfigError
 from ctxrl.registry import Registry
 from ctxrl.types import Message, ToolCall
@@ -112,7 +117,13 @@ def call_id(name: str, arguments: dict[str, Any], index: int) -> str:
     twice gives the same text; two identical calls at the same place of two turns share it.
     """
     key = json.dumps([name, arguments, index], sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.sha256(key.encode()).hexdigest()[:9]
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:9]  # (a call built by hand may hold one)
+
+
+def tool_call(name: str, arguments: dict[str, Any], id: str | None = None) -> ToolCall:
+    """A parsed call, every string in it text: a lone surrogate the policy wrote as an escape is U+FFFD."""
+    return ToolCall(name=replace_surrogates(name), arguments=without_surrogates(arguments),
+                    id=None if id is None else replace_surrogates(id))
 
 
 def arguments_of(name: str, arguments: Any, key: str = "arguments") -> tuple[dict[str, Any] | None, str | None]:
@@ -121,15 +132,17 @@ def arguments_of(name: str, arguments: Any, key: str = "arguments") -> tuple[dic
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return None, f'{MALFORMED} to {name!r}: "{key}" must be a JSON object'
     return arguments, None
 
 
-def json_error(exc: json.JSONDecodeError, what: str) -> str:
-    """A parse error for invalid JSON, saying where and what was expected."""
+def json_error(exc: json.JSONDecodeError | RecursionError, what: str) -> str:
+    """A parse error for invalid JSON (or JSON nested deeper than Python reads), saying where and what was expected."""
+    if isinstance(exc, RecursionError):
+        return f"{MALFORMED}: invalid JSON (nested too deeply to read); {what}"
     return f"{MALFORMED}: invalid JSON ({exc.msg} at char {exc.pos}); {what}"
 
 

@@ -18,7 +18,7 @@ import json
 import re
 from typing import ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, arguments_of, json_error, register_format
+from ctxrl.chat.formats.base import MALFORMED, arguments_of, json_error, register_format, tool_call
 from ctxrl.types import ToolCall
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -54,7 +54,7 @@ class Hermes:
             last_end = match.end()
             try:
                 obj = json.loads(match.group(1).strip())
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:
                 errors.append(json_error(exc, 'write {"name": ..., "arguments": {...}} inside '
                                               "<tool_call></tool_call>"))
                 continue
@@ -65,7 +65,7 @@ class Hermes:
             if error:
                 errors.append(error)
                 continue
-            calls.append(ToolCall(name=obj["name"], arguments=arguments))
+            calls.append(tool_call(obj["name"], arguments))
         if TOOL_CALL_OPEN in text[last_end:]:  # an opening tag after the last complete block
             errors.append(f"{MALFORMED}: {TOOL_CALL_OPEN} was not closed with {TOOL_CALL_CLOSE}")
         return calls, errors

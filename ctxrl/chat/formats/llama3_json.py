@@ -22,7 +22,7 @@ import json
 import re
 from typing import ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, arguments_of, json_error, register_format
+from ctxrl.chat.formats.base import MALFORMED, arguments_of, json_error, register_format, tool_call
 from ctxrl.types import ToolCall
 
 PYTHON_TAG = "<|python_tag|>"
@@ -91,7 +91,7 @@ def _scan(text: str):
             return
         try:
             obj, end = _DECODER.raw_decode(text, body)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             end = _line_end(text, body)
             yield start, end, None, json_error(exc, _EXPECTED)
             position = end
@@ -119,7 +119,7 @@ def _call(obj: object, tagged: bool) -> tuple[ToolCall | None, str | None]:
     arguments, error = arguments_of(obj["name"], obj[key], key)
     if error:
         return None, error
-    return ToolCall(name=obj["name"], arguments=arguments), None
+    return tool_call(obj["name"], arguments), None
 
 
 def _skip_space(text: str, position: int) -> int:

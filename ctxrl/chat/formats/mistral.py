@@ -26,7 +26,16 @@ import json
 import re
 from typing import Any, ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, arguments_of, call_id, gather, json_error, register_format, without_spans
+from ctxrl.chat.formats.base import (
+    MALFORMED,
+    arguments_of,
+    call_id,
+    gather,
+    json_error,
+    register_format,
+    tool_call,
+    without_spans,
+)
 from ctxrl.types import ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -87,7 +96,7 @@ def _scan(text: str):
 def _json_list(text: str, start: int, limit: int) -> tuple[int, list[ToolCall], list[str]]:
     try:
         items, end = _DECODER.raw_decode(text, start)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         return limit, [], [json_error(exc, _EXPECTED)]
     calls, errors = [], []
     for item in items:
@@ -108,16 +117,16 @@ def _v3_call(item: Any) -> tuple[ToolCall | None, str | None]:
     given = item.get("id")
     if given is not None and not (isinstance(given, str) and _ID.match(given)):
         return None, f"{MALFORMED} to {item['name']!r}: the id must be 9 letters or digits, got {given!r}"
-    return ToolCall(name=item["name"], arguments=arguments, id=given), None
+    return tool_call(item["name"], arguments, given), None
 
 
 def _named_call(text: str, named: re.Match, limit: int) -> tuple[int, list[ToolCall], list[str]]:
     name = named.group(1)
     try:
         arguments, end = _DECODER.raw_decode(text, named.end())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         return limit, [], [json_error(exc, _EXPECTED)]
     arguments, error = arguments_of(name, arguments)
     if error:
         return end, [], [error]
-    return end, [ToolCall(name=name, arguments=arguments)], []
+    return end, [tool_call(name, arguments)], []

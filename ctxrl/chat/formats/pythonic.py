@@ -17,7 +17,7 @@ import ast
 import re
 from typing import Any, ClassVar
 
-from ctxrl.chat.formats.base import MALFORMED, gather, register_format, without_spans
+from ctxrl.chat.formats.base import MALFORMED, gather, register_format, tool_call, without_spans
 from ctxrl.types import ToolCall
 
 _START = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_.]*\s*\(")
@@ -129,7 +129,7 @@ def _call(node: ast.expr) -> tuple[ToolCall | None, str | None]:
             return None, (f"{MALFORMED} to {name!r}: argument {keyword.arg!r} must be a literal value, got "
                           f"{ast.unparse(keyword.value)!r}; {_EXPECTED}")
         arguments[keyword.arg] = value
-    return ToolCall(name=name, arguments=arguments), None
+    return tool_call(name, arguments), None
 
 
 def _dotted(node: ast.expr) -> str | None:
