@@ -203,6 +203,34 @@ def test_code_shape_counts_what_it_says(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["classes_over_limit"] == figures["classes_over_limit"]
 
 
+def test_code_shape_counts_the_copies_it_cannot_see_by_name_and_every_form_of_a_trainer(tmp_path):
+    """The figures issue 50 added: config fields handed on under another name, Trainers built through a module or
+    an alias, the fields one component reads still declared by a core section, and a comparison with a before."""
+    shape = script("benchmarks/code_shape.py")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "config.py").write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass RewardConfig:\n"
+                                   "    judge: str = ''\n    outcome: float = 1.0\n\n\n@dataclass\nclass Config:\n"
+                                   "    reward: RewardConfig = None\n    components: dict = None\n")
+    (pkg / "b.py").write_text("def spec(config, hf):\n    r = config.reward\n"
+                              "    return dict(target=r.judge, judge=config.reward.judge, outcome=r.outcome,\n"
+                              "                config=hf.config, other=hf.judge)\n")
+    assert shape.section_field_keywords(pkg) == [("pkg/b.py:3", "target", "reward.judge"),
+                                                 ("pkg/b.py:3", "judge", "reward.judge"),
+                                                 ("pkg/b.py:3", "outcome", "reward.outcome")]
+    assert shape.copied_fields(pkg) == ["pkg/b.py:3 judge"]  # (config=hf.config hands on a whole config)
+    assert shape.component_fields_in_core(pkg) == ["reward.judge"]
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("from ctxrl.train import trainer\nfrom ctxrl.train.trainer import Trainer as Run"
+                                     "\n\nRun(1)\ntrainer.Trainer(2)\nTrainer(3)\nRunner(4)\n")
+    assert shape.trainer_constructions_any_form(tests) == ["tests/test_a.py:4", "tests/test_a.py:5",
+                                                           "tests/test_a.py:6"]
+    assert shape.trainer_constructions(tests) == (1, 1)  # (the narrow figure: a bare Trainer( only)
+    assert shape.compare({"classes_over_limit": 2, "largest_classes": []},
+                         {"classes_over_limit": 1, "largest_classes": [], "new": 3}) == ["  classes_over_limit: 2 -> 1"]
+
+
 @pytest.mark.parametrize("fmt", ["plain", "chat", "chat+system"])
 def test_tiny_skills_scores_each_format(fmt):
     module = script("benchmarks/tiny_skills.py")
