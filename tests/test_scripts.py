@@ -30,6 +30,7 @@ def script(path: str):
 
 SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/code_shape.py": "tests/test_scripts.py::test_code_shape_counts_what_it_says",
+    "benchmarks/demo_figures.py": "tests/test_scripts.py::test_demo_figures_tells_a_changed_figure_from_wall_clock",
     "benchmarks/episode_figure.py": "tests/test_scripts.py::test_episode_figure_draws_the_trajectories_picture",
     "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
     "benchmarks/async_rollouts.py": "tests/test_scripts.py::test_async_rollouts_runs_both_arms_on_a_local_ray",
@@ -229,6 +230,30 @@ def test_code_shape_counts_the_copies_it_cannot_see_by_name_and_every_form_of_a_
     assert shape.trainer_constructions(tests) == (1, 1)  # (the narrow figure: a bare Trainer( only)
     assert shape.compare({"classes_over_limit": 2, "largest_classes": []},
                          {"classes_over_limit": 1, "largest_classes": [], "new": 3}) == ["  classes_over_limit: 2 -> 1"]
+
+
+def test_demo_figures_tells_a_changed_figure_from_wall_clock(tmp_path, capsys):
+    figures = script("benchmarks/demo_figures.py")
+
+    def run(name: str, rows: list[dict], weights: bytes) -> Path:
+        (tmp_path / name / "checkpoints" / "final").mkdir(parents=True)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / name / "checkpoints" / "final" / "model.safetensors").write_bytes(weights)
+        return tmp_path / name
+
+    before = run("before", [{"step": 1, "loss": -0.41181, "seconds": 3.0, "time_update": 1.0}], b"w")
+    slower = run("slower", [{"step": 1, "loss": -0.41181, "seconds": 9.5, "time_update": 7.0}], b"w")
+    assert figures.main([str(before), str(slower)]) == []
+    assert "the same figures" in capsys.readouterr().out
+    assert figures.main([str(before), "--save", str(tmp_path / "before.json")]) == []
+    assert figures.main([str(tmp_path / "before.json"), str(slower)]) == []  # (saved figures compare the same)
+    changed = run("changed", [{"step": 1, "loss": -0.41182, "seconds": 3.0}], b"v")
+    found = figures.main([str(tmp_path / "before.json"), str(changed)])
+    assert found[0] == "row 0 loss: -0.41181 -> -0.41182" and found[1].startswith("final weights: sha256 ")
+    assert len(found) == 2 and figures.differences(figures.figures(before), figures.figures(run("short", [], b"w"))) \
+        == ["metrics.jsonl has 1 rows before and 0 after"]
+    assert figures.figures(ROOT / "benchmarks" / "results" / "demo-cpu2-50-before.json")["weights_sha256"] == \
+        "414829ab0facf946fd7a24c4e6009ef3dd8c2676e1c9b005490713181820ec30"  # (the demo before issue 50)
 
 
 @pytest.mark.parametrize("fmt", ["plain", "chat", "chat+system"])
