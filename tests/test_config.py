@@ -36,6 +36,19 @@ def test_example_file_lists_every_field():
     assert {section: set(values) for section, values in data.items()} == expected
 
 
+def test_the_sections_are_frozen_and_listed_in_the_configs_order():
+    from ctxrl.sections import SECTIONS
+
+    assert list(SECTIONS) == [f.name for f in dataclasses.fields(Config) if f.name != "components"]
+    config = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.steps = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train = config.train  # type: ignore[misc]
+    changed = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=3))
+    assert changed.train.steps == 3 and config.train.steps == 40
+
+
 def test_unknown_key_suggests_nearest():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.stepz=3"])
@@ -143,8 +156,9 @@ def test_to_toml_round_trips(tmp_path):
         "train.steps=3", "train.lr=1e-05", "run.progress=false", "algo.agg=seq-mean-token-sum-norm",
         "rollout.top_p=0.95", "sft.enabled=false", "algo.kl_coef=1e-10",
     ])
-    config.model.chat_template = 'a "quoted" \\ back\nslash'
-    config.run.name = "ünï cödé"
+    config = dataclasses.replace(  # (sections are frozen: a changed one is a new one)
+        config, model=dataclasses.replace(config.model, chat_template='a "quoted" \\ back\nslash'),
+        run=dataclasses.replace(config.run, name="ünï cödé"))
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(config))
     again = load_config(path)
