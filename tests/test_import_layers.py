@@ -24,7 +24,7 @@ LAYERS = {
     "chat": 1, "tools": 1, "tasks": 1, "algo": 1, "report": 1,
     "models": 2, "engine": 3, "envs": 4, "judge": 4, "rollout": 5,
     "meta": 6, "eval": 6, "demos": 6, "serve": 6,
-    "config": 7, "distributed": 7, "train": 8, "cli": 9, "__main__": 10,
+    "distributed": 7, "config": 8, "run": 8, "train": 8, "cli": 9, "__main__": 10,
 }
 
 # Module (without "ctxrl.") -> the packages above its own that it still imports. To remove, not to extend.
