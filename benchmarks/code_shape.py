@@ -14,8 +14,8 @@ config fields copied by hand, whole Trainers built by tests, what constructing a
 - **config fields as keywords, renamed ones included**: keyword arguments whose value is a field of a config
   section (``config.<section>.<field>``, or ``<name>.<field>`` after ``<name> = config.<section>``), under its own
   name or another (``target=r.judge``): the copies the first figure cannot see;
-- **config fields**: fields of the dataclasses of the config's sections (``ctxrl/config.py``, and the section
-  module(s) ``ctxrl/sections*`` once they exist), the ``Config`` aggregate's included;
+- **config fields**: fields of the ``Config`` aggregate and of its sections' dataclasses (declared in
+  ``ctxrl/config.py``, or in the section module(s) ``ctxrl/sections*`` once they exist);
 - **component-specific fields in core sections**: how many of the fields issue 50 names as one component's
   (``COMPONENT_FIELDS``) a core section still declares;
 - **Trainer constructions in tests**: calls of ``Trainer(...)`` in ``tests/``, and the test files with any; the
@@ -176,19 +176,27 @@ def dataclass_fields(paths: list[Path]) -> dict[str, list[str]]:
     return out
 
 
-def config_fields(paths: list[Path] | Path) -> int:
-    return sum(len(f) for f in dataclass_fields(paths if isinstance(paths, list) else [paths]).values())
+def section_classes(root: Path) -> dict[str, list[str]]:
+    """``{field of Config: the fields of its class}``, the classes found in the section files (``components``, a
+    plain dict, has none)."""
+    classes = dataclass_fields(section_files(root))
+    for node in ast.parse((root / "config.py").read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == "Config":
+            return {s.target.id: classes.get(ast.unparse(s.annotation), []) for s in node.body
+                    if isinstance(s, ast.AnnAssign)}
+    return {}
+
+
+def config_fields(root: Path) -> int:
+    """Fields of ``Config`` and of the section classes its fields are (other dataclasses of the loader are none)."""
+    sections = section_classes(root)
+    return len(sections) + sum(len(fields) for fields in sections.values())
 
 
 def component_fields_in_core(root: Path) -> list[str]:
     """The ``COMPONENT_FIELDS`` a core section still declares (its class the type of that field of ``Config``)."""
-    classes = dataclass_fields(section_files(root))
-    types = {}
-    for node in ast.parse((root / "config.py").read_text()).body:
-        if isinstance(node, ast.ClassDef) and node.name == "Config":
-            types = {s.target.id: ast.unparse(s.annotation) for s in node.body if isinstance(s, ast.AnnAssign)}
-    return [key for key in COMPONENT_FIELDS
-            if key.partition(".")[2] in classes.get(types.get(key.partition(".")[0], ""), [])]
+    sections = section_classes(root)
+    return [key for key in COMPONENT_FIELDS if key.partition(".")[2] in sections.get(key.partition(".")[0], [])]
 
 
 def trainer_constructions(tests: Path) -> tuple[int, int]:
@@ -290,7 +298,7 @@ def measure(function_lines: int, class_lines: int) -> dict:
             "fields_copied_by_hand": len(copied_fields(root)),
             "config_field_keywords": len(keywords),
             "config_field_keywords_renamed": sum(kw != key.rpartition(".")[2] for _, kw, key in keywords),
-            "config_fields": config_fields(section_files(root)),
+            "config_fields": config_fields(root),
             "component_fields_in_core_sections": len(component_fields_in_core(root)),
             "trainer_constructions_in_tests": calls, "test_files_building_a_trainer": files,
             "trainer_constructions_any_form": len(built),

@@ -12,10 +12,12 @@ that names the key and suggests the nearest valid one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import typing
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,15 +49,41 @@ from ctxrl.sections import (  # noqa: F401 - the sections are re-exported: ctxrl
     SFTConfig,
     TrainConfig,
 )
-from ctxrl.settings import check_number, coerce, nearest
+from ctxrl.settings import check_number, coerce, nearest, resumable
 
 __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
 
 # The values a numeric field may take are in its metadata where it is declared (``POSITIVE``, ``NON_NEGATIVE``,
 # ``in_range``; ``ALLOWS_INF``), from ``ctxrl.settings``, which checks them for components' settings too: every
 # float must be finite unless its field allows inf, and NaN is never in range.
-# Keys that were renamed: an old config naming one is read under the new name, with a warning.
-RENAMED = {"meta.context": "meta.carry"}
+
+NO_DEFAULT: Any = object()
+"""``Renamed.default`` of a key whose every value is moved, and said."""
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """A key that moved. A config that names ``old`` (an older one, or a run's saved ``config.toml``) is read as
+    though it named ``new``: ``from_dict`` moves it before the sections are built, with one warning per load that
+    names every key it moved; a config that sets both is an error."""
+
+    old: str
+    """``section.key``, as older versions wrote it."""
+    new: str | Callable[[Mapping[str, Any]], str]
+    """Where it lives now: ``section.key``, another section's, or a component's table (``section.NAME.key``); or a
+    function of the config being read (its tables, as read) that says where (``context.max_summaries`` into the
+    table of the manager that config names)."""
+    default: Any = NO_DEFAULT
+    """The old key's default. An old saved ``config.toml`` writes every field, so a value equal to it says nothing:
+    it is dropped without a word (moved, it would open the table of a component the run does not use)."""
+    kind: type | tuple[type, ...] = object
+    """Only a value of this type is the old key (``reward.judge``: a string is the old key, a table the new one's)."""
+
+
+RENAMED: tuple[Renamed, ...] = (
+    Renamed("meta.context", "meta.carry"),
+)
+"""Every key that was renamed, oldest first."""
 
 # Names users bring from other libraries, in whatever section they put them: an unknown key that is one gets
 # "did you mean <ctxrl key> (TRL's NAME)?" rather than the nearest spelling (learning_rate is not mini_batches).
@@ -171,7 +199,7 @@ def from_dict(data: dict[str, Any]) -> Config:
     sections = _section_types()
     built: dict[str, Any] = {}
     components: dict[str, dict[str, Any]] = {}
-    for name, values in data.items():
+    for name, values in renamed(data).items():
         if name not in sections:
             aliased = [k for k in values if k in ALIASES] if isinstance(values, dict) else []
             hint = unknown_key_hint(name, aliased[0], []) if aliased else nearest(name, list(sections))
@@ -186,14 +214,6 @@ def from_dict(data: dict[str, Any]) -> Config:
             if name in COMPONENT_REGISTRIES and isinstance(value, dict) and key not in fields:
                 components[f"{name}.{key}"] = value  # a component's own table: checked once plugins are imported
                 continue
-            if f"{name}.{key}" in RENAMED:  # an older config (or a run's saved config.toml): read it, and say so
-                new = RENAMED[f"{name}.{key}"].partition(".")[2]
-                if new in values:
-                    raise ConfigError(f"{name}.{key} was renamed {name}.{new}; the config sets both, keep only "
-                                      f"{name}.{new}")
-                warnings.warn(f"config key {name}.{key} was renamed {name}.{new}; reading it as {name}.{new} = "
-                              f"{value!r} (write the new name to silence this)", DeprecationWarning, stacklevel=2)
-                key = new
             if key not in fields:
                 raise ConfigError(f"unknown config key {name}.{key}"
                                   f"{unknown_key_hint(name, key, [f'{name}.{f}' for f in fields])}")
@@ -202,6 +222,45 @@ def from_dict(data: dict[str, Any]) -> Config:
     config = Config(**built, components=components)
     validate(config)
     return config
+
+
+def renamed(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a config's tables, as read) with every key of ``RENAMED`` it names moved to where it lives now
+    (a copy: ``data`` is left as it was). The moves are said in one ``DeprecationWarning``; a value at the old key's
+    default is dropped without one; old and new set together are a ``ConfigError``."""
+    data = copy.deepcopy(dict(data))
+    moved = []
+    for rename in RENAMED:
+        section, _, key = rename.old.partition(".")
+        table = data.get(section)
+        if not isinstance(table, dict) or key not in table or not isinstance(table[key], rename.kind):
+            continue
+        value = table.pop(key)
+        new = rename.new if isinstance(rename.new, str) else rename.new(data)
+        *path, last = new.split(".")
+        target: Any = data
+        for part in path:  # (found, not made: a value dropped below must not open a table)
+            target = target.get(part, {}) if isinstance(target, dict) else None
+        if isinstance(target, dict) and last in target:
+            raise ConfigError(f"{rename.old} was renamed {new}; the config sets both, keep only {new}")
+        if rename.default is not NO_DEFAULT and value == rename.default:
+            continue
+        target = data
+        for part in path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{rename.old} was renamed {new}, but the config's {part} is not a table")
+        target[last] = value
+        moved.append((rename.old, new, value))
+    if len(moved) == 1:
+        old, new, value = moved[0]
+        warnings.warn(f"config key {old} was renamed {new}; reading it as {new} = {value!r} (write the new name to "
+                      "silence this)", DeprecationWarning, stacklevel=3)
+    elif moved:
+        said = "; ".join(f"{old} was renamed {new} (read as {new} = {value!r})" for old, new, value in moved)
+        warnings.warn(f"config keys were renamed: {said} (write the new names to silence this)", DeprecationWarning,
+                      stacklevel=3)
+    return data
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -271,59 +330,81 @@ def _toml_value(value: Any) -> str:
     return f'"{text}"'
 
 
-def _resumable(cls: type, f: dataclasses.Field) -> bool:
-    """Whether field ``f`` of section ``cls`` may change on ``--resume`` (``RESUMABLE``, or its whole section)."""
-    return getattr(cls, "resumable", False) or f.metadata.get("resumable", False)
+def _tables() -> list[tuple[str, type]]:
+    """``(key, dataclass)`` of every table the configuration reference lists: the sections, then the settings of
+    the components ctxrl ships (``ctxrl.run.components.builtin_tables``; a plugin's are its own to document)."""
+    from ctxrl.run.components import builtin_tables
+
+    return [*_section_types().items(), *builtin_tables()]
 
 
 def resumable_keys() -> frozenset[str]:
-    """``section.field`` of every setting that may change on ``--resume`` (``RESUMABLE``)."""
-    return frozenset(f"{section}.{f.name}" for section, cls in _section_types().items() for f in dataclasses.fields(cls)
-                     if _resumable(cls, f))
+    """``section.field`` of every setting that may change on ``--resume`` (``RESUMABLE``), and
+    ``section.NAME.field`` of the built-in components' settings that may."""
+    return frozenset(f"{key}.{f.name}" for key, cls in _tables() for f in dataclasses.fields(cls) if resumable(cls, f))
 
 
 def resumable_summary() -> str:
-    """``resumable_keys`` for a message: a section whose every field is resumable as ``section.*``."""
+    """``resumable_keys`` for a message: a section (or component table) whose every field is resumable as
+    ``section.*``."""
     names = []
-    for section, cls in _section_types().items():
+    for key, cls in _tables():
         if getattr(cls, "resumable", False):
-            names.append(f"{section}.*")
+            names.append(f"{key}.*")
         else:
-            names += [f"{section}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("resumable", False)]
+            names += [f"{key}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("resumable", False)]
     return ", ".join(names)
 
 
 def describe_fields() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, docstring) of every field, from the docstrings under each field."""
+    """(key, type, default, docstring) of every field of the sections, from the docstrings under each field."""
+    return [row for section, cls in _section_types().items() for row in _describe(section, cls)]
+
+
+def describe_components() -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, docstring) of every field of the built-in components' own tables (``algo.rae.KEY``)."""
+    from ctxrl.run.components import builtin_tables
+
+    return [row for key, cls in builtin_tables() for row in _describe(key, cls)]
+
+
+def _describe(prefix: str, cls: type) -> list[tuple[str, str, Any, str]]:
     import ast
     import inspect
+    import textwrap
 
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docs[prev.target.id] = node.value.value
+    hints = typing.get_type_hints(cls)
     out = []
-    for section, cls in _section_types().items():
-        tree = ast.parse(inspect.getsource(cls))
-        body = tree.body[0].body
-        docs = {}
-        for prev, node in zip(body, body[1:]):
-            if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-                docs[prev.target.id] = node.value.value
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            hint = hints[f.name]
-            name = hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            doc = docs.get(f.name, "")
-            if _resumable(cls, f):
-                doc = doc.rstrip() + " May change on `--resume`."
-            out.append((f"{section}.{f.name}", name, default, doc))
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        name = hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        doc = docs.get(f.name, "")
+        if resumable(cls, f):
+            doc = doc.rstrip() + " May change on `--resume`."
+        out.append((f"{prefix}.{f.name}", name, default, doc))
     return out
 
 
 def fields_markdown() -> str:
-    """The configuration reference as Markdown (docs/configuration.md is generated from it)."""
+    """The configuration reference as Markdown: the sections' fields, then the built-in components' own tables
+    (docs/configuration.md is generated from it)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, type_name, default, doc in describe_fields():
-        lines.append(f"| `{key}` | {type_name} | `{_toml_value(default)}` | {' '.join(doc.split())} |")
+    lines += [_row(*row) for row in describe_fields()]
+    lines += ["", "The tables of ctxrl's own components, each read only by its component (`algo.advantage`, "
+              "`context.manager`, `env.name`; a family's table by every environment of the family):", "",
+              "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [_row(*row) for row in describe_components()]
     return "\n".join(lines)
+
+
+def _row(key: str, type_name: str, default: Any, doc: str) -> str:
+    return f"| `{key}` | {type_name} | `{_toml_value(default)}` | {' '.join(doc.split())} |"
 
 
 if __name__ == "__main__":

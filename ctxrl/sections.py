@@ -7,7 +7,8 @@ section as a parameter; it imports nothing else of ctxrl but the prompts its def
 
 Each field's metadata says what the hand-kept lists once held: the values a number may take (``POSITIVE``,
 ``NON_NEGATIVE``, ``in_range``, ``ALLOWS_INF``: ``ctxrl.settings`` checks them) and whether it may change on
-``--resume`` (``RESUMABLE``; a section whose every field may says ``resumable: ClassVar[bool] = True``).
+``--resume`` (``RESUMABLE``, from ``ctxrl.settings``; a section whose every field may says ``resumable:
+ClassVar[bool] = True``; ``ctxrl.config.resumable_keys`` collects them, and a resumed run compares the rest).
 A field that only one component reads belongs in that component's own ``Settings`` (``[algo.gae]``,
 ``[context.summarize]``: ``ctxrl.settings``), not here.
 """
@@ -18,17 +19,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
-from ctxrl.settings import NON_NEGATIVE, POSITIVE, in_range
+from ctxrl.settings import NON_NEGATIVE, POSITIVE, RESUMABLE, in_range
 
 __all__ = ["RESUMABLE", "SECTIONS", "AlgoConfig", "ContextConfig", "CurriculumConfig", "DistributedConfig",
            "EnvConfig", "EvalConfig", "LoRAConfig", "MetaConfig", "ModelConfig", "ReportConfig", "RewardConfig",
            "RolesConfig", "RolloutConfig", "RunConfig", "SFTConfig", "TrainConfig"]
-
-# A field whose value may differ between a checkpoint and the run resuming it (``--resume``): it changes how long
-# the run goes on, what it logs or evaluates, the warm start (already done), how the same maths is split into
-# micro-batches, or where rollouts run; never what a step computes. A section whose every field is so says
-# ``resumable: ClassVar[bool] = True``. ``ctxrl.config.resumable_keys`` collects them; a resumed run compares the rest.
-RESUMABLE = {"resumable": True}
 
 
 @dataclass(frozen=True)

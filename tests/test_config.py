@@ -389,3 +389,45 @@ def test_config_before_50_loads_and_resumes(fixture):
     saved = load_config(BEFORE_50 / fixture)
     assert {key: _setting(saved, key) for key in MOVED_50[fixture]} == MOVED_50[fixture]
     assert config_differences(saved, load_config(BEFORE_50 / fixture)) == []
+
+
+def test_renamed_keys_move_before_the_sections_are_built(monkeypatch):
+    """``Renamed``: across sections, into a component's table, to a place the config itself names, and only for a
+    value of the old key's type; a value at the old default dropped without opening a table; one warning for all."""
+    import warnings
+
+    from ctxrl import config as config_module
+    from ctxrl.config import Renamed, renamed
+
+    def summaries_table(data):  # (the table of the manager the config names, if it has one)
+        manager = data.get("context", {}).get("manager", "full")
+        return f"context.{manager if manager in ('summarize', 'select') else 'summarize'}.max_summaries"
+
+    monkeypatch.setattr(config_module, "RENAMED", (
+        Renamed("meta.credit", "algo.meta.credit", default="cross_episode"),
+        Renamed("algo.lam", "algo.gae.lam", default=1.0),
+        Renamed("context.max_summaries", summaries_table, default=2),
+        Renamed("reward.judge", "reward.judge.target", default="", kind=str),
+    ))
+    old = {"meta": {"credit": "relative"}, "algo": {"lam": 1.0}, "context": {"manager": "select", "max_summaries": 3},
+           "reward": {"judge": "http://127.0.0.1:1/v1"}}
+    with pytest.warns(DeprecationWarning) as heard:
+        new = renamed(old)
+    assert new == {"meta": {}, "algo": {"meta": {"credit": "relative"}}, "context": {"manager": "select",
+                   "select": {"max_summaries": 3}}, "reward": {"judge": {"target": "http://127.0.0.1:1/v1"}}}
+    assert old["algo"] == {"lam": 1.0}  # (a copy: what was read is left as it was)
+    [warning] = heard
+    assert str(warning.message) == (
+        "config keys were renamed: meta.credit was renamed algo.meta.credit (read as algo.meta.credit = 'relative'); "
+        "context.max_summaries was renamed context.select.max_summaries (read as context.select.max_summaries = 3); "
+        "reward.judge was renamed reward.judge.target (read as reward.judge.target = 'http://127.0.0.1:1/v1') (write "
+        "the new names to silence this)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert renamed({"context": {"max_summaries": 2}, "reward": {"judge": ""}}) == {"context": {}, "reward": {}}
+        assert renamed({"reward": {"judge": {"target": "x"}}}) == {"reward": {"judge": {"target": "x"}}}  # the new one
+    with pytest.warns(DeprecationWarning, match="context.max_summaries was renamed context.summarize.max_summaries"):
+        assert renamed({"context": {"max_summaries": 5}}) == {"context": {"summarize": {"max_summaries": 5}}}
+    with pytest.raises(ConfigError, match="algo.lam was renamed algo.gae.lam; the config sets both, keep only "
+                                          "algo.gae.lam"):
+        renamed({"algo": {"lam": 0.9, "gae": {"lam": 0.95}}})
