@@ -53,10 +53,6 @@ from ctxrl.settings import check_number, coerce, nearest, resumable
 
 __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
 
-# The values a numeric field may take are in its metadata where it is declared (``POSITIVE``, ``NON_NEGATIVE``,
-# ``in_range``; ``ALLOWS_INF``), from ``ctxrl.settings``, which checks them for components' settings too: every
-# float must be finite unless its field allows inf, and NaN is never in range.
-
 NO_DEFAULT: Any = object()
 """``Renamed.default`` of a key whose every value is moved, and said."""
 
@@ -127,6 +123,9 @@ def unknown_key_hint(section: str, key: str, fields: list[str]) -> str:
 
 @dataclass(frozen=True)
 class Config:
+    """Everything a run is configured with: one section per table (``ctxrl.sections``), and the components' own
+    tables. Building one checks each number against its field's metadata; ``validate`` checks the rest."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
