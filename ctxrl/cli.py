@@ -110,7 +110,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false", "lora.rank=0"]
     config = load_config(args.config, overrides)
     from ctxrl.envs.hooks import available_splits
-    from ctxrl.train.preflight import preflight
+    from ctxrl.run.preflight import preflight
 
     have = available_splits(preflight(config, training=False, split=args.split))  # before the checkpoint loads
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
@@ -153,7 +153,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved configuration and check it (and what it names) without loading a model."""
     from ctxrl.config import to_toml
-    from ctxrl.train.preflight import preflight
+    from ctxrl.run.preflight import preflight
 
     config = load_config(args.config, args.overrides)
     preflight(config)  # the checks `ctxrl train` runs before it builds or loads a model: valid here is valid there
@@ -190,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
         config = load_config(args.config, [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}",
                                            "lora.rank=0"])
-    from ctxrl.train.preflight import preflight
+    from ctxrl.run.preflight import preflight
     from ctxrl.train.tiny import ensure_model
 
     preflight(config, training=False)

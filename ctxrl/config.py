@@ -1,8 +1,9 @@
-"""Run configuration: flat, typed dataclasses with a docstring per field, loaded from TOML.
+"""Run configuration: the sections (``ctxrl.sections``) loaded from TOML into one ``Config``.
 
 A config file has one table per section (``[model]``, ``[env]``, ``[rollout]``, ``[context]``,
 ``[meta]``, ``[sft]``, ``[algo]``, ``[reward]``, ``[curriculum]``, ``[train]``, ``[lora]``, ``[eval]``,
-``[run]``, ``[report]``);
+``[run]``, ``[report]``, ``[distributed]``, ``[roles]``), and a registered component may have a table of its own
+inside its section (``[algo.rae]``: ``ctxrl.settings``);
 the command line overrides any field as ``section.field=value`` (the value is read as a TOML literal, or as a
 string if it is not one).
 An unknown section or field, or a value of the wrong type or out of range, is a ``ConfigError``
@@ -11,15 +12,15 @@ that names the key and suggests the nearest valid one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import difflib
-import importlib
 import sys
 import typing
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,33 +28,58 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-from ctxrl.errors import ConfigError, CtxrlError
-from ctxrl.plugins import import_plugins
-from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
-from ctxrl.settings import (
-    NON_NEGATIVE,
-    POSITIVE,
-    check_number,
-    coerce,
-    in_range,
-    nearest,
-    parse_settings,
-    settings_table,
+from ctxrl.errors import ConfigError
+from ctxrl.sections import (  # noqa: F401 - the sections are re-exported: ctxrl.config stays their face
+    RESUMABLE,
+    SECTIONS,
+    AlgoConfig,
+    ContextConfig,
+    CurriculumConfig,
+    DistributedConfig,
+    EnvConfig,
+    EvalConfig,
+    LoRAConfig,
+    MetaConfig,
+    ModelConfig,
+    ReportConfig,
+    RewardConfig,
+    RolesConfig,
+    RolloutConfig,
+    RunConfig,
+    SFTConfig,
+    TrainConfig,
 )
+from ctxrl.settings import check_number, coerce, nearest, resumable
 
 __all__ = ["Config", "ConfigError", "describe_fields", "fields_markdown", "from_dict", "load_config", "to_toml"]
 
-# A field whose value may differ between a checkpoint and the run resuming it (``--resume``): it changes how long
-# the run goes on, what it logs or evaluates, the warm start (already done), how the same maths is split into
-# micro-batches, or where rollouts run; never what a step computes. A section whose every field is so says
-# ``resumable: ClassVar[bool] = True``. ``resumable_keys`` collects them; ``train.checkpoint`` compares the rest.
-RESUMABLE = {"resumable": True}
+NO_DEFAULT: Any = object()
+"""``Renamed.default`` of a key whose every value is moved, and said."""
 
-# The values a numeric field may take are in its metadata where it is declared (``POSITIVE``, ``NON_NEGATIVE``,
-# ``in_range``; ``ALLOWS_INF``), from ``ctxrl.settings``, which checks them for components' settings too: every
-# float must be finite unless its field allows inf, and NaN is never in range.
-# Keys that were renamed: an old config naming one is read under the new name, with a warning.
-RENAMED = {"meta.context": "meta.carry"}
+
+@dataclass(frozen=True)
+class Renamed:
+    """A key that moved. A config that names ``old`` (an older one, or a run's saved ``config.toml``) is read as
+    though it named ``new``: ``from_dict`` moves it before the sections are built, with one warning per load that
+    names every key it moved; a config that sets both is an error."""
+
+    old: str
+    """``section.key``, as older versions wrote it."""
+    new: str | Callable[[Mapping[str, Any]], str]
+    """Where it lives now: ``section.key``, another section's, or a component's table (``section.NAME.key``); or a
+    function of the config being read (its tables, as read) that says where (``context.max_summaries`` into the
+    table of the manager that config names)."""
+    default: Any = NO_DEFAULT
+    """The old key's default. An old saved ``config.toml`` writes every field, so a value equal to it says nothing:
+    it is dropped without a word (moved, it would open the table of a component the run does not use)."""
+    kind: type | tuple[type, ...] = object
+    """Only a value of this type is the old key (``reward.judge``: a string is the old key, a table the new one's)."""
+
+
+RENAMED: tuple[Renamed, ...] = (
+    Renamed("meta.context", "meta.carry"),
+)
+"""Every key that was renamed, oldest first."""
 
 # Names users bring from other libraries, in whatever section they put them: an unknown key that is one gets
 # "did you mean <ctxrl key> (TRL's NAME)?" rather than the nearest spelling (learning_rate is not mini_batches).
@@ -95,516 +121,11 @@ def unknown_key_hint(section: str, key: str, fields: list[str]) -> str:
     return nearest(f"{section}.{key}", fields)
 
 
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    """HF hub name or local checkpoint directory of the policy, a ``.gguf`` file (converted once to a cached
-    checkpoint), a named real model installed from a Python package (``smollm2-135m-instruct``), or ``tiny`` (built
-    locally); docs/real-models.md."""
-    dtype: str = "float32"
-    """Dtype of the weights: float32, bfloat16 or float16. The policy (and a LoRA run's frozen base and adapters)
-    and the engine's copy hold and compute in it; with ``train.master_weights = "float32"`` the optimiser keeps
-    float32 master weights of what trains (docs/precision.md)."""
-    device: str = "auto"
-    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``."""
-    gpu_memory_fraction: float = field(default=0.0, metadata={**RESUMABLE, **in_range(0.0, 1.0)})
-    """Share of the CUDA device's total memory this run may use, for several runs on one card: torch's allocator
-    is capped at it (less the CUDA context) and the fast engine's KV pool, its prefill chunk and the learner's
-    tokens per micro-batch are sized to fill it. 0 = no cap: the run plans what it needs, with micro-batches of
-    4096 tokens (fewer where their activations would pass 4 GiB) unless train.max_tokens_per_microbatch says
-    otherwise. A run that cannot fit stops before it loads the model, naming the settings to change. Ignored on
-    the CPU (docs/performance.md)."""
-    chat_template: str = ""
-    """Optional Jinja file (or template text) replacing the tokenizer's chat template."""
-    tool_format: str = "auto"
-    """How the policy writes tool calls: ``hermes`` (``<tool_call>{json}</tool_call>``: Qwen2.5, Qwen3, Hermes),
-    ``llama3_json`` (bare ``{"name": ..., "parameters": ...}``: Llama 3.x), ``mistral`` (``[TOOL_CALLS]``),
-    ``pythonic`` (``[f(a=1)]``: Llama 3.2/4), or ``auto`` (chosen from the chat template; a ChatML template that
-    shows no tool markers gets ``hermes``; docs/tool-formats.md). A template that ignores ``tools`` gets the tool
-    schemas and the format's calling convention in its system turn."""
-
-
-@dataclass
-class EnvConfig:
-    name: str = "calculator"
-    """Registered environment name, ``package.module:Class``, or a family's ``PREFIX:NAME`` from another package:
-    ``reasoning_gym:chain_sum`` (docs/reasoning-gym.md), ``verifiers:ID`` (docs/verifiers.md); its settings are
-    the table ``[env.PREFIX]``."""
-    max_turns: int = field(default=4, metadata=POSITIVE)
-    """Assistant turns per episode before it is truncated (``max_turns``)."""
-    data: str = ""
-    """Task file for environments built from data (``jsonl_tools``): a JSONL path."""
-    tools: str = ""
-    """Comma-separated built-in tools for ``jsonl_tools`` (``calculator``, ``python``)."""
-    verifier: str = "exact"
-    """Answer check for ``jsonl_tools``: ``exact``, ``numeric`` or ``contains``."""
-    harness: str = ""
-    """For ``env.name = "harness"``: the agent to train, an ``async def rollout(client, task)`` given as
-    ``package.module:function`` or ``path/to/file.py:function``; its OpenAI client's calls are the episode and its
-    return value the reward. ``env.data`` is then ``env:NAME`` (a registered environment's tasks) or a JSONL task
-    file (docs/serve.md)."""
-    mcp_servers: list[str] = field(default_factory=list)
-    """MCP servers whose tools the policy gets beside the environment's own (docs/mcp.md): each the URL of a
-    streamable-HTTP server (``http://127.0.0.1:8000/mcp``) or a command line that starts one over stdio (``python
-    my_server.py``; ``python`` is the interpreter running ctxrl; leading ``NAME=value`` words set its environment).
-    Needs the ``mcp`` extra; ``ctxrl tools CONFIG`` lists what the policy will see."""
-    mcp_tools: str = ""
-    """Comma-separated names of the MCP servers' tools to offer; empty: every tool they list."""
-    mcp_timeout_s: float = field(default=30.0, metadata=POSITIVE)
-    """Deadline of one MCP tool call: past it the call is cancelled, and the model reads ``Error: tool NAME timed
-    out``."""
-    mcp_restarts: int = field(default=3, metadata=NON_NEGATIVE)
-    """How many times in a run an MCP server that died is started again (reconnected, over HTTP); the episode whose
-    call it died in is errored (``errors_tool_server``)."""
-
-
-@dataclass
-class RolloutConfig:
-    tasks_per_step: int = field(default=8, metadata=POSITIVE)
-    """Distinct training tasks per RL step."""
-    group_size: int = field(default=8, metadata=POSITIVE)
-    """Episodes sampled per task (the GRPO group)."""
-    temperature: float = field(default=0.7, metadata=NON_NEGATIVE)
-    """Sampling temperature for training rollouts (the learner uses the same one). Below 1 the
-    tiny model's number copying is less noisy, so more rollouts earn a reward."""
-    top_p: float = field(default=1.0, metadata=in_range(0.0, 1.0, low_open=True))
-    """Nucleus sampling threshold (1.0 = off)."""
-    top_k: int = field(default=0, metadata=NON_NEGATIVE)
-    """Top-k sampling (0 = off); applied before top-p, as HF and vLLM do."""
-    stop_ids: list[int] = field(default_factory=list)
-    """Token ids that end a turn besides the tokenizer's end-of-turn token and every ``eos_token_id`` of the model's
-    ``generation_config.json`` (kept in the turn, as sampled)."""
-    stop_strings: list[str] = field(default_factory=list)
-    """Texts that end a turn as soon as the sampled text contains one (kept in the turn). The turn is over, not cut
-    off: the episode goes on, with the end-of-turn token added after it as context (mask 0)."""
-    max_new_tokens: int = field(default=48, metadata=POSITIVE)
-    """Tokens one assistant turn may sample before it is cut off (``max_new_tokens``)."""
-    max_total_tokens: int = field(default=512, metadata=POSITIVE)
-    """Tokens of a whole episode (prompt, turns, observations) (``max_total_tokens``)."""
-    max_batch_size: int = field(default=0, metadata=NON_NEGATIVE)
-    """Largest batch of concurrent requests the engine decodes together (the fast engine's number of cache slots).
-    0 = sized by the run: on CUDA a slot for every request in flight (a step's episodes, an evaluation's), as many
-    as a share of the card holds (docs/performance.md); elsewhere 128."""
-    engine: str = "auto"
-    """Which engine samples: ``hf`` (batched HF forward passes, the CPU and reference engine), ``fast`` (continuous
-    batching over a slot KV cache with prefix reuse and CUDA graphs; Llama, Qwen2/2.5/3 and Mistral layouts, no
-    LoRA) or ``auto`` (``fast`` on CUDA where it can run this model, else ``hf``). See docs/engine.md."""
-    sandbox_workers: int = field(default=8, metadata={**RESUMABLE, **POSITIVE})
-    """Most sandboxed Python interpreters (the ``python`` tool) running at once in a rollout worker, each allowed
-    its memory limit (512 MB); calls beyond it wait for a free one, within their tool timeout."""
-    episode_timeout_s: float = field(default=300.0, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Wall-clock deadline of one episode (environment set-up, model time, tool time); past it the
-    episode is marked errored (``deadline``) and left out of the loss. 0 = no deadline."""
-    max_error_rate: float = field(default=0.5, metadata={**RESUMABLE, **in_range(0.0, 1.0)})
-    """Abort the run when more than this fraction of a step's episodes errored (crash or deadline)."""
-
-
-@dataclass
-class ContextConfig:
-    manager: str = "full"
-    """What the model sees as an episode grows: ``full`` (everything), ``window`` (drop the oldest whole
-    turns when the next turn would not fit), ``summarize`` (SUPO / ReSum: the policy summarises its
-    history when the next turn would not fit, and goes on from the summary), ``fold``
-    (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent),
-    ``select`` (ECHO-style: the policy names the earlier turns to keep verbatim when the next turn would not fit),
-    or any manager registered with ``ctxrl.rollout.managers.register_manager``."""
-    max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
-    """Working-context budget in tokens for ``window``, ``summarize`` and ``select`` (must not exceed
-    rollout.max_total_tokens)."""
-    max_summaries: int = field(default=2, metadata=NON_NEGATIVE)
-    """Summaries (``select``: selections) an episode may make in training; past them an over-budget episode ends
-    (``max_context``)."""
-    eval_max_summaries: int = field(default=2, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Summaries (``select``: selections) allowed at evaluation (test-time scaling: may exceed max_summaries)."""
-    summary_max_tokens: int = field(default=64, metadata=POSITIVE)
-    """Tokens one summary (``select``: one reply naming the turns to keep) may take."""
-    summary_instruction: str = SUMMARY_INSTRUCTION
-    """The user message that asks for a summary."""
-    max_branches: int = field(default=4, metadata=NON_NEGATIVE)
-    """Branches an episode may open with ``fold``."""
-    branch_reward: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """``fold`` only: a process reward added to the advantage of every sampled token of a branch that returned a
-    non-empty result (FoldGRPO-style; it rewards finishing a branch, not being right, so keep it small; 0 = off)."""
-    budget_start_tokens: int = field(default=0, metadata=NON_NEGATIVE)
-    """Budget curriculum (BACM-style): start training at this budget and shrink linearly to
-    max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""
-    budget_steps: int = field(default=20, metadata=NON_NEGATIVE)
-    """RL steps over which the budget shrinks from budget_start_tokens to max_context_tokens."""
-
-
-@dataclass
-class MetaConfig:
-    num_attempts: int = field(default=1, metadata=POSITIVE)
-    """Attempts per trial in training (1 = off: single-episode RL). A trial is up to K attempts at one task, with
-    the environment's feedback (and a reflection) between them; above 1 it needs algo.advantage=meta."""
-    eval_attempts: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Attempts per trial at evaluation (0 = num_attempts). Above 1 evaluation plays greedy trials and logs
-    success_at_k / success_by_k; its ``success`` stays attempt 1's (zero-shot, as a single episode)."""
-    eval_trials: int = field(default=1, metadata={**RESUMABLE, **POSITIVE})
-    """Trials per task at evaluation; pass@k of independent first attempts needs at least k (and
-    eval.temperature > 0: greedy trials of one task are identical)."""
-    gamma_trial: float = field(default=1.0, metadata=in_range(0.0, 1.0))
-    """Discount across the attempts of a trial: 1 credits solving within K attempts at all, below 1 also
-    prefers solving sooner, 0 makes attempts independent."""
-    credit: str = "cross_episode"
-    """``cross_episode`` (LaMer: discounted return over later attempts, normalised over the trials of a task)
-    or ``relative`` (MR-Search: each attempt's reward centred on the other trials' same attempt, then summed)."""
-    normalize: str = "std"
-    """``cross_episode`` only: ``std`` divides by the group std (GRPO-like), ``none`` only centres."""
-    baseline: str = "loo"
-    """``relative`` only: ``loo`` (mean of the other trials) or ``mean`` (of all trials that played the attempt)."""
-    carry: str = "reflections"
-    """What an attempt carries of the earlier ones: ``reflections`` (a feedback line and the reflection of each)
-    or ``attempts`` (each earlier attempt in full, with its feedback)."""
-    reflect: bool = True
-    """Sample a reflection (trained) after each attempt that another follows; false = plain retries."""
-    stop_on_success: bool = True
-    """End a trial at its first successful attempt."""
-    reflection_instruction: str = REFLECTION_INSTRUCTION
-    """The user message, after the feedback line, that asks for a reflection."""
-    reflection_max_tokens: int = field(default=64, metadata=POSITIVE)
-    """Tokens one reflection may take."""
-    max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
-    """Budget of an attempt's opening (task + carried history) in tokens: the oldest attempts are dropped until it
-    fits (0 = only the room rollout.max_total_tokens leaves for a turn)."""
-    demos_max: int = field(default=0, metadata=NON_NEGATIVE)
-    """Annealed demonstrations: few-shot solved examples in training prompts (count at step 0, or per episode
-    that gets them); evaluation never gets any. 0 = off."""
-    demos_steps: int = field(default=0, metadata=NON_NEGATIVE)
-    """The RL step from which no training prompt gets demonstrations (the schedule reaches 0 there)."""
-    demos_kind: str = "linear"
-    """Shape of the decay: ``linear``, ``cosine`` or ``step`` (constant, then none)."""
-    demos_mode: str = "count"
-    """``count``: every episode gets the scheduled number; ``probability``: demos_max or none, with the
-    scheduled probability."""
-    demos_source: str = "solve"
-    """Where demonstrations come from: ``solve`` (the env's scripted solutions of other training tasks) or a
-    JSONL file of ``{"prompt", "messages"}`` lines."""
-    demos_pool: int = field(default=64, metadata=POSITIVE)
-    """Training tasks solved for the ``solve`` pool (a task's own demo is never shown to it)."""
-
-
-@dataclass
-class SFTConfig:
-    resumable: ClassVar[bool] = True  # every field may change on --resume (RESUMABLE)
-
-    enabled: bool = True
-    """Warm-start with supervised fine-tuning on the environment's scripted solutions."""
-    demos: int = field(default=2000, metadata=POSITIVE)
-    """Number of demonstration episodes."""
-    shortcut_fraction: float = field(default=0.65, metadata=in_range(0.0, 1.0))
-    """Fraction of demos that answer without the tool (the env's ``shortcut``): imperfect on purpose.
-    Above one half, the greedy warm-started policy prefers answering unaided; RL has to find the tool."""
-    redundant_fraction: float = field(default=0.0, metadata=in_range(0.0, 1.0))
-    """Fraction of demos that solve the task with one tool call too many (the env's ``redundant``: search_qa
-    searches the answer again, python_math runs its code twice): a warm start that over-calls, for testing
-    what OTC's reward (reward.otc_weight) cuts. Drawn after the shortcut's share; the two may not exceed 1."""
-    other_worlds: bool = True
-    """Draw demos from the env's ``pretraining_variant`` where it has one (``search_qa``: other invented
-    worlds), so the warm start teaches the skill and not the training split's answers."""
-    context_demos: str = "auto"
-    """Play demos under the run's context manager: ``auto`` does so when context.manager=summarize and the env
-    has a ``summary`` hook (kv_chain, search_qa), so demos show summary requests answered with the env's scripted
-    summaries (``select``: a ``select`` hook, or selections derived from ``summary``); ``on`` insists (a config
-    error if the env has no hook); ``off`` plays full-context demos."""
-    trial_demos: float = field(default=0.0, metadata=in_range(0.0, 1.0))
-    """Fraction of the demos played as scripted trials: a failed attempt, its reflection, then the solution
-    (ctxrl.meta.trial_demos; only the reflection and the solution train). Teaches the format of trials before
-    meta-RL; needs the env's ``failure`` and ``reflection`` hooks (minesweeper, bandit)."""
-    format_demos_env: str = ""
-    """A format-only warm start: another environment whose demos, played under the run's context manager
-    with its scripted summaries (selections), join this environment's demos, which then use the full context. The
-    policy sees how to summarise, never what to keep on this task: what its own summaries hold here is RL's to
-    learn. Empty: the run's own environment shows the manager (``context_demos``)."""
-    format_demos: int = field(default=0, metadata=NON_NEGATIVE)
-    """How many demos of ``format_demos_env`` join the warm start (besides ``demos`` of the run's environment)."""
-    format_demos_budget: int = field(default=0, metadata=NON_NEGATIVE)
-    """The working-context budget those demos play under (its scripted summaries need one that fits that
-    environment's turns); 0 = the run's ``context.max_context_tokens``."""
-    epochs: int = field(default=2, metadata=POSITIVE)
-    """Passes over the demonstrations."""
-    batch_size: int = field(default=32, metadata=POSITIVE)
-    """Sequences per optimiser step (a demo that summarised gives one per segment)."""
-    lr: float = field(default=1e-3, metadata=NON_NEGATIVE)
-    """AdamW learning rate (linear warm-up over 5% of steps, then cosine decay)."""
-
-
-@dataclass
-class AlgoConfig:
-    advantage: str = "grpo"
-    """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
-    ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
-    batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
-    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), ``distill``
-    (on-policy distillation: a teacher's per-token reverse KL, ``[algo.distill]``; docs/distillation.md), or any
-    estimator registered with ``ctxrl.algo.estimators.register_estimator``; see docs/algorithms.md."""
-    gamma: float = field(default=1.0, metadata=NON_NEGATIVE)
-    """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
-    lam: float = field(default=1.0, metadata=NON_NEGATIVE)
-    """GAE's lambda (``gae`` only)."""
-    gae_level: str = "token"
-    """``gae`` steps: ``token`` (every sampled token) or ``turn`` (every assistant turn; the critic's
-    value is read at each turn's first sampled token and trained there only)."""
-    vf_clip: float = field(default=0.2, metadata=NON_NEGATIVE)
-    """Clip range of the critic's value loss (``gae`` only)."""
-    loss: str = "ppo_clip"
-    """Policy loss: ``ppo_clip`` (token ratios) or ``gspo`` (sequence ratios; use clip bounds near 3e-4 / 4e-4)."""
-    dual_clip: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c * A (0 = off; ppo_clip only)."""
-    clip_low: float = field(default=0.2, metadata=NON_NEGATIVE)
-    """PPO lower clip: ratios below 1 - clip_low stop the gradient of negative advantages."""
-    clip_high: float = field(default=0.2, metadata=NON_NEGATIVE)
-    """PPO upper clip (DAPO's clip-higher raises it, e.g. 0.28)."""
-    kl_coef: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """Weight of the KL(policy || reference) term in the loss (0 = no reference model)."""
-    kl_kind: str = "k3"
-    """KL estimator: k1, k2 or k3."""
-    kl_placement: str = "loss"
-    """Where the KL to the reference goes: ``loss`` (a term of the policy loss) or ``reward``
-    (``-kl_coef * KL`` on every sampled token's reward, before the advantages; REINFORCE++ / PPO style)."""
-    entropy_coef: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """Entropy bonus weight (0 = off)."""
-    agg: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: leave out groups whose rewards all agree and sample more tasks to refill."""
-    dynamic_sampling_rounds: int = field(default=3, metadata=POSITIVE)
-    """Most extra rollout rounds per step that dynamic sampling may spend refilling the batch."""
-    void_turn_filter: bool = False
-    """SimpleTIR: leave trajectories with a void turn (no tool call, no answer) out of the update."""
-    old_logprobs: str = "behaviour"
-    """The PPO "old" policy: ``behaviour`` (the sampler's log-probs, exact in fp32) or ``recompute``
-    (one extra learner pass before the update; logs the sampler/learner mismatch)."""
-    tis_cap: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """Truncated importance sampling: weight each token by min(learner_old / behaviour, cap) (0 = off;
-    needs ``old_logprobs = "recompute"``; e.g. 2.0 for bf16 rollouts)."""
-
-
-@dataclass
-class CurriculumConfig:
-    kind: str = "fixed"
-    """Which training tasks and turn limit per step: ``fixed`` (the env's train distribution),
-    ``horizon`` (turn cap raised in stages, ScalingInter-RL) or ``self_paced`` (prefer contexts of
-    intermediate success, SPaCE-like); see ctxrl/tasks/curriculum.py."""
-    horizon_start_turns: int = field(default=2, metadata=POSITIVE)
-    """``horizon``: the turn cap at step 0 (it rises to ``env.max_turns``)."""
-    horizon_warmup_steps: int = field(default=20, metadata=POSITIVE)
-    """``horizon``: the step from which the full ``env.max_turns`` applies."""
-    horizon_stages: int = field(default=3, metadata=POSITIVE)
-    """``horizon``: how many times the cap is raised on the way."""
-    self_paced_pool: int = field(default=4, metadata=POSITIVE)
-    """``self_paced``: candidate tasks drawn per task kept."""
-    self_paced_floor: float = field(default=0.02, metadata=in_range(0.0, 0.25, low_open=True))
-    """``self_paced``: the smallest sampling weight, so no context drops out entirely."""
-
-
-@dataclass
-class RewardConfig:
-    outcome: float = 1.0
-    """Weight of the environment's own reward (its correctness signal)."""
-    overlong_buffer: int = field(default=0, metadata=NON_NEGATIVE)
-    """DAPO overlong shaping: tokens before ``rollout.max_total_tokens`` where a linear penalty starts (0 = off)."""
-    overlong_weight: float = 1.0
-    """Weight of the overlong penalty (which runs from 0 to -1)."""
-    otc_weight: float = 0.0
-    """Weight of OTC's tool-efficiency reward (correctness scaled by closeness to the group's fewest
-    successful tool calls; 0 = off). Pure OTC-GRPO: ``reward.outcome=0 reward.otc_weight=1``."""
-    otc_c: float = field(default=1.0, metadata=NON_NEGATIVE)
-    """OTC's smoothing constant c (used when no episode of the group succeeded with a known count)."""
-    format_weight: float = 0.0
-    """Weight of the format reward: 1 when no turn made a malformed or failing tool call (0 = off)."""
-    judge: str = ""
-    """A judge that grades every training episode, its score in [0, 1] a reward term (docs/judges.md): an
-    OpenAI-compatible endpoint (``http://127.0.0.1:8000/v1``: ``ctxrl serve`` over another checkpoint, vLLM, a hosted
-    API; needs ``pip install -e '.[judge]'``) or any ``model.name`` loaded in this process. Empty: no judge."""
-    judge_weight: float = 1.0
-    """Weight of the judge's score. A judge-rewarded run that hides the verifier from training: ``reward.outcome=0``
-    (evaluation still reports the environment's success)."""
-    judge_model: str = ""
-    """The model an endpoint is asked for (empty: the first it lists, which is what ``ctxrl serve`` serves)."""
-    judge_rubric: str = ""
-    """A TOML rubric: criteria (name, description, weight), their scale, optional one-word verdicts (docs/judges.md).
-    Empty: one criterion, ``correct``, from 0 to 10."""
-    judge_input: str = "transcript"
-    """What the judge reads: ``transcript`` (every message of the episode) or ``answer`` (its last assistant
-    message)."""
-    judge_reference: bool = False
-    """Show the judge the task's reference answer (reference-guided grading)."""
-    judge_max_tokens: int = field(default=64, metadata=POSITIVE)
-    """Tokens the judge may write per reply."""
-    judge_retries: int = field(default=2, metadata=NON_NEGATIVE)
-    """Further tries after a malformed reply (asked again with sampling), a call past its deadline or a transient
-    failure; when every try fails the episode is errored (``errors_judge``), never scored 0."""
-    judge_timeout_s: float = field(default=60.0, metadata=POSITIVE)
-    """Deadline of one call to the judge."""
-    judge_concurrency: int = field(default=8, metadata=POSITIVE)
-    """Most calls to the judge in flight at once per rollout worker (they run while other episodes still play)."""
-    judge_cache: str = ""
-    """Where verdicts are kept by the hash of the question, so that a rerun asks nothing again: a directory (empty:
-    ``$CTXRL_CACHE/judge``), or ``off``."""
-    judge_api_key_env: str = "OPENAI_API_KEY"
-    """The environment variable holding the endpoint's API key (a missing variable sends none)."""
-
-
-@dataclass
-class TrainConfig:
-    steps: int = field(default=40, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """RL steps (each: rollout, advantages, updates)."""
-    objective: str = "rl"
-    """What each step trains on: ``rl`` (rollouts, advantages, the policy loss) or ``sft``, the SFT-only control of
-    an RL claim: each step trains instead on fresh demos of the warm start's mix, as many optimiser steps as an RL
-    step takes (``ppo_epochs`` x ``mini_batches``, each a batch of ``sft.batch_size``) at ``train.lr``, with the
-    same evaluations. An RL effect is RL's own only beyond this control (docs/experiments/README.md)."""
-    lr: float = field(default=1e-4, metadata=NON_NEGATIVE)
-    """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
-    few rollouts earn a reward, so keep it well below the warm start's)."""
-    critic_lr: float = field(default=1e-3, metadata=NON_NEGATIVE)
-    """AdamW learning rate of the critic (``algo.advantage = "gae"``; its value head starts at zero)."""
-    weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """AdamW weight decay."""
-    max_grad_norm: float = field(default=1.0, metadata=POSITIVE)
-    """Gradient clipping by global norm (a norm of 0 would zero every gradient, a negative one reverse it)."""
-    ppo_epochs: int = field(default=1, metadata=POSITIVE)
-    """Passes over each rollout batch."""
-    mini_batches: int = field(default=2, metadata=POSITIVE)
-    """Optimiser steps per pass (the batch is split into this many mini-batches)."""
-    micro_batch_size: int = field(default=32, metadata={**RESUMABLE, **POSITIVE})
-    """Sequences per forward/backward (gradient accumulation inside a mini-batch). Through the flat forward pass
-    (train.flat_forward) under a token budget the budget alone bounds a micro-batch: its memory follows its tokens,
-    not its rows."""
-    eval_every: int = field(default=10, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Evaluate on held-out tasks every N steps (0 = only at the end)."""
-    checkpoint_every: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Save a resumable checkpoint every N RL steps (0 = only the final weights, not resumable)."""
-    keep_checkpoints: int = field(default=3, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Resumable step checkpoints kept (the oldest are deleted; 0 = keep all)."""
-    max_consecutive_skips: int = field(default=5, metadata={**RESUMABLE, **POSITIVE})
-    """Abort after this many RL steps in a row whose every update was skipped (non-finite loss or gradient)."""
-    master_weights: str = "float32"
-    """What the optimiser updates: ``float32`` (with model.dtype bfloat16/float16, AdamW keeps float32 master copies
-    of the trained weights and float32 moments, rounds them into the model after each step, and float16 gets loss
-    scaling) or ``model`` (AdamW updates the model.dtype weights directly: bf16 loses small updates;
-    docs/precision.md)."""
-    max_tokens_per_microbatch: int = field(default=0, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Token budget of one forward/backward: micro-batches are packed by length so that rows x longest row stays
-    within it (and at most micro_batch_size rows, except through the flat forward pass); 0 = on CUDA the run's
-    memory plan chooses it (up to 32768 tokens, within a share of the card: docs/performance.md), elsewhere
-    micro_batch_size rows at a time."""
-    logprob_chunk_tokens: int = field(default=1024, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Log-probs and entropy are computed from the final hidden states in chunks of this many positions, only
-    where the loss needs them, so full-vocabulary logits are never held for a whole sequence (gradients equal
-    the full computation); 0 = the model's full logits."""
-    pack_sequences: bool = field(default=False, metadata=RESUMABLE)
-    """Run the policy's forward and backward passes on sequences packed without padding (several per row, each
-    with its own positions and a block-diagonal mask; docs/performance.md). The loss is computed as without
-    packing; it saves the compute spent on padding when a micro-batch's lengths differ."""
-    flat_forward: str = field(default="auto", metadata=RESUMABLE)
-    """The learner's forward pass: ``auto`` (on CUDA, for Llama-layout models: Llama, Qwen2/2.5/3, Mistral) runs the
-    micro-batch's sequences laid end to end without padding through ctxrl's own decoder forward (variable-length
-    flash attention, compiled norms and activations; checked against the HF forward pass once), for models at most
-    1024 wide with its layers' forward and backward passes replayed as CUDA graphs in training (``graphed``), else
-    HF's forward pass; ``on``
-    forces the flat pass, eager (an error if the model cannot), ``compiled`` is ``on`` with each decoder layer
-    compiled as one graph (fewer kernel launches; a slower first step), ``graphed`` is ``on`` with the layers
-    captured as CUDA graphs (CUDA only; a micro-batch is padded to the captured size), ``off`` always uses HF's.
-    Same loss and gradients up to kernel rounding (docs/performance.md)."""
-    gradient_checkpointing: bool = field(default=False, metadata=RESUMABLE)
-    """Recompute each layer's activations in the backward pass instead of keeping them: less memory, ~30% more
-    compute."""
-
-
-@dataclass
-class LoRAConfig:
-    rank: int = field(default=0, metadata=NON_NEGATIVE)
-    """LoRA rank (PEFT); 0 = full fine-tuning. Only the adapters train; the base stays frozen in model.dtype."""
-    alpha: float = field(default=32.0, metadata=POSITIVE)
-    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
-    dropout: float = field(default=0.0, metadata=in_range(0.0, 1.0))
-    """Dropout on the adapters' input. Keep it 0 for RL: dropout makes the learner's log-probs differ from the
-    sampler's, which biases the PPO ratio."""
-    target_modules: str = "all-linear"
-    """Modules that get adapters: ``all-linear`` (every linear layer but the output head) or comma-separated
-    module names (``q_proj,k_proj,v_proj,o_proj``)."""
-    export_merged: bool = field(default=True, metadata=RESUMABLE)
-    """Also write the base with the adapters merged in (``checkpoints/final-merged``), ready to serve."""
-
-
-@dataclass
-class EvalConfig:
-    resumable: ClassVar[bool] = True  # every field may change on --resume (RESUMABLE)
-
-    tasks: int = field(default=100, metadata=POSITIVE)
-    """Tasks per split for evaluation."""
-    temperature: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """Evaluation sampling temperature (0 = greedy)."""
-    seed: int = 1234
-    """Seed of the evaluation task sample (fixed so before/after compare the same tasks)."""
-
-
-@dataclass
-class RolesConfig:
-    policies: list[str] = field(default_factory=list)
-    """Who plays each role of a multi-role environment, as ``ROLE=POLICY``: ``shared`` (the run's policy, the
-    default for a role left out), ``scripted:NAME`` (the environment's scripted player NAME) or ``frozen:PATH`` (a
-    checkpoint of this model that never trains). Pinned roles are played and logged, never trained
-    (docs/multi-agent.md)."""
-    rewards: str = "env"
-    """How the seats' rewards relate: ``env`` (as the environment gives them), ``zero_sum`` (each seat's minus the
-    mean of the seats'), ``team`` (the mean for every seat: cooperative)."""
-    eval_opponents: list[str] = field(default_factory=list)
-    """Policies (``scripted:NAME``, ``frozen:PATH``) the learner plays against in every evaluation, in each role
-    in turn: win rate with a 95% interval per opponent. Empty: evaluation plays self-play matches."""
-
-
-@dataclass
-class RunConfig:
-    name: str = field(default="run", metadata=RESUMABLE)
-    """Run name; the run directory defaults to ``runs/<name>-<timestamp>``."""
-    seed: int = 0
-    """Seed for tasks, sampling and initialisation."""
-    progress: bool = field(default=True, metadata=RESUMABLE)
-    """Show a live progress bar."""
-    plugins: str = field(default="", metadata=RESUMABLE)
-    """Comma-separated modules imported before the configuration is checked: where your own environments, context
-    managers and estimators register themselves (looked up on PYTHONPATH and in the working directory)."""
-    samples_per_step: int = field(default=4, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Decoded episodes written to samples.jsonl per step."""
-
-
-@dataclass
-class ReportConfig:
-    resumable: ClassVar[bool] = True  # every field may change on --resume (RESUMABLE)
-
-    sinks: str = "jsonl"
-    """Where metrics go, comma-separated: ``jsonl`` (metrics.jsonl and samples.jsonl, always), ``tensorboard``
-    (RUN/tensorboard) and ``wandb`` (RUN/wandb), each installed from a clone of ctxrl as an extra: ``pip install -e
-    '.[tensorboard]'``, ``pip install -e '.[wandb]'``."""
-    wandb_project: str = "ctxrl"
-    """The Weights & Biases project a run logs to."""
-    wandb_mode: str = "offline"
-    """``offline`` (no account needed; ``wandb sync`` uploads later), ``online`` or ``disabled``."""
-
-
-@dataclass
-class DistributedConfig:
-    backend: str = field(default="none", metadata=RESUMABLE)
-    """Where rollouts run: ``none`` (in this process) or ``ray`` (``rollout_workers`` Ray actors, each with its
-    own engine; ``ctxrl train --distributed ray``; needs ``pip install -e '.[ray]'``; docs/scaling.md)."""
-    rollout_workers: int = field(default=2, metadata={**RESUMABLE, **POSITIVE})
-    """Ray rollout actors; a request's tasks are split among them (the episodes are those of one process)."""
-    address: str = field(default="", metadata=RESUMABLE)
-    """Ray cluster to join (``ray start --head`` prints it; ``auto`` finds a local one); empty: a local Ray."""
-    max_staleness: int = field(default=0, metadata=NON_NEGATIVE)
-    """How many policy versions older than the learner's an episode may be (eta). 0: synchronous on-policy
-    training. 1: the next step's rollouts are generated while this step trains (needs
-    ``algo.old_logprobs = "recompute"``: the decoupled PPO objective); episodes older than eta are dropped and
-    counted."""
-    timeout_s: float = field(default=600.0, metadata={**RESUMABLE, **POSITIVE})
-    """Longest wait for a rollout worker (a request, a weight load, a restart) before the run stops."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class Config:
+    """Everything a run is configured with: one section per table (``ctxrl.sections``), and the components' own
+    tables. Building one checks each number against its field's metadata; ``validate`` checks the rest."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -626,7 +147,7 @@ class Config:
     ``ctxrl.settings``), each as its ``Settings`` read it (every field, defaults included)."""
 
     def __post_init__(self) -> None:
-        validate(self)
+        _check_numbers(self)  # (the rest, which needs the registries, is validate's: from_dict runs it once)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The sections' fields, by section (the components' tables are ``components``)."""
@@ -639,445 +160,45 @@ class Config:
     def settings_of(self, section: str, name: str) -> Any:
         """The ``Settings`` of the component registered as ``name`` in ``section`` (``algo``: estimators,
         ``context``: context managers, ``env``: environments), from its table or its defaults; None when the
-        component declares none. An environment of a family (``reasoning_gym:chain_sum``) reads its family's table."""
-        if section == "env":
-            from ctxrl.envs.registry import settings_name
+        component declares none. An environment of a family (``reasoning_gym:chain_sum``) reads its family's table
+        (``ctxrl.run.components.settings_of``)."""
+        from ctxrl.run.components import settings_of
 
-            name = settings_name(name)
-        cls = _settings_class(section, name)
-        if cls is None:
-            return None
-        return parse_settings(cls, self.components.get(f"{section}.{name}", {}), f"{section}.{name}")
+        return settings_of(self, section, name)
 
 
-# -- validation --------------------------------------------------------------------------------
-RUNNER_PACKAGES = ("ctxrl.meta", "ctxrl.serve.harness")
-"""ctxrl's own modules above rollout that register episode runners (trials and annealed demonstrations; the
-harness environment's runner), imported before a config is checked as ``run.plugins`` are: rollout never imports
-them, and a run finds its runner by name (``ctxrl.rollout.runners``)."""
-
-
-def _choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of every choice field, read from where each set is defined (never copied here)."""
-    from ctxrl.algo.credit import BASELINES, NORMALIZE_MODES
-    from ctxrl.algo.estimators.meta import CREDITS
-    from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
-    from ctxrl.algo.roles import REWARD_MODES
-    from ctxrl.chat.formats import format_names
-    from ctxrl.engine.factory import KINDS as ENGINE_KINDS
-    from ctxrl.judge.transcript import INPUTS as JUDGE_INPUTS
-    from ctxrl.meta.anneal import KINDS as DEMO_KINDS
-    from ctxrl.meta.anneal import MODES as DEMO_MODES
-    from ctxrl.models.flat import MODES as FLAT_MODES
-    from ctxrl.models.loader import DTYPES
-    from ctxrl.rollout.spec import CARRIES
-    from ctxrl.tasks.curriculum import KINDS as CURRICULA
-
-    return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
-            "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
-            "curriculum.kind": CURRICULA, "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
-            "train.objective": ("rl", "sft"),
-            "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
-            "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
-            "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
-            "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
-            "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
-            "reward.judge_input": JUDGE_INPUTS, "roles.rewards": REWARD_MODES}
-
-
-def _registered(key: str, value: str, names: list[str]) -> None:
-    if value not in names:
-        close = difflib.get_close_matches(value, names, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key} must be one of {', '.join(names)} (or a name registered before the config "
-                          f"is loaded); got {value!r}{hint}")
+def _check_numbers(config: Config) -> None:
+    """Each number of each section finite and in the range its field declares (``ctxrl.settings.check_number``): a
+    ``Config`` built in Python is refused as one read from TOML is, without importing anything."""
+    for section in SECTIONS:
+        obj = getattr(config, section)
+        for f in dataclasses.fields(obj):
+            check_number(f"{section}.{f.name}", getattr(obj, f.name), f.metadata, f.default)
 
 
 def validate(config: Config) -> None:
-    """Every check of a whole configuration; the first problem is a ``ConfigError`` naming the key."""
-    from ctxrl.algo.estimators import estimator_names, get_estimator
-    from ctxrl.report.sinks import sink_names
-    from ctxrl.rollout.managers import get_manager, manager_names
+    """Every check of a whole configuration (``ctxrl.run.validate``); the first problem is a ``ConfigError`` naming
+    the key. ``from_dict`` (so ``load_config``) runs it once; a ``Config`` built or replaced in Python is checked
+    only for its numbers until it is passed here."""
+    from ctxrl.run.validate import validate as check
 
-    for module in RUNNER_PACKAGES:
-        importlib.import_module(module)
-    import_plugins(config.run.plugins)  # their registrations are what the names below are checked against
-    _validate_fields(config)
-    for key, table in list(config.components.items()):
-        config.components[key] = component_table(key, table)
-    sink_names(config.report.sinks)
-    _registered("algo.advantage", config.algo.advantage, estimator_names())
-    _registered("context.manager", config.context.manager, manager_names())
-    estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)
-    _validate_algo(config, estimator)
-    _validate_meta(config, estimator)
-    _validate_context(config, estimator, manager)
-    _validate_training(config, estimator)
-    _validate_distributed(config)
-    _validate_judge(config)
-    _validate_roles(config, estimator, manager)
-    _validate_warm_start(config, manager)
-    if config.sft.context_demos == "on" and not manager.scripts_demos():
-        raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
-                          f"(summarize: its summary hook; fold: its folded hook); context.manager="
-                          f"{config.context.manager!r} asks for none; use sft.context_demos=auto or off")
-
-
-def _validate_fields(config: Config) -> None:
-    """Each field on its own: a finite number (``ctxrl.settings.check_number``), in its range, one of its choices."""
-    choices = _choices()
-    for section in _section_types():
-        obj = getattr(config, section)
-        for f in dataclasses.fields(obj):
-            key, value = f"{section}.{f.name}", getattr(obj, f.name)
-            check_number(key, value, f.metadata, f.default)
-            if key in choices and value not in choices[key]:
-                raise ConfigError(f"{key} must be one of {', '.join(choices[key])}; got {value!r}")
-
-
-def _validate_warm_start(config: Config, manager: type) -> None:
-    """A format-only warm start (``sft.format_demos_env``) and the SFT-only control (``train.objective=sft``)."""
-    c = config.sft
-    if config.train.objective == "sft" and config.train.steps > 0 and not c.enabled:
-        raise ConfigError("train.objective=sft trains each step on the warm start's demos: it is the SFT-only "
-                          "control of a warm-started RL run, so it needs sft.enabled=true")
-    if not c.format_demos_env:
-        if c.format_demos:
-            raise ConfigError(f"sft.format_demos={c.format_demos} needs sft.format_demos_env, the environment that "
-                              "plays them (or set sft.format_demos=0)")
-        return
-    if c.format_demos_env == config.env.name:
-        raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r} is the run's own environment; a format-only "
-                          "warm start shows the manager on another one (or use sft.context_demos for this one)")
-    if not manager.scripts_demos():
-        raise ConfigError(f"sft.format_demos_env shows how context.manager scripts its requests, and "
-                          f"context.manager={config.context.manager!r} makes none; use summarize, select or fold")
-    if c.format_demos <= 0:
-        raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r} needs sft.format_demos > 0 (the demos it "
-                          "plays)")
-    if c.context_demos == "on":
-        raise ConfigError("sft.format_demos_env plays this environment's demos with the full context; "
-                          "sft.context_demos=on asks for the opposite: set it to auto or off")
-    from ctxrl.envs.base import EnvError
-
-    try:
-        other = _env_class(c.format_demos_env)
-    except EnvError as exc:
-        raise ConfigError(f"sft.format_demos_env: {exc}") from None
-    if not manager.demo_ready(other):
-        raise ConfigError(f"sft.format_demos_env={c.format_demos_env!r} has no {manager.demo_hooks()} hook to script "
-                          f"{config.context.manager} demos; pick an environment that has one (`ctxrl check-env NAME` "
-                          "lists what each environment's hooks enable)")
-
-
-def _validate_distributed(config: Config) -> None:
-    d = config.distributed
-    if d.max_staleness > 0:
-        if d.backend != "ray":
-            raise ConfigError("distributed.max_staleness > 0 (asynchronous rollouts) needs distributed.backend = "
-                              "\"ray\": in one process the rollout and the update cannot overlap")
-        if config.algo.old_logprobs != "recompute":
-            raise ConfigError("distributed.max_staleness > 0 trains on episodes of older policies: set "
-                              "algo.old_logprobs = \"recompute\" (the decoupled PPO objective: clip against the "
-                              "learner's recomputed log-probs, weight by the behaviour ratio with algo.tis_cap)")
-        if config.algo.dynamic_sampling:
-            raise ConfigError("distributed.max_staleness > 0 does not combine with algo.dynamic_sampling yet")
-
-
-def _validate_judge(config: Config) -> None:
-    """A judge's settings that make no sense on their own (its rubric, endpoint and model are preflight's)."""
-    r = config.reward
-    if not r.judge:
-        return
-    if r.judge_weight == 0:
-        raise ConfigError(f"reward.judge={r.judge!r} grades every episode, but reward.judge_weight=0 adds none of its "
-                          "scores to the reward; set a weight (1 is the default) or reward.judge=\"\"")
-    if r.judge.startswith(("http:", "https:")) and not r.judge.startswith(("http://", "https://")):
-        raise ConfigError(f"reward.judge={r.judge!r} is not a URL; an endpoint is written http://HOST:PORT/v1")
-    from ctxrl.envs.base import EnvError
-    from ctxrl.envs.roles import is_multi_role
-
-    try:
-        env_cls = _env_class(config.env.name)
-    except EnvError:
-        return  # (an unknown environment is the rollout's error, with the known names)
-    if is_multi_role(env_cls):
-        raise ConfigError(f"reward.judge grades one agent's episodes; environment {config.env.name!r} plays "
-                          f"several roles ({', '.join(env_cls.roles)}), whose seats a judge does not grade yet: "
-                          "set reward.judge=\"\" (docs/judges.md)")
-
-
-def _validate_algo(config: Config, estimator: type) -> None:
-    """The loss, the old policy, reward shaping and group sizes: what they combine with."""
-    from ctxrl.algo.estimators import estimator_names, get_estimator
-
-    a = config.algo
-    estimator.check_config(config.settings_of("algo", a.advantage), config)
-    if 0.0 < a.dual_clip <= 1.0:
-        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip!r}")
-    if a.dual_clip and a.loss != "ppo_clip":
-        raise ConfigError("algo.dual_clip applies to algo.loss=ppo_clip only; set algo.dual_clip=0 for gspo")
-    if a.kl_coef > 0 and a.kl_placement == "reward" and not estimator.accepts_token_rewards:
-        raise ConfigError(f"algo.advantage={a.advantage} takes no per-token rewards, so a KL penalty placed in the "
-                          "reward would be lost; use algo.kl_placement=loss")
-    if a.tis_cap and a.old_logprobs != "recompute":
-        raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
-    if config.reward.overlong_buffer > config.rollout.max_total_tokens:
-        raise ConfigError(f"reward.overlong_buffer ({config.reward.overlong_buffer}) must not exceed "
-                          f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
-    if config.rollout.group_size < 2 and config.train.steps > 0 and estimator.needs_groups:
-        ungrouped = ", ".join(n for n in estimator_names() if not get_estimator(n).needs_groups)
-        raise ConfigError("rollout.group_size must be >= 2: group-relative advantages need at least two "
-                          f"episodes per task (or use an algo.advantage without groups: {ungrouped})")
-
-
-def _validate_training(config: Config, estimator: type) -> None:
-    """Precision, LoRA and stops: what they combine with."""
-    t, lora = config.train, config.lora
-    if config.model.dtype == "float16" and t.master_weights == "model":
-        raise ConfigError("model.dtype=float16 with train.master_weights=model would update float16 weights without "
-                          "loss scaling (small gradients underflow, updates round away); set "
-                          "train.master_weights=float32 (float32 master weights, loss scaling) or "
-                          "model.dtype=bfloat16")
-    if config.model.dtype == "float16" and config.model.device == "cpu":
-        raise ConfigError("model.dtype=float16 trains with loss scaling on CUDA only; on the CPU use bfloat16 or "
-                          "float32")
-    if lora.rank and config.algo.kl_coef > 0 and config.sft.enabled and config.train.steps > 0:
-        raise ConfigError("a LoRA run's KL reference is its base with the adapters switched off, which is the model "
-                          "before the warm start, not after it: the penalty would pull RL back past the warm start. "
-                          "Set sft.enabled=false (a pretrained policy needs none), algo.kl_coef=0, or lora.rank=0")
-    if lora.rank and estimator.needs_critic:
-        raise ConfigError(f"lora.rank > 0 with algo.advantage={config.algo.advantage}: the critic would be a second "
-                          "full copy of the model, which LoRA is meant to avoid; use a critic-free advantage "
-                          "(grpo, rloo, reinforce_pp, ...) or full fine-tuning (lora.rank=0)")
-    if lora.rank and not lora.target_modules.strip():
-        raise ConfigError("lora.target_modules is empty; use all-linear or module names such as q_proj,v_proj")
-    if any(i < 0 for i in config.rollout.stop_ids):
-        raise ConfigError(f"rollout.stop_ids must be token ids (>= 0), got {config.rollout.stop_ids}")
-    if any(not s for s in config.rollout.stop_strings):
-        raise ConfigError("rollout.stop_strings holds an empty string, which would end every turn at once; remove it")
-
-
-def _validate_context(config: Config, estimator: type, manager: type) -> None:
-    """The context manager's budget and curriculum, and what training on segments needs."""
-    from ctxrl.algo.estimators import estimator_names, get_estimator
-    from ctxrl.rollout.managers import get_manager, manager_names
-
-    ctx, total = config.context, config.rollout.max_total_tokens
-    if manager.keeps_budget(ctx.max_context_tokens):  # fold's is optional: checked when set
-        if ctx.max_context_tokens <= 0:
-            raise ConfigError(f"context.manager={ctx.manager} needs context.max_context_tokens > 0 "
-                              "(the working budget)")
-        if ctx.max_context_tokens > total:
-            raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must not exceed "
-                              f"rollout.max_total_tokens ({total})")
-        if ctx.budget_start_tokens and not ctx.max_context_tokens <= ctx.budget_start_tokens <= total:
-            raise ConfigError(f"context.budget_start_tokens ({ctx.budget_start_tokens}) must lie between "
-                              f"context.max_context_tokens ({ctx.max_context_tokens}) and rollout.max_total_tokens "
-                              f"({total}): the budget shrinks from it")
-        if ctx.max_context_tokens <= config.rollout.max_new_tokens:
-            raise ConfigError(f"context.max_context_tokens ({ctx.max_context_tokens}) must exceed "
-                              f"rollout.max_new_tokens ({config.rollout.max_new_tokens}): no turn would ever fit")
-    elif ctx.budget_start_tokens:
-        budgeted = ", ".join(n for n in manager_names() if get_manager(n).uses_budget)
-        optional = ", ".join(n for n in manager_names() if get_manager(n).budget_optional)
-        budgeted += f"; {optional} with context.max_context_tokens > 0" if optional else ""
-        raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget ({budgeted}), "
-                          f"not {ctx.manager!r} without one; set it to 0")
-    if ctx.branch_reward and not manager.process_reward:
-        payers = "/".join(n for n in manager_names() if get_manager(n).process_reward)
-        raise ConfigError(f"context.branch_reward is a process reward of the managers that pay one, so it applies to "
-                          f"context.manager={payers} only (not {ctx.manager!r}); set it to 0")
-    if ctx.budget_start_tokens and ctx.budget_steps <= 0:
-        raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
-    if not manager.rewrites_context:
-        return
-    if config.algo.agg != "token-mean":
-        raise ConfigError(f"context.manager={ctx.manager} trains one sequence per segment; use algo.agg=token-mean, "
-                          "where cutting an episode into segments leaves every token's weight unchanged (a "
-                          "seq-mean aggregation would count segments, so long episodes would weigh more)")
-    if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
-        raise ConfigError(f"context.manager={ctx.manager} with algo.kl_placement=reward is not supported (the "
-                          "penalty would miss closed segments); use algo.kl_placement=loss")
-    if not (estimator.one_per_episode or estimator.handles_segments):
-        outcome = ", ".join(n for n in estimator_names()
-                            if get_estimator(n).one_per_episode or get_estimator(n).handles_segments)
-        raise ConfigError(f"context.manager={ctx.manager} cuts episodes into segments: use an algo.advantage with one "
-                          f"advantage per episode or rows per segment ({outcome}), not {config.algo.advantage!r}")
-
-
-def _validate_meta(config: Config, estimator: type) -> None:
-    """Trials (meta.num_attempts > 1) and annealed demonstrations: what they combine with."""
-    from ctxrl.rollout.managers import get_manager
-
-    m, a = config.meta, config.algo
-    training_trials = m.num_attempts > 1 and config.train.steps > 0
-    if training_trials and not estimator.credits_attempts:
-        raise ConfigError(f"meta.num_attempts={m.num_attempts} trains on trials, whose credit across attempts comes "
-                          f"from meta.credit; set algo.advantage=meta (not {a.advantage!r})")
-    if estimator.credits_attempts or m.num_attempts > 1 or m.eval_attempts > 1:
-        what = (f"algo.advantage={a.advantage}" if estimator.credits_attempts
-                else "meta trials (num_attempts or eval_attempts > 1)")
-        if get_manager(config.context.manager).rewrites_context:
-            raise ConfigError(f"{what} trains one sequence per attempt and does not combine with a context manager "
-                              f"inside attempts; set context.manager=full (not {config.context.manager!r}) and bound "
-                              "the carried history with meta.max_context_tokens")
-    if estimator.credits_attempts:
-        if a.agg != "token-mean":
-            raise ConfigError(f"algo.advantage={a.advantage} trains one sequence per attempt; use "
-                              "algo.agg=token-mean, where a "
-                              "token weighs the same however a trial is cut into attempts")
-        if a.void_turn_filter:
-            raise ConfigError(f"algo.void_turn_filter drops whole episodes; with algo.advantage={a.advantage} it "
-                              "would drop whole trials for one void turn, so it is not supported; set it to false")
-        rc = config.reward
-        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight or rc.judge:
-            raise ConfigError(f"algo.advantage={a.advantage} credits each attempt with the environment's own reward; "
-                              "reward shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight, judge) "
-                              "shapes whole episodes and is not supported with it; leave [reward] at its defaults")
-    if m.demos_max > 0:
-        if m.demos_steps <= 0:
-            raise ConfigError(f"meta.demos_max={m.demos_max} needs meta.demos_steps > 0, the RL step at which the "
-                              "demonstrations have faded to none (0 would give none at any step)")
-        if m.demos_source == "solve" and m.demos_pool <= m.demos_max:
-            raise ConfigError(f"meta.demos_pool ({m.demos_pool}) must exceed meta.demos_max ({m.demos_max}): a task's "
-                              "own demo is left out of its prompt, so the pool needs more")
-    if m.eval_trials > 1 and max(m.eval_attempts, m.num_attempts) <= 1:
-        raise ConfigError(f"meta.eval_trials={m.eval_trials} sets the trials per task of an evaluation in trials; "
-                          "set meta.eval_attempts (or num_attempts) > 1 too, or leave eval_trials at 1")
-    if m.demos_source != "solve" and not m.demos_source.endswith(".jsonl"):
-        raise ConfigError(f"meta.demos_source must be solve or a .jsonl file of demonstrations, got {m.demos_source!r}")
-
-
-def _validate_roles(config: Config, estimator: type, manager: type) -> None:
-    """``[roles]``: only for a multi-role environment, each policy one of its roles' and one it can play."""
-    from ctxrl.envs.base import EnvError
-    from ctxrl.envs.roles import is_multi_role, opponents_of
-
-    r = config.roles
-    try:
-        env_cls = _env_class(config.env.name)
-    except EnvError:
-        env_cls = None  # (an unknown environment is the rollout's error, with the known names)
-    if env_cls is None or not is_multi_role(env_cls):
-        if r.policies or r.rewards != "env" or r.eval_opponents:
-            raise ConfigError(f"[roles] applies to multi-role environments (kuhn_poker, propose_solve, ...); "
-                              f"environment {config.env.name!r} has one role: leave [roles] out")
-        return
-    policies = role_policies(r.policies, env_cls.roles)
-    scripts = opponents_of(env_cls)
-    for where, policy in [*((f"roles.policies {role}", p) for role, p in policies.items()),
-                          *(("roles.eval_opponents", p) for p in r.eval_opponents)]:
-        _check_policy(where, policy, scripts, env_cls.name, opponent=where == "roles.eval_opponents")
-        if policy.startswith("scripted:") and manager.scripted_hook is not None:
-            raise ConfigError(f"{where}={policy}: a scripted seat cannot answer context.manager={manager.name}'s "
-                              f"{manager.scripted_hook} requests; use context.manager=full or window")
-    if all(p not in ("shared", "own") for p in ({role: "shared" for role in env_cls.roles} | policies).values()):
-        raise ConfigError("roles.policies pins every role; leave at least one role to a policy that trains (shared, "
-                          "or own)")
-    own = [role for role, p in policies.items() if p == "own"]
-    if own and (config.lora.rank <= 0 or config.distributed.backend != "none"):
-        raise ConfigError(f"roles.policies {own[0]}=own trains a LoRA adapter of the role's own beside the shared "
-                          "one: it needs lora.rank > 0 and rollouts in this process (distributed.backend=none)")
-    if max(config.meta.num_attempts, config.meta.eval_attempts) > 1 or config.meta.demos_max or \
-            estimator.credits_attempts:
-        raise ConfigError(f"environment {config.env.name!r} has several roles; trials of attempts and annealed "
-                          "demonstrations are single-agent (set meta.num_attempts=1, meta.eval_attempts=0, "
-                          "meta.demos_max=0 and an algo.advantage other than meta)")
-
-
-def role_policies(pairs: list[str], roles: tuple[str, ...]) -> dict[str, str]:
-    """``roles.policies`` (``ROLE=POLICY`` strings) as a dict, each role one of ``roles`` and named once."""
-    out: dict[str, str] = {}
-    for pair in pairs:
-        role, sep, policy = pair.partition("=")
-        if not sep or role.strip() not in roles:
-            raise ConfigError(f"roles.policies entry {pair!r} must be ROLE=POLICY with ROLE one of {', '.join(roles)}")
-        if role.strip() in out:
-            raise ConfigError(f"roles.policies names role {role.strip()!r} twice")
-        out[role.strip()] = policy.strip()
-    return out
-
-
-def _check_policy(where: str, policy: str, scripts: dict, env_name: str, *, opponent: bool) -> None:
-    from ctxrl.rollout.spec import parse_policy
-
-    try:
-        kind, argument = parse_policy(policy)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    if opponent and kind in ("shared", "own"):
-        raise ConfigError(f"{where}: an opponent is scripted:NAME or frozen:PATH; the trained policies are the learner")
-    if kind == "scripted" and argument not in scripts:
-        raise ConfigError(f"{where}={policy}: {env_name} has no scripted player {argument!r}; it has "
-                          f"{', '.join(scripts) or 'none'}")
-    if kind == "frozen" and not Path(argument).is_dir():
-        raise ConfigError(f"{where}={policy}: {argument} is not a directory; name a checkpoint of this model "
-                          "(RUN/checkpoints/step-N or final)")
+    check(config)
 
 
 # -- loading -----------------------------------------------------------------------------------
 def _section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config) if f.name != "components"}
-
-
-def _estimator_class(name: str) -> type:
-    from ctxrl.algo.estimators import get_estimator
-
-    return get_estimator(name)
-
-
-def _manager_class(name: str) -> type:
-    from ctxrl.rollout.managers import get_manager
-
-    return get_manager(name)
-
-
-def _env_class(name: str) -> type:
-    from ctxrl.envs.registry import get_env_class
-
-    return get_env_class(name)
-
-
-# The sections whose sub-tables are registered components' own settings, and the registry each is looked up in.
-COMPONENT_REGISTRIES = {"algo": _estimator_class, "context": _manager_class, "env": _env_class}
-
-
-def _settings_class(section: str, name: str) -> type | None:
-    """The ``Settings`` dataclass the component ``name`` of ``section`` declares (an environment's through its
-    hooks' ``settings_class``), or None."""
-    if section == "env":  # (a family of environments has one table for all: [env.reasoning_gym])
-        from ctxrl.envs.registry import env_settings_class
-
-        return env_settings_class(name)
-    cls = COMPONENT_REGISTRIES[section](name)
-    settings = getattr(cls, "Settings", None)
-    return settings if isinstance(settings, type) else None
-
-
-def component_table(key: str, table: Any) -> dict[str, Any]:
-    """The table of ``key`` (``algo.NAME``) parsed by its component's ``Settings``, as a table with every field, or
-    a ``ConfigError`` naming the problem (no such component, a component without settings, a wrong key)."""
-    section, _, name = key.partition(".")
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{key}] must be a table of the settings of {section} component {name!r}, got {table!r}")
-    try:
-        settings = _settings_class(section, name)
-    except (ValueError, LookupError, CtxrlError) as exc:  # (an unknown environment is an EnvError)
-        raise ConfigError(f"[{key}]: {exc}") from None
-    if settings is None:
-        raise ConfigError(f"[{key}]: {section} component {name!r} has no settings of its own (its class declares no "
-                          "Settings); set the section's own fields instead")
-    return settings_table(parse_settings(settings, table, key))
+    """Each section's table name and class (``ctxrl.sections.SECTIONS``)."""
+    return SECTIONS
 
 
 def from_dict(data: dict[str, Any]) -> Config:
-    """Build a ``Config`` from nested dicts, rejecting unknown or ill-typed keys."""
+    """Build a ``Config`` from nested dicts, rejecting unknown or ill-typed keys, and check it (``validate``)."""
+    from ctxrl.run.components import COMPONENT_REGISTRIES
+
     sections = _section_types()
     built: dict[str, Any] = {}
     components: dict[str, dict[str, Any]] = {}
-    for name, values in data.items():
+    for name, values in renamed(data).items():
         if name not in sections:
             aliased = [k for k in values if k in ALIASES] if isinstance(values, dict) else []
             hint = unknown_key_hint(name, aliased[0], []) if aliased else nearest(name, list(sections))
@@ -1092,20 +213,53 @@ def from_dict(data: dict[str, Any]) -> Config:
             if name in COMPONENT_REGISTRIES and isinstance(value, dict) and key not in fields:
                 components[f"{name}.{key}"] = value  # a component's own table: checked once plugins are imported
                 continue
-            if f"{name}.{key}" in RENAMED:  # an older config (or a run's saved config.toml): read it, and say so
-                new = RENAMED[f"{name}.{key}"].partition(".")[2]
-                if new in values:
-                    raise ConfigError(f"{name}.{key} was renamed {name}.{new}; the config sets both, keep only "
-                                      f"{name}.{new}")
-                warnings.warn(f"config key {name}.{key} was renamed {name}.{new}; reading it as {name}.{new} = "
-                              f"{value!r} (write the new name to silence this)", DeprecationWarning, stacklevel=2)
-                key = new
             if key not in fields:
                 raise ConfigError(f"unknown config key {name}.{key}"
                                   f"{unknown_key_hint(name, key, [f'{name}.{f}' for f in fields])}")
             kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
         built[name] = cls(**kwargs)
-    return Config(**built, components=components)
+    config = Config(**built, components=components)
+    validate(config)
+    return config
+
+
+def renamed(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a config's tables, as read) with every key of ``RENAMED`` it names moved to where it lives now
+    (a copy: ``data`` is left as it was). The moves are said in one ``DeprecationWarning``; a value at the old key's
+    default is dropped without one; old and new set together are a ``ConfigError``."""
+    data = copy.deepcopy(dict(data))
+    moved = []
+    for rename in RENAMED:
+        section, _, key = rename.old.partition(".")
+        table = data.get(section)
+        if not isinstance(table, dict) or key not in table or not isinstance(table[key], rename.kind):
+            continue
+        value = table.pop(key)
+        new = rename.new if isinstance(rename.new, str) else rename.new(data)
+        *path, last = new.split(".")
+        target: Any = data
+        for part in path:  # (found, not made: a value dropped below must not open a table)
+            target = target.get(part, {}) if isinstance(target, dict) else None
+        if isinstance(target, dict) and last in target:
+            raise ConfigError(f"{rename.old} was renamed {new}; the config sets both, keep only {new}")
+        if rename.default is not NO_DEFAULT and value == rename.default:
+            continue
+        target = data
+        for part in path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{rename.old} was renamed {new}, but the config's {part} is not a table")
+        target[last] = value
+        moved.append((rename.old, new, value))
+    if len(moved) == 1:
+        old, new, value = moved[0]
+        warnings.warn(f"config key {old} was renamed {new}; reading it as {new} = {value!r} (write the new name to "
+                      "silence this)", DeprecationWarning, stacklevel=3)
+    elif moved:
+        said = "; ".join(f"{old} was renamed {new} (read as {new} = {value!r})" for old, new, value in moved)
+        warnings.warn(f"config keys were renamed: {said} (write the new names to silence this)", DeprecationWarning,
+                      stacklevel=3)
+    return data
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -1175,59 +329,81 @@ def _toml_value(value: Any) -> str:
     return f'"{text}"'
 
 
-def _resumable(cls: type, f: dataclasses.Field) -> bool:
-    """Whether field ``f`` of section ``cls`` may change on ``--resume`` (``RESUMABLE``, or its whole section)."""
-    return getattr(cls, "resumable", False) or f.metadata.get("resumable", False)
+def _tables() -> list[tuple[str, type]]:
+    """``(key, dataclass)`` of every table the configuration reference lists: the sections, then the settings of
+    the components ctxrl ships (``ctxrl.run.components.builtin_tables``; a plugin's are its own to document)."""
+    from ctxrl.run.components import builtin_tables
+
+    return [*_section_types().items(), *builtin_tables()]
 
 
 def resumable_keys() -> frozenset[str]:
-    """``section.field`` of every setting that may change on ``--resume`` (``RESUMABLE``)."""
-    return frozenset(f"{section}.{f.name}" for section, cls in _section_types().items() for f in dataclasses.fields(cls)
-                     if _resumable(cls, f))
+    """``section.field`` of every setting that may change on ``--resume`` (``RESUMABLE``), and
+    ``section.NAME.field`` of the built-in components' settings that may."""
+    return frozenset(f"{key}.{f.name}" for key, cls in _tables() for f in dataclasses.fields(cls) if resumable(cls, f))
 
 
 def resumable_summary() -> str:
-    """``resumable_keys`` for a message: a section whose every field is resumable as ``section.*``."""
+    """``resumable_keys`` for a message: a section (or component table) whose every field is resumable as
+    ``section.*``."""
     names = []
-    for section, cls in _section_types().items():
+    for key, cls in _tables():
         if getattr(cls, "resumable", False):
-            names.append(f"{section}.*")
+            names.append(f"{key}.*")
         else:
-            names += [f"{section}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("resumable", False)]
+            names += [f"{key}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("resumable", False)]
     return ", ".join(names)
 
 
 def describe_fields() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, docstring) of every field, from the docstrings under each field."""
+    """(key, type, default, docstring) of every field of the sections, from the docstrings under each field."""
+    return [row for section, cls in _section_types().items() for row in _describe(section, cls)]
+
+
+def describe_components() -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, docstring) of every field of the built-in components' own tables (``algo.rae.KEY``)."""
+    from ctxrl.run.components import builtin_tables
+
+    return [row for key, cls in builtin_tables() for row in _describe(key, cls)]
+
+
+def _describe(prefix: str, cls: type) -> list[tuple[str, str, Any, str]]:
     import ast
     import inspect
+    import textwrap
 
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docs[prev.target.id] = node.value.value
+    hints = typing.get_type_hints(cls)
     out = []
-    for section, cls in _section_types().items():
-        tree = ast.parse(inspect.getsource(cls))
-        body = tree.body[0].body
-        docs = {}
-        for prev, node in zip(body, body[1:]):
-            if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-                docs[prev.target.id] = node.value.value
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            hint = hints[f.name]
-            name = hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            doc = docs.get(f.name, "")
-            if _resumable(cls, f):
-                doc = doc.rstrip() + " May change on `--resume`."
-            out.append((f"{section}.{f.name}", name, default, doc))
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        name = hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        doc = docs.get(f.name, "")
+        if resumable(cls, f):
+            doc = doc.rstrip() + " May change on `--resume`."
+        out.append((f"{prefix}.{f.name}", name, default, doc))
     return out
 
 
 def fields_markdown() -> str:
-    """The configuration reference as Markdown (docs/configuration.md is generated from it)."""
+    """The configuration reference as Markdown: the sections' fields, then the built-in components' own tables
+    (docs/configuration.md is generated from it)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, type_name, default, doc in describe_fields():
-        lines.append(f"| `{key}` | {type_name} | `{_toml_value(default)}` | {' '.join(doc.split())} |")
+    lines += [_row(*row) for row in describe_fields()]
+    lines += ["", "The tables of ctxrl's own components, each read only by its component (`algo.advantage`, "
+              "`context.manager`, `env.name`; a family's table by every environment of the family):", "",
+              "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [_row(*row) for row in describe_components()]
     return "\n".join(lines)
+
+
+def _row(key: str, type_name: str, default: Any, doc: str) -> str:
+    return f"| `{key}` | {type_name} | `{_toml_value(default)}` | {' '.join(doc.split())} |"
 
 
 if __name__ == "__main__":

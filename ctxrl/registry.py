@@ -69,6 +69,12 @@ class Registry(Generic[T]):
                                                                 len(order)))  # (stable: a module's own order kept)
         return [*entries, *(n for n in self._entry_points() if n not in self._entries)]
 
+    def builtin_names(self) -> list[str]:
+        """The names the built-in modules registered, in their order: what ctxrl itself ships (the configuration
+        reference documents their settings; a plugin's or an entry point's are its own to document)."""
+        builtins = set(self.builtins)
+        return [n for n in self.names() if getattr(self._entries.get(n), "__module__", None) in builtins]
+
     def get(self, name: str) -> T:
         """The class registered as ``name`` (loading its entry point if need be)."""
         self.load_builtins()

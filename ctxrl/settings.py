@@ -18,6 +18,8 @@ estimator is one file: the estimator's, with its ``Settings`` (docs/algorithms.m
 The numbers of a section and of a component's settings are checked the same way (``check_number``): every float
 must be finite in float32 (TOML reads ``nan`` and ``inf``; neither is ever a setting, unless the field's metadata
 says ``ALLOWS_INF``), and a field may declare its range in its metadata (``POSITIVE``, ``NON_NEGATIVE``, ``in_range``).
+A field that may change when a run resumes says so the same way (``RESUMABLE``), in a section or a component's
+settings: a resumed run compares the others.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ctxrl.errors import ConfigError
+
+# A field whose value may differ between a checkpoint and the run resuming it (``--resume``): it changes how long
+# the run goes on, what it logs or evaluates, the warm start (already done), how the same maths is split into
+# micro-batches, or where rollouts run; never what a step computes. A dataclass whose every field is so says
+# ``resumable: ClassVar[bool] = True`` (``resumable``). A section's fields and a component's settings alike.
+RESUMABLE = {"resumable": True}
 
 # The values a numeric field may take, in its metadata where it is declared (``check_number`` checks them; NaN is
 # never in range): > 0, >= 0, or an interval (low, high] or [low, high].
@@ -67,6 +75,12 @@ def check_number(key: str, value: Any, metadata: Mapping[str, Any], default: Any
         above = low < value if low_open else low <= value  # (False for NaN, as is the upper bound)
         if not (above and (high is None or value <= high)):
             raise ConfigError(f"{key} must be {bounds}, got {value!r}")
+
+
+def resumable(cls: type, f: dataclasses.Field) -> bool:
+    """Whether field ``f`` of the dataclass ``cls`` (a section, a component's settings) may change on ``--resume``:
+    its metadata says ``RESUMABLE``, or ``cls`` says every field may (``resumable: ClassVar[bool] = True``)."""
+    return bool(getattr(cls, "resumable", False) or f.metadata.get("resumable", False))
 
 
 def _bounds(low: float, high: float | None, low_open: bool) -> str:

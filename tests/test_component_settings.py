@@ -4,6 +4,7 @@ through a run's saved config, and ``--resume`` refusing a changed value."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import tomllib
 import torch
 
 from ctxrl.config import ConfigError, from_dict, load_config, to_toml
+from ctxrl.settings import RESUMABLE
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"
 
@@ -158,3 +160,72 @@ def test_an_environment_gets_its_table_as_options_on_its_configured_class():
         load_config(None, ["env.name=calculator_settings_for_test", "env.calculator_settings_for_test.wrd=x"])
     with pytest.raises(ConfigError, match=r"\[env.no_such_env\]: unknown environment 'no_such_env'"):
         load_config(None, ["env.no_such_env.word=x"])
+
+
+def test_resume_compares_a_component_table_with_its_defaults_filled_in(plugin):
+    """A table written out at its defaults (an older run's config.toml writes every field) and no table at all are
+    the same settings: resuming either with the other finds no difference."""
+    from ctxrl.train.checkpoint import config_differences
+
+    base = ["run.plugins=capped_grpo", "algo.advantage=capped_grpo"]
+    written = load_config(None, [*base, "algo.capped_grpo.limit=1.0"])
+    assert written.components == {"algo.capped_grpo": {"limit": 1.0}}
+    assert config_differences(written, load_config(None, base)) == []
+    assert config_differences(load_config(None, base), written) == []
+
+
+@dataclasses.dataclass(frozen=True)
+class NotesSettings:
+    """The settings of a component of a fixed section (this test's): one that may change on resume, one not."""
+
+    verbosity: int = dataclasses.field(default=1, metadata=RESUMABLE)
+    """How much it logs (may change on --resume)."""
+    level: int = 0
+    """What it computes with."""
+
+
+def test_a_fixed_table_and_its_resumable_field(monkeypatch):
+    """A section whose components are a fixed few (``Fixed``: a name and its settings class): its table loads,
+    the configuration reference lists it, and its RESUMABLE field may change on resume while the other may not."""
+    from ctxrl.config import describe_components, resumable_keys, resumable_summary
+    from ctxrl.run.components import COMPONENT_REGISTRIES, Fixed
+    from ctxrl.train.checkpoint import config_differences
+
+    monkeypatch.setitem(COMPONENT_REGISTRIES, "report", Fixed({"notes": f"{__name__}:NotesSettings"}))
+    saved = load_config(None, ["report.notes.level=2"])
+    assert saved.components == {"report.notes": {"verbosity": 1, "level": 2}}
+    assert saved.settings_of("report", "notes") == NotesSettings(level=2)
+    assert config_differences(saved, load_config(None, ["report.notes.level=2", "report.notes.verbosity=3"])) == []
+    assert config_differences(saved, load_config(None, [])) == ["report.notes.level: 2 -> None"]
+    assert "report.notes.verbosity" in resumable_keys() and "report.notes.level" not in resumable_keys()
+    assert "report.notes.verbosity" in resumable_summary().split(", ")
+    assert [row[0] for row in describe_components() if row[0].startswith("report.")] == [
+        "report.notes.verbosity", "report.notes.level"]
+    with pytest.raises(ConfigError, match=r"\[report.nope\]: no component 'nope' has a table here; the tables are "
+                                          "notes"):
+        load_config(None, ["report.nope.level=1"])
+
+
+def test_a_key_renamed_into_a_component_table_loads_warns_once_and_resumes(plugin, monkeypatch):
+    """An old key moved into a component's table (``Renamed``): read there with one warning, dropped without one at
+    its old default (no table opened), refused when both are set, and resumed against the new layout as equal."""
+    import warnings
+
+    from ctxrl import config as config_module
+    from ctxrl.config import Renamed
+    from ctxrl.train.checkpoint import config_differences
+
+    monkeypatch.setattr(config_module, "RENAMED", (*config_module.RENAMED,
+                                                   Renamed("algo.cap", "algo.capped_grpo.limit", default=1.0)))
+    base = ["run.plugins=capped_grpo", "algo.advantage=capped_grpo"]
+    with pytest.warns(DeprecationWarning, match=r"config key algo.cap was renamed algo.capped_grpo.limit; reading it "
+                                                r"as algo.capped_grpo.limit = 0.5") as heard:
+        old = load_config(None, [*base, "algo.cap=0.5"])
+    assert len(heard) == 1 and old.components == {"algo.capped_grpo": {"limit": 0.5}}
+    assert config_differences(old, load_config(None, [*base, "algo.capped_grpo.limit=0.5"])) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (at its old default: no word, and no table)
+        assert load_config(None, [*base, "algo.cap=1.0"]).components == {}
+    with pytest.raises(ConfigError, match="algo.cap was renamed algo.capped_grpo.limit; the config sets both, keep "
+                                          "only algo.capped_grpo.limit"):
+        load_config(None, [*base, "algo.cap=0.5", "algo.capped_grpo.limit=0.7"])

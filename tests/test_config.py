@@ -36,6 +36,19 @@ def test_example_file_lists_every_field():
     assert {section: set(values) for section, values in data.items()} == expected
 
 
+def test_the_sections_are_frozen_and_listed_in_the_configs_order():
+    from ctxrl.sections import SECTIONS
+
+    assert list(SECTIONS) == [f.name for f in dataclasses.fields(Config) if f.name != "components"]
+    config = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.steps = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train = config.train  # type: ignore[misc]
+    changed = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=3))
+    assert changed.train.steps == 3 and config.train.steps == 40
+
+
 def test_unknown_key_suggests_nearest():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.stepz=3"])
@@ -143,8 +156,9 @@ def test_to_toml_round_trips(tmp_path):
         "train.steps=3", "train.lr=1e-05", "run.progress=false", "algo.agg=seq-mean-token-sum-norm",
         "rollout.top_p=0.95", "sft.enabled=false", "algo.kl_coef=1e-10",
     ])
-    config.model.chat_template = 'a "quoted" \\ back\nslash'
-    config.run.name = "ünï cödé"
+    config = dataclasses.replace(  # (sections are frozen: a changed one is a new one)
+        config, model=dataclasses.replace(config.model, chat_template='a "quoted" \\ back\nslash'),
+        run=dataclasses.replace(config.run, name="ünï cödé"))
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(config))
     again = load_config(path)
@@ -324,3 +338,96 @@ def test_names_from_other_libraries_suggest_the_ctxrl_key(override, target, orig
 def test_an_alias_in_an_unknown_section_names_the_ctxrl_key():
     with pytest.raises(ConfigError, match=r"unknown config section \[trainer\]; did you mean train.lr"):
         load_config(overrides=["trainer.learning_rate=1e-5"])
+
+
+BEFORE_50 = Path(__file__).resolve().parent / "fixtures" / "config50"
+# Every field issue 50 moves, with the value the fixture gives it, by where it lives now: as the fields move into
+# their components' tables, the keys here follow (section.component.field is read through settings_of).
+MOVED_50 = {
+    "config_before_50.toml": {
+        "curriculum.horizon_start_turns": 1, "curriculum.horizon_warmup_steps": 10, "curriculum.horizon_stages": 2,
+        "curriculum.self_paced_pool": 6, "curriculum.self_paced_floor": 0.05,
+        "algo.lam": 0.95, "algo.gae_level": "turn", "algo.vf_clip": 0.3, "train.critic_lr": 0.0005,
+        "meta.credit": "relative", "meta.normalize": "none", "meta.baseline": "mean", "meta.gamma_trial": 0.9,
+        "algo.dual_clip": 3.0,
+        "context.max_summaries": 3, "context.eval_max_summaries": 5, "context.summary_max_tokens": 48,
+        "context.summary_instruction": "Summarise what you found so far, briefly.", "context.max_branches": 3,
+        "context.branch_reward": 0.1,
+        "env.tools": "calculator,python", "env.verifier": "numeric", "env.harness": "agent.py:rollout",
+        "reward.judge": "http://127.0.0.1:1/v1", "reward.judge_weight": 0.5, "reward.judge_model": "judge-model",
+        "reward.judge_rubric": "rubric.toml", "reward.judge_input": "answer", "reward.judge_reference": True,
+        "reward.judge_max_tokens": 32, "reward.judge_retries": 1, "reward.judge_timeout_s": 10.0,
+        "reward.judge_concurrency": 2, "reward.judge_cache": "off", "reward.judge_api_key_env": "JUDGE_KEY",
+        "meta.demos_max": 2, "meta.demos_steps": 5, "meta.demos_kind": "cosine", "meta.demos_mode": "probability",
+        "meta.demos_source": "demos.jsonl", "meta.demos_pool": 16,
+        "report.wandb_project": "ctxrl-50", "report.wandb_mode": "disabled",
+        "sft.shortcut_fraction": 0.5, "sft.redundant_fraction": 0.25, "sft.other_worlds": False,
+        "sft.context_demos": "off", "sft.trial_demos": 0.1, "sft.format_demos_env": "fact_hunt",
+        "sft.format_demos": 8, "sft.format_demos_budget": 256,
+    },
+    "config_before_50_select.toml": {
+        "context.manager": "select", "context.max_context_tokens": 256, "context.max_summaries": 3,
+        "context.eval_max_summaries": 4, "context.summary_max_tokens": 40,
+        "context.summary_instruction": "Name the earlier turns to keep.",
+    },
+}
+
+
+def _setting(config: Config, key: str):
+    """The value of ``section.field``, or of ``section.component.field`` (a component's own settings)."""
+    section, *component, name = key.split(".")
+    owner = config.settings_of(section, component[0]) if component else getattr(config, section)
+    return getattr(owner, name)
+
+
+@pytest.mark.parametrize("fixture", sorted(MOVED_50))
+def test_config_before_50_loads_and_resumes(fixture):
+    """A run's saved config.toml from before issue 50 still loads, its values where they live now, and resuming
+    that run with the same settings finds no difference (the guard of every field the issue moves)."""
+    from ctxrl.train.checkpoint import config_differences
+
+    saved = load_config(BEFORE_50 / fixture)
+    assert {key: _setting(saved, key) for key in MOVED_50[fixture]} == MOVED_50[fixture]
+    assert config_differences(saved, load_config(BEFORE_50 / fixture)) == []
+
+
+def test_renamed_keys_move_before_the_sections_are_built(monkeypatch):
+    """``Renamed``: across sections, into a component's table, to a place the config itself names, and only for a
+    value of the old key's type; a value at the old default dropped without opening a table; one warning for all."""
+    import warnings
+
+    from ctxrl import config as config_module
+    from ctxrl.config import Renamed, renamed
+
+    def summaries_table(data):  # (the table of the manager the config names, if it has one)
+        manager = data.get("context", {}).get("manager", "full")
+        return f"context.{manager if manager in ('summarize', 'select') else 'summarize'}.max_summaries"
+
+    monkeypatch.setattr(config_module, "RENAMED", (
+        Renamed("meta.credit", "algo.meta.credit", default="cross_episode"),
+        Renamed("algo.lam", "algo.gae.lam", default=1.0),
+        Renamed("context.max_summaries", summaries_table, default=2),
+        Renamed("reward.judge", "reward.judge.target", default="", kind=str),
+    ))
+    old = {"meta": {"credit": "relative"}, "algo": {"lam": 1.0}, "context": {"manager": "select", "max_summaries": 3},
+           "reward": {"judge": "http://127.0.0.1:1/v1"}}
+    with pytest.warns(DeprecationWarning) as heard:
+        new = renamed(old)
+    assert new == {"meta": {}, "algo": {"meta": {"credit": "relative"}}, "context": {"manager": "select",
+                   "select": {"max_summaries": 3}}, "reward": {"judge": {"target": "http://127.0.0.1:1/v1"}}}
+    assert old["algo"] == {"lam": 1.0}  # (a copy: what was read is left as it was)
+    [warning] = heard
+    assert str(warning.message) == (
+        "config keys were renamed: meta.credit was renamed algo.meta.credit (read as algo.meta.credit = 'relative'); "
+        "context.max_summaries was renamed context.select.max_summaries (read as context.select.max_summaries = 3); "
+        "reward.judge was renamed reward.judge.target (read as reward.judge.target = 'http://127.0.0.1:1/v1') (write "
+        "the new names to silence this)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert renamed({"context": {"max_summaries": 2}, "reward": {"judge": ""}}) == {"context": {}, "reward": {}}
+        assert renamed({"reward": {"judge": {"target": "x"}}}) == {"reward": {"judge": {"target": "x"}}}  # the new one
+    with pytest.warns(DeprecationWarning, match="context.max_summaries was renamed context.summarize.max_summaries"):
+        assert renamed({"context": {"max_summaries": 5}}) == {"context": {"summarize": {"max_summaries": 5}}}
+    with pytest.raises(ConfigError, match="algo.lam was renamed algo.gae.lam; the config sets both, keep only "
+                                          "algo.gae.lam"):
+        renamed({"algo": {"lam": 0.9, "gae": {"lam": 0.95}}})

@@ -17,13 +17,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "ctxrl"
 
 LAYERS = {
-    # plain data, errors, the registry every extension point uses, prompts, seeds
+    # plain data, errors, the registry every extension point uses, prompts, seeds, the config's sections
     "plain": 0, "types": 0, "errors": 0, "registry": 0, "plugins": 0, "prompts": 0, "seeds": 0, "settings": 0,
+    "sections": 0,
     # chat templates, tools, task spaces, the algorithms' maths, metric sinks and plots
     "chat": 1, "tools": 1, "tasks": 1, "algo": 1, "report": 1,
     "models": 2, "engine": 3, "envs": 4, "judge": 4, "rollout": 5,
     "meta": 6, "eval": 6, "demos": 6, "serve": 6,
-    "config": 7, "distributed": 7, "train": 8, "cli": 9, "__main__": 10,
+    "distributed": 7, "config": 8, "run": 8, "train": 8, "cli": 9, "__main__": 10,
 }
 
 # Module (without "ctxrl.") -> the packages above its own that it still imports. To remove, not to extend.

@@ -30,6 +30,7 @@ def script(path: str):
 
 SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/code_shape.py": "tests/test_scripts.py::test_code_shape_counts_what_it_says",
+    "benchmarks/demo_figures.py": "tests/test_scripts.py::test_demo_figures_tells_a_changed_figure_from_wall_clock",
     "benchmarks/episode_figure.py": "tests/test_scripts.py::test_episode_figure_draws_the_trajectories_picture",
     "benchmarks/algo_presets.py": "tests/test_scripts.py::test_algo_presets_trains_a_preset_and_the_claims",
     "benchmarks/async_rollouts.py": "tests/test_scripts.py::test_async_rollouts_runs_both_arms_on_a_local_ray",
@@ -202,6 +203,58 @@ def test_code_shape_counts_what_it_says(tmp_path, capsys):
     figures = shape.main(["--json"])  # the repository itself
     assert figures["config_fields"] > 100 and figures["trainer_constructions_in_tests"] >= 1
     assert json.loads(capsys.readouterr().out)["classes_over_limit"] == figures["classes_over_limit"]
+
+
+def test_code_shape_counts_the_copies_it_cannot_see_by_name_and_every_form_of_a_trainer(tmp_path):
+    """The figures issue 50 added: config fields handed on under another name, Trainers built through a module or
+    an alias, the fields one component reads still declared by a core section, and a comparison with a before."""
+    shape = script("benchmarks/code_shape.py")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "config.py").write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass RewardConfig:\n"
+                                   "    judge: str = ''\n    outcome: float = 1.0\n\n\n@dataclass\nclass Config:\n"
+                                   "    reward: RewardConfig = None\n    components: dict = None\n")
+    (pkg / "b.py").write_text("def spec(config, hf):\n    r = config.reward\n"
+                              "    return dict(target=r.judge, judge=config.reward.judge, outcome=r.outcome,\n"
+                              "                config=hf.config, other=hf.judge)\n")
+    assert shape.section_field_keywords(pkg) == [("pkg/b.py:3", "target", "reward.judge"),
+                                                 ("pkg/b.py:3", "judge", "reward.judge"),
+                                                 ("pkg/b.py:3", "outcome", "reward.outcome")]
+    assert shape.copied_fields(pkg) == ["pkg/b.py:3 judge"]  # (config=hf.config hands on a whole config)
+    assert shape.component_fields_in_core(pkg) == ["reward.judge"]
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("from ctxrl.train import trainer\nfrom ctxrl.train.trainer import Trainer as Run"
+                                     "\n\nRun(1)\ntrainer.Trainer(2)\nTrainer(3)\nRunner(4)\n")
+    assert shape.trainer_constructions_any_form(tests) == ["tests/test_a.py:4", "tests/test_a.py:5",
+                                                           "tests/test_a.py:6"]
+    assert shape.trainer_constructions(tests) == (1, 1)  # (the narrow figure: a bare Trainer( only)
+    assert shape.compare({"classes_over_limit": 2, "largest_classes": []},
+                         {"classes_over_limit": 1, "largest_classes": [], "new": 3}) == ["  classes_over_limit: 2 -> 1"]
+
+
+def test_demo_figures_tells_a_changed_figure_from_wall_clock(tmp_path, capsys):
+    figures = script("benchmarks/demo_figures.py")
+
+    def run(name: str, rows: list[dict], weights: bytes) -> Path:
+        (tmp_path / name / "checkpoints" / "final").mkdir(parents=True)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / name / "checkpoints" / "final" / "model.safetensors").write_bytes(weights)
+        return tmp_path / name
+
+    before = run("before", [{"step": 1, "loss": -0.41181, "seconds": 3.0, "time_update": 1.0}], b"w")
+    slower = run("slower", [{"step": 1, "loss": -0.41181, "seconds": 9.5, "time_update": 7.0}], b"w")
+    assert figures.main([str(before), str(slower)]) == []
+    assert "the same figures" in capsys.readouterr().out
+    assert figures.main([str(before), "--save", str(tmp_path / "before.json")]) == []
+    assert figures.main([str(tmp_path / "before.json"), str(slower)]) == []  # (saved figures compare the same)
+    changed = run("changed", [{"step": 1, "loss": -0.41182, "seconds": 3.0}], b"v")
+    found = figures.main([str(tmp_path / "before.json"), str(changed)])
+    assert found[0] == "row 0 loss: -0.41181 -> -0.41182" and found[1].startswith("final weights: sha256 ")
+    assert len(found) == 2 and figures.differences(figures.figures(before), figures.figures(run("short", [], b"w"))) \
+        == ["metrics.jsonl has 1 rows before and 0 after"]
+    assert figures.figures(ROOT / "benchmarks" / "results" / "demo-cpu2-50-before.json")["weights_sha256"] == \
+        "414829ab0facf946fd7a24c4e6009ef3dd8c2676e1c9b005490713181820ec30"  # (the demo before issue 50)
 
 
 @pytest.mark.parametrize("fmt", ["plain", "chat", "chat+system"])

@@ -15,6 +15,7 @@ step appears exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import warnings
@@ -26,6 +27,7 @@ import torch
 from ctxrl.config import Config, load_config, resumable_keys, resumable_summary, to_toml
 from ctxrl.errors import CheckpointError
 from ctxrl.report.writer import LogRewindError
+from ctxrl.settings import resumable
 from ctxrl.train.checkpoint_io import (
     STEP_PREFIX,
     clean_partial,
@@ -68,22 +70,26 @@ class Checkpointed(Protocol):
 
 def config_differences(saved: Config, current: Config) -> list[str]:
     """``key: saved -> current`` for every setting that differs and matters to a resumed step (the others are
-    marked resumable in ``ctxrl.config``: ``RESUMABLE``)."""
-    resumable = resumable_keys()
+    marked resumable where they are declared: ``RESUMABLE``). A component's table is compared as its settings read
+    it, defaults filled on both sides, so a table written out at its defaults equals none at all (an older run's
+    ``config.toml`` writes every field); a side that sets no table for it shows ``None``."""
+    may_change = resumable_keys()
     out = []
     a, b = saved.to_dict(), current.to_dict()
     for section, fields in a.items():
         for key, value in fields.items():
             name = f"{section}.{key}"
-            if name in resumable:
+            if name in may_change:
                 continue
             if b[section][key] != value:
                 out.append(f"{name}: {value!r} -> {b[section][key]!r}")
     for component in sorted(set(saved.components) | set(current.components)):  # components' own settings
-        before, after = saved.components.get(component, {}), current.components.get(component, {})
-        for key in sorted(set(before) | set(after)):
-            if before.get(key) != after.get(key):
-                out.append(f"{component}.{key}: {before.get(key)!r} -> {after.get(key)!r}")
+        section, _, name = component.partition(".")
+        before, after = saved.settings_of(section, name), current.settings_of(section, name)
+        for f in dataclasses.fields(before):
+            if not resumable(type(before), f) and getattr(before, f.name) != getattr(after, f.name):
+                out.append(f"{component}.{f.name}: {saved.components.get(component, {}).get(f.name)!r} -> "
+                           f"{current.components.get(component, {}).get(f.name)!r}")
     return out
 
 

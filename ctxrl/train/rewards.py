@@ -11,7 +11,7 @@ term in ``info["reward_terms"]``. Evaluation never shapes: it reports the enviro
 from __future__ import annotations
 
 from ctxrl.algo.shaping import compose, format_reward, group_optimal_calls, otc_reward, overlong_penalty
-from ctxrl.config import RewardConfig
+from ctxrl.sections import RewardConfig
 from ctxrl.types import Episode
 
 

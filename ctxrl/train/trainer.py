@@ -47,6 +47,12 @@ from ctxrl.rollout.managers import get_manager
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutSpec, spec_engine
 from ctxrl.rollout.worker import RolloutWorker, spec_env_class, spec_renderer
+from ctxrl.run.preflight import (
+    check_before_load,
+    check_template_segments,  # noqa: F401 - its old path (tests import it from here)
+    check_train_split,
+    preflight,
+)
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
 from ctxrl.tools.mcp import close_hubs
@@ -58,14 +64,13 @@ from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.loop import TrainingAborted
 from ctxrl.train.memory import MemoryPlan, with_learner_tokens
 from ctxrl.train.policy import Policy, Reference, export_merged
-from ctxrl.train.preflight import check_train_split, preflight
 from ctxrl.train.role_adapters import OwnRoles, own_roles
 from ctxrl.train.sft_control import control_step
 from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
-from ctxrl.train.teacher import Teacher, check_teacher, teacher_name
+from ctxrl.train.teacher import Teacher, teacher_name
 from ctxrl.train.tiny import ensure_model
-from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos, warm_start
+from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
 log = logging.getLogger(__name__)
@@ -419,16 +424,6 @@ def data_parallel(config: Config, resume: bool = False):
     return DataParallel.from_environment(resolve_device(config.model.device))
 
 
-def check_before_load(config: Config, spec: RolloutSpec, env_cls: type, renderer, *, under_manager: bool) -> None:
-    """What the tokenizer alone can refuse, before the model loads: a template that splits segments where the run
-    needs them whole, warm-start demos that do not fit the context budget, a teacher that tokenizes otherwise."""
-    check_template_segments(config, renderer)
-    check_demos_fit(config, spec, env_cls, renderer, under_manager=under_manager)
-    teacher = teacher_name(config)
-    if teacher:
-        check_teacher(teacher, renderer.tokenizer, student=config.model.name)
-
-
 def teacher_scores(teacher: Teacher | None, valid: list[Episode], pad_token_id: int,
                    metrics: dict[str, Any]) -> dict[str, Any]:
     """On-policy distillation: the teacher's log-probs of the sampled tokens, as the estimator's ``teacher_logprobs``
@@ -458,35 +453,6 @@ def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tup
     if judge and not is_endpoint(judge) and config.distributed.backend == "none":
         out.append((judge, config.model.dtype))
     return tuple(out)
-
-
-def check_template_segments(config: Config, renderer) -> None:
-    """Warn when the chat template cuts episodes with user messages into segments that this run cannot train.
-
-    A template that rewrites history at a user message (``ChatRenderer.rewrites_history``) makes
-    segments wherever an episode gets one. Trials and context managers are validated for segments
-    already (``ctxrl.config``); an environment that replies as the user is not known in advance, so
-    this is a warning now rather than a surprise at the first step that meets one.
-    """
-    from ctxrl.algo.estimators import get_estimator
-
-    estimator = get_estimator(config.algo.advantage)
-    problems = []
-    if not (estimator.one_per_episode or estimator.credits_attempts or estimator.handles_segments):
-        problems.append(f"algo.advantage={config.algo.advantage} (needs one advantage per episode)")
-    if config.algo.agg != "token-mean":
-        problems.append(f"algo.agg={config.algo.agg} (a seq-mean aggregation would count segments)")
-    if config.algo.kl_coef > 0 and config.algo.kl_placement == "reward":
-        problems.append("algo.kl_placement=reward (the penalty would miss closed segments)")
-    if not problems or not renderer.rewrites_history():
-        return
-    import warnings
-
-    warnings.warn(f"the chat template of {config.model.name!r} rewrites earlier turns once a user message follows "
-                  "(docs/tool-formats.md): an episode that gets one trains as segments, which "
-                  + " and ".join(problems) + " cannot do, and the run would stop at that step. If the environment "
-                  "can reply as the user, use an outcome estimator (grpo, rloo, ...) with algo.agg=token-mean and "
-                  "any KL in the loss", stacklevel=2)
 
 
 def prepare_model(name: str, progress: Progress) -> None:

@@ -118,7 +118,7 @@ def play_demos(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
 def play_format_demos(config: Any, spec: RolloutSpec, renderer: ChatRenderer, n: int, *,
                       seed: int | None = None) -> list[Episode]:
     """``n`` demos of ``sft.format_demos_env`` played under the run's context manager at ``sft.format_demos_budget``
-    (a format-only warm start: ``ctxrl.config.SFTConfig.format_demos_env``); plain solutions, no shortcuts."""
+    (a format-only warm start: ``ctxrl.sections.SFTConfig.format_demos_env``); plain solutions, no shortcuts."""
     from ctxrl.envs.registry import get_env_class
 
     c = config.sft

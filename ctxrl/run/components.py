@@ -1,0 +1,159 @@
+"""The tables of registered components' own settings: which class reads ``[algo.NAME]``, ``[context.NAME]``,
+``[env.NAME]``, and the table as that class reads it.
+
+A component (an estimator, a context manager, an environment) that has knobs of its own declares them as a
+``Settings`` dataclass (``ctxrl.settings``); its table lives inside its section. ``COMPONENT_REGISTRIES`` says, per
+section, where a component's settings class is found: through the section's registry (``Registered``: the class
+registered under that name declares ``Settings``), or in a fixed map of a few names to their settings classes
+(``Fixed``, for a section whose components are not a registry's). A new section with tables is one entry here.
+
+This module imports the registries, lazily: ``ctxrl.config`` reaches it only when a config is checked or a
+component's settings are asked for, never when a ``Config`` is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ctxrl.errors import ConfigError, CtxrlError
+from ctxrl.settings import parse_settings, resumable, settings_table
+
+if TYPE_CHECKING:
+    from ctxrl.config import Config
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A section whose components are a registry's classes: ``lookup(name)`` is the settings dataclass the class
+    registered as ``name`` declares (None without one; an unknown name raises the registry's error), and
+    ``builtins()`` the names ctxrl itself registers, whose tables the configuration reference lists."""
+
+    lookup: Callable[[str], type | None]
+    builtins: Callable[[], list[str]]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A section whose components are a fixed few: each name and its settings dataclass as ``"module:Class"``."""
+
+    tables: dict[str, str]
+
+    def lookup(self, name: str) -> type:
+        if name not in self.tables:
+            raise LookupError(f"no component {name!r} has a table here; the tables are {', '.join(self.tables)}")
+        module, _, cls = self.tables[name].partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+    def builtins(self) -> list[str]:
+        return list(self.tables)
+
+
+def _declared(cls: type) -> type | None:
+    settings = getattr(cls, "Settings", None)
+    return settings if isinstance(settings, type) else None
+
+
+def _estimator_settings(name: str) -> type | None:
+    from ctxrl.algo.estimators import get_estimator
+
+    return _declared(get_estimator(name))
+
+
+def _builtin_estimators() -> list[str]:
+    from ctxrl.algo.estimators.base import ESTIMATORS
+
+    return ESTIMATORS.builtin_names()
+
+
+def _manager_settings(name: str) -> type | None:
+    from ctxrl.rollout.managers import get_manager
+
+    return _declared(get_manager(name))
+
+
+def _builtin_managers() -> list[str]:
+    from ctxrl.rollout.managers.base import MANAGERS
+
+    return MANAGERS.builtin_names()
+
+
+def _env_settings(table: str) -> type | None:  # (a family of environments has one table for all: [env.reasoning_gym])
+    from ctxrl.envs.registry import env_settings_class
+
+    return env_settings_class(table)
+
+
+def _builtin_envs() -> list[str]:
+    from ctxrl.envs.registry import ENVIRONMENTS, SCHEMES
+
+    return [*ENVIRONMENTS.builtin_names(), *(p for p, module in SCHEMES.items() if module.startswith("ctxrl."))]
+
+
+COMPONENT_REGISTRIES: dict[str, Registered | Fixed] = {
+    "algo": Registered(_estimator_settings, _builtin_estimators),
+    "context": Registered(_manager_settings, _builtin_managers),
+    "env": Registered(_env_settings, _builtin_envs),
+}
+"""The sections whose sub-tables are components' own settings, and where each finds a component's settings."""
+
+
+def env_class(name: str) -> type:
+    from ctxrl.envs.registry import get_env_class
+
+    return get_env_class(name)
+
+
+def settings_class(section: str, name: str) -> type | None:
+    """The ``Settings`` dataclass of the component ``name`` of ``section``, or None when it declares none."""
+    return COMPONENT_REGISTRIES[section].lookup(name)
+
+
+def component_table(key: str, table: Any) -> dict[str, Any]:
+    """The table of ``key`` (``algo.NAME``) parsed by its component's ``Settings``, as a table with every field, or
+    a ``ConfigError`` naming the problem (no such component, a component without settings, a wrong key)."""
+    section, _, name = key.partition(".")
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{key}] must be a table of the settings of {section} component {name!r}, got {table!r}")
+    try:
+        settings = settings_class(section, name)
+    except (ValueError, LookupError, CtxrlError) as exc:  # (an unknown environment is an EnvError)
+        raise ConfigError(f"[{key}]: {exc}") from None
+    if settings is None:
+        raise ConfigError(f"[{key}]: {section} component {name!r} has no settings of its own (its class declares no "
+                          "Settings); set the section's own fields instead")
+    return settings_table(parse_settings(settings, table, key))
+
+
+def settings_of(config: Config, section: str, name: str) -> Any:
+    """The ``Settings`` of the component registered as ``name`` in ``section`` (``algo``: estimators,
+    ``context``: context managers, ``env``: environments), from ``config``'s table or its defaults; None when the
+    component declares none. An environment of a family (``reasoning_gym:chain_sum``) reads its family's table."""
+    if section == "env":
+        from ctxrl.envs.registry import settings_name
+
+        name = settings_name(name)
+    cls = settings_class(section, name)
+    if cls is None:
+        return None
+    return parse_settings(cls, config.components.get(f"{section}.{name}", {}), f"{section}.{name}")
+
+
+def builtin_tables() -> list[tuple[str, type]]:
+    """``(section.NAME, its Settings dataclass)`` of every component ctxrl itself ships that declares settings, in
+    the order of the sections, then of their registries."""
+    out = []
+    for section, where in COMPONENT_REGISTRIES.items():
+        for name in where.builtins():
+            settings = where.lookup(name)
+            if settings is not None:
+                out.append((f"{section}.{name}", settings))
+    return out
+
+
+def resumable_fields(cls: type) -> list[str]:
+    """The fields of the settings dataclass ``cls`` that may change on ``--resume`` (``ctxrl.settings.RESUMABLE``)."""
+    return [f.name for f in dataclasses.fields(cls) if resumable(cls, f)]
