@@ -191,8 +191,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}",
                                            "lora.rank=0"])
     from ctxrl.run.preflight import preflight
+    from ctxrl.serve.server import (
+        MAX_ABS_REWARD,
+        MAX_BODY_BYTES,
+        MAX_SESSIONS,
+        RENDERS_PER_CLIENT,
+        bind,
+        check_settings,
+    )
     from ctxrl.train.tiny import ensure_model
 
+    check_settings(max_total_tokens=config.rollout.max_total_tokens, max_new_tokens=config.rollout.max_new_tokens,
+                   max_concurrency=args.max_concurrency, max_body_bytes=MAX_BODY_BYTES,
+                   read_timeout_s=args.read_timeout, session_timeout_s=args.session_timeout,
+                   max_sessions=MAX_SESSIONS, max_abs_reward=MAX_ABS_REWARD,
+                   renders_per_client=RENDERS_PER_CLIENT)  # (a bad setting: one line before any model loads)
+    sock = bind(args.host, args.port)  # a port in use: one line now, not after the model loaded
     preflight(config, training=False)
     ensure_model(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
     spec = RolloutSpec.from_config(config)
@@ -209,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
     print(f"ctxrl serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"(sessions: http://{args.host}:{args.port}/sessions/<id>/v1)", file=sys.stderr)
-    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
     return 0
 
 
@@ -631,7 +645,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("config", help="TOML config file (model, rollout limits)")
     serve.add_argument("--checkpoint", help="checkpoint directory to serve instead of model.name")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route; prefer the "
                        "CTXRL_API_KEY environment variable (a command line is visible to every process)")
     serve.add_argument("--model-name", help="the model name clients send (default: the config's model.name; "

@@ -77,6 +77,10 @@ MAX_SESSION_ID = 256
 """The longest session id a client may open (ids are kept while the session lives)."""
 SESSION_ID = re.compile(rf"[!-~]{{1,{MAX_SESSION_ID}}}")
 """A session id: visible ASCII characters (it is echoed in a header, which takes no control character)."""
+MAX_BODY_BYTES = 4 << 20
+"""The largest request body ``Server`` reads (a larger one is a 413)."""
+MAX_SESSIONS = 4096
+"""Sessions ``Server`` keeps open at once."""
 MAX_ABS_REWARD = 1e6
 """The default largest reward, either way, a client may post (``Server.max_abs_reward``)."""
 RENDERS_PER_CLIENT = 4
@@ -151,8 +155,8 @@ class Server:
 
     def __init__(self, engine, renderer, *, model_name: str, max_total_tokens: int, max_new_tokens: int = 512,
                  stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_concurrency: int = 256,
-                 max_body_bytes: int = 4 << 20, read_timeout_s: float = 30.0, session_timeout_s: float = 600.0,
-                 max_sessions: int = 4096, aliases: tuple[str, ...] = (), client_sessions: bool = True,
+                 max_body_bytes: int = MAX_BODY_BYTES, read_timeout_s: float = 30.0, session_timeout_s: float = 600.0,
+                 max_sessions: int = MAX_SESSIONS, aliases: tuple[str, ...] = (), client_sessions: bool = True,
                  max_abs_reward: float = MAX_ABS_REWARD, allowed_hosts: tuple[str, ...] = (),
                  allowed_origins: tuple[str, ...] = (), renders_per_client: int = RENDERS_PER_CLIENT) -> None:
         check_settings(max_total_tokens=max_total_tokens, max_new_tokens=max_new_tokens,
