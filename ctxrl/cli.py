@@ -57,6 +57,21 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"{summary['wall_seconds']}s)")
 
 
+def _run_dir(chosen: str | None, default: Path) -> Path:
+    """``--run-dir`` (or ``default``) as a directory made before any work starts: a file, a device or a place no
+    directory can be made is one line now, not a traceback after the warm start."""
+    path = Path(chosen) if chosen else default
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--run-dir {path} is a file, not a directory; name a directory (a new one, or the run's to "
+                          "--resume)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {path}: cannot make the directory ({exc.strerror}); name one you can write") \
+            from None
+    return path
+
+
 def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -74,7 +89,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         where = "gpu" if resolve_device("auto") == "cuda" else "cpu"
         args.overrides = [*preset_overrides(args.model, where), *args.overrides]
     config = _config_from_args(None, args)
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
+    run_dir = _run_dir(args.run_dir, _default_run_dir(config))
     summary = _train(config, run_dir, quiet=args.json and not sys.stderr.isatty())
     print_table(summary)
     if args.json:
@@ -86,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _config_from_args(args.config, args)
     if args.resume and not args.run_dir:
         raise CheckpointError("--resume needs --run-dir: the directory of the run to continue")
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
+    run_dir = _run_dir(args.run_dir, _default_run_dir(config))
     summary = _train(config, run_dir, resume=args.resume, quiet=args.json and not sys.stderr.isatty())
     if summary.get("follower"):  # rank > 0 under torchrun: rank 0 prints the run's results
         return 0
@@ -113,8 +128,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ctxrl.run.preflight import preflight
 
     have = available_splits(preflight(config, training=False, split=args.split))  # before the checkpoint loads
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
-        f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = _run_dir(args.run_dir, _default_run_dir(config).with_name(f"eval-{time.strftime('%Y%m%d-%H%M%S')}"))
     worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
     from ctxrl.report.sinks import make_sinks
 

@@ -44,3 +44,13 @@ def test_a_port_in_use_is_one_line_and_nothing_says_it_serves(capsys, monkeypatc
         assert main(["serve", CONFIG, "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port} is in use" in err and "ctxrl serve: model" not in err
+
+
+@pytest.mark.parametrize("run_dir, message", [("/dev/null", "is a file, not a directory"),
+                                              ("/proc/1/x", "cannot make the directory")])
+def test_a_run_dir_that_cannot_be_one_is_one_line_before_any_work(run_dir, message, capsys, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    for chosen, expected in ((run_dir, message), (str(a_file), "is a file, not a directory")):
+        assert main(["train", CONFIG, "--run-dir", chosen, "--steps", "1"]) == 2
+        assert expected in capsys.readouterr().err
