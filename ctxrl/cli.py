@@ -206,7 +206,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            "lora.rank=0"])
     from ctxrl.run.preflight import preflight
     from ctxrl.serve.server import (
-        MAX_ABS_REWARD,
         MAX_BODY_BYTES,
         MAX_SESSIONS,
         RENDERS_PER_CLIENT,
@@ -214,6 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_settings,
     )
     from ctxrl.train.tiny import ensure_model
+    from ctxrl.types import MAX_ABS_REWARD
 
     check_settings(max_total_tokens=config.rollout.max_total_tokens, max_new_tokens=config.rollout.max_new_tokens,
                    max_concurrency=args.max_concurrency, max_body_bytes=MAX_BODY_BYTES,

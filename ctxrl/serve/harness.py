@@ -177,7 +177,7 @@ def _finite_reward(value: float) -> float:
     """A harness's reward as a float; NaN, infinite or past ``MAX_ABS_REWARD`` either way (1e308 is infinite in the
     learner's float32) is the harness's failure (an errored episode), never a reward that would poison the step's
     advantages."""
-    from ctxrl.serve.server import MAX_ABS_REWARD
+    from ctxrl.types import MAX_ABS_REWARD
 
     try:
         reward = float(value)

@@ -70,6 +70,7 @@ from ctxrl.serve.protocol import (
     view,
 )
 from ctxrl.serve.sessions import Session, SessionStore
+from ctxrl.types import MAX_ABS_REWARD
 
 MAX_DEPTH = 64
 """How deeply a request's JSON may nest (a tool's parameter schema is the deepest part of a real request)."""
@@ -81,8 +82,6 @@ MAX_BODY_BYTES = 4 << 20
 """The largest request body ``Server`` reads (a larger one is a 413)."""
 MAX_SESSIONS = 4096
 """Sessions ``Server`` keeps open at once."""
-MAX_ABS_REWARD = 1e6
-"""The default largest reward, either way, a client may post (``Server.max_abs_reward``)."""
 RENDERS_PER_CLIENT = 4
 """The default renders one client (one connection) may have waiting or running (``Server.renders_per_client``)."""
 RENDER = RenderQueue()
