@@ -55,3 +55,17 @@ def test_templates_and_devices_that_are_right_still_load(tmp_path):
     for override in (f"model.chat_template={template}", "model.chat_template={{ messages }}", "model.device=cuda:1",
                      "rollout.temperature=0", "rollout.temperature=0.001", "run.seed=0"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("override", ["run.seed=-1", f"run.seed={2**64}", "model.device=banana", "env.name=os:system",
+                                      "model.chat_template={% if %}", "rollout.temperature=1e-320",
+                                      "model.chat_template=/no/such.jinja"])
+def test_the_cli_says_one_line_and_exits_2_for_each(override, capsys):
+    from pathlib import Path
+
+    from ctxrl.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "calculator_tiny.toml"
+    assert main(["config", str(example), override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ctxrl: config error: ") and err.count("\n") == 1, err
