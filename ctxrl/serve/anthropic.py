@@ -140,7 +140,9 @@ def _tools(raw: Any) -> list[dict] | None:
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise bad(f"{at}.input_schema must be a JSON schema object", f"{at}.input_schema")
-        function = {"name": name, "parameters": schema, **({"description": description} if description else {})}
+        # (the order Tool.schema() writes: a chat template renders the tools as JSON, so it shows in the prompt)
+        function = {"name": name, **({"description": description} if description is not None else {}),
+                    "parameters": schema}
         tools.append({"type": "function", "function": function})
     return tools
 

@@ -173,7 +173,7 @@ def _tools(raw: Any) -> list[dict] | None:
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise bad(f"{at}.parameters must be a JSON schema object", f"{at}.parameters")
-        function = {"name": name, **({"description": description} if description else {}),
+        function = {"name": name, **({"description": description} if description is not None else {}),
                     **({"parameters": parameters} if parameters is not None else {})}
         tools.append({"type": "function", "function": function})
     return tools
