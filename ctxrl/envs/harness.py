@@ -16,8 +16,11 @@ Configuration::
     data = "env:calculator"     # tasks (and warm-start demonstrations) from a registered environment,
                                 # or a JSONL task file as for jsonl_tools
 
-A harness that plays several roles declares them on its function (``match.roles = ("asker", "answerer")``): it is
-called ``match(clients, task)`` with a client per role and returns a reward per role (``harness_roles``).
+A harness written with the Anthropic SDK says so on its function (``rollout.client = "anthropic"``): it is called with
+an ``anthropic.AsyncAnthropic`` bound to its session's Messages route instead of an ``openai.AsyncOpenAI``
+(``harness_client``). A harness that plays several roles declares them on its function (``match.roles = ("asker",
+"answerer")``): it is called ``match(clients, task)`` with a client per role and returns a reward per role
+(``harness_roles``).
 """
 
 from __future__ import annotations

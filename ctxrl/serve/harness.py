@@ -1,14 +1,13 @@
 """Train an existing agent: the episode runner of ``env.name = "harness"``, ``async def rollout(client, task)``.
 
-``client`` is an official ``openai.AsyncOpenAI`` bound to a fresh session of an in-process
-``ctxrl.serve.Server`` over the rollout worker's own engine (no port, no network: an ASGI
-transport). Everything the harness sends through it is recorded as one token-faithful episode
-(``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number, or a
-dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a
-built-in environment's are, so advantages, filters, context splits, checkpoints and resume all
-apply unchanged. The environment's half (``env.harness``, ``env.data``: which function, which tasks)
-is ``ctxrl.envs.harness``; its class names the runner registered here, which the configuration
-imports (``ctxrl.run.validate.RUNNER_PACKAGES``).
+``client`` is an official ``openai.AsyncOpenAI`` (or, for a function marked ``client = "anthropic"``, an
+``anthropic.AsyncAnthropic``) bound to a fresh session of an in-process ``ctxrl.serve.Server`` over the rollout
+worker's own engine (no port, no network: an ASGI transport). Everything the harness sends through it is recorded as
+one token-faithful episode (``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number,
+or a dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a built-in
+environment's are, so advantages, filters, context splits, checkpoints and resume all apply unchanged. The
+environment's half (``env.harness``, ``env.data``: which function, which tasks) is ``ctxrl.envs.harness``; its class
+names the runner registered here, which the configuration imports (``ctxrl.run.validate.RUNNER_PACKAGES``).
 
 During training the server samples at the rollout settings (``rollout.temperature``, ``top_p``,
 ``top_k``), whatever the harness asks for, with a seed per episode and call, so the behaviour
