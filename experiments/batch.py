@@ -148,6 +148,41 @@ def load_plan(path: Path, out: Path, python: str = sys.executable, settings: dic
     return jobs
 
 
+def load_plans(paths: list[Path], out: Path, python: str = sys.executable,
+               settings: dict[str, str] | None = None) -> list[Job]:
+    """The jobs of several plans as one batch: each plan's ``[vars]`` stay its own; a model two plans build the
+    same way is built once; two runs of one name, or one model name built two ways, are a ``PlanError``.
+    ``settings`` (``--set``) apply to every plan that has the entry, and must name an entry of at least one."""
+    settings = settings or {}
+    if len(paths) == 1:
+        return load_plan(paths[0], out, python, settings)
+    jobs: dict[str, Job] = {}
+    used: set[str] = set()
+    for path in paths:
+        try:
+            plan = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise PlanError(f"cannot read plan {path}: {exc}") from None
+        entries = {*plan.get("vars", {}), *plan.get("models", {})}
+        mine = {k: v for k, v in settings.items() if k in entries}
+        used |= set(mine)
+        for job in load_plan(path, out, python, mine):
+            other = jobs.get(job.name)
+            if other is None:
+                jobs[job.name] = job
+            elif job.kind == "run":
+                raise PlanError(f"{path}: a run named {job.name!r} is also in an earlier plan; names must be unique "
+                                "across the plans of one batch")
+            elif other.argv != job.argv:
+                raise PlanError(f"{path}: model {job.name.removeprefix('build-')!r} is built differently by an "
+                                "earlier plan; rename it in one of them")
+    unused = set(settings) - used
+    if unused:
+        raise PlanError(f"--set {', '.join(sorted(unused))}: no plan has such an entry under [vars] or [models]")
+    builds = [j for j in jobs.values() if j.kind == "build"]
+    return builds + [j for j in jobs.values() if j.kind == "run"]
+
+
 def _status(jobs: list[Job], out: Path, t0: float) -> None:
     counts = {}
     for j in jobs:
@@ -315,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a plan")
-    run.add_argument("plan", type=Path)
+    run.add_argument("plan", type=Path, nargs="+", help="one plan, or several run as one batch (their runs share "
+                                                          "the GPUs' slots as they free)")
     run.add_argument("--out", type=Path, default=Path("runs/batch"))
     run.add_argument("--gpus", default=None, help="GPU ids, comma-separated (default: every visible GPU, or 'cpu')")
     run.add_argument("--per-gpu", type=int, default=4, help="processes at once per GPU")
@@ -338,13 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         settings = dict(_setting(text) for text in args.set)
-        jobs = load_plan(args.plan, args.out, settings=settings)
+        jobs = load_plans(args.plan, args.out, settings=settings)
     except PlanError as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.only:
         keep = [j for j in jobs if j.kind == "run" and re.search(args.only, j.name)]
         if not keep:
-            raise SystemExit(f"error: --only {args.only!r} matches no run of {args.plan}")
+            raise SystemExit(f"error: --only {args.only!r} matches no run of {' '.join(map(str, args.plan))}")
         jobs = [j for j in jobs if j.name in needed_by(keep, jobs)]
     gpus = args.gpus.split(",") if args.gpus else _visible_gpus()
     jobs = run_plan(jobs, args.out, gpus, args.per_gpu, args.minutes)

@@ -362,3 +362,22 @@ def test_the_issue38_plan_runs_at_tiny_size_on_the_cpu(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "runs" / "ca135-b0-s0-dense" / "calculator-s0" /
                                           "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("phase") == "rl" and r.get("distill_topk_kl", -1.0) >= 0 for r in rows)
+
+
+def test_several_plans_run_as_one_batch_each_with_its_own_vars(tmp_path):
+    one, two = tmp_path / "one.toml", tmp_path / "two.toml"
+    one.write_text('[vars]\nsteps = "3"\n[models]\nm = "tiny:seed=0"\n'
+                   '[[run]]\nname = "a"\ncmd = "python x.py {m} {steps}"\n')
+    two.write_text('[vars]\nsteps = "7"\n[models]\nm = "tiny:seed=0"\n'
+                   '[[run]]\nname = "b"\ncmd = "python y.py {m} {steps}"\n')
+    jobs = batch.load_plans([one, two], tmp_path / "out", settings={"steps": "1"})
+    assert [j.name for j in jobs] == ["build-m", "a", "b"]  # the model both build the same way, built once
+    assert jobs[1].argv[-1] == "1" and jobs[2].argv[-1] == "1" and jobs[2].needs == ["build-m"]
+    assert [j.argv[-1] for j in batch.load_plans([one, two], tmp_path / "out")[1:]] == ["3", "7"]
+    with pytest.raises(batch.PlanError, match="--set stpes: no plan has such an entry"):
+        batch.load_plans([one, two], tmp_path / "out", settings={"stpes": "1"})
+    with pytest.raises(batch.PlanError, match="a run named 'a' is also in an earlier plan"):
+        batch.load_plans([one, one], tmp_path / "out")
+    two.write_text('[models]\nm = "tiny:seed=1"\n[[run]]\nname = "b"\ncmd = "python y.py {m}"\n')
+    with pytest.raises(batch.PlanError, match="model 'm' is built differently by an earlier plan"):
+        batch.load_plans([one, two], tmp_path / "out")
