@@ -146,11 +146,46 @@ def eval_limits_table(evals: Path) -> str:
     return "\n".join(lines)
 
 
+def _metric_rows(run_dir: Path) -> list[dict]:
+    import gzip
+
+    found = sorted(run_dir.glob("*/metrics.jsonl.gz"))
+    if not found:
+        return []
+    with gzip.open(found[0], "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def fmt34_table(batch: Path) -> str:
+    """The 3-4 page pilot (``experiments/plans/issue49b.toml``'s RL arm, ``batch-fmt34/``): per run, how far it got
+    and how it ended (from its log), held-out success after the warm start and at its last evaluation, the share
+    of training groups with mixed rewards (the only ones GRPO learns from), and of the answer's facts, those in
+    context when the answer was written (``facts_at_answer``), on held-out tasks before and after."""
+    lines = ["| run | RL steps | how it ended | held-out after the warm start → last evaluation | train, last "
+             "evaluation | groups with mixed rewards, mean over steps | answer's facts in context at the answer, "
+             "held-out before → last |", "|---|---|---|---|---|---|---|"]
+    for run_dir in sorted(d for d in (batch / "runs").iterdir() if d.is_dir()):
+        rows = _metric_rows(run_dir)
+        steps = [r for r in rows if r.get("phase") == "rl"]
+        held = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "heldout"]
+        train = [r for r in rows if r.get("phase") == "eval" and r.get("split") == "train"]
+        log = (run_dir / "log.txt").read_text()
+        stopped = "stopped by SIGTERM" in log
+        ended = "stopped (SIGTERM)" if stopped else "finished" if held and held[-1]["step"] == 100 else "unknown"
+        mixed = (sum(1 - r["zero_variance_groups"] / 8 for r in steps) / len(steps)) if steps else float("nan")
+        last_train = f"{train[-1]['success']:.2f} (step {train[-1]['step']})" if len(train) > 1 else "–"
+        facts = (f"{held[0]['facts_at_answer']:.2f} → {held[-1]['facts_at_answer']:.2f}" if len(held) > 1
+                 else f"{held[0]['facts_at_answer']:.2f} → –")
+        lines.append(f"| {run_dir.name} | {len(steps)} | {ended} | {held[0]['success']:.2f} → "
+                     f"{held[-1]['success']:.2f} (step {held[-1]['step']}) | {last_train} | {mixed:.3f} | {facts} |")
+    return "\n".join(lines)
+
+
 def page_tables(data: Path = DATA) -> dict[str, str]:
     """Every generated table of the page, by the name of the block that holds it."""
     records = json.loads((data / "runs.json").read_text())
     return {"arms": arms_table(records), "ceilings": ceilings_table(data / "ceilings-fact_hunt.json"),
-            "limits": eval_limits_table(data / "evals")}
+            "limits": eval_limits_table(data / "evals"), "fmt34": fmt34_table(data / "batch-fmt34")}
 
 
 def fill_page(text: str, tables: dict[str, str]) -> str:

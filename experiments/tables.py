@@ -864,6 +864,23 @@ def _context_rl(write: bool) -> int:
     return 0
 
 
+ENVIRONMENTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "environments.md"
+
+
+def _repo_tasks(write: bool) -> int:
+    """``repo-tasks``: the measured blocks of docs/environments.md's repo_tasks section (issue 56)."""
+    import context_rl
+    import repo_tasks_page
+
+    tables = repo_tasks_page.page_tables()
+    if not write:
+        print("\n\n".join(f"<!-- {name} -->\n{table}" for name, table in tables.items()))
+        return 0
+    ENVIRONMENTS_PAGE.write_text(context_rl.fill_page(ENVIRONMENTS_PAGE.read_text(), tables))
+    print(f"wrote {ENVIRONMENTS_PAGE}'s repo_tasks blocks")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -876,12 +893,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plots", type=Path, default=None, help="write PNGs here")
     cr = sub.add_parser("context-rl", help="the tables and plot of docs/experiments/context-rl.md (issue 49)")
     cr.add_argument("--write", action="store_true", help="fill the page's blocks and draw its plot")
+    rt = sub.add_parser("repo-tasks", help="the measured tables of docs/environments.md's repo_tasks (issue 56)")
+    rt.add_argument("--write", action="store_true", help="fill the page's blocks")
     k = sub.add_parser("claims", help="the claims table (markdown page) from a claims file and committed records")
     k.add_argument("claims", type=Path)
     k.add_argument("--write", action="store_true", help="write the page the claims file names, not stdout")
     args = parser.parse_args(argv)
     if args.command == "context-rl":
         return _context_rl(args.write)
+    if args.command == "repo-tasks":
+        return _repo_tasks(args.write)
     if args.command == "claims":
         from claims import claims_page
 
