@@ -41,6 +41,7 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/plan_check.py": "tests/test_plan_check.py::test_a_fair_comparison_passes_a_changed_control_not",
     "experiments/ceilings.py": "tests/test_plan_check.py::test_ceilings_sweeps_managers_and_budgets",
     "experiments/context_rl.py": "tests/test_context_rl.py::test_the_page_holds_the_tables_its_records_give",
+    "experiments/repo_tasks_page.py": "tests/test_repo_tasks_page.py::test_the_page_holds_what_the_records_give",
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
     "benchmarks/grpo_step.py": "tests/test_scripts.py::test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu",
     "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
