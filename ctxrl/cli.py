@@ -253,10 +253,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     session_timeout_s=args.session_timeout, aliases=aliases)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
-    print(f"ctxrl serve: model {name!r} on http://{args.host}:{args.port}/v1 "
-          f"(sessions: http://{args.host}:{args.port}/sessions/<id>/v1)", file=sys.stderr)
+    print(serve_banner(name, args.checkpoint, args.host, args.port), file=sys.stderr)
     uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
     return 0
+
+
+def serve_banner(name: str, checkpoint: str | None, host: str, port: int) -> str:
+    """The line that says what is served where: a checkpoint by its path (the name clients send may still be the
+    config's ``tiny``, which would otherwise read as the untrained model)."""
+    what = f"checkpoint {checkpoint} as model {name!r}" if checkpoint else f"model {name!r}"
+    return f"ctxrl serve: {what} on http://{host}:{port}/v1 (sessions: http://{host}:{port}/sessions/<id>/v1)"
 
 
 def served_names(model_name: str, chosen: str | None, checkpoint: str | None) -> tuple[str, tuple[str, ...]]:
@@ -454,15 +460,16 @@ def cmd_check_env(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  - {problem}")
     elif is_multi_role(cls):
-        print(f"{args.name}: OK (roles {', '.join(cls.roles)}: seeded sampling and reset, splits, every role "
-              f"seated, gold plays give each seat its gold_rewards on every split, to_act and step after the end "
-              f"are errors, close twice)")
+        print(f"{args.name}: OK (roles {', '.join(cls.roles)}): the same seed gives the same tasks and openings, "
+              f"every split has tasks, every role gets a seat, the scripted play gives each seat its expected "
+              f"reward on every split, a finished match refuses another move, closing twice is safe")
     else:
-        print(f"{args.name}: OK (seeded sampling and reset, splits, tool schemas, gold solutions score 1.0 on "
-              f"every split, step after the end is an error, close twice)")
+        print(f"{args.name}: OK: the same seed gives the same tasks and openings, every split has tasks, the tool "
+              f"schemas are valid, the scripted solution scores 1.0 on every split, a finished episode refuses "
+              f"another step, closing twice is safe")
     for note in notes:
         print(f"note: {note}")
-    print("features its hooks enable (ctxrl/envs/hooks.py):")
+    print("what it supports (each needs an optional method of the environment; the list: ctxrl/envs/hooks.py):")
     for name, on in enabled.items():
         print(f"  [{'x' if on else ' '}] {name}")
     if lengths:

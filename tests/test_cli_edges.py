@@ -67,3 +67,26 @@ def test_a_run_of_no_rl_steps_has_no_after_column(capsys):
     out, err = capsys.readouterr()
     assert out == "" and "after warm start" in err and "no RL steps" in err
     assert "after RL" not in err and "change" not in err
+
+
+@pytest.mark.slow  # loads the model and builds the server: 20 s on a 2-core CPU
+def test_the_serve_banner_names_the_checkpoint_it_serves(tiny_path, capsys, monkeypatch):
+    import socket
+
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # (the banner comes before it)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", CONFIG, "--checkpoint", tiny_path, "--port", str(port)]) == 0
+    err = capsys.readouterr().err
+    assert f"ctxrl serve: checkpoint {tiny_path} as model 'tiny' on http://127.0.0.1:{port}/v1" in err
+
+
+def test_check_env_says_what_passed_in_plain_words(capsys):
+    assert main(["check-env", "calculator", "--tasks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("calculator: OK: the same seed gives the same tasks and openings, every split has tasks")
+    assert "what it supports (each needs an optional method of the environment" in out
+    assert "seeded sampling" not in out and "hooks enable" not in out
