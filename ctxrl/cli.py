@@ -22,35 +22,47 @@ def _default_run_dir(config: Config) -> Path:
     return Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _train(config: Config, run_dir: Path, *, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
-    from ctxrl.report.progress import ConsoleProgress
+def _train(config: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
+    """Train with progress on stderr (bars on a terminal, lines elsewhere: ``--json`` keeps stdout for the JSON)."""
+    from ctxrl.report.progress import console_progress
     from ctxrl.train.trainer import train
 
     follower = int(os.environ.get("RANK", "0")) > 0  # a data-parallel learner rank under torchrun: rank 0 reports
-    with ConsoleProgress(quiet=quiet or follower or not config.run.progress) as progress:
+    with console_progress(quiet=follower or not config.run.progress) as progress:
         return train(config, run_dir, progress=progress, resume=resume)
 
 
-def print_table(summary: dict[str, Any]) -> None:
+def print_table(summary: dict[str, Any], *, stderr: bool = False) -> None:
+    """The before/after table of a run and where it is; on stderr with ``--json``, whose stdout is the JSON alone.
+    A run of no RL steps has nothing after: one column, the evaluation it made."""
     from rich.console import Console
     from rich.table import Table
 
+    trained = summary["steps"] > 0
     after = "after SFT-only control" if summary.get("objective") == "sft" else "after RL"
-    table = Table(title=f"success per split, before vs {after} (greedy)")
+    before = "after warm start" if summary.get("warm_start") else "before RL"
+    table = Table(title=f"success per split, before vs {after} (greedy)" if trained else f"success per split, "
+                  f"{before} (greedy; no RL steps)")
     table.add_column("split")
-    table.add_column("after warm start" if summary.get("warm_start") else "before RL", justify="right")
-    table.add_column(after, justify="right")
-    table.add_column("change", justify="right")
+    table.add_column(before, justify="right")
+    if trained:
+        table.add_column(after, justify="right")
+        table.add_column("change", justify="right")
+
     def cell(x: float | None, form: str = ".2f") -> str:
         return "-" if x is None else format(x, form)  # "-": a split the environment has no tasks for
 
+    def row(*cells: str) -> None:
+        table.add_row(*(cells if trained else cells[:2]))
+
     for split in ("train", "heldout", "ood"):
         b, a = summary[f"{split}_success_before"], summary[f"{split}_success_after"]
-        table.add_row(split, cell(b), cell(a), cell(None if a is None or b is None else a - b, "+.2f"))
+        row(split, cell(b), cell(a), cell(None if a is None or b is None else a - b, "+.2f"))
     for split in ("heldout", "ood"):
-        table.add_row(f"generalisation gap (train - {split})", "", cell(summary[f"gap_{split}_after"], "+.2f"), "")
-    table.add_row("tool calls / episode", cell(summary["tool_calls_before"]), cell(summary["tool_calls_after"]), "")
-    console = Console()
+        gap = cell(summary[f"gap_{split}_after"], "+.2f")
+        row(f"generalisation gap (train - {split})", *(("", gap, "") if trained else (gap,)))
+    row("tool calls / episode", cell(summary["tool_calls_before"]), cell(summary["tool_calls_after"]), "")
+    console = Console(stderr=stderr)
     console.print(table)
     steps = summary["steps"]
     console.print(f"run directory: {summary['run_dir']}  ({steps} step{'' if steps == 1 else 's'}, "
@@ -90,22 +102,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
         args.overrides = [*preset_overrides(args.model, where), *args.overrides]
     config = _config_from_args(None, args)
     run_dir = _run_dir(args.run_dir, _default_run_dir(config))
-    summary = _train(config, run_dir, quiet=args.json and not sys.stderr.isatty())
-    print_table(summary)
+    summary = _train(config, run_dir)
+    print_table(summary, stderr=args.json)
     if args.json:
         print(json.dumps(summary))
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.config is None or ("=" in args.config and not Path(args.config).exists()):
+        given = f" ({args.config} is an override, not a file)" if args.config else ""
+        raise ConfigError(f"ctxrl train needs a TOML config file first{given}, e.g. ctxrl train "
+                          "examples/calculator_tiny.toml train.steps=5 (the examples are in examples/; ctxrl demo "
+                          "runs the default configuration without one)")
     config = _config_from_args(args.config, args)
     if args.resume and not args.run_dir:
         raise CheckpointError("--resume needs --run-dir: the directory of the run to continue")
     run_dir = _run_dir(args.run_dir, _default_run_dir(config))
-    summary = _train(config, run_dir, resume=args.resume, quiet=args.json and not sys.stderr.isatty())
+    summary = _train(config, run_dir, resume=args.resume)
     if summary.get("follower"):  # rank > 0 under torchrun: rank 0 prints the run's results
         return 0
-    print_table(summary)
+    print_table(summary, stderr=args.json)
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -133,17 +150,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ctxrl.report.sinks import make_sinks
 
     writer = RunWriter(run_dir, sinks=make_sinks(config.report, run_dir, name=f"eval-{config.run.name}",
-                                                 config=config.as_record()))
+                                                 config=config.as_record()), folders=())
     writer.write_config(to_toml(config))
     skipped = [s for s in ("train", "heldout", "ood") if s not in have and not args.split]
     if skipped:
         print(f"note: no {' or '.join(skipped)} tasks: skipped", file=sys.stderr)
         writer.log_metrics({"phase": "note", "step": 0, "skipped_splits": skipped})
     splits = (args.split,) if args.split else tuple(s for s in ("train", "heldout", "ood") if s in have)
-    from ctxrl.report.progress import ConsoleProgress
+    from ctxrl.report.progress import console_progress
 
     try:
-        with ConsoleProgress(quiet=not config.run.progress or (args.json and not sys.stderr.isatty())) as progress:
+        with console_progress(quiet=not config.run.progress) as progress:
             results = evaluate_splits(worker, config, writer, 0, splits, progress)
     finally:
         worker.close()  # (its MCP servers)
@@ -153,11 +170,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         table.add_column(column)
     for split, r in results.items():
         table.add_row(split, f"{r['success']:.3f}", f"{r['reward']:.3f}", f"{r['tool_calls']:.2f}", f"{r['turns']:.2f}")
-    Console().print(table)
+    console = Console(stderr=args.json)  # (with --json, stdout is the JSON alone: `ctxrl eval ... --json | jq`)
+    console.print(table)
     gaps = {f"gap_{split}": results["train"]["success"] - results[split]["success"]
             for split in ("heldout", "ood") if "train" in results and split in results}
     if gaps:
-        Console().print("generalisation gap (train - split): "
+        console.print("generalisation gap (train - split): "
                         + ", ".join(f"{k[4:]} {v:+.3f}" for k, v in gaps.items()))
     if args.json:
         print(json.dumps({"checkpoint": str(args.checkpoint), **{k: v for k, v in results.items()}, **gaps}))
@@ -166,10 +184,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved configuration and check it (and what it names) without loading a model."""
+    config = load_config(args.config, args.overrides)  # (a typo is refused before torch is imported: in a second)
     from ctxrl.config import to_toml
     from ctxrl.run.preflight import preflight
 
-    config = load_config(args.config, args.overrides)
     preflight(config)  # the checks `ctxrl train` runs before it builds or loads a model: valid here is valid there
     print(to_toml(config), end="")
     print(f"# valid: environment {config.env.name!r}, model {config.model.name!r}", file=sys.stderr)
@@ -235,10 +253,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     session_timeout_s=args.session_timeout, aliases=aliases)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
-    print(f"ctxrl serve: model {name!r} on http://{args.host}:{args.port}/v1 "
-          f"(sessions: http://{args.host}:{args.port}/sessions/<id>/v1)", file=sys.stderr)
+    print(serve_banner(name, args.checkpoint, args.host, args.port), file=sys.stderr)
     uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
     return 0
+
+
+def serve_banner(name: str, checkpoint: str | None, host: str, port: int) -> str:
+    """The line that says what is served where: a checkpoint by its path (the name clients send may still be the
+    config's ``tiny``, which would otherwise read as the untrained model)."""
+    what = f"checkpoint {checkpoint} as model {name!r}" if checkpoint else f"model {name!r}"
+    return f"ctxrl serve: {what} on http://{host}:{port}/v1 (sessions: http://{host}:{port}/sessions/<id>/v1)"
 
 
 def served_names(model_name: str, chosen: str | None, checkpoint: str | None) -> tuple[str, tuple[str, ...]]:
@@ -436,15 +460,16 @@ def cmd_check_env(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  - {problem}")
     elif is_multi_role(cls):
-        print(f"{args.name}: OK (roles {', '.join(cls.roles)}: seeded sampling and reset, splits, every role "
-              f"seated, gold plays give each seat its gold_rewards on every split, to_act and step after the end "
-              f"are errors, close twice)")
+        print(f"{args.name}: OK (roles {', '.join(cls.roles)}): the same seed gives the same tasks and openings, "
+              f"every split has tasks, every role gets a seat, the scripted play gives each seat its expected "
+              f"reward on every split, a finished match refuses another move, closing twice is safe")
     else:
-        print(f"{args.name}: OK (seeded sampling and reset, splits, tool schemas, gold solutions score 1.0 on "
-              f"every split, step after the end is an error, close twice)")
+        print(f"{args.name}: OK: the same seed gives the same tasks and openings, every split has tasks, the tool "
+              f"schemas are valid, the scripted solution scores 1.0 on every split, a finished episode refuses "
+              f"another step, closing twice is safe")
     for note in notes:
         print(f"note: {note}")
-    print("features its hooks enable (ctxrl/envs/hooks.py):")
+    print("what it supports (each needs an optional method of the environment; the list: ctxrl/envs/hooks.py):")
     for name, on in enabled.items():
         print(f"  [{'x' if on else ' '}] {name}")
     if lengths:
@@ -607,7 +632,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     train = _command(sub, "train", "train from a TOML config",
                      "Warm start, evaluate, RL, evaluate; writes runs/NAME/ (config.toml, metrics.jsonl, "
                      "samples.jsonl, checkpoints/, plots/).")
-    train.add_argument("config", help="TOML config file, e.g. examples/calculator_tiny.toml")
+    train.add_argument("config", nargs="?", help="TOML config file, e.g. examples/calculator_tiny.toml")
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/latest")
     _add_run_options(train)
     train.set_defaults(fn=cmd_train)
@@ -764,10 +789,11 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     return action.choices[command]
 
 
-def _option_hint(command: argparse.ArgumentParser, stray: list[str]) -> str:
+def _option_hint(command: argparse.ArgumentParser, stray: list[str], words: list[str] = ()) -> str:
     """``; did you mean --steps?`` for the first stray option near one of the command's (abbreviations are off:
     ``--step`` is not ``--steps``), or the ``section.field=value`` override a TRL/verl flag means
-    (``--learning_rate 1e-5``: ``train.lr=1e-5``)."""
+    (``--learning_rate 1e-5``: ``train.lr=1e-5``), or the override an option-shaped one is (``--train.steps=3``;
+    ``words``: the whole command line, where ``--train.steps 3`` finds its value)."""
     import difflib
 
     from ctxrl.config import ALIASES
@@ -777,6 +803,11 @@ def _option_hint(command: argparse.ArgumentParser, stray: list[str]) -> str:
         if not word.startswith("--"):
             continue
         name = word[2:].partition("=")[0]
+        if "." in name and any(a.dest == "overrides" for a in command._actions):  # --train.steps=3
+            words = list(words)  # (the command line: `--train.steps 3` leaves its 3 among the positionals)
+            following = words[words.index(word) + 1:words.index(word) + 2] if word in words else []
+            value = word.partition("=")[2] or "".join(w for w in following if not w.startswith("-")) or "VALUE"
+            return f"; an override takes no dashes: write {name}={value}"
         if name.replace("-", "_") in ALIASES:
             target, origin = ALIASES[name.replace("-", "_")]
             return f"; did you mean the override {target}=VALUE ({origin}'s {name})?"
@@ -794,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
         command = _subparser(parser, args.command)  # its usage, not the top-level one, and a suggestion
-        command.error(f"unrecognized arguments: {' '.join(stray)}{_option_hint(command, stray)}")
+        command.error(f"unrecognized arguments: {' '.join(stray)}{_option_hint(command, stray, argv or sys.argv[1:])}")
     if extra:
         if not hasattr(args, "overrides"):
             parser.error(f"{args.command} takes no overrides: {' '.join(extra)}")

@@ -20,9 +20,10 @@ def ctxrl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_demo_json_smoke(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = ctxrl("demo", "--json", "--steps", "2", "--run-dir", str(run_dir), *SMALL, cwd=tmp_path)
+    proc = ctxrl("demo", "--json", "--steps", "2", "--run-dir", str(run_dir), *SMALL, "run.progress=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = json.loads(proc.stdout)  # stdout is the JSON alone (`ctxrl demo --json | jq .`): the table is on stderr
+    assert "success per split" in proc.stderr and "step 2/2: reward" in proc.stderr  # (progress: lines off a terminal)
     for key in ("heldout_success_before", "heldout_success_after", "ood_success_before", "ood_success_after",
                 "steps", "run_dir", "wall_seconds"):
         assert key in summary
@@ -48,7 +49,8 @@ def test_demo_json_smoke(tmp_path: Path) -> None:
                  str(run_dir / "checkpoints" / "final"), "--split", "heldout", "--json", "--run-dir",
                  str(tmp_path / "eval"), "eval.tasks=3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "heldout" in json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "heldout" in json.loads(proc.stdout) and "evaluation of" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir() if p.is_dir() and not any(p.iterdir())) == []
 
 
 def test_unknown_config_key_is_a_clear_error(tmp_path: Path) -> None:

@@ -105,9 +105,11 @@ def test_existing_run_dir_refused_before_the_model(tmp_path, capsys, no_model_wo
     _refused(capsys, ["train", EXAMPLE, "--run-dir", str(tmp_path / "none"), "--resume"], "holds no run")
 
 
-def test_hub_name_fails_fast(monkeypatch) -> None:
+def test_hub_name_fails_fast(monkeypatch, tmp_path) -> None:
     """A hub name not in the cache: one lookup without retries, and a message that says what to do."""
     import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)  # (no checkpoint of the working tree near the path that does not exist)
 
     from ctxrl.models.loader import ModelLoadError, check_available
 
@@ -121,8 +123,9 @@ def test_hub_name_fails_fast(monkeypatch) -> None:
     with pytest.raises(ModelLoadError, match="hub cannot be reached.*hf download nope-org/nope-model"):
         check_available("nope-org/nope-model")
     assert calls == [10]
-    with pytest.raises(ModelLoadError, match="not a local path .nothing is there. nor a hub name"):
-        check_available("runs/x/checkpoints/final")  # a relative path that does not exist
+    with pytest.raises(ModelLoadError, match=r"^runs/x/checkpoints/final does not exist \(no file or directory "
+                                             r"there\)\. No checkpoint directory is near it\.$"):
+        check_available("runs/x/checkpoints/final")  # a relative path that does not exist: no hub lookup, no jargon
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):
         check_available("nope-org/nope-model")

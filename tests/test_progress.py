@@ -88,3 +88,57 @@ def test_the_summary_table_says_what_the_first_column_is_and_counts_steps_in_wor
     out = capsys.readouterr().out
     assert ("after warm start" in out) == warm_start and ("before RL" in out) != warm_start
     assert "(1 step, 3.0s)" in out
+
+
+class _Clock:
+    """A stand-in for ``time.monotonic`` that the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_off_a_terminal_progress_is_plain_lines_with_an_eta():
+    from ctxrl.report.progress import LineProgress, console_progress
+
+    stream = io.StringIO()
+    assert isinstance(console_progress(stream=stream), LineProgress)  # a pipe, a log file, a notebook's stream
+    clock = _Clock()
+    progress = LineProgress(stream, clock=clock)
+    progress.message("[bold]ctxrl[/bold] run dir runs/x")
+    progress.stage("tiny model: tokenizer", 0, 0)
+    clock.now = 4
+    progress.stage("tiny model: pre-training", 0, 100)
+    for done in range(1, 101):  # 2 s a step: a line when a tenth more is done and 10 s have passed
+        clock.now += 2
+        progress.stage("tiny model: pre-training", done, 100)
+    progress.rl_start("RL (grpo, ppo_clip)", 4, 0)
+    for _ in range(2):
+        clock.now += 30
+        progress.rl_step(["reward 0.50", "success 0.25", "30.0s/step"])
+    progress.errored("step 2", 5, 64, "environment reset: RuntimeError: boom\nTraceback ...")
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[:4] == ["ctxrl run dir runs/x", "tiny model: tokenizer: started", "tiny model: tokenizer: done in 4s",
+                         "tiny model: pre-training: 10/100 after 20s, eta 3:00"]
+    assert lines[12] == "tiny model: pre-training: 100/100 done in 3:20"
+    assert lines[13:] == ["RL (grpo, ppo_clip): 4 steps",
+                          "step 1/4: reward 0.50 success 0.25 30.0s/step | 30s, eta 1:30",
+                          "step 2/4: reward 0.50 success 0.25 30.0s/step | 1:00, eta 1:00",
+                          "step 2: 5 of 64 episodes errored: environment reset: RuntimeError: boom"]
+    assert not any("\x1b" in line for line in lines)  # no escape codes in a log file
+
+
+def test_a_quick_stage_off_a_terminal_is_one_line():
+    from ctxrl.report.progress import LineProgress
+
+    stream, clock = io.StringIO(), _Clock()
+    progress = LineProgress(stream, clock=clock)
+    for done in range(11):
+        clock.now += 0.5
+        progress.stage("eval (step 0, heldout)", done, 10)
+    progress.sft(1, 2, 0.9)
+    progress.close()  # the warm start did not finish: not called done
+    assert stream.getvalue().splitlines() == ["eval (step 0, heldout): 10/10 done in 5s"]

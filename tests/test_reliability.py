@@ -7,9 +7,11 @@ All on the random-init tiny model on CPU in fp32 with a fixed seed.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -380,10 +382,15 @@ class FlakyCalculatorEnv(CalculatorEnv):
 def test_crashing_env_and_hanging_episode_are_errored_excluded_and_counted(tmp_path):
     cfg = config("env.name=flaky_calculator", "rollout.tasks_per_step=4", "rollout.episode_timeout_s=2",
                  "rollout.max_error_rate=0.6", "sft.enabled=false")
-    run = Trainer(cfg, tmp_path)
+    from ctxrl.report.progress import LineProgress
+
+    console = io.StringIO()
+    run = Trainer(cfg, tmp_path, progress=LineProgress(console))
     run.make_learner()
     started = time.monotonic()
     row = run.step(0)
+    # said on the console as it happens, not only counted in the metrics
+    assert re.search(r"^step 1: 4 of 8 episodes errored: (environment reset|deadline)", console.getvalue(), re.M)
     assert time.monotonic() - started < 15  # the hang was cut at its deadline, and nothing waited for it
     assert row["errored_episodes"] == 4 and row["deadline_episodes"] == 2
     assert (row["errors_reset"], row["errors_deadline"], row["errors_step"], row["errors_constructor"]) == (2, 2, 0, 0)

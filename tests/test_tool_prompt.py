@@ -221,3 +221,25 @@ def test_spec_renderer_logs_the_notices(tiny_path, caplog):
     logged = [r.getMessage() for r in caplog.records if r.name == "ctxrl.rollout.worker"]
     assert logged == renderer.notices and len(logged) == 2
     assert "ignores tools" in logged[1] and renderer.tool_format.name == "hermes"
+
+
+def test_a_forced_format_the_template_does_not_write_warns_once(tiny_path, caplog):
+    """``model.tool_format=mistral`` on the tiny model (ChatML whose template writes hermes ``<tool_call>``): one
+    warning naming both formats and the fix; the template's own format, or auto, none."""
+    from ctxrl.config import load_config
+    from ctxrl.rollout.spec import RolloutSpec
+    from ctxrl.rollout.worker import spec_renderer
+
+    def warnings_for(tool_format: str) -> list[str]:
+        caplog.clear()
+        config = load_config(None, [f"model.name={tiny_path}", f"model.tool_format={tool_format}"])
+        with caplog.at_level(logging.WARNING, logger="ctxrl.rollout.worker"):
+            renderer = spec_renderer(RolloutSpec.from_config(config))
+        assert renderer.tool_format.name == ("hermes" if tool_format == "auto" else tool_format)
+        return [r.getMessage() for r in caplog.records if r.name == "ctxrl.rollout.worker"]
+
+    assert warnings_for("mistral") == [
+        f"model.tool_format=mistral, but chat template {tiny_path!r} writes tool calls as hermes (it shows "
+        "<tool_call>): the policy is prompted in one format and parsed in the other, so its calls will not parse "
+        "unless the warm start teaches mistral; set model.tool_format=auto (or hermes) to use the template's"]
+    assert warnings_for("hermes") == warnings_for("auto") == []

@@ -112,6 +112,16 @@ class ChatRenderer:
                 f"chat template {self.template_name!r} shows none of the tool-call markers ctxrl looks for, but it "
                 f"is ChatML ({CHATML}): ctxrl uses the {self._format.name} tool-call format, which ChatML families "
                 f"write; set model.tool_format to choose another ({', '.join(format_names())})")
+        shown = detect_format(self.template_text) if tool_format != "auto" else None
+        if shown is not None and self._format is not None and shown.name != self._format.name:
+            # A warning, not a refusal: a marker is evidence, not proof (a template may show several formats,
+            # Llama 3.2's both pythonic and JSON), and a warm start can teach the forced format on purpose.
+            marker = next(m for m in shown.markers if m in self.template_text)
+            self._format_notices.append(
+                f"model.tool_format={tool_format}, but chat template {self.template_name!r} writes tool calls as "
+                f"{shown.name} (it shows {marker}): the policy is prompted in one format and parsed in the other, so "
+                f"its calls will not parse unless the warm start teaches {tool_format}; set model.tool_format=auto "
+                f"(or {shown.name}) to use the template's")
         self._ignores_tools: bool | None = None  # probed on first need (ignores_tools)
         self._system_turn_problem: str | None = None  # why the template cannot take a system turn, once probed
         eos = tokenizer.eos_token

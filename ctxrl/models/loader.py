@@ -119,7 +119,39 @@ def check_available(name_or_path: str) -> None:
         require_gguf_support()
         return
     if resolve(name_or_path) == name_or_path and not Path(name_or_path).expanduser().exists():
+        if looks_like_path(name_or_path):
+            raise ModelLoadError(missing_path_message(name_or_path))
         check_hub_model(name_or_path)
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only mean a local path: absolute, ``./`` or ``~``, more than one ``/`` (a hub name is
+    ``org/model``), or under a directory that exists here (``runs/calc``)."""
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name:
+        return True
+    return "/" in name and Path(name.partition("/")[0]).is_dir()
+
+
+def missing_path_message(name: str) -> str:
+    """A local path that does not exist, with the checkpoints found near it (a typo is usually one of them)."""
+    found = nearby_checkpoints(Path(name).expanduser())
+    listing = (" Checkpoints near it: " + ", ".join(map(str, found[:8])) + (" ..." if len(found) > 8 else "")
+               if found else " No checkpoint directory is near it.")
+    return f"{name} does not exist (no file or directory there).{listing}"
+
+
+def nearby_checkpoints(path: Path, depth: int = 3) -> list[Path]:
+    """Checkpoint directories (a ``config.json`` or ``adapter_config.json`` in them) within ``depth`` levels of
+    the nearest existing folder above ``path``, nearest first (``runs/calc/checkpoints/fnal``: ``final`` and
+    ``step-000040`` of ``runs/calc/checkpoints``)."""
+    base = path.parent
+    while not base.is_dir() and base != base.parent:
+        base = base.parent
+    if base.resolve() in (Path("/"), Path.home()):  # (not a search of the whole disk for a mistyped absolute path)
+        return []
+    levels = [[base]] + [sorted(base.glob("/".join(["*"] * level))) for level in range(1, depth + 1)]
+    return [candidate for level in levels for candidate in level
+            if (candidate / "config.json").is_file() or (candidate / "adapter_config.json").is_file()]
 
 
 def check_hub_model(name: str) -> None:

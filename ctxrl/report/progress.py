@@ -1,8 +1,11 @@
-"""Live progress of a run on the terminal (``rich``), or nothing.
+"""Live progress of a run: bars on a terminal (``rich``), plain lines elsewhere, or nothing.
 
 The trainer reports what it is doing through a ``Progress``; it never prints. ``ConsoleProgress``
 draws bars on stderr (the warm start's steps, the RL steps with their last figures) and prints
-one-line messages above them; ``Progress`` itself does nothing, for library use and tests.
+one-line messages above them; ``LineProgress`` writes plain lines instead, for stderr that is not a terminal
+(a pipe, a log file under nohup or CI, a notebook), where bars would be redrawn as a flood of escape codes or
+not at all: a line per RL step, a few per stage, each with its clock and an ETA where the total is known.
+``console_progress`` picks one; ``Progress`` itself does nothing, for library use and tests.
 
 Honest bars: a stage that ends stops its clock and says ``done`` (stages run one at a time, so a stage of
 unknown length ends when the next one starts), and the RL line fits the terminal: its figures come most
@@ -11,6 +14,8 @@ important first and those that do not fit are left out, rather than the line bei
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 
@@ -38,8 +43,106 @@ class Progress:
     def stage(self, name: str, done: int, total: int) -> None:
         """A stage of work (the tiny model's build, an evaluation) is at ``done`` of ``total`` (0: unknown)."""
 
+    def errored(self, where: str, errored: int, total: int, first_error: str) -> None:
+        """``errored`` of ``total`` episodes at ``where`` (``step 12``, an evaluation) errored, the first with
+        ``first_error``: said as it happens, not only counted in the metrics."""
+        first = (str(first_error).strip().splitlines() or ["(no reason recorded)"])[0]
+        first = first if len(first) <= 200 else first[:199] + "…"
+        self.message(f"{where}: {errored} of {total} episodes errored: {first}")
+
     def close(self) -> None:
         """Stop drawing."""
+
+
+def console_progress(*, quiet: bool = False, stream=None) -> Progress:
+    """Bars when ``stream`` (default stderr, where progress goes) is a terminal, plain lines when it is not (a
+    pipe, a file, a notebook's stream); nothing when ``quiet``."""
+    stream = stream or sys.stderr
+    if quiet:
+        return Progress()
+    return ConsoleProgress() if stream.isatty() else LineProgress(stream)
+
+
+class LineProgress(Progress):
+    """Plain lines on ``stream``: one per RL step (its figures, the time so far and an ETA), and for each stage
+    (the warm start, the tiny model's build, an evaluation) its count and ETA when a tenth more is done and
+    ``every`` seconds have passed since its last line, and its end with its time (a stage of unknown length: its
+    start and its end). Nothing is redrawn, so a log
+    file reads as it was written; ``clock``: a stand-in for ``time.monotonic`` (tests)."""
+
+    def __init__(self, stream=None, *, every: float = 10.0, clock=time.monotonic) -> None:
+        self.stream = stream or sys.stderr
+        self.every = every
+        self.clock = clock
+        self._stage: list | None = None  # [name, started, tenths said, time of its last line]
+        self._rl: tuple[int, int, float] | None = None  # (total, first step, started)
+        self._done = 0
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        from rich.text import Text
+
+        self._line(Text.from_markup(text).plain)  # (the messages carry the terminal's [bold] markup)
+
+    def sft(self, step: int, total: int, loss: float) -> None:
+        self._count("warm start (SFT)", step, total, f", loss {loss:.3f}")
+
+    def stage(self, name: str, done: int, total: int) -> None:
+        self._count(name, done, total, "")
+
+    def _count(self, name: str, done: int, total: int, figures: str) -> None:
+        now = self.clock()
+        if self._stage is None or self._stage[0] != name:
+            self._end_stage()
+            self._stage = [name, now, 0, now]
+            if not total:  # (a count says it started: its first line, after ``every`` seconds, has its ETA)
+                self._line(f"{name}: started")
+        started, said, last = self._stage[1:]
+        if not total:
+            return
+        elapsed = now - started
+        if done >= total:
+            self._line(f"{name}: {done}/{total} done in {clock(elapsed)}{figures}")
+            self._stage = None
+        elif done * 10 // total > said and now - last >= self.every:
+            self._stage[2:] = [done * 10 // total, now]
+            self._line(f"{name}: {done}/{total} after {clock(elapsed)}, eta {clock(elapsed / done * (total - done))}"
+                       f"{figures}")
+
+    def _end_stage(self) -> None:
+        """A stage of unknown length ends when the next starts (work moves on one stage at a time)."""
+        if self._stage is not None:
+            self._line(f"{self._stage[0]}: done in {clock(self.clock() - self._stage[1])}")
+            self._stage = None
+
+    def rl_start(self, label: str, total: int, completed: int) -> None:
+        self._end_stage()
+        self._rl, self._done = (total, completed, self.clock()), completed
+        self._line(f"{label}: {total} steps" + (f", resuming after step {completed}" if completed else ""))
+
+    def rl_step(self, fields: list[str]) -> None:
+        if self._rl is None:
+            return
+        total, first, started = self._rl
+        self._done += 1
+        elapsed = self.clock() - started
+        eta = elapsed / (self._done - first) * (total - self._done)
+        self._line(f"step {self._done}/{total}: {' '.join(fields)} | {clock(elapsed)}, eta {clock(eta)}")
+
+    def close(self) -> None:
+        self._stage = None  # (what did not end, a crash or a signal, is not called done)
+
+
+def clock(seconds: float) -> str:
+    """``1:02:03``, ``4:05`` or ``12s``: a duration as a line reads it."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{minutes}:{secs:02d}" if minutes else f"{secs}s"
 
 
 class ConsoleProgress(Progress):

@@ -28,12 +28,15 @@ class LogRewindError(RuntimeError):
 class RunWriter:
     """The run directory's logs; every row and sample also goes to the run's ``sinks`` (``ctxrl.report.sinks``)."""
 
-    def __init__(self, run_dir: str | Path, *, sinks: list | None = None) -> None:
+    def __init__(self, run_dir: str | Path, *, sinks: list | None = None,
+                 folders: tuple[str, ...] = ("checkpoints", "plots")) -> None:
+        """``folders``: made now, for what a training run writes there (an evaluation writes none: no empty
+        folders in its directory)."""
         self.dir = Path(run_dir)
         self.sinks = list(sinks or [])
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "checkpoints").mkdir(exist_ok=True)
-        (self.dir / "plots").mkdir(exist_ok=True)
+        for folder in folders:
+            (self.dir / folder).mkdir(exist_ok=True)
         self._metrics = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
         self._samples = open(self.dir / "samples.jsonl", "a", encoding="utf-8")
 

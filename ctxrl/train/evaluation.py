@@ -29,6 +29,9 @@ def evaluate_splits(worker: RolloutWorker, config: Config, writer: RunWriter, st
                                            trials_per_task=trials,
                                            on_episode=None if progress is None else
                                            lambda done, total, name=name: progress.stage(name, done, total))
+        errored = [e for e in episodes if e.truncation == "error"]
+        if errored and progress is not None:
+            progress.errored(name, len(errored), len(episodes), errored[0].info.get("error"))
         if any(e.info.get("demos") for e in episodes):
             raise RuntimeError("an evaluation episode was shown demonstrations; evaluation must be zero-shot")
         summary["seconds"] = time.perf_counter() - t0

@@ -9,6 +9,7 @@ every other name (which converts a GGUF file on first use, and refuses an unbuil
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from ctxrl.demos.pretraining import pretraining_batches, tokenizer_texts
@@ -30,12 +31,37 @@ def ensure_model(name: str, *, on_progress: Progress | None = None) -> str:
 
 
 def ensure_tiny(spec: TinySpec | None = None, *, on_progress: Progress | None = None) -> Path:
-    """The cached tiny checkpoint of ``spec``, built now if it is not cached yet."""
+    """The cached tiny checkpoint of ``spec``, built now if it is not cached yet. Runs started at once on one
+    machine (a sweep's first runs) take turns on a file lock: one builds, the others wait and reuse its build
+    rather than each spending minutes on the same model."""
     spec = spec or TinySpec()
     path = tiny_path(spec)
-    if not is_built(spec):
-        build_tiny(spec, path, on_progress=on_progress)
+    if is_built(spec):
+        return path
+    with build_lock(path, on_progress):
+        if not is_built(spec):  # (built by the process that held the lock while this one waited)
+            build_tiny(spec, path, on_progress=on_progress)
     return path
+
+
+@contextmanager
+def build_lock(path: Path, on_progress: Progress | None = None):
+    """An exclusive ``fcntl`` lock on ``.NAME.lock`` beside ``path``, for as long as the block runs; a process that
+    has to wait says so (``on_progress``). The kernel drops the lock when its holder exits, even killed."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_progress is not None:
+                on_progress("tiny model: waiting for another process building it", 0, 0)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_tiny(spec: TinySpec, path: Path, *, on_progress: Progress | None = None) -> Path:

@@ -271,6 +271,7 @@ class Trainer:
         errored = [e for e in episodes if e.truncation == "error"]
         if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
             self.writer.log_samples(step + 1, errored, self.renderer.decode, phase="rl-errored")
+            self.progress.errored(f"step {step + 1}", len(errored), len(episodes), errored[0].info.get("error"))
         error_rate = health.check_errors(self, episodes, step)
         health.check_sampled(self, episodes, step)
         valid = [e for e in collected.train if trainable(e)]
