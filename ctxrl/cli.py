@@ -677,16 +677,18 @@ def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    serve = _command(sub, "serve", "an OpenAI-compatible endpoint that records sessions as episodes",
-                     "Serve the config's model (or --checkpoint) with the OpenAI Chat Completions API. A client "
-                     "with base_url http://HOST:PORT/sessions/<id>/v1 has its calls recorded as one token-faithful "
-                     "episode (GET /sessions/<id>/episode; POST /sessions/<id>/reward). See docs/serve.md.")
+    serve = _command(sub, "serve", "an OpenAI- and Anthropic-compatible endpoint that records sessions as episodes",
+                     "Serve the config's model (or --checkpoint) with OpenAI's Chat Completions (/v1/chat/completions) "
+                     "and Responses (/v1/responses) APIs and Anthropic's Messages API (/v1/messages). A client with "
+                     "base_url http://HOST:PORT/sessions/<id>/v1 (Anthropic's: http://HOST:PORT/sessions/<id>) has "
+                     "its calls recorded as one token-faithful episode (GET /sessions/<id>/episode; POST "
+                     "/sessions/<id>/reward). See docs/serve.md.")
     serve.add_argument("config", help="TOML config file (model, rollout limits)")
     serve.add_argument("--checkpoint", help="checkpoint directory to serve instead of model.name")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
-    serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route; prefer the "
-                       "CTXRL_API_KEY environment variable (a command line is visible to every process)")
+    serve.add_argument("--api-key", help="require Authorization: Bearer KEY (or x-api-key: KEY) on every route; "
+                       "prefer the CTXRL_API_KEY environment variable (a command line is visible to every process)")
     serve.add_argument("--model-name", help="the model name clients send (default: the config's model.name; "
                        "with --checkpoint, its directory name and path are accepted too)")
     serve.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
