@@ -54,8 +54,9 @@ def batch(vocab: int, seqs: int, tokens: int, seed: int = 0):
 def child(args) -> dict:
     import torch
 
-    from ctxrl.models.lora import LoRASettings, wrap_lora
+    from ctxrl.models.lora import wrap_lora
     from ctxrl.models.shapes import random_model
+    from ctxrl.sections import LoRAConfig
     from ctxrl.train.learner import Learner, PPOSettings
     from ctxrl.train.policy import Policy, enable_gradient_checkpointing
     from ctxrl.train.precision import Precision
@@ -68,11 +69,11 @@ def child(args) -> dict:
     precision = Precision(storage, "model" if legacy else "float32", device)
     model = random_model(args.shape, precision.storage, device)
     if lora:
-        model = wrap_lora(model, LoRASettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
+        model = wrap_lora(model, LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
                           adapter_dtype=precision.storage)
     if setting.endswith("+ckpt"):
         enable_gradient_checkpointing(model)
-    policy = Policy(model, precision, lora=LoRASettings(rank=args.lora_rank) if lora else None)
+    policy = Policy(model, precision, lora=LoRAConfig(rank=args.lora_rank) if lora else None)
     engine_copy = policy.engine_model()  # held as a one-GPU run holds it
     settings = PPOSettings(mini_batches=1, micro_batch_size=args.legacy_rows if legacy else args.seqs,
                            max_tokens_per_microbatch=0 if legacy else

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxrl.judge.spec import JudgeSpec
-from ctxrl.models.lora import LoRASettings
 from ctxrl.plain import PlainData
 from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.rollout.managers.base import ContextPolicy
+from ctxrl.sections import LoRAConfig
 from ctxrl.tools.mcp import McpSettings
 from ctxrl.types import Task
 
@@ -102,8 +102,6 @@ class ModelSpec(PlainData):
     chat_template: str = ""
     tool_format: str = "auto"
     """How the policy writes tool calls (``ctxrl.chat.formats``); ``auto`` reads it from the chat template."""
-    lora: LoRASettings = LoRASettings()
-    """A LoRA run's adapters: a worker wraps the model it loads the same way, so the learner's adapters fit it."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +179,9 @@ class RolloutSpec(PlainData):
     """The judge that grades training episodes (``reward.judge``; off when its target is empty)."""
     roles: RoleSpec = RoleSpec()
     """Who plays each role of a multi-role environment (``[roles]``)."""
+    lora: LoRAConfig = LoRAConfig()
+    """A LoRA run's adapters (the ``[lora]`` section): a worker wraps the model it loads the same way, so the
+    learner's adapters fit it."""
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSpec:
@@ -213,7 +214,7 @@ class RolloutSpec(PlainData):
         return cls(
             model=ModelSpec(name=config.model.name, dtype=config.model.dtype,
                             device=resolve_device(config.model.device), chat_template=config.model.chat_template,
-                            tool_format=config.model.tool_format, lora=LoRASettings.from_config(config)),
+                            tool_format=config.model.tool_format),
             env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
                         verifier=config.env.verifier, harness=config.env.harness,
                         options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
@@ -228,7 +229,8 @@ class RolloutSpec(PlainData):
             engine=r.engine,
             plugins=config.run.plugins, judge=JudgeSpec.from_config(config, resolve_device(config.model.device)),
             roles=RoleSpec(policies=dict(p.split("=", 1) for p in config.roles.policies),
-                           rewards=config.roles.rewards, eval_opponents=tuple(config.roles.eval_opponents)))
+                           rewards=config.roles.rewards, eval_opponents=tuple(config.roles.eval_opponents)),
+            lora=config.lora)
 
 
 def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | None = None,

@@ -79,10 +79,10 @@ class RolloutWorker:
         renderer = spec_renderer(spec)
         if model is None:
             model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
-            if spec.model.lora.rank:  # the learner sends adapters: give the model the same ones to fill
+            if spec.lora.rank:  # the learner sends adapters: give the model the same ones to fill
                 from ctxrl.models.lora import wrap_lora
 
-                model = wrap_lora(model, spec.model.lora, adapter_dtype=next(model.parameters()).dtype).eval()
+                model = wrap_lora(model, spec.lora, adapter_dtype=next(model.parameters()).dtype).eval()
         return cls(spec, spec_engine(spec, model, renderer), renderer, env_cls)
 
     # -- weights ---------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from ctxrl.errors import CheckpointError
-from ctxrl.models.lora import LoRASettings, add_adapters, wrap_lora
+from ctxrl.models.lora import add_adapters, wrap_lora
+from ctxrl.sections import LoRAConfig
 from ctxrl.train.logprobs import token_logprobs
 from ctxrl.train.precision import Precision
 
@@ -76,7 +77,7 @@ class Reference:
 class Policy:
     """The learner's module and its precision (see the module docstring)."""
 
-    def __init__(self, model, precision: Precision, *, lora: LoRASettings | None = None, name: str = "") -> None:
+    def __init__(self, model, precision: Precision, *, lora: LoRAConfig | None = None, name: str = "") -> None:
         self.model = model
         self.precision = precision
         self.lora = lora if lora is not None and lora.rank > 0 else None
@@ -88,8 +89,8 @@ class Policy:
         shared one (LoRA; the roles with policies of their own, ``ctxrl.train.role_adapters``)."""
         from ctxrl.models.loader import load_model
 
-        precision = Precision.from_config(config, device)
-        lora = LoRASettings.from_config(config)
+        precision = Precision(config.model.dtype, config.train.master_weights, device)
+        lora = config.lora
         model = load_model(config.model.name, dtype=config.model.dtype, device=device)
         if lora.rank > 0:
             model = wrap_lora(model, lora, adapter_dtype=precision.storage)

@@ -60,10 +60,6 @@ class Precision:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-    @classmethod
-    def from_config(cls, config, device: str) -> Precision:
-        return cls(config.model.dtype, config.train.master_weights, device)
-
     def __repr__(self) -> str:
         return f"Precision(storage={self.storage}, master={self.master}, loss_scaling={self.scaler is not None})"
 
