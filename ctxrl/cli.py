@@ -297,7 +297,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
     env_cls = spec_env_class(spec)
     try:
         tools = start_tools(env_cls)
-        sources = mcp_hub(spec.env.mcp).sources if spec.env.mcp.servers else {}
+        sources = mcp_hub(spec.env).sources if spec.env.mcp_servers else {}
     finally:
         close_hubs()
     rows = [(t.schema(), "MCP server {} as {!r}".format(*sources[t.name]) if t.name in sources
@@ -383,12 +383,13 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from ctxrl.envs.mcp import with_mcp_tools
     from ctxrl.envs.registry import configured_env_class
     from ctxrl.envs.roles import is_multi_role
-    from ctxrl.tools.mcp import McpSettings, close_hubs
+    from ctxrl.sections import EnvConfig
+    from ctxrl.tools.mcp import close_hubs
 
     try:
         cls = configured_env_class(args.name, _settings(args.set), data=args.data, tools=args.tools,
                                    verifier=args.verifier)
-        cls = with_mcp_tools(cls, McpSettings(servers=tuple(args.mcp_server)))
+        cls = with_mcp_tools(cls, EnvConfig(mcp_servers=list(args.mcp_server)))
     except EnvError as exc:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2

@@ -20,8 +20,7 @@ from ctxrl.judge.spec import JudgeSpec
 from ctxrl.plain import PlainData
 from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.rollout.managers.base import ContextPolicy
-from ctxrl.sections import LoRAConfig
-from ctxrl.tools.mcp import McpSettings
+from ctxrl.sections import EnvConfig, LoRAConfig
 from ctxrl.types import Task
 
 PHASES = ("train", "eval")
@@ -105,21 +104,6 @@ class ModelSpec(PlainData):
 
 
 @dataclass(frozen=True)
-class EnvSpec(PlainData):
-    """The environment, by registered name or ``module:Class``, and the options of environments built from data."""
-
-    name: str = "calculator"
-    data: str = ""
-    tools: str = ""
-    verifier: str = "exact"
-    harness: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
-    """The environment's own table (``[env.NAME]``), read into its ``Settings`` (``configured_env_class``)."""
-    mcp: McpSettings = McpSettings()
-    """MCP servers whose tools the policy gets beside the environment's own (``env.mcp_*``; ``ctxrl.envs.mcp``)."""
-
-
-@dataclass(frozen=True)
 class DemoSpec(PlainData):
     """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``); off when ``max_demos`` is 0.
 
@@ -158,7 +142,12 @@ class RolloutSpec(PlainData):
     """Everything rollout code reads, fixed for a run (see the module docstring)."""
 
     model: ModelSpec = ModelSpec()
-    env: EnvSpec = EnvSpec()
+    env: EnvConfig = EnvConfig()
+    """The ``[env]`` section: the environment (registered name or ``module:Class``), the options of environments
+    built from data, and the MCP servers whose tools the policy gets beside the environment's own
+    (``env.mcp_*``; ``ctxrl.envs.mcp``)."""
+    env_options: dict[str, Any] = field(default_factory=dict)
+    """The environment's own table (``[env.NAME]``), read into its ``Settings`` (``configured_env_class``)."""
     train: RolloutLimits = RolloutLimits()
     eval: RolloutLimits = RolloutLimits(temperature=0.0)
     train_meta: MetaPolicy = MetaPolicy()
@@ -215,10 +204,7 @@ class RolloutSpec(PlainData):
             model=ModelSpec(name=config.model.name, dtype=config.model.dtype,
                             device=resolve_device(config.model.device), chat_template=config.model.chat_template,
                             tool_format=config.model.tool_format),
-            env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
-                        verifier=config.env.verifier, harness=config.env.harness,
-                        options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
-                        mcp=McpSettings.from_config(config)),
+            env=config.env, env_options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
             train=train, eval=evaluation, train_meta=train_meta,
             eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,

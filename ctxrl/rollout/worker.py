@@ -59,7 +59,7 @@ class RolloutWorker:
         if check is not None:  # now with the model's tokenizer (spec_env_class bounded them by characters)
             check(spec.train.max_total_tokens, lambda text: len(renderer.encode_plain(text)))
         configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
-        if spec.env.mcp.servers:  # started now: a server that cannot start stops the run before any episode
+        if spec.env.mcp_servers:  # started now: a server that cannot start stops the run before any episode
             start_tools(self.env_cls)
         self.runner = runner if runner is not None else make_runner(spec, self.env_cls, renderer)
         self.judge: Judge | None = None
@@ -96,8 +96,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Shut down what the worker's tools run on (its MCP servers); safe to call more than once."""
-        if self.spec.env.mcp.servers:
-            close_hub(self.spec.env.mcp)
+        if self.spec.env.mcp_servers:
+            close_hub(self.spec.env)
 
     # -- requests --------------------------------------------------------------------------------------
     def run(self, request: RolloutRequest, *, on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
@@ -138,7 +138,7 @@ def spec_env_class(spec: RolloutSpec) -> type:
     options = {"data": e.data, "tools": e.tools, "verifier": e.verifier}
     if e.harness or e.name == "harness":
         options["harness"] = e.harness
-    cls = with_mcp_tools(configured_env_class(e.name, e.options, **options), e.mcp)
+    cls = with_mcp_tools(configured_env_class(e.name, spec.env_options, **options), e)
     check = hook(cls, "check_tasks")
     if check is not None:  # (``ctxrl config`` too: a task too long to fit is an error before anything loads)
         check(spec.train.max_total_tokens)
