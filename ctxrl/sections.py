@@ -21,7 +21,7 @@ from typing import ClassVar
 from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
 from ctxrl.settings import NON_NEGATIVE, POSITIVE, RESUMABLE, in_range
 
-__all__ = ["RESUMABLE", "SECTIONS", "AlgoConfig", "ContextConfig", "CurriculumConfig", "DistributedConfig",
+__all__ = ["RESUMABLE", "SECTIONS", "SHARED", "AlgoConfig", "ContextConfig", "CurriculumConfig", "DistributedConfig",
            "EnvConfig", "EvalConfig", "LoRAConfig", "MetaConfig", "ModelConfig", "ReportConfig", "RewardConfig",
            "RolesConfig", "RolloutConfig", "RunConfig", "SFTConfig", "TrainConfig"]
 
@@ -472,6 +472,10 @@ class EvalConfig:
     """Seed of the evaluation task sample (fixed so before/after compare the same tasks)."""
 
 
+SHARED = "shared"
+"""The policy of a role that ``roles.policies`` leaves out: the run's own (``ctxrl.rollout.spec.POLICY_KINDS``)."""
+
+
 @dataclass(frozen=True)
 class RolesConfig:
     policies: list[str] = field(default_factory=list)
@@ -485,6 +489,11 @@ class RolesConfig:
     eval_opponents: list[str] = field(default_factory=list)
     """Policies (``scripted:NAME``, ``frozen:PATH``) the learner plays against in every evaluation, in each role
     in turn: win rate with a 95% interval per opponent. Empty: evaluation plays self-play matches."""
+
+    def policy(self, role: str, overrides: dict[str, str] | None = None) -> str:
+        """The policy that plays ``role``: ``overrides`` (a request's), else ``policies``', else ``shared``."""
+        pinned = dict(pair.split("=", 1) for pair in self.policies)
+        return (overrides or {}).get(role) or pinned.get(role) or SHARED
 
 
 @dataclass(frozen=True)

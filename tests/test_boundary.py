@@ -30,6 +30,7 @@ from ctxrl.rollout.managers import ContextManager, ContextPolicy, register_manag
 from ctxrl.rollout.messages import text_only
 from ctxrl.rollout.spec import DemoSpec, MetaPolicy, RolloutLimits, RolloutRequest, RolloutSpec
 from ctxrl.rollout.worker import RolloutWorker
+from ctxrl.sections import RolloutConfig
 from ctxrl.tools.base import Tool
 from ctxrl.types import Episode, Message, Task
 
@@ -61,7 +62,7 @@ def test_episodes_specs_and_requests_round_trip_through_json_exactly(renderer):
     assert again == episode
 
     spec = RolloutSpec(train=limits, eval=RolloutLimits(temperature=0.0, top_k=5),
-                       train_meta=MetaPolicy(num_attempts=3, carry="attempts"), max_batch_size=7,
+                       train_meta=MetaPolicy(num_attempts=3, carry="attempts"), rollout=RolloutConfig(max_batch_size=7),
                        demos=DemoSpec(max_demos=2, steps=5, kind="cosine", pool=9))
     assert _json_round_trip(spec) == spec
     assert DemoSchedule.from_spec(_json_round_trip(spec).demos) == DemoSchedule(2, 5, "cosine")
@@ -406,3 +407,16 @@ def test_plain_data_refuses_what_it_cannot_rebuild_and_keeps_fixed_tuples_typed(
 
     problems = check_env(TupleData, n_tasks=2)
     assert any("changes on a JSON round trip (a tuple comes back as a list)" in p for p in problems)
+
+
+def test_a_limits_object_is_projected_from_the_rollout_section_not_copied_field_by_field():
+    """``plain.project``: every field the two dataclasses share, each as the target types it; the rest given."""
+    from ctxrl.plain import project
+    from ctxrl.sections import RolloutConfig
+
+    section = RolloutConfig(temperature=0.9, top_k=3, stop_ids=[5, 6], stop_strings=["END"], max_new_tokens=9)
+    limits = project(RolloutLimits, section, max_turns=2, timeout_s=section.episode_timeout_s)
+    assert limits == RolloutLimits(max_turns=2, max_new_tokens=9, max_total_tokens=section.max_total_tokens,
+                                   temperature=0.9, top_k=3, stop_ids=(5, 6), stop_strings=("END",),
+                                   timeout_s=section.episode_timeout_s)
+    assert project(RolloutLimits, section, temperature=0.0).temperature == 0.0  # (given wins over the section)

@@ -69,7 +69,7 @@ def evaluate_split(worker, split: str, n_tasks: int, *, seed: int, trials_per_ta
     if is_multi_role(worker.env_cls):
         from ctxrl.eval.arena import evaluate_matches
 
-        return evaluate_matches(worker, split, n_tasks, seed=seed, opponents=worker.spec.roles.eval_opponents,
+        return evaluate_matches(worker, split, n_tasks, seed=seed, opponents=tuple(worker.spec.roles.eval_opponents),
                                 on_episode=on_episode)
     tasks = worker.env_cls.sample_tasks(split, n_tasks, seed)
     trials = worker.spec.eval_meta.num_attempts > 1

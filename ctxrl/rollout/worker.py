@@ -58,7 +58,7 @@ class RolloutWorker:
         check = hook(self.env_cls, "check_tasks")
         if check is not None:  # now with the model's tokenizer (spec_env_class bounded them by characters)
             check(spec.train.max_total_tokens, lambda text: len(renderer.encode_plain(text)))
-        configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
+        configure_pool(spec.rollout.sandbox_workers)  # the python tool's interpreters, shared by every episode
         if spec.env.mcp_servers:  # started now: a server that cannot start stops the run before any episode
             start_tools(self.env_cls)
         self.runner = runner if runner is not None else make_runner(spec, self.env_cls, renderer)
