@@ -28,9 +28,9 @@ from ctxrl.plain import from_json, to_json
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers import ContextManager, ContextPolicy, register_manager
 from ctxrl.rollout.messages import text_only
-from ctxrl.rollout.spec import DemoSpec, MetaPolicy, RolloutLimits, RolloutRequest, RolloutSpec
+from ctxrl.rollout.spec import DemoSpec, RolloutLimits, RolloutRequest, RolloutSpec
 from ctxrl.rollout.worker import RolloutWorker
-from ctxrl.sections import RolloutConfig
+from ctxrl.sections import MetaConfig, RolloutConfig
 from ctxrl.tools.base import Tool
 from ctxrl.types import Episode, Message, Task
 
@@ -62,7 +62,7 @@ def test_episodes_specs_and_requests_round_trip_through_json_exactly(renderer):
     assert again == episode
 
     spec = RolloutSpec(train=limits, eval=RolloutLimits(temperature=0.0, top_k=5),
-                       train_meta=MetaPolicy(num_attempts=3, carry="attempts"), rollout=RolloutConfig(max_batch_size=7),
+                       meta=MetaConfig(num_attempts=3, carry="attempts"), rollout=RolloutConfig(max_batch_size=7),
                        demos=DemoSpec(max_demos=2, steps=5, kind="cosine", pool=9))
     assert _json_round_trip(spec) == spec
     assert DemoSchedule.from_spec(_json_round_trip(spec).demos) == DemoSchedule(2, 5, "cosine")

@@ -1,6 +1,6 @@
 """The ``meta`` episode runner: trials of several attempts and annealed demonstrations, for a ``RolloutWorker``.
 
-A worker whose spec plays trials in either phase (``MetaPolicy.num_attempts > 1``) or shows annealed
+A worker whose spec plays trials in either phase (``RolloutRequest.attempts(spec) > 1``) or shows annealed
 demonstrations (``DemoSpec.max_demos > 0``) plays through this runner (``ctxrl.rollout.runners``
 chooses it by name; importing ``ctxrl.meta`` registers it). Each request, by its phase:
 

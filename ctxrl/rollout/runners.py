@@ -37,7 +37,7 @@ from ctxrl.errors import ConfigError
 from ctxrl.registry import Registry
 from ctxrl.rollout.agent import run_episodes
 from ctxrl.rollout.match import SeatPolicy, run_matches
-from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, parse_policy, spec_engine
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, attempts_of, parse_policy, spec_engine
 from ctxrl.types import Episode, Message
 
 PLAIN = "plain"
@@ -175,7 +175,7 @@ def runner_name(spec: RolloutSpec, env_cls: type) -> str:
         return own
     if is_multi_role(env_cls):
         return ROLES
-    trials = max(spec.train_meta.num_attempts, spec.eval_meta.num_attempts) > 1
+    trials = max(attempts_of(spec.meta, "train"), attempts_of(spec.meta, "eval")) > 1
     return META if trials or spec.demos.max_demos > 0 else PLAIN
 
 

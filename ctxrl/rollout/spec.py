@@ -18,14 +18,12 @@ from typing import Any
 
 from ctxrl.judge.spec import JudgeSpec
 from ctxrl.plain import PlainData, project
-from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.rollout.managers.base import ContextPolicy
-from ctxrl.sections import SHARED, EnvConfig, LoRAConfig, ModelConfig, RolesConfig, RolloutConfig
+from ctxrl.sections import SHARED, EnvConfig, LoRAConfig, MetaConfig, ModelConfig, RolesConfig, RolloutConfig
 from ctxrl.seeds import Seeds
 from ctxrl.types import Task
 
 PHASES = ("train", "eval")
-CARRIES = ("reflections", "attempts")
 OWN = "own"
 POLICY_KINDS = (SHARED, OWN, "scripted", "frozen")
 """Who plays a role of a multi-role environment (``roles.policies``): the run's policy (``shared``), a trainable
@@ -68,30 +66,6 @@ class RolloutLimits(PlainData):
 
 
 @dataclass(frozen=True)
-class MetaPolicy(PlainData):
-    """How a trial of attempts is played (``ctxrl.meta.rollout``)."""
-
-    num_attempts: int = 1
-    carry: str = "reflections"
-    """What the next attempt sees of the earlier ones: ``reflections`` (notes) or ``attempts`` (in full)."""
-    reflect: bool = True
-    """Sample a reflection after each attempt that is followed by another (False: plain retries)."""
-    stop_on_success: bool = True
-    instruction: str = REFLECTION_INSTRUCTION
-    reflection_max_tokens: int = 64
-    max_context_tokens: int = 0
-    """Budget of an attempt's opening (task + carried history) in tokens; 0 = only ``max_total_tokens``."""
-
-    def __post_init__(self) -> None:
-        if self.num_attempts < 1:
-            raise ValueError(f"num_attempts must be >= 1, got {self.num_attempts}")
-        if self.carry not in CARRIES:
-            raise ValueError(f"carry must be one of {', '.join(CARRIES)}, not {self.carry!r}")
-        if self.reflection_max_tokens < 1:
-            raise ValueError(f"reflection_max_tokens must be >= 1, got {self.reflection_max_tokens}")
-
-
-@dataclass(frozen=True)
 class DemoSpec(PlainData):
     """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``); off when ``max_demos`` is 0.
 
@@ -124,8 +98,9 @@ class RolloutSpec(PlainData):
     """The environment's own table (``[env.NAME]``), read into its ``Settings`` (``configured_env_class``)."""
     train: RolloutLimits = RolloutLimits()
     eval: RolloutLimits = RolloutLimits(temperature=0.0)
-    train_meta: MetaPolicy = MetaPolicy()
-    eval_meta: MetaPolicy = MetaPolicy()
+    meta: MetaConfig = MetaConfig()
+    """The ``[meta]`` section: how a trial of attempts is played (``ctxrl.meta.rollout``); each phase's trial budget
+    is ``attempts_of(meta, phase)``."""
     demos: DemoSpec = DemoSpec()
     rollout: RolloutConfig = RolloutConfig()
     """The ``[rollout]`` section: the engine (``engine``), its batch (``max_batch_size``), the sandboxed Python
@@ -174,14 +149,10 @@ class RolloutSpec(PlainData):
         evaluation = project(RolloutLimits, r, max_turns=config.env.max_turns, timeout_s=r.episode_timeout_s,
                              temperature=config.eval.temperature, top_p=1.0, top_k=0,  # (evaluation never used these)
                              context=context(c.eval_max_summaries))
-        train_meta = MetaPolicy(num_attempts=m.num_attempts, carry=m.carry, reflect=m.reflect,
-                                stop_on_success=m.stop_on_success, instruction=m.reflection_instruction,
-                                reflection_max_tokens=m.reflection_max_tokens, max_context_tokens=m.max_context_tokens)
         return cls(
             model=dataclasses.replace(config.model, device=resolve_device(config.model.device)), env=config.env,
             env_options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
-            train=train, eval=evaluation, train_meta=train_meta,
-            eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
+            train=train, eval=evaluation, meta=m,
             demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,
                            source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
                            choice_seed=seeds.demo_choice),
@@ -248,5 +219,16 @@ class RolloutRequest(PlainData):
                 limits.context, max_context_tokens=self.context_budget))
         return limits
 
-    def meta(self, spec: RolloutSpec) -> MetaPolicy:
-        return spec.train_meta if self.phase == "train" else spec.eval_meta
+    def attempts(self, spec: RolloutSpec) -> int:
+        """The trial budget of this request's phase (``attempts_of``)."""
+        return attempts_of(spec.meta, self.phase)
+
+    def meta(self, spec: RolloutSpec) -> MetaConfig:
+        """The ``[meta]`` section with this phase's trial budget as ``num_attempts``: what a trial reads."""
+        return dataclasses.replace(spec.meta, num_attempts=self.attempts(spec))
+
+
+def attempts_of(meta: MetaConfig, phase: str) -> int:
+    """Attempts per trial in ``phase``: ``meta.num_attempts`` in training, ``meta.eval_attempts`` in evaluation (0:
+    the same as training's); 1 = single episodes."""
+    return meta.num_attempts if phase == "train" else meta.eval_attempts or meta.num_attempts

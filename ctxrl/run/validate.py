@@ -47,9 +47,9 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.judge.transcript import INPUTS as JUDGE_INPUTS
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
+    from ctxrl.meta.rollout import CARRIES
     from ctxrl.models.flat import MODES as FLAT_MODES
     from ctxrl.models.loader import DTYPES
-    from ctxrl.rollout.spec import CARRIES
     from ctxrl.tasks.curriculum import KINDS as CURRICULA
 
     return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,

@@ -329,7 +329,7 @@ class HarnessRunner(EpisodeRunner):
 
     async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
         spec = worker.spec
-        if request.meta(spec).num_attempts > 1 or (request.phase == "train" and spec.demos.max_demos > 0):
+        if request.attempts(spec) > 1 or (request.phase == "train" and spec.demos.max_demos > 0):
             raise ConfigError("a harness environment plays single episodes: meta.num_attempts = 1 and no "
                               "annealed demos (meta.demos_max = 0)")
         roles = getattr(worker.env_cls, "harness_roles", ())

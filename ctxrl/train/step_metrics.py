@@ -25,7 +25,7 @@ def step_row(step: int, collected, valid: list[Episode], rows: list[TrainSequenc
     sampled = [x for r in rows for x, m in zip(r.advantages, r.loss_mask) if m]
     return {"phase": "rl", "step": step + 1, **summarize(episodes), **_mean_terms(episodes), **collected.metrics,
             **(context_stats(episodes) if manager.rewrites_context else {}),
-            **(_trial_stats(episodes) if spec.train_meta.num_attempts > 1 else {}),
+            **(_trial_stats(episodes) if spec.meta.num_attempts > 1 else {}),
             **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
                if spec.demos.max_demos else {}),
             **(judge_figures(episodes) if spec.judge.enabled else {}),
