@@ -78,6 +78,12 @@ class Renamed:
 
 RENAMED: tuple[Renamed, ...] = (
     Renamed("meta.context", "meta.carry"),
+    # issue 50: a component's own fields into its table
+    Renamed("curriculum.horizon_start_turns", "curriculum.horizon.start_turns", 2),
+    Renamed("curriculum.horizon_warmup_steps", "curriculum.horizon.warmup_steps", 20),
+    Renamed("curriculum.horizon_stages", "curriculum.horizon.stages", 3),
+    Renamed("curriculum.self_paced_pool", "curriculum.self_paced.pool", 4),
+    Renamed("curriculum.self_paced_floor", "curriculum.self_paced.floor", 0.02),
 )
 """Every key that was renamed, oldest first."""
 
@@ -395,8 +401,9 @@ def fields_markdown() -> str:
     (docs/configuration.md is generated from it)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [_row(*row) for row in describe_fields()]
-    lines += ["", "The tables of ctxrl's own components, each read only by its component (`algo.advantage`, "
-              "`context.manager`, `env.name`; a family's table by every environment of the family):", "",
+    lines += ["", "The tables of ctxrl's own components, each read only by the component its section names "
+              "(`algo.advantage`, `context.manager`, `env.name`, `curriculum.kind`; a family's table by every "
+              "environment of the family):", "",
               "| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [_row(*row) for row in describe_components()]
     return "\n".join(lines)

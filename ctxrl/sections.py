@@ -315,18 +315,9 @@ class AlgoConfig:
 class CurriculumConfig:
     kind: str = "fixed"
     """Which training tasks and turn limit per step: ``fixed`` (the env's train distribution),
-    ``horizon`` (turn cap raised in stages, ScalingInter-RL) or ``self_paced`` (prefer contexts of
-    intermediate success, SPaCE-like); see ctxrl/tasks/curriculum.py."""
-    horizon_start_turns: int = field(default=2, metadata=POSITIVE)
-    """``horizon``: the turn cap at step 0 (it rises to ``env.max_turns``)."""
-    horizon_warmup_steps: int = field(default=20, metadata=POSITIVE)
-    """``horizon``: the step from which the full ``env.max_turns`` applies."""
-    horizon_stages: int = field(default=3, metadata=POSITIVE)
-    """``horizon``: how many times the cap is raised on the way."""
-    self_paced_pool: int = field(default=4, metadata=POSITIVE)
-    """``self_paced``: candidate tasks drawn per task kept."""
-    self_paced_floor: float = field(default=0.02, metadata=in_range(0.0, 0.25, low_open=True))
-    """``self_paced``: the smallest sampling weight, so no context drops out entirely."""
+    ``horizon`` (turn cap raised in stages, ScalingInter-RL: ``[curriculum.horizon]``), ``self_paced`` (prefer
+    contexts of intermediate success, SPaCE-like: ``[curriculum.self_paced]``), or any curriculum registered with
+    ``ctxrl.tasks.curriculum.register_curriculum``; see ctxrl/tasks/curriculum.py."""
 
 
 @dataclass(frozen=True)

@@ -233,8 +233,9 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
               for f in dataclasses.fields(cls) if "range" in f.metadata}
     # the three hand-kept sets the metadata replaced had 26 + 38 + 9 keys; then train.max_grad_norm and the
     # three of [distributed] that _validate_distributed checked by hand; then the judge's tokens, retries, deadline
-    # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget
-    assert len(bounds) == 85
+    # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget;
+    # issue 50 moved these into their components' tables: the curricula's 5
+    assert len(bounds) == 80
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
@@ -345,8 +346,8 @@ BEFORE_50 = Path(__file__).resolve().parent / "fixtures" / "config50"
 # their components' tables, the keys here follow (section.component.field is read through settings_of).
 MOVED_50 = {
     "config_before_50.toml": {
-        "curriculum.horizon_start_turns": 1, "curriculum.horizon_warmup_steps": 10, "curriculum.horizon_stages": 2,
-        "curriculum.self_paced_pool": 6, "curriculum.self_paced_floor": 0.05,
+        "curriculum.horizon.start_turns": 1, "curriculum.horizon.warmup_steps": 10, "curriculum.horizon.stages": 2,
+        "curriculum.self_paced.pool": 6, "curriculum.self_paced.floor": 0.05,
         "algo.lam": 0.95, "algo.gae_level": "turn", "algo.vf_clip": 0.3, "train.critic_lr": 0.0005,
         "meta.credit": "relative", "meta.normalize": "none", "meta.baseline": "mean", "meta.gamma_trial": 0.9,
         "algo.dual_clip": 3.0,
@@ -391,6 +392,35 @@ def test_config_before_50_loads_and_resumes(fixture):
     assert config_differences(saved, load_config(BEFORE_50 / fixture)) == []
 
 
+AFTER_HEADER = """# {name} written in today's layout: to_toml of the loaded old file (property (c) of issue 50's
+# plan: the two are one config to resume). Regenerate as fields move: python -m tests.test_config
+"""
+
+
+def after_50(fixture: str) -> str:
+    """The text ``config_after_50*.toml`` must hold: the old fixture as today's ``to_toml`` writes it."""
+    return AFTER_HEADER.format(name=fixture) + to_toml(load_config(BEFORE_50 / fixture))
+
+
+@pytest.mark.parametrize("fixture", sorted(MOVED_50))
+def test_config_before_50_and_its_new_layout_are_one_run(fixture):
+    """The new layout of each old fixture loads without a renamed key, with its values where they live now, and a
+    run saved in one layout resumes under the other with no difference."""
+    import warnings
+
+    from ctxrl.train.checkpoint import config_differences
+
+    after = BEFORE_50 / fixture.replace("before", "after")
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        new = load_config(after)
+    assert not [w for w in heard if "renamed" in str(w.message)]
+    assert {key: _setting(new, key) for key in MOVED_50[fixture]} == MOVED_50[fixture]
+    assert config_differences(load_config(BEFORE_50 / fixture), new) == []
+    assert config_differences(new, load_config(BEFORE_50 / fixture)) == []
+    assert after.read_text() == after_50(fixture), "regenerate it: python -m tests.test_config"
+
+
 def test_renamed_keys_move_before_the_sections_are_built(monkeypatch):
     """``Renamed``: across sections, into a component's table, to a place the config itself names, and only for a
     value of the old key's type; a value at the old default dropped without opening a table; one warning for all."""
@@ -431,3 +461,11 @@ def test_renamed_keys_move_before_the_sections_are_built(monkeypatch):
     with pytest.raises(ConfigError, match="algo.lam was renamed algo.gae.lam; the config sets both, keep only "
                                           "algo.gae.lam"):
         renamed({"algo": {"lam": 0.9, "gae": {"lam": 0.95}}})
+
+
+if __name__ == "__main__":  # regenerate the new-layout fixtures of issue 50 (test_config_before_50_and_its_new_layout)
+    import warnings
+
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for name in MOVED_50:
+        (BEFORE_50 / name.replace("before", "after")).write_text(after_50(name))

@@ -50,11 +50,10 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.meta.rollout import CARRIES
     from ctxrl.models.flat import MODES as FLAT_MODES
     from ctxrl.models.loader import DTYPES
-    from ctxrl.tasks.curriculum import KINDS as CURRICULA
 
     return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
             "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
-            "curriculum.kind": CURRICULA, "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
+            "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
             "train.objective": ("rl", "sft"),
             "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
@@ -77,6 +76,7 @@ def validate(config: Config) -> None:
     from ctxrl.algo.estimators import estimator_names, get_estimator
     from ctxrl.report.sinks import sink_names
     from ctxrl.rollout.managers import get_manager, manager_names
+    from ctxrl.tasks.curriculum import curriculum_names
 
     for module in RUNNER_PACKAGES:
         importlib.import_module(module)
@@ -87,6 +87,7 @@ def validate(config: Config) -> None:
     sink_names(config.report.sinks)
     _registered("algo.advantage", config.algo.advantage, estimator_names())
     _registered("context.manager", config.context.manager, manager_names())
+    _registered("curriculum.kind", config.curriculum.kind, curriculum_names())
     estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)
     _validate_algo(config, estimator)
     _validate_meta(config, estimator)

@@ -139,7 +139,7 @@ class Trainer:
                                                               config=config.as_record()))
             self.writer.write_config(to_toml(config))
         self._skipped_reported = False
-        self.curriculum = make_curriculum(config.curriculum)
+        self.curriculum = make_curriculum(config.curriculum, config.settings_of("curriculum", config.curriculum.kind))
         self.collector = Collector(self.config, self.worker, self.env_cls, self.curriculum, self.seeds)
         self.manager = get_manager(config.context.manager)
         self.learner: Learner | None = None
