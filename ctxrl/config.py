@@ -84,6 +84,14 @@ RENAMED: tuple[Renamed, ...] = (
     Renamed("curriculum.horizon_stages", "curriculum.horizon.stages", 3),
     Renamed("curriculum.self_paced_pool", "curriculum.self_paced.pool", 4),
     Renamed("curriculum.self_paced_floor", "curriculum.self_paced.floor", 0.02),
+    Renamed("algo.lam", "algo.gae.lam", 1.0),
+    Renamed("algo.gae_level", "algo.gae.level", "token"),
+    Renamed("algo.vf_clip", "algo.gae.vf_clip", 0.2),
+    Renamed("train.critic_lr", "algo.gae.critic_lr", 1e-3),
+    Renamed("meta.credit", "algo.meta.credit", "cross_episode"),
+    Renamed("meta.normalize", "algo.meta.normalize", "std"),
+    Renamed("meta.baseline", "algo.meta.baseline", "loo"),
+    Renamed("meta.gamma_trial", "algo.meta.gamma_trial", 1.0),
 )
 """Every key that was renamed, oldest first."""
 

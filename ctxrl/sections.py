@@ -174,16 +174,6 @@ class MetaConfig:
     eval_trials: int = field(default=1, metadata={**RESUMABLE, **POSITIVE})
     """Trials per task at evaluation; pass@k of independent first attempts needs at least k (and
     eval.temperature > 0: greedy trials of one task are identical)."""
-    gamma_trial: float = field(default=1.0, metadata=in_range(0.0, 1.0))
-    """Discount across the attempts of a trial: 1 credits solving within K attempts at all, below 1 also
-    prefers solving sooner, 0 makes attempts independent."""
-    credit: str = "cross_episode"
-    """``cross_episode`` (LaMer: discounted return over later attempts, normalised over the trials of a task)
-    or ``relative`` (MR-Search: each attempt's reward centred on the other trials' same attempt, then summed)."""
-    normalize: str = "std"
-    """``cross_episode`` only: ``std`` divides by the group std (GRPO-like), ``none`` only centres."""
-    baseline: str = "loo"
-    """``relative`` only: ``loo`` (mean of the other trials) or ``mean`` (of all trials that played the attempt)."""
     carry: str = "reflections"
     """What an attempt carries of the earlier ones: ``reflections`` (a feedback line and the reflection of each)
     or ``attempts`` (each earlier attempt in full, with its feedback)."""
@@ -266,18 +256,12 @@ class AlgoConfig:
     """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
     ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
     batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
-    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), ``distill``
-    (on-policy distillation: a teacher's per-token reverse KL, ``[algo.distill]``; docs/distillation.md), or any
-    estimator registered with ``ctxrl.algo.estimators.register_estimator``; see docs/algorithms.md."""
+    critic, ``[algo.gae]``), ``meta`` (credit across the attempts of a trial, ``[algo.meta]``; docs/meta.md),
+    ``distill`` (on-policy distillation: a teacher's per-token reverse KL, ``[algo.distill]``;
+    docs/distillation.md), or any estimator registered with ``ctxrl.algo.estimators.register_estimator``; see
+    docs/algorithms.md."""
     gamma: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
-    lam: float = field(default=1.0, metadata=NON_NEGATIVE)
-    """GAE's lambda (``gae`` only)."""
-    gae_level: str = "token"
-    """``gae`` steps: ``token`` (every sampled token) or ``turn`` (every assistant turn; the critic's
-    value is read at each turn's first sampled token and trained there only)."""
-    vf_clip: float = field(default=0.2, metadata=NON_NEGATIVE)
-    """Clip range of the critic's value loss (``gae`` only)."""
     loss: str = "ppo_clip"
     """Policy loss: ``ppo_clip`` (token ratios) or ``gspo`` (sequence ratios; use clip bounds near 3e-4 / 4e-4)."""
     dual_clip: float = field(default=0.0, metadata=NON_NEGATIVE)
@@ -380,8 +364,6 @@ class TrainConfig:
     lr: float = field(default=1e-4, metadata=NON_NEGATIVE)
     """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
     few rollouts earn a reward, so keep it well below the warm start's)."""
-    critic_lr: float = field(default=1e-3, metadata=NON_NEGATIVE)
-    """AdamW learning rate of the critic (``algo.advantage = "gae"``; its value head starts at zero)."""
     weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
     """AdamW weight decay."""
     max_grad_norm: float = field(default=1.0, metadata=POSITIVE)

@@ -234,8 +234,9 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # the three hand-kept sets the metadata replaced had 26 + 38 + 9 keys; then train.max_grad_norm and the
     # three of [distributed] that _validate_distributed checked by hand; then the judge's tokens, retries, deadline
     # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget;
-    # issue 50 moved these into their components' tables: the curricula's 5
-    assert len(bounds) == 80
+    # issue 50 moved these into their components' tables: the curricula's 5; gae's lam, vf_clip, critic_lr and
+    # meta's gamma_trial
+    assert len(bounds) == 76
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
@@ -250,13 +251,15 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
 
 
 def _float_fields() -> list[tuple[str, object]]:
-    """``(section.field, default)`` of every float field of the config's sections."""
+    """``(section.field, default)`` of every float field of the config's sections and of ctxrl's components' own
+    tables (``section.NAME.field``: where issue 50 moved a component's fields)."""
     import typing
 
     from ctxrl.config import _section_types
+    from ctxrl.run.components import builtin_tables
 
     out = []
-    for section, cls in _section_types().items():
+    for section, cls in [*_section_types().items(), *builtin_tables()]:
         hints = typing.get_type_hints(cls)
         out += [(f"{section}.{f.name}", f.default) for f in dataclasses.fields(cls) if hints[f.name] is float]
     return out
@@ -348,8 +351,9 @@ MOVED_50 = {
     "config_before_50.toml": {
         "curriculum.horizon.start_turns": 1, "curriculum.horizon.warmup_steps": 10, "curriculum.horizon.stages": 2,
         "curriculum.self_paced.pool": 6, "curriculum.self_paced.floor": 0.05,
-        "algo.lam": 0.95, "algo.gae_level": "turn", "algo.vf_clip": 0.3, "train.critic_lr": 0.0005,
-        "meta.credit": "relative", "meta.normalize": "none", "meta.baseline": "mean", "meta.gamma_trial": 0.9,
+        "algo.gae.lam": 0.95, "algo.gae.level": "turn", "algo.gae.vf_clip": 0.3, "algo.gae.critic_lr": 0.0005,
+        "algo.meta.credit": "relative", "algo.meta.normalize": "none", "algo.meta.baseline": "mean",
+        "algo.meta.gamma_trial": 0.9,
         "algo.dual_clip": 3.0,
         "context.max_summaries": 3, "context.eval_max_summaries": 5, "context.summary_max_tokens": 48,
         "context.summary_instruction": "Summarise what you found so far, briefly.", "context.max_branches": 3,

@@ -38,8 +38,6 @@ them, and a run finds its runner by name (``ctxrl.rollout.runners``)."""
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
-    from ctxrl.algo.credit import BASELINES, NORMALIZE_MODES
-    from ctxrl.algo.estimators.meta import CREDITS
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
     from ctxrl.algo.roles import REWARD_MODES
     from ctxrl.chat.formats import format_names
@@ -52,10 +50,9 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.models.loader import DTYPES
 
     return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
-            "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
+            "algo.kl_placement": ("loss", "reward"), "algo.agg": AGG_MODES,
             "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
             "train.objective": ("rl", "sft"),
-            "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
             "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
@@ -293,7 +290,7 @@ def _validate_meta(config: Config, estimator: type) -> None:
     training_trials = m.num_attempts > 1 and config.train.steps > 0
     if training_trials and not estimator.credits_attempts:
         raise ConfigError(f"meta.num_attempts={m.num_attempts} trains on trials, whose credit across attempts comes "
-                          f"from meta.credit; set algo.advantage=meta (not {a.advantage!r})")
+                          f"from the meta estimator ([algo.meta]); set algo.advantage=meta (not {a.advantage!r})")
     if estimator.credits_attempts or m.num_attempts > 1 or m.eval_attempts > 1:
         what = (f"algo.advantage={a.advantage}" if estimator.credits_attempts
                 else "meta trials (num_attempts or eval_attempts > 1)")

@@ -91,7 +91,8 @@ class PPOSettings:
                    temperature=r.temperature if r.temperature > 0 else 1.0, max_grad_norm=t.max_grad_norm,
                    ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
                    loss=a.loss, dual_clip=a.dual_clip or None, old_logprobs=a.old_logprobs, tis_cap=a.tis_cap,
-                   vf_clip=a.vf_clip, norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens),
+                   vf_clip=config.settings_of("algo", "gae").vf_clip,  # (a critic's settings are [algo.gae]'s)
+                   norm_length=min(config.env.max_turns * r.max_new_tokens, r.max_total_tokens),
                    max_tokens_per_microbatch=t.max_tokens_per_microbatch, logprob_chunk_tokens=t.logprob_chunk_tokens,
                    pack_sequences=t.pack_sequences, flat_forward=t.flat_forward,
                    distill_top_k_coef=distill_top_k_coef(config))

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ctxrl.algo.estimators import EstimatorSettings, get_estimator
+from ctxrl.algo.estimators import get_estimator
 from ctxrl.algo.filters import void_turn_free
 from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
@@ -109,8 +109,9 @@ class Trainer:
         self.tokenizer = self.renderer.tokenizer
         check_before_load(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
         runner = make_runner(self.spec, self.env_cls, self.renderer)  # (demos: a missing demo file stops the run now)
-        self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config),
-                                                              config.settings_of("algo", config.algo.advantage))
+        advantage = config.algo.advantage
+        self.estimator = get_estimator(advantage)(config.algo, config.settings_of("algo", advantage),
+                                                  num_attempts=config.meta.num_attempts)
         # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
         critic = self.estimator.needs_critic
         self.memory = memory_plan(config, self.device, engine=(parallel is None or parallel.leader)
@@ -218,7 +219,8 @@ class Trainer:
         critic = critic_optimizer = None
         if self.estimator.needs_critic:  # the critic starts as a copy of the warm-started policy
             critic = Critic(self.policy.trainable_copy()).train()
-            critic_optimizer = precision.optimizer(critic.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
+            critic_lr = self.config.settings_of("algo", "gae").critic_lr  # (the critic's settings are [algo.gae]'s)
+            critic_optimizer = precision.optimizer(critic.parameters(), lr=critic_lr, weight_decay=t.weight_decay)
         optimizer = precision.optimizer(self.policy.trainable_parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.learner = Learner(self.model, optimizer, PPOSettings.from_config(self.config),
                                pad_token_id=self.tokenizer.pad_token_id, reference=reference,
@@ -469,13 +471,6 @@ def prepare_model(name: str, progress: Progress) -> None:
     if spec is not None and not is_built(spec):
         progress.message(f"building the tiny model {base!r} once (a few minutes on a CPU; cached in {cache_root()})")
     ensure_model(name, on_progress=progress.stage)
-
-
-def estimator_settings(config: Config) -> EstimatorSettings:
-    a, m = config.algo, config.meta
-    return EstimatorSettings(gamma=a.gamma, lam=a.lam, gae_level=a.gae_level, credit=m.credit,
-                             gamma_trial=m.gamma_trial, normalize=m.normalize, baseline=m.baseline,
-                             num_attempts=m.num_attempts)
 
 
 @torch.no_grad()
