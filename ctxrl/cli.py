@@ -57,6 +57,21 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"{summary['wall_seconds']}s)")
 
 
+def _run_dir(chosen: str | None, default: Path) -> Path:
+    """``--run-dir`` (or ``default``) as a directory made before any work starts: a file, a device or a place no
+    directory can be made is one line now, not a traceback after the warm start."""
+    path = Path(chosen) if chosen else default
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--run-dir {path} is a file, not a directory; name a directory (a new one, or the run's to "
+                          "--resume)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {path}: cannot make the directory ({exc.strerror}); name one you can write") \
+            from None
+    return path
+
+
 def _config_from_args(path: str | None, args: argparse.Namespace) -> Config:
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -74,7 +89,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         where = "gpu" if resolve_device("auto") == "cuda" else "cpu"
         args.overrides = [*preset_overrides(args.model, where), *args.overrides]
     config = _config_from_args(None, args)
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
+    run_dir = _run_dir(args.run_dir, _default_run_dir(config))
     summary = _train(config, run_dir, quiet=args.json and not sys.stderr.isatty())
     print_table(summary)
     if args.json:
@@ -86,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _config_from_args(args.config, args)
     if args.resume and not args.run_dir:
         raise CheckpointError("--resume needs --run-dir: the directory of the run to continue")
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config)
+    run_dir = _run_dir(args.run_dir, _default_run_dir(config))
     summary = _train(config, run_dir, resume=args.resume, quiet=args.json and not sys.stderr.isatty())
     if summary.get("follower"):  # rank > 0 under torchrun: rank 0 prints the run's results
         return 0
@@ -113,8 +128,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ctxrl.run.preflight import preflight
 
     have = available_splits(preflight(config, training=False, split=args.split))  # before the checkpoint loads
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(config).with_name(
-        f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = _run_dir(args.run_dir, _default_run_dir(config).with_name(f"eval-{time.strftime('%Y%m%d-%H%M%S')}"))
     worker = RolloutWorker.from_spec(RolloutSpec.from_config(config))
     from ctxrl.report.sinks import make_sinks
 
@@ -191,8 +205,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}",
                                            "lora.rank=0"])
     from ctxrl.run.preflight import preflight
+    from ctxrl.serve.server import (
+        MAX_BODY_BYTES,
+        MAX_SESSIONS,
+        RENDERS_PER_CLIENT,
+        bind,
+        check_settings,
+    )
     from ctxrl.train.tiny import ensure_model
+    from ctxrl.types import MAX_ABS_REWARD
 
+    check_settings(max_total_tokens=config.rollout.max_total_tokens, max_new_tokens=config.rollout.max_new_tokens,
+                   max_concurrency=args.max_concurrency, max_body_bytes=MAX_BODY_BYTES,
+                   read_timeout_s=args.read_timeout, session_timeout_s=args.session_timeout,
+                   max_sessions=MAX_SESSIONS, max_abs_reward=MAX_ABS_REWARD,
+                   renders_per_client=RENDERS_PER_CLIENT)  # (a bad setting: one line before any model loads)
+    sock = bind(args.host, args.port)  # a port in use: one line now, not after the model loaded
     preflight(config, training=False)
     ensure_model(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
     spec = RolloutSpec.from_config(config)
@@ -209,7 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without an API key (--api-key or CTXRL_API_KEY)", file=sys.stderr)
     print(f"ctxrl serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"(sessions: http://{args.host}:{args.port}/sessions/<id>/v1)", file=sys.stderr)
-    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
     return 0
 
 
@@ -632,7 +660,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("config", help="TOML config file (model, rollout limits)")
     serve.add_argument("--checkpoint", help="checkpoint directory to serve instead of model.name")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route; prefer the "
                        "CTXRL_API_KEY environment variable (a command line is visible to every process)")
     serve.add_argument("--model-name", help="the model name clients send (default: the config's model.name; "

@@ -297,9 +297,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: malformed TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a config file is TOML, which is UTF-8") \
+                from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to read; a config's tables and lists nest a few levels") \
+                from None
     for text in overrides:
         section, name, value = parse_override(text)
         data.setdefault(section, {})
@@ -339,8 +345,19 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{text}"'
+    return '"' + "".join(_toml_char(c) for c in str(value)) + '"'
+
+
+def _toml_char(c: str) -> str:
+    """One character of a TOML basic string: backslash, quote and every control character escaped (a raw one would
+    make the file unreadable, so that ``--resume`` refused the run's own config)."""
+    if c in '\\"':
+        return "\\" + c
+    if c == "\n":
+        return "\\n"
+    if c == "\t":
+        return "\\t"
+    return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
 
 
 def _tables() -> list[tuple[str, type]]:

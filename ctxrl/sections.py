@@ -441,7 +441,7 @@ class EvalConfig:
     """Tasks per split for evaluation."""
     temperature: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Evaluation sampling temperature (0 = greedy)."""
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=NON_NEGATIVE)
     """Seed of the evaluation task sample (fixed so before/after compare the same tasks)."""
 
 
@@ -473,8 +473,8 @@ class RolesConfig:
 class RunConfig:
     name: str = field(default="run", metadata=RESUMABLE)
     """Run name; the run directory defaults to ``runs/<name>-<timestamp>``."""
-    seed: int = 0
-    """Seed for tasks, sampling and initialisation."""
+    seed: int = field(default=0, metadata=NON_NEGATIVE)
+    """Seed for tasks, sampling and initialisation (numpy takes no negative seed)."""
     progress: bool = field(default=True, metadata=RESUMABLE)
     """Show a live progress bar."""
     plugins: str = field(default="", metadata=RESUMABLE)

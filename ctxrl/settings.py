@@ -54,6 +54,10 @@ def in_range(low: float, high: float, *, low_open: bool = False) -> dict[str, An
     return {"range": (low, high, low_open)}
 
 
+INT64_MAX = 2**63 - 1
+"""The largest whole number a setting may be: seeds and counts go to numpy and torch as 64-bit integers."""
+
+
 def check_number(key: str, value: Any, metadata: Mapping[str, Any], default: Any = None) -> None:
     """A ``ConfigError`` naming ``key`` unless the number ``value`` (or each number of a list) is finite (``inf``
     too where ``metadata`` has ``ALLOWS_INF``) and in its declared range; ``default`` is offered as the fix."""
@@ -63,6 +67,9 @@ def check_number(key: str, value: Any, metadata: Mapping[str, Any], default: Any
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if isinstance(value, int) and not -INT64_MAX <= value <= INT64_MAX:
+        raise ConfigError(f"{key} = {str(value)[:12]}... ({len(str(value))} digits) is past what a setting can be "
+                          f"(a whole number within ±{INT64_MAX:.2e}); write a smaller one")
     bounds = _bounds(*metadata["range"]) if "range" in metadata else ""
     finite = not isinstance(value, float) or (math.isfinite(value) and abs(value) <= FLOAT32_MAX)
     if not (finite or (math.isinf(value) and metadata.get("inf", False))):

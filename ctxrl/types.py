@@ -15,6 +15,10 @@ from typing import Any
 from ctxrl.plain import PlainData
 
 SPLITS = ("train", "heldout", "ood")
+MAX_ABS_REWARD = 1e6
+"""The largest reward, either way, an episode may carry, from an environment, a harness or a client: past it the
+learner's float32 arithmetic loses the episode's signal (1e308 is finite in float64 and infinite in float32), so a
+larger one errors the episode (``ctxrl.rollout.agent``) or is a 400 (``ctxrl serve``)."""
 
 
 @dataclass

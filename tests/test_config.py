@@ -157,7 +157,8 @@ def test_to_toml_round_trips(tmp_path):
         "rollout.top_p=0.95", "sft.enabled=false", "algo.kl_coef=1e-10",
     ])
     config = dataclasses.replace(  # (sections are frozen: a changed one is a new one)
-        config, model=dataclasses.replace(config.model, chat_template='a "quoted" \\ back\nslash'),
+        config, context=dataclasses.replace(config.context, summary_instruction='a "quoted" \\ back\nslash'),
+        model=dataclasses.replace(config.model, chat_template='{{ "a \\"quoted\\" \\\\ template" }}\n'),
         run=dataclasses.replace(config.run, name="ünï cödé"))
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(config))
@@ -235,8 +236,8 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # three of [distributed] that _validate_distributed checked by hand; then the judge's tokens, retries, deadline
     # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget;
     # issue 50 moved these into their components' tables: the curricula's 5; gae's lam, vf_clip, critic_lr and
-    # meta's gamma_trial
-    assert len(bounds) == 76
+    # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed)
+    assert len(bounds) == 78
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),

@@ -518,6 +518,28 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_one(tm
                                               r"\(Error while deserializing header.*previous checkpoint is"):
         train(config("train.steps=3"), old, resume=True)
 
+    # checksums that match say the files are as written, not that what was written was good (issue 51)
+    from safetensors.torch import load_file, save_file
+
+    from ctxrl.train.checkpoint import finite_weights, resume_hint
+    from ctxrl.train.checkpoint_io import write_checksums
+
+    negative = copy("negative-step")
+    state_path = negative / "checkpoints" / "step-000002" / "state.json"
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "step": -5}))
+    write_checksums(state_path.parent)
+    with pytest.raises(CheckpointError, match=r"state.json says step = -5, which is no count of steps"):
+        train(config("train.steps=3"), negative, resume=True)
+    poisoned = copy("nan-weights")
+    weights = poisoned / "checkpoints" / "step-000002" / "model.safetensors"
+    tensors = load_file(str(weights))
+    first = next(iter(tensors))
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    save_file(tensors, str(weights))
+    write_checksums(weights.parent)
+    assert not finite_weights(weights.parent) and finite_weights(poisoned / "checkpoints" / "step-000001")
+    assert "last good checkpoint is " + str(poisoned / "checkpoints" / "step-000001") in resume_hint(poisoned, 1)
+
 
 def test_resume_never_unpickles(tmp_path, monkeypatch):
     train(config("train.steps=1"), tmp_path)

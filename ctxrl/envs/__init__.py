@@ -15,8 +15,10 @@ ENVIRONMENTS.add_builtins(
     "ctxrl.envs.bandit", "ctxrl.envs.python_math", "ctxrl.envs.search_qa", "ctxrl.envs.sokoban",
     "ctxrl.envs.minesweeper",
     "ctxrl.envs.codebreak", "ctxrl.envs.hidden_word", "ctxrl.envs.jsonl_tools", "ctxrl.envs.harness",
-    "ctxrl.envs.kuhn_poker", "ctxrl.envs.propose_solve")
+    "ctxrl.envs.kuhn_poker", "ctxrl.envs.propose_solve", "ctxrl.envs.repo_tasks")
 add_scheme("reasoning_gym", "ctxrl.envs.from_reasoning_gym")
 add_scheme("verifiers", "ctxrl.envs.from_verifiers")
+add_scheme("openenv", "ctxrl.envs.from_openenv")
+add_scheme("nemo_gym", "ctxrl.envs.from_nemo_gym")
 
 __all__ = ["CheckEnvError", "Env", "EnvError", "assert_env_ok", "check_env", "get_env_class", "list_envs", "register"]

@@ -16,8 +16,11 @@ Configuration::
     data = "env:calculator"     # tasks (and warm-start demonstrations) from a registered environment,
                                 # or a JSONL task file as for jsonl_tools
 
-A harness that plays several roles declares them on its function (``match.roles = ("asker", "answerer")``): it is
-called ``match(clients, task)`` with a client per role and returns a reward per role (``harness_roles``).
+A harness written with the Anthropic SDK says so on its function (``rollout.client = "anthropic"``): it is called with
+an ``anthropic.AsyncAnthropic`` bound to its session's Messages route instead of an ``openai.AsyncOpenAI``
+(``harness_client``). A harness that plays several roles declares them on its function (``match.roles = ("asker",
+"answerer")``): it is called ``match(clients, task)`` with a client per role and returns a reward per role
+(``harness_roles``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class HarnessEnv:
         fn = remote_marker if remote else load_function(harness)
         port = _remote_port(harness) if remote else None
         roles = harness_roles(fn, harness)
+        client = harness_client(fn, harness)
         if data.startswith("env:"):
             source = configured_env_class(data[4:])
         else:
@@ -85,7 +89,7 @@ class HarnessEnv:
         # The source environment's class, with its tasks, splits and demonstrations; episodes come from the harness.
         return type(f"Harness[{getattr(source, 'name', source.__name__)}]", (source,),
                     {"harness": staticmethod(fn), "harness_ref": harness, "remote_port": port, "runner": RUNNER,
-                     "harness_roles": roles})
+                     "harness_roles": roles, "harness_client": client})
 
     @staticmethod
     def sample_tasks(split: str, n: int, seed: int) -> list[Task]:
@@ -105,6 +109,22 @@ def harness_roles(fn: Callable, ref: str) -> tuple[str, ...]:
     if len(set(roles)) != len(roles) or len(roles) < 2:
         raise ConfigError(f"env.harness: {ref}'s roles {tuple(roles)!r} must be two or more distinct names")
     return tuple(roles)
+
+
+CLIENTS = ("openai", "anthropic")
+"""The SDK clients a harness may be called with (``fn.client``): an ``openai.AsyncOpenAI`` (Chat Completions or
+Responses) or an ``anthropic.AsyncAnthropic`` (Messages), each bound to the episode's session."""
+
+
+def harness_client(fn: Callable, ref: str) -> str:
+    """Which client a harness is called with: its function's ``client`` attribute (``rollout.client =
+    "anthropic"``), or ``openai``."""
+    client = getattr(fn, "client", "openai")
+    if client not in CLIENTS:
+        raise ConfigError(f"env.harness: {ref}'s client must be one of {', '.join(CLIENTS)}, got {client!r}")
+    if client != "openai" and getattr(fn, "roles", ()):
+        raise ConfigError(f"env.harness: {ref} plays roles, whose clients are OpenAI's; drop client = {client!r}")
+    return client
 
 
 async def remote_marker(client, task):

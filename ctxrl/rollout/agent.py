@@ -36,6 +36,7 @@ The agent loop plays given tasks; which tasks, with which settings and seeds, is
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,7 @@ from ctxrl.rollout.spec import RolloutLimits
 from ctxrl.seeds import episode_seed
 from ctxrl.tools.base import ToolServerLost
 from ctxrl.tools.threads import in_daemon_thread
-from ctxrl.types import Episode, Message, Task, Turn
+from ctxrl.types import MAX_ABS_REWARD, Episode, Message, Task, Turn
 
 
 async def run_episode(env: Any, task: Task, engine: Engine, renderer: ChatRenderer, limits: RolloutLimits,
@@ -224,9 +225,16 @@ async def _turns(env, play: Play, manager) -> None:
 
 
 def _record_step(episode: Episode, record: Turn, result) -> None:
-    """What the environment said about a turn: its reward, tool counts, answer, named actions, success."""
-    record.reward = float(result.reward)
-    episode.reward += float(result.reward)
+    """What the environment said about a turn: its reward, tool counts, answer, named actions, success. A reward
+    that is not a finite number within ``MAX_ABS_REWARD`` either way errors the episode (``step``): the learner's
+    float32 would turn it into NaN losses for the whole batch."""
+    reward = float(result.reward)
+    if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+        raise EnvironmentFailure("step", ValueError(
+            f"the environment gave the reward {reward!r}, past {MAX_ABS_REWARD:g} either way or not finite; scale its "
+            "rewards (the learner computes in float32)"))
+    record.reward = reward
+    episode.reward += reward
     record_turn_info(episode, record, result.info)
 
 

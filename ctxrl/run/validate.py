@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,10 +95,77 @@ def validate(config: Config) -> None:
     _validate_judge(config)
     _validate_roles(config, estimator, manager)
     _validate_warm_start(config, manager)
+    _validate_inputs(config)
     if config.sft.context_demos == "on" and not manager.scripts_demos():
         raise ConfigError(f"sft.context_demos=on plays demos whose context manager's requests the environment scripts "
                           f"(summarize: its summary hook; fold: its folded hook); context.manager="
                           f"{config.context.manager!r} asks for none; use sft.context_demos=auto or off")
+
+
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+"""What ``model.device`` may name."""
+MIN_TEMPERATURE = 1e-3
+"""The smallest sampling temperature above 0 (greedy): logits divided by less overflow to infinity."""
+
+
+def _validate_inputs(config: Config) -> None:
+    """Values a run would trip on only later, deep in a traceback: a device, a temperature, a template, an
+    environment name, text that TOML or UTF-8 cannot hold."""
+    m = config.model
+    if not DEVICE.fullmatch(m.device):
+        raise ConfigError(f"model.device={m.device!r} is not a device: use auto, cpu, cuda, cuda:N or mps")
+    for key, value in (("rollout.temperature", config.rollout.temperature),
+                       ("eval.temperature", config.eval.temperature)):
+        if 0 < value < MIN_TEMPERATURE:
+            raise ConfigError(f"{key}={value!r} is too small to sample at (logits divided by it overflow): use 0 "
+                              f"for greedy decoding or at least {MIN_TEMPERATURE:g}")
+    _check_template(m.chat_template)
+    _check_text(config)
+    _check_env_name(config.env.name)
+
+
+def _check_template(template: str) -> None:
+    """``model.chat_template``: a Jinja template that parses, or a path to an existing file (not text that merely
+    looks like one, which would be rendered as the template)."""
+    if not template:
+        return
+    if "{" not in template:
+        if not Path(template).expanduser().is_file():
+            raise ConfigError(f"model.chat_template={template!r} is neither a template (it has no {{% or {{{{) nor "
+                              "an existing file; give the template's text or its path")
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"model.chat_template does not parse as a Jinja template (line {exc.lineno}: "
+                          f"{exc.message})") from None
+
+
+def _check_text(config: Config) -> None:
+    """Every text setting holds text UTF-8 can write (a lone surrogate such as ``\\ud800`` cannot)."""
+    for section in SECTIONS:
+        for f in dataclasses.fields(getattr(config, section)):
+            value = getattr(getattr(config, section), f.name)
+            for text in (value if isinstance(value, list) else [value]):
+                if isinstance(text, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+                    raise ConfigError(f"{section}.{f.name} holds a lone surrogate (an escape such as \\ud800 "
+                                      "that is no character); remove it")
+
+
+def _check_env_name(name: str) -> None:
+    """``env.name`` resolves to an environment class (``module:Class`` names a class, not any attribute), found now
+    rather than when the first rollout starts."""
+    from ctxrl.envs.base import EnvError
+
+    try:
+        found = env_class(name)
+    except EnvError as exc:
+        raise ConfigError(f"env.name: {exc}") from None
+    if not isinstance(found, type):
+        raise ConfigError(f"env.name={name!r} names {type(found).__name__} {name.partition(':')[2]!r}, not an "
+                          "environment class; a class outside ctxrl is named as 'package.module:ClassName'")
 
 
 def _validate_fields(config: Config) -> None:

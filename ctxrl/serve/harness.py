@@ -1,14 +1,13 @@
 """Train an existing agent: the episode runner of ``env.name = "harness"``, ``async def rollout(client, task)``.
 
-``client`` is an official ``openai.AsyncOpenAI`` bound to a fresh session of an in-process
-``ctxrl.serve.Server`` over the rollout worker's own engine (no port, no network: an ASGI
-transport). Everything the harness sends through it is recorded as one token-faithful episode
-(``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number, or a
-dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a
-built-in environment's are, so advantages, filters, context splits, checkpoints and resume all
-apply unchanged. The environment's half (``env.harness``, ``env.data``: which function, which tasks)
-is ``ctxrl.envs.harness``; its class names the runner registered here, which the configuration
-imports (``ctxrl.run.validate.RUNNER_PACKAGES``).
+``client`` is an official ``openai.AsyncOpenAI`` (or, for a function marked ``client = "anthropic"``, an
+``anthropic.AsyncAnthropic``) bound to a fresh session of an in-process ``ctxrl.serve.Server`` over the rollout
+worker's own engine (no port, no network: an ASGI transport). Everything the harness sends through it is recorded as
+one token-faithful episode (``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number,
+or a dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a built-in
+environment's are, so advantages, filters, context splits, checkpoints and resume all apply unchanged. The
+environment's half (``env.harness``, ``env.data``: which function, which tasks) is ``ctxrl.envs.harness``; its class
+names the runner registered here, which the configuration imports (``ctxrl.run.validate.RUNNER_PACKAGES``).
 
 During training the server samples at the rollout settings (``rollout.temperature``, ``top_p``,
 ``top_k``), whatever the harness asks for, with a seed per episode and call, so the behaviour
@@ -20,6 +19,8 @@ an error inside ctxrl (the engine) stops the run, as it does for built-in enviro
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import math
 import sys
 import time
@@ -177,7 +178,7 @@ def _finite_reward(value: float) -> float:
     """A harness's reward as a float; NaN, infinite or past ``MAX_ABS_REWARD`` either way (1e308 is infinite in the
     learner's float32) is the harness's failure (an errored episode), never a reward that would poison the step's
     advantages."""
-    from ctxrl.serve.server import MAX_ABS_REWARD
+    from ctxrl.types import MAX_ABS_REWARD
 
     try:
         reward = float(value)
@@ -239,15 +240,24 @@ async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits
 
 
     server = training_server(engine, renderer, limits)
-    transport = httpx.ASGITransport(app=server.app(), raise_app_exceptions=False)
+    app = server.app()
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     run_id = uuid.uuid4().hex[:8]
-    async with httpx.AsyncClient(transport=transport, base_url="http://ctxrl", timeout=None) as http:
+    kind = getattr(env_cls, "harness_client", "openai")
+    async with httpx.AsyncClient(transport=transport, base_url="http://ctxrl", timeout=None) as http, \
+            _anthropic_http(app, kind == "anthropic") as anthropic_http:
 
         async def one(task: Task, group_id: int, k: int) -> Episode:
             sid = f"{run_id}-{group_id}-{k}"
             episode = _open(server, sid, task, group_id, k, seed, limits, engine).episode
-            client = openai.AsyncOpenAI(base_url=f"http://ctxrl/sessions/{sid}/v1", api_key="ctxrl",
-                                        http_client=http, max_retries=0)
+            if anthropic_http is not None:
+                import anthropic
+
+                client = anthropic.AsyncAnthropic(base_url=f"http://ctxrl/sessions/{sid}", api_key="ctxrl",
+                                                  http_client=anthropic_http, max_retries=0)
+            else:
+                client = openai.AsyncOpenAI(base_url=f"http://ctxrl/sessions/{sid}/v1", api_key="ctxrl",
+                                            http_client=http, max_retries=0)
             start = time.perf_counter()
             try:
                 call = env_cls.harness(client, task)
@@ -269,6 +279,21 @@ async def run_harness(env_cls: type, tasks: list[Task], engine, renderer, limits
         runs = [one(task, group_id, k) for group_id, task in enumerate(tasks, start=first_group)
                 for k in range(group_size)]
         return list(await asyncio.gather(*(notify(run, on_done) for run in runs)))
+
+
+@contextlib.asynccontextmanager
+async def _anthropic_http(app, wanted: bool):
+    """An HTTP client of the library the ``anthropic`` SDK is built on (2.x: ``httpx2``; before: ``httpx``) over the
+    in-process server, for a harness called with an ``AsyncAnthropic`` (``fn.client = "anthropic"``); else None."""
+    if not wanted:
+        yield None
+        return
+    import anthropic
+
+    lib = importlib.import_module("httpx2" if int(anthropic.__version__.split(".")[0]) >= 2 else "httpx")
+    transport = lib.ASGITransport(app=app, raise_app_exceptions=False)
+    async with lib.AsyncClient(transport=transport, base_url="http://ctxrl", timeout=None) as client:
+        yield client
 
 
 async def _run_match_harness(env_cls, tasks, engine, renderer, limits, group_size, seed, on_done,

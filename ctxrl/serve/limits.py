@@ -253,8 +253,12 @@ class Guard:
         if refused is not None:
             return await self.refuse(send, refused)
         headers = dict(scope["headers"])  # (the last of a repeated header: the key must be the one sent)
-        if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return await self.refuse(send, APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+        # (OpenAI's clients send Authorization: Bearer KEY; Anthropic's x-api-key: KEY, read as the same)
+        anthropic_key = headers.get(b"x-api-key")
+        given = headers.get(b"authorization") or (b"Bearer " + anthropic_key if anthropic_key is not None else b"")
+        if self.expected is not None and not hmac.compare_digest(given, self.expected):
+            return await self.refuse(send, APIError(401, "missing or wrong API key (Authorization: Bearer <key>, "
+                                                         "or x-api-key: <key>)",
                                                     type="authentication_error", code="invalid_api_key"))
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:

@@ -62,6 +62,8 @@ class ChatRequest:
     tool_choice: str = "auto"
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k cut (Chat Completions has none; Anthropic's Messages may ask for one)."""
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     n: int = 1
@@ -248,6 +250,8 @@ class Choice:
     token_texts: list[str]
     logprobs: list[float]
     completion_tokens: int
+    stop_sequence: str | None = None
+    """The client's stop string that ended the reply (its text ends before it), if one did."""
 
 
 def call_json(calls: list[ToolCall], prefix: str) -> list[dict]:

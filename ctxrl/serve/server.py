@@ -70,6 +70,7 @@ from ctxrl.serve.protocol import (
     view,
 )
 from ctxrl.serve.sessions import Session, SessionStore
+from ctxrl.types import MAX_ABS_REWARD
 
 MAX_DEPTH = 64
 """How deeply a request's JSON may nest (a tool's parameter schema is the deepest part of a real request)."""
@@ -77,8 +78,10 @@ MAX_SESSION_ID = 256
 """The longest session id a client may open (ids are kept while the session lives)."""
 SESSION_ID = re.compile(rf"[!-~]{{1,{MAX_SESSION_ID}}}")
 """A session id: visible ASCII characters (it is echoed in a header, which takes no control character)."""
-MAX_ABS_REWARD = 1e6
-"""The default largest reward, either way, a client may post (``Server.max_abs_reward``)."""
+MAX_BODY_BYTES = 4 << 20
+"""The largest request body ``Server`` reads (a larger one is a 413)."""
+MAX_SESSIONS = 4096
+"""Sessions ``Server`` keeps open at once."""
 RENDERS_PER_CLIENT = 4
 """The default renders one client (one connection) may have waiting or running (``Server.renders_per_client``)."""
 RENDER = RenderQueue()
@@ -151,8 +154,8 @@ class Server:
 
     def __init__(self, engine, renderer, *, model_name: str, max_total_tokens: int, max_new_tokens: int = 512,
                  stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_concurrency: int = 256,
-                 max_body_bytes: int = 4 << 20, read_timeout_s: float = 30.0, session_timeout_s: float = 600.0,
-                 max_sessions: int = 4096, aliases: tuple[str, ...] = (), client_sessions: bool = True,
+                 max_body_bytes: int = MAX_BODY_BYTES, read_timeout_s: float = 30.0, session_timeout_s: float = 600.0,
+                 max_sessions: int = MAX_SESSIONS, aliases: tuple[str, ...] = (), client_sessions: bool = True,
                  max_abs_reward: float = MAX_ABS_REWARD, allowed_hosts: tuple[str, ...] = (),
                  allowed_origins: tuple[str, ...] = (), renders_per_client: int = RENDERS_PER_CLIENT) -> None:
         check_settings(max_total_tokens=max_total_tokens, max_new_tokens=max_new_tokens,
@@ -193,6 +196,16 @@ class Server:
                    client: Hashable = "in-process") -> tuple[dict | list[dict], int]:
         """``(response JSON or stream chunks, prompt tokens)`` for one validated request; ``client`` (its connection)
         says whose turn on the render thread it takes."""
+        choices, prompt_tokens = await self.complete(request, session_id, client)
+        if request.stream:
+            return stream_chunks(request, request.model, choices, prompt_tokens, new_id()), prompt_tokens
+        return completion_json(request, request.model, choices, prompt_tokens, new_id()), prompt_tokens
+
+    async def complete(self, request: ChatRequest, session_id: str | None,
+                       client: Hashable = "in-process") -> tuple[list[Choice], int]:
+        """``(the sampled replies, prompt tokens)`` for one validated request, recorded into ``session_id``'s episode
+        when given: the work of every protocol (Chat Completions here, ``ctxrl.serve.anthropic`` and
+        ``ctxrl.serve.responses`` translate theirs into a ``ChatRequest`` and the replies back)."""
         if request.model not in self.models:
             raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
                                 f"{', '.join(map(repr, self.models))}", type="invalid_request_error",
@@ -247,7 +260,7 @@ class Server:
     async def _sample(self, request: ChatRequest, prompt: list[int], session: Session | None, plan,
                       client: Hashable):
         budget = min(request.max_tokens or self.max_new_tokens, self.max_total_tokens - len(prompt))
-        temperature, top_p, top_k = request.temperature, request.top_p, 0
+        temperature, top_p, top_k = request.temperature, request.top_p, request.top_k
         seed = request.seed
         if session is not None and session.sampling is not None:
             temperature, top_p, top_k = session.sampling
@@ -269,18 +282,18 @@ class Server:
             session.commit(kind, ids, request.messages, request.views, request.tools)
             completion, message, text, client_view = parsed[0]
             session.reply(completion, message, text, client_view, len(prompt))
-        response_id = new_id()
-        if request.stream:
-            return stream_chunks(request, request.model, choices, len(prompt), response_id), len(prompt)
-        return completion_json(request, request.model, choices, len(prompt), response_id), len(prompt)
+        return choices, len(prompt)
 
     def _replies(self, request: ChatRequest, completions: list, stops: tuple[str, ...]) -> tuple[list, list]:
         """Each completion decoded and parsed: ``(choices to send, (completion, message, text, view) to record)``."""
         choices, parsed = [], []
         for completion in completions:
             text = self.renderer.decode(completion.token_ids[:-1] if completion.closed else completion.token_ids)
+            stopped_by = None
             if completion.finish_reason == "stop_string":  # OpenAI's reply ends before its stop sequence
-                text = text[:min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=len(text))]
+                found = [(i, stop) for i, stop in ((text.find(stop), stop) for stop in stops) if i >= 0]
+                cut, stopped_by = min(found, default=(len(text), None))
+                text = text[:cut]
             message = self.renderer.parse_assistant(text)
             calls = message.tool_calls if request.tools and request.tool_choice != "none" else []
             content = self.renderer.tool_format.content_without_calls(text) if calls else text
@@ -291,7 +304,7 @@ class Server:
                 if completion.closed:
                     texts[-1] = ""  # the end-of-turn token is not part of the reply's text
             choices.append(Choice(content or (None if calls else ""), calls, finish, texts, completion.logprobs,
-                                  len(completion.token_ids)))
+                                  len(completion.token_ids), stopped_by))
             parsed.append((completion, message, text, view("assistant", content or "", calls, None)))
         return choices, parsed
 
@@ -355,6 +368,10 @@ class Server:
         app.add_middleware(Guard, api_key=self.api_key, max_body_bytes=self.max_body_bytes, errors=self.errors,
                            hosts=self.hosts)
         _add_openai_routes(app, self)
+        from ctxrl.serve import anthropic, responses  # (the other protocols: their own modules, the same sessions)
+
+        anthropic.add_routes(app, self)
+        responses.add_routes(app, self)
         _add_session_routes(app, self)
         _add_training_routes(app, self)
         _add_health_route(app, self)
@@ -387,21 +404,24 @@ def _finite(value: Any, field: str, param: str | None = None) -> float:
 def _add_error_handlers(app: FastAPI, server: Server) -> None:
     """Every error gets OpenAI's body and is counted (``Server.errors``); errors inside ctxrl are the guard's."""
 
-    def answer(error: APIError) -> JSONResponse:
+    def answer(error: APIError, request: Request | None = None) -> JSONResponse:
         server.errors.record(error)
+        body = error.body()
+        if request is not None and request.url.path.endswith("/v1/messages"):  # (Anthropic's clients read theirs)
+            body = {"type": "error", "error": {"type": error.type, "message": error.message, "param": error.param}}
         # (a body that never finished arriving leaves the connection unusable: close it; a finished session stays
         # finished, so the OpenAI SDK, which retries a 409 by default, is told not to)
         headers = {"connection": "close"} if error.status == 408 else {"x-should-retry": "false"} \
             if error.status == 409 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        return JSONResponse(body, status_code=error.status, headers=headers)
 
     @app.exception_handler(APIError)
-    async def api_error(_request, exc: APIError):
-        return answer(exc)
+    async def api_error(request, exc: APIError):
+        return answer(exc, request)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request, exc):
-        return answer(bad(f"invalid request: {exc.errors()[:1]}"))
+    async def validation_error(request, exc):
+        return answer(bad(f"invalid request: {exc.errors()[:1]}"), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def routing_error(request, exc: StarletteHTTPException):  # (no such route, or not with this method)

@@ -48,6 +48,7 @@ hostile code at scale, run the sandbox itself inside a container or VM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -409,11 +410,28 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
     """Run ``code`` in a sandbox (see the module docstring); never raises because of the code."""
     if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0:
         raise ValueError("timeout_s, memory_mb and max_output_bytes must be > 0")
-    started = time.monotonic()
     root = os.getuid() == 0
-    python = await asyncio.to_thread(sandbox_python)
     uid = _take_uid() if root else None
     workdir = Path(tempfile.mkdtemp(prefix="ctxrl-sbx-", dir=_workdir_base()))
+    try:
+        env = _write_code(workdir, code, uid)
+        return await run_in_sandbox(_BOOTSTRAP, workdir, uid, env, timeout_s=timeout_s, memory_mb=memory_mb,
+                                    max_output_bytes=max_output_bytes, max_processes=max_processes,
+                                    max_file_mb=max_file_mb)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if uid is not None:
+            _release_uid(uid)
+
+
+async def run_in_sandbox(bootstrap: str, workdir: Path, uid: int | None, env: dict[str, str], *, timeout_s: float,
+                         memory_mb: int, max_output_bytes: int, max_processes: int, max_file_mb: int
+                         ) -> SandboxResult:
+    """Run the Python ``bootstrap`` (as ``python -I -c BOOTSTRAP MODE``, ``MODE`` the network mode) in ``workdir``, as
+    ``uid`` when given (root), isolated and limited as the module docstring says; the caller owns ``workdir`` and
+    ``uid`` (``run_python_async`` makes and removes both; ``ctxrl.tools.shell`` keeps a task's tree across runs)."""
+    started = time.monotonic()
+    python = await asyncio.to_thread(sandbox_python)
     proc = None
     out, err = _Capped(max_output_bytes), _Capped(max_output_bytes)
     mode_r, mode_w = os.pipe()
@@ -423,10 +441,9 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
     err_r, err_w = os.pipe()
     readers = None
     try:
-        env = _write_code(workdir, code, uid)
         cfg = {"workdir": str(workdir), "uid": uid, "memory_mb": memory_mb, "cpu_s": int(timeout_s) + 2,
                "max_processes": max_processes, "max_file_mb": max_file_mb, "env": env,
-               "world_writable": list(WORLD_WRITABLE), "bootstrap": _BOOTSTRAP, "mode_fd": mode_w, "python": python,
+               "world_writable": list(WORLD_WRITABLE), "bootstrap": bootstrap, "mode_fd": mode_w, "python": python,
                "process_namespaces": PROCESS_NAMESPACES}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-c", _LAUNCHER, json.dumps(cfg), stdin=asyncio.subprocess.DEVNULL,
@@ -449,9 +466,6 @@ async def run_python_async(code: str, *, timeout_s: float = 10.0, memory_mb: int
         mode = (_read_all(mode_r).split() + ["unknown"] * 3)[:3]
         os.close(mode_r)
         _say_once_without_namespaces(mode[2])
-        shutil.rmtree(workdir, ignore_errors=True)
-        if uid is not None:
-            _release_uid(uid)
     exit_code = proc.returncode if proc is not None else None
     return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=exit_code, timed_out=timed_out,
                          memory_exceeded=exit_code == MEMORY_EXIT, truncated=out.truncated or err.truncated,
@@ -536,11 +550,17 @@ class SandboxPool:
         self._loop = None
 
     async def run(self, code: str, **overrides) -> SandboxResult:
+        async with self.slot():
+            return await run_python_async(code, **{**self.limits, **overrides})
+
+    @contextlib.asynccontextmanager
+    async def slot(self):
+        """One of the ``workers`` slots, held while a sandboxed run made elsewhere runs (``ctxrl.tools.shell``)."""
         loop = asyncio.get_running_loop()
         if self._semaphore is None or self._loop is not loop:
             self._semaphore, self._loop = asyncio.Semaphore(self.workers), loop
         async with self._semaphore:
-            return await run_python_async(code, **{**self.limits, **overrides})
+            yield
 
     async def map(self, codes: list[str]) -> list[SandboxResult]:
         """Run all of ``codes``; results in the same order."""

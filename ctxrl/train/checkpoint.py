@@ -242,6 +242,10 @@ def _checked_state(trainer: Checkpointed, path: Path, reference) -> dict[str, An
         raise damaged(path, "state.json", f"cannot be read ({exc})") from None
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{path}/state.json has format {state.get('format')!r}; this ctxrl reads format {FORMAT}")
+    for key in ("step", "policy_version", "skipped_updates", "consecutive_skips"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise damaged(path, "state.json", f"says {key} = {value!r}, which is no count of steps")
     for flag, have, what, files in (
             ("critic", learner.critic is not None, "a critic (algo.advantage=gae)",
              ("critic.safetensors", "critic_optimizer.safetensors", "critic_optimizer.json")),
@@ -271,6 +275,24 @@ def _load_module(module, file: Path) -> None:
         raise damaged(file.parent, file.name, f"cannot be read ({exc})") from None
 
 
+def finite_weights(path: Path) -> bool:
+    """Whether every tensor of the checkpoint's weights (``model.safetensors``, or a LoRA run's adapters) is finite:
+    matching checksums say the files are as written, not that what was written was good. Read one tensor at a time;
+    an unreadable file is not good."""
+    from safetensors import SafetensorError, safe_open
+
+    files = [f for f in (path / "model.safetensors", path / "adapter_model.safetensors") if f.exists()]
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as tensors:
+                for name in tensors.keys():
+                    if not torch.isfinite(tensors.get_tensor(name)).all():
+                        return False
+    except (SafetensorError, OSError):
+        return False
+    return bool(files)
+
+
 def resume_hint(run_dir: Path, checkpoint_every: int) -> str:
     """Where to resume from: the newest checkpoint written before any skipped-update streak."""
     root = run_dir / "checkpoints"
@@ -280,7 +302,7 @@ def resume_hint(run_dir: Path, checkpoint_every: int) -> str:
             state = json.loads((path / "state.json").read_text())
         except (OSError, ValueError):
             continue
-        if state.get("consecutive_skips", 0) == 0:
+        if state.get("consecutive_skips", 0) == 0 and finite_weights(path):
             good.append(path)
     if not good:
         why = "train.checkpoint_every=0" if not checkpoint_every else "none was written before the problem began"
