@@ -73,7 +73,7 @@ def test_envs_lists_every_registered_environment_in_80_columns(tmp_path: Path, m
     headers = [line.split(" (tools:")[0] for line in lines if " (tools: " in line and not line.startswith(" ")]
     assert headers == registered_envs()
     assert "  digits      1..3        4..4      digits in every number of the problem" in lines
-    assert len(lines) < 100  # was a table of 150 wrapped lines
+    assert len(lines) < 110  # was a table of 150 wrapped lines (100 with issue 56's repo_tasks and two families)
 
 
 def test_readme_names_every_registered_environment() -> None:

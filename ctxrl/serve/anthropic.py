@@ -284,9 +284,7 @@ def sse(events: list[tuple[str, dict]]):
 
 
 async def _messages(server, request: Request, session_id: str | None):
-    from ctxrl.serve.server import _body_of
-
-    body = await _body_of(server, request)
+    body = await server.body(request)
     parsed = await asyncio.to_thread(parse_request, body, max_total_tokens=server.max_total_tokens)
     client = tuple(request.client) if request.client else "in-process"
     choices, prompt_tokens = await server.complete(parsed, session_id, client)

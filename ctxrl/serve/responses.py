@@ -333,12 +333,10 @@ def _stored(parsed: ResponsesRequest, choice: Choice, response: dict) -> Stored:
 
 
 async def _responses(server, request: Request, session_id: str | None):
-    from ctxrl.serve.server import _body_of, check_session_id
-
     if session_id is not None:
-        check_session_id(session_id)
+        server.check_session_id(session_id)
     store: ResponseStore = server.responses
-    body = await _body_of(server, request)
+    body = await server.body(request)
     parsed = await asyncio.to_thread(parse_request, body, store, session_id,
                                      max_total_tokens=server.max_total_tokens)
     client = tuple(request.client) if request.client else "in-process"

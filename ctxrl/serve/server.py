@@ -308,6 +308,15 @@ class Server:
             parsed.append((completion, message, text, view("assistant", content or "", calls, None)))
         return choices, parsed
 
+    async def body(self, request: Request) -> Any:
+        """The request's JSON body, read within this server's limits (what every protocol's route reads first)."""
+        return await _body_of(self, request)
+
+    @staticmethod
+    def check_session_id(session_id: str) -> None:
+        """A 400 for a session id no header may echo (``check_session_id``), for the other protocols' routes."""
+        check_session_id(session_id)
+
     def raise_internal(self) -> None:
         """Raise the first engine failure met while serving (a harness saw it as a 500), if any. Other errors,
         a client's included, are answered and counted (``errors``) and never stop a trainer."""
