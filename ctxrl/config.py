@@ -29,6 +29,7 @@ else:  # pragma: no cover
 
 
 from ctxrl.errors import ConfigError
+from ctxrl.prompts import SUMMARY_INSTRUCTION
 from ctxrl.sections import (  # noqa: F401 - the sections are re-exported: ctxrl.config stays their face
     RESUMABLE,
     SECTIONS,
@@ -92,8 +93,22 @@ RENAMED: tuple[Renamed, ...] = (
     Renamed("meta.normalize", "algo.meta.normalize", "std"),
     Renamed("meta.baseline", "algo.meta.baseline", "loo"),
     Renamed("meta.gamma_trial", "algo.meta.gamma_trial", 1.0),
+    Renamed("context.max_summaries", lambda data: f"context.{_summarizer(data)}.max_summaries", 2),
+    Renamed("context.eval_max_summaries", lambda data: f"context.{_summarizer(data)}.eval_max_summaries", 2),
+    Renamed("context.summary_max_tokens", lambda data: f"context.{_summarizer(data)}.max_tokens", 64),
+    Renamed("context.summary_instruction", "context.summarize.instruction", SUMMARY_INSTRUCTION),
+    Renamed("context.max_branches", "context.fold.max_branches", 4),
+    Renamed("context.branch_reward", "context.fold.branch_reward", 0.0),
 )
 """Every key that was renamed, oldest first."""
+
+
+def _summarizer(data: Mapping[str, Any]) -> str:
+    """Whose table the old shared summary limits move to: the config's manager when it is ``select`` (which read
+    them too), else ``summarize``'s."""
+    context = data.get("context")
+    manager = context.get("manager") if isinstance(context, dict) else None
+    return "select" if manager == "select" else "summarize"
 
 # Names users bring from other libraries, in whatever section they put them: an unknown key that is one gets
 # "did you mean <ctxrl key> (TRL's NAME)?" rather than the nearest spelling (learning_rate is not mini_batches).

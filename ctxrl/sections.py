@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
+from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.settings import NON_NEGATIVE, POSITIVE, RESUMABLE, in_range
 
 __all__ = ["RESUMABLE", "SECTIONS", "SHARED", "AlgoConfig", "ContextConfig", "CurriculumConfig", "DistributedConfig",
@@ -138,24 +138,11 @@ class ContextConfig:
     history when the next turn would not fit, and goes on from the summary), ``fold``
     (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent),
     ``select`` (ECHO-style: the policy names the earlier turns to keep verbatim when the next turn would not fit),
-    or any manager registered with ``ctxrl.rollout.managers.register_manager``."""
+    or any manager registered with ``ctxrl.rollout.managers.register_manager``. A manager's own settings are its
+    table: ``[context.summarize]``, ``[context.select]``, ``[context.fold]``."""
     max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Working-context budget in tokens for ``window``, ``summarize`` and ``select`` (must not exceed
     rollout.max_total_tokens)."""
-    max_summaries: int = field(default=2, metadata=NON_NEGATIVE)
-    """Summaries (``select``: selections) an episode may make in training; past them an over-budget episode ends
-    (``max_context``)."""
-    eval_max_summaries: int = field(default=2, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Summaries (``select``: selections) allowed at evaluation (test-time scaling: may exceed max_summaries)."""
-    summary_max_tokens: int = field(default=64, metadata=POSITIVE)
-    """Tokens one summary (``select``: one reply naming the turns to keep) may take."""
-    summary_instruction: str = SUMMARY_INSTRUCTION
-    """The user message that asks for a summary."""
-    max_branches: int = field(default=4, metadata=NON_NEGATIVE)
-    """Branches an episode may open with ``fold``."""
-    branch_reward: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """``fold`` only: a process reward added to the advantage of every sampled token of a branch that returned a
-    non-empty result (FoldGRPO-style; it rewards finishing a branch, not being right, so keep it small; 0 = off)."""
     budget_start_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Budget curriculum (BACM-style): start training at this budget and shrink linearly to
     max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""

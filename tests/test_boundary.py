@@ -49,7 +49,8 @@ def test_episodes_specs_and_requests_round_trip_through_json_exactly(renderer):
     tools = [t.schema() for t in KVChainEnv().tools]
     budget = len(renderer.prompt_ids(opening, tools)) + 120
     limits = RolloutLimits(max_turns=len(lookups) + 4, max_new_tokens=64, max_total_tokens=4096,
-                           context=ContextPolicy(manager="summarize", max_context_tokens=budget, max_summaries=8))
+                           context=ContextPolicy(manager="summarize", max_context_tokens=budget,
+                                                 options={"max_summaries": 8}))
     engine = ScriptedEngine([*lookups, answer], renderer, summary=lambda: "Lookups so far: some. Next key: K1.")
     episode = asyncio.run(run_episode(KVChainEnv(), task, engine, renderer, limits, seed=3))
     episode.behavior_logprobs = [-0.1234567890123 * m for m in episode.loss_mask]  # floats with many digits

@@ -152,12 +152,16 @@ def test_overrides_apply_on_top_of_file(tmp_path):
 
 
 def test_to_toml_round_trips(tmp_path):
+    from ctxrl.settings import settings_table
+
     config = load_config(overrides=[
         "train.steps=3", "train.lr=1e-05", "run.progress=false", "algo.agg=seq-mean-token-sum-norm",
         "rollout.top_p=0.95", "sft.enabled=false", "algo.kl_coef=1e-10",
     ])
-    config = dataclasses.replace(  # (sections are frozen: a changed one is a new one)
-        config, context=dataclasses.replace(config.context, summary_instruction='a "quoted" \\ back\nslash'),
+    summarize = {**settings_table(config.settings_of("context", "summarize")),
+                 "instruction": 'a "quoted" \\ back\nslash'}
+    config = dataclasses.replace(  # (sections are frozen: a changed one is a new one; so is a component's table)
+        config, components={**config.components, "context.summarize": summarize},
         model=dataclasses.replace(config.model, chat_template='{{ "a \\"quoted\\" \\\\ template" }}\n'),
         run=dataclasses.replace(config.run, name="ünï cödé"))
     path = tmp_path / "resolved.toml"
@@ -196,20 +200,21 @@ def test_configuration_doc_is_generated_from_the_code() -> None:
 
 
 def test_the_resumable_settings_are_marked_where_they_are_declared():
-    from ctxrl.config import describe_fields, resumable_keys, resumable_summary
+    from ctxrl.config import describe_components, describe_fields, resumable_keys, resumable_summary
 
     # the hand-kept list the marks replaced (train/checkpoint.py's RESUMABLE_CHANGES; "x." is a whole section)
     old = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
            "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
-           "context.eval_max_summaries", "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.",
+           "context.summarize.eval_max_summaries", "context.select.eval_max_summaries",
+           "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.",
            "meta.eval_attempts", "meta.eval_trials", "report.", "run.plugins", "rollout.sandbox_workers",
            "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
            "train.gradient_checkpointing", "train.pack_sequences", "train.flat_forward", "model.gpu_memory_fraction",
            "lora.export_merged", "distributed.backend", "distributed.rollout_workers", "distributed.address",
            "distributed.timeout_s")
-    fields = describe_fields()
+    fields = describe_fields() + describe_components()  # (summarize's and select's eval limits: their tables)
     expected = {k for k, *_ in fields if any(k == r or (r.endswith(".") and k.startswith(r)) for r in old)}
-    assert resumable_keys() == expected and len(expected) == 46  # + sft.format_demos_env, _demos, _budget
+    assert resumable_keys() == expected and len(expected) == 47  # + sft.format_demos_env, _demos, _budget
     for key, _, _, doc in fields:  # the configuration reference says which
         assert doc.endswith("May change on `--resume`.") == (key in expected), key
     assert {"model.dtype", "train.lr", "algo.advantage", "lora.rank"}.isdisjoint(resumable_keys())
@@ -236,8 +241,9 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # three of [distributed] that _validate_distributed checked by hand; then the judge's tokens, retries, deadline
     # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget;
     # issue 50 moved these into their components' tables: the curricula's 5; gae's lam, vf_clip, critic_lr and
-    # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed)
-    assert len(bounds) == 78
+    # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed); then summarize's and
+    # select's max_summaries, eval_max_summaries, max_tokens and fold's max_branches, branch_reward
+    assert len(bounds) == 73
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
@@ -356,9 +362,10 @@ MOVED_50 = {
         "algo.meta.credit": "relative", "algo.meta.normalize": "none", "algo.meta.baseline": "mean",
         "algo.meta.gamma_trial": 0.9,
         "algo.dual_clip": 3.0,
-        "context.max_summaries": 3, "context.eval_max_summaries": 5, "context.summary_max_tokens": 48,
-        "context.summary_instruction": "Summarise what you found so far, briefly.", "context.max_branches": 3,
-        "context.branch_reward": 0.1,
+        "context.summarize.max_summaries": 3, "context.summarize.eval_max_summaries": 5,
+        "context.summarize.max_tokens": 48,
+        "context.summarize.instruction": "Summarise what you found so far, briefly.",
+        "context.fold.max_branches": 3, "context.fold.branch_reward": 0.1,
         "env.tools": "calculator,python", "env.verifier": "numeric", "env.harness": "agent.py:rollout",
         "reward.judge": "http://127.0.0.1:1/v1", "reward.judge_weight": 0.5, "reward.judge_model": "judge-model",
         "reward.judge_rubric": "rubric.toml", "reward.judge_input": "answer", "reward.judge_reference": True,
@@ -372,9 +379,9 @@ MOVED_50 = {
         "sft.format_demos": 8, "sft.format_demos_budget": 256,
     },
     "config_before_50_select.toml": {
-        "context.manager": "select", "context.max_context_tokens": 256, "context.max_summaries": 3,
-        "context.eval_max_summaries": 4, "context.summary_max_tokens": 40,
-        "context.summary_instruction": "Name the earlier turns to keep.",
+        "context.manager": "select", "context.max_context_tokens": 256, "context.select.max_summaries": 3,
+        "context.select.eval_max_summaries": 4, "context.select.max_tokens": 40,
+        "context.summarize.instruction": "Name the earlier turns to keep.",
     },
 }
 

@@ -137,18 +137,15 @@ class RolloutSpec(PlainData):
         c, r, m = config.context, config.rollout, config.meta
         seeds = Seeds(config.run.seed)
 
-        def context(max_summaries: int) -> ContextPolicy:
-            return ContextPolicy(manager=c.manager, max_context_tokens=c.max_context_tokens,
-                                 max_summaries=max_summaries, summary_max_tokens=c.summary_max_tokens,
-                                 instruction=c.summary_instruction, max_branches=c.max_branches,
-                                 branch_reward=c.branch_reward,
+        def context(phase: str) -> ContextPolicy:
+            return ContextPolicy(c.manager, c.max_context_tokens, phase=phase,
                                  options=dict(config.components.get(f"context.{c.manager}", {})))
 
         train = project(RolloutLimits, r, max_turns=config.env.max_turns, timeout_s=r.episode_timeout_s,
-                        context=context(c.max_summaries))
+                        context=context("train"))
         evaluation = project(RolloutLimits, r, max_turns=config.env.max_turns, timeout_s=r.episode_timeout_s,
                              temperature=config.eval.temperature, top_p=1.0, top_k=0,  # (evaluation never used these)
-                             context=context(c.eval_max_summaries))
+                             context=context("eval"))
         return cls(
             model=dataclasses.replace(config.model, device=resolve_device(config.model.device)), env=config.env,
             env_options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),

@@ -144,14 +144,17 @@ def _check_template(template: str) -> None:
 
 
 def _check_text(config: Config) -> None:
-    """Every text setting holds text UTF-8 can write (a lone surrogate such as ``\\ud800`` cannot)."""
-    for section in SECTIONS:
-        for f in dataclasses.fields(getattr(config, section)):
-            value = getattr(getattr(config, section), f.name)
-            for text in (value if isinstance(value, list) else [value]):
-                if isinstance(text, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in text):
-                    raise ConfigError(f"{section}.{f.name} holds a lone surrogate (an escape such as \\ud800 "
-                                      "that is no character); remove it")
+    """Every text setting, a component's table's too, holds text UTF-8 can write (a lone surrogate such as
+    ``\\ud800`` cannot)."""
+    settings = [(f"{section}.{f.name}", getattr(getattr(config, section), f.name))
+                for section in SECTIONS for f in dataclasses.fields(getattr(config, section))]
+    settings += [(f"{component}.{key}", value) for component, table in config.components.items()
+                 for key, value in table.items()]
+    for key, value in settings:
+        for text in (value if isinstance(value, list) else [value]):
+            if isinstance(text, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+                raise ConfigError(f"{key} holds a lone surrogate (an escape such as \\ud800 that is no character); "
+                                  "remove it")
 
 
 def _check_env_name(name: str) -> None:
@@ -328,10 +331,9 @@ def _validate_context(config: Config, estimator: type, manager: type) -> None:
         budgeted += f"; {optional} with context.max_context_tokens > 0" if optional else ""
         raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget ({budgeted}), "
                           f"not {ctx.manager!r} without one; set it to 0")
-    if ctx.branch_reward and not manager.process_reward:
-        payers = "/".join(n for n in manager_names() if get_manager(n).process_reward)
-        raise ConfigError(f"context.branch_reward is a process reward of the managers that pay one, so it applies to "
-                          f"context.manager={payers} only (not {ctx.manager!r}); set it to 0")
+    if config.components.get("context.fold", {}).get("branch_reward") and ctx.manager != "fold":
+        raise ConfigError(f"context.fold.branch_reward is fold's process reward, so it applies to "
+                          f"context.manager=fold only (not {ctx.manager!r}); set it to 0")
     if ctx.budget_start_tokens and ctx.budget_steps <= 0:
         raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
     if not manager.rewrites_context:
