@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ctxrl.serve.harness import Remote
 
         Remote.api_key = api_key
-        args.overrides = [*args.overrides, "env.name=harness", f'env.harness="remote:{args.port}"']
+        args.overrides = [*args.overrides, "env.name=harness", f'env.harness.agent="remote:{args.port}"']
         if args.checkpoint:
             args.overrides.append(f"model.name={json.dumps(str(args.checkpoint))}")
         args.resume, args.steps, args.json, args.distributed = False, None, False, None
@@ -286,7 +286,7 @@ def env_listing(width: int) -> list[str]:
     for name in list_envs():
         cls = get_env_class(name)
         if hook(cls, "configure") is not None:  # built from data: nothing to show until configured
-            lines += ["", f"{name} (tools: env.tools)", "  tasks from env.data (JSONL), docs/environments.md"]
+            lines += ["", f"{name} (tools: env.{name}.tools)", "  tasks from env.data (JSONL), docs/environments.md"]
             continue
         env = cls()
         tools = ", ".join(t.name for t in env.tools) or "none"
@@ -415,8 +415,9 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from ctxrl.tools.mcp import close_hubs
 
     try:
-        cls = configured_env_class(args.name, _settings(args.set), data=args.data, tools=args.tools,
-                                   verifier=args.verifier)
+        given = {"tools": args.tools} if args.tools else {}  # (jsonl_tools' own settings, as flags)
+        given |= {"verifier": args.verifier} if args.verifier != "exact" else {}
+        cls = configured_env_class(args.name, {**_settings(args.set), **given}, data=args.data)
         cls = with_mcp_tools(cls, EnvConfig(mcp_servers=list(args.mcp_server)))
     except EnvError as exc:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)

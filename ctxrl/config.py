@@ -99,8 +99,18 @@ RENAMED: tuple[Renamed, ...] = (
     Renamed("context.summary_instruction", "context.summarize.instruction", SUMMARY_INSTRUCTION),
     Renamed("context.max_branches", "context.fold.max_branches", 4),
     Renamed("context.branch_reward", "context.fold.branch_reward", 0.0),
+    Renamed("env.harness", "env.harness.agent", "", kind=str),  # (first: a table now, where the two below may go)
+    Renamed("env.tools", lambda data: f"env.{_data_env(data)}.tools", ""),
+    Renamed("env.verifier", lambda data: f"env.{_data_env(data)}.verifier", "exact"),
 )
 """Every key that was renamed, oldest first."""
+
+
+def _data_env(data: Mapping[str, Any]) -> str:
+    """Whose table ``env.tools`` and ``env.verifier`` move to: ``harness``'s when the config names it (its JSONL
+    tasks are played with them), else ``jsonl_tools``'s."""
+    env = data.get("env")
+    return "harness" if isinstance(env, dict) and env.get("name") == "harness" else "jsonl_tools"
 
 
 def _summarizer(data: Mapping[str, Any]) -> str:

@@ -65,15 +65,6 @@ class EnvConfig:
     """Assistant turns per episode before it is truncated (``max_turns``)."""
     data: str = ""
     """Task file for environments built from data (``jsonl_tools``): a JSONL path."""
-    tools: str = ""
-    """Comma-separated built-in tools for ``jsonl_tools`` (``calculator``, ``python``)."""
-    verifier: str = "exact"
-    """Answer check for ``jsonl_tools``: ``exact``, ``numeric`` or ``contains``."""
-    harness: str = ""
-    """For ``env.name = "harness"``: the agent to train, an ``async def rollout(client, task)`` given as
-    ``package.module:function`` or ``path/to/file.py:function``; its OpenAI client's calls are the episode and its
-    return value the reward. ``env.data`` is then ``env:NAME`` (a registered environment's tasks) or a JSONL task
-    file (docs/serve.md)."""
     mcp_servers: list[str] = field(default_factory=list)
     """MCP servers whose tools the policy gets beside the environment's own (docs/mcp.md): each the URL of a
     streamable-HTTP server (``http://127.0.0.1:8000/mcp``) or a command line that starts one over stdio (``python

@@ -276,7 +276,8 @@ def test_ctxrl_tools_lists_what_the_policy_will_see(tmp_path, capsys):
     data = tasks_file(tmp_path, [{"prompt": "p", "answer": "yes"}])
     server = f"PID_FILE={tmp_path}/pid {SERVER}"
     args = ["tools", str(ROOT / "examples/calculator_tiny.toml"), "env.name=jsonl_tools", f'env.data="{data}"',
-            "env.tools=calculator", f"env.mcp_servers=[{json.dumps(server)}]", "env.mcp_tools=files.read,pick",
+            "env.jsonl_tools.tools=calculator", f"env.mcp_servers=[{json.dumps(server)}]",
+            "env.mcp_tools=files.read,pick",
             "context.manager=fold"]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
@@ -330,7 +331,8 @@ def test_configuration_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch)
     with pytest.raises(EnvError, match="harness"):  # (the same through the config, as `ctxrl config` reports it)
         from ctxrl.train.preflight import preflight
 
-        preflight(load_config(None, ["env.name=harness", 'env.harness="examples/harness/calculator_agent.py:rollout"',
+        preflight(load_config(None, ["env.name=harness",
+                                     'env.harness.agent="examples/harness/calculator_agent.py:rollout"',
                                      'env.data="env:calculator"', f"env.mcp_servers=[{json.dumps(SERVER)}]"]))
     import ctxrl.tools.mcp as mcp_module
 

@@ -135,10 +135,7 @@ def spec_env_class(spec: RolloutSpec) -> type:
     checked, not started), its tasks checked against the rollout's length (``check_tasks``, by characters: no
     tokenizer is loaded here)."""
     e = spec.env
-    options = {"data": e.data, "tools": e.tools, "verifier": e.verifier}
-    if e.harness or e.name == "harness":
-        options["harness"] = e.harness
-    cls = with_mcp_tools(configured_env_class(e.name, spec.env_options, **options), e)
+    cls = with_mcp_tools(configured_env_class(e.name, spec.env_options, data=e.data), e)
     check = hook(cls, "check_tasks")
     if check is not None:  # (``ctxrl config`` too: a task too long to fit is an error before anything loads)
         check(spec.train.max_total_tokens)

@@ -6,7 +6,7 @@ worker's own engine (no port, no network: an ASGI transport). Everything the har
 one token-faithful episode (``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number,
 or a dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a built-in
 environment's are, so advantages, filters, context splits, checkpoints and resume all apply unchanged. The
-environment's half (``env.harness``, ``env.data``: which function, which tasks) is ``ctxrl.envs.harness``; its class
+environment's half (``[env.harness]``, ``env.data``: which function, which tasks) is ``ctxrl.envs.harness``; its class
 names the runner registered here, which the configuration imports (``ctxrl.run.validate.RUNNER_PACKAGES``).
 
 During training the server samples at the rollout settings (``rollout.temperature``, ``top_p``,
