@@ -99,7 +99,12 @@ RENAMED: tuple[Renamed, ...] = (
     Renamed("context.summary_instruction", "context.summarize.instruction", SUMMARY_INSTRUCTION),
     Renamed("context.max_branches", "context.fold.max_branches", 4),
     Renamed("context.branch_reward", "context.fold.branch_reward", 0.0),
-    Renamed("env.harness", "env.harness.agent", "", kind=str),  # (first: a table now, where the two below may go)
+    Renamed("env.harness", "env.harness.agent", "", kind=str),
+    Renamed("reward.judge", "reward.judge.target", "", kind=str),  # (first: a table now, where the rest go)
+    *(Renamed(f"reward.judge_{key}", f"reward.judge.{key}", default) for key, default in (
+        ("weight", 1.0), ("model", ""), ("rubric", ""), ("input", "transcript"), ("reference", False),
+        ("max_tokens", 64), ("retries", 2), ("timeout_s", 60.0), ("concurrency", 8), ("cache", ""),
+        ("api_key_env", "OPENAI_API_KEY"))),  # (first: a table now, where the two below may go)
     Renamed("env.tools", lambda data: f"env.{_data_env(data)}.tools", ""),
     Renamed("env.verifier", lambda data: f"env.{_data_env(data)}.verifier", "exact"),
 )

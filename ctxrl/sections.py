@@ -284,6 +284,8 @@ class CurriculumConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
+    """The reward's terms; a judge's settings are its own table, ``[reward.judge]`` (``judge.spec.JudgeSettings``)."""
+
     outcome: float = 1.0
     """Weight of the environment's own reward (its correctness signal)."""
     overlong_buffer: int = field(default=0, metadata=NON_NEGATIVE)
@@ -297,37 +299,6 @@ class RewardConfig:
     """OTC's smoothing constant c (used when no episode of the group succeeded with a known count)."""
     format_weight: float = 0.0
     """Weight of the format reward: 1 when no turn made a malformed or failing tool call (0 = off)."""
-    judge: str = ""
-    """A judge that grades every training episode, its score in [0, 1] a reward term (docs/judges.md): an
-    OpenAI-compatible endpoint (``http://127.0.0.1:8000/v1``: ``ctxrl serve`` over another checkpoint, vLLM, a hosted
-    API; needs ``pip install -e '.[judge]'``) or any ``model.name`` loaded in this process. Empty: no judge."""
-    judge_weight: float = 1.0
-    """Weight of the judge's score. A judge-rewarded run that hides the verifier from training: ``reward.outcome=0``
-    (evaluation still reports the environment's success)."""
-    judge_model: str = ""
-    """The model an endpoint is asked for (empty: the first it lists, which is what ``ctxrl serve`` serves)."""
-    judge_rubric: str = ""
-    """A TOML rubric: criteria (name, description, weight), their scale, optional one-word verdicts (docs/judges.md).
-    Empty: one criterion, ``correct``, from 0 to 10."""
-    judge_input: str = "transcript"
-    """What the judge reads: ``transcript`` (every message of the episode) or ``answer`` (its last assistant
-    message)."""
-    judge_reference: bool = False
-    """Show the judge the task's reference answer (reference-guided grading)."""
-    judge_max_tokens: int = field(default=64, metadata=POSITIVE)
-    """Tokens the judge may write per reply."""
-    judge_retries: int = field(default=2, metadata=NON_NEGATIVE)
-    """Further tries after a malformed reply (asked again with sampling), a call past its deadline or a transient
-    failure; when every try fails the episode is errored (``errors_judge``), never scored 0."""
-    judge_timeout_s: float = field(default=60.0, metadata=POSITIVE)
-    """Deadline of one call to the judge."""
-    judge_concurrency: int = field(default=8, metadata=POSITIVE)
-    """Most calls to the judge in flight at once per rollout worker (they run while other episodes still play)."""
-    judge_cache: str = ""
-    """Where verdicts are kept by the hash of the question, so that a rerun asks nothing again: a directory (empty:
-    ``$CTXRL_CACHE/judge``), or ``off``."""
-    judge_api_key_env: str = "OPENAI_API_KEY"
-    """The environment variable holding the endpoint's API key (a missing variable sends none)."""
 
 
 @dataclass(frozen=True)

@@ -242,8 +242,9 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget;
     # issue 50 moved these into their components' tables: the curricula's 5; gae's lam, vf_clip, critic_lr and
     # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed); then summarize's and
-    # select's max_summaries, eval_max_summaries, max_tokens and fold's max_branches, branch_reward
-    assert len(bounds) == 73
+    # select's max_summaries, eval_max_summaries, max_tokens and fold's max_branches, branch_reward; then the judge's
+    # max_tokens, retries, timeout_s, concurrency
+    assert len(bounds) == 69
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
@@ -368,10 +369,10 @@ MOVED_50 = {
         "context.fold.max_branches": 3, "context.fold.branch_reward": 0.1,
         "env.jsonl_tools.tools": "calculator,python", "env.jsonl_tools.verifier": "numeric",
         "env.harness.agent": "agent.py:rollout",
-        "reward.judge": "http://127.0.0.1:1/v1", "reward.judge_weight": 0.5, "reward.judge_model": "judge-model",
-        "reward.judge_rubric": "rubric.toml", "reward.judge_input": "answer", "reward.judge_reference": True,
-        "reward.judge_max_tokens": 32, "reward.judge_retries": 1, "reward.judge_timeout_s": 10.0,
-        "reward.judge_concurrency": 2, "reward.judge_cache": "off", "reward.judge_api_key_env": "JUDGE_KEY",
+        "reward.judge.target": "http://127.0.0.1:1/v1", "reward.judge.weight": 0.5, "reward.judge.model": "judge-model",
+        "reward.judge.rubric": "rubric.toml", "reward.judge.input": "answer", "reward.judge.reference": True,
+        "reward.judge.max_tokens": 32, "reward.judge.retries": 1, "reward.judge.timeout_s": 10.0,
+        "reward.judge.concurrency": 2, "reward.judge.cache": "off", "reward.judge.api_key_env": "JUDGE_KEY",
         "meta.demos_max": 2, "meta.demos_steps": 5, "meta.demos_kind": "cosine", "meta.demos_mode": "probability",
         "meta.demos_source": "demos.jsonl", "meta.demos_pool": 16,
         "report.wandb_project": "ctxrl-50", "report.wandb_mode": "disabled",

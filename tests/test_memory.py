@@ -150,8 +150,8 @@ def test_the_frozen_models_that_share_the_card():
     assert beside(*distill) == (("runs/t/final", "bfloat16"),)
     assert beside(*distill, "algo.distill.dtype=float32") == (("runs/t/final", "float32"),)
     assert beside(*distill, "algo.distill.device=cuda:1") == ()  # a card of its own
-    assert beside("reward.judge=smollm2-135m-instruct") == (("smollm2-135m-instruct", "float32"),)
-    assert beside("reward.judge=http://127.0.0.1:8001/v1") == ()  # an endpoint: another process
+    assert beside("reward.judge.target=smollm2-135m-instruct") == (("smollm2-135m-instruct", "float32"),)
+    assert beside("reward.judge.target=http://127.0.0.1:8001/v1") == ()  # an endpoint: another process
 
 
 def test_lora_adapters_and_what_they_save(smollm2):

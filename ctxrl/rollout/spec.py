@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxrl.judge.spec import JudgeSpec
+from ctxrl.judge.spec import JudgeSettings
 from ctxrl.plain import PlainData, project
 from ctxrl.rollout.managers.base import ContextPolicy
 from ctxrl.sections import SHARED, EnvConfig, LoRAConfig, MetaConfig, ModelConfig, RolesConfig, RolloutConfig
@@ -109,8 +109,8 @@ class RolloutSpec(PlainData):
     """The run's seed (``run.seed``), from which the worker's own streams derive (``ctxrl.seeds.Seeds``)."""
     plugins: str = ""
     """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
-    judge: JudgeSpec = JudgeSpec()
-    """The judge that grades training episodes (``reward.judge``; off when its target is empty)."""
+    judge: JudgeSettings = JudgeSettings()
+    """The judge that grades training episodes (its table ``[reward.judge]``; off when its target is empty)."""
     roles: RolesConfig = RolesConfig()
     """Who plays each role of a multi-role environment, and how the seats' rewards relate (``[roles]``)."""
     lora: LoRAConfig = LoRAConfig()
@@ -154,7 +154,7 @@ class RolloutSpec(PlainData):
                            source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
                            choice_seed=seeds.demo_choice),
             rollout=r, seed=config.run.seed, plugins=config.run.plugins,
-            judge=JudgeSpec.from_config(config, resolve_device(config.model.device)), roles=config.roles,
+            judge=config.settings_of("reward", "judge"), roles=config.roles,
             lora=config.lora)
 
 

@@ -112,7 +112,7 @@ class RolloutWorker:
         """``run`` inside a running event loop."""
         total, finished = len(request.tasks) * request.group_size, [0]
         if request.phase == "train" and self.spec.judge.enabled and self.judge is None:
-            self.judge = Judge.from_spec(self.spec.judge)
+            self.judge = Judge.from_spec(self.spec.judge, device=self.spec.model.device, dtype=self.spec.model.dtype)
         judging = self.judge.round() if self.judge is not None and request.phase == "train" else None
 
         def counter(episode: Episode) -> None:

@@ -110,6 +110,7 @@ COMPONENT_REGISTRIES: dict[str, Registered | Fixed] = {
     "context": Registered(_manager_settings, _builtin_managers),
     "env": Registered(_env_settings, _builtin_envs),
     "curriculum": Registered(_curriculum_settings, _builtin_curricula),
+    "reward": Fixed({"judge": "ctxrl.judge.spec:JudgeSettings"}),
 }
 """The sections whose sub-tables are components' own settings, and where each finds a component's settings."""
 

@@ -69,21 +69,21 @@ def check_named(name: str, what: str) -> None:
 
 
 def check_judge(config: Config) -> None:
-    """A judge's rubric file, and its endpoint's client package or its model (``reward.judge``)."""
-    r = config.reward
-    if not r.judge:
+    """A judge's rubric file, and its endpoint's client package or its model (``[reward.judge]``)."""
+    judge = config.settings_of("reward", "judge")
+    if not judge.enabled:
         return
     from ctxrl.judge.backends import is_endpoint, require_openai
     from ctxrl.judge.rubric import load_rubric
 
     try:
-        load_rubric(r.judge_rubric)
+        load_rubric(judge.rubric)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if is_endpoint(r.judge):
+    if is_endpoint(judge.target):
         require_openai()
     else:
-        check_named(r.judge, "reward.judge")
+        check_named(judge.target, "reward.judge.target")
 
 
 def check_train_split(config: Config, have: tuple[str, ...]) -> None:

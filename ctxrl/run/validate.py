@@ -43,7 +43,6 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.algo.roles import REWARD_MODES
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
-    from ctxrl.judge.transcript import INPUTS as JUDGE_INPUTS
     from ctxrl.meta.anneal import KINDS as DEMO_KINDS
     from ctxrl.meta.anneal import MODES as DEMO_MODES
     from ctxrl.meta.rollout import CARRIES
@@ -58,7 +57,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
             "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
-            "reward.judge_input": JUDGE_INPUTS, "roles.rewards": REWARD_MODES}
+            "roles.rewards": REWARD_MODES}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:
@@ -233,14 +232,16 @@ def _validate_distributed(config: Config) -> None:
 
 def _validate_judge(config: Config) -> None:
     """A judge's settings that make no sense on their own (its rubric, endpoint and model are preflight's)."""
-    r = config.reward
-    if not r.judge:
+    judge = config.settings_of("reward", "judge")
+    if not judge.enabled:
         return
-    if r.judge_weight == 0:
-        raise ConfigError(f"reward.judge={r.judge!r} grades every episode, but reward.judge_weight=0 adds none of its "
-                          "scores to the reward; set a weight (1 is the default) or reward.judge=\"\"")
-    if r.judge.startswith(("http:", "https:")) and not r.judge.startswith(("http://", "https://")):
-        raise ConfigError(f"reward.judge={r.judge!r} is not a URL; an endpoint is written http://HOST:PORT/v1")
+    if judge.weight == 0:
+        raise ConfigError(f"reward.judge.target={judge.target!r} grades every episode, but reward.judge.weight=0 adds "
+                          "none of its scores to the reward; set a weight (1 is the default) or "
+                          "reward.judge.target=\"\"")
+    if judge.target.startswith(("http:", "https:")) and not judge.target.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.judge.target={judge.target!r} is not a URL; an endpoint is written "
+                          "http://HOST:PORT/v1")
     from ctxrl.envs.base import EnvError
     from ctxrl.envs.roles import is_multi_role
 
@@ -251,7 +252,7 @@ def _validate_judge(config: Config) -> None:
     if is_multi_role(env_cls):
         raise ConfigError(f"reward.judge grades one agent's episodes; environment {config.env.name!r} plays "
                           f"several roles ({', '.join(env_cls.roles)}), whose seats a judge does not grade yet: "
-                          "set reward.judge=\"\" (docs/judges.md)")
+                          "set reward.judge.target=\"\" (docs/judges.md)")
 
 
 def _validate_algo(config: Config, estimator: type) -> None:
@@ -377,7 +378,8 @@ def _validate_meta(config: Config, estimator: type) -> None:
             raise ConfigError(f"algo.void_turn_filter drops whole episodes; with algo.advantage={a.advantage} it "
                               "would drop whole trials for one void turn, so it is not supported; set it to false")
         rc = config.reward
-        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight or rc.judge:
+        judged = config.settings_of("reward", "judge").enabled
+        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight or judged:
             raise ConfigError(f"algo.advantage={a.advantage} credits each attempt with the environment's own reward; "
                               "reward shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight, judge) "
                               "shapes whole episodes and is not supported with it; leave [reward] at its defaults")

@@ -360,7 +360,8 @@ class HarnessRunner(EpisodeRunner):
         roles = getattr(worker.env_cls, "harness_roles", ())
         if roles and spec.judge.enabled:
             raise ConfigError(f"reward.judge grades one agent's episodes; this harness plays the roles "
-                              f"{', '.join(roles)}, whose seats a judge does not grade yet: set reward.judge=\"\"")
+                              f"{', '.join(roles)}, whose seats a judge does not grade yet: set "
+                              "reward.judge.target=\"\"")
         return await run_harness(worker.env_cls, request.tasks, worker.engine, worker.renderer,
                                  request.limits(spec), group_size=request.group_size, seed=request.seed,
                                  on_done=on_done, first_group=request.task_offset)

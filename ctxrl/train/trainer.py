@@ -394,8 +394,9 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
             prepare_model(config.model.name, progress)
             if teacher_name(config):  # (a tiny teacher built, a GGUF one converted, before the student loads)
                 prepare_model(teacher_name(config), progress)
-            if config.reward.judge and not is_endpoint(config.reward.judge):  # (a local judge, the same way)
-                prepare_model(config.reward.judge, progress)
+            judge = config.settings_of("reward", "judge").target
+            if judge and not is_endpoint(judge):  # (a local judge, the same way)
+                prepare_model(judge, progress)
         except Exception as exc:  # noqa: BLE001 - the followers must hear of any failure, then it is raised here
             problem = exc
     if parallel is not None:
@@ -451,7 +452,7 @@ def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tup
     out = []
     if estimator.needs_teacher and estimator.options.device in ("", device):
         out.append((estimator.options.teacher, estimator.options.dtype or config.model.dtype))
-    judge = config.reward.judge
+    judge = config.settings_of("reward", "judge").target
     if judge and not is_endpoint(judge) and config.distributed.backend == "none":
         out.append((judge, config.model.dtype))
     return tuple(out)
