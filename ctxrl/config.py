@@ -99,14 +99,16 @@ RENAMED: tuple[Renamed, ...] = (
     Renamed("context.summary_instruction", "context.summarize.instruction", SUMMARY_INSTRUCTION),
     Renamed("context.max_branches", "context.fold.max_branches", 4),
     Renamed("context.branch_reward", "context.fold.branch_reward", 0.0),
-    Renamed("env.harness", "env.harness.agent", "", kind=str),
+    Renamed("env.harness", "env.harness.agent", "", kind=str),  # (first: a table now, where the two below may go)
+    Renamed("env.tools", lambda data: f"env.{_data_env(data)}.tools", ""),
+    Renamed("env.verifier", lambda data: f"env.{_data_env(data)}.verifier", "exact"),
     Renamed("reward.judge", "reward.judge.target", "", kind=str),  # (first: a table now, where the rest go)
     *(Renamed(f"reward.judge_{key}", f"reward.judge.{key}", default) for key, default in (
         ("weight", 1.0), ("model", ""), ("rubric", ""), ("input", "transcript"), ("reference", False),
         ("max_tokens", 64), ("retries", 2), ("timeout_s", 60.0), ("concurrency", 8), ("cache", ""),
-        ("api_key_env", "OPENAI_API_KEY"))),  # (first: a table now, where the two below may go)
-    Renamed("env.tools", lambda data: f"env.{_data_env(data)}.tools", ""),
-    Renamed("env.verifier", lambda data: f"env.{_data_env(data)}.verifier", "exact"),
+        ("api_key_env", "OPENAI_API_KEY"))),
+    *(Renamed(f"meta.demos_{key}", f"meta.demos.{key}", default) for key, default in (
+        ("max", 0), ("steps", 0), ("kind", "linear"), ("mode", "count"), ("source", "solve"), ("pool", 64))),
 )
 """Every key that was renamed, oldest first."""
 

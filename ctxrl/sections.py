@@ -166,21 +166,6 @@ class MetaConfig:
     max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Budget of an attempt's opening (task + carried history) in tokens: the oldest attempts are dropped until it
     fits (0 = only the room rollout.max_total_tokens leaves for a turn)."""
-    demos_max: int = field(default=0, metadata=NON_NEGATIVE)
-    """Annealed demonstrations: few-shot solved examples in training prompts (count at step 0, or per episode
-    that gets them); evaluation never gets any. 0 = off."""
-    demos_steps: int = field(default=0, metadata=NON_NEGATIVE)
-    """The RL step from which no training prompt gets demonstrations (the schedule reaches 0 there)."""
-    demos_kind: str = "linear"
-    """Shape of the decay: ``linear``, ``cosine`` or ``step`` (constant, then none)."""
-    demos_mode: str = "count"
-    """``count``: every episode gets the scheduled number; ``probability``: demos_max or none, with the
-    scheduled probability."""
-    demos_source: str = "solve"
-    """Where demonstrations come from: ``solve`` (the env's scripted solutions of other training tasks) or a
-    JSONL file of ``{"prompt", "messages"}`` lines."""
-    demos_pool: int = field(default=64, metadata=POSITIVE)
-    """Training tasks solved for the ``solve`` pool (a task's own demo is never shown to it)."""
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from ctxrl.engine.base import Completion
 from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.kv_chain import KVChainEnv
-from ctxrl.meta.anneal import DemoSchedule
+from ctxrl.meta.anneal import DemoSchedule, DemoSettings
 from ctxrl.plain import from_json, to_json
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers import ContextManager, ContextPolicy, register_manager
 from ctxrl.rollout.messages import text_only
-from ctxrl.rollout.spec import DemoSpec, RolloutLimits, RolloutRequest, RolloutSpec
+from ctxrl.rollout.spec import RolloutLimits, RolloutRequest, RolloutSpec
 from ctxrl.rollout.worker import RolloutWorker
 from ctxrl.sections import MetaConfig, RolloutConfig
 from ctxrl.tools.base import Tool
@@ -64,9 +64,9 @@ def test_episodes_specs_and_requests_round_trip_through_json_exactly(renderer):
 
     spec = RolloutSpec(train=limits, eval=RolloutLimits(temperature=0.0, top_k=5),
                        meta=MetaConfig(num_attempts=3, carry="attempts"), rollout=RolloutConfig(max_batch_size=7),
-                       demos=DemoSpec(max_demos=2, steps=5, kind="cosine", pool=9))
+                       demos={"max": 2, "steps": 5, "kind": "cosine", "pool": 9})
     assert _json_round_trip(spec) == spec
-    assert DemoSchedule.from_spec(_json_round_trip(spec).demos) == DemoSchedule(2, 5, "cosine")
+    assert DemoSchedule.from_spec(DemoSettings(**_json_round_trip(spec).demos)) == DemoSchedule(2, 5, "cosine")
     for overrides in (["context.manager=window", "context.max_context_tokens=300", "rollout.top_p=0.9"],
                       ["meta.eval_attempts=2", "meta.reflection_max_tokens=9"]):
         config_spec = RolloutSpec.from_config(load_config(None, overrides))
@@ -84,8 +84,8 @@ def test_a_worker_in_a_spawned_process_plays_exactly_the_in_process_episodes(mod
     from ctxrl.rollout.process import ProcessWorker, WorkerError
 
     config = load_config(None, [f"model.name={TINY}", "model.device=cpu", "rollout.temperature=1.0",
-                                "rollout.max_new_tokens=12", "env.max_turns=2", "meta.demos_max=1",
-                                "meta.demos_steps=4", "meta.demos_pool=4"])
+                                "rollout.max_new_tokens=12", "env.max_turns=2", "meta.demos.max=1",
+                                "meta.demos.steps=4", "meta.demos.pool=4"])
     spec = RolloutSpec.from_config(config)
     state = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
              for k, v in model.state_dict().items()}  # weights the checkpoint on disk does not have

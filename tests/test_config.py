@@ -243,8 +243,8 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # issue 50 moved these into their components' tables: the curricula's 5; gae's lam, vf_clip, critic_lr and
     # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed); then summarize's and
     # select's max_summaries, eval_max_summaries, max_tokens and fold's max_branches, branch_reward; then the judge's
-    # max_tokens, retries, timeout_s, concurrency
-    assert len(bounds) == 69
+    # max_tokens, retries, timeout_s, concurrency; then the annealed demos' max, steps, pool
+    assert len(bounds) == 66
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
@@ -373,8 +373,8 @@ MOVED_50 = {
         "reward.judge.rubric": "rubric.toml", "reward.judge.input": "answer", "reward.judge.reference": True,
         "reward.judge.max_tokens": 32, "reward.judge.retries": 1, "reward.judge.timeout_s": 10.0,
         "reward.judge.concurrency": 2, "reward.judge.cache": "off", "reward.judge.api_key_env": "JUDGE_KEY",
-        "meta.demos_max": 2, "meta.demos_steps": 5, "meta.demos_kind": "cosine", "meta.demos_mode": "probability",
-        "meta.demos_source": "demos.jsonl", "meta.demos_pool": 16,
+        "meta.demos.max": 2, "meta.demos.steps": 5, "meta.demos.kind": "cosine", "meta.demos.mode": "probability",
+        "meta.demos.source": "demos.jsonl", "meta.demos.pool": 16,
         "report.wandb_project": "ctxrl-50", "report.wandb_mode": "disabled",
         "sft.shortcut_fraction": 0.5, "sft.redundant_fraction": 0.25, "sft.other_worlds": False,
         "sft.context_demos": "off", "sft.trial_demos": 0.1, "sft.format_demos_env": "fact_hunt",

@@ -94,8 +94,8 @@ def test_missing_data_file(command, tmp_path, capsys, no_model_work) -> None:
 
 
 def test_missing_demonstration_file(tmp_path, capsys, no_model_work) -> None:
-    _refused(capsys, ["config", EXAMPLE, "meta.demos_max=1", "meta.demos_steps=5",
-                      f"meta.demos_source={tmp_path / 'demos.jsonl'}"], "meta.demos_source", "does not exist")
+    _refused(capsys, ["config", EXAMPLE, "meta.demos.max=1", "meta.demos.steps=5",
+                      f"meta.demos.source={tmp_path / 'demos.jsonl'}"], "meta.demos.source", "does not exist")
 
 
 def test_existing_run_dir_refused_before_the_model(tmp_path, capsys, no_model_work) -> None:

@@ -13,7 +13,7 @@ which features an environment's hooks enable (``ctxrl.demos.features``).
 
 All are class-level (static methods or classmethods), so demos and checks need no instance.
 ``solve(task)`` is required by the protocol; it gives warm-start demos, annealed demonstrations
-(``meta.demos_source=solve``) and ``check-env``'s gold run.
+(``meta.demos.source=solve``) and ``check-env``'s gold run.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def runner_name(spec: RolloutSpec, env_cls: type) -> str:
     if is_multi_role(env_cls):
         return ROLES
     trials = max(attempts_of(spec.meta, "train"), attempts_of(spec.meta, "eval")) > 1
-    return META if trials or spec.demos.max_demos > 0 else PLAIN
+    return META if trials or spec.max_demos > 0 else PLAIN
 
 
 def make_runner(spec: RolloutSpec, env_cls: type, renderer: ChatRenderer) -> EpisodeRunner:

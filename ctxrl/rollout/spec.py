@@ -66,24 +66,6 @@ class RolloutLimits(PlainData):
 
 
 @dataclass(frozen=True)
-class DemoSpec(PlainData):
-    """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``); off when ``max_demos`` is 0.
-
-    ``max_demos``, ``steps``, ``kind`` and ``mode`` are the schedule (``ctxrl.meta.anneal.DemoSchedule``).
-    """
-
-    max_demos: int = 0
-    steps: int = 0
-    kind: str = "linear"
-    mode: str = "count"
-    source: str = "solve"
-    """``solve`` (the environment's scripted solutions of ``pool`` training tasks) or a JSONL file."""
-    pool: int = 64
-    pool_seed: int = 0
-    choice_seed: int = 0
-
-
-@dataclass(frozen=True)
 class RolloutSpec(PlainData):
     """Everything rollout code reads, fixed for a run (see the module docstring)."""
 
@@ -101,13 +83,20 @@ class RolloutSpec(PlainData):
     meta: MetaConfig = MetaConfig()
     """The ``[meta]`` section: how a trial of attempts is played (``ctxrl.meta.rollout``); each phase's trial budget
     is ``attempts_of(meta, phase)``."""
-    demos: DemoSpec = DemoSpec()
+    demos: dict[str, Any] = field(default_factory=dict)
+    """The annealed demonstrations' table (``[meta.demos]``, as plain data like ``env_options``), which the ``meta``
+    runner reads into ``ctxrl.meta.anneal.DemoSettings``; empty: its defaults (none)."""
     rollout: RolloutConfig = RolloutConfig()
     """The ``[rollout]`` section: the engine (``engine``), its batch (``max_batch_size``), the sandboxed Python
     interpreters of the worker's process (``sandbox_workers``, ``ctxrl.tools.python``)."""
     seed: int = 0
     """The run's seed (``run.seed``), from which the worker's own streams derive (``ctxrl.seeds.Seeds``)."""
     plugins: str = ""
+
+    @property
+    def max_demos(self) -> int:
+        """Annealed demonstrations per training prompt at step 0 (``meta.demos.max``); 0: none."""
+        return int(self.demos.get("max", 0))
     """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
     judge: JudgeSettings = JudgeSettings()
     """The judge that grades training episodes (its table ``[reward.judge]``; off when its target is empty)."""
@@ -134,8 +123,7 @@ class RolloutSpec(PlainData):
         from ctxrl.envs.registry import settings_name
         from ctxrl.models.loader import resolve_device
 
-        c, r, m = config.context, config.rollout, config.meta
-        seeds = Seeds(config.run.seed)
+        c, r = config.context, config.rollout
 
         def context(phase: str) -> ContextPolicy:
             return ContextPolicy(c.manager, c.max_context_tokens, phase=phase,
@@ -149,10 +137,7 @@ class RolloutSpec(PlainData):
         return cls(
             model=dataclasses.replace(config.model, device=resolve_device(config.model.device)), env=config.env,
             env_options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
-            train=train, eval=evaluation, meta=m,
-            demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,
-                           source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
-                           choice_seed=seeds.demo_choice),
+            train=train, eval=evaluation, meta=config.meta, demos=dict(config.components.get("meta.demos", {})),
             rollout=r, seed=config.run.seed, plugins=config.run.plugins,
             judge=config.settings_of("reward", "judge"), roles=config.roles,
             lora=config.lora)

@@ -111,6 +111,7 @@ COMPONENT_REGISTRIES: dict[str, Registered | Fixed] = {
     "env": Registered(_env_settings, _builtin_envs),
     "curriculum": Registered(_curriculum_settings, _builtin_curricula),
     "reward": Fixed({"judge": "ctxrl.judge.spec:JudgeSettings"}),
+    "meta": Fixed({"demos": "ctxrl.meta.anneal:DemoSettings"}),
 }
 """The sections whose sub-tables are components' own settings, and where each finds a component's settings."""
 

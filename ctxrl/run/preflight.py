@@ -114,9 +114,9 @@ def check_packages(config: Config) -> None:
 
 def check_files(config: Config) -> None:
     """Files the config names besides the model and the environment's data (which their own checks read)."""
-    m = config.meta
-    if m.demos_max > 0 and m.demos_source != "solve" and not Path(m.demos_source).expanduser().is_file():
-        raise ConfigError(f"meta.demos_source: demonstration file {m.demos_source!r} does not exist")
+    demos = config.settings_of("meta", "demos")
+    if demos.max > 0 and demos.source != "solve" and not Path(demos.source).expanduser().is_file():
+        raise ConfigError(f"meta.demos.source: demonstration file {demos.source!r} does not exist")
 
 
 def check_before_load(config: Config, spec: RolloutSpec, env_cls: type, renderer, *, under_manager: bool) -> None:

@@ -43,8 +43,6 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.algo.roles import REWARD_MODES
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
-    from ctxrl.meta.anneal import KINDS as DEMO_KINDS
-    from ctxrl.meta.anneal import MODES as DEMO_MODES
     from ctxrl.meta.rollout import CARRIES
     from ctxrl.models.flat import MODES as FLAT_MODES
     from ctxrl.models.loader import DTYPES
@@ -53,7 +51,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "algo.kl_placement": ("loss", "reward"), "algo.agg": AGG_MODES,
             "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
             "train.objective": ("rl", "sft"),
-            "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
+            "meta.carry": CARRIES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
             "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
@@ -383,18 +381,19 @@ def _validate_meta(config: Config, estimator: type) -> None:
             raise ConfigError(f"algo.advantage={a.advantage} credits each attempt with the environment's own reward; "
                               "reward shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight, judge) "
                               "shapes whole episodes and is not supported with it; leave [reward] at its defaults")
-    if m.demos_max > 0:
-        if m.demos_steps <= 0:
-            raise ConfigError(f"meta.demos_max={m.demos_max} needs meta.demos_steps > 0, the RL step at which the "
+    demos = config.settings_of("meta", "demos")
+    if demos.max > 0:
+        if demos.steps <= 0:
+            raise ConfigError(f"meta.demos.max={demos.max} needs meta.demos.steps > 0, the RL step at which the "
                               "demonstrations have faded to none (0 would give none at any step)")
-        if m.demos_source == "solve" and m.demos_pool <= m.demos_max:
-            raise ConfigError(f"meta.demos_pool ({m.demos_pool}) must exceed meta.demos_max ({m.demos_max}): a task's "
+        if demos.source == "solve" and demos.pool <= demos.max:
+            raise ConfigError(f"meta.demos.pool ({demos.pool}) must exceed meta.demos.max ({demos.max}): a task's "
                               "own demo is left out of its prompt, so the pool needs more")
     if m.eval_trials > 1 and max(m.eval_attempts, m.num_attempts) <= 1:
         raise ConfigError(f"meta.eval_trials={m.eval_trials} sets the trials per task of an evaluation in trials; "
                           "set meta.eval_attempts (or num_attempts) > 1 too, or leave eval_trials at 1")
-    if m.demos_source != "solve" and not m.demos_source.endswith(".jsonl"):
-        raise ConfigError(f"meta.demos_source must be solve or a .jsonl file of demonstrations, got {m.demos_source!r}")
+    if demos.source != "solve" and not demos.source.endswith(".jsonl"):
+        raise ConfigError(f"meta.demos.source must be solve or a .jsonl file of demonstrations, got {demos.source!r}")
 
 
 def _validate_roles(config: Config, estimator: type, manager: type) -> None:
@@ -427,11 +426,11 @@ def _validate_roles(config: Config, estimator: type, manager: type) -> None:
     if own and (config.lora.rank <= 0 or config.distributed.backend != "none"):
         raise ConfigError(f"roles.policies {own[0]}=own trains a LoRA adapter of the role's own beside the shared "
                           "one: it needs lora.rank > 0 and rollouts in this process (distributed.backend=none)")
-    if max(config.meta.num_attempts, config.meta.eval_attempts) > 1 or config.meta.demos_max or \
+    if max(config.meta.num_attempts, config.meta.eval_attempts) > 1 or config.settings_of("meta", "demos").max or \
             estimator.credits_attempts:
         raise ConfigError(f"environment {config.env.name!r} has several roles; trials of attempts and annealed "
                           "demonstrations are single-agent (set meta.num_attempts=1, meta.eval_attempts=0, "
-                          "meta.demos_max=0 and an algo.advantage other than meta)")
+                          "meta.demos.max=0 and an algo.advantage other than meta)")
 
 
 def role_policies(pairs: list[str], roles: tuple[str, ...]) -> dict[str, str]:

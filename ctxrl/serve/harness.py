@@ -354,9 +354,9 @@ class HarnessRunner(EpisodeRunner):
 
     async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
         spec = worker.spec
-        if request.attempts(spec) > 1 or (request.phase == "train" and spec.demos.max_demos > 0):
+        if request.attempts(spec) > 1 or (request.phase == "train" and spec.max_demos > 0):
             raise ConfigError("a harness environment plays single episodes: meta.num_attempts = 1 and no "
-                              "annealed demos (meta.demos_max = 0)")
+                              "annealed demos (meta.demos.max = 0)")
         roles = getattr(worker.env_cls, "harness_roles", ())
         if roles and spec.judge.enabled:
             raise ConfigError(f"reward.judge grades one agent's episodes; this harness plays the roles "

@@ -27,7 +27,7 @@ def step_row(step: int, collected, valid: list[Episode], rows: list[TrainSequenc
             **(context_stats(episodes) if manager.rewrites_context else {}),
             **(_trial_stats(episodes) if spec.meta.num_attempts > 1 else {}),
             **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
-               if spec.demos.max_demos else {}),
+               if spec.max_demos else {}),
             **(judge_figures(episodes) if spec.judge.enabled else {}),
             **role_figures(episodes),
             "trained_episodes": trained_episodes, "trained_sequences": len(rows),
