@@ -204,6 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
         config = load_config(args.config, [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}",
                                            "lora.rank=0"])
+    from ctxrl.models.prepare import prepare
     from ctxrl.run.preflight import preflight
     from ctxrl.serve.server import (
         MAX_BODY_BYTES,
@@ -212,7 +213,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         bind,
         check_settings,
     )
-    from ctxrl.train.tiny import ensure_model
     from ctxrl.types import MAX_ABS_REWARD
 
     check_settings(max_total_tokens=config.rollout.max_total_tokens, max_new_tokens=config.rollout.max_new_tokens,
@@ -222,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    renders_per_client=RENDERS_PER_CLIENT)  # (a bad setting: one line before any model loads)
     sock = bind(args.host, args.port)  # a port in use: one line now, not after the model loaded
     preflight(config, training=False)
-    ensure_model(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
+    prepare(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
     spec = RolloutSpec.from_config(config)
     renderer = spec_renderer(spec)
     from ctxrl.models.loader import load_model
@@ -252,8 +252,10 @@ def served_names(model_name: str, chosen: str | None, checkpoint: str | None) ->
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA run's adapters into their base: a plain checkpoint to serve."""
+    from ctxrl.run.validate import import_stages
     from ctxrl.train.policy import export_merged
 
+    import_stages()  # (a tiny base is built by its stage: no config was loaded to import it)
     out = args.out or args.out_dir
     if not out:
         raise CtxrlError("ctxrl merge needs where to write the merged checkpoint: ctxrl merge ADAPTERS OUT")

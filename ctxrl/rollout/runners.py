@@ -20,7 +20,7 @@ that names a ``runner`` (the harness environment) is played by it; one that decl
 a spec with trials in either phase
 or annealed demonstrations by ``meta``; any other by ``plain``. The runners of the layers above rollout
 register themselves when their package is imported (rollout never imports them; the configuration does,
-before it checks a config: ``ctxrl.run.validate.RUNNER_PACKAGES``). A worker in another
+before it checks a config: ``ctxrl.run.validate.STAGE_PACKAGES``). A worker in another
 process imports ``runner_modules()`` before it reads its spec, so it has the same runners, picks the
 same one and plays exactly the episodes an in-process worker would.
 """

@@ -7,7 +7,7 @@ naming the key and the fix. The numbers were checked already, each against its f
 ``Config`` was built (``ctxrl.config.Config``): that needs no registry.
 
 This is the one place of the config's path that imports the registries (lazily, inside the checks), after the
-packages whose registrations a config may name: ``RUNNER_PACKAGES`` and ``run.plugins``. It does not import
+packages whose registrations a config may name: ``STAGE_PACKAGES`` and ``run.plugins``. It does not import
 ``ctxrl.config``, which calls it: it reads the config's sections by name (``ctxrl.sections.SECTIONS``).
 
 What needs more than the config (the environment's tasks, files, packages, the models named, the tokenizer) is
@@ -31,10 +31,11 @@ from ctxrl.sections import SECTIONS
 if TYPE_CHECKING:
     from ctxrl.config import Config
 
-RUNNER_PACKAGES = ("ctxrl.meta", "ctxrl.serve.harness")
-"""ctxrl's own modules above rollout that register episode runners (trials and annealed demonstrations; the
-harness environment's runner), imported before a config is checked as ``run.plugins`` are: rollout never imports
-them, and a run finds its runner by name (``ctxrl.rollout.runners``)."""
+STAGE_PACKAGES = ("ctxrl.meta", "ctxrl.serve.harness", "ctxrl.train.tiny")
+"""ctxrl's own stages above the library that register by name: episode runners (trials and annealed
+demonstrations; the harness environment's runner) and the ``tiny`` model preparer (``ctxrl.models.prepare``),
+imported before a config is checked as ``run.plugins`` are: rollout and the model loader never import them, and a
+run finds each by name (``ctxrl.rollout.runners``, ``ctxrl.models.prepare``)."""
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
@@ -66,6 +67,12 @@ def _registered(key: str, value: str, names: list[str]) -> None:
                           f"is loaded); got {value!r}{hint}")
 
 
+def import_stages() -> None:
+    """Import ``STAGE_PACKAGES``, whose registrations (episode runners, the tiny model preparer) a command needs."""
+    for module in STAGE_PACKAGES:
+        importlib.import_module(module)
+
+
 def validate(config: Config) -> None:
     """Every check of a whole configuration; the first problem is a ``ConfigError`` naming the key."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
@@ -73,8 +80,7 @@ def validate(config: Config) -> None:
     from ctxrl.rollout.managers import get_manager, manager_names
     from ctxrl.tasks.curriculum import curriculum_names
 
-    for module in RUNNER_PACKAGES:
-        importlib.import_module(module)
+    import_stages()
     import_plugins(config.run.plugins)  # their registrations are what the names below are checked against
     _validate_fields(config)
     for key, table in list(config.components.items()):

@@ -7,7 +7,7 @@ one token-faithful episode (``ctxrl.serve.sessions``); what the function returns
 or a dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a built-in
 environment's are, so advantages, filters, context splits, checkpoints and resume all apply unchanged. The
 environment's half (``[env.harness]``, ``env.data``: which function, which tasks) is ``ctxrl.envs.harness``; its class
-names the runner registered here, which the configuration imports (``ctxrl.run.validate.RUNNER_PACKAGES``).
+names the runner registered here, which the configuration imports (``ctxrl.run.validate.STAGE_PACKAGES``).
 
 During training the server samples at the rollout settings (``rollout.temperature``, ``top_p``,
 ``top_k``), whatever the harness asks for, with a seed per episode and call, so the behaviour

@@ -211,13 +211,13 @@ def export_merged(adapter_dir: str | Path, out: str | Path, *, base: str | None 
     one) for serving with any engine.
     """
     from ctxrl.models.loader import load_adapters, load_tokenizer, resolves_to_cache
-    from ctxrl.train.tiny import ensure_model
+    from ctxrl.models.prepare import prepare
 
     adapter_dir, out = Path(adapter_dir), Path(out)
     missing = [f for f in ADAPTER_FILES if not (adapter_dir / f).exists()]
     if missing:
         raise CheckpointError(f"{adapter_dir} holds no LoRA adapters ({', '.join(missing)} missing)")
-    ensure_model(base if base and resolves_to_cache(base) else str(adapter_dir))
+    prepare(base if base and resolves_to_cache(base) else str(adapter_dir))
     model = load_adapters(str(adapter_dir), base=base, dtype=dtype, device=device)
     model.save_pretrained(out, safe_serialization=True)
     with contextlib.suppress(Exception):  # an adapter directory without a tokenizer: weights only

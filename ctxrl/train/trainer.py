@@ -40,6 +40,7 @@ from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
+from ctxrl.models.prepare import prepare
 from ctxrl.report.progress import Progress
 from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
@@ -69,7 +70,7 @@ from ctxrl.train.sft_control import control_step
 from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
 from ctxrl.train.teacher import Teacher, teacher_name
-from ctxrl.train.tiny import ensure_model
+from ctxrl.train.tiny import prepare_tiny  # noqa: F401 - registers the tiny model preparer a run may need
 from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
@@ -104,7 +105,7 @@ class Trainer:
         check_train_split(config, self.splits)
         self.context_demos = context_demos(config, self.env_cls)
         check_demos(config, self.env_cls)
-        ensure_model(config.model.name, on_progress=self.progress.stage)  # (a tiny model built once: train() did)
+        prepare(config.model.name, on_progress=self.progress.stage)  # (a tiny model built once: train() did)
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
         check_before_load(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
@@ -471,7 +472,7 @@ def prepare_model(name: str, progress: Progress) -> None:
     spec = parse_tiny(base)
     if spec is not None and not is_built(spec):
         progress.message(f"building the tiny model {base!r} once (a few minutes on a CPU; cached in {cache_root()})")
-    ensure_model(name, on_progress=progress.stage)
+    prepare(name, on_progress=progress.stage)
 
 
 @torch.no_grad()
