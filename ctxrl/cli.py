@@ -206,13 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            "lora.rank=0"])
     from ctxrl.models.prepare import prepare
     from ctxrl.run.preflight import preflight
-    from ctxrl.serve.server import (
-        MAX_BODY_BYTES,
-        MAX_SESSIONS,
-        RENDERS_PER_CLIENT,
-        bind,
-        check_settings,
-    )
+    from ctxrl.serve.server import MAX_BODY_BYTES, MAX_SESSIONS, RENDERS_PER_CLIENT, bind, check_settings
     from ctxrl.types import MAX_ABS_REWARD
 
     check_settings(max_total_tokens=config.rollout.max_total_tokens, max_new_tokens=config.rollout.max_new_tokens,
