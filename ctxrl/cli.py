@@ -246,8 +246,8 @@ def served_names(model_name: str, chosen: str | None, checkpoint: str | None) ->
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA run's adapters into their base: a plain checkpoint to serve."""
+    from ctxrl.learner.policy import export_merged
     from ctxrl.run.validate import import_stages
-    from ctxrl.train.policy import export_merged
 
     import_stages()  # (a tiny base is built by its stage: no config was loaded to import it)
     out = args.out or args.out_dir

@@ -17,7 +17,7 @@ H200, 300 steps made SmolLM2 right on 399 of 400 held-out answers):
 3. **Fine-tuning.** The named model (any ``model.name``: ``smollm2-135m-instruct``, a ``tiny:...`` model, a
    checkpoint directory), loaded by ctxrl's loader (GGUF conversion and end-of-turn fixes included), trains on the
    completion tokens only (the prompt's loss mask is 0): token-mean negative log-likelihood, AdamW (float32 master
-   weights under bfloat16, ``ctxrl.train.precision``), linear warm-up over 5% of the steps then cosine decay,
+   weights under bfloat16, ``ctxrl.learner.precision``), linear warm-up over 5% of the steps then cosine decay,
    gradients clipped at 1. Saved with its tokenizer and chat template as an HF checkpoint directory that
    ``reward.judge.target=DIR`` loads.
 4. **Evaluation.** Before and after, the judge's first reply (greedy, ``--max-tokens``, as ``Judge`` asks first) to
@@ -256,7 +256,7 @@ def pad(rows: list[tuple[list[int], list[int]]], pad_token_id: int):
 def completion_loss(model, input_ids, attention_mask, loss_mask, *, chunk: int = 1024):
     """``-sum(loss_mask * log p(ids[t+1] | ids[:t+1])) / sum(loss_mask)``: the completion tokens' mean negative
     log-likelihood. ``input_ids``, ``attention_mask`` [B, T]; ``loss_mask`` [B, T-1]."""
-    from ctxrl.train.logprobs import token_logprobs
+    from ctxrl.learner.logprobs import token_logprobs
 
     logprobs = token_logprobs(model, input_ids, attention_mask, mask=loss_mask, chunk=chunk)
     return -(logprobs * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
@@ -268,8 +268,8 @@ def fine_tune(model, rows: list[tuple[list[int], list[int]]], *, pad_token_id: i
     returns each step's loss. Warm-up over 5% of the steps, then cosine decay to 0; gradients clipped at 1."""
     import torch
 
+    from ctxrl.learner.precision import Precision, trainable_grads
     from ctxrl.models.kernels import attention_kernels
-    from ctxrl.train.precision import Precision, trainable_grads
 
     device = next(model.parameters()).device
     precision = Precision(dtype, "float32", str(device))
@@ -420,8 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
     from ctxrl.judge.judge import Judge
     from ctxrl.judge.rubric import load_rubric
     from ctxrl.judge.spec import NO_CACHE, JudgeSettings
+    from ctxrl.learner.precision import Precision
     from ctxrl.models.loader import resolve_device
-    from ctxrl.train.precision import Precision
     from ctxrl.train.tiny import ensure_model
 
     try:

@@ -1,6 +1,6 @@
 """LoRA adapters through PEFT: wrapping a model with the adapters the ``[lora]`` section asks for.
 
-The learner wraps its policy (``ctxrl.train.policy``); a rollout worker that loads its own copy of
+The learner wraps its policy (``ctxrl.learner.policy``); a rollout worker that loads its own copy of
 the model wraps it the same way (``RolloutSpec.lora``, the section itself), so the adapter tensors have the same
 names on both sides and ``load_weights(adapters, partial=True)`` fits.
 """

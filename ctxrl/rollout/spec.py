@@ -148,7 +148,7 @@ def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | Non
     """The engine ``spec`` asks for, serving ``model`` (which it takes over) with ``renderer``'s ids.
 
     ``max_batch_size`` and ``prefill_tokens`` replace the spec's batch and the fast engine's default prefill
-    chunk (a CUDA run's memory plan sizes them: ``ctxrl.train.memory``)."""
+    chunk (a CUDA run's memory plan sizes them: ``ctxrl.learner.memory``)."""
     from ctxrl.engine.factory import make_engine
 
     return make_engine(model, kind=spec.rollout.engine, pad_token_id=renderer.tokenizer.pad_token_id,

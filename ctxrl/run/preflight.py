@@ -10,7 +10,7 @@ what a run refuses. The config on its own was checked when it was loaded (``ctxr
 
 Then, once the tokenizer is loaded and before the weights are, ``check_before_load``: what the tokenizer alone can
 refuse (the chat template's segments, warm-start demos that fit the context budget, a teacher that tokenizes
-otherwise). What it does not check: the CUDA memory plan (``ctxrl.train.sizing``).
+otherwise). What it does not check: the CUDA memory plan (``ctxrl.learner.sizing``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import ConfigError, CtxrlError
+from ctxrl.learner.teacher import check_teacher, teacher_name
 from ctxrl.models.loader import check_available
 from ctxrl.report.sinks import sink_names
 from ctxrl.rollout.spec import RolloutSpec
 from ctxrl.rollout.worker import spec_env_class
-from ctxrl.train.teacher import check_teacher, teacher_name
 from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos
 
 if TYPE_CHECKING:

@@ -44,8 +44,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.algo.roles import REWARD_MODES
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
+    from ctxrl.learner.flat import MODES as FLAT_MODES
     from ctxrl.meta.rollout import CARRIES
-    from ctxrl.models.flat import MODES as FLAT_MODES
     from ctxrl.models.loader import DTYPES
 
     return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,

@@ -11,9 +11,9 @@ import numpy as np
 
 from ctxrl.eval.arena import role_figures
 from ctxrl.judge.figures import judge_figures
+from ctxrl.learner.sizing import peak_memory
 from ctxrl.rollout.managers.stats import context_stats
 from ctxrl.rollout.summary import summarize
-from ctxrl.train.sizing import peak_memory
 from ctxrl.types import Episode, TrainSequence
 
 

@@ -84,7 +84,7 @@ def pretrain(model, tokenizer, batches: list[list[list[int]]], spec: TinySpec,
 
     import torch
 
-    from ctxrl.train.logprobs import token_logprobs
+    from ctxrl.learner.logprobs import token_logprobs
 
     batches = [b for b in batches if b]
     if not batches:

@@ -40,6 +40,11 @@ from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
+from ctxrl.learner.learner import Learner, PPOSettings
+from ctxrl.learner.memory import MemoryPlan, with_learner_tokens
+from ctxrl.learner.policy import Policy, Reference, export_merged
+from ctxrl.learner.sizing import bounded_micro_batches, memory_plan
+from ctxrl.learner.teacher import Teacher, teacher_name
 from ctxrl.models.prepare import prepare
 from ctxrl.report.progress import Progress
 from ctxrl.report.sinks import make_sinks
@@ -61,15 +66,10 @@ from ctxrl.train import checkpoint, health, loop
 from ctxrl.train.collect import Collected, Collector, trainable
 from ctxrl.train.evaluation import evaluate_splits
 from ctxrl.train.followers import Followers
-from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.loop import TrainingAborted
-from ctxrl.train.memory import MemoryPlan, with_learner_tokens
-from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.role_adapters import OwnRoles, own_roles
 from ctxrl.train.sft_control import control_step
-from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
-from ctxrl.train.teacher import Teacher, teacher_name
 from ctxrl.train.tiny import prepare_tiny  # noqa: F401 - registers the tiny model preparer a run may need
 from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
@@ -86,7 +86,7 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Everything a run holds (see the module docstring); ``fit`` runs it.
 
-    ``policy`` is the learner's trainable policy (``ctxrl.train.policy``: full or LoRA, its precision)
+    ``policy`` is the learner's trainable policy (``ctxrl.learner.policy``: full or LoRA, its precision)
     and ``model`` its module; the worker's engine samples with its own copy, updated after every
     optimiser step (``sync_engine``). The learner, its reference and critic are built by
     ``make_learner`` when RL starts.
@@ -212,7 +212,7 @@ class Trainer:
     def make_learner(self) -> Learner:
         """The learner over ``policy``: AdamW on what trains, a KL reference (``algo.kl_coef``: a frozen copy, or the
         LoRA base with adapters off), a critic (``needs_critic``)."""
-        from ctxrl.train.critic import Critic
+        from ctxrl.learner.critic import Critic
 
         a, t = self.config.algo, self.config.train
         reference = self.policy.reference() if a.kl_coef > 0 else None
@@ -294,7 +294,7 @@ class Trainer:
                 self.learner.reference, valid, self.tokenizer.pad_token_id, coef=a.kl_coef, kind=a.kl_kind,
                 settings=self.learner.settings)
         if self.estimator.needs_critic and valid:
-            from ctxrl.train.critic import episode_values
+            from ctxrl.learner.critic import episode_values
 
             values = episode_values(self.learner.critic, valid, self.tokenizer.pad_token_id,
                                     micro_batch_size=c.train.micro_batch_size,
@@ -481,7 +481,7 @@ def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token
     """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
     mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
     from ctxrl.algo.losses import kl_penalty
-    from ctxrl.train.batch import collate, per_token_rows
+    from ctxrl.learner.batch import collate, per_token_rows
 
     sums = {"kl": 0.0, "tokens": 0.0}
 

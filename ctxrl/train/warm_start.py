@@ -30,10 +30,10 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.demos.play import DEMO_MAX_TURNS, build_demos, demo_mix_problem
 from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.errors import ConfigError
+from ctxrl.learner.precision import Precision
 from ctxrl.rollout.managers.base import get_manager
 from ctxrl.rollout.spec import RolloutLimits, RolloutSpec, attempts_of
 from ctxrl.seeds import Seeds
-from ctxrl.train.precision import Precision
 from ctxrl.train.sft import sft_train
 from ctxrl.types import Episode
 

@@ -1,6 +1,6 @@
 """``gae``: PPO's generalised advantage estimation with a learned critic, whitened over the batch.
 
-The trainer builds the critic (``ctxrl.train.critic``) and passes its per-token ``values``.
+The trainer builds the critic (``ctxrl.learner.critic``) and passes its per-token ``values``.
 Its settings are its table, ``[algo.gae]`` (``GAESettings``): ``lam``, ``level``, and the critic's
 ``vf_clip`` and ``critic_lr``, which the learner reads from this table for any estimator that ``needs_critic``;
 ``gamma`` is the shared ``algo.gamma``. ``level="token"``: every sampled token is a step. ``level="turn"``: every
