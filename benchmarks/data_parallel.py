@@ -58,10 +58,10 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from ctxrl.distributed.data_parallel import DataParallel
+    from ctxrl.learner.batch import collate
+    from ctxrl.learner.learner import Learner, PPOSettings
+    from ctxrl.learner.precision import Precision
     from ctxrl.models.shapes import random_model
-    from ctxrl.train.batch import collate
-    from ctxrl.train.learner import Learner, PPOSettings
-    from ctxrl.train.precision import Precision
     from ctxrl.types import Episode, Task
 
     local = int(os.environ.get("LOCAL_RANK", "0"))

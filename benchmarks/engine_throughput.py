@@ -33,7 +33,7 @@ import torch
 
 from ctxrl.engine.base import SamplingParams
 from ctxrl.engine.hf import HFEngine
-from ctxrl.train.learner import token_logprobs
+from ctxrl.learner.learner import token_logprobs
 
 
 def load(name: str, dtype: torch.dtype, device: str):

@@ -17,7 +17,7 @@ Four sections, chosen with ``--sections``:
    new/2) * batch``), over a device-to-device copy bandwidth measured in the same process (a 1 GiB
    copy, median of 10, ``2 * bytes / time``); ``floor %`` is floor time over measured time. For the
    engines, the behaviour log-probs they report against the learner's
-   (``ctxrl.train.logprobs.token_logprobs``) on the sampled ids: mean, p99 and max of ``|diff|`` over
+   (``ctxrl.learner.logprobs.token_logprobs``) on the sampled ids: mean, p99 and max of ``|diff|`` over
    tokens; for FastEngine also its compile / graph-capture seconds (``engine.stats["capture_seconds"]``).
 2. **agentic**: ``--tasks`` (64) tasks x ``--samples`` (8) episodes of ``--turns`` (4) turns, all
    concurrent (``asyncio.gather``) on one engine. Turn 1's prompt is the task's ``--task-tokens`` (128)
@@ -26,13 +26,13 @@ Four sections, chosen with ``--sections``:
    the sampled ids + a ``--obs-tokens`` (100) id observation (random, seeded per episode). Reported:
    episodes/s, generated tokens/s, the prompt tokens asked for, and from the engine's stats the
    prefill tokens and the reused tokens (prompt tokens whose KV cache was reused). HFEngine vs FastEngine.
-3. **learner**: one ctxrl PPO update (``ctxrl.train.learner``) over ``--learner-seqs`` (64) sequences of
+3. **learner**: one ctxrl PPO update (``ctxrl.learner.learner``) over ``--learner-seqs`` (64) sequences of
    ``--learner-tokens`` (1024) tokens (the first quarter prompt), bf16 weights with float32 master
    weights and AdamW state, chunked log-probs, micro-batches of ``--learner-max-tokens`` tokens; one
    warm-up update (it creates the optimiser state), then the median of ``--learner-updates``. Reported:
    tokens/s and MFU against 989 TFLOP/s (H100 SXM dense bf16) and against a bf16 8192^3 matmul timed in
    the same process. Arms: ``padded`` (HF's forward pass on right-padded rows), ``flat`` (the sequences laid
-   end to end through ``ctxrl.models.flat``, ``train.flat_forward = on``; it also reports how far its
+   end to end through ``ctxrl.learner.flat``, ``train.flat_forward = on``; it also reports how far its
    log-probs are from the HF pass's on the same tokens); ``--packed`` adds HF's forward pass on packed rows
    with a block-diagonal mask (``train.pack_sequences``).
 4. **grpo**: the whole step, ``--prompts`` (64) prompts x ``--generations`` (8) completions of
@@ -247,7 +247,7 @@ def logprob_mismatch(model, prompts, completions, rows: int, cuda: bool) -> dict
     """|engine log-prob - learner log-prob| over the sampled tokens of the first ``rows`` rows."""
     import torch
 
-    from ctxrl.train.logprobs import token_logprobs
+    from ctxrl.learner.logprobs import token_logprobs
 
     device = next(model.parameters()).device
     diffs = []
@@ -420,8 +420,8 @@ def agentic_arm(args, arm: str) -> dict:
 def make_learner(args, model, precision, rows: int):
     import dataclasses
 
-    from ctxrl.train.learner import Learner, PPOSettings
-    from ctxrl.train.policy import Policy
+    from ctxrl.learner.learner import Learner, PPOSettings
+    from ctxrl.learner.policy import Policy
 
     policy = Policy(model, precision)
     settings = PPOSettings(mini_batches=1, micro_batch_size=rows, max_tokens_per_microbatch=args.learner_max_tokens,
@@ -437,13 +437,13 @@ def make_learner(args, model, precision, rows: int):
 
 
 def make_precision(args, cuda: bool):
-    from ctxrl.train.precision import Precision
+    from ctxrl.learner.precision import Precision
 
     return Precision(args.dtype if cuda else "float32", "float32", args.device)
 
 
 def episodes(prompts, completions, logprobs, advantages):
-    from ctxrl.train.batch import collate
+    from ctxrl.learner.batch import collate
     from ctxrl.types import Episode, Task
 
     rows = [Episode(task=Task(id=str(i), prompt="p", answer="a"), input_ids=p + c,
@@ -612,7 +612,7 @@ def flat_agreement(learner, model, data, cuda: bool) -> dict:
 
     import torch
 
-    from ctxrl.train.batch import micro_batches
+    from ctxrl.learner.batch import micro_batches
 
     _, micro = next(micro_batches(data.select(list(range(min(4, len(data))))), 4, learner.device))
     with torch.no_grad():
@@ -630,8 +630,8 @@ def graph_agreement(learner, model, data) -> dict:
 
     import torch
 
-    from ctxrl.models.flat import training_decoder
-    from ctxrl.train.batch import micro_batches
+    from ctxrl.learner.batch import micro_batches
+    from ctxrl.learner.flat import training_decoder
 
     _, micro = next(micro_batches(data, len(data), learner.device, learner.settings.max_tokens_per_microbatch,
                                   padded=False))
@@ -790,8 +790,8 @@ def trl_grpo_arm(args, arm: str, variant: str) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from ctxrl.learner.logprobs import token_logprobs
     from ctxrl.models.shapes import random_model
-    from ctxrl.train.logprobs import token_logprobs
 
     if arm == "trl_paged" and variant == "ragged":
         raise SystemExit("ragged budgets are forced through model.generate's logits processors; "

@@ -8,7 +8,7 @@ in its own process, so one that runs out of memory is reported as such and the n
 - ``legacy``: what ctxrl did before: bf16 weights trained directly (no fp32 master), the model's
   full logits, micro-batches of ``--legacy-rows`` rows (32, the old default), no gradient checkpointing;
 - ``mixed``: a bf16 model with float32 master weights and AdamW state in the optimiser
-  (``ctxrl.train.precision``), chunked log-probs, micro-batches of ``--max-tokens`` tokens;
+  (``ctxrl.learner.precision``), chunked log-probs, micro-batches of ``--max-tokens`` tokens;
 - ``mixed+ckpt``: the same with gradient checkpointing (and micro-batches of ``--ckpt-max-tokens``);
 - ``lora`` / ``lora+ckpt``: rank-``--lora-rank`` adapters on every linear layer over a frozen bf16 base.
 
@@ -36,7 +36,7 @@ SETTINGS = ("legacy", "mixed", "mixed+ckpt", "lora", "lora+ckpt")
 def batch(vocab: int, seqs: int, tokens: int, seed: int = 0):
     import torch
 
-    from ctxrl.train.batch import collate
+    from ctxrl.learner.batch import collate
     from ctxrl.types import Episode, Task
 
     g = torch.Generator().manual_seed(seed)
@@ -54,11 +54,12 @@ def batch(vocab: int, seqs: int, tokens: int, seed: int = 0):
 def child(args) -> dict:
     import torch
 
-    from ctxrl.models.lora import LoRASettings, wrap_lora
+    from ctxrl.learner.learner import Learner, PPOSettings
+    from ctxrl.learner.policy import Policy, enable_gradient_checkpointing
+    from ctxrl.learner.precision import Precision
+    from ctxrl.models.lora import wrap_lora
     from ctxrl.models.shapes import random_model
-    from ctxrl.train.learner import Learner, PPOSettings
-    from ctxrl.train.policy import Policy, enable_gradient_checkpointing
-    from ctxrl.train.precision import Precision
+    from ctxrl.sections import LoRAConfig
 
     setting, device = args.one, args.device
     cuda = device.startswith("cuda")
@@ -68,11 +69,11 @@ def child(args) -> dict:
     precision = Precision(storage, "model" if legacy else "float32", device)
     model = random_model(args.shape, precision.storage, device)
     if lora:
-        model = wrap_lora(model, LoRASettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
+        model = wrap_lora(model, LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
                           adapter_dtype=precision.storage)
     if setting.endswith("+ckpt"):
         enable_gradient_checkpointing(model)
-    policy = Policy(model, precision, lora=LoRASettings(rank=args.lora_rank) if lora else None)
+    policy = Policy(model, precision, lora=LoRAConfig(rank=args.lora_rank) if lora else None)
     engine_copy = policy.engine_model()  # held as a one-GPU run holds it
     settings = PPOSettings(mini_batches=1, micro_batch_size=args.legacy_rows if legacy else args.seqs,
                            max_tokens_per_microbatch=0 if legacy else

@@ -1,9 +1,9 @@
 """Adding a model's bf16 gradients into its float32 masters' once: one ``add_`` a parameter against ``Adder``.
 
 Under float32 masters every micro-batch after a step's first adds each parameter's bf16 gradient into its
-master's float32 one (``ctxrl.train.precision.MasterAdamW``). This times that add alone, over the parameter shapes
+master's float32 one (``ctxrl.learner.precision.MasterAdamW``). This times that add alone, over the parameter shapes
 of a ``ctxrl.models.shapes`` model (built on the meta device: no weights), as it was (one ``add_`` a parameter:
-torch's mixed-dtype kernel) and as it is (``ctxrl.train.grad_accumulate.Adder``: one Triton program on CUDA), and
+torch's mixed-dtype kernel) and as it is (``ctxrl.learner.grad_accumulate.Adder``: one Triton program on CUDA), and
 checks the two sums are equal bit for bit. Medians of ``--repeats`` timed adds after one warm-up::
 
     python benchmarks/master_grad_add.py                      # qwen2.5-0.5b on the GPU
@@ -49,8 +49,8 @@ def _timed(fn, repeats: int, sync) -> float:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
+    from ctxrl.learner.grad_accumulate import Adder, _program, applies
     from ctxrl.models.shapes import random_model
-    from ctxrl.train.grad_accumulate import Adder, _program, applies
 
     args = parser().parse_args(argv)
     if args.smoke:

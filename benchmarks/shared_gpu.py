@@ -4,7 +4,7 @@ Starts ``--runs`` ``ctxrl train`` processes of one config at once (``--steps`` R
 ``--run-dir`` under a temporary directory, ``run.seed`` 0, 1, ...) and waits for all of them. What each run
 records itself is the figure (each sizes itself from ``1/--runs`` of the card: ``CTXRL_GPU_SHARE``, unless set):
 its memory plan (the ``phase = "memory"`` row of metrics.jsonl: planned GiB, the
-budget, KV slots, learner tokens per micro-batch; ``ctxrl.train.memory``) and the most memory torch's
+budget, KV slots, learner tokens per micro-batch; ``ctxrl.learner.memory``) and the most memory torch's
 allocator reserved (``peak_gpu_gib`` of its RL steps). ``nvidia-smi`` is sampled as well, for what the card
 sees of each process (the CUDA context included). A run that could not fit exits with a config error naming
 what to change; the table shows it::
@@ -99,7 +99,7 @@ def run_side_by_side(config: str, runs: int, steps: int, overrides: list[str], r
         logs.append(log)
         command = [sys.executable, "-m", "ctxrl", "train", config, "--steps", str(steps), "--run-dir",
                    str(root / f"run-{i}"), "run.progress=false", f"run.name=shared-{i}", f"run.seed={i}", *overrides]
-        # each run plans from its share of the card (ctxrl.train.memory.GPU_SHARE_VARIABLE), unless you set one
+        # each run plans from its share of the card (ctxrl.learner.memory.GPU_SHARE_VARIABLE), unless you set one
         env = {**os.environ, "CTXRL_GPU_SHARE": os.environ.get("CTXRL_GPU_SHARE", f"{1 / runs:.6g}")}
         with open(log, "w") as handle:  # (the child keeps its own copy of the descriptor)
             procs.append(subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env))

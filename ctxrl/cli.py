@@ -212,7 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ctxrl.serve.harness import Remote
 
         Remote.api_key = api_key
-        args.overrides = [*args.overrides, "env.name=harness", f'env.harness="remote:{args.port}"']
+        args.overrides = [*args.overrides, "env.name=harness", f'env.harness.agent="remote:{args.port}"']
         if args.checkpoint:
             args.overrides.append(f"model.name={json.dumps(str(args.checkpoint))}")
         args.resume, args.steps, args.json, args.distributed = False, None, False, None
@@ -222,15 +222,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.checkpoint:  # (a LoRA checkpoint loads as its base with the adapters merged in)
         config = load_config(args.config, [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}",
                                            "lora.rank=0"])
+    from ctxrl.models.prepare import prepare
     from ctxrl.run.preflight import preflight
-    from ctxrl.serve.server import (
-        MAX_BODY_BYTES,
-        MAX_SESSIONS,
-        RENDERS_PER_CLIENT,
-        bind,
-        check_settings,
-    )
-    from ctxrl.train.tiny import ensure_model
+    from ctxrl.serve.server import MAX_BODY_BYTES, MAX_SESSIONS, RENDERS_PER_CLIENT, bind, check_settings
     from ctxrl.types import MAX_ABS_REWARD
 
     check_settings(max_total_tokens=config.rollout.max_total_tokens, max_new_tokens=config.rollout.max_new_tokens,
@@ -240,7 +234,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    renders_per_client=RENDERS_PER_CLIENT)  # (a bad setting: one line before any model loads)
     sock = bind(args.host, args.port)  # a port in use: one line now, not after the model loaded
     preflight(config, training=False)
-    ensure_model(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
+    prepare(config.model.name)  # (a tiny model is built, a GGUF file converted, once)
     spec = RolloutSpec.from_config(config)
     renderer = spec_renderer(spec)
     from ctxrl.models.loader import load_model
@@ -276,8 +270,10 @@ def served_names(model_name: str, chosen: str | None, checkpoint: str | None) ->
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA run's adapters into their base: a plain checkpoint to serve."""
-    from ctxrl.train.policy import export_merged
+    from ctxrl.learner.policy import export_merged
+    from ctxrl.run.validate import import_stages
 
+    import_stages()  # (a tiny base is built by its stage: no config was loaded to import it)
     out = args.out or args.out_dir
     if not out:
         raise CtxrlError("ctxrl merge needs where to write the merged checkpoint: ctxrl merge ADAPTERS OUT")
@@ -310,7 +306,7 @@ def env_listing(width: int) -> list[str]:
     for name in list_envs():
         cls = get_env_class(name)
         if hook(cls, "configure") is not None:  # built from data: nothing to show until configured
-            lines += ["", f"{name} (tools: env.tools)", "  tasks from env.data (JSONL), docs/environments.md"]
+            lines += ["", f"{name} (tools: env.{name}.tools)", "  tasks from env.data (JSONL), docs/environments.md"]
             continue
         env = cls()
         tools = ", ".join(t.name for t in env.tools) or "none"
@@ -349,7 +345,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
     env_cls = spec_env_class(spec)
     try:
         tools = start_tools(env_cls)
-        sources = mcp_hub(spec.env.mcp).sources if spec.env.mcp.servers else {}
+        sources = mcp_hub(spec.env).sources if spec.env.mcp_servers else {}
     finally:
         close_hubs()
     rows = [(t.schema(), "MCP server {} as {!r}".format(*sources[t.name]) if t.name in sources
@@ -435,12 +431,14 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from ctxrl.envs.mcp import with_mcp_tools
     from ctxrl.envs.registry import configured_env_class
     from ctxrl.envs.roles import is_multi_role
-    from ctxrl.tools.mcp import McpSettings, close_hubs
+    from ctxrl.sections import EnvConfig
+    from ctxrl.tools.mcp import close_hubs
 
     try:
-        cls = configured_env_class(args.name, _settings(args.set), data=args.data, tools=args.tools,
-                                   verifier=args.verifier)
-        cls = with_mcp_tools(cls, McpSettings(servers=tuple(args.mcp_server)))
+        given = {"tools": args.tools} if args.tools else {}  # (jsonl_tools' own settings, as flags)
+        given |= {"verifier": args.verifier} if args.verifier != "exact" else {}
+        cls = configured_env_class(args.name, {**_settings(args.set), **given}, data=args.data)
+        cls = with_mcp_tools(cls, EnvConfig(mcp_servers=list(args.mcp_server)))
     except EnvError as exc:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2

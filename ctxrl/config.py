@@ -29,6 +29,7 @@ else:  # pragma: no cover
 
 
 from ctxrl.errors import ConfigError
+from ctxrl.prompts import SUMMARY_INSTRUCTION
 from ctxrl.sections import (  # noqa: F401 - the sections are re-exported: ctxrl.config stays their face
     RESUMABLE,
     SECTIONS,
@@ -78,8 +79,53 @@ class Renamed:
 
 RENAMED: tuple[Renamed, ...] = (
     Renamed("meta.context", "meta.carry"),
+    # issue 50: a component's own fields into its table
+    Renamed("curriculum.horizon_start_turns", "curriculum.horizon.start_turns", 2),
+    Renamed("curriculum.horizon_warmup_steps", "curriculum.horizon.warmup_steps", 20),
+    Renamed("curriculum.horizon_stages", "curriculum.horizon.stages", 3),
+    Renamed("curriculum.self_paced_pool", "curriculum.self_paced.pool", 4),
+    Renamed("curriculum.self_paced_floor", "curriculum.self_paced.floor", 0.02),
+    Renamed("algo.lam", "algo.gae.lam", 1.0),
+    Renamed("algo.gae_level", "algo.gae.level", "token"),
+    Renamed("algo.vf_clip", "algo.gae.vf_clip", 0.2),
+    Renamed("train.critic_lr", "algo.gae.critic_lr", 1e-3),
+    Renamed("meta.credit", "algo.meta.credit", "cross_episode"),
+    Renamed("meta.normalize", "algo.meta.normalize", "std"),
+    Renamed("meta.baseline", "algo.meta.baseline", "loo"),
+    Renamed("meta.gamma_trial", "algo.meta.gamma_trial", 1.0),
+    Renamed("context.max_summaries", lambda data: f"context.{_summarizer(data)}.max_summaries", 2),
+    Renamed("context.eval_max_summaries", lambda data: f"context.{_summarizer(data)}.eval_max_summaries", 2),
+    Renamed("context.summary_max_tokens", lambda data: f"context.{_summarizer(data)}.max_tokens", 64),
+    Renamed("context.summary_instruction", "context.summarize.instruction", SUMMARY_INSTRUCTION),
+    Renamed("context.max_branches", "context.fold.max_branches", 4),
+    Renamed("context.branch_reward", "context.fold.branch_reward", 0.0),
+    Renamed("env.harness", "env.harness.agent", "", kind=str),  # (first: a table now, where the two below may go)
+    Renamed("env.tools", lambda data: f"env.{_data_env(data)}.tools", ""),
+    Renamed("env.verifier", lambda data: f"env.{_data_env(data)}.verifier", "exact"),
+    Renamed("reward.judge", "reward.judge.target", "", kind=str),  # (first: a table now, where the rest go)
+    *(Renamed(f"reward.judge_{key}", f"reward.judge.{key}", default) for key, default in (
+        ("weight", 1.0), ("model", ""), ("rubric", ""), ("input", "transcript"), ("reference", False),
+        ("max_tokens", 64), ("retries", 2), ("timeout_s", 60.0), ("concurrency", 8), ("cache", ""),
+        ("api_key_env", "OPENAI_API_KEY"))),
+    *(Renamed(f"meta.demos_{key}", f"meta.demos.{key}", default) for key, default in (
+        ("max", 0), ("steps", 0), ("kind", "linear"), ("mode", "count"), ("source", "solve"), ("pool", 64))),
 )
 """Every key that was renamed, oldest first."""
+
+
+def _data_env(data: Mapping[str, Any]) -> str:
+    """Whose table ``env.tools`` and ``env.verifier`` move to: ``harness``'s when the config names it (its JSONL
+    tasks are played with them), else ``jsonl_tools``'s."""
+    env = data.get("env")
+    return "harness" if isinstance(env, dict) and env.get("name") == "harness" else "jsonl_tools"
+
+
+def _summarizer(data: Mapping[str, Any]) -> str:
+    """Whose table the old shared summary limits move to: the config's manager when it is ``select`` (which read
+    them too), else ``summarize``'s."""
+    context = data.get("context")
+    manager = context.get("manager") if isinstance(context, dict) else None
+    return "select" if manager == "select" else "summarize"
 
 # Names users bring from other libraries, in whatever section they put them: an unknown key that is one gets
 # "did you mean <ctxrl key> (TRL's NAME)?" rather than the nearest spelling (learning_rate is not mini_batches).
@@ -412,8 +458,9 @@ def fields_markdown() -> str:
     (docs/configuration.md is generated from it)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [_row(*row) for row in describe_fields()]
-    lines += ["", "The tables of ctxrl's own components, each read only by its component (`algo.advantage`, "
-              "`context.manager`, `env.name`; a family's table by every environment of the family):", "",
+    lines += ["", "The tables of ctxrl's own components, each read only by the component its section names "
+              "(`algo.advantage`, `context.manager`, `env.name`, `curriculum.kind`; a family's table by every "
+              "environment of the family):", "",
               "| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [_row(*row) for row in describe_components()]
     return "\n".join(lines)

@@ -4,7 +4,8 @@
 dicts and lists; ``from_plain(cls, data)`` rebuilds it from the field types, so a list of
 ``Message`` comes back as ``Message`` objects and a ``tuple[int, ...]`` as a tuple. Floats survive
 ``json.dumps`` / ``json.loads`` unchanged (Python writes the shortest text that reads back as the
-same double, ``NaN`` and ``Infinity`` included). ``to_json`` / ``from_json`` wrap both.
+same double, ``NaN`` and ``Infinity`` included). ``to_json`` / ``from_json`` wrap both. ``project(cls, source)``
+builds one dataclass from the same-named fields of another.
 
 What it does not do: arbitrary objects, tensors, dict keys that are not strings, or unions of
 structured types (which one to rebuild?). A value it cannot represent is a ``TypeError`` naming
@@ -81,6 +82,17 @@ def from_plain(cls: Any, data: Any, where: str | None = None) -> Any:
     if cls is float and isinstance(data, int) and not isinstance(data, bool):
         return float(data)
     return data
+
+
+def project(cls: type[T], source: Any, **given: Any) -> T:
+    """An instance of the dataclass ``cls`` built from every field of the dataclass ``source`` that ``cls`` also has
+    (each as ``cls`` types it: a list as a tuple), and ``given`` for the rest or instead: a runtime type that takes
+    part of a config section (``RolloutLimits`` of ``[rollout]``) without copying it field by field."""
+    hints = typing.get_type_hints(cls)
+    wanted = {f.name for f in dataclasses.fields(cls) if f.init} - set(given)
+    taken = {f.name: from_plain(hints[f.name], to_plain(getattr(source, f.name)), f"{type(source).__name__}.{f.name}")
+             for f in dataclasses.fields(source) if f.name in wanted}
+    return cls(**taken, **given)
 
 
 def to_json(obj: Any) -> str:

@@ -6,7 +6,7 @@ attempts. The instructions and headers are constants here, so that the configura
 defaults without importing rollout code. Text formatted from values is written where the values
 are: the meta loop's feedback line and attempt header (``ctxrl.meta.rollout``), ``fold``'s error
 observations (``ctxrl.rollout.managers.fold``), a demonstration's layout (``ctxrl.meta.demos``).
-The instructions are configurable (``context.summary_instruction``, ``meta.reflection_instruction``);
+The instructions are configurable (``context.summarize.instruction``, ``meta.reflection_instruction``);
 the headers are fixed, because trained policies learn them.
 """
 

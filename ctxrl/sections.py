@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ctxrl.prompts import REFLECTION_INSTRUCTION, SUMMARY_INSTRUCTION
+from ctxrl.prompts import REFLECTION_INSTRUCTION
 from ctxrl.settings import NON_NEGATIVE, POSITIVE, RESUMABLE, in_range
 
-__all__ = ["RESUMABLE", "SECTIONS", "AlgoConfig", "ContextConfig", "CurriculumConfig", "DistributedConfig",
+__all__ = ["RESUMABLE", "SECTIONS", "SHARED", "AlgoConfig", "ContextConfig", "CurriculumConfig", "DistributedConfig",
            "EnvConfig", "EvalConfig", "LoRAConfig", "MetaConfig", "ModelConfig", "ReportConfig", "RewardConfig",
            "RolesConfig", "RolloutConfig", "RunConfig", "SFTConfig", "TrainConfig"]
 
@@ -65,15 +65,6 @@ class EnvConfig:
     """Assistant turns per episode before it is truncated (``max_turns``)."""
     data: str = ""
     """Task file for environments built from data (``jsonl_tools``): a JSONL path."""
-    tools: str = ""
-    """Comma-separated built-in tools for ``jsonl_tools`` (``calculator``, ``python``)."""
-    verifier: str = "exact"
-    """Answer check for ``jsonl_tools``: ``exact``, ``numeric`` or ``contains``."""
-    harness: str = ""
-    """For ``env.name = "harness"``: the agent to train, an ``async def rollout(client, task)`` given as
-    ``package.module:function`` or ``path/to/file.py:function``; its OpenAI client's calls are the episode and its
-    return value the reward. ``env.data`` is then ``env:NAME`` (a registered environment's tasks) or a JSONL task
-    file (docs/serve.md)."""
     mcp_servers: list[str] = field(default_factory=list)
     """MCP servers whose tools the policy gets beside the environment's own (docs/mcp.md): each the URL of a
     streamable-HTTP server (``http://127.0.0.1:8000/mcp``) or a command line that starts one over stdio (``python
@@ -138,24 +129,11 @@ class ContextConfig:
     history when the next turn would not fit, and goes on from the summary), ``fold``
     (Context-Folding: ``branch(goal)`` / ``return(result)`` tools; a branch's tokens stay out of the parent),
     ``select`` (ECHO-style: the policy names the earlier turns to keep verbatim when the next turn would not fit),
-    or any manager registered with ``ctxrl.rollout.managers.register_manager``."""
+    or any manager registered with ``ctxrl.rollout.managers.register_manager``. A manager's own settings are its
+    table: ``[context.summarize]``, ``[context.select]``, ``[context.fold]``."""
     max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Working-context budget in tokens for ``window``, ``summarize`` and ``select`` (must not exceed
     rollout.max_total_tokens)."""
-    max_summaries: int = field(default=2, metadata=NON_NEGATIVE)
-    """Summaries (``select``: selections) an episode may make in training; past them an over-budget episode ends
-    (``max_context``)."""
-    eval_max_summaries: int = field(default=2, metadata={**RESUMABLE, **NON_NEGATIVE})
-    """Summaries (``select``: selections) allowed at evaluation (test-time scaling: may exceed max_summaries)."""
-    summary_max_tokens: int = field(default=64, metadata=POSITIVE)
-    """Tokens one summary (``select``: one reply naming the turns to keep) may take."""
-    summary_instruction: str = SUMMARY_INSTRUCTION
-    """The user message that asks for a summary."""
-    max_branches: int = field(default=4, metadata=NON_NEGATIVE)
-    """Branches an episode may open with ``fold``."""
-    branch_reward: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """``fold`` only: a process reward added to the advantage of every sampled token of a branch that returned a
-    non-empty result (FoldGRPO-style; it rewards finishing a branch, not being right, so keep it small; 0 = off)."""
     budget_start_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Budget curriculum (BACM-style): start training at this budget and shrink linearly to
     max_context_tokens over budget_steps RL steps (0 = no curriculum; evaluation always uses max_context_tokens)."""
@@ -174,16 +152,6 @@ class MetaConfig:
     eval_trials: int = field(default=1, metadata={**RESUMABLE, **POSITIVE})
     """Trials per task at evaluation; pass@k of independent first attempts needs at least k (and
     eval.temperature > 0: greedy trials of one task are identical)."""
-    gamma_trial: float = field(default=1.0, metadata=in_range(0.0, 1.0))
-    """Discount across the attempts of a trial: 1 credits solving within K attempts at all, below 1 also
-    prefers solving sooner, 0 makes attempts independent."""
-    credit: str = "cross_episode"
-    """``cross_episode`` (LaMer: discounted return over later attempts, normalised over the trials of a task)
-    or ``relative`` (MR-Search: each attempt's reward centred on the other trials' same attempt, then summed)."""
-    normalize: str = "std"
-    """``cross_episode`` only: ``std`` divides by the group std (GRPO-like), ``none`` only centres."""
-    baseline: str = "loo"
-    """``relative`` only: ``loo`` (mean of the other trials) or ``mean`` (of all trials that played the attempt)."""
     carry: str = "reflections"
     """What an attempt carries of the earlier ones: ``reflections`` (a feedback line and the reflection of each)
     or ``attempts`` (each earlier attempt in full, with its feedback)."""
@@ -198,21 +166,6 @@ class MetaConfig:
     max_context_tokens: int = field(default=0, metadata=NON_NEGATIVE)
     """Budget of an attempt's opening (task + carried history) in tokens: the oldest attempts are dropped until it
     fits (0 = only the room rollout.max_total_tokens leaves for a turn)."""
-    demos_max: int = field(default=0, metadata=NON_NEGATIVE)
-    """Annealed demonstrations: few-shot solved examples in training prompts (count at step 0, or per episode
-    that gets them); evaluation never gets any. 0 = off."""
-    demos_steps: int = field(default=0, metadata=NON_NEGATIVE)
-    """The RL step from which no training prompt gets demonstrations (the schedule reaches 0 there)."""
-    demos_kind: str = "linear"
-    """Shape of the decay: ``linear``, ``cosine`` or ``step`` (constant, then none)."""
-    demos_mode: str = "count"
-    """``count``: every episode gets the scheduled number; ``probability``: demos_max or none, with the
-    scheduled probability."""
-    demos_source: str = "solve"
-    """Where demonstrations come from: ``solve`` (the env's scripted solutions of other training tasks) or a
-    JSONL file of ``{"prompt", "messages"}`` lines."""
-    demos_pool: int = field(default=64, metadata=POSITIVE)
-    """Training tasks solved for the ``solve`` pool (a task's own demo is never shown to it)."""
 
 
 @dataclass(frozen=True)
@@ -266,18 +219,12 @@ class AlgoConfig:
     """Advantage estimator: ``grpo`` (group-normalised outcome), ``dr_grpo`` (centred only),
     ``rloo`` (leave-one-out), ``reinforce_pp`` (discounted turn-reward returns, whitened over the
     batch), ``turn_grpo`` (group-normalised per-turn returns), ``gae`` (PPO with a learned
-    critic), ``meta`` (credit across the attempts of a trial, ``meta.credit``; docs/meta.md), ``distill``
-    (on-policy distillation: a teacher's per-token reverse KL, ``[algo.distill]``; docs/distillation.md), or any
-    estimator registered with ``ctxrl.algo.estimators.register_estimator``; see docs/algorithms.md."""
+    critic, ``[algo.gae]``), ``meta`` (credit across the attempts of a trial, ``[algo.meta]``; docs/meta.md),
+    ``distill`` (on-policy distillation: a teacher's per-token reverse KL, ``[algo.distill]``;
+    docs/distillation.md), or any estimator registered with ``ctxrl.algo.estimators.register_estimator``; see
+    docs/algorithms.md."""
     gamma: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
-    lam: float = field(default=1.0, metadata=NON_NEGATIVE)
-    """GAE's lambda (``gae`` only)."""
-    gae_level: str = "token"
-    """``gae`` steps: ``token`` (every sampled token) or ``turn`` (every assistant turn; the critic's
-    value is read at each turn's first sampled token and trained there only)."""
-    vf_clip: float = field(default=0.2, metadata=NON_NEGATIVE)
-    """Clip range of the critic's value loss (``gae`` only)."""
     loss: str = "ppo_clip"
     """Policy loss: ``ppo_clip`` (token ratios) or ``gspo`` (sequence ratios; use clip bounds near 3e-4 / 4e-4)."""
     dual_clip: float = field(default=0.0, metadata=NON_NEGATIVE)
@@ -315,22 +262,15 @@ class AlgoConfig:
 class CurriculumConfig:
     kind: str = "fixed"
     """Which training tasks and turn limit per step: ``fixed`` (the env's train distribution),
-    ``horizon`` (turn cap raised in stages, ScalingInter-RL) or ``self_paced`` (prefer contexts of
-    intermediate success, SPaCE-like); see ctxrl/tasks/curriculum.py."""
-    horizon_start_turns: int = field(default=2, metadata=POSITIVE)
-    """``horizon``: the turn cap at step 0 (it rises to ``env.max_turns``)."""
-    horizon_warmup_steps: int = field(default=20, metadata=POSITIVE)
-    """``horizon``: the step from which the full ``env.max_turns`` applies."""
-    horizon_stages: int = field(default=3, metadata=POSITIVE)
-    """``horizon``: how many times the cap is raised on the way."""
-    self_paced_pool: int = field(default=4, metadata=POSITIVE)
-    """``self_paced``: candidate tasks drawn per task kept."""
-    self_paced_floor: float = field(default=0.02, metadata=in_range(0.0, 0.25, low_open=True))
-    """``self_paced``: the smallest sampling weight, so no context drops out entirely."""
+    ``horizon`` (turn cap raised in stages, ScalingInter-RL: ``[curriculum.horizon]``), ``self_paced`` (prefer
+    contexts of intermediate success, SPaCE-like: ``[curriculum.self_paced]``), or any curriculum registered with
+    ``ctxrl.tasks.curriculum.register_curriculum``; see ctxrl/tasks/curriculum.py."""
 
 
 @dataclass(frozen=True)
 class RewardConfig:
+    """The reward's terms; a judge's settings are its own table, ``[reward.judge]`` (``judge.spec.JudgeSettings``)."""
+
     outcome: float = 1.0
     """Weight of the environment's own reward (its correctness signal)."""
     overlong_buffer: int = field(default=0, metadata=NON_NEGATIVE)
@@ -344,37 +284,6 @@ class RewardConfig:
     """OTC's smoothing constant c (used when no episode of the group succeeded with a known count)."""
     format_weight: float = 0.0
     """Weight of the format reward: 1 when no turn made a malformed or failing tool call (0 = off)."""
-    judge: str = ""
-    """A judge that grades every training episode, its score in [0, 1] a reward term (docs/judges.md): an
-    OpenAI-compatible endpoint (``http://127.0.0.1:8000/v1``: ``ctxrl serve`` over another checkpoint, vLLM, a hosted
-    API; needs ``pip install -e '.[judge]'``) or any ``model.name`` loaded in this process. Empty: no judge."""
-    judge_weight: float = 1.0
-    """Weight of the judge's score. A judge-rewarded run that hides the verifier from training: ``reward.outcome=0``
-    (evaluation still reports the environment's success)."""
-    judge_model: str = ""
-    """The model an endpoint is asked for (empty: the first it lists, which is what ``ctxrl serve`` serves)."""
-    judge_rubric: str = ""
-    """A TOML rubric: criteria (name, description, weight), their scale, optional one-word verdicts (docs/judges.md).
-    Empty: one criterion, ``correct``, from 0 to 10."""
-    judge_input: str = "transcript"
-    """What the judge reads: ``transcript`` (every message of the episode) or ``answer`` (its last assistant
-    message)."""
-    judge_reference: bool = False
-    """Show the judge the task's reference answer (reference-guided grading)."""
-    judge_max_tokens: int = field(default=64, metadata=POSITIVE)
-    """Tokens the judge may write per reply."""
-    judge_retries: int = field(default=2, metadata=NON_NEGATIVE)
-    """Further tries after a malformed reply (asked again with sampling), a call past its deadline or a transient
-    failure; when every try fails the episode is errored (``errors_judge``), never scored 0."""
-    judge_timeout_s: float = field(default=60.0, metadata=POSITIVE)
-    """Deadline of one call to the judge."""
-    judge_concurrency: int = field(default=8, metadata=POSITIVE)
-    """Most calls to the judge in flight at once per rollout worker (they run while other episodes still play)."""
-    judge_cache: str = ""
-    """Where verdicts are kept by the hash of the question, so that a rerun asks nothing again: a directory (empty:
-    ``$CTXRL_CACHE/judge``), or ``off``."""
-    judge_api_key_env: str = "OPENAI_API_KEY"
-    """The environment variable holding the endpoint's API key (a missing variable sends none)."""
 
 
 @dataclass(frozen=True)
@@ -389,8 +298,6 @@ class TrainConfig:
     lr: float = field(default=1e-4, metadata=NON_NEGATIVE)
     """AdamW learning rate for RL (Adam moves every weight by about this much per step even when
     few rollouts earn a reward, so keep it well below the warm start's)."""
-    critic_lr: float = field(default=1e-3, metadata=NON_NEGATIVE)
-    """AdamW learning rate of the critic (``algo.advantage = "gae"``; its value head starts at zero)."""
     weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
     """AdamW weight decay."""
     max_grad_norm: float = field(default=1.0, metadata=POSITIVE)
@@ -472,6 +379,10 @@ class EvalConfig:
     """Seed of the evaluation task sample (fixed so before/after compare the same tasks)."""
 
 
+SHARED = "shared"
+"""The policy of a role that ``roles.policies`` leaves out: the run's own (``ctxrl.rollout.spec.POLICY_KINDS``)."""
+
+
 @dataclass(frozen=True)
 class RolesConfig:
     policies: list[str] = field(default_factory=list)
@@ -485,6 +396,11 @@ class RolesConfig:
     eval_opponents: list[str] = field(default_factory=list)
     """Policies (``scripted:NAME``, ``frozen:PATH``) the learner plays against in every evaluation, in each role
     in turn: win rate with a 95% interval per opponent. Empty: evaluation plays self-play matches."""
+
+    def policy(self, role: str, overrides: dict[str, str] | None = None) -> str:
+        """The policy that plays ``role``: ``overrides`` (a request's), else ``policies``', else ``shared``."""
+        pinned = dict(pair.split("=", 1) for pair in self.policies)
+        return (overrides or {}).get(role) or pinned.get(role) or SHARED
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ BUILD = ("import json, sys, pathlib; from ctxrl.train.tiny import ensure_model; 
 # Libraries that start one thread per core each: 24 runs on a 64-core machine then ran 1,500 threads (load 574,
 # every run two to three times slower than alone). Each child gets its share of the cores instead.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
-GPU_SHARE_VARIABLE = "CTXRL_GPU_SHARE"  # ctxrl.train.memory.GPU_SHARE_VARIABLE (this script imports no ctxrl)
+GPU_SHARE_VARIABLE = "CTXRL_GPU_SHARE"  # ctxrl.learner.memory.GPU_SHARE_VARIABLE (this script imports no ctxrl)
 HEAVY = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -219,7 +219,7 @@ def _stop(jobs: list[Job], grace: float = 10.0) -> None:
 def child_environment(gpu: str, processes: int, cores: int | None = None,
                       environ: dict[str, str] | None = None, per_gpu: int = 1) -> dict[str, str]:
     """A child's environment: one GPU, unbuffered output, its share of the cores for every thread pool, and its
-    share of the card for its memory plan (``CTXRL_GPU_SHARE=1/per_gpu``: ``ctxrl.train.memory``).
+    share of the card for its memory plan (``CTXRL_GPU_SHARE=1/per_gpu``: ``ctxrl.learner.memory``).
 
     ``processes`` is how many children may run at once (GPUs x ``--per-gpu``); a thread count or a card share
     the user set in the environment is kept.

@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 # The rollout settings of the issue-49 plan (experiments/plans/issue49.toml), which the budgets are meant for.
-DEFAULTS = ["env.max_turns=6", "rollout.max_total_tokens=1024", "rollout.max_new_tokens=64", "context.max_summaries=4",
-            "context.eval_max_summaries=4"]
+DEFAULTS = ["env.max_turns=6", "rollout.max_total_tokens=1024", "rollout.max_new_tokens=64",
+            *(f"context.{manager}.{key}=4" for manager in ("summarize", "select")
+              for key in ("max_summaries", "eval_max_summaries"))]
 
 
 def sweep(env: str, model: str, managers: list[str], budgets: list[int], tasks: int,

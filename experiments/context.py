@@ -35,8 +35,9 @@ COMMON = [*CPU_SIZED, "env.name=kv_chain", "env.max_turns=10", "rollout.max_new_
 def manager_overrides(manager: str, budget: int, max_summaries: int) -> list[str]:
     if manager == "full":
         return ["context.manager=full"]
-    return [f"context.manager={manager}", f"context.max_context_tokens={budget}",
-            f"context.max_summaries={max_summaries}", f"context.eval_max_summaries={max_summaries}"]
+    limits = [f"context.{manager}.max_summaries={max_summaries}",
+              f"context.{manager}.eval_max_summaries={max_summaries}"] if manager in SWEPT else []
+    return [f"context.manager={manager}", f"context.max_context_tokens={budget}", *limits]
 
 
 def main() -> None:
@@ -76,7 +77,8 @@ def main() -> None:
             for k in (int(x) for x in args.eval_summaries.split(",")):
                 cfg = load_config(None, [f"model.name={summary['checkpoint']}", f"run.name=eval-{k}", *COMMON,
                                          *manager_overrides(manager, args.budget, args.max_summaries),
-                                         f"context.eval_max_summaries={k}", "train.steps=0", *args.overrides])
+                                         f"context.{manager}.eval_max_summaries={k}", "train.steps=0",
+                                         *args.overrides])
                 trainer = Trainer(cfg, out / f"{manager}-eval-{k}")
                 evaluated = trainer.evaluate(args.steps, splits=("heldout", "ood"))
                 scaling[k] = {split: r["success"] for split, r in evaluated.items()}

@@ -7,7 +7,7 @@ records are ``docs/experiments/data/issue49/``:
 - ``runs.json``: ``experiments/tables.py collect`` of ``batch/`` (each run's config, metrics and samples, gzipped);
 - ``ceilings-fact_hunt.json``: ``experiments/ceilings.py``, the managers' scripted ceilings by budget;
 - ``evals/``: the summarising runs' final checkpoints evaluated with more summaries allowed (``ctxrl eval`` with
-  ``context.eval_max_summaries``), on held-out and on OOD trails.
+  ``context.eval_max_summaries``, now ``context.summarize.eval_max_summaries``), on held-out and on OOD trails.
 
 ``trail_lengths`` rebuilds each held-out task from its seed (the environment is deterministic; the ids are checked)
 to say on which trails the successes fell. Intervals are ``experiments/stats.py``'s two-level bootstrap over seeds

@@ -11,15 +11,15 @@ H200, 300 steps made SmolLM2 right on 399 of 400 held-out answers):
    a digit changed, the sign flipped, another task's answer, empty, not a number; a letter changed in a word),
    labelled with its rejecting word. Half of the examples say yes, half no.
 2. **The prompt the judge will see.** Each example is an episode ending in that final message, asked through
-   ``Judge.question`` (``reward.judge_input=answer``, ``reward.judge_reference=true``) and rendered by the judge's
+   ``Judge.question`` (``reward.judge.input=answer``, ``reward.judge.reference=true``) and rendered by the judge's
    own ``LocalBackend`` (the model's chat template through ctxrl's guarded renderer): the ids are those a run's
    judge is prompted with. The completion is the verdict word (``Yes``) and the end-of-turn token, as if sampled.
 3. **Fine-tuning.** The named model (any ``model.name``: ``smollm2-135m-instruct``, a ``tiny:...`` model, a
    checkpoint directory), loaded by ctxrl's loader (GGUF conversion and end-of-turn fixes included), trains on the
    completion tokens only (the prompt's loss mask is 0): token-mean negative log-likelihood, AdamW (float32 master
-   weights under bfloat16, ``ctxrl.train.precision``), linear warm-up over 5% of the steps then cosine decay,
+   weights under bfloat16, ``ctxrl.learner.precision``), linear warm-up over 5% of the steps then cosine decay,
    gradients clipped at 1. Saved with its tokenizer and chat template as an HF checkpoint directory that
-   ``reward.judge=DIR`` loads.
+   ``reward.judge.target=DIR`` loads.
 4. **Evaluation.** Before and after, the judge's first reply (greedy, ``--max-tokens``, as ``Judge`` asks first) to
    held-out examples: tasks no training example has. Accuracy (a reply without a verdict counts as wrong), the
    fraction of replies without a verdict, and the rate of accepting verdicts on yes and on no examples (and on each
@@ -30,7 +30,7 @@ H200, 300 steps made SmolLM2 right on 399 of 400 held-out answers):
     python experiments/judge_tune.py --model smollm2-135m-instruct --examples 2000 --steps 300 --lr 5e-5 \\
         --batch-size 32 --device cuda --dtype bfloat16 --save runs/judge            # a GPU
 
-What it does not do: judge transcripts (``reward.judge_input=transcript``) or score-line rubrics (a rubric needs
+What it does not do: judge transcripts (``reward.judge.input=transcript``) or score-line rubrics (a rubric needs
 ``[labels]``), read an environment's settings (it uses the environment's defaults), or make wrong answers for an
 environment whose final message does not state its reference answer (a puzzle solved by moves): it says so.
 Labels come from how each answer was made, not from the environment's verifier.
@@ -222,7 +222,7 @@ def verdict_words(rubric, path: str) -> tuple[str, str]:
 
 # -- what the judge is shown ------------------------------------------------------------------------------------
 def episode_of(example: JudgeExample) -> Episode:
-    """An episode ending in the example's final message (all that ``reward.judge_input=answer`` reads of it)."""
+    """An episode ending in the example's final message (all that ``reward.judge.input=answer`` reads of it)."""
     return Episode(task=example.task, messages=[Message("user", example.task.prompt),
                                                 Message("assistant", example.answer)])
 
@@ -256,7 +256,7 @@ def pad(rows: list[tuple[list[int], list[int]]], pad_token_id: int):
 def completion_loss(model, input_ids, attention_mask, loss_mask, *, chunk: int = 1024):
     """``-sum(loss_mask * log p(ids[t+1] | ids[:t+1])) / sum(loss_mask)``: the completion tokens' mean negative
     log-likelihood. ``input_ids``, ``attention_mask`` [B, T]; ``loss_mask`` [B, T-1]."""
-    from ctxrl.train.logprobs import token_logprobs
+    from ctxrl.learner.logprobs import token_logprobs
 
     logprobs = token_logprobs(model, input_ids, attention_mask, mask=loss_mask, chunk=chunk)
     return -(logprobs * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
@@ -268,8 +268,8 @@ def fine_tune(model, rows: list[tuple[list[int], list[int]]], *, pad_token_id: i
     returns each step's loss. Warm-up over 5% of the steps, then cosine decay to 0; gradients clipped at 1."""
     import torch
 
+    from ctxrl.learner.precision import Precision, trainable_grads
     from ctxrl.models.kernels import attention_kernels
-    from ctxrl.train.precision import Precision, trainable_grads
 
     device = next(model.parameters()).device
     precision = Precision(dtype, "float32", str(device))
@@ -361,7 +361,7 @@ def table(before: dict, after: dict | None) -> str:
 
 # -- the command ------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from ctxrl.judge.spec import JudgeSpec
+    from ctxrl.judge.spec import JudgeSettings
     from ctxrl.models.loader import DTYPES
 
     class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -370,7 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     parser.add_argument("--env", default="calculator", help="the environment whose tasks the judge grades")
     parser.add_argument("--rubric", default="examples/rubrics/answer_matches_reference.toml",
-                        help="a rubric with one criterion and [labels] (reward.judge_rubric)")
+                        help="a rubric with one criterion and [labels] (reward.judge.rubric)")
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="the model to tune: any model.name (a named model, tiny:..., a checkpoint directory)")
     parser.add_argument("--examples", type=int, default=2000, help="training examples, half yes and half no")
@@ -381,8 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=300, help="optimiser steps (0: evaluate the model only)")
     parser.add_argument("--batch-size", type=int, default=32, help="examples per step")
     parser.add_argument("--lr", type=float, default=5e-5, help="AdamW's peak learning rate")
-    parser.add_argument("--max-tokens", type=int, default=JudgeSpec.max_tokens,
-                        help="tokens per reply in evaluation (reward.judge_max_tokens)")
+    parser.add_argument("--max-tokens", type=int, default=JudgeSettings.max_tokens,
+                        help="tokens per reply in evaluation (reward.judge.max_tokens)")
     parser.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the weights' dtype (bfloat16 trains float32 master weights)")
@@ -419,9 +419,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from ctxrl.judge.judge import Judge
     from ctxrl.judge.rubric import load_rubric
-    from ctxrl.judge.spec import NO_CACHE, JudgeSpec
+    from ctxrl.judge.spec import NO_CACHE, JudgeSettings
+    from ctxrl.learner.precision import Precision
     from ctxrl.models.loader import resolve_device
-    from ctxrl.train.precision import Precision
     from ctxrl.train.tiny import ensure_model
 
     try:
@@ -442,9 +442,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     Precision(args.dtype, "float32", device)  # (refuses float16 off CUDA before anything loads)
     ensure_model(args.model)
-    spec = JudgeSpec(target=args.model, rubric=args.rubric, input="answer", reference=True,
-                     max_tokens=args.max_tokens, cache=NO_CACHE, device=device, dtype=args.dtype)
-    judge = Judge.from_spec(spec)
+    spec = JudgeSettings(target=args.model, rubric=args.rubric, input="answer", reference=True,
+                         max_tokens=args.max_tokens, cache=NO_CACHE)
+    judge = Judge.from_spec(spec, device=device, dtype=args.dtype)
     print(f"{args.model} as the judge of {args.env} ({args.rubric}) on {device} in {args.dtype}: "
           f"{len(train_examples)} training and {len(heldout)} held-out examples, half {words[0]}, half {words[1]}",
           flush=True)
@@ -455,10 +455,11 @@ def main(argv: list[str] | None = None) -> dict:
         if save is not None:
             save_judge(judge, save)
             judge.backend.engine.close()
-            judge = Judge.from_spec(dataclasses.replace(spec, target=str(save)))  # what reward.judge=SAVE loads
+            judge = Judge.from_spec(dataclasses.replace(spec, target=str(save)), device=device,
+                                    dtype=args.dtype)  # what reward.judge.target=SAVE loads
         report["after"] = evaluate(judge, heldout)
-    report["use"] = (f"reward.judge={save or '<the tuned model>'} reward.judge_rubric={args.rubric} "
-                     f"reward.judge_input=answer reward.judge_reference=true reward.judge_max_tokens={args.max_tokens}")
+    report["use"] = (f"reward.judge.target={save or '<the tuned model>'} reward.judge.rubric={args.rubric} "
+                     f"reward.judge.input=answer reward.judge.reference=true reward.judge.max_tokens={args.max_tokens}")
     print(table(report["before"], report["after"]))
     text = json.dumps(report, indent=1)
     if save is not None:

@@ -59,7 +59,7 @@ COMMON = ["run.progress=false", "train.eval_every=0", "rollout.tasks_per_step=4"
           "meta.reflection_max_tokens=64"]
 SMOKE = ["rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "sft.demos=8",
          "sft.epochs=1", "sft.batch_size=4", "rollout.max_total_tokens=1024", "meta.reflection_max_tokens=4",
-         "meta.demos_pool=3", "run.samples_per_step=0"]
+         "meta.demos.pool=3", "run.samples_per_step=0"]
 ARMS = ("warm", "icrl", "single", "meta", "retry")
 
 
@@ -152,9 +152,9 @@ def demos(args, out: Path) -> dict:
     base = [*COMMON, f"env.name={env}", *ENV_OVERRIDES.get(env, []), f"run.seed={args.seed}",
             f"model.name={args.model}", "sft.enabled=false", f"train.steps={steps}", f"eval.tasks={args.eval_tasks}",
             *(SMOKE if args.smoke else []), *args.overrides]
-    arms = {"none": ["meta.demos_max=0"],
-            "annealed": [f"meta.demos_max={args.demos}", f"meta.demos_steps={max(1, steps // 2)}",
-                         "meta.demos_kind=linear", "meta.demos_mode=count"]}
+    arms = {"none": ["meta.demos.max=0"],
+            "annealed": [f"meta.demos.max={args.demos}", f"meta.demos.steps={max(1, steps // 2)}",
+                         "meta.demos.kind=linear", "meta.demos.mode=count"]}
     t0 = time.perf_counter()
     every = args.eval_every or max(1, steps // 4)
     results = {arm: train_and_evaluate([*base, *o], out / arm, eval_every=every) for arm, o in arms.items()}

@@ -64,7 +64,7 @@ NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+
 TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math", "sq": "search_qa",
          "hw": "hidden_word", "ca": "calculator", "cs": "reasoning_gym:chain_sum", "csnt": "reasoning_gym:chain_sum",
          "pr": "reasoning_gym:products", "lc": "reasoning_gym:leg_counting", "kuhn": "kuhn_poker",
-         "ps": "propose_solve"}
+         "ps": "propose_solve", "repo": "repo_tasks"}
 # 135: SmolLM2-135M-Instruct; 270: Gemma 3 270M (base): the real models
 SIZES = {"1": "1M", "5": "5.2M", "26": "26M", "135": "135M", "270": "270M"}
 TASK_VARIANTS = {"csnt": "notool"}  # task codes that name a setting of their task, not another task

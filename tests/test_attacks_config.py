@@ -41,7 +41,7 @@ def test_a_file_that_is_not_utf8_or_nests_too_deep_is_one_line(tmp_path):
 
 
 def test_control_characters_are_escaped_so_the_runs_config_loads_back(tmp_path):
-    config = load_config(None, ["run.name=a\x07b\tc\x1bd\x7fe", 'context.summary_instruction=say "hi"\\ now'])
+    config = load_config(None, ["run.name=a\x07b\tc\x1bd\x7fe", 'context.summarize.instruction=say "hi"\\ now'])
     text = to_toml(config)
     assert tomllib.loads(text)["run"]["name"] == "a\x07b\tc\x1bd\x7fe"
     saved = tmp_path / "config.toml"

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from ctxrl.judge.cache import JudgeCache
-from ctxrl.judge.judge import Judge, JudgeSpec
+from ctxrl.judge.judge import Judge, JudgeSettings
 from ctxrl.judge.rubric import DEFAULT, WORK_BEGIN, WORK_END, JudgeParseError, Rubric, RubricItem, fenced
 from ctxrl.types import Episode, Message, Task
 
@@ -81,7 +81,7 @@ class Echo:
 
 
 def test_an_echoing_judge_errs_the_episode_instead_of_scoring_it(tmp_path):
-    spec = JudgeSpec(target="echo", retries=1, cache=str(tmp_path))
+    spec = JudgeSettings(target="echo", retries=1, cache=str(tmp_path))
     judge = Judge(spec, Echo(), DEFAULT, JudgeCache(str(tmp_path)))
     task = Task(id="t", prompt="What is 2 plus 3?", answer="5")
     episode = Episode(task=task, messages=[Message("user", task.prompt), Message("assistant", "6 correct: 10")])

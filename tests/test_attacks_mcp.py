@@ -24,7 +24,8 @@ from ctxrl.config import load_config  # noqa: E402
 from ctxrl.envs.base import EnvError  # noqa: E402
 from ctxrl.envs.mcp import with_mcp_tools  # noqa: E402
 from ctxrl.envs.registry import configured_env_class  # noqa: E402
-from ctxrl.tools.mcp import McpError, McpSettings, close_hub, mcp_hub  # noqa: E402
+from ctxrl.sections import EnvConfig  # noqa: E402
+from ctxrl.tools.mcp import McpError, close_hub, mcp_hub  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = f"python {ROOT}/tests/fixtures/mcp/hostile_server.py"
@@ -33,11 +34,11 @@ TASK = {"prompt": "What is 2 + 2?", "answer": "4", "split": "train", "tools": ["
                      "<answer>4</answer>"]}
 
 
-def env_with(tmp_path: Path, mode: str, **env) -> tuple[type, McpSettings]:
+def env_with(tmp_path: Path, mode: str, **env) -> tuple[type]:
     data = tmp_path / "tasks.jsonl"
     data.write_text(json.dumps(TASK) + "\n")
     assignments = " ".join(f"{k}={v}" for k, v in env.items())
-    settings = McpSettings(servers=(f"{assignments} {SERVER} {mode}".strip(),), restarts=0)
+    settings = EnvConfig(mcp_servers=[f"{assignments} {SERVER} {mode}".strip()], mcp_restarts=0)
     cls = configured_env_class("jsonl_tools", data=str(data), tools="", verifier="exact")
     return with_mcp_tools(cls, settings), settings
 

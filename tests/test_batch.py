@@ -334,8 +334,9 @@ def test_every_issue38_run_is_a_valid_configuration(tmp_path):
         arms[job.name.rsplit("-", 1)[1]] = config
     assert arms.keys() == {"verifier", "judge", "rl", "distill", "both", "dense", "denserl", "judgetuned"}
     tuned = tmp_path / "out" / "runs" / "ca135-b0-s0-tunejudge" / "judge"
-    assert arms["judgetuned"].reward.judge == str(tuned) and arms["judgetuned"].reward.outcome == 0
-    assert arms["judge"].reward.outcome == 0 and arms["judge"].reward.judge == "smollm2-135m-instruct"
+    judge = {arm: arms[arm].settings_of("reward", "judge").target for arm in ("judge", "judgetuned")}
+    assert judge["judgetuned"] == str(tuned) and arms["judgetuned"].reward.outcome == 0
+    assert arms["judge"].reward.outcome == 0 and judge["judge"] == "smollm2-135m-instruct"
     assert arms["distill"].settings_of("algo", "distill").outcome == 0
     assert arms["both"].settings_of("algo", "distill").outcome == 1 and not arms["rl"].sft.enabled
     dense, denserl = (arms[a].settings_of("algo", "distill") for a in ("dense", "denserl"))

@@ -23,13 +23,14 @@ from ctxrl.engine.base import Completion
 from ctxrl.engine.scripted import ScriptedEngine
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.kv_chain import KVChainEnv
-from ctxrl.meta.anneal import DemoSchedule
+from ctxrl.meta.anneal import DemoSchedule, DemoSettings
 from ctxrl.plain import from_json, to_json
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers import ContextManager, ContextPolicy, register_manager
 from ctxrl.rollout.messages import text_only
-from ctxrl.rollout.spec import DemoSpec, MetaPolicy, RolloutLimits, RolloutRequest, RolloutSpec
+from ctxrl.rollout.spec import RolloutLimits, RolloutRequest, RolloutSpec
 from ctxrl.rollout.worker import RolloutWorker
+from ctxrl.sections import MetaConfig, RolloutConfig
 from ctxrl.tools.base import Tool
 from ctxrl.types import Episode, Message, Task
 
@@ -48,7 +49,8 @@ def test_episodes_specs_and_requests_round_trip_through_json_exactly(renderer):
     tools = [t.schema() for t in KVChainEnv().tools]
     budget = len(renderer.prompt_ids(opening, tools)) + 120
     limits = RolloutLimits(max_turns=len(lookups) + 4, max_new_tokens=64, max_total_tokens=4096,
-                           context=ContextPolicy(manager="summarize", max_context_tokens=budget, max_summaries=8))
+                           context=ContextPolicy(manager="summarize", max_context_tokens=budget,
+                                                 options={"max_summaries": 8}))
     engine = ScriptedEngine([*lookups, answer], renderer, summary=lambda: "Lookups so far: some. Next key: K1.")
     episode = asyncio.run(run_episode(KVChainEnv(), task, engine, renderer, limits, seed=3))
     episode.behavior_logprobs = [-0.1234567890123 * m for m in episode.loss_mask]  # floats with many digits
@@ -61,10 +63,10 @@ def test_episodes_specs_and_requests_round_trip_through_json_exactly(renderer):
     assert again == episode
 
     spec = RolloutSpec(train=limits, eval=RolloutLimits(temperature=0.0, top_k=5),
-                       train_meta=MetaPolicy(num_attempts=3, carry="attempts"), max_batch_size=7,
-                       demos=DemoSpec(max_demos=2, steps=5, kind="cosine", pool=9))
+                       meta=MetaConfig(num_attempts=3, carry="attempts"), rollout=RolloutConfig(max_batch_size=7),
+                       demos={"max": 2, "steps": 5, "kind": "cosine", "pool": 9})
     assert _json_round_trip(spec) == spec
-    assert DemoSchedule.from_spec(_json_round_trip(spec).demos) == DemoSchedule(2, 5, "cosine")
+    assert DemoSchedule.from_spec(DemoSettings(**_json_round_trip(spec).demos)) == DemoSchedule(2, 5, "cosine")
     for overrides in (["context.manager=window", "context.max_context_tokens=300", "rollout.top_p=0.9"],
                       ["meta.eval_attempts=2", "meta.reflection_max_tokens=9"]):
         config_spec = RolloutSpec.from_config(load_config(None, overrides))
@@ -82,8 +84,8 @@ def test_a_worker_in_a_spawned_process_plays_exactly_the_in_process_episodes(mod
     from ctxrl.rollout.process import ProcessWorker, WorkerError
 
     config = load_config(None, [f"model.name={TINY}", "model.device=cpu", "rollout.temperature=1.0",
-                                "rollout.max_new_tokens=12", "env.max_turns=2", "meta.demos_max=1",
-                                "meta.demos_steps=4", "meta.demos_pool=4"])
+                                "rollout.max_new_tokens=12", "env.max_turns=2", "meta.demos.max=1",
+                                "meta.demos.steps=4", "meta.demos.pool=4"])
     spec = RolloutSpec.from_config(config)
     state = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
              for k, v in model.state_dict().items()}  # weights the checkpoint on disk does not have
@@ -406,3 +408,16 @@ def test_plain_data_refuses_what_it_cannot_rebuild_and_keeps_fixed_tuples_typed(
 
     problems = check_env(TupleData, n_tasks=2)
     assert any("changes on a JSON round trip (a tuple comes back as a list)" in p for p in problems)
+
+
+def test_a_limits_object_is_projected_from_the_rollout_section_not_copied_field_by_field():
+    """``plain.project``: every field the two dataclasses share, each as the target types it; the rest given."""
+    from ctxrl.plain import project
+    from ctxrl.sections import RolloutConfig
+
+    section = RolloutConfig(temperature=0.9, top_k=3, stop_ids=[5, 6], stop_strings=["END"], max_new_tokens=9)
+    limits = project(RolloutLimits, section, max_turns=2, timeout_s=section.episode_timeout_s)
+    assert limits == RolloutLimits(max_turns=2, max_new_tokens=9, max_total_tokens=section.max_total_tokens,
+                                   temperature=0.9, top_k=3, stop_ids=(5, 6), stop_strings=("END",),
+                                   timeout_s=section.episode_timeout_s)
+    assert project(RolloutLimits, section, temperature=0.0).temperature == 0.0  # (given wins over the section)

@@ -121,9 +121,10 @@ def test_the_failed_attempt_uses_every_guess_so_it_ends_by_running_out():
 
 def test_trial_demos_play_on_many_tasks_with_the_experiments_limits(renderer):
     from ctxrl.meta.trial_demos import build_trial_demos
-    from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+    from ctxrl.rollout.spec import RolloutLimits
+    from ctxrl.sections import MetaConfig
 
     limits = RolloutLimits(max_turns=6, max_new_tokens=32, max_total_tokens=1536)  # experiments/meta.py's
-    trials = asyncio.run(build_trial_demos(CodebreakEnv, renderer, 60, MetaPolicy(num_attempts=3,
+    trials = asyncio.run(build_trial_demos(CodebreakEnv, renderer, 60, MetaConfig(num_attempts=3,
                                            reflection_max_tokens=96), seed=0, limits=limits))
     assert len(trials) == 60

@@ -95,7 +95,8 @@ def test_a_table_in_a_section_without_components_is_still_an_unknown_key():
 def test_a_component_without_a_table_reads_its_defaults_and_one_without_settings_none(plugin):
     config = load_config(None, ["run.plugins=capped_grpo"])
     assert config.components == {} and config.settings_of("algo", "capped_grpo").limit == 1.0
-    assert config.settings_of("algo", "grpo") is None and config.settings_of("context", "summarize") is None
+    assert config.settings_of("algo", "grpo") is None and config.settings_of("context", "window") is None
+    assert config.settings_of("context", "summarize").max_summaries == 2  # (a built-in's own table, issue 50)
 
 
 def test_a_context_manager_gets_its_table_through_the_rollout_spec_as_plain_data():

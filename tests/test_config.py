@@ -152,12 +152,16 @@ def test_overrides_apply_on_top_of_file(tmp_path):
 
 
 def test_to_toml_round_trips(tmp_path):
+    from ctxrl.settings import settings_table
+
     config = load_config(overrides=[
         "train.steps=3", "train.lr=1e-05", "run.progress=false", "algo.agg=seq-mean-token-sum-norm",
         "rollout.top_p=0.95", "sft.enabled=false", "algo.kl_coef=1e-10",
     ])
-    config = dataclasses.replace(  # (sections are frozen: a changed one is a new one)
-        config, context=dataclasses.replace(config.context, summary_instruction='a "quoted" \\ back\nslash'),
+    summarize = {**settings_table(config.settings_of("context", "summarize")),
+                 "instruction": 'a "quoted" \\ back\nslash'}
+    config = dataclasses.replace(  # (sections are frozen: a changed one is a new one; so is a component's table)
+        config, components={**config.components, "context.summarize": summarize},
         model=dataclasses.replace(config.model, chat_template='{{ "a \\"quoted\\" \\\\ template" }}\n'),
         run=dataclasses.replace(config.run, name="ünï cödé"))
     path = tmp_path / "resolved.toml"
@@ -196,20 +200,21 @@ def test_configuration_doc_is_generated_from_the_code() -> None:
 
 
 def test_the_resumable_settings_are_marked_where_they_are_declared():
-    from ctxrl.config import describe_fields, resumable_keys, resumable_summary
+    from ctxrl.config import describe_components, describe_fields, resumable_keys, resumable_summary
 
     # the hand-kept list the marks replaced (train/checkpoint.py's RESUMABLE_CHANGES; "x." is a whole section)
     old = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
            "train.max_consecutive_skips", "run.progress", "run.samples_per_step", "run.name",
-           "context.eval_max_summaries", "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.",
+           "context.summarize.eval_max_summaries", "context.select.eval_max_summaries",
+           "rollout.episode_timeout_s", "rollout.max_error_rate", "sft.", "eval.",
            "meta.eval_attempts", "meta.eval_trials", "report.", "run.plugins", "rollout.sandbox_workers",
            "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
            "train.gradient_checkpointing", "train.pack_sequences", "train.flat_forward", "model.gpu_memory_fraction",
            "lora.export_merged", "distributed.backend", "distributed.rollout_workers", "distributed.address",
            "distributed.timeout_s")
-    fields = describe_fields()
+    fields = describe_fields() + describe_components()  # (summarize's and select's eval limits: their tables)
     expected = {k for k, *_ in fields if any(k == r or (r.endswith(".") and k.startswith(r)) for r in old)}
-    assert resumable_keys() == expected and len(expected) == 46  # + sft.format_demos_env, _demos, _budget
+    assert resumable_keys() == expected and len(expected) == 47  # + sft.format_demos_env, _demos, _budget
     for key, _, _, doc in fields:  # the configuration reference says which
         assert doc.endswith("May change on `--resume`.") == (key in expected), key
     assert {"model.dtype", "train.lr", "algo.advantage", "lora.rank"}.isdisjoint(resumable_keys())
@@ -235,8 +240,11 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # the three hand-kept sets the metadata replaced had 26 + 38 + 9 keys; then train.max_grad_norm and the
     # three of [distributed] that _validate_distributed checked by hand; then the judge's tokens, retries, deadline
     # and concurrency; then env.mcp_timeout_s and env.mcp_restarts; then sft.format_demos and sft.format_demos_budget;
-    # then run.seed and eval.seed (numpy takes no negative seed)
-    assert len(bounds) == 87
+    # issue 50 moved these into their components' tables: the curricula's 5; gae's lam, vf_clip, critic_lr and
+    # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed); then summarize's and
+    # select's max_summaries, eval_max_summaries, max_tokens and fold's max_branches, branch_reward; then the judge's
+    # max_tokens, retries, timeout_s, concurrency; then the annealed demos' max, steps, pool
+    assert len(bounds) == 66
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
@@ -251,13 +259,15 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
 
 
 def _float_fields() -> list[tuple[str, object]]:
-    """``(section.field, default)`` of every float field of the config's sections."""
+    """``(section.field, default)`` of every float field of the config's sections and of ctxrl's components' own
+    tables (``section.NAME.field``: where issue 50 moved a component's fields)."""
     import typing
 
     from ctxrl.config import _section_types
+    from ctxrl.run.components import builtin_tables
 
     out = []
-    for section, cls in _section_types().items():
+    for section, cls in [*_section_types().items(), *builtin_tables()]:
         hints = typing.get_type_hints(cls)
         out += [(f"{section}.{f.name}", f.default) for f in dataclasses.fields(cls) if hints[f.name] is float]
     return out
@@ -347,30 +357,33 @@ BEFORE_50 = Path(__file__).resolve().parent / "fixtures" / "config50"
 # their components' tables, the keys here follow (section.component.field is read through settings_of).
 MOVED_50 = {
     "config_before_50.toml": {
-        "curriculum.horizon_start_turns": 1, "curriculum.horizon_warmup_steps": 10, "curriculum.horizon_stages": 2,
-        "curriculum.self_paced_pool": 6, "curriculum.self_paced_floor": 0.05,
-        "algo.lam": 0.95, "algo.gae_level": "turn", "algo.vf_clip": 0.3, "train.critic_lr": 0.0005,
-        "meta.credit": "relative", "meta.normalize": "none", "meta.baseline": "mean", "meta.gamma_trial": 0.9,
+        "curriculum.horizon.start_turns": 1, "curriculum.horizon.warmup_steps": 10, "curriculum.horizon.stages": 2,
+        "curriculum.self_paced.pool": 6, "curriculum.self_paced.floor": 0.05,
+        "algo.gae.lam": 0.95, "algo.gae.level": "turn", "algo.gae.vf_clip": 0.3, "algo.gae.critic_lr": 0.0005,
+        "algo.meta.credit": "relative", "algo.meta.normalize": "none", "algo.meta.baseline": "mean",
+        "algo.meta.gamma_trial": 0.9,
         "algo.dual_clip": 3.0,
-        "context.max_summaries": 3, "context.eval_max_summaries": 5, "context.summary_max_tokens": 48,
-        "context.summary_instruction": "Summarise what you found so far, briefly.", "context.max_branches": 3,
-        "context.branch_reward": 0.1,
-        "env.tools": "calculator,python", "env.verifier": "numeric", "env.harness": "agent.py:rollout",
-        "reward.judge": "http://127.0.0.1:1/v1", "reward.judge_weight": 0.5, "reward.judge_model": "judge-model",
-        "reward.judge_rubric": "rubric.toml", "reward.judge_input": "answer", "reward.judge_reference": True,
-        "reward.judge_max_tokens": 32, "reward.judge_retries": 1, "reward.judge_timeout_s": 10.0,
-        "reward.judge_concurrency": 2, "reward.judge_cache": "off", "reward.judge_api_key_env": "JUDGE_KEY",
-        "meta.demos_max": 2, "meta.demos_steps": 5, "meta.demos_kind": "cosine", "meta.demos_mode": "probability",
-        "meta.demos_source": "demos.jsonl", "meta.demos_pool": 16,
+        "context.summarize.max_summaries": 3, "context.summarize.eval_max_summaries": 5,
+        "context.summarize.max_tokens": 48,
+        "context.summarize.instruction": "Summarise what you found so far, briefly.",
+        "context.fold.max_branches": 3, "context.fold.branch_reward": 0.1,
+        "env.jsonl_tools.tools": "calculator,python", "env.jsonl_tools.verifier": "numeric",
+        "env.harness.agent": "agent.py:rollout",
+        "reward.judge.target": "http://127.0.0.1:1/v1", "reward.judge.weight": 0.5, "reward.judge.model": "judge-model",
+        "reward.judge.rubric": "rubric.toml", "reward.judge.input": "answer", "reward.judge.reference": True,
+        "reward.judge.max_tokens": 32, "reward.judge.retries": 1, "reward.judge.timeout_s": 10.0,
+        "reward.judge.concurrency": 2, "reward.judge.cache": "off", "reward.judge.api_key_env": "JUDGE_KEY",
+        "meta.demos.max": 2, "meta.demos.steps": 5, "meta.demos.kind": "cosine", "meta.demos.mode": "probability",
+        "meta.demos.source": "demos.jsonl", "meta.demos.pool": 16,
         "report.wandb_project": "ctxrl-50", "report.wandb_mode": "disabled",
         "sft.shortcut_fraction": 0.5, "sft.redundant_fraction": 0.25, "sft.other_worlds": False,
         "sft.context_demos": "off", "sft.trial_demos": 0.1, "sft.format_demos_env": "fact_hunt",
         "sft.format_demos": 8, "sft.format_demos_budget": 256,
     },
     "config_before_50_select.toml": {
-        "context.manager": "select", "context.max_context_tokens": 256, "context.max_summaries": 3,
-        "context.eval_max_summaries": 4, "context.summary_max_tokens": 40,
-        "context.summary_instruction": "Name the earlier turns to keep.",
+        "context.manager": "select", "context.max_context_tokens": 256, "context.select.max_summaries": 3,
+        "context.select.eval_max_summaries": 4, "context.select.max_tokens": 40,
+        "context.summarize.instruction": "Name the earlier turns to keep.",
     },
 }
 
@@ -391,6 +404,35 @@ def test_config_before_50_loads_and_resumes(fixture):
     saved = load_config(BEFORE_50 / fixture)
     assert {key: _setting(saved, key) for key in MOVED_50[fixture]} == MOVED_50[fixture]
     assert config_differences(saved, load_config(BEFORE_50 / fixture)) == []
+
+
+AFTER_HEADER = """# {name} written in today's layout: to_toml of the loaded old file (property (c) of issue 50's
+# plan: the two are one config to resume). Regenerate as fields move: python -m tests.test_config
+"""
+
+
+def after_50(fixture: str) -> str:
+    """The text ``config_after_50*.toml`` must hold: the old fixture as today's ``to_toml`` writes it."""
+    return AFTER_HEADER.format(name=fixture) + to_toml(load_config(BEFORE_50 / fixture))
+
+
+@pytest.mark.parametrize("fixture", sorted(MOVED_50))
+def test_config_before_50_and_its_new_layout_are_one_run(fixture):
+    """The new layout of each old fixture loads without a renamed key, with its values where they live now, and a
+    run saved in one layout resumes under the other with no difference."""
+    import warnings
+
+    from ctxrl.train.checkpoint import config_differences
+
+    after = BEFORE_50 / fixture.replace("before", "after")
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        new = load_config(after)
+    assert not [w for w in heard if "renamed" in str(w.message)]
+    assert {key: _setting(new, key) for key in MOVED_50[fixture]} == MOVED_50[fixture]
+    assert config_differences(load_config(BEFORE_50 / fixture), new) == []
+    assert config_differences(new, load_config(BEFORE_50 / fixture)) == []
+    assert after.read_text() == after_50(fixture), "regenerate it: python -m tests.test_config"
 
 
 def test_renamed_keys_move_before_the_sections_are_built(monkeypatch):
@@ -433,3 +475,11 @@ def test_renamed_keys_move_before_the_sections_are_built(monkeypatch):
     with pytest.raises(ConfigError, match="algo.lam was renamed algo.gae.lam; the config sets both, keep only "
                                           "algo.gae.lam"):
         renamed({"algo": {"lam": 0.9, "gae": {"lam": 0.95}}})
+
+
+if __name__ == "__main__":  # regenerate the new-layout fixtures of issue 50 (test_config_before_50_and_its_new_layout)
+    import warnings
+
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for name in MOVED_50:
+        (BEFORE_50 / name.replace("before", "after")).write_text(after_50(name))

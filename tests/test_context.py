@@ -13,7 +13,7 @@ from ctxrl.chat.toolcalls import format_tool_call
 from ctxrl.config import ConfigError, load_config
 from ctxrl.engine.base import Completion
 from ctxrl.envs.kv_chain import KVChainEnv
-from ctxrl.prompts import BRANCH_HEADER
+from ctxrl.prompts import BRANCH_HEADER, SUMMARY_INSTRUCTION
 from ctxrl.rollout.agent import run_episode
 from ctxrl.rollout.managers import ContextPolicy, get_manager
 from ctxrl.rollout.managers.stats import context_stats
@@ -64,11 +64,11 @@ def _episode(renderer, max_summaries: int, slack: int = 120, manager: str = "sum
     opening = env.reset(task)
     tools = [t.schema() for t in env.tools]
     budget = len(renderer.prompt_ids(opening, tools)) + slack
-    policy = ContextPolicy(manager=manager, max_context_tokens=budget, max_summaries=max_summaries,
-                           summary_max_tokens=48)
+    policy = ContextPolicy(manager=manager, max_context_tokens=budget,
+                           options={"max_summaries": max_summaries, "max_tokens": 48} if manager != "window" else {})
     limits = RolloutLimits(max_turns=task.context["hops"] + 1, max_new_tokens=64, max_total_tokens=4096,
                            context=policy)
-    engine = OracleEngine(renderer, policy.instruction)
+    engine = OracleEngine(renderer, SUMMARY_INSTRUCTION)
     episode = asyncio.run(run_episode(KVChainEnv(), task, engine, renderer, limits, seed=0))
     return task, opening, tools, engine, episode
 
@@ -127,9 +127,9 @@ def test_summary_logprobs_match_the_learner(model, tokenizer, renderer):
     opening = KVChainEnv().reset(task)
     tools = [t.schema() for t in KVChainEnv().tools]
     policy = ContextPolicy(manager="summarize", max_context_tokens=len(renderer.prompt_ids(opening, tools)) + 120,
-                           max_summaries=1, summary_max_tokens=12)
+                           options={"max_summaries": 1, "max_tokens": 12})
     limits = RolloutLimits(max_turns=6, max_new_tokens=64, max_total_tokens=4096, temperature=1.0, context=policy)
-    engine = Hybrid(renderer, policy.instruction)
+    engine = Hybrid(renderer, SUMMARY_INSTRUCTION)
     episode = asyncio.run(run_episode(KVChainEnv(), task, engine, renderer, limits, seed=3))
     assert episode.info["summaries"] == 1
     seq = episode.sequences()[-1] if not episode.segments else episode.segments[0]
@@ -183,10 +183,13 @@ def test_eval_summary_limit_overrides_training_and_config_checks():
     from ctxrl.rollout.spec import RolloutSpec
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
-                             "context.max_context_tokens=300", "context.max_summaries=1",
-                             "context.eval_max_summaries=4", "rollout.max_total_tokens=512", "run.progress=false"])
+                             "context.max_context_tokens=300", "context.summarize.max_summaries=1",
+                             "context.summarize.eval_max_summaries=4", "rollout.max_total_tokens=512",
+                             "run.progress=false"])
     spec = RolloutSpec.from_config(cfg)
-    assert spec.train.context.max_summaries == 1 and spec.eval.context.max_summaries == 4
+    train, evaluation = spec.train.context, spec.eval.context
+    assert (train.phase, evaluation.phase) == ("train", "eval")
+    assert train.make().options.limit(train.phase) == 1 and evaluation.make().options.limit(evaluation.phase) == 4
     assert spec.train.context.max_context_tokens == 300
     with pytest.raises(ConfigError, match="needs context.max_context_tokens > 0"):
         load_config(None, ["context.manager=summarize"])
@@ -209,20 +212,21 @@ def test_rl_step_trains_on_segments(tmp_path, renderer):
     from ctxrl.train.trainer import Trainer
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
-                             "context.max_context_tokens=300", "context.max_summaries=6", "env.max_turns=8",
+                             "context.max_context_tokens=300", "context.summarize.max_summaries=6", "env.max_turns=8",
                              "context.budget_start_tokens=330", "context.budget_steps=10",
                              "rollout.max_total_tokens=1024", "rollout.max_new_tokens=64", "rollout.tasks_per_step=2",
                              "rollout.group_size=2", "run.progress=false", "sft.enabled=false"])
     trainer = Trainer(cfg, tmp_path)
     trainer.make_learner()
 
-    trainer.worker.engine = OracleEngine(renderer, cfg.context.summary_instruction)
+    summarize = cfg.settings_of("context", "summarize")
+    trainer.worker.engine = OracleEngine(renderer, summarize.instruction)
     row = trainer.step(0)
     assert row["context_budget"] == 330  # step 0 of the shrinking-budget curriculum (330 -> 300 over 10 steps)
     assert row["summaries_per_episode"] > 0 and row["trained_sequences"] > row["trained_episodes"]
     # generations fit the budget; the summary step may pass it by one observation + instruction + summary
-    instruction = len(renderer.encode(cfg.context.summary_instruction)) + 8
-    assert row["context_peak_tokens_max"] <= 330 + 30 + instruction + cfg.context.summary_max_tokens
+    instruction = len(renderer.encode(summarize.instruction)) + 8
+    assert row["context_peak_tokens_max"] <= 330 + 30 + instruction + summarize.max_tokens
     assert row["success"] == 1.0 and row["context_tokens_saved"] > 0
     assert "loss" in row
 
@@ -372,7 +376,7 @@ def test_fold_misuse_is_an_error_observation(renderer):
              format_tool_call("branch", {"goal": "nested"}),                # a branch inside a branch
              *lookups, format_tool_call("return", {"result": task.answer}), answer]
     limits = RolloutLimits(max_turns=len(texts), max_new_tokens=64, max_total_tokens=4096,
-                           context=ContextPolicy(manager="fold", max_branches=1))
+                           context=ContextPolicy(manager="fold", options={"max_branches": 1}))
     episode = asyncio.run(run_episode(KVChainEnv(), task, ScriptedEngine(texts, renderer), renderer, limits, seed=0))
     assert episode.success and episode.info["branches"] == 1
     tool_texts = [m.content for s in episode.sequences() for m in s.messages if m.role == "tool"]
@@ -413,7 +417,8 @@ def test_branch_reward_goes_to_the_tokens_of_branches_that_returned_a_result(ren
         rec.write_ids([1, 2], sampled=False, turn=-1)
     rec.write_ids([5], sampled=True, turn=1, logprobs=[-1.0])
     fold = get_manager("fold")
-    rows = broadcast(e, 0.5, lambda s: fold.segment_bonus(s, ContextPolicy(manager="fold", branch_reward=0.1)))
+    paying = ContextPolicy(manager="fold", options={"branch_reward": 0.1})
+    rows = broadcast(e, 0.5, lambda s: fold.segment_bonus(s, paying))
     assert [len(r.input_ids) for r in rows] == [4, 4, 4, 3]
     expected = [[0, 0, 0.6, 0.6], [0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5], [0, 0, 0.5]]
     assert [r.advantages == pytest.approx(want) for r, want in zip(rows, expected)] == [True] * 4
@@ -438,7 +443,7 @@ def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer):
     from ctxrl.train.trainer import Trainer
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=fold",
-                             "context.branch_reward=0.25", "env.max_turns=10", "rollout.max_total_tokens=1024",
+                             "context.fold.branch_reward=0.25", "env.max_turns=10", "rollout.max_total_tokens=1024",
                              "rollout.max_new_tokens=64", "rollout.tasks_per_step=2", "rollout.group_size=2",
                              "run.progress=false", "sft.enabled=false"])
     trainer = Trainer(cfg, tmp_path)
@@ -462,9 +467,9 @@ def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer):
         expected = 0.25 if BRANCH_HEADER.strip() in renderer.decode(r.input_ids) else 0.0
         assert all(abs(a - expected * m) < 1e-6 for a, m in zip(r.advantages, r.loss_mask))
     with pytest.raises(ConfigError, match="applies to context.manager=fold only"):
-        load_config(None, ["context.branch_reward=0.1"])
-    with pytest.raises(ConfigError, match="context.branch_reward must be >= 0"):
-        load_config(None, ["context.manager=fold", "context.branch_reward=-0.1"])
+        load_config(None, ["context.fold.branch_reward=0.1"])
+    with pytest.raises(ConfigError, match="branch_reward must be >= 0"):
+        load_config(None, ["context.manager=fold", "context.fold.branch_reward=-0.1"])
 
 
 def test_an_environment_tool_named_like_the_context_managers_is_refused_before_the_episode(renderer):

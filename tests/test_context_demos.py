@@ -8,6 +8,7 @@ import pytest
 
 from ctxrl.engine.base import SamplingParams
 from ctxrl.engine.scripted import ScriptedEngine
+from ctxrl.prompts import SUMMARY_INSTRUCTION
 
 
 def test_scripted_engine_answers_a_summary_request_without_using_up_a_turn(renderer):
@@ -66,7 +67,7 @@ def _summarize_limits(budget: int, max_summaries: int = 4, max_new_tokens: int =
 
     return RolloutLimits(max_turns=16, max_new_tokens=max_new_tokens, max_total_tokens=2048,
                          context=ContextPolicy(manager="summarize", max_context_tokens=budget,
-                                               max_summaries=max_summaries, summary_max_tokens=64))
+                                               options={"max_summaries": max_summaries, "max_tokens": 64}))
 
 
 def _sampled_runs(mask: list[int]) -> list[tuple[int, int]]:
@@ -96,7 +97,7 @@ def _check_faithful(demo, env_cls, renderer, limits) -> list[str]:
     assert sequences[0].input_ids[: len(start)] == start
     summaries = []
     for seg, nxt in zip(sequences, sequences[1:]):
-        assert seg.ended_by == "summary" and seg.messages[-2].content == limits.context.instruction
+        assert seg.ended_by == "summary" and seg.messages[-2].content == SUMMARY_INSTRUCTION
         summary = seg.messages[-1].content
         ids = renderer.assistant_ids(summary)
         assert seg.input_ids[-len(ids):] == ids  # the scripted summary, as if sampled: mask 1, log-prob 0
@@ -171,7 +172,7 @@ def test_a_demo_that_cannot_finish_under_the_budget_names_the_settings(renderer)
     from ctxrl.demos.play import build_demos
     from ctxrl.envs.kv_chain import KVChainEnv
 
-    with pytest.raises(RuntimeError, match="context.max_summaries=0.*raise one of them"):
+    with pytest.raises(RuntimeError, match="context.summarize.max_summaries=0.*raise one of them"):
         asyncio.run(build_demos(KVChainEnv, renderer, 20, seed=1, limits=_summarize_limits(384, max_summaries=0)))
     with pytest.raises(RuntimeError, match="longer than the room it gets"):
         asyncio.run(build_demos(KVChainEnv, renderer, 20, seed=1, limits=_summarize_limits(384, max_new_tokens=20)))

@@ -43,7 +43,8 @@ def _play(renderer, manager: str, budget: int, n: int = 12):
     from ctxrl.rollout.spec import RolloutLimits
 
     limits = RolloutLimits(max_turns=DEMO_MAX_TURNS, max_new_tokens=32, max_total_tokens=4096,
-                           context=ContextPolicy(manager=manager, max_context_tokens=budget, max_summaries=8))
+                           context=ContextPolicy(manager=manager, max_context_tokens=budget,
+                                                 options={"max_summaries": 8}))
     return asyncio.run(build_demos(FactHuntEnv, renderer, n, seed=3, limits=limits))
 
 
@@ -103,7 +104,8 @@ def test_the_scripted_ceiling_says_when_a_baseline_cannot_win_by_construction(re
 
     def ceiling(manager: str, budget: int = 0) -> dict:
         limits = RolloutLimits(max_turns=8, max_new_tokens=32, max_total_tokens=4096,
-                               context=ContextPolicy(manager=manager, max_context_tokens=budget, max_summaries=8))
+                               context=ContextPolicy(manager=manager, max_context_tokens=budget,
+                                                     options={"max_summaries": 8}))
         return scripted_ceiling(FactHuntEnv, renderer, limits, 12, seed=1)
 
     full, summarize, window = ceiling("full"), ceiling("summarize", 400), ceiling("window", 340)

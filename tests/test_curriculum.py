@@ -63,10 +63,24 @@ def test_make_curriculum_and_the_loop_hook(tmp_path):
         make_curriculum(CurriculumConfig(kind="random"))
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "rollout.tasks_per_step=2",
                                 "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
-                                "curriculum.kind=horizon", "curriculum.horizon_start_turns=1",
-                                "curriculum.horizon_warmup_steps=4", "env.max_turns=3"])
+                                "curriculum.kind=horizon", "curriculum.horizon.start_turns=1",
+                                "curriculum.horizon.warmup_steps=4", "env.max_turns=3"])
     run = Trainer(config, tmp_path / "run")
     run.make_learner()
     rows = [run.step(step) for step in (0, 4)]
     assert [r["max_turns"] for r in rows] == [1, 3]
     assert all(r["turns"] <= 1 for r in rows[:1])
+
+
+def test_a_curriculum_reads_its_own_table():
+    """``[curriculum.NAME]`` is the curriculum's ``Settings`` (``curriculum.kind`` names a registered curriculum)."""
+    from ctxrl.config import ConfigError, load_config
+
+    config = load_config(None, ["curriculum.kind=self_paced", "curriculum.self_paced.pool=6",
+                                "curriculum.horizon.stages=2"])  # (an unused curriculum's table is only checked)
+    curriculum = make_curriculum(config.curriculum, config.settings_of("curriculum", "self_paced"))
+    assert isinstance(curriculum, SelfPacedCurriculum) and (curriculum.pool_factor, curriculum.floor) == (6, 0.02)
+    with pytest.raises(ConfigError, match="curriculum.horizon.start_turns must be > 0"):
+        load_config(None, ["curriculum.horizon.start_turns=0"])
+    with pytest.raises(ConfigError, match="curriculum.kind must be one of fixed, horizon, self_paced"):
+        load_config(None, ["curriculum.kind=horizn"])

@@ -11,7 +11,7 @@ from ctxrl.errors import ConfigError
 
 def config(manager: str, budget: int, *extra: str):
     return load_config(None, ["model.name=tiny", "env.name=fact_hunt", "env.max_turns=6", f"context.manager={manager}",
-                              f"context.max_context_tokens={budget}", "context.max_summaries=4",
+                              f"context.max_context_tokens={budget}", f"context.{manager}.max_summaries=4",
                               "rollout.max_new_tokens=48", "rollout.max_total_tokens=1024", "sft.demos=100",
                               "run.progress=false", *extra])
 

@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxrl.algo.estimators import EstimatorSettings, estimator_names, get_estimator, token_advantages
+from ctxrl.algo.estimators import estimator_names, get_estimator, token_advantages
 from ctxrl.algo.estimators.gae import gae_episode_advantages
 from ctxrl.algo.estimators.tensors import padded, token_turn_rewards
 from ctxrl.rollout.recorder import Recorder
+from ctxrl.sections import AlgoConfig
 from ctxrl.types import Episode, Task, Turn
 
 
 def episode_advantages(name, episodes, *, gamma=1.0, token_rewards=None):
     """Per-token advantages of unsegmented episodes, by estimator name."""
-    return token_advantages(name, episodes, EstimatorSettings(gamma=gamma), token_rewards=token_rewards)
+    return token_advantages(name, episodes, AlgoConfig(gamma=gamma), token_rewards=token_rewards)
 
 
 def _episode(group: int, turn_rewards: list[float], *, prompt: int = 3, sampled: int = 2, obs: int = 2) -> Episode:

@@ -1,4 +1,4 @@
-"""The learner's flat forward pass (``train.flat_forward``, ``ctxrl.models.flat``): sequences laid end to end,
+"""The learner's flat forward pass (``train.flat_forward``, ``ctxrl.learner.flat``): sequences laid end to end,
 no padding, through ctxrl's own decoder forward; equal to the HF forward pass in hidden states, log-probs,
 entropies, gradients and whole learner updates (float64 on the CPU, where attention is one SDPA call per
 sequence; on CUDA the variable-length flash kernel is checked by ``benchmarks/grpo_step.py``)."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ctxrl.errors import ConfigError
-from ctxrl.models import flat as flat_module
-from ctxrl.models.flat import FlatDecoder, training_decoder
+from ctxrl.learner import flat as flat_module
+from ctxrl.learner.flat import FlatDecoder, training_decoder
 from ctxrl.train.batch import collate
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.packing import flatten
@@ -156,7 +156,7 @@ def test_under_a_token_budget_the_flat_learner_packs_by_tokens_alone(scored_epis
 def test_the_one_graph_layer_is_the_modules_arithmetic(family):
     """``layer_math`` (what ``train.flat_forward = "compiled"`` hands to torch.compile) run eagerly gives the
     module path's hidden states and gradients: Qwen2's q/k/v biases, Llama's none, Qwen3's head norms."""
-    from ctxrl.models.flat import layer_math
+    from ctxrl.learner.flat import layer_math
 
     model = _build(family)
     lengths = torch.tensor([7, 12, 3])

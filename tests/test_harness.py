@@ -23,7 +23,7 @@ FIXTURES = "tests/fixtures/harness/agents.py"
 
 
 def harness_class(harness: str = AGENT, data: str = "env:calculator") -> type:
-    config = load_config(None, ["env.name=harness", f"env.harness={harness!r}".replace("'", '"'),
+    config = load_config(None, ["env.name=harness", f"env.harness.agent={harness!r}".replace("'", '"'),
                                 f'env.data="{data}"'])
     return spec_env_class(RolloutSpec.from_config(config))
 
@@ -91,11 +91,11 @@ def test_an_error_inside_ctxrl_stops_the_run_rather_than_erroring_an_episode(ren
 
 @pytest.mark.parametrize("overrides, message", [
     (["env.name=harness", 'env.data="env:calculator"'], "needs env.harness"),
-    (["env.name=harness", f'env.harness="{AGENT}"'], "needs env.data"),
-    (["env.name=harness", 'env.data="env:calculator"', 'env.harness="no/such/file.py:rollout"'], "no file"),
-    (["env.name=harness", 'env.data="env:calculator"', f'env.harness="{FIXTURES}:missing"'], "has no function"),
-    (["env.name=harness", 'env.data="env:calculator"', f'env.harness="{FIXTURES}:not_async"'], "async function"),
-    (["env.name=harness", 'env.data="env:calculator"', 'env.harness="rollout"'], "module:function"),
+    (["env.name=harness", f'env.harness.agent="{AGENT}"'], "needs env.data"),
+    (["env.name=harness", 'env.data="env:calculator"', 'env.harness.agent="no/such/file.py:rollout"'], "no file"),
+    (["env.name=harness", 'env.data="env:calculator"', f'env.harness.agent="{FIXTURES}:missing"'], "has no function"),
+    (["env.name=harness", 'env.data="env:calculator"', f'env.harness.agent="{FIXTURES}:not_async"'], "async function"),
+    (["env.name=harness", 'env.data="env:calculator"', 'env.harness.agent="rollout"'], "module:function"),
 ])
 def test_a_misconfigured_harness_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -152,7 +152,7 @@ def test_a_harness_with_roles_trains_each_role_against_its_own_group(tmp_path):
 
     from ctxrl.train.trainer import Trainer
 
-    config = load_config(None, ["env.name=harness", f'env.harness="{FIXTURES}:ask_and_answer"',
+    config = load_config(None, ["env.name=harness", f'env.harness.agent="{FIXTURES}:ask_and_answer"',
                                 'env.data="env:calculator"', f"model.name={TINY}", "sft.enabled=false",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "run.progress=false", "eval.tasks=2"])
@@ -181,7 +181,7 @@ def train_one_step_beside(harness, stop, port: int, tmp_path):
     from ctxrl.serve.harness import Remote
     from ctxrl.train.trainer import Trainer
 
-    config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness="remote:{port}"',
+    config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness.agent="remote:{port}"',
                                 'env.data="env:calculator"', "sft.enabled=false", "rollout.tasks_per_step=2",
                                 "rollout.group_size=2", "rollout.max_new_tokens=6", "run.progress=false",
                                 "rollout.episode_timeout_s=60"])

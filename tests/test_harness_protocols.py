@@ -28,7 +28,8 @@ AGENTS = "examples/harness/repo_agents.py"
 
 
 def harness_class(agent: str) -> type:
-    config = load_config(None, ["env.name=harness", f'env.harness="{AGENTS}:{agent}"', 'env.data="env:repo_tasks"'])
+    config = load_config(None, ["env.name=harness", f'env.harness.agent="{AGENTS}:{agent}"',
+                                'env.data="env:repo_tasks"'])
     return spec_env_class(RolloutSpec.from_config(config))
 
 

@@ -201,10 +201,11 @@ def test_trial_demos_play_failure_then_the_note_through_the_meta_loop(renderer):
     """The scripted chain through the real agent loop (ScriptedEngine + run_trial): attempt 1 fails, its
     reflection is the note, attempt 2 plays solve_after(note) and succeeds, on every task drawn (none dropped)."""
     from ctxrl.meta.trial_demos import build_trial_demos
-    from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+    from ctxrl.rollout.spec import RolloutLimits
+    from ctxrl.sections import MetaConfig
 
     limits = RolloutLimits(max_turns=6, max_new_tokens=48, max_total_tokens=2048)
-    policy = MetaPolicy(num_attempts=3, reflection_max_tokens=128)  # the tiny tokenizer: notes of up to ~100 tokens
+    policy = MetaConfig(num_attempts=3, reflection_max_tokens=128)  # the tiny tokenizer: notes of up to ~100 tokens
     trials = asyncio.run(build_trial_demos(HiddenWordEnv, renderer, 12, policy, seed=0, limits=limits))
     assert [t.task.id for t in trials] == [t.id for t in HiddenWordEnv.sample_tasks("train", 12, seed=0)]
     for trial in trials:

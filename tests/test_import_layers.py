@@ -23,7 +23,7 @@ LAYERS = {
     # chat templates, tools, task spaces, the algorithms' maths, metric sinks and plots
     "chat": 1, "tools": 1, "tasks": 1, "algo": 1, "report": 1,
     "models": 2, "engine": 3, "envs": 4, "judge": 4, "rollout": 5,
-    "meta": 6, "eval": 6, "demos": 6, "serve": 6,
+    "meta": 6, "eval": 6, "demos": 6, "serve": 6, "learner": 6,
     "distributed": 7, "config": 8, "run": 8, "train": 8, "cli": 9, "__main__": 10,
 }
 

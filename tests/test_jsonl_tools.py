@@ -84,7 +84,8 @@ def test_trains_through_the_loop(tmp_path, task_file):
     from ctxrl.train.trainer import Trainer
 
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "env.name=jsonl_tools",
-                                f'env.data="{task_file}"', "env.tools=calculator", "env.verifier=numeric",
+                                f'env.data="{task_file}"', "env.jsonl_tools.tools=calculator",
+                                "env.jsonl_tools.verifier=numeric",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "run.progress=false", "eval.tasks=3"])
     run = Trainer(config, tmp_path / "run")
@@ -118,7 +119,8 @@ def test_a_file_of_bare_prompt_answer_lines_checks_trains_and_evaluates_on_the_s
     config = Path(__file__).parents[1] / "examples" / "calculator_tiny.toml"
     run = ctxrl("train", str(config), "--steps", "1", "--json",
                 "--run-dir", str(tmp_path / "run"), "model.name=tiny:pretrain_steps=0", "env.name=jsonl_tools",
-                f'env.data="{path}"', "env.tools=calculator", "env.verifier=numeric", "sft.demos=4", "sft.epochs=1",
+                f'env.data="{path}"', "env.jsonl_tools.tools=calculator", "env.jsonl_tools.verifier=numeric",
+                "sft.demos=4", "sft.epochs=1",
                 "sft.batch_size=4", "eval.tasks=2", "rollout.tasks_per_step=2", "rollout.group_size=2",
                 "rollout.max_new_tokens=8", "run.progress=false")
     assert run.returncode == 0, run.stderr[-3000:]

@@ -15,7 +15,7 @@ from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.judge.backends import EndpointBackend, JudgeUnavailable, LocalBackend
 from ctxrl.judge.cache import JudgeCache
 from ctxrl.judge.figures import judge_figures
-from ctxrl.judge.judge import Judge, JudgeError, JudgeSpec
+from ctxrl.judge.judge import Judge, JudgeError, JudgeSettings
 from ctxrl.judge.rubric import DEFAULT, WORK_BEGIN, WORK_END, JudgeParseError, Rubric, RubricItem, load_rubric
 from ctxrl.judge.transcript import final_answer, judge_input, transcript
 from ctxrl.types import Episode, Message, Segment, Task
@@ -152,7 +152,7 @@ class Scripted:
 
 def judge(backend, directory=None, rubric=DEFAULT, **spec) -> Judge:
     """A judge over ``backend``; its cache kept in ``directory`` (None: in memory only)."""
-    return Judge(JudgeSpec(target="scripted", **spec), backend, rubric, JudgeCache(directory))
+    return Judge(JudgeSettings(target="scripted", **spec), backend, rubric, JudgeCache(directory))
 
 
 def test_a_malformed_reply_is_asked_again_with_sampling_and_then_cached(tmp_path):
@@ -183,7 +183,7 @@ def test_deadlines_transient_and_permanent_failures(tmp_path):
     with pytest.raises(JudgeError, match=r"1 of 3 tries failed; last: HTTP 401: bad key"):
         asyncio.run(judge(backend).grade(episode()))  # asking again cannot help: one try
     backend = Scripted((5.0, "x"))
-    with pytest.raises(JudgeError, match=r"no reply within reward.judge_timeout_s=0.1 s"):
+    with pytest.raises(JudgeError, match=r"no reply within reward.judge.timeout_s=0.1 s"):
         asyncio.run(judge(backend, None, timeout_s=0.1, retries=0).grade(episode()))
 
 
@@ -195,7 +195,7 @@ def test_an_unexpected_failure_is_the_episodes_and_the_model_is_named_before_any
     with pytest.raises(JudgeError, match=r"2 of 2 tries failed; last: RuntimeError: CUDA out of memory"):
         asyncio.run(judge(backend, None, retries=1).grade(episode()))
 
-    class Served(Scripted):  # an endpoint without reward.judge_model: it serves model ``served``
+    class Served(Scripted):  # an endpoint without reward.judge.model: it serves model ``served``
         def __init__(self, served, *replies):
             super().__init__(*replies)
             self.served, self.model = served, ""
@@ -358,8 +358,9 @@ def test_a_judge_rewarded_step_hides_the_verifier_and_reports_both(served, tmp_p
     config = load_config(None, [f"model.name={TINY}", "sft.enabled=false", "train.steps=1", "train.eval_every=0",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "eval.tasks=2", "run.progress=false", "run.samples_per_step=0", "reward.outcome=0",
-                                f"reward.judge={url}", f"reward.judge_rubric={rubric}", "reward.judge_reference=true",
-                                "reward.judge_input=answer", f"reward.judge_cache={tmp_path / 'cache'}"])
+                                f"reward.judge.target={url}", f"reward.judge.rubric={rubric}",
+                                "reward.judge.reference=true", "reward.judge.input=answer",
+                                f"reward.judge.cache={tmp_path / 'cache'}"])
     train(config, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     [rl] = [r for r in rows if r.get("phase") == "rl"]
@@ -382,21 +383,22 @@ def test_a_local_judge_loads_samples_and_an_unparsable_one_errors_the_episode(ti
 def test_the_config_and_preflight_refuse_a_judge_that_cannot_run(tmp_path, monkeypatch):
     from ctxrl.train.preflight import preflight
 
-    with pytest.raises(ConfigError, match="judge_weight=0 adds none"):
-        load_config(None, ["reward.judge=tiny", "reward.judge_weight=0"])
-    with pytest.raises(ConfigError, match="reward.judge_input must be one of transcript, answer"):
-        load_config(None, ["reward.judge=tiny", "reward.judge_input=summary"])
-    with pytest.raises(ConfigError, match=r"plays several roles \(player_0, player_1\).*reward.judge=\"\""):
-        load_config(None, ["reward.judge=tiny", "env.name=kuhn_poker"])  # (only one seat of a match was graded)
+    with pytest.raises(ConfigError, match="judge.weight=0 adds none"):
+        load_config(None, ["reward.judge.target=tiny", "reward.judge.weight=0"])
+    with pytest.raises(ConfigError, match=r"\[reward.judge\]: input must be one of transcript, answer"):
+        load_config(None, ["reward.judge.target=tiny", "reward.judge.input=summary"])
+    with pytest.raises(ConfigError, match=r"plays several roles \(player_0, player_1\).*reward.judge.target=\"\""):
+        load_config(None, ["reward.judge.target=tiny", "env.name=kuhn_poker"])  # (only one seat of a match was graded)
     with pytest.raises(ConfigError, match=r"judge\) shapes whole episodes"):
-        load_config(None, ["reward.judge=tiny", "algo.advantage=meta", "meta.num_attempts=2"])
+        load_config(None, ["reward.judge.target=tiny", "algo.advantage=meta", "meta.num_attempts=2"])
     with pytest.raises(ConfigError, match="cannot read"):
-        preflight(load_config(None, ["reward.judge=http://127.0.0.1:1/v1", f"reward.judge_rubric={tmp_path}/no"]))
-    with pytest.raises(ConfigError, match=r"reward.judge: model path .*/nope' does not exist"):
-        preflight(load_config(None, [f"reward.judge={tmp_path}/nope"]))
+        preflight(load_config(None, ["reward.judge.target=http://127.0.0.1:1/v1",
+                                     f"reward.judge.rubric={tmp_path}/no"]))
+    with pytest.raises(ConfigError, match=r"reward.judge.target: model path .*/nope' does not exist"):
+        preflight(load_config(None, [f"reward.judge.target={tmp_path}/nope"]))
     monkeypatch.setitem(__import__("sys").modules, "openai", None)
     with pytest.raises(ConfigError, match=r"pip install -e '.\[judge\]'"):
-        preflight(load_config(None, ["reward.judge=http://127.0.0.1:1/v1"]))
+        preflight(load_config(None, ["reward.judge.target=http://127.0.0.1:1/v1"]))
 
 
 def test_a_local_judges_key_names_its_weights_not_only_its_name(tmp_path, tiny_path):

@@ -20,7 +20,7 @@ from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.tool_answer import parse_answer
 from ctxrl.errors import ConfigError
 from ctxrl.judge.judge import Judge
-from ctxrl.judge.spec import JudgeSpec
+from ctxrl.judge.spec import JudgeSettings
 from ctxrl.types import Episode, Message, Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +41,9 @@ def jt():
 
 
 def local_judge(target: str, max_tokens: int = 4) -> Judge:
-    """The judge a run with ``reward.judge=target`` and the script's reward settings builds."""
-    return Judge.from_spec(JudgeSpec(target=target, rubric=RUBRIC, input="answer", reference=True,
-                                     max_tokens=max_tokens, cache="off"))
+    """The judge a run with ``reward.judge.target=target`` and the script's reward settings builds."""
+    return Judge.from_spec(JudgeSettings(target=target, rubric=RUBRIC, input="answer", reference=True,
+                                         max_tokens=max_tokens, cache="off"))
 
 
 def played(task: Task, final: str) -> Episode:
@@ -171,9 +171,9 @@ def test_the_tuned_judge_saves_reloads_as_reward_judge_and_its_verdict_parses(jt
     assert report["before"]["examples"] == report["after"]["examples"] == 8
     assert report["after"]["no_verdict"] == 0.0  # it learned to answer with a verdict word
     assert json.loads(out.read_text()) == json.loads((save / jt.MARKER).read_text()) == json.loads(json.dumps(report))
-    assert "reward.judge_input=answer reward.judge_reference=true" in report["use"]
+    assert "reward.judge.input=answer reward.judge.reference=true" in report["use"]
 
-    judge = local_judge(str(save))  # what a rollout worker builds from reward.judge=SAVE
+    judge = local_judge(str(save))  # what a rollout worker builds from reward.judge.target=SAVE
     task = CalculatorEnv.sample_tasks("train", 1, 7)[0]
     graded = asyncio.run(judge.grade(played(task, f"<answer>{task.answer}</answer>")))
     assert graded["attempts"] == 1 and graded["score"] in (0.0, 1.0)  # parsed at the first, greedy, try
@@ -197,7 +197,7 @@ def test_bad_input_is_refused_before_any_model_loads_naming_the_fix(jt, tmp_path
         jt.main(["--env", "kuhn_poker", *small])
     with pytest.raises(ConfigError, match=r"has no \[labels\]: judge_tune trains a one-word verdict"):
         jt.main(["--rubric", "", *small])
-    with pytest.raises(ConfigError, match=r"--rubric: reward.judge_rubric: cannot read"):
+    with pytest.raises(ConfigError, match=r"--rubric: reward.judge.rubric: cannot read"):
         jt.main(["--rubric", str(tmp_path / "missing.toml"), *small])
     with pytest.raises(ConfigError, match="no 'nope' tasks"):
         jt.main(["--eval-split", "nope", *small])
@@ -231,4 +231,4 @@ def test_the_command_line_prints_one_line_errors_and_an_accurate_help():
     for option in ("--env", "--rubric", "--model", "--examples", "--eval-examples", "--eval-split", "--steps",
                    "--batch-size", "--lr", "--max-tokens", "--device", "--dtype", "--seed", "--save", "--out"):
         assert option in usage
-    assert "reward.judge_max_tokens) (default: 64)" in usage and "(default: smollm2-135m-instruct)" in usage
+    assert "reward.judge.max_tokens) (default: 64)" in usage and "(default: smollm2-135m-instruct)" in usage

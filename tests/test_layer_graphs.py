@@ -1,4 +1,4 @@
-"""The learner's layers as CUDA graphs (``ctxrl.models.layer_graphs``): the bucket a micro-batch is laid into, its
+"""The learner's layers as CUDA graphs (``ctxrl.learner.layer_graphs``): the bucket a micro-batch is laid into, its
 padding, and the whole graphed path through ``FlatDecoder``, on the CPU with a capture that returns the layers
 as they are (the real capture, ``torch.cuda.make_graphed_callables``, is run and timed on a GPU by
 ``benchmarks/grpo_step.py --learner-arms``). Float64, one SDPA call per sequence: the padded path must equal the
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ctxrl.errors import ConfigError
-from ctxrl.models.flat import FlatDecoder, training_decoder
-from ctxrl.models.layer_graphs import Bucket, LayerGraphs, pad
+from ctxrl.learner.flat import FlatDecoder, training_decoder
+from ctxrl.learner.layer_graphs import Bucket, LayerGraphs, pad
 from ctxrl.models.shapes import random_model
 from ctxrl.train.batch import collate, pack
 from ctxrl.train.learner import Learner, PPOSettings
@@ -152,7 +152,7 @@ def test_a_capture_that_does_not_reproduce_the_layers_falls_back_to_the_eager_la
 
     want, want_grads, _ = _hidden_and_grads(model, flat, graphed=False)
     for capture, says in ((wrong, "did not reproduce"), (broken, "not permitted")):
-        with caplog.at_level(logging.WARNING, logger="ctxrl.models.flat"):
+        with caplog.at_level(logging.WARNING, logger="ctxrl.learner.flat"):
             got, got_grads, decoder = _hidden_and_grads(model, flat, graphed=True, capture=capture)
         assert decoder.graphs is None and says in caplog.text and "eagerly" in caplog.text
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-9)
@@ -278,7 +278,7 @@ def test_a_plain_optimiser_after_a_master_one_gets_the_gradient_copies_back():
 def test_auto_graphs_only_models_narrow_enough_to_be_launch_bound():
     from transformers import LlamaConfig, Phi3Config
 
-    from ctxrl.models.flat import AUTO_GRAPHED_MAX_HIDDEN, auto_graphs
+    from ctxrl.learner.flat import AUTO_GRAPHED_MAX_HIDDEN, auto_graphs
 
     for width in (576, 896, AUTO_GRAPHED_MAX_HIDDEN):
         assert auto_graphs(LlamaConfig(hidden_size=width))
@@ -322,7 +322,7 @@ def test_layers_with_module_hooks_are_not_graphed(caplog):
     decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture())
     model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: None)
     flat = flatten(torch.tensor([[5, 6, 7]]), torch.tensor([3]))
-    with caplog.at_level(logging.WARNING, logger="ctxrl.models.flat"):
+    with caplog.at_level(logging.WARNING, logger="ctxrl.learner.flat"):
         decoder.hidden_states(flat.ids, flat.positions, flat.cu_seqlens, flat.longest).sum().backward()
     assert decoder.graphs is None and "module hooks" in caplog.text and "mlp" in caplog.text
 

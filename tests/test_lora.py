@@ -187,7 +187,7 @@ def test_a_worker_in_another_process_takes_the_adapters_alone_and_plays_what_the
     config = load_config(None, [f"model.name={tiny_path}", "model.device=cpu", "rollout.temperature=1.0",
                                 "rollout.max_new_tokens=12", "env.max_turns=2", "lora.rank=4"])
     spec = RolloutSpec.from_config(config)
-    assert spec.model.lora.rank == 4 and RolloutSpec.from_dict(spec.to_dict()) == spec
+    assert spec.lora.rank == 4 and RolloutSpec.from_dict(spec.to_dict()) == spec
     policy = Policy.load(config, "cpu")
     g = torch.Generator().manual_seed(3)
     for p in policy.trainable_parameters():

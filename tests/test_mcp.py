@@ -29,8 +29,9 @@ from ctxrl.envs.mcp import start_tools, with_mcp_tools
 from ctxrl.envs.registry import configured_env_class
 from ctxrl.rollout.agent import run_episodes
 from ctxrl.rollout.spec import RolloutSpec
+from ctxrl.sections import EnvConfig
 from ctxrl.tools.base import ToolFailed
-from ctxrl.tools.mcp import McpError, McpHub, McpSettings, close_hub, mcp_hub, parse_server
+from ctxrl.tools.mcp import McpError, McpHub, close_hub, mcp_hub, parse_server
 from ctxrl.tools.mcp_content import clean_schema, exposed_name, result_text
 
 pytest.importorskip("mcp")
@@ -45,7 +46,7 @@ def tasks_file(tmp_path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def mcp_env(data: str, settings: McpSettings, tools: str = "") -> type:
+def mcp_env(data: str, settings: EnvConfig, tools: str = "") -> type:
     return with_mcp_tools(configured_env_class("jsonl_tools", data=data, tools=tools, verifier="exact"), settings)
 
 
@@ -105,7 +106,7 @@ def is_running(pid: int) -> bool:
 
 # -- a server over stdio, driven by the agent loop --------------------------------------------------------------
 def test_a_stdio_server_in_the_agent_loop_deadline_errors_crash_and_restart(tmp_path, renderer):
-    settings = McpSettings(servers=(f"PID_FILE={tmp_path}/pid {SERVER}",), timeout_s=1.5, restarts=1)
+    settings = EnvConfig(mcp_servers=[f"PID_FILE={tmp_path}/pid {SERVER}"], mcp_timeout_s=1.5, mcp_restarts=1)
     env_cls = mcp_env(tasks_file(tmp_path, [{"prompt": "Add 2 and 3.", "answer": "5"}]), settings)
     try:
         assert [t.name for t in start_tools(env_cls)] == ["add", "note", "notes", "slow", "fail", "crash",
@@ -145,7 +146,7 @@ def test_a_stdio_server_in_the_agent_loop_deadline_errors_crash_and_restart(tmp_
 
 
 def test_a_wrong_argument_for_a_nested_schema_is_the_servers_error_observation(tmp_path, renderer):
-    settings = McpSettings(servers=(SERVER,), tools="pick,add", timeout_s=10)
+    settings = EnvConfig(mcp_servers=[SERVER], mcp_tools="pick,add", mcp_timeout_s=10)
     env_cls = mcp_env(tasks_file(tmp_path, [{"prompt": "Pick.", "answer": "ok", "tools": ["pick"]}]), settings)
     try:
         episode, engine = play(env_cls, [call("pick", color="green", window={"start": 1}), call("add", a=1, b=2),
@@ -167,7 +168,7 @@ def test_a_wrong_argument_for_a_nested_schema_is_the_servers_error_observation(t
 def test_an_http_server_on_loopback_and_a_reconnection_after_it_died(tmp_path, renderer):
     port = free_port()
     command = [sys.executable, str(ROOT / "tests/fixtures/mcp/server.py"), "--http", str(port)]
-    settings = McpSettings(servers=(f"http://127.0.0.1:{port}/mcp",), timeout_s=10, restarts=3)
+    settings = EnvConfig(mcp_servers=[f"http://127.0.0.1:{port}/mcp"], mcp_timeout_s=10, mcp_restarts=3)
     env_cls = mcp_env(tasks_file(tmp_path, [{"prompt": "Add 2 and 3.", "answer": "5"}]), settings)
     server = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     try:
@@ -197,7 +198,7 @@ def test_a_server_down_for_a_moment_costs_one_restart_not_all_of_them(tmp_path, 
 
     port = free_port()
     command = [sys.executable, str(ROOT / "tests/fixtures/mcp/server.py"), "--http", str(port)]
-    settings = McpSettings(servers=(f"http://127.0.0.1:{port}/mcp",), timeout_s=15, restarts=2)
+    settings = EnvConfig(mcp_servers=[f"http://127.0.0.1:{port}/mcp"], mcp_timeout_s=15, mcp_restarts=2)
     env_cls = mcp_env(tasks_file(tmp_path, [{"prompt": "Add 2 and 3.", "answer": "5"}]), settings)
     servers = [subprocess.Popen(command, stderr=subprocess.DEVNULL)]
     try:
@@ -229,7 +230,7 @@ def test_ctxrl_mcp_serve_over_stdio_and_http_serves_the_builtin_tools_as_ctxrl_r
     http = subprocess.Popen([sys.executable, "-m", "ctxrl", "mcp-serve", "--tools", "python", "--port", str(port)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
     stdio = f"PYTHONPATH={ROOT} python -m ctxrl mcp-serve --tools calculator"  # (the checkout's ctxrl)
-    settings = McpSettings(servers=(stdio, f"http://127.0.0.1:{port}/mcp"), timeout_s=30)
+    settings = EnvConfig(mcp_servers=[stdio, f"http://127.0.0.1:{port}/mcp"], mcp_timeout_s=30)
     env_cls = mcp_env(tasks_file(tmp_path, [{"prompt": "What is 6 times 7?", "answer": "42"}]), settings)
     try:
         wait_for_port(port)
@@ -254,7 +255,7 @@ def test_the_calculator_over_mcp_is_the_builtin_calculator_token_for_token(rende
     """The example server's tool and the built-in one: the same prompts, ids, masks and rewards."""
     data = str(ROOT / "examples/mcp/tasks.jsonl")
     builtin = configured_env_class("jsonl_tools", data=data, tools="calculator", verifier="numeric")
-    settings = McpSettings(servers=(f"python {ROOT}/examples/mcp/calculator_server.py",))
+    settings = EnvConfig(mcp_servers=[f"python {ROOT}/examples/mcp/calculator_server.py"])
     over_mcp = with_mcp_tools(configured_env_class("jsonl_tools", data=data, verifier="numeric"), settings)
     try:
         for task in builtin.sample_tasks("train", 2, seed=0) + builtin.sample_tasks("ood", 1, seed=0):
@@ -275,7 +276,8 @@ def test_ctxrl_tools_lists_what_the_policy_will_see(tmp_path, capsys):
     data = tasks_file(tmp_path, [{"prompt": "p", "answer": "yes"}])
     server = f"PID_FILE={tmp_path}/pid {SERVER}"
     args = ["tools", str(ROOT / "examples/calculator_tiny.toml"), "env.name=jsonl_tools", f'env.data="{data}"',
-            "env.tools=calculator", f"env.mcp_servers=[{json.dumps(server)}]", "env.mcp_tools=files.read,pick",
+            "env.jsonl_tools.tools=calculator", f"env.mcp_servers=[{json.dumps(server)}]",
+            "env.mcp_tools=files.read,pick",
             "context.manager=fold"]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
@@ -320,16 +322,17 @@ def test_configuration_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch)
     data = tasks_file(tmp_path, [{"prompt": "p", "answer": "yes"}])
     jsonl = configured_env_class("jsonl_tools", data=data)
     with pytest.raises(EnvError, match=r"env.mcp_tools = 'add' names MCP tools, but env.mcp_servers is empty"):
-        with_mcp_tools(jsonl, McpSettings(tools="add"))
-    assert with_mcp_tools(jsonl, McpSettings()) is jsonl
+        with_mcp_tools(jsonl, EnvConfig(mcp_tools="add"))
+    assert with_mcp_tools(jsonl, EnvConfig()) is jsonl
     with pytest.raises(EnvError, match=r"^env.mcp_servers\[1\]: 'nope-36': no program 'nope-36' on PATH"):
-        with_mcp_tools(jsonl, McpSettings(servers=(SERVER, "nope-36")))
+        with_mcp_tools(jsonl, EnvConfig(mcp_servers=[SERVER, "nope-36"]))
     with pytest.raises(EnvError, match="HarnessEnv answers them another way"):
-        with_mcp_tools(HarnessEnv, McpSettings(servers=(SERVER,)))
+        with_mcp_tools(HarnessEnv, EnvConfig(mcp_servers=[SERVER]))
     with pytest.raises(EnvError, match="harness"):  # (the same through the config, as `ctxrl config` reports it)
         from ctxrl.train.preflight import preflight
 
-        preflight(load_config(None, ["env.name=harness", 'env.harness="examples/harness/calculator_agent.py:rollout"',
+        preflight(load_config(None, ["env.name=harness",
+                                     'env.harness.agent="examples/harness/calculator_agent.py:rollout"',
                                      'env.data="env:calculator"', f"env.mcp_servers=[{json.dumps(SERVER)}]"]))
     import ctxrl.tools.mcp as mcp_module
 
@@ -337,11 +340,11 @@ def test_configuration_errors_are_one_line_naming_the_fix(tmp_path, monkeypatch)
     monkeypatch.setattr(mcp_module.importlib.util, "find_spec", lambda name, *a: None if name == "mcp" else real(name))
     with pytest.raises(EnvError, match=r"^env.mcp_servers needs the mcp package, which is not installed: "
                                        r"pip install -e '.\[mcp\]'$"):
-        with_mcp_tools(jsonl, McpSettings(servers=(SERVER,)))
+        with_mcp_tools(jsonl, EnvConfig(mcp_servers=[SERVER]))
 
 
 def test_a_server_that_cannot_start_says_what_it_wrote():
-    settings = McpSettings(servers=("python -c \"import sys; sys.exit('no database at /nowhere')\"",))
+    settings = EnvConfig(mcp_servers=["python -c \"import sys; sys.exit('no database at /nowhere')\""])
     try:
         with pytest.raises(McpError, match=r"env.mcp_servers\[0\] .* could not be started: .*; it wrote to stderr: "
                                            r"no database at /nowhere"):
@@ -353,15 +356,15 @@ def test_a_server_that_cannot_start_says_what_it_wrote():
 
 def test_tool_names_clashes_and_the_allow_list_are_checked_on_the_listings():
     listed = [SimpleNamespace(name=n, description=f"the {n}", input_schema={"type": "object"}) for n in ("a", "b.c")]
-    hub = McpHub(McpSettings(servers=(SERVER, SERVER), tools="b.c"))
+    hub = McpHub(EnvConfig(mcp_servers=[SERVER, SERVER], mcp_tools="b.c"))
     hub._servers = [SimpleNamespace(label="one"), SimpleNamespace(label="two")]
     with pytest.raises(McpError, match="two MCP tools are named 'b_c': one of one and one of two; leave one out"):
         hub._make_tools([listed, listed])
-    hub = McpHub(McpSettings(servers=(SERVER,), tools="a,zzz"))
+    hub = McpHub(EnvConfig(mcp_servers=[SERVER], mcp_tools="a,zzz"))
     hub._servers = [SimpleNamespace(label="one")]
     with pytest.raises(McpError, match="env.mcp_tools names zzz, which no MCP server offers; they offer a, b_c"):
         hub._make_tools([listed])
-    hub = McpHub(McpSettings(servers=(SERVER,), tools="b_c"))
+    hub = McpHub(EnvConfig(mcp_servers=[SERVER], mcp_tools="b_c"))
     hub._servers = [SimpleNamespace(label="one")]
     [tool] = hub._make_tools([listed])
     assert tool.name == "b_c" and hub.sources == {"b_c": ("one", "b.c")} and tool.checks_arguments
@@ -436,6 +439,7 @@ def test_the_spec_carries_the_servers_to_a_worker_in_another_process():
 
     config = load_config(str(ROOT / "examples/mcp/calculator.toml"), ["env.mcp_tools=calculator"])
     spec = RolloutSpec.from_config(config)
-    assert spec.env.mcp == McpSettings(servers=("python examples/mcp/calculator_server.py",), tools="calculator",
-                                       timeout_s=10.0, restarts=3)
+    assert spec.env == config.env == dataclasses.replace(  # (the [env] section crosses as it is)
+        config.env, mcp_servers=["python examples/mcp/calculator_server.py"], mcp_tools="calculator",
+        mcp_timeout_s=10.0, mcp_restarts=3)
     assert from_json(RolloutSpec, to_json(spec)) == spec

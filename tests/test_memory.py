@@ -150,8 +150,8 @@ def test_the_frozen_models_that_share_the_card():
     assert beside(*distill) == (("runs/t/final", "bfloat16"),)
     assert beside(*distill, "algo.distill.dtype=float32") == (("runs/t/final", "float32"),)
     assert beside(*distill, "algo.distill.device=cuda:1") == ()  # a card of its own
-    assert beside("reward.judge=smollm2-135m-instruct") == (("smollm2-135m-instruct", "float32"),)
-    assert beside("reward.judge=http://127.0.0.1:8001/v1") == ()  # an endpoint: another process
+    assert beside("reward.judge.target=smollm2-135m-instruct") == (("smollm2-135m-instruct", "float32"),)
+    assert beside("reward.judge.target=http://127.0.0.1:8001/v1") == ()  # an endpoint: another process
 
 
 def test_lora_adapters_and_what_they_save(smollm2):
@@ -406,7 +406,7 @@ def test_through_cuda_graphed_layers_the_learner_defaults_to_5k_tokens_and_count
     small = dataclasses.replace(graphed, device_bytes=16 * GIB)  # 4 GiB of activations: 4,608 tokens
     assert plan_memory(small).learner_tokens == 4 * GIB // 920_832 // 256 * 256 == 4_608
     # under a cap the learner's tokens grow in a graph bucket's steps, so the padding the plan did not count is none
-    from ctxrl.models.layer_graphs import TOKEN_STEP
+    from ctxrl.learner.layer_graphs import TOKEN_STEP
     from ctxrl.train.memory import GRAPH_TOKEN_STEP
 
     assert GRAPH_TOKEN_STEP == TOKEN_STEP

@@ -79,7 +79,7 @@ def test_demos_load_from_jsonl(tmp_path):
     bad.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: .*\"messages\""):
         load_demos(bad)
-    with pytest.raises(FileNotFoundError, match="meta.demos_source"):
+    with pytest.raises(FileNotFoundError, match="meta.demos.source"):
         load_demos(tmp_path / "missing.jsonl")
 
 
@@ -103,7 +103,7 @@ class Recording:
 
 SMALL = ["model.name=tiny:pretrain_steps=0", "env.name=calculator", "rollout.tasks_per_step=2", "rollout.group_size=2",
          "rollout.max_new_tokens=4", "eval.tasks=2", "run.progress=false", "sft.enabled=false",
-         "meta.demos_max=2", "meta.demos_steps=3", "meta.demos_pool=6"]
+         "meta.demos.max=2", "meta.demos.steps=3", "meta.demos.pool=6"]
 
 
 def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeypatch):
@@ -150,16 +150,16 @@ def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeyp
 
 
 def test_demo_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="needs meta.demos_steps > 0"):
-        load_config(None, ["meta.demos_max=2"])
-    with pytest.raises(ConfigError, match="must exceed meta.demos_max"):
-        load_config(None, ["meta.demos_max=4", "meta.demos_steps=5", "meta.demos_pool=4"])
+    with pytest.raises(ConfigError, match="needs meta.demos.steps > 0"):
+        load_config(None, ["meta.demos.max=2"])
+    with pytest.raises(ConfigError, match="must exceed meta.demos.max"):
+        load_config(None, ["meta.demos.max=4", "meta.demos.steps=5", "meta.demos.pool=4"])
     with pytest.raises(ConfigError, match="solve or a .jsonl file"):
-        load_config(None, ["meta.demos_source=demos.txt"])
-    with pytest.raises(ConfigError, match="meta.demos_kind must be one of linear, cosine, step"):
-        load_config(None, ["meta.demos_kind=exp"])
+        load_config(None, ["meta.demos.source=demos.txt"])
+    with pytest.raises(ConfigError, match=r"\[meta.demos\]: kind must be one of linear, cosine, step"):
+        load_config(None, ["meta.demos.kind=exp"])
     from ctxrl.train.trainer import Trainer as Run
 
-    missing = load_config(None, [*SMALL, f"meta.demos_source={tmp_path / 'none.jsonl'}"])
+    missing = load_config(None, [*SMALL, f"meta.demos.source={tmp_path / 'none.jsonl'}"])
     with pytest.raises(ConfigError, match="does not exist"):
         Run(missing, tmp_path / "run")

@@ -57,5 +57,5 @@ def test_demos_experiment_smoke(experiment, tmp_path):
     rl = [json.loads(x) for x in (out / "annealed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["demos_per_episode"] for r in rl if r["phase"] == "rl"] == [1.0]  # step 0 of a 1-step fade
     config = (out / "none" / "config.toml").read_text()
-    assert "demos_max = 0" in config and "[sft]\nenabled = false" in config
+    assert "[meta.demos]\nmax = 0" in config and "[sft]\nenabled = false" in config
     assert "| annealed |" in (out / "tables.md").read_text()

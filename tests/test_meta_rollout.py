@@ -15,7 +15,8 @@ from ctxrl.meta.metrics import to_trial
 from ctxrl.meta.rollout import attempt_actions, attempt_header, feedback_text, run_trial, run_trials
 from ctxrl.prompts import NOTES_HEADER, REFLECTION_INSTRUCTION
 from ctxrl.rollout.agent import run_episode
-from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.sections import MetaConfig
 from ctxrl.types import Message
 
 LIMITS = RolloutLimits(max_turns=8, max_new_tokens=64, max_total_tokens=2048)
@@ -54,7 +55,7 @@ def _trial(renderer, task, texts, policy, limits=LIMITS):
 
 def test_reflections_are_sampled_tokens_and_open_the_next_attempt(renderer, task):
     bad, good = _mine_call(task), MinesweeperEnv.solve(task)
-    trial, engine = _trial(renderer, task, [bad, bad, *good], MetaPolicy(num_attempts=4))
+    trial, engine = _trial(renderer, task, [bad, bad, *good], MetaConfig(num_attempts=4))
     records = trial.info["attempts"]
     assert trial.truncation is None and trial.success and len(records) == 3  # stopped at the first success
     assert [r["success"] for r in records] == [False, False, True] and trial.reward == 1.0
@@ -113,7 +114,7 @@ def test_reflection_logprobs_match_the_learner(model, tokenizer, renderer, task)
             return await (hf if params.purpose == "reflection" else scripted).generate(prompt_ids, params)
 
     limits = RolloutLimits(max_turns=4, max_new_tokens=64, max_total_tokens=2048, temperature=1.0)
-    policy = MetaPolicy(num_attempts=2, reflection_max_tokens=12)
+    policy = MetaConfig(num_attempts=2, reflection_max_tokens=12)
     trial = asyncio.run(run_trial(MinesweeperEnv, task, Hybrid(), renderer, limits, policy, seed=5))
     record = trial.info["attempts"][0]
     seq = trial.sequences()[0]
@@ -129,20 +130,20 @@ def test_reflection_logprobs_match_the_learner(model, tokenizer, renderer, task)
 
 def test_stop_on_success_only_when_configured(renderer, task):
     good = MinesweeperEnv.solve(task)
-    stopped, _ = _trial(renderer, task, good, MetaPolicy(num_attempts=3))
+    stopped, _ = _trial(renderer, task, good, MetaConfig(num_attempts=3))
     assert len(stopped.info["attempts"]) == 1 and not stopped.segments and stopped.info["reflections"] == 0
-    full, engine = _trial(renderer, task, good * 3, MetaPolicy(num_attempts=3, stop_on_success=False))
+    full, engine = _trial(renderer, task, good * 3, MetaConfig(num_attempts=3, stop_on_success=False))
     assert [r["success"] for r in full.info["attempts"]] == [True, True, True]
     assert len(full.sequences()) == 3 and len(engine.reflections) == 2  # none after the last attempt
     assert full.reward == 3.0 and full.info["attempts"][0]["feedback"] == "Attempt 1 of 3 solved the task (reward 1)."
-    failed, engine = _trial(renderer, task, [_mine_call(task)] * 3, MetaPolicy(num_attempts=3))
+    failed, engine = _trial(renderer, task, [_mine_call(task)] * 3, MetaConfig(num_attempts=3))
     assert len(failed.info["attempts"]) == 3 and not failed.success and len(engine.reflections) == 2
     to_trial(failed).check()  # a full trial of failures is well formed
 
 
 def test_attempts_context_without_reflection_is_the_in_context_rl_baseline(renderer, task):
     bad = _mine_call(task)
-    trial, engine = _trial(renderer, task, [bad, bad, bad], MetaPolicy(num_attempts=3, carry="attempts",
+    trial, engine = _trial(renderer, task, [bad, bad, bad], MetaConfig(num_attempts=3, carry="attempts",
                                                                        reflect=False))
     assert engine.reflections == [] and trial.info["reflections"] == 0
     assert [s.ended_by for s in trial.sequences()] == ["attempt", "attempt", "end"]
@@ -161,7 +162,7 @@ def test_attempts_context_without_reflection_is_the_in_context_rl_baseline(rende
 
 def test_plain_retries_carry_the_feedback_lines_only(renderer, task):
     bad = _mine_call(task)
-    trial, engine = _trial(renderer, task, [bad, bad], MetaPolicy(num_attempts=2, reflect=False))
+    trial, engine = _trial(renderer, task, [bad, bad], MetaConfig(num_attempts=2, reflect=False))
     assert engine.reflections == []
     note = trial.sequences()[1].messages[1].content
     assert note.endswith(NOTES_HEADER + feedback_text(0, 2, 0.0, False) + "\n" + attempt_header(1, 2))
@@ -176,7 +177,7 @@ def test_the_carried_history_keeps_to_its_budget(renderer, task):
     notes = [Carried(k, [], feedback_text(k, 4, 0.0, False), script()) for k in range(2)]
     two_notes = len(renderer.prompt_ids(reflections_opening(opening, notes, 2, 4), _tools()))
     # a budget one token short of two notes: the oldest notes are dropped, the newest kept
-    trial, _ = _trial(renderer, task, [bad] * 4, MetaPolicy(num_attempts=4, max_context_tokens=two_notes - 1))
+    trial, _ = _trial(renderer, task, [bad] * 4, MetaConfig(num_attempts=4, max_context_tokens=two_notes - 1))
     records = trial.info["attempts"]
     assert [r["carried"] for r in records] == [0, 1, 1, 1] and [r["dropped"] for r in records] == [0, 0, 1, 2]
     assert all(r["opening_tokens"] <= two_notes - 1 for r in records)
@@ -195,7 +196,7 @@ def test_an_errored_attempt_errors_the_trial(renderer, task):
         return MinesweeperEnv()
 
     engine = ScriptedEngine([_mine_call(task)], renderer, reflection=Reflections())
-    trial = asyncio.run(run_trial(make_env, task, engine, renderer, LIMITS, MetaPolicy(num_attempts=3), seed=0))
+    trial = asyncio.run(run_trial(make_env, task, engine, renderer, LIMITS, MetaConfig(num_attempts=3), seed=0))
     assert trial.truncation == "error" and trial.info["error_attempt"] == 1
     assert "no second board" in trial.info["error"] and len(trial.info["attempts"]) == 1
 
@@ -204,11 +205,11 @@ def test_attempt_one_is_the_single_episode_and_groups_are_tasks(renderer, task):
     """Attempt 1 of a trial is what the single episode with the same seed plays; trial k of task i has group i."""
     good = MinesweeperEnv.solve(task)
     single = asyncio.run(run_episode(MinesweeperEnv(), task, ScriptedEngine(good, renderer), renderer, LIMITS, seed=0))
-    trial, _ = _trial(renderer, task, good, MetaPolicy(num_attempts=2))
+    trial, _ = _trial(renderer, task, good, MetaConfig(num_attempts=2))
     assert trial.input_ids == single.input_ids and trial.loss_mask == single.loss_mask
     tasks = MinesweeperEnv.sample_tasks("train", 2, seed=4)
     engine = ScriptedEngine(["<answer>none</answer>"] * 8, renderer, reflection=Reflections())
-    trials = asyncio.run(run_trials(MinesweeperEnv, tasks, engine, renderer, LIMITS, MetaPolicy(num_attempts=2),
+    trials = asyncio.run(run_trials(MinesweeperEnv, tasks, engine, renderer, LIMITS, MetaConfig(num_attempts=2),
                                     group_size=2, seed=1))
     assert [t.group_id for t in trials] == [0, 0, 1, 1] and [t.task.id for t in trials[::2]] == [t.id for t in tasks]
     assert all(len(t.sequences()) == 2 and t.info["reflections"] == 1 for t in trials)
@@ -224,10 +225,12 @@ def test_actions_are_canonical_calls_and_answers():
 
 
 def test_policy_checks_its_fields():
+    from ctxrl.meta.rollout import check_trial
+
     with pytest.raises(ValueError, match="carry must be one of reflections, attempts"):
-        MetaPolicy(carry="episodes")
+        check_trial(MetaConfig(carry="episodes"))
     with pytest.raises(ValueError, match="num_attempts must be >= 1"):
-        MetaPolicy(num_attempts=0)
+        check_trial(MetaConfig(num_attempts=0))
 
 
 def test_evaluate_trials_reports_attempt_one_and_success_by_attempt(renderer):
@@ -237,7 +240,7 @@ def test_evaluate_trials_reports_attempt_one_and_success_by_attempt(renderer):
 
     [task] = MinesweeperEnv.sample_tasks("heldout", 1, seed=7)
     engine = ScriptedEngine([_mine_call(task), *MinesweeperEnv.solve(task)], renderer, reflection=Reflections())
-    spec = RolloutSpec(eval=LIMITS, eval_meta=MetaPolicy(num_attempts=3))
+    spec = RolloutSpec(eval=LIMITS, meta=MetaConfig(eval_attempts=3))
     worker = RolloutWorker(spec, engine, renderer, MinesweeperEnv)
     summary, trials = evaluate_split(worker, "heldout", 1, seed=7)
     assert len(trials) == 1 and trials[0].task.id == task.id
@@ -256,7 +259,7 @@ def test_attempts_carry_the_environments_own_actions_and_failures(renderer, task
     from ctxrl.meta.stats import trial_exploration
 
     bad, good = _mine_call(task), MinesweeperEnv.solve(task)
-    trial, _ = _trial(renderer, task, [bad, bad, *good], MetaPolicy(num_attempts=3))
+    trial, _ = _trial(renderer, task, [bad, bad, *good], MetaConfig(num_attempts=3))
     r, c = task.data["mines"][0]
     records = trial.info["attempts"]
     assert [rec["actions"] for rec in records[:2]] == [[f"reveal {r},{c}"]] * 2

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from ctxrl.algo.estimators import EstimatorSettings, get_estimator
-from ctxrl.algo.estimators.meta import attempt_advantages
+from ctxrl.algo.estimators import get_estimator
+from ctxrl.algo.estimators.meta import MetaCreditSettings, attempt_advantages
 from ctxrl.algo.estimators.meta import expand_trials as expand_rows
 from ctxrl.config import ConfigError, load_config
 from ctxrl.rollout.recorder import Recorder
@@ -23,9 +23,10 @@ def expand_trials(trials, values):
     return rows, [r.advantages for r in rows]
 
 
-def trial_token_advantages(trials, **settings):
+def trial_token_advantages(trials, num_attempts=None, **settings):
     """The meta estimator's rows and advantages, flat."""
-    per_trial = get_estimator("meta")(EstimatorSettings(**settings)).estimate(trials)
+    estimator = get_estimator("meta")(options=MetaCreditSettings(**settings), num_attempts=num_attempts)
+    per_trial = estimator.estimate(trials)
     rows = [row for r in per_trial for row in r]
     return rows, [r.advantages for r in rows]
 
@@ -123,7 +124,7 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=minesweeper", "sft.enabled=false",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "rollout.max_total_tokens=1024", "meta.num_attempts=2", "algo.advantage=meta",
-                                "meta.reflection_max_tokens=4", "meta.gamma_trial=0.5", "run.progress=false"])
+                                "meta.reflection_max_tokens=4", "algo.meta.gamma_trial=0.5", "run.progress=false"])
     run = Trainer(config, tmp_path)
     run.make_learner()
     seen = {}
@@ -174,7 +175,7 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
     (["algo.advantage=meta", "algo.kl_coef=0.1", "algo.kl_placement=reward"], "kl_placement=loss"),
     (["algo.advantage=meta", "algo.void_turn_filter=true"], "void_turn_filter"),
     (["algo.advantage=meta", "reward.format_weight=0.1"], "reward shaping"),
-    (["meta.gamma_trial=1.5"], r"meta.gamma_trial must be in \[0, 1\]"),
+    (["algo.meta.gamma_trial=1.5"], r"algo.meta.gamma_trial must be in \[0, 1\]"),
     (["meta.carry=episodes"], "meta.carry must be one of reflections, attempts"),
     (["meta.context=attempts", "meta.carry=attempts"], "keep only meta.carry"),
     (["meta.num_attempts=0"], "meta.num_attempts must be > 0"),

@@ -15,10 +15,10 @@ from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.envs.minesweeper import MinesweeperEnv
 from ctxrl.meta.trial_demos import build_trial_demos
 from ctxrl.prompts import NOTES_HEADER
-from ctxrl.rollout.spec import MetaPolicy
+from ctxrl.sections import MetaConfig
 from ctxrl.types import Message
 
-POLICY = MetaPolicy(num_attempts=3, reflection_max_tokens=64)
+POLICY = MetaConfig(num_attempts=3, reflection_max_tokens=64)
 
 
 def _trained_text(renderer, seq) -> str:
@@ -99,9 +99,9 @@ def test_missing_hooks_and_short_budgets_are_clear_errors(renderer, tmp_path):
     with pytest.raises(ValueError, match="no failure\\(task\\) and reflection\\(task, messages\\) hooks"):
         asyncio.run(build_trial_demos(CalculatorEnv, renderer, 2, POLICY))
     with pytest.raises(ValueError, match="at least 2 attempts with reflection"):
-        asyncio.run(build_trial_demos(MinesweeperEnv, renderer, 2, MetaPolicy(num_attempts=1)))
+        asyncio.run(build_trial_demos(MinesweeperEnv, renderer, 2, MetaConfig(num_attempts=1)))
     with pytest.raises(RuntimeError, match="longer than meta.reflection_max_tokens=4"):
-        asyncio.run(build_trial_demos(MinesweeperEnv, renderer, 2, MetaPolicy(num_attempts=2,
+        asyncio.run(build_trial_demos(MinesweeperEnv, renderer, 2, MetaConfig(num_attempts=2,
                                                                                 reflection_max_tokens=4)))
     from ctxrl.train.trainer import Trainer as Run
 

@@ -92,7 +92,7 @@ def test_an_unbuilt_tiny_model_is_refused_with_the_stage_that_builds_it(tmp_path
 
     monkeypatch.setenv("CTXRL_CACHE", str(tmp_path))
     name = "tiny:pretrain_steps=0,hidden_size=32,num_layers=1,intermediate_size=64"
-    with pytest.raises(ModelLoadError, match=r"not built yet.*ensure_model"):
+    with pytest.raises(ModelLoadError, match=r"not built yet.*ctxrl.models.prepare.prepare"):
         resolve(name)
     with pytest.raises(ModelLoadError, match="not built yet"):
         load_tokenizer(name)
@@ -268,3 +268,18 @@ def test_a_build_records_how_its_pretraining_went(tmp_path):
     saved = json.loads((build_tiny(spec, tmp_path / "tiny") / "ctxrl_tiny.json").read_text())
     assert saved["pretrain_steps"] == 2 and saved["pretraining_loss"]["steps"] == 2
     assert 0 < saved["pretraining_loss"]["last"] < 20
+
+
+def test_prepare_runs_the_preparer_its_scheme_registered(monkeypatch):
+    """``ctxrl.models.prepare.prepare``: a ``tiny`` name goes to the stage that registered ``tiny`` (looked up when
+    called, so a patched ``ensure_tiny`` is the one that runs); any other name only to the loader."""
+    import ctxrl.train.tiny as stage
+    from ctxrl.models import prepare as preparing
+    from ctxrl.models.loader import parse_tiny
+
+    built = []
+    monkeypatch.setattr(stage, "ensure_tiny", lambda spec, on_progress=None: built.append(spec))
+    monkeypatch.setattr(preparing.loader, "resolve", lambda name, on_progress=None: f"resolved {name}")
+    assert preparing.prepare("tiny:num_layers=1") == "resolved tiny:num_layers=1"
+    assert built == [parse_tiny("tiny:num_layers=1")]
+    assert preparing.prepare("/some/checkpoint") == "resolved /some/checkpoint" and len(built) == 1

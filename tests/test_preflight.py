@@ -67,7 +67,7 @@ def test_eval_split_the_environment_lacks(tmp_path, capsys, no_model_work) -> No
     data = _tasks_without_ood(tmp_path)
     _refused(capsys, ["eval", EXAMPLE, "--checkpoint", str(_checkpoint(tmp_path)), "--split", "ood",
                       "--run-dir", str(tmp_path / "eval"), "env.name=jsonl_tools", f"env.data={data}",
-                      "env.tools=calculator"], "--split ood", "no 'ood' tasks", "train, heldout")
+                      "env.jsonl_tools.tools=calculator"], "--split ood", "no 'ood' tasks", "train, heldout")
     assert not (tmp_path / "eval").exists()  # nothing written either
 
 
@@ -84,7 +84,8 @@ def test_missing_sink_package(command, tmp_path, capsys, monkeypatch, no_model_w
 
 @pytest.mark.parametrize("command", ["train", "config", "eval", "serve"])
 def test_missing_data_file(command, tmp_path, capsys, no_model_work) -> None:
-    argv = [command, EXAMPLE, "env.name=jsonl_tools", f"env.data={tmp_path / 'missing.jsonl'}", "env.tools=calculator"]
+    argv = [command, EXAMPLE, "env.name=jsonl_tools", f"env.data={tmp_path / 'missing.jsonl'}",
+            "env.jsonl_tools.tools=calculator"]
     if command == "train":
         argv += ["--run-dir", str(tmp_path / "run")]
     if command == "eval":
@@ -93,8 +94,8 @@ def test_missing_data_file(command, tmp_path, capsys, no_model_work) -> None:
 
 
 def test_missing_demonstration_file(tmp_path, capsys, no_model_work) -> None:
-    _refused(capsys, ["config", EXAMPLE, "meta.demos_max=1", "meta.demos_steps=5",
-                      f"meta.demos_source={tmp_path / 'demos.jsonl'}"], "meta.demos_source", "does not exist")
+    _refused(capsys, ["config", EXAMPLE, "meta.demos.max=1", "meta.demos.steps=5",
+                      f"meta.demos.source={tmp_path / 'demos.jsonl'}"], "meta.demos.source", "does not exist")
 
 
 def test_existing_run_dir_refused_before_the_model(tmp_path, capsys, no_model_work) -> None:

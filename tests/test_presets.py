@@ -97,7 +97,7 @@ def test_turn_level_gae(tmp_path, monkeypatch):
         return real(episodes, rc, **kw)
 
     monkeypatch.setattr(collect, "shape_rewards", coin_flips)
-    config = load_config(PRESETS[0].parent / "ppo.toml", [*SMALL, "algo.gae_level=turn"])
+    config = load_config(PRESETS[0].parent / "ppo.toml", [*SMALL, "algo.gae.level=turn"])
     trainer = loop.Trainer(config, tmp_path / "run")
     trainer.make_learner()
     row = trainer.step(0)

@@ -238,7 +238,8 @@ def test_select_demos_keep_the_searches_that_showed_the_firms(renderer):
     select = get_manager("select")
     assert select.demo_script(SearchJoinEnv) == SearchJoinEnv.select
     limits = RolloutLimits(max_turns=10, max_new_tokens=48, max_total_tokens=4096,
-                           context=ContextPolicy(manager="select", max_context_tokens=900, max_summaries=3))
+                           context=ContextPolicy(manager="select", max_context_tokens=900,
+                                                 options={"max_summaries": 3}))
     demos = asyncio.run(build_demos(SearchJoinEnv, renderer, 12, seed=0, limits=limits))
     assert all(d.success for d in demos) and sum(d.info.get("selections", 0) for d in demos) > 0
     assert all(d.info.get("select_fallbacks", 0) == 0 for d in demos)

@@ -62,8 +62,8 @@ class FactOracle:
 
 def _limits(opening_tokens: int, slack: int, manager: str = "select", max_selections: int = 10,
             max_turns: int = 10) -> RolloutLimits:
-    policy = ContextPolicy(manager=manager, max_context_tokens=opening_tokens + slack, max_summaries=max_selections,
-                           summary_max_tokens=24)
+    policy = ContextPolicy(manager=manager, max_context_tokens=opening_tokens + slack,
+                           options={"max_summaries": max_selections, "max_tokens": 24})
     return RolloutLimits(max_turns=max_turns, max_new_tokens=32, max_total_tokens=4096, context=policy)
 
 
@@ -224,8 +224,8 @@ def test_fact_hunt_demos_under_select_keep_the_first_page_and_answer(renderer):
     from ctxrl.demos.play import build_demos
 
     limits = RolloutLimits(max_turns=16, max_new_tokens=32, max_total_tokens=4096,
-                           context=ContextPolicy(manager="select", max_context_tokens=550, max_summaries=8,
-                                                 summary_max_tokens=24))
+                           context=ContextPolicy(manager="select", max_context_tokens=550,
+                                                 options={"max_summaries": 8, "max_tokens": 24}))
     demos = asyncio.run(build_demos(FactHuntEnv, renderer, 20, seed=1, limits=limits))
     assert all(d.success and d.truncation is None for d in demos)
     selected = [d for d in demos if d.info.get("selections")]
@@ -261,7 +261,7 @@ def test_rl_step_trains_on_select_segments(tmp_path, renderer):
     from ctxrl.train.trainer import Trainer
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=fact_hunt", "context.manager=select",
-                             "context.max_context_tokens=500", "context.max_summaries=4", "env.max_turns=6",
+                             "context.max_context_tokens=500", "context.select.max_summaries=4", "env.max_turns=6",
                              "rollout.max_total_tokens=2048", "rollout.max_new_tokens=32", "rollout.tasks_per_step=2",
                              "rollout.group_size=2", "run.progress=false", "sft.enabled=false"])
     trainer = Trainer(cfg, tmp_path)

@@ -18,8 +18,9 @@ import torch
 from test_estimators import EPISODES, _episode  # (rootdir-relative, as conftest is imported elsewhere)
 
 from ctxrl.algo.advantages import rloo_advantages
-from ctxrl.algo.estimators import EstimatorSettings, get_estimator, token_advantages
+from ctxrl.algo.estimators import get_estimator, token_advantages
 from ctxrl.algo.turns import episode_turn_tensors, turn_advantages, turn_loo_advantages, turn_returns
+from ctxrl.sections import AlgoConfig
 
 # -- the definition, by hand ---------------------------------------------------------------------
 
@@ -268,7 +269,7 @@ def test_estimator_falls_back_outside_the_scored_episodes_task_group():
 
 def test_estimator_matches_the_pure_function_with_token_rewards():
     penalties = [[-0.1 if m else 0.0 for m in e.loss_mask] for e in EPISODES]
-    out = token_advantages("turn_loo", EPISODES, EstimatorSettings(gamma=0.9), token_rewards=penalties)
+    out = token_advantages("turn_loo", EPISODES, AlgoConfig(gamma=0.9), token_rewards=penalties)
     rewards, live = episode_turn_tensors(EPISODES)
     rewards = rewards - 0.2 * live  # two sampled tokens per turn, -0.1 each
     adv = turn_loo_advantages(rewards, live, torch.tensor([0, 0, 1, 1]), gamma=0.9)

@@ -26,7 +26,7 @@ forward KL from the teacher's ``K`` likeliest next tokens to the student,
 ``sum_k q_k (log q_k - log pi_s(v_k))`` with ``q_k = pi_t(v_k)`` (not renormalised: the mass outside the top
 ``K`` is left out). Its gradient on the student's logits, ``(sum_k q_k) pi_s - q``, does not vanish when the
 student is certain, and reaches tokens it never sampled. It is a loss term, beside the advantages
-(``ctxrl.train.learner``), not an advantage.
+(``ctxrl.learner.learner``), not an advantage.
 
 The breakdown (``kl_breakdown``) splits the mean KL per token by assistant turn and by the role of the generation
 a token belongs to (``token_roles``): a ``tool_call`` turn, an ``answer`` turn, a ``summary`` (the ``summarize``

@@ -164,13 +164,15 @@ def _ended_early(episode: Episode, limits: RolloutLimits) -> str:
     if episode.truncation == "max_context" and manager.scripted_hook is None:
         return (f"{what}: its live context leaves no room for a turn of rollout.max_new_tokens={limits.max_new_tokens} "
                 f"in context.max_context_tokens={limits.context.max_context_tokens}; raise the budget")
+    settings, table = manager.options_of(limits.context), f"context.{manager.name}"
     if episode.truncation == "max_context":
         done = episode.info.get("summaries", 0) + episode.info.get("selections", 0)
+        limit = getattr(settings, "max_summaries", "its limit")
         return (f"{what} after {done} scripted summaries or selections: the demo needs more than "
-                f"context.max_summaries={limits.context.max_summaries}, or task + summary leave no room for a turn "
+                f"{table}.max_summaries={limit}, or task + summary leave no room for a turn "
                 f"in context.max_context_tokens={limits.context.max_context_tokens}; raise one of them")
     if episode.truncation in ("max_new_tokens", "max_total_tokens"):
         return (f"{what}: a scripted turn or summary is longer than the room it gets (rollout.max_new_tokens="
-                f"{limits.max_new_tokens}, context.summary_max_tokens={limits.context.summary_max_tokens}, "
+                f"{limits.max_new_tokens}, {table}.max_tokens={getattr(settings, 'max_tokens', '-')}, "
                 f"rollout.max_total_tokens={limits.max_total_tokens})")
     return f"{what}; check the env's solve() and summary() and the rollout limits"

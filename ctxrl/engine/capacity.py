@@ -1,7 +1,7 @@
 """The fast engine's cache sizes and the check that its cache fits, readable without loading the engine.
 
 ``FastEngine`` (``ctxrl.engine.fast``) takes its defaults and its per-slot cache length from here,
-and so does a run's memory plan (``ctxrl.train.memory``, ``ctxrl.train.sizing``), which sizes the
+and so does a run's memory plan (``ctxrl.learner.memory``, ``ctxrl.learner.sizing``), which sizes the
 engine before one is built: importing the engine itself would load Triton. The engine factory
 (``ctxrl.engine.factory``), which chooses and builds an engine, sits above both.
 """
@@ -16,7 +16,7 @@ DECODE_CHUNK = 8
 """Decode steps the fast engine queues per visit of the host (``FastEngine(decode_chunk=...)``'s default)."""
 PREFILL_TOKENS = 16384
 """New tokens the fast engine prefills together at most (its default; a memory plan may set fewer:
-``ctxrl.train.memory``)."""
+``ctxrl.learner.memory``)."""
 
 
 def slot_capacity(max_total_tokens: int, decode_chunk: int = DECODE_CHUNK) -> int:

@@ -15,7 +15,7 @@ def make_engine(model, *, kind: str, pad_token_id: int, max_batch_size: int, see
     """An engine serving ``model``: ``auto`` is the fast engine on CUDA where it can run the model, else HF.
 
     ``prefill_tokens``: the fast engine's largest prefill (None: its default); a memory plan sets it
-    (``ctxrl.train.memory``). The HF engine has no such setting."""
+    (``ctxrl.learner.memory``). The HF engine has no such setting."""
     from ctxrl.engine.hf import HFEngine
 
     if kind not in KINDS:

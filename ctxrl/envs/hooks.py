@@ -13,7 +13,7 @@ which features an environment's hooks enable (``ctxrl.demos.features``).
 
 All are class-level (static methods or classmethods), so demos and checks need no instance.
 ``solve(task)`` is required by the protocol; it gives warm-start demos, annealed demonstrations
-(``meta.demos_source=solve``) and ``check-env``'s gold run.
+(``meta.demos.source=solve``) and ``check-env``'s gold run.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
     Hook("reflection", "reflection(task, messages) -> str", "trial demos (sft.trial_demos), with failure"),
     Hook("solve_after", "solve_after(task, reflection) -> list[str]",
          "trial demos whose second attempt follows the reflection"),
-    Hook("configure", "configure(data=, tools=, verifier=) -> type",
-         "environments built from data (env.data, env.tools, env.verifier)"),
+    Hook("configure", "configure(data=, **its own settings) -> type",
+         "environments built from data (env.data, and the class's own settings: jsonl_tools' tools, verifier)"),
     Hook("corpus", "corpus(n, seed) -> list[str]", "the tiny model's tokenizer and plain-text pre-training"),
     Hook("splits", "splits() -> tuple[str, ...]",
          "training and evaluation on the splits it has (a task file without ood tasks)"),

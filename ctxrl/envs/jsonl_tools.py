@@ -8,7 +8,7 @@ A JSONL file holds one task per line::
 
 ``prompt`` (a non-empty string) and ``answer`` (a non-empty string, or a number) are required.
 ``tools`` (a list of tool names, built-in or MCP) is optional: the tools this task offers, of those the run
-configures (``env.tools``, ``env.mcp_servers``); without it a task offers them all. ``split`` (``train``,
+configures (``env.jsonl_tools.tools``, ``env.mcp_servers``); without it a task offers them all. ``split`` (``train``,
 ``heldout`` or ``ood``) is optional: unlabelled tasks go to ``train`` or
 ``heldout`` by a stable hash of the prompt (20% held out); ``ood`` exists only for labelled tasks:
 a file without it trains and evaluates on the splits it has (``splits()``), and the missing one is
@@ -17,11 +17,11 @@ texts) is what ``solve()`` plays; without it ``solve()`` answers directly. The e
 ``ToolAnswerEnv`` shape: tool turns get observations, the first turn without a call is the scored
 answer.
 
-Configuration (``[env]``): ``name = "jsonl_tools"``, ``data`` (the file), ``tools`` (comma-
-separated built-in tools: ``calculator``, ``python``) and ``verifier`` (``exact``: equal after
-SQuAD normalisation; ``numeric``: equal as numbers, via sympy; ``contains``: the normalised gold
-appears in the normalised answer). ``JsonlToolsEnv.configure(data=..., tools=..., verifier=...)``
-returns the environment class bound to them.
+Configuration: ``[env]`` ``name = "jsonl_tools"``, ``data`` (the file); its own table ``[env.jsonl_tools]``
+(``JsonlToolsSettings``): ``tools`` (comma-separated built-in tools: ``calculator``, ``python``) and ``verifier``
+(``exact``: equal after SQuAD normalisation; ``numeric``: equal as numbers, via sympy; ``contains``: the normalised
+gold appears in the normalised answer). ``JsonlToolsEnv.configure(data=..., tools=..., verifier=...)`` returns the
+environment class bound to them.
 
 A file that cannot be trained on is refused before anything loads (``configure``, so ``ctxrl config`` too),
 with one line naming the file, the line and the fix: bytes that are not UTF-8, a line that is not a JSON
@@ -43,6 +43,7 @@ import math
 import random
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -177,7 +178,7 @@ def _task(row: Any, where: str, heldout_fraction: float, verifier: str) -> Task:
     if verifier in ("exact", "contains") and not normalize_answer(answer):
         raise EnvError(f'{where}: "answer" {answer!r} is empty once the {verifier} verifier normalises it (it drops '
                        "punctuation and a/an/the), so it would take any reply; give a real answer or use "
-                       "env.verifier = \"numeric\"")
+                       "env.jsonl_tools.verifier = \"numeric\"")
     split = row.get("split") or split_of(prompt, heldout_fraction)
     if split not in SPLITS:
         raise EnvError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)}")
@@ -238,6 +239,16 @@ def _observed_space(tasks: dict[str, list[Task]]) -> ContextSpace:
     return ContextSpace(params)
 
 
+@dataclass(frozen=True)
+class JsonlToolsSettings:
+    """``[env.jsonl_tools]``: what the tasks of the file are played with."""
+
+    tools: str = ""
+    """Comma-separated built-in tools (``calculator``, ``python``)."""
+    verifier: str = "exact"
+    """Answer check: ``exact``, ``numeric`` or ``contains``."""
+
+
 @register("jsonl_tools")
 class JsonlToolsEnv(ToolAnswerEnv):
     """Tasks from a JSONL file, built-in tools by name, a named verifier (see the module docstring)."""
@@ -252,6 +263,7 @@ class JsonlToolsEnv(ToolAnswerEnv):
     task_tools: ClassVar[dict[str, str]] = {}
     """Each tool name the tasks name, with where it is first named (``FILE:LINE``)."""
     verify: ClassVar[Callable[[str, str], bool] | None] = None
+    Settings: ClassVar[type] = JsonlToolsSettings
 
     @classmethod
     def configure(cls, *, data: str, tools: str = "", verifier: str = "exact", **_: Any) -> type:
@@ -278,7 +290,8 @@ class JsonlToolsEnv(ToolAnswerEnv):
 
     def __init__(self) -> None:
         if self.verify is None:
-            raise EnvError("jsonl_tools needs a task file: set env.data (and env.tools, env.verifier) in the config")
+            raise EnvError("jsonl_tools needs a task file: set env.data (and [env.jsonl_tools] tools, verifier) in "
+                           "the config")
         super().__init__()
         self.offered = self.tools
         """Every tool the run configures; an episode offers the ones its task names (``reset``)."""
@@ -286,7 +299,7 @@ class JsonlToolsEnv(ToolAnswerEnv):
         for name, where in self.task_tools.items():
             if name not in names:
                 raise EnvError(f"{where}: the task names tool {name!r}, which this run does not offer; it offers "
-                               f"{', '.join(sorted(names)) or 'no tools'} (env.tools: built-in tools; "
+                               f"{', '.join(sorted(names)) or 'no tools'} (env.jsonl_tools.tools: built-in tools; "
                                "env.mcp_servers: MCP tools)")
 
     def make_tools(self) -> list[Tool]:
@@ -307,7 +320,8 @@ class JsonlToolsEnv(ToolAnswerEnv):
     def sample_tasks(cls, split: str, n: int, seed: int) -> list[Task]:
         """``n`` tasks of ``split`` drawn with replacement (seeded), or an error naming the empty split."""
         if cls.verify is None:
-            raise EnvError("jsonl_tools needs a task file: set env.data (and env.tools, env.verifier) in the config")
+            raise EnvError("jsonl_tools needs a task file: set env.data (and [env.jsonl_tools] tools, verifier) in "
+                           "the config")
         pool = cls.tasks.get(split, [])
         if not pool:
             raise EnvError(f"jsonl_tools: the task file has no {split!r} tasks; label some with \"split\": "

@@ -1,7 +1,8 @@
 """MCP tools beside an environment's own (``env.mcp_servers``; docs/mcp.md).
 
-``with_mcp_tools(cls, settings)`` is the environment class a run plays when ``env.mcp_servers`` is set: ``cls``,
-whose ``make_tools`` also returns the servers' tools (``ctxrl.tools.mcp``), after its own. The policy sees them all
+``with_mcp_tools(cls, env)`` (``env``: the ``[env]`` section, whose ``mcp_*`` fields it reads) is the environment
+class a run plays when ``env.mcp_servers`` is set: ``cls``, whose ``make_tools`` also returns the servers' tools
+(``ctxrl.tools.mcp``), after its own. The policy sees them all
 in its tool-call format, as it sees the built-in ones, and ``ToolAnswerEnv.step`` runs them through the same
 ``execute_tool_calls``: the deadline, errors as observations, and ``ToolServerLost`` when a server dies. It checks
 now, without starting anything (so ``ctxrl config`` does too), that the ``mcp`` extra is installed, that every
@@ -17,28 +18,29 @@ the model's tokenizer) starts the servers and refuses tools whose schemas alone 
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 
 from ctxrl.envs.base import EnvError
 from ctxrl.envs.tool_answer import ToolAnswerEnv
+from ctxrl.sections import EnvConfig
 from ctxrl.tools.base import Tool
-from ctxrl.tools.mcp import McpError, McpSettings, mcp_hub, parse_server, require_mcp
+from ctxrl.tools.mcp import McpError, hub_key, mcp_hub, parse_server, require_mcp
 
 
-def with_mcp_tools(cls: type, settings: McpSettings) -> type:
-    """``cls`` with the MCP tools of ``settings`` after its own (``cls`` itself without servers)."""
-    if not settings.servers:
-        if settings.tools.strip():
-            raise EnvError(f"env.mcp_tools = {settings.tools!r} names MCP tools, but env.mcp_servers is empty; add "
+def with_mcp_tools(cls: type, env: EnvConfig) -> type:
+    """``cls`` with the tools of the MCP servers of ``env`` (``env.mcp_servers``) after its own (``cls`` itself without
+    servers)."""
+    if not env.mcp_servers:
+        if env.mcp_tools.strip():
+            raise EnvError(f"env.mcp_tools = {env.mcp_tools!r} names MCP tools, but env.mcp_servers is empty; add "
                            "the servers that offer them, or clear env.mcp_tools")
         return cls
     try:
         require_mcp()
     except McpError as exc:
         raise EnvError(str(exc)) from None
-    for i, text in enumerate(settings.servers):
+    for i, text in enumerate(env.mcp_servers):
         try:
             parse_server(text)
         except ValueError as exc:
@@ -53,16 +55,21 @@ def with_mcp_tools(cls: type, settings: McpSettings) -> type:
                        f"(ctxrl.envs.tool_answer.ToolAnswerEnv: jsonl_tools, calculator, ...); {cls.__name__} answers "
                        "them another way, so MCP tools cannot be added to it: build it on ToolAnswerEnv, or clear "
                        "env.mcp_servers")
-    return _with_tools(cls, settings)
+    key = (cls, hub_key(env))  # (one class per environment and servers: a run's every lookup gets the same)
+    if key not in _WITH_TOOLS:
+        _WITH_TOOLS[key] = _with_tools(cls, env)
+    return _WITH_TOOLS[key]
 
 
-@functools.cache
-def _with_tools(cls: type, settings: McpSettings) -> type:
+_WITH_TOOLS: dict[tuple, type] = {}
+
+
+def _with_tools(cls: type, env: EnvConfig) -> type:
     own_tools = cls.make_tools
 
     def make_tools(self) -> list[Tool]:
         own = own_tools(self)
-        offered = mcp_hub(settings).tools()
+        offered = mcp_hub(env).tools()
         clash = sorted({t.name for t in own} & {t.name for t in offered})
         if clash:
             raise EnvError(f"MCP tool {clash[0]!r} has the name of one of {cls.name}'s own tools; leave it out with "
@@ -77,9 +84,9 @@ def _with_tools(cls: type, settings: McpSettings) -> type:
         if own_check is not None:
             own_check(max_total_tokens, count_tokens)
         if count_tokens is not None:  # (not at ctxrl config, which starts no server)
-            check_schema_tokens(mcp_hub(settings).tools(), max_total_tokens, count_tokens)
+            check_schema_tokens(mcp_hub(env).tools(), max_total_tokens, count_tokens)
 
-    return type(cls.__name__, (cls,), {"make_tools": make_tools, "mcp_settings": settings, "__module__": cls.__module__,
+    return type(cls.__name__, (cls,), {"make_tools": make_tools, "mcp_env": env, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
                                        "check_tasks": staticmethod(check_tasks)})
 

@@ -17,6 +17,7 @@ An unknown name is an error that lists the known names and suggests the closest 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -107,25 +108,36 @@ def get_env_class(name: str) -> type:
 
 
 def configured_env_class(name: str, settings: Mapping[str, Any] | None = None, **options: str) -> type:
-    """``get_env_class(name)``, bound to ``options`` when the class takes them (``configure``), and, when it
-    declares ``Settings``, a subclass whose ``options`` are those settings read from ``settings`` (its table
-    ``[env.NAME]``; the same table gives the same class)."""
+    """``get_env_class(name)``, bound to ``options`` (``data``) when the class takes them (``configure``), and, when
+    it declares ``Settings``, a subclass whose ``options`` are those settings read from ``settings`` (its table
+    ``[env.NAME]``; the same table gives the same class). A class with both is configured with its settings' fields
+    too (``jsonl_tools``: ``tools``, ``verifier``; an explicit keyword in ``options`` wins)."""
     cls = get_env_class(name)
     from ctxrl.envs.hooks import hook, settings_class
 
+    table, where = json.dumps(dict(settings or {}), sort_keys=True), f"env.{settings_name(name)}"
     configure = hook(cls, "configure")
-    cls = configure(**options) if configure is not None else cls
+    if configure is not None:
+        declared = settings_class(cls)
+        own = {} if declared is None else dataclasses.asdict(_parsed(declared, where, table))
+        cls = configure(**{**own, **options})
     if settings_class(cls) is None:
         return cls
-    return _with_settings(cls, f"env.{settings_name(name)}", json.dumps(dict(settings or {}), sort_keys=True))
+    return _with_settings(cls, where, table)
+
+
+@functools.cache
+def _parsed(declared: type, where: str, table: str) -> Any:
+    from ctxrl.settings import parse_settings
+
+    return parse_settings(declared, json.loads(table), where)
 
 
 @functools.cache
 def _with_settings(cls: type, where: str, table: str) -> type:
     from ctxrl.envs.hooks import settings_class
-    from ctxrl.settings import parse_settings
 
-    options = parse_settings(settings_class(cls), json.loads(table), where)
+    options = _parsed(settings_class(cls), where, table)
     configured = type(cls.__name__, (cls,), {"options": options, "__module__": cls.__module__,
                                              "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
     check = getattr(configured, "check_options", None)

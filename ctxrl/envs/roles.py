@@ -13,7 +13,7 @@ what the agent loop records (``tests/test_roles.py``). Single-agent environments
 agent loop; nothing here changes them.
 
 What this file does not do: play a match (``ctxrl.rollout.match``), or decide who plays a role
-(``roles.policies``, ``ctxrl.rollout.spec.RoleSpec``).
+(``roles.policies``, ``ctxrl.sections.RolesConfig.policy``).
 """
 
 from __future__ import annotations

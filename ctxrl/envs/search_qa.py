@@ -220,7 +220,7 @@ class SearchQAEnv(ToolAnswerEnv):
         answer; the question says which relation to follow). Earlier facts are left out on
         purpose: the path is a chain, so its latest fact holds all the rest of the task needs
         (what to search next, or the answer), and two or three full sentences would outgrow
-        ``context.summary_max_tokens`` (64 by default) on the tiny model's tokenizer.
+        ``context.summarize.max_tokens`` (64 by default) on the tiny model's tokenizer.
         """
         path = [*(task.data.get("lookups") or []), task.answer]
         latest = None

@@ -64,15 +64,15 @@ def evaluate_split(worker, split: str, n_tasks: int, *, seed: int, trials_per_ta
     """
     from ctxrl.envs.roles import is_multi_role
     from ctxrl.meta.metrics import trial_summary
-    from ctxrl.rollout.spec import RolloutRequest
+    from ctxrl.rollout.spec import RolloutRequest, attempts_of
 
     if is_multi_role(worker.env_cls):
         from ctxrl.eval.arena import evaluate_matches
 
-        return evaluate_matches(worker, split, n_tasks, seed=seed, opponents=worker.spec.roles.eval_opponents,
+        return evaluate_matches(worker, split, n_tasks, seed=seed, opponents=tuple(worker.spec.roles.eval_opponents),
                                 on_episode=on_episode)
     tasks = worker.env_cls.sample_tasks(split, n_tasks, seed)
-    trials = worker.spec.eval_meta.num_attempts > 1
+    trials = attempts_of(worker.spec.meta, "eval") > 1
     request = RolloutRequest(tasks=tasks, group_size=trials_per_task if trials else 1, seed=seed, phase="eval")
     episodes = worker.run(request, on_episode=on_episode)
     return (trial_summary(episodes) if trials else summarize(episodes)), episodes

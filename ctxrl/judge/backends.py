@@ -2,8 +2,8 @@
 
 - ``EndpointBackend`` (``reward.judge = "http://host:port/v1"``): the Chat Completions API through the official
   ``openai`` client (the ``judge`` extra), so ``ctxrl serve`` over another checkpoint, vLLM, SGLang or a hosted API
-  all work alike. ``reward.judge_model`` names the model to ask; left empty, the endpoint's first listed model (what
-  ``ctxrl serve`` serves). The key is read from the environment variable ``reward.judge_api_key_env`` names.
+  all work alike. ``reward.judge.model`` names the model to ask; left empty, the endpoint's first listed model (what
+  ``ctxrl serve`` serves). The key is read from the environment variable ``reward.judge.api_key_env`` names.
 - ``LocalBackend`` (``reward.judge`` = any ``model.name``: a checkpoint directory, a ``.gguf`` file, a named real
   model, ``tiny:...``): the model and its chat template in this process, sampled by ctxrl's ``HFEngine`` on the
   policy's device. Its conversations go through the same ``ChatRenderer`` (and its guard) as the policy's, so an
@@ -82,7 +82,7 @@ class EndpointBackend:
             await client.close()
 
     async def ready(self) -> None:
-        """Name the model before any question is keyed (``identity``): without ``reward.judge_model``, the first
+        """Name the model before any question is keyed (``identity``): without ``reward.judge.model``, the first
         the endpoint lists (``ctxrl serve`` serves one). A verdict is then never cached under an empty model name
         that a later checkpoint behind the same URL would share."""
         if self.model:
@@ -92,11 +92,11 @@ class EndpointBackend:
             listed = await client.models.list()
         except openai.APIStatusError as exc:
             raise JudgeUnavailable(f"{self.base_url} answered HTTP {exc.status_code} to /models: {_message(exc)}; "
-                                   "set reward.judge_model") from None
+                                   "set reward.judge.model") from None
         except openai.APIError as exc:
             raise JudgeUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
         if not listed.data:
-            raise JudgeUnavailable(f"{self.base_url} lists no model; set reward.judge_model", permanent=True)
+            raise JudgeUnavailable(f"{self.base_url} lists no model; set reward.judge.model", permanent=True)
         self.model = listed.data[0].id
 
     async def complete(self, messages: list[Message], max_tokens: int, *, temperature: float = 0.0,
@@ -160,7 +160,7 @@ class LocalBackend:
         room = self.engine.max_total_tokens - len(ids)
         if room <= 0:
             raise JudgeUnavailable(f"the judge's prompt ({len(ids)} tokens) fills the context of {self.name!r} "
-                                   f"({self.engine.max_total_tokens}); judge the answer (reward.judge_input=answer) "
+                                   f"({self.engine.max_total_tokens}); judge the answer (reward.judge.input=answer) "
                                    "or a shorter rubric", permanent=True)
         params = SamplingParams(temperature=temperature, max_new_tokens=min(max_tokens, room),
                                 stop_ids=tuple(self.renderer.end_ids), seed=seed)

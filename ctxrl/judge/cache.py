@@ -8,7 +8,7 @@ write, so processes sharing a directory do not interleave lines); a line cut sho
 when the file is read. The default directory is ``$CTXRL_CACHE/judge``.
 
 What it does not know: a judge whose weights changed under the same name (a checkpoint directory trained again)
-keeps the old answers. Point ``reward.judge_cache`` elsewhere, or delete the file, after changing a judge in place.
+keeps the old answers. Point ``reward.judge.cache`` elsewhere, or delete the file, after changing a judge in place.
 """
 
 from __future__ import annotations

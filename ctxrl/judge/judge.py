@@ -1,20 +1,20 @@
 """The judge: a model that grades each training episode against a rubric, its score a reward term.
 
-``JudgeSpec`` (``ctxrl.judge.spec``) is what a rollout worker reads (``RolloutSpec.judge``, from
-``reward.judge*``). A worker with one builds a ``Judge`` once (``Judge.from_spec``: the backend, the rubric, the
+``JudgeSettings`` (``ctxrl.judge.spec``, the table ``[reward.judge]``) is what a rollout worker reads
+(``RolloutSpec.judge``). A worker with one builds a ``Judge`` once (``Judge.from_spec``: the backend, the rubric, the
 cache) and, while it plays a training request, hands it each episode *as that episode finishes*
 (``JudgeRound.submit``): the judge's calls run on the worker's event loop beside the episodes still being played,
-at most ``reward.judge_concurrency`` at once, and the request returns once every episode is graded. Evaluation
+at most ``reward.judge.concurrency`` at once, and the request returns once every episode is graded. Evaluation
 episodes are never judged: evaluation reports the environment's own success.
 
 Grading one episode (``Judge.grade``): the rubric's conversation over the episode's transcript or final answer
 (``ctxrl.judge.transcript``), looked up in the cache first (``ctxrl.judge.cache``), else asked with a deadline of
-``reward.judge_timeout_s`` per call. A reply the rubric cannot parse, a call past its deadline or a transient
-failure is asked again, up to ``reward.judge_retries`` more times (after a malformed reply, with sampling: a greedy
+``reward.judge.timeout_s`` per call. A reply the rubric cannot parse, a call past its deadline or a transient
+failure is asked again, up to ``reward.judge.retries`` more times (after a malformed reply, with sampling: a greedy
 judge would only repeat it). When every try fails the episode is **errored** (``error_kind = "judge"``, the reason
 in ``info["error"]``): it is counted in the step's ``errors_judge`` and left out of the loss, never given a silent 0.
 A graded episode carries ``info["judge"]``: its score in [0, 1], each criterion's, the reply, whether it came from
-the cache, the tries and seconds it took. ``ctxrl.train.rewards`` adds ``reward.judge_weight`` times the score.
+the cache, the tries and seconds it took. ``ctxrl.train.rewards`` adds ``reward.judge.weight`` times the score.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from ctxrl.judge.backends import EndpointBackend, JudgeUnavailable, LocalBackend, is_endpoint
 from ctxrl.judge.cache import JudgeCache, cache_key, default_directory
 from ctxrl.judge.rubric import JudgeParseError, Rubric, load_rubric
-from ctxrl.judge.spec import NO_CACHE, JudgeSpec
+from ctxrl.judge.spec import NO_CACHE, JudgeSettings
 from ctxrl.judge.transcript import judge_input
 from ctxrl.types import Episode
 
@@ -42,16 +42,17 @@ class JudgeError(Exception):
 class Judge:
     """Grades episodes (module docstring). ``backend``: anything with ``identity`` and ``async complete``."""
 
-    def __init__(self, spec: JudgeSpec, backend, rubric: Rubric, cache: JudgeCache) -> None:
+    def __init__(self, spec: JudgeSettings, backend, rubric: Rubric, cache: JudgeCache) -> None:
         self.spec, self.backend, self.rubric, self.cache = spec, backend, rubric, cache
 
     @classmethod
-    def from_spec(cls, spec: JudgeSpec) -> Judge:
+    def from_spec(cls, spec: JudgeSettings, *, device: str = "cpu", dtype: str = "float32") -> Judge:
+        """The judge of ``[reward.judge]``; a local one loads on ``device`` in ``dtype`` (the policy's)."""
         rubric = load_rubric(spec.rubric)
         if is_endpoint(spec.target):
             backend = EndpointBackend(spec.target, spec.model, api_key_env=spec.api_key_env, timeout_s=spec.timeout_s)
         else:
-            backend = LocalBackend(spec.target, device=spec.device, dtype=spec.dtype)
+            backend = LocalBackend(spec.target, device=device, dtype=dtype)
         directory = None if spec.cache == NO_CACHE else (spec.cache or default_directory())
         return cls(spec, backend, rubric, JudgeCache(directory))
 
@@ -112,7 +113,7 @@ class Judge:
                 problems.append(f"malformed reply: {exc}")
                 temperature = RETRY_TEMPERATURE
             except (TimeoutError, asyncio.TimeoutError):
-                problems.append(f"no reply within reward.judge_timeout_s={spec.timeout_s:g} s")
+                problems.append(f"no reply within reward.judge.timeout_s={spec.timeout_s:g} s")
             except JudgeUnavailable as exc:
                 problems.append(str(exc))
                 if exc.permanent:

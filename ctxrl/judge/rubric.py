@@ -1,7 +1,7 @@
 """A judge's rubric: the criteria it grades, their weights and scale, the prompt that asks for them and the parser of
 its reply.
 
-A rubric is a TOML file (``reward.judge_rubric``)::
+A rubric is a TOML file (``reward.judge.rubric``)::
 
     instructions = "You grade answers to arithmetic word problems."   # optional: the judge's system message
     scale = [1, 5]                                                     # every criterion's lowest and highest score
@@ -256,16 +256,16 @@ def load_rubric(path: str) -> Rubric:
     try:
         data = tomllib.loads(file.read_text())
     except OSError as exc:
-        raise ValueError(f"reward.judge_rubric: cannot read {path!r} ({exc.strerror or exc})") from None
+        raise ValueError(f"reward.judge.rubric: cannot read {path!r} ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"reward.judge_rubric: {path} is not valid TOML: {exc}") from None
+        raise ValueError(f"reward.judge.rubric: {path} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - {"instructions", "scale", "item", "labels"})
     if unknown:
-        raise ValueError(f"reward.judge_rubric: {path} has unknown keys {unknown}; a rubric has instructions, "
+        raise ValueError(f"reward.judge.rubric: {path} has unknown keys {unknown}; a rubric has instructions, "
                          "scale, [[item]] and [labels]")
     scale = data.get("scale", [DEFAULT.low, DEFAULT.high])
     if not (isinstance(scale, list) and len(scale) == 2 and all(isinstance(v, (int, float)) for v in scale)):
-        raise ValueError(f"reward.judge_rubric: {path}: scale must be [lowest, highest], got {scale!r}")
+        raise ValueError(f"reward.judge.rubric: {path}: scale must be [lowest, highest], got {scale!r}")
     try:
         items = tuple(RubricItem(str(i["name"]), str(i["description"]), float(i.get("weight", 1.0)))
                       for i in data.get("item", []))
@@ -273,7 +273,7 @@ def load_rubric(path: str) -> Rubric:
                       instructions=str(data.get("instructions", DEFAULT.instructions)),
                       labels={str(k).lower(): float(v) for k, v in data.get("labels", {}).items()})
     except KeyError as exc:
-        raise ValueError(f"reward.judge_rubric: {path}: every [[item]] needs a name and a description (missing "
+        raise ValueError(f"reward.judge.rubric: {path}: every [[item]] needs a name and a description (missing "
                          f"{exc})") from None
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"reward.judge_rubric: {path}: {exc}") from None
+        raise ValueError(f"reward.judge.rubric: {path}: {exc}") from None

@@ -6,7 +6,7 @@ segment again from its opening; the messages a segment repeats verbatim from the
 prompt, the task) are written once, so the judge reads what happened rather than what the context manager showed
 the policy again (a summary's restart, whose task message carries the summary, is shown). The answer is the text
 of the last assistant message, as sampled. Neither holds the task's reference answer: the rubric shows it only
-where the run asks (``reward.judge_reference``).
+where the run asks (``reward.judge.reference``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from ctxrl.types import Episode, Message
 
 INPUTS = ("transcript", "answer")
-"""What the judge may read (``reward.judge_input``)."""
+"""What the judge may read (``reward.judge.input``)."""
 
 
 def transcript(episode: Episode) -> str:
@@ -49,5 +49,5 @@ def final_answer(episode: Episode) -> str:
 def judge_input(episode: Episode, kind: str) -> str:
     """What the judge grades: ``transcript`` or ``answer`` (``INPUTS``)."""
     if kind not in INPUTS:
-        raise ValueError(f"reward.judge_input must be one of {', '.join(INPUTS)}, got {kind!r}")
+        raise ValueError(f"reward.judge.input must be one of {', '.join(INPUTS)}, got {kind!r}")
     return transcript(episode) if kind == "transcript" else final_answer(episode)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ctxrl.settings import NON_NEGATIVE, POSITIVE
 
 KINDS = ("linear", "cosine", "step")
 MODES = ("count", "probability")
@@ -68,6 +70,34 @@ def demo_probability(step: int, *, start: float = 1.0, steps: int, kind: str = "
 
 
 @dataclass(frozen=True)
+class DemoSettings:
+    """``[meta.demos]``: annealed demonstrations, few-shot solved examples in training prompts (the ``meta`` runner
+    reads them from ``RolloutSpec.demos``)."""
+
+    max: int = field(default=0, metadata=NON_NEGATIVE)
+    """Annealed demonstrations: few-shot solved examples in training prompts (count at step 0, or per episode
+    that gets them); evaluation never gets any. 0 = off."""
+    steps: int = field(default=0, metadata=NON_NEGATIVE)
+    """The RL step from which no training prompt gets demonstrations (the schedule reaches 0 there)."""
+    kind: str = "linear"
+    """Shape of the decay: ``linear``, ``cosine`` or ``step`` (constant, then none)."""
+    mode: str = "count"
+    """``count``: every episode gets the scheduled number; ``probability``: ``max`` or none, with the
+    scheduled probability."""
+    source: str = "solve"
+    """Where demonstrations come from: ``solve`` (the env's scripted solutions of other training tasks) or a
+    JSONL file of ``{"prompt", "messages"}`` lines."""
+    pool: int = field(default=64, metadata=POSITIVE)
+    """Training tasks solved for the ``solve`` pool (a task's own demo is never shown to it)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
 class DemoSchedule:
     """How many few-shot demonstrations a training episode's prompt gets; validated on construction."""
 
@@ -92,9 +122,9 @@ class DemoSchedule:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
     @classmethod
-    def from_spec(cls, spec) -> DemoSchedule:
-        """The schedule a run's ``ctxrl.rollout.spec.DemoSpec`` describes."""
-        return cls(max_demos=spec.max_demos, steps=spec.steps, kind=spec.kind, mode=spec.mode)
+    def from_spec(cls, settings: DemoSettings) -> DemoSchedule:
+        """The schedule of a run's ``[meta.demos]``."""
+        return cls(max_demos=settings.max, steps=settings.steps, kind=settings.kind, mode=settings.mode)
 
 
 def _rng(seed: int, step: int, episode_index: int) -> random.Random:

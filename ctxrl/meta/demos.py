@@ -70,7 +70,7 @@ def load_demos(path: str | Path) -> list[Demo]:
     (``"id"`` optional). The messages are the solution after the task, e.g. one assistant message."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"demonstration file {str(path)!r} does not exist (meta.demos_source)")
+        raise FileNotFoundError(f"demonstration file {str(path)!r} does not exist (meta.demos.source)")
     demos = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():

@@ -58,9 +58,24 @@ from ctxrl.rollout.agent import EnvironmentFailure, notify, record_error, reset_
 from ctxrl.rollout.generate import sample_aside
 from ctxrl.rollout.messages import task_with, text_only
 from ctxrl.rollout.recorder import Recorder, join
-from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.sections import MetaConfig
 from ctxrl.seeds import ATTEMPT_SALT, REFLECTION_SALT, derive_seed, episode_seed
 from ctxrl.types import Episode, Message, Task
+
+CARRIES = ("reflections", "attempts")
+"""What an attempt carries of the earlier ones (``meta.carry``): their reflections, or the attempts in full."""
+
+
+def check_trial(policy: MetaConfig) -> None:
+    """A ``ValueError`` for a ``[meta]`` section no trial can be played with (a ``MetaConfig`` built in Python; a
+    loaded config is checked by ``ctxrl.run.validate``)."""
+    if policy.num_attempts < 1:
+        raise ValueError(f"num_attempts must be >= 1, got {policy.num_attempts}")
+    if policy.carry not in CARRIES:
+        raise ValueError(f"carry must be one of {', '.join(CARRIES)}, not {policy.carry!r}")
+    if policy.reflection_max_tokens < 1:
+        raise ValueError(f"reflection_max_tokens must be >= 1, got {policy.reflection_max_tokens}")
 
 
 def feedback_text(k: int, num_attempts: int, reward: float, success: bool) -> str:
@@ -131,9 +146,11 @@ def attempt_actions(messages: list[Message]) -> list[str]:
 
 
 async def run_trial(make_env: Callable[[], Any], task: Task, engine: Engine, renderer: ChatRenderer,
-                    limits: RolloutLimits, policy: MetaPolicy, *, seed: int, group_id: int = 0,
+                    limits: RolloutLimits, policy: MetaConfig, *, seed: int, group_id: int = 0,
                     demos: list[Demo] | None = None) -> Episode:
-    """Play one trial of ``task``; always returns an ``Episode`` (sequences = attempts, see module docstring)."""
+    """Play one trial of ``task`` (up to ``policy.num_attempts`` attempts: the phase's, ``RolloutRequest.meta``);
+    always returns an ``Episode`` (sequences = attempts, see module docstring)."""
+    check_trial(policy)
     started = time.perf_counter()
     attempts: list[Episode] = []
     records: list[dict[str, Any]] = []
@@ -217,13 +234,13 @@ def _actions(env: RecordedEnv, episode: Episode, opening: int) -> dict[str, list
     return {"actions": attempt_actions(episode.messages[opening:]), "failed_actions": None}
 
 
-def _fitted_opening(base, carried, k, policy: MetaPolicy, renderer, tools,
+def _fitted_opening(base, carried, k, policy: MetaConfig, renderer, tools,
                     limits) -> tuple[list[Message], int, int]:
     """Attempt ``k``'s opening with as many of the newest carried attempts as fit: (messages, how many, tokens)."""
     def build(kept: list[Carried]) -> list[Message]:
         if policy.carry == "reflections":
             return reflections_opening(base, kept, k, policy.num_attempts)
-        return attempts_opening(base, kept, k, policy.num_attempts, policy.instruction)
+        return attempts_opening(base, kept, k, policy.num_attempts, policy.reflection_instruction)
 
     for start in range(len(carried) + 1):
         messages = build(carried[start:])
@@ -236,12 +253,12 @@ def _fitted_opening(base, carried, k, policy: MetaPolicy, renderer, tools,
 
 
 async def _reflect(episode: Episode, observations: list[Message], record: dict[str, Any], tools, engine: Engine,
-                   renderer: ChatRenderer, limits: RolloutLimits, policy: MetaPolicy, seed: int, k: int) -> None:
+                   renderer: ChatRenderer, limits: RolloutLimits, policy: MetaConfig, seed: int, k: int) -> None:
     """Append the last observations, feedback and instruction (mask 0), then sample a reflection (mask 1)."""
     if not episode.turns or episode.messages[-1].role != "assistant":
         record["reflection_skipped"] = True  # no turn was played (the opening left no room): nothing to reflect on
         return
-    ask = [*observations, Message("user", f"{record['feedback']}\n{policy.instruction}")]
+    ask = [*observations, Message("user", f"{record['feedback']}\n{policy.reflection_instruction}")]
     turn = len(episode.turns)  # the reflection is the generation after the attempt's last turn
     aside = await sample_aside(Recorder(episode, renderer, tools), ask, engine, limits,
                                max_new_tokens=policy.reflection_max_tokens, seed=seed, counter=REFLECTION_SALT + k,
@@ -292,7 +309,7 @@ def _trial_episode(task: Task, group_id: int, engine: Engine, num_attempts: int,
 
 
 async def run_trials(make_env: Callable[[], Any], tasks: list[Task], engine: Engine, renderer: ChatRenderer,
-                     limits: RolloutLimits, policy: MetaPolicy, *, group_size: int = 1, seed: int = 0,
+                     limits: RolloutLimits, policy: MetaConfig, *, group_size: int = 1, seed: int = 0,
                      demos: Callable[[int, int], list[Demo]] | None = None,
                      on_done: Callable[[Episode], None] | None = None, first_group: int = 0) -> list[Episode]:
     """Play ``group_size`` trials per task concurrently; trial ``k`` of task ``i`` has group ``first_group + i``

@@ -1,7 +1,7 @@
 """The ``meta`` episode runner: trials of several attempts and annealed demonstrations, for a ``RolloutWorker``.
 
-A worker whose spec plays trials in either phase (``MetaPolicy.num_attempts > 1``) or shows annealed
-demonstrations (``DemoSpec.max_demos > 0``) plays through this runner (``ctxrl.rollout.runners``
+A worker whose spec plays trials in either phase (``RolloutRequest.attempts(spec) > 1``) or shows annealed
+demonstrations (``meta.demos.max > 0``) plays through this runner (``ctxrl.rollout.runners``
 chooses it by name; importing ``ctxrl.meta`` registers it). Each request, by its phase:
 
 - ``num_attempts > 1``: trials (``run_trials``), each opening with the demonstrations the schedule gives;
@@ -21,11 +21,12 @@ from collections.abc import Callable
 
 from ctxrl.chat.render import ChatRenderer
 from ctxrl.errors import ConfigError
-from ctxrl.meta.anneal import DemoSchedule, sample_demos
+from ctxrl.meta.anneal import DemoSchedule, DemoSettings, sample_demos
 from ctxrl.meta.demos import Demo, demos_excluding, load_demos, solved_demos, with_demos
 from ctxrl.meta.rollout import run_trials
 from ctxrl.rollout.runners import META, EpisodeRunner, OnDone, Worker, play_episodes, register_runner
-from ctxrl.rollout.spec import DemoSpec, RolloutRequest, RolloutSpec
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec
+from ctxrl.seeds import Seeds
 from ctxrl.types import Episode
 
 DemoChooser = Callable[[int, int], list[Demo]]
@@ -38,8 +39,9 @@ class MetaRunner(EpisodeRunner):
     name = META
 
     def __init__(self, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer) -> None:
-        self.demos = spec.demos
-        self.pool = build_demo_pool(spec.demos, env_cls, renderer)
+        self.demos = DemoSettings(**spec.demos)
+        self.seeds = Seeds(spec.seed)
+        self.pool = build_demo_pool(self.demos, env_cls, renderer, seed=self.seeds.demo_pool)
 
     async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
         policy = request.meta(worker.spec)
@@ -67,31 +69,32 @@ class MetaRunner(EpisodeRunner):
         function of (seed, step, episode index), so every process makes the same one.
         """
         spec = self.demos
-        if request.phase != "train" or spec.max_demos == 0:
+        if request.phase != "train" or spec.max == 0:
             return None
         pool, schedule = self.pool, DemoSchedule.from_spec(spec)
 
         def choose(i: int, k: int) -> list[Demo]:  # i: the task's index in the whole request
             candidates = demos_excluding(pool, request.tasks[i - request.task_offset])
-            picked = sample_demos(schedule, step=request.step, pool_size=len(candidates), seed=spec.choice_seed,
+            picked = sample_demos(schedule, step=request.step, pool_size=len(candidates), seed=self.seeds.demo_choice,
                                   episode_index=request.first_episode + i * request.group_size + k, evaluation=False)
             return [candidates[j] for j in picked]
 
         return choose
 
 
-def build_demo_pool(spec: DemoSpec, env_cls: type, renderer: ChatRenderer) -> list[Demo]:
-    """The demonstrations ``spec`` draws from: solved training tasks or a JSONL file ([] when off)."""
-    if spec.max_demos == 0:
+def build_demo_pool(spec: DemoSettings, env_cls: type, renderer: ChatRenderer, *, seed: int) -> list[Demo]:
+    """The demonstrations ``spec`` draws from: solved training tasks (drawn with ``seed``, the run's
+    ``Seeds.demo_pool``) or a JSONL file ([] when off)."""
+    if spec.max == 0:
         return []
     if spec.source != "solve":
         try:
             pool = load_demos(spec.source)
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"meta.demos_source: {exc}") from None
+            raise ConfigError(f"meta.demos.source: {exc}") from None
     else:
-        pool = solved_demos(env_cls, renderer, spec.pool, seed=spec.pool_seed)
-    if len(pool) <= spec.max_demos:
-        raise ConfigError(f"meta.demos_max={spec.max_demos} demonstrations per prompt, but the pool holds only "
-                          f"{len(pool)} (a task's own demo is left out); add demonstrations or lower demos_max")
+        pool = solved_demos(env_cls, renderer, spec.pool, seed=seed)
+    if len(pool) <= spec.max:
+        raise ConfigError(f"meta.demos.max={spec.max} demonstrations per prompt, but the pool holds only "
+                          f"{len(pool)} (a task's own demo is left out); add demonstrations or lower meta.demos.max")
     return pool

@@ -30,7 +30,8 @@ from ctxrl.envs.hooks import has_trial_hooks, hook
 from ctxrl.envs.recorded import RecordedEnv
 from ctxrl.meta.rollout import run_trial
 from ctxrl.rollout.recorder import untrain
-from ctxrl.rollout.spec import MetaPolicy, RolloutLimits
+from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.sections import MetaConfig
 from ctxrl.types import Episode
 
 
@@ -43,7 +44,7 @@ def mask_failed_attempt(trial: Episode) -> Episode:
     return trial
 
 
-def _play(env_cls, task, renderer: ChatRenderer, limits: RolloutLimits, policy: MetaPolicy, seed: int):
+def _play(env_cls, task, renderer: ChatRenderer, limits: RolloutLimits, policy: MetaConfig, seed: int):
     """One scripted trial of ``task``: ``failure``, the reflection, then ``solve_after(reflection)`` or ``solve``."""
     played: list[RecordedEnv] = []
     follow = hook(env_cls, "solve_after")
@@ -67,7 +68,7 @@ def _outcomes(trial: Episode) -> list[tuple[bool, str | None]]:
     return [(r["success"], r["truncation"]) for r in trial.info["attempts"]]
 
 
-async def build_trial_demos(env_cls, renderer: ChatRenderer, n: int, policy: MetaPolicy, *, seed: int = 0,
+async def build_trial_demos(env_cls, renderer: ChatRenderer, n: int, policy: MetaConfig, *, seed: int = 0,
                             limits: RolloutLimits | None = None) -> list[Episode]:
     """Play ``n`` scripted two-attempt trials on training tasks (see the module docstring); raises with the
     reason if the environment lacks the hooks or a script does not play as one failure then a success.

@@ -1,6 +1,6 @@
 """Which decoders ctxrl runs through its own forward pass: Llama's module layout.
 
-The fast engine (``ctxrl.engine.fast``) and the learner's flat forward (``ctxrl.models.flat``)
+The fast engine (``ctxrl.engine.fast``) and the learner's flat forward (``ctxrl.learner.flat``)
 call the HF model's own modules (embeddings, projections, norms, MLPs, head) but arrange the
 attention themselves. That needs Llama's layout: ``model.model.layers`` of pre-norm blocks with
 RMS norms, a gated SiLU MLP, rotary positions fixed per position, and ``q/k/v/o`` projections.

@@ -57,13 +57,13 @@ def resolve(name_or_path: str, *, on_progress=None) -> str:
     """Map ``tiny``, a named model or a ``.gguf`` file to its cached directory (converting a GGUF file the first
     time: ``on_progress(stage, done, total)`` hears how far it is) and check that a local path holds weights.
 
-    A tiny model is built by a stage above the library (``ctxrl.train.tiny.ensure_model``, which every command
-    runs first); one that is not built yet is refused here with that fix."""
+    A tiny model is built by a stage above the library (``ctxrl.models.prepare.prepare``, which every command runs
+    first); one that is not built yet is refused here with that fix."""
     spec = parse_tiny(name_or_path)
     if spec is not None:
         if not is_built(spec):
             raise ModelLoadError(f"the tiny model {name_or_path!r} is not built yet: build it with "
-                                 f"ctxrl.train.tiny.ensure_model({name_or_path!r}) (ctxrl train, demo, eval and "
+                                 f"ctxrl.models.prepare.prepare({name_or_path!r}) (ctxrl train, demo, eval and "
                                  "serve build it first), or run `ctxrl demo` once")
         return str(tiny_path(spec))
     named = named_model(name_or_path)
@@ -274,7 +274,7 @@ def adapter_base(path: str | Path) -> str | None:
 
 def load_adapters(adapter_dir: str, *, base: str | None = None, dtype: str = "float32", device: str = "cpu"):
     """The base model an adapter directory names (``base``: this one instead), with its LoRA adapters merged in.
-    A ``tiny`` base must be built first (``ctxrl.train.tiny.ensure_model`` of the adapter directory does it)."""
+    A ``tiny`` base must be built first (``ctxrl.models.prepare.prepare`` of the adapter directory does it)."""
     from peft import PeftModel
 
     base_name = base or adapter_base(adapter_dir)

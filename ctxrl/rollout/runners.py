@@ -20,7 +20,7 @@ that names a ``runner`` (the harness environment) is played by it; one that decl
 a spec with trials in either phase
 or annealed demonstrations by ``meta``; any other by ``plain``. The runners of the layers above rollout
 register themselves when their package is imported (rollout never imports them; the configuration does,
-before it checks a config: ``ctxrl.run.validate.RUNNER_PACKAGES``). A worker in another
+before it checks a config: ``ctxrl.run.validate.STAGE_PACKAGES``). A worker in another
 process imports ``runner_modules()`` before it reads its spec, so it has the same runners, picks the
 same one and plays exactly the episodes an in-process worker would.
 """
@@ -37,7 +37,7 @@ from ctxrl.errors import ConfigError
 from ctxrl.registry import Registry
 from ctxrl.rollout.agent import run_episodes
 from ctxrl.rollout.match import SeatPolicy, run_matches
-from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, parse_policy, spec_engine
+from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, attempts_of, parse_policy, spec_engine
 from ctxrl.types import Episode, Message
 
 PLAIN = "plain"
@@ -175,8 +175,8 @@ def runner_name(spec: RolloutSpec, env_cls: type) -> str:
         return own
     if is_multi_role(env_cls):
         return ROLES
-    trials = max(spec.train_meta.num_attempts, spec.eval_meta.num_attempts) > 1
-    return META if trials or spec.demos.max_demos > 0 else PLAIN
+    trials = max(attempts_of(spec.meta, "train"), attempts_of(spec.meta, "eval")) > 1
+    return META if trials or spec.max_demos > 0 else PLAIN
 
 
 def make_runner(spec: RolloutSpec, env_cls: type, renderer: ChatRenderer) -> EpisodeRunner:

@@ -16,17 +16,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxrl.judge.spec import JudgeSpec
-from ctxrl.models.lora import LoRASettings
-from ctxrl.plain import PlainData
-from ctxrl.prompts import REFLECTION_INSTRUCTION
+from ctxrl.judge.spec import JudgeSettings
+from ctxrl.plain import PlainData, project
 from ctxrl.rollout.managers.base import ContextPolicy
-from ctxrl.tools.mcp import McpSettings
+from ctxrl.sections import SHARED, EnvConfig, LoRAConfig, MetaConfig, ModelConfig, RolesConfig, RolloutConfig
+from ctxrl.seeds import Seeds
 from ctxrl.types import Task
 
 PHASES = ("train", "eval")
-CARRIES = ("reflections", "attempts")
-SHARED = "shared"
 OWN = "own"
 POLICY_KINDS = (SHARED, OWN, "scripted", "frozen")
 """Who plays a role of a multi-role environment (``roles.policies``): the run's policy (``shared``), a trainable
@@ -69,166 +66,81 @@ class RolloutLimits(PlainData):
 
 
 @dataclass(frozen=True)
-class MetaPolicy(PlainData):
-    """How a trial of attempts is played (``ctxrl.meta.rollout``)."""
-
-    num_attempts: int = 1
-    carry: str = "reflections"
-    """What the next attempt sees of the earlier ones: ``reflections`` (notes) or ``attempts`` (in full)."""
-    reflect: bool = True
-    """Sample a reflection after each attempt that is followed by another (False: plain retries)."""
-    stop_on_success: bool = True
-    instruction: str = REFLECTION_INSTRUCTION
-    reflection_max_tokens: int = 64
-    max_context_tokens: int = 0
-    """Budget of an attempt's opening (task + carried history) in tokens; 0 = only ``max_total_tokens``."""
-
-    def __post_init__(self) -> None:
-        if self.num_attempts < 1:
-            raise ValueError(f"num_attempts must be >= 1, got {self.num_attempts}")
-        if self.carry not in CARRIES:
-            raise ValueError(f"carry must be one of {', '.join(CARRIES)}, not {self.carry!r}")
-        if self.reflection_max_tokens < 1:
-            raise ValueError(f"reflection_max_tokens must be >= 1, got {self.reflection_max_tokens}")
-
-
-@dataclass(frozen=True)
-class ModelSpec(PlainData):
-    """The policy a worker loads (``ctxrl.models.loader``) when it is not handed an engine."""
-
-    name: str = "tiny"
-    dtype: str = "float32"
-    device: str = "cpu"
-    chat_template: str = ""
-    tool_format: str = "auto"
-    """How the policy writes tool calls (``ctxrl.chat.formats``); ``auto`` reads it from the chat template."""
-    lora: LoRASettings = LoRASettings()
-    """A LoRA run's adapters: a worker wraps the model it loads the same way, so the learner's adapters fit it."""
-
-
-@dataclass(frozen=True)
-class EnvSpec(PlainData):
-    """The environment, by registered name or ``module:Class``, and the options of environments built from data."""
-
-    name: str = "calculator"
-    data: str = ""
-    tools: str = ""
-    verifier: str = "exact"
-    harness: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
-    """The environment's own table (``[env.NAME]``), read into its ``Settings`` (``configured_env_class``)."""
-    mcp: McpSettings = McpSettings()
-    """MCP servers whose tools the policy gets beside the environment's own (``env.mcp_*``; ``ctxrl.envs.mcp``)."""
-
-
-@dataclass(frozen=True)
-class DemoSpec(PlainData):
-    """Annealed few-shot demonstrations in training prompts (``ctxrl.meta.demos``); off when ``max_demos`` is 0.
-
-    ``max_demos``, ``steps``, ``kind`` and ``mode`` are the schedule (``ctxrl.meta.anneal.DemoSchedule``).
-    """
-
-    max_demos: int = 0
-    steps: int = 0
-    kind: str = "linear"
-    mode: str = "count"
-    source: str = "solve"
-    """``solve`` (the environment's scripted solutions of ``pool`` training tasks) or a JSONL file."""
-    pool: int = 64
-    pool_seed: int = 0
-    choice_seed: int = 0
-
-
-@dataclass(frozen=True)
-class RoleSpec(PlainData):
-    """Who plays each role of a multi-role environment, and how the seats' rewards relate (``[roles]``)."""
-
-    policies: dict[str, str] = field(default_factory=dict)
-    """Role -> policy (``parse_policy``); a role left out plays the shared policy."""
-    rewards: str = "env"
-    """``env``, ``zero_sum`` or ``team`` (``ctxrl.algo.roles.seat_rewards``)."""
-    eval_opponents: tuple[str, ...] = ()
-    """Policies the learner meets in evaluation (``ctxrl.eval.arena``)."""
-
-    def policy(self, role: str, overrides: dict[str, str] | None = None) -> str:
-        """The policy that plays ``role``: ``overrides`` (a request's), else the spec's, else ``shared``."""
-        return (overrides or {}).get(role) or self.policies.get(role) or SHARED
-
-
-@dataclass(frozen=True)
 class RolloutSpec(PlainData):
     """Everything rollout code reads, fixed for a run (see the module docstring)."""
 
-    model: ModelSpec = ModelSpec()
-    env: EnvSpec = EnvSpec()
+    model: ModelConfig = ModelConfig(device="cpu")
+    """The ``[model]`` section, its device resolved (``auto``: the device this machine has): the policy a worker
+    loads (``ctxrl.models.loader``) when it is not handed an engine, its chat template and tool-call format."""
+    env: EnvConfig = EnvConfig()
+    """The ``[env]`` section: the environment (registered name or ``module:Class``), the options of environments
+    built from data, and the MCP servers whose tools the policy gets beside the environment's own
+    (``env.mcp_*``; ``ctxrl.envs.mcp``)."""
+    env_options: dict[str, Any] = field(default_factory=dict)
+    """The environment's own table (``[env.NAME]``), read into its ``Settings`` (``configured_env_class``)."""
     train: RolloutLimits = RolloutLimits()
     eval: RolloutLimits = RolloutLimits(temperature=0.0)
-    train_meta: MetaPolicy = MetaPolicy()
-    eval_meta: MetaPolicy = MetaPolicy()
-    demos: DemoSpec = DemoSpec()
-    max_batch_size: int = 128
-    """Largest batch of concurrent requests the engine decodes together (``rollout.max_batch_size``, or
-    ``DEFAULT_ENGINE_BATCH`` where the config leaves it to the run, 0, and no memory plan sizes it)."""
-    sandbox_workers: int = 8
-    """Most sandboxed Python interpreters running at once in the worker's process (``ctxrl.tools.python``)."""
-    engine_seed: int = 0
-    """The engine's stream for requests that bring no seed."""
-    engine: str = "auto"
-    """Which engine samples (``rollout.engine``: ``auto``, ``hf`` or ``fast``)."""
+    meta: MetaConfig = MetaConfig()
+    """The ``[meta]`` section: how a trial of attempts is played (``ctxrl.meta.rollout``); each phase's trial budget
+    is ``attempts_of(meta, phase)``."""
+    demos: dict[str, Any] = field(default_factory=dict)
+    """The annealed demonstrations' table (``[meta.demos]``, as plain data like ``env_options``), which the ``meta``
+    runner reads into ``ctxrl.meta.anneal.DemoSettings``; empty: its defaults (none)."""
+    rollout: RolloutConfig = RolloutConfig()
+    """The ``[rollout]`` section: the engine (``engine``), its batch (``max_batch_size``), the sandboxed Python
+    interpreters of the worker's process (``sandbox_workers``, ``ctxrl.tools.python``)."""
+    seed: int = 0
+    """The run's seed (``run.seed``), from which the worker's own streams derive (``ctxrl.seeds.Seeds``)."""
     plugins: str = ""
+
+    @property
+    def max_demos(self) -> int:
+        """Annealed demonstrations per training prompt at step 0 (``meta.demos.max``); 0: none."""
+        return int(self.demos.get("max", 0))
     """Modules a worker imports before it reads the spec (``run.plugins``): where custom extension points live."""
-    judge: JudgeSpec = JudgeSpec()
-    """The judge that grades training episodes (``reward.judge``; off when its target is empty)."""
-    roles: RoleSpec = RoleSpec()
-    """Who plays each role of a multi-role environment (``[roles]``)."""
+    judge: JudgeSettings = JudgeSettings()
+    """The judge that grades training episodes (its table ``[reward.judge]``; off when its target is empty)."""
+    roles: RolesConfig = RolesConfig()
+    """Who plays each role of a multi-role environment, and how the seats' rewards relate (``[roles]``)."""
+    lora: LoRAConfig = LoRAConfig()
+    """A LoRA run's adapters (the ``[lora]`` section): a worker wraps the model it loads the same way, so the
+    learner's adapters fit it."""
+
+    @property
+    def max_batch_size(self) -> int:
+        """Largest batch of concurrent requests the engine decodes together (``rollout.max_batch_size``, or
+        ``DEFAULT_ENGINE_BATCH`` where the config leaves it to the run, 0, and no memory plan sizes it)."""
+        return self.rollout.max_batch_size or DEFAULT_ENGINE_BATCH
+
+    @property
+    def engine_seed(self) -> int:
+        """The engine's stream for requests that bring no seed."""
+        return Seeds(self.seed).engine
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSpec:
         """The spec of a run's ``Config`` (``model.device = "auto"`` resolved to the device this machine has)."""
         from ctxrl.envs.registry import settings_name
         from ctxrl.models.loader import resolve_device
-        from ctxrl.seeds import Seeds
 
-        c, r, m = config.context, config.rollout, config.meta
-        seeds = Seeds(config.run.seed)
+        c, r = config.context, config.rollout
 
-        def context(max_summaries: int) -> ContextPolicy:
-            return ContextPolicy(manager=c.manager, max_context_tokens=c.max_context_tokens,
-                                 max_summaries=max_summaries, summary_max_tokens=c.summary_max_tokens,
-                                 instruction=c.summary_instruction, max_branches=c.max_branches,
-                                 branch_reward=c.branch_reward,
+        def context(phase: str) -> ContextPolicy:
+            return ContextPolicy(c.manager, c.max_context_tokens, phase=phase,
                                  options=dict(config.components.get(f"context.{c.manager}", {})))
 
-        train = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
-                              max_total_tokens=r.max_total_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_ids=tuple(r.stop_ids), stop_strings=tuple(r.stop_strings),
-                              timeout_s=r.episode_timeout_s, context=context(c.max_summaries))
-        evaluation = RolloutLimits(max_turns=config.env.max_turns, max_new_tokens=r.max_new_tokens,
-                                   max_total_tokens=r.max_total_tokens, temperature=config.eval.temperature,
-                                   stop_ids=tuple(r.stop_ids), stop_strings=tuple(r.stop_strings),
-                                   timeout_s=r.episode_timeout_s, context=context(c.eval_max_summaries))
-        train_meta = MetaPolicy(num_attempts=m.num_attempts, carry=m.carry, reflect=m.reflect,
-                                stop_on_success=m.stop_on_success, instruction=m.reflection_instruction,
-                                reflection_max_tokens=m.reflection_max_tokens, max_context_tokens=m.max_context_tokens)
+        train = project(RolloutLimits, r, max_turns=config.env.max_turns, timeout_s=r.episode_timeout_s,
+                        context=context("train"))
+        evaluation = project(RolloutLimits, r, max_turns=config.env.max_turns, timeout_s=r.episode_timeout_s,
+                             temperature=config.eval.temperature, top_p=1.0, top_k=0,  # (evaluation never used these)
+                             context=context("eval"))
         return cls(
-            model=ModelSpec(name=config.model.name, dtype=config.model.dtype,
-                            device=resolve_device(config.model.device), chat_template=config.model.chat_template,
-                            tool_format=config.model.tool_format, lora=LoRASettings.from_config(config)),
-            env=EnvSpec(name=config.env.name, data=config.env.data, tools=config.env.tools,
-                        verifier=config.env.verifier, harness=config.env.harness,
-                        options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
-                        mcp=McpSettings.from_config(config)),
-            train=train, eval=evaluation, train_meta=train_meta,
-            eval_meta=dataclasses.replace(train_meta, num_attempts=m.eval_attempts or m.num_attempts),
-            demos=DemoSpec(max_demos=m.demos_max, steps=m.demos_steps, kind=m.demos_kind, mode=m.demos_mode,
-                           source=m.demos_source, pool=m.demos_pool, pool_seed=seeds.demo_pool,
-                           choice_seed=seeds.demo_choice),
-            max_batch_size=r.max_batch_size or DEFAULT_ENGINE_BATCH, sandbox_workers=r.sandbox_workers,
-            engine_seed=seeds.engine,
-            engine=r.engine,
-            plugins=config.run.plugins, judge=JudgeSpec.from_config(config, resolve_device(config.model.device)),
-            roles=RoleSpec(policies=dict(p.split("=", 1) for p in config.roles.policies),
-                           rewards=config.roles.rewards, eval_opponents=tuple(config.roles.eval_opponents)))
+            model=dataclasses.replace(config.model, device=resolve_device(config.model.device)), env=config.env,
+            env_options=dict(config.components.get(f"env.{settings_name(config.env.name)}", {})),
+            train=train, eval=evaluation, meta=config.meta, demos=dict(config.components.get("meta.demos", {})),
+            rollout=r, seed=config.run.seed, plugins=config.run.plugins,
+            judge=config.settings_of("reward", "judge"), roles=config.roles,
+            lora=config.lora)
 
 
 def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | None = None,
@@ -236,10 +148,10 @@ def spec_engine(spec: RolloutSpec, model, renderer, *, max_batch_size: int | Non
     """The engine ``spec`` asks for, serving ``model`` (which it takes over) with ``renderer``'s ids.
 
     ``max_batch_size`` and ``prefill_tokens`` replace the spec's batch and the fast engine's default prefill
-    chunk (a CUDA run's memory plan sizes them: ``ctxrl.train.memory``)."""
+    chunk (a CUDA run's memory plan sizes them: ``ctxrl.learner.memory``)."""
     from ctxrl.engine.factory import make_engine
 
-    return make_engine(model, kind=spec.engine, pad_token_id=renderer.tokenizer.pad_token_id,
+    return make_engine(model, kind=spec.rollout.engine, pad_token_id=renderer.tokenizer.pad_token_id,
                        max_batch_size=max_batch_size or spec.max_batch_size, seed=spec.engine_seed,
                        max_total_tokens=max(spec.train.max_total_tokens, spec.eval.max_total_tokens),
                        decode=renderer.decode, prefill_tokens=prefill_tokens)
@@ -289,5 +201,16 @@ class RolloutRequest(PlainData):
                 limits.context, max_context_tokens=self.context_budget))
         return limits
 
-    def meta(self, spec: RolloutSpec) -> MetaPolicy:
-        return spec.train_meta if self.phase == "train" else spec.eval_meta
+    def attempts(self, spec: RolloutSpec) -> int:
+        """The trial budget of this request's phase (``attempts_of``)."""
+        return attempts_of(spec.meta, self.phase)
+
+    def meta(self, spec: RolloutSpec) -> MetaConfig:
+        """The ``[meta]`` section with this phase's trial budget as ``num_attempts``: what a trial reads."""
+        return dataclasses.replace(spec.meta, num_attempts=self.attempts(spec))
+
+
+def attempts_of(meta: MetaConfig, phase: str) -> int:
+    """Attempts per trial in ``phase``: ``meta.num_attempts`` in training, ``meta.eval_attempts`` in evaluation (0:
+    the same as training's); 1 = single episodes."""
+    return meta.num_attempts if phase == "train" else meta.eval_attempts or meta.num_attempts

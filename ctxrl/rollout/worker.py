@@ -58,8 +58,8 @@ class RolloutWorker:
         check = hook(self.env_cls, "check_tasks")
         if check is not None:  # now with the model's tokenizer (spec_env_class bounded them by characters)
             check(spec.train.max_total_tokens, lambda text: len(renderer.encode_plain(text)))
-        configure_pool(spec.sandbox_workers)  # the python tool's interpreters, shared by every episode
-        if spec.env.mcp.servers:  # started now: a server that cannot start stops the run before any episode
+        configure_pool(spec.rollout.sandbox_workers)  # the python tool's interpreters, shared by every episode
+        if spec.env.mcp_servers:  # started now: a server that cannot start stops the run before any episode
             start_tools(self.env_cls)
         self.runner = runner if runner is not None else make_runner(spec, self.env_cls, renderer)
         self.judge: Judge | None = None
@@ -79,10 +79,10 @@ class RolloutWorker:
         renderer = spec_renderer(spec)
         if model is None:
             model = load_model(spec.model.name, dtype=spec.model.dtype, device=spec.model.device)
-            if spec.model.lora.rank:  # the learner sends adapters: give the model the same ones to fill
+            if spec.lora.rank:  # the learner sends adapters: give the model the same ones to fill
                 from ctxrl.models.lora import wrap_lora
 
-                model = wrap_lora(model, spec.model.lora, adapter_dtype=next(model.parameters()).dtype).eval()
+                model = wrap_lora(model, spec.lora, adapter_dtype=next(model.parameters()).dtype).eval()
         return cls(spec, spec_engine(spec, model, renderer), renderer, env_cls)
 
     # -- weights ---------------------------------------------------------------------------------------
@@ -96,8 +96,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Shut down what the worker's tools run on (its MCP servers); safe to call more than once."""
-        if self.spec.env.mcp.servers:
-            close_hub(self.spec.env.mcp)
+        if self.spec.env.mcp_servers:
+            close_hub(self.spec.env)
 
     # -- requests --------------------------------------------------------------------------------------
     def run(self, request: RolloutRequest, *, on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:
@@ -112,7 +112,7 @@ class RolloutWorker:
         """``run`` inside a running event loop."""
         total, finished = len(request.tasks) * request.group_size, [0]
         if request.phase == "train" and self.spec.judge.enabled and self.judge is None:
-            self.judge = Judge.from_spec(self.spec.judge)
+            self.judge = Judge.from_spec(self.spec.judge, device=self.spec.model.device, dtype=self.spec.model.dtype)
         judging = self.judge.round() if self.judge is not None and request.phase == "train" else None
 
         def counter(episode: Episode) -> None:
@@ -135,10 +135,7 @@ def spec_env_class(spec: RolloutSpec) -> type:
     checked, not started), its tasks checked against the rollout's length (``check_tasks``, by characters: no
     tokenizer is loaded here)."""
     e = spec.env
-    options = {"data": e.data, "tools": e.tools, "verifier": e.verifier}
-    if e.harness or e.name == "harness":
-        options["harness"] = e.harness
-    cls = with_mcp_tools(configured_env_class(e.name, e.options, **options), e.mcp)
+    cls = with_mcp_tools(configured_env_class(e.name, spec.env_options, data=e.data), e)
     check = hook(cls, "check_tasks")
     if check is not None:  # (``ctxrl config`` too: a task too long to fit is an error before anything loads)
         check(spec.train.max_total_tokens)

@@ -1,5 +1,5 @@
 """The tables of registered components' own settings: which class reads ``[algo.NAME]``, ``[context.NAME]``,
-``[env.NAME]``, and the table as that class reads it.
+``[env.NAME]``, ``[curriculum.NAME]``, and the table as that class reads it.
 
 A component (an estimator, a context manager, an environment) that has knobs of its own declares them as a
 ``Settings`` dataclass (``ctxrl.settings``); its table lives inside its section. ``COMPONENT_REGISTRIES`` says, per
@@ -81,6 +81,18 @@ def _builtin_managers() -> list[str]:
     return MANAGERS.builtin_names()
 
 
+def _curriculum_settings(name: str) -> type | None:
+    from ctxrl.tasks.curriculum import get_curriculum
+
+    return _declared(get_curriculum(name))
+
+
+def _builtin_curricula() -> list[str]:
+    from ctxrl.tasks.curriculum import CURRICULA
+
+    return CURRICULA.builtin_names()
+
+
 def _env_settings(table: str) -> type | None:  # (a family of environments has one table for all: [env.reasoning_gym])
     from ctxrl.envs.registry import env_settings_class
 
@@ -97,6 +109,9 @@ COMPONENT_REGISTRIES: dict[str, Registered | Fixed] = {
     "algo": Registered(_estimator_settings, _builtin_estimators),
     "context": Registered(_manager_settings, _builtin_managers),
     "env": Registered(_env_settings, _builtin_envs),
+    "curriculum": Registered(_curriculum_settings, _builtin_curricula),
+    "reward": Fixed({"judge": "ctxrl.judge.spec:JudgeSettings"}),
+    "meta": Fixed({"demos": "ctxrl.meta.anneal:DemoSettings"}),
 }
 """The sections whose sub-tables are components' own settings, and where each finds a component's settings."""
 

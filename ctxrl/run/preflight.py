@@ -10,7 +10,7 @@ what a run refuses. The config on its own was checked when it was loaded (``ctxr
 
 Then, once the tokenizer is loaded and before the weights are, ``check_before_load``: what the tokenizer alone can
 refuse (the chat template's segments, warm-start demos that fit the context budget, a teacher that tokenizes
-otherwise). What it does not check: the CUDA memory plan (``ctxrl.train.sizing``).
+otherwise). What it does not check: the CUDA memory plan (``ctxrl.learner.sizing``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import ConfigError, CtxrlError
+from ctxrl.learner.teacher import check_teacher, teacher_name
 from ctxrl.models.loader import check_available
 from ctxrl.report.sinks import sink_names
 from ctxrl.rollout.spec import RolloutSpec
 from ctxrl.rollout.worker import spec_env_class
-from ctxrl.train.teacher import check_teacher, teacher_name
 from ctxrl.train.warm_start import check_demos, check_demos_fit, context_demos
 
 if TYPE_CHECKING:
@@ -69,21 +69,21 @@ def check_named(name: str, what: str) -> None:
 
 
 def check_judge(config: Config) -> None:
-    """A judge's rubric file, and its endpoint's client package or its model (``reward.judge``)."""
-    r = config.reward
-    if not r.judge:
+    """A judge's rubric file, and its endpoint's client package or its model (``[reward.judge]``)."""
+    judge = config.settings_of("reward", "judge")
+    if not judge.enabled:
         return
     from ctxrl.judge.backends import is_endpoint, require_openai
     from ctxrl.judge.rubric import load_rubric
 
     try:
-        load_rubric(r.judge_rubric)
+        load_rubric(judge.rubric)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if is_endpoint(r.judge):
+    if is_endpoint(judge.target):
         require_openai()
     else:
-        check_named(r.judge, "reward.judge")
+        check_named(judge.target, "reward.judge.target")
 
 
 def check_train_split(config: Config, have: tuple[str, ...]) -> None:
@@ -114,9 +114,9 @@ def check_packages(config: Config) -> None:
 
 def check_files(config: Config) -> None:
     """Files the config names besides the model and the environment's data (which their own checks read)."""
-    m = config.meta
-    if m.demos_max > 0 and m.demos_source != "solve" and not Path(m.demos_source).expanduser().is_file():
-        raise ConfigError(f"meta.demos_source: demonstration file {m.demos_source!r} does not exist")
+    demos = config.settings_of("meta", "demos")
+    if demos.max > 0 and demos.source != "solve" and not Path(demos.source).expanduser().is_file():
+        raise ConfigError(f"meta.demos.source: demonstration file {demos.source!r} does not exist")
 
 
 def check_before_load(config: Config, spec: RolloutSpec, env_cls: type, renderer, *, under_manager: bool) -> None:

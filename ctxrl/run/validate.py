@@ -7,7 +7,7 @@ naming the key and the fix. The numbers were checked already, each against its f
 ``Config`` was built (``ctxrl.config.Config``): that needs no registry.
 
 This is the one place of the config's path that imports the registries (lazily, inside the checks), after the
-packages whose registrations a config may name: ``RUNNER_PACKAGES`` and ``run.plugins``. It does not import
+packages whose registrations a config may name: ``STAGE_PACKAGES`` and ``run.plugins``. It does not import
 ``ctxrl.config``, which calls it: it reads the config's sections by name (``ctxrl.sections.SECTIONS``).
 
 What needs more than the config (the environment's tasks, files, packages, the models named, the tokenizer) is
@@ -31,38 +31,32 @@ from ctxrl.sections import SECTIONS
 if TYPE_CHECKING:
     from ctxrl.config import Config
 
-RUNNER_PACKAGES = ("ctxrl.meta", "ctxrl.serve.harness")
-"""ctxrl's own modules above rollout that register episode runners (trials and annealed demonstrations; the
-harness environment's runner), imported before a config is checked as ``run.plugins`` are: rollout never imports
-them, and a run finds its runner by name (``ctxrl.rollout.runners``)."""
+STAGE_PACKAGES = ("ctxrl.meta", "ctxrl.serve.harness", "ctxrl.train.tiny")
+"""ctxrl's own stages above the library that register by name: episode runners (trials and annealed
+demonstrations; the harness environment's runner) and the ``tiny`` model preparer (``ctxrl.models.prepare``),
+imported before a config is checked as ``run.plugins`` are: rollout and the model loader never import them, and a
+run finds each by name (``ctxrl.rollout.runners``, ``ctxrl.models.prepare``)."""
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
-    from ctxrl.algo.credit import BASELINES, NORMALIZE_MODES
-    from ctxrl.algo.estimators.meta import CREDITS
     from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
     from ctxrl.algo.roles import REWARD_MODES
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
-    from ctxrl.judge.transcript import INPUTS as JUDGE_INPUTS
-    from ctxrl.meta.anneal import KINDS as DEMO_KINDS
-    from ctxrl.meta.anneal import MODES as DEMO_MODES
-    from ctxrl.models.flat import MODES as FLAT_MODES
+    from ctxrl.learner.flat import MODES as FLAT_MODES
+    from ctxrl.meta.rollout import CARRIES
     from ctxrl.models.loader import DTYPES
-    from ctxrl.rollout.spec import CARRIES
-    from ctxrl.tasks.curriculum import KINDS as CURRICULA
 
     return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
-            "algo.kl_placement": ("loss", "reward"), "algo.gae_level": ("token", "turn"), "algo.agg": AGG_MODES,
-            "curriculum.kind": CURRICULA, "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
+            "algo.kl_placement": ("loss", "reward"), "algo.agg": AGG_MODES,
+            "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
             "train.objective": ("rl", "sft"),
-            "meta.credit": CREDITS, "meta.normalize": NORMALIZE_MODES, "meta.baseline": BASELINES,
-            "meta.carry": CARRIES, "meta.demos_kind": DEMO_KINDS, "meta.demos_mode": DEMO_MODES,
+            "meta.carry": CARRIES,
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
             "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
-            "reward.judge_input": JUDGE_INPUTS, "roles.rewards": REWARD_MODES}
+            "roles.rewards": REWARD_MODES}
 
 
 def _registered(key: str, value: str, names: list[str]) -> None:
@@ -73,14 +67,20 @@ def _registered(key: str, value: str, names: list[str]) -> None:
                           f"is loaded); got {value!r}{hint}")
 
 
+def import_stages() -> None:
+    """Import ``STAGE_PACKAGES``, whose registrations (episode runners, the tiny model preparer) a command needs."""
+    for module in STAGE_PACKAGES:
+        importlib.import_module(module)
+
+
 def validate(config: Config) -> None:
     """Every check of a whole configuration; the first problem is a ``ConfigError`` naming the key."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
     from ctxrl.report.sinks import sink_names
     from ctxrl.rollout.managers import get_manager, manager_names
+    from ctxrl.tasks.curriculum import curriculum_names
 
-    for module in RUNNER_PACKAGES:
-        importlib.import_module(module)
+    import_stages()
     import_plugins(config.run.plugins)  # their registrations are what the names below are checked against
     _validate_fields(config)
     for key, table in list(config.components.items()):
@@ -88,6 +88,7 @@ def validate(config: Config) -> None:
     sink_names(config.report.sinks)
     _registered("algo.advantage", config.algo.advantage, estimator_names())
     _registered("context.manager", config.context.manager, manager_names())
+    _registered("curriculum.kind", config.curriculum.kind, curriculum_names())
     estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)
     _validate_algo(config, estimator)
     _validate_meta(config, estimator)
@@ -146,14 +147,17 @@ def _check_template(template: str) -> None:
 
 
 def _check_text(config: Config) -> None:
-    """Every text setting holds text UTF-8 can write (a lone surrogate such as ``\\ud800`` cannot)."""
-    for section in SECTIONS:
-        for f in dataclasses.fields(getattr(config, section)):
-            value = getattr(getattr(config, section), f.name)
-            for text in (value if isinstance(value, list) else [value]):
-                if isinstance(text, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in text):
-                    raise ConfigError(f"{section}.{f.name} holds a lone surrogate (an escape such as \\ud800 "
-                                      "that is no character); remove it")
+    """Every text setting, a component's table's too, holds text UTF-8 can write (a lone surrogate such as
+    ``\\ud800`` cannot)."""
+    settings = [(f"{section}.{f.name}", getattr(getattr(config, section), f.name))
+                for section in SECTIONS for f in dataclasses.fields(getattr(config, section))]
+    settings += [(f"{component}.{key}", value) for component, table in config.components.items()
+                 for key, value in table.items()]
+    for key, value in settings:
+        for text in (value if isinstance(value, list) else [value]):
+            if isinstance(text, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+                raise ConfigError(f"{key} holds a lone surrogate (an escape such as \\ud800 that is no character); "
+                                  "remove it")
 
 
 def _check_env_name(name: str) -> None:
@@ -232,14 +236,16 @@ def _validate_distributed(config: Config) -> None:
 
 def _validate_judge(config: Config) -> None:
     """A judge's settings that make no sense on their own (its rubric, endpoint and model are preflight's)."""
-    r = config.reward
-    if not r.judge:
+    judge = config.settings_of("reward", "judge")
+    if not judge.enabled:
         return
-    if r.judge_weight == 0:
-        raise ConfigError(f"reward.judge={r.judge!r} grades every episode, but reward.judge_weight=0 adds none of its "
-                          "scores to the reward; set a weight (1 is the default) or reward.judge=\"\"")
-    if r.judge.startswith(("http:", "https:")) and not r.judge.startswith(("http://", "https://")):
-        raise ConfigError(f"reward.judge={r.judge!r} is not a URL; an endpoint is written http://HOST:PORT/v1")
+    if judge.weight == 0:
+        raise ConfigError(f"reward.judge.target={judge.target!r} grades every episode, but reward.judge.weight=0 adds "
+                          "none of its scores to the reward; set a weight (1 is the default) or "
+                          "reward.judge.target=\"\"")
+    if judge.target.startswith(("http:", "https:")) and not judge.target.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.judge.target={judge.target!r} is not a URL; an endpoint is written "
+                          "http://HOST:PORT/v1")
     from ctxrl.envs.base import EnvError
     from ctxrl.envs.roles import is_multi_role
 
@@ -250,7 +256,7 @@ def _validate_judge(config: Config) -> None:
     if is_multi_role(env_cls):
         raise ConfigError(f"reward.judge grades one agent's episodes; environment {config.env.name!r} plays "
                           f"several roles ({', '.join(env_cls.roles)}), whose seats a judge does not grade yet: "
-                          "set reward.judge=\"\" (docs/judges.md)")
+                          "set reward.judge.target=\"\" (docs/judges.md)")
 
 
 def _validate_algo(config: Config, estimator: type) -> None:
@@ -330,10 +336,9 @@ def _validate_context(config: Config, estimator: type, manager: type) -> None:
         budgeted += f"; {optional} with context.max_context_tokens > 0" if optional else ""
         raise ConfigError(f"context.budget_start_tokens applies to context managers with a budget ({budgeted}), "
                           f"not {ctx.manager!r} without one; set it to 0")
-    if ctx.branch_reward and not manager.process_reward:
-        payers = "/".join(n for n in manager_names() if get_manager(n).process_reward)
-        raise ConfigError(f"context.branch_reward is a process reward of the managers that pay one, so it applies to "
-                          f"context.manager={payers} only (not {ctx.manager!r}); set it to 0")
+    if config.components.get("context.fold", {}).get("branch_reward") and ctx.manager != "fold":
+        raise ConfigError(f"context.fold.branch_reward is fold's process reward, so it applies to "
+                          f"context.manager=fold only (not {ctx.manager!r}); set it to 0")
     if ctx.budget_start_tokens and ctx.budget_steps <= 0:
         raise ConfigError("context.budget_start_tokens needs context.budget_steps > 0 (the steps it shrinks over)")
     if not manager.rewrites_context:
@@ -360,7 +365,7 @@ def _validate_meta(config: Config, estimator: type) -> None:
     training_trials = m.num_attempts > 1 and config.train.steps > 0
     if training_trials and not estimator.credits_attempts:
         raise ConfigError(f"meta.num_attempts={m.num_attempts} trains on trials, whose credit across attempts comes "
-                          f"from meta.credit; set algo.advantage=meta (not {a.advantage!r})")
+                          f"from the meta estimator ([algo.meta]); set algo.advantage=meta (not {a.advantage!r})")
     if estimator.credits_attempts or m.num_attempts > 1 or m.eval_attempts > 1:
         what = (f"algo.advantage={a.advantage}" if estimator.credits_attempts
                 else "meta trials (num_attempts or eval_attempts > 1)")
@@ -377,22 +382,24 @@ def _validate_meta(config: Config, estimator: type) -> None:
             raise ConfigError(f"algo.void_turn_filter drops whole episodes; with algo.advantage={a.advantage} it "
                               "would drop whole trials for one void turn, so it is not supported; set it to false")
         rc = config.reward
-        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight or rc.judge:
+        judged = config.settings_of("reward", "judge").enabled
+        if rc.outcome != 1.0 or rc.overlong_buffer or rc.otc_weight or rc.format_weight or judged:
             raise ConfigError(f"algo.advantage={a.advantage} credits each attempt with the environment's own reward; "
                               "reward shaping (reward.outcome != 1, overlong_buffer, otc_weight, format_weight, judge) "
                               "shapes whole episodes and is not supported with it; leave [reward] at its defaults")
-    if m.demos_max > 0:
-        if m.demos_steps <= 0:
-            raise ConfigError(f"meta.demos_max={m.demos_max} needs meta.demos_steps > 0, the RL step at which the "
+    demos = config.settings_of("meta", "demos")
+    if demos.max > 0:
+        if demos.steps <= 0:
+            raise ConfigError(f"meta.demos.max={demos.max} needs meta.demos.steps > 0, the RL step at which the "
                               "demonstrations have faded to none (0 would give none at any step)")
-        if m.demos_source == "solve" and m.demos_pool <= m.demos_max:
-            raise ConfigError(f"meta.demos_pool ({m.demos_pool}) must exceed meta.demos_max ({m.demos_max}): a task's "
+        if demos.source == "solve" and demos.pool <= demos.max:
+            raise ConfigError(f"meta.demos.pool ({demos.pool}) must exceed meta.demos.max ({demos.max}): a task's "
                               "own demo is left out of its prompt, so the pool needs more")
     if m.eval_trials > 1 and max(m.eval_attempts, m.num_attempts) <= 1:
         raise ConfigError(f"meta.eval_trials={m.eval_trials} sets the trials per task of an evaluation in trials; "
                           "set meta.eval_attempts (or num_attempts) > 1 too, or leave eval_trials at 1")
-    if m.demos_source != "solve" and not m.demos_source.endswith(".jsonl"):
-        raise ConfigError(f"meta.demos_source must be solve or a .jsonl file of demonstrations, got {m.demos_source!r}")
+    if demos.source != "solve" and not demos.source.endswith(".jsonl"):
+        raise ConfigError(f"meta.demos.source must be solve or a .jsonl file of demonstrations, got {demos.source!r}")
 
 
 def _validate_roles(config: Config, estimator: type, manager: type) -> None:
@@ -425,11 +432,11 @@ def _validate_roles(config: Config, estimator: type, manager: type) -> None:
     if own and (config.lora.rank <= 0 or config.distributed.backend != "none"):
         raise ConfigError(f"roles.policies {own[0]}=own trains a LoRA adapter of the role's own beside the shared "
                           "one: it needs lora.rank > 0 and rollouts in this process (distributed.backend=none)")
-    if max(config.meta.num_attempts, config.meta.eval_attempts) > 1 or config.meta.demos_max or \
+    if max(config.meta.num_attempts, config.meta.eval_attempts) > 1 or config.settings_of("meta", "demos").max or \
             estimator.credits_attempts:
         raise ConfigError(f"environment {config.env.name!r} has several roles; trials of attempts and annealed "
                           "demonstrations are single-agent (set meta.num_attempts=1, meta.eval_attempts=0, "
-                          "meta.demos_max=0 and an algo.advantage other than meta)")
+                          "meta.demos.max=0 and an algo.advantage other than meta)")
 
 
 def role_policies(pairs: list[str], roles: tuple[str, ...]) -> dict[str, str]:

@@ -6,8 +6,8 @@ worker's own engine (no port, no network: an ASGI transport). Everything the har
 one token-faithful episode (``ctxrl.serve.sessions``); what the function returns is the episode's reward: a number,
 or a dict ``{"reward": r, "success": bool, "info": {...}}``. Episodes are grouped per task exactly as a built-in
 environment's are, so advantages, filters, context splits, checkpoints and resume all apply unchanged. The
-environment's half (``env.harness``, ``env.data``: which function, which tasks) is ``ctxrl.envs.harness``; its class
-names the runner registered here, which the configuration imports (``ctxrl.run.validate.RUNNER_PACKAGES``).
+environment's half (``[env.harness]``, ``env.data``: which function, which tasks) is ``ctxrl.envs.harness``; its class
+names the runner registered here, which the configuration imports (``ctxrl.run.validate.STAGE_PACKAGES``).
 
 During training the server samples at the rollout settings (``rollout.temperature``, ``top_p``,
 ``top_k``), whatever the harness asks for, with a seed per episode and call, so the behaviour
@@ -354,13 +354,14 @@ class HarnessRunner(EpisodeRunner):
 
     async def play(self, worker: Worker, request: RolloutRequest, on_done: OnDone) -> list[Episode]:
         spec = worker.spec
-        if request.meta(spec).num_attempts > 1 or (request.phase == "train" and spec.demos.max_demos > 0):
+        if request.attempts(spec) > 1 or (request.phase == "train" and spec.max_demos > 0):
             raise ConfigError("a harness environment plays single episodes: meta.num_attempts = 1 and no "
-                              "annealed demos (meta.demos_max = 0)")
+                              "annealed demos (meta.demos.max = 0)")
         roles = getattr(worker.env_cls, "harness_roles", ())
         if roles and spec.judge.enabled:
             raise ConfigError(f"reward.judge grades one agent's episodes; this harness plays the roles "
-                              f"{', '.join(roles)}, whose seats a judge does not grade yet: set reward.judge=\"\"")
+                              f"{', '.join(roles)}, whose seats a judge does not grade yet: set "
+                              "reward.judge.target=\"\"")
         return await run_harness(worker.env_cls, request.tasks, worker.engine, worker.renderer,
                                  request.limits(spec), group_size=request.group_size, seed=request.seed,
                                  on_done=on_done, first_group=request.task_offset)

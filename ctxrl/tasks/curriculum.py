@@ -12,15 +12,41 @@
 
 A curriculum sees only ``env_cls.sample_tasks`` and the episodes' ``task.context`` and
 ``success``, so it works for any environment.
+
+Curricula are registered by name (``CURRICULA``; ``curriculum.kind`` picks one), and a curriculum with knobs of
+its own declares them as a ``Settings`` dataclass, read from its table ``[curriculum.NAME]`` (``ctxrl.settings``):
+``[curriculum.horizon]`` and ``[curriculum.self_paced]``. Adding one is a class with a ``name`` here or in another
+module, decorated with ``@register_curriculum`` (or a ``ctxrl.curricula`` entry point).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar
 
+from ctxrl.registry import Registry
+from ctxrl.settings import POSITIVE, in_range, settings_table
 from ctxrl.types import Episode, Task
+
+CURRICULA: Registry[type] = Registry("curriculum", ("ctxrl.tasks.curriculum",), entry_point_group="ctxrl.curricula")
+"""The curricula by name (``curriculum.kind``); the built-ins are this module's."""
+
+C = TypeVar("C", bound=type)
+
+
+def register_curriculum(cls: C) -> C:
+    """Class decorator: make ``curriculum.kind = cls.name`` choose ``cls``."""
+    return CURRICULA.register(cls.name, cls)
+
+
+def curriculum_names() -> list[str]:
+    return CURRICULA.names()
+
+
+def get_curriculum(name: str) -> type:
+    return CURRICULA.get(name)
 
 
 class Curriculum(Protocol):
@@ -35,8 +61,18 @@ class Curriculum(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@register_curriculum
 class FixedCurriculum:
     """The environment's train distribution, every step; the configured turn limit."""
+
+    name: ClassVar[str] = "fixed"
+    Settings: ClassVar[type | None] = None
+    """A curriculum's own settings, a dataclass read from its table ``[curriculum.NAME]``; None: it has none."""
+
+    @classmethod
+    def configured(cls, settings: Any) -> FixedCurriculum:
+        """The curriculum its ``Settings`` describe (``make_curriculum``)."""
+        return cls()
 
     def sample_tasks(self, env_cls: type, n: int, seed: int, step: int) -> list[Task]:
         return env_cls.sample_tasks("train", n, seed)
@@ -56,8 +92,28 @@ class FixedCurriculum:
             raise ValueError(f"{type(self).__name__} keeps no state, but the checkpoint has {sorted(state)}")
 
 
+@dataclass(frozen=True)
+class HorizonSettings:
+    """``[curriculum.horizon]``."""
+
+    start_turns: int = field(default=2, metadata=POSITIVE)
+    """The turn cap at step 0 (it rises to ``env.max_turns``)."""
+    warmup_steps: int = field(default=20, metadata=POSITIVE)
+    """The step from which the full ``env.max_turns`` applies."""
+    stages: int = field(default=3, metadata=POSITIVE)
+    """How many times the cap is raised on the way."""
+
+
+@register_curriculum
 class HorizonCurriculum(FixedCurriculum):
     """Turn cap ``start_turns`` at step 0, raised in ``stages`` equal steps to the limit by ``warmup_steps``."""
+
+    name = "horizon"
+    Settings = HorizonSettings
+
+    @classmethod
+    def configured(cls, settings: HorizonSettings) -> HorizonCurriculum:
+        return cls(**settings_table(settings))
 
     def __init__(self, start_turns: int, warmup_steps: int, stages: int = 3) -> None:
         if start_turns < 1 or warmup_steps < 1 or stages < 1:
@@ -75,8 +131,26 @@ def context_key(context: dict[str, Any]) -> str:
     return json.dumps(context, sort_keys=True)
 
 
+@dataclass(frozen=True)
+class SelfPacedSettings:
+    """``[curriculum.self_paced]``."""
+
+    pool: int = field(default=4, metadata=POSITIVE)
+    """Candidate tasks drawn per task kept."""
+    floor: float = field(default=0.02, metadata=in_range(0.0, 0.25, low_open=True))
+    """The smallest sampling weight, so no context drops out entirely."""
+
+
+@register_curriculum
 class SelfPacedCurriculum(FixedCurriculum):
     """Prefer contexts of intermediate success (see the module docstring)."""
+
+    name = "self_paced"
+    Settings = SelfPacedSettings
+
+    @classmethod
+    def configured(cls, settings: SelfPacedSettings) -> SelfPacedCurriculum:
+        return cls(settings.pool, settings.floor)
 
     def __init__(self, pool_factor: int = 4, floor: float = 0.02) -> None:
         if pool_factor < 1 or not 0.0 < floor <= 0.25:
@@ -119,16 +193,10 @@ class SelfPacedCurriculum(FixedCurriculum):
         self.counts = {k: [int(v[0]), int(v[1])] for k, v in state.get("counts", {}).items()}
 
 
-KINDS = ("fixed", "horizon", "self_paced")
-
-
-def make_curriculum(settings: Any) -> Curriculum:
-    """The curriculum a ``[curriculum]`` config section (``CurriculumConfig``) describes."""
-    s = settings
-    if s.kind == "fixed":
-        return FixedCurriculum()
-    if s.kind == "horizon":
-        return HorizonCurriculum(s.horizon_start_turns, s.horizon_warmup_steps, s.horizon_stages)
-    if s.kind == "self_paced":
-        return SelfPacedCurriculum(s.self_paced_pool, s.self_paced_floor)
-    raise ValueError(f"unknown curriculum {s.kind!r}; choose one of {', '.join(KINDS)}")
+def make_curriculum(section: Any, options: Any = None) -> Curriculum:
+    """The curriculum a ``[curriculum]`` section (``CurriculumConfig``) names, with its own settings ``options`` (its
+    ``Settings``, from ``[curriculum.NAME]``: ``Config.settings_of("curriculum", kind)``; None: their defaults)."""
+    cls = get_curriculum(section.kind)
+    if cls.Settings is None:
+        return cls.configured(None)
+    return cls.configured(options if options is not None else cls.Settings())

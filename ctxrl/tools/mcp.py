@@ -47,12 +47,11 @@ import logging
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ctxrl.chat.surrogates import replace_surrogates, without_surrogates
-from ctxrl.plain import PlainData
+from ctxrl.sections import EnvConfig
 from ctxrl.tools.base import Tool, ToolServerLost, object_schema_problems
 from ctxrl.tools.builtin import parse_names
 from ctxrl.tools.mcp_content import clean_schema, exposed_name, result_text
@@ -69,21 +68,10 @@ log = logging.getLogger(__name__)
 EXTRA_HINT = "pip install -e '.[mcp]'"
 
 
-@dataclass(frozen=True)
-class McpSettings(PlainData):
-    """The servers of a run and how their tools are called (``env.mcp_*``)."""
-
-    servers: tuple[str, ...] = ()
-    tools: str = ""
-    """Comma-separated names of the servers' tools to offer; empty: every tool they list."""
-    timeout_s: float = 30.0
-    restarts: int = 3
-
-    @classmethod
-    def from_config(cls, config: Any) -> McpSettings:
-        e = config.env
-        return cls(servers=tuple(e.mcp_servers), tools=e.mcp_tools, timeout_s=e.mcp_timeout_s,
-                   restarts=e.mcp_restarts)
+def hub_key(env: EnvConfig) -> tuple:
+    """What tells one run's servers from another's (a hub per distinct key): ``EnvConfig`` holds a list, so it is not
+    itself a key."""
+    return tuple(env.mcp_servers), env.mcp_tools, env.mcp_timeout_s, env.mcp_restarts
 
 
 def require_mcp() -> None:
@@ -93,16 +81,17 @@ def require_mcp() -> None:
 
 
 class McpHub:
-    """The servers of one ``McpSettings``, their tools, and the thread their sessions live in (module docstring).
+    """The servers of one run's ``[env]`` section (``env.mcp_*``), their tools, and the thread their sessions live in
+    (module docstring).
 
     ``tools()`` starts the servers the first time; ``sources`` says where each tool came from
     (``name -> (server, the tool's own name)``); ``close()`` shuts them down.
     """
 
-    def __init__(self, settings: McpSettings) -> None:
+    def __init__(self, env: EnvConfig) -> None:
         require_mcp()
-        self.settings = settings
-        self.entries = [parse_server(text) for text in settings.servers]
+        self.env = env
+        self.entries = [parse_server(text) for text in env.mcp_servers]
         self.sources: dict[str, tuple[str, str]] = {}
         self.closed = False
         self._tools: list[Tool] | None = None
@@ -127,7 +116,7 @@ class McpHub:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ctxrl-mcp", daemon=True)
         self._thread.start()
         self._servers = [ServerSession(entry, f"env.mcp_servers[{i}] ({entry.text!r})", Path(self._logs) / f"{i}.log",
-                                 self.settings.restarts) for i, entry in enumerate(self.entries)]
+                                 self.env.mcp_restarts) for i, entry in enumerate(self.entries)]
         try:
             # (each server: START_TIMEOUT_S to connect, then as long to list its tools)
             listings = self._wait(_gather(s.start() for s in self._servers), 2 * START_TIMEOUT_S + 10)
@@ -140,7 +129,7 @@ class McpHub:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def _make_tools(self, listings: list[list[Any]]) -> list[Tool]:
-        wanted = parse_names(self.settings.tools)
+        wanted = parse_names(self.env.mcp_tools)
         tools: list[Tool] = []
         self.sources = {}
         for server, listing in zip(self._servers, listings):
@@ -186,7 +175,7 @@ class McpHub:
         async def call(**arguments: Any) -> str:
             return result_text(await on_hub(server.call(listed.name, arguments)))
 
-        return Tool(name=name, description=description, parameters=schema, fn=call, timeout_s=self.settings.timeout_s,
+        return Tool(name=name, description=description, parameters=schema, fn=call, timeout_s=self.env.mcp_timeout_s,
                     checks_arguments=True, ready=ready)
 
     def restarts(self) -> list[int]:
@@ -235,23 +224,23 @@ async def _gather(coroutines: Any) -> list[Any]:
     return await asyncio.gather(*coroutines)
 
 
-_HUBS: dict[McpSettings, McpHub] = {}
+_HUBS: dict[tuple, McpHub] = {}
 _HUBS_LOCK = threading.Lock()
 
 
-def mcp_hub(settings: McpSettings) -> McpHub:
-    """This process's hub for ``settings`` (one per distinct settings; a closed one is replaced)."""
+def mcp_hub(env: EnvConfig) -> McpHub:
+    """This process's hub for the servers of ``env`` (one per distinct ``hub_key``; a closed one is replaced)."""
     with _HUBS_LOCK:
-        hub = _HUBS.get(settings)
+        hub = _HUBS.get(hub_key(env))
         if hub is None or hub.closed:
-            hub = _HUBS[settings] = McpHub(settings)
+            hub = _HUBS[hub_key(env)] = McpHub(env)
         return hub
 
 
-def close_hub(settings: McpSettings) -> None:
-    """Shut down the servers of ``settings`` in this process, if they were started."""
+def close_hub(env: EnvConfig) -> None:
+    """Shut down the servers of ``env`` in this process, if they were started."""
     with _HUBS_LOCK:
-        hub = _HUBS.pop(settings, None)
+        hub = _HUBS.pop(hub_key(env), None)
     if hub is not None:
         hub.close()
 

@@ -26,6 +26,7 @@ import torch
 
 from ctxrl.config import Config, load_config, resumable_keys, resumable_summary, to_toml
 from ctxrl.errors import CheckpointError
+from ctxrl.learner.precision import trainable_grads
 from ctxrl.report.writer import LogRewindError
 from ctxrl.settings import resumable
 from ctxrl.train.checkpoint_io import (
@@ -42,7 +43,6 @@ from ctxrl.train.checkpoint_io import (
     step_name,
     verify_checksums,
 )
-from ctxrl.train.precision import trainable_grads
 
 FORMAT = 1
 

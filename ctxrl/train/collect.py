@@ -51,7 +51,8 @@ class Collector:
         """
         c = self.config
         episodes = self.worker.run(self.rollout_request(step, round_))
-        shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens)
+        shape_rewards(episodes, c.reward, max_total_tokens=c.rollout.max_total_tokens,
+                      judge=c.settings_of("reward", "judge"))
         return episodes
 
     def rollout_request(self, step: int, round_: int) -> RolloutRequest:
@@ -84,7 +85,8 @@ class Collector:
         trains = [e for e in episodes if e.info.get("trains", True)]
         kept = [e for e in episodes if not e.info.get("trains", True) or current - e.policy_version <= eta]
         ages = [current - e.policy_version for e in trains]
-        shape_rewards(kept, self.config.reward, max_total_tokens=self.config.rollout.max_total_tokens)
+        shape_rewards(kept, self.config.reward, max_total_tokens=self.config.rollout.max_total_tokens,
+                      judge=self.config.settings_of("reward", "judge"))
         return Collected(kept, kept, {"staleness_mean": sum(ages) / max(len(ages), 1),
                                       "staleness_max": float(max(ages, default=0)),
                                       "stale_dropped": float(len(episodes) - len(kept))})

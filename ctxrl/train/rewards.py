@@ -1,7 +1,7 @@
 """Training-time reward shaping: the environment's reward, re-weighted and joined by shaping terms.
 
 ``shape_rewards`` rewrites ``Episode.reward`` with ``reward.outcome * env_reward`` plus the weighted
-terms of ``ctxrl.algo.shaping`` and the judge's score (``reward.judge_weight``, ``ctxrl.judge``), and the turns to
+terms of ``ctxrl.algo.shaping`` and the judge's score (``reward.judge.weight``, ``ctxrl.judge``), and the turns to
 match: every ``Turn.reward`` is multiplied by
 ``reward.outcome`` and the episode-level terms are added to the last turn, so per-turn estimators
 see the same total. The environment's own reward stays in ``info["env_reward"]``, and every
@@ -11,13 +11,17 @@ term in ``info["reward_terms"]``. Evaluation never shapes: it reports the enviro
 from __future__ import annotations
 
 from ctxrl.algo.shaping import compose, format_reward, group_optimal_calls, otc_reward, overlong_penalty
+from ctxrl.judge.spec import JudgeSettings
 from ctxrl.sections import RewardConfig
 from ctxrl.types import Episode
 
+NO_JUDGE = JudgeSettings()
+"""``[reward.judge]`` at its defaults: no judge."""
 
-def shaping_enabled(rc: RewardConfig) -> bool:
+
+def shaping_enabled(rc: RewardConfig, judge: JudgeSettings = NO_JUDGE) -> bool:
     return (rc.outcome != 1.0 or bool(rc.overlong_buffer) or rc.otc_weight != 0.0 or rc.format_weight != 0.0
-            or bool(rc.judge))
+            or judge.enabled)
 
 
 def judge_score(episode: Episode) -> float:
@@ -32,9 +36,11 @@ def judge_score(episode: Episode) -> float:
                        "worker grades every training episode it plays (was it built without the run's spec?)")
 
 
-def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens: int) -> dict[str, float]:
-    """Shape the rewards of one rollout batch in place; returns the mean of each term."""
-    if not episodes or not shaping_enabled(rc):
+def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens: int,
+                  judge: JudgeSettings = NO_JUDGE) -> dict[str, float]:
+    """Shape the rewards of one rollout batch in place (``judge``: the run's ``[reward.judge]``, whose weight its
+    score takes); returns the mean of each term."""
+    if not episodes or not shaping_enabled(rc, judge):
         return {}
     optimal = group_optimal_calls([e.tool_calls for e in episodes], [e.success for e in episodes],
                                   [e.group_id for e in episodes]) if rc.otc_weight else {}
@@ -45,8 +51,8 @@ def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens
         weights["otc"] = rc.otc_weight
     if rc.format_weight:
         weights["format"] = rc.format_weight
-    if rc.judge:
-        weights["judge"] = rc.judge_weight
+    if judge.enabled:
+        weights["judge"] = judge.weight
     sums: dict[str, float] = {}
     for e in episodes:
         terms = {"outcome": e.reward}
@@ -57,7 +63,7 @@ def shape_rewards(episodes: list[Episode], rc: RewardConfig, *, max_total_tokens
             terms["otc"] = otc_reward(float(e.success), e.tool_calls, optimal[e.group_id], c=rc.otc_c)
         if rc.format_weight:
             terms["format"] = format_reward([t.tool_errors for t in e.turns])
-        if rc.judge:
+        if judge.enabled:
             terms["judge"] = judge_score(e)
         total, logged = compose(terms, weights)
         e.info["env_reward"] = e.reward

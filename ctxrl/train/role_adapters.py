@@ -73,8 +73,8 @@ class OwnRoles:
         """A ``Learner`` per role over the trainer's module, its optimiser holding the role's adapter alone, its
         mini-batch order its own stream (``derive_seed(learner seed, i)`` for the ``i``-th role), ``reference`` the
         shared KL reference (the base: every adapter off)."""
+        from ctxrl.learner.learner import Learner, PPOSettings
         from ctxrl.seeds import derive_seed
-        from ctxrl.train.learner import Learner, PPOSettings
 
         if not self.roles:
             return
@@ -126,8 +126,8 @@ class OwnRoles:
 
     def non_finite(self) -> list[str]:
         """The roles' trained tensors holding a NaN or an infinity: each adapter and its optimiser's masters."""
+        from ctxrl.learner.precision import trainable_grads
         from ctxrl.train.checkpoint import non_finite
-        from ctxrl.train.precision import trainable_grads
 
         named = []
         for role, learner in self.learners.items():

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 
 from ctxrl.algo.estimators.base import broadcast
+from ctxrl.learner.batch import collate, micro_batches
+from ctxrl.learner.logprobs import token_logprobs
+from ctxrl.learner.precision import Precision, trainable_grads
 from ctxrl.models.kernels import attention_kernels
-from ctxrl.train.batch import collate, micro_batches
-from ctxrl.train.logprobs import token_logprobs
-from ctxrl.train.precision import Precision, trainable_grads
 from ctxrl.types import Episode, TrainSequence
 
 
@@ -27,8 +27,8 @@ def sft_train(model, episodes: list[Episode], *, pad_token_id: int, epochs: int,
 
     A segmented episode (a demo that summarised) trains each segment as its own sequence, as in RL;
     ``batch_size`` counts sequences. Only parameters with ``requires_grad`` train (LoRA: the
-    adapters). ``precision``: master weights and loss scaling (``ctxrl.train.precision``); ``chunk``:
-    positions per chunk of the output head (``ctxrl.train.logprobs``); ``max_tokens``: split each
+    adapters). ``precision``: master weights and loss scaling (``ctxrl.learner.precision``); ``chunk``:
+    positions per chunk of the output head (``ctxrl.learner.logprobs``); ``max_tokens``: split each
     batch into micro-batches of at most this many padded tokens (0: the whole batch at once); the
     loss is normalised by the whole batch's token count, so the split changes no gradient.
     """

@@ -11,9 +11,9 @@ import numpy as np
 
 from ctxrl.eval.arena import role_figures
 from ctxrl.judge.figures import judge_figures
+from ctxrl.learner.sizing import peak_memory
 from ctxrl.rollout.managers.stats import context_stats
 from ctxrl.rollout.summary import summarize
-from ctxrl.train.sizing import peak_memory
 from ctxrl.types import Episode, TrainSequence
 
 
@@ -25,9 +25,9 @@ def step_row(step: int, collected, valid: list[Episode], rows: list[TrainSequenc
     sampled = [x for r in rows for x, m in zip(r.advantages, r.loss_mask) if m]
     return {"phase": "rl", "step": step + 1, **summarize(episodes), **_mean_terms(episodes), **collected.metrics,
             **(context_stats(episodes) if manager.rewrites_context else {}),
-            **(_trial_stats(episodes) if spec.train_meta.num_attempts > 1 else {}),
+            **(_trial_stats(episodes) if spec.meta.num_attempts > 1 else {}),
             **({"demos_per_episode": float(np.mean([e.info.get("demos", 0) for e in episodes]))}
-               if spec.demos.max_demos else {}),
+               if spec.max_demos else {}),
             **(judge_figures(episodes) if spec.judge.enabled else {}),
             **role_figures(episodes),
             "trained_episodes": trained_episodes, "trained_sequences": len(rows),

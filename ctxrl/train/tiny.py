@@ -1,9 +1,11 @@
 """Building the tiny model: a stage that calls the library (``ctxrl.models.tiny`` for its shape and pieces,
 ``ctxrl.demos.pretraining`` for its text), run before anything loads it.
 
-``ensure_model(name)`` is what an entry point calls with a model name: it builds a ``tiny`` model that is not
-cached yet (minutes on a CPU) and returns the directory to load, as ``ctxrl.models.loader.resolve`` does for
-every other name (which converts a GGUF file on first use, and refuses an unbuilt tiny model with this fix).
+It registers the ``tiny`` model preparer (``prepare_tiny``), which ``ctxrl.models.prepare.prepare(name)``, what an
+entry point calls with a model name, runs for a ``tiny`` name: it builds a model that is not cached yet (minutes
+on a CPU); the loader then resolves it, as it does every other name (converting a GGUF file on first use, and
+refusing an unbuilt tiny model with this fix). ``ensure_model(name)`` is the same path for a caller that has this
+stage at hand.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from ctxrl.demos.pretraining import pretraining_batches, tokenizer_texts
 from ctxrl.models.loader import adapter_base, parse_tiny, resolve, resolves_to_cache
+from ctxrl.models.prepare import register_preparer
 from ctxrl.models.tiny import Progress, TinySpec, init_model, is_built, make_tokenizer, save_atomically, tiny_path
 
 
@@ -28,6 +31,13 @@ def ensure_model(name: str, *, on_progress: Progress | None = None) -> str:
     if spec is not None:
         ensure_tiny(spec, on_progress=on_progress)
     return resolve(name, on_progress=on_progress)
+
+
+@register_preparer("tiny")
+def prepare_tiny(name: str, *, on_progress: Progress | None = None) -> None:
+    """The ``tiny`` preparer of ``ctxrl.models.prepare``: build the tiny model ``name`` specifies if it is not cached
+    yet (``ensure_tiny``, looked up when called)."""
+    ensure_tiny(parse_tiny(name), on_progress=on_progress)
 
 
 def ensure_tiny(spec: TinySpec | None = None, *, on_progress: Progress | None = None) -> Path:
@@ -100,7 +110,7 @@ def pretrain(model, tokenizer, batches: list[list[list[int]]], spec: TinySpec,
 
     import torch
 
-    from ctxrl.train.logprobs import token_logprobs
+    from ctxrl.learner.logprobs import token_logprobs
 
     batches = [b for b in batches if b]
     if not batches:

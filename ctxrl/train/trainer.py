@@ -34,12 +34,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ctxrl.algo.estimators import EstimatorSettings, get_estimator
+from ctxrl.algo.estimators import get_estimator
 from ctxrl.algo.filters import void_turn_free
 from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
+from ctxrl.learner.learner import Learner, PPOSettings
+from ctxrl.learner.memory import MemoryPlan, with_learner_tokens
+from ctxrl.learner.policy import Policy, Reference, export_merged
+from ctxrl.learner.sizing import bounded_micro_batches, memory_plan
+from ctxrl.learner.teacher import Teacher, teacher_name
+from ctxrl.models.prepare import prepare
 from ctxrl.report.progress import Progress
 from ctxrl.report.sinks import make_sinks
 from ctxrl.report.writer import RunWriter
@@ -60,16 +66,11 @@ from ctxrl.train import checkpoint, health, loop
 from ctxrl.train.collect import Collected, Collector, trainable
 from ctxrl.train.evaluation import evaluate_splits
 from ctxrl.train.followers import Followers
-from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.loop import TrainingAborted
-from ctxrl.train.memory import MemoryPlan, with_learner_tokens
-from ctxrl.train.policy import Policy, Reference, export_merged
 from ctxrl.train.role_adapters import OwnRoles, own_roles
 from ctxrl.train.sft_control import control_step
-from ctxrl.train.sizing import bounded_micro_batches, memory_plan
 from ctxrl.train.step_metrics import error_stats, step_row
-from ctxrl.train.teacher import Teacher, teacher_name
-from ctxrl.train.tiny import ensure_model
+from ctxrl.train.tiny import prepare_tiny  # noqa: F401 - registers the tiny model preparer a run may need
 from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
@@ -85,7 +86,7 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Everything a run holds (see the module docstring); ``fit`` runs it.
 
-    ``policy`` is the learner's trainable policy (``ctxrl.train.policy``: full or LoRA, its precision)
+    ``policy`` is the learner's trainable policy (``ctxrl.learner.policy``: full or LoRA, its precision)
     and ``model`` its module; the worker's engine samples with its own copy, updated after every
     optimiser step (``sync_engine``). The learner, its reference and critic are built by
     ``make_learner`` when RL starts.
@@ -104,13 +105,14 @@ class Trainer:
         check_train_split(config, self.splits)
         self.context_demos = context_demos(config, self.env_cls)
         check_demos(config, self.env_cls)
-        ensure_model(config.model.name, on_progress=self.progress.stage)  # (a tiny model built once: train() did)
+        prepare(config.model.name, on_progress=self.progress.stage)  # (a tiny model built once: train() did)
         self.renderer = spec_renderer(self.spec)
         self.tokenizer = self.renderer.tokenizer
         check_before_load(config, self.spec, self.env_cls, self.renderer, under_manager=self.context_demos)
         runner = make_runner(self.spec, self.env_cls, self.renderer)  # (demos: a missing demo file stops the run now)
-        self.estimator = get_estimator(config.algo.advantage)(estimator_settings(config),
-                                                              config.settings_of("algo", config.algo.advantage))
+        advantage = config.algo.advantage
+        self.estimator = get_estimator(advantage)(config.algo, config.settings_of("algo", advantage),
+                                                  num_attempts=config.meta.num_attempts)
         # On CUDA: the memory plan, before anything large is allocated (a run that cannot fit stops here)
         critic = self.estimator.needs_critic
         self.memory = memory_plan(config, self.device, engine=(parallel is None or parallel.leader)
@@ -139,7 +141,7 @@ class Trainer:
                                                               config=config.as_record()))
             self.writer.write_config(to_toml(config))
         self._skipped_reported = False
-        self.curriculum = make_curriculum(config.curriculum)
+        self.curriculum = make_curriculum(config.curriculum, config.settings_of("curriculum", config.curriculum.kind))
         self.collector = Collector(self.config, self.worker, self.env_cls, self.curriculum, self.seeds)
         self.manager = get_manager(config.context.manager)
         self.learner: Learner | None = None
@@ -210,7 +212,7 @@ class Trainer:
     def make_learner(self) -> Learner:
         """The learner over ``policy``: AdamW on what trains, a KL reference (``algo.kl_coef``: a frozen copy, or the
         LoRA base with adapters off), a critic (``needs_critic``)."""
-        from ctxrl.train.critic import Critic
+        from ctxrl.learner.critic import Critic
 
         a, t = self.config.algo, self.config.train
         reference = self.policy.reference() if a.kl_coef > 0 else None
@@ -218,7 +220,8 @@ class Trainer:
         critic = critic_optimizer = None
         if self.estimator.needs_critic:  # the critic starts as a copy of the warm-started policy
             critic = Critic(self.policy.trainable_copy()).train()
-            critic_optimizer = precision.optimizer(critic.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
+            critic_lr = self.config.settings_of("algo", "gae").critic_lr  # (the critic's settings are [algo.gae]'s)
+            critic_optimizer = precision.optimizer(critic.parameters(), lr=critic_lr, weight_decay=t.weight_decay)
         optimizer = precision.optimizer(self.policy.trainable_parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.learner = Learner(self.model, optimizer, PPOSettings.from_config(self.config),
                                pad_token_id=self.tokenizer.pad_token_id, reference=reference,
@@ -292,7 +295,7 @@ class Trainer:
                 self.learner.reference, valid, self.tokenizer.pad_token_id, coef=a.kl_coef, kind=a.kl_kind,
                 settings=self.learner.settings)
         if self.estimator.needs_critic and valid:
-            from ctxrl.train.critic import episode_values
+            from ctxrl.learner.critic import episode_values
 
             values = episode_values(self.learner.critic, valid, self.tokenizer.pad_token_id,
                                     micro_batch_size=c.train.micro_batch_size,
@@ -393,8 +396,9 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
             prepare_model(config.model.name, progress)
             if teacher_name(config):  # (a tiny teacher built, a GGUF one converted, before the student loads)
                 prepare_model(teacher_name(config), progress)
-            if config.reward.judge and not is_endpoint(config.reward.judge):  # (a local judge, the same way)
-                prepare_model(config.reward.judge, progress)
+            judge = config.settings_of("reward", "judge").target
+            if judge and not is_endpoint(judge):  # (a local judge, the same way)
+                prepare_model(judge, progress)
         except Exception as exc:  # noqa: BLE001 - the followers must hear of any failure, then it is raised here
             problem = exc
     if parallel is not None:
@@ -450,7 +454,7 @@ def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tup
     out = []
     if estimator.needs_teacher and estimator.options.device in ("", device):
         out.append((estimator.options.teacher, estimator.options.dtype or config.model.dtype))
-    judge = config.reward.judge
+    judge = config.settings_of("reward", "judge").target
     if judge and not is_endpoint(judge) and config.distributed.backend == "none":
         out.append((judge, config.model.dtype))
     return tuple(out)
@@ -469,14 +473,7 @@ def prepare_model(name: str, progress: Progress) -> None:
     spec = parse_tiny(base)
     if spec is not None and not is_built(spec):
         progress.message(f"building the tiny model {base!r} once (a few minutes on a CPU; cached in {cache_root()})")
-    ensure_model(name, on_progress=progress.stage)
-
-
-def estimator_settings(config: Config) -> EstimatorSettings:
-    a, m = config.algo, config.meta
-    return EstimatorSettings(gamma=a.gamma, lam=a.lam, gae_level=a.gae_level, credit=m.credit,
-                             gamma_trial=m.gamma_trial, normalize=m.normalize, baseline=m.baseline,
-                             num_attempts=m.num_attempts)
+    prepare(name, on_progress=progress.stage)
 
 
 @torch.no_grad()
@@ -485,7 +482,7 @@ def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token
     """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
     mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
     from ctxrl.algo.losses import kl_penalty
-    from ctxrl.train.batch import collate, per_token_rows
+    from ctxrl.learner.batch import collate, per_token_rows
 
     sums = {"kl": 0.0, "tokens": 0.0}
 

@@ -30,10 +30,10 @@ from ctxrl.chat.render import ChatRenderer
 from ctxrl.demos.play import DEMO_MAX_TURNS, build_demos, demo_mix_problem
 from ctxrl.envs.hooks import has_trial_hooks
 from ctxrl.errors import ConfigError
+from ctxrl.learner.precision import Precision
 from ctxrl.rollout.managers.base import get_manager
-from ctxrl.rollout.spec import RolloutLimits, RolloutSpec
+from ctxrl.rollout.spec import RolloutLimits, RolloutSpec, attempts_of
 from ctxrl.seeds import Seeds
-from ctxrl.train.precision import Precision
 from ctxrl.train.sft import sft_train
 from ctxrl.types import Episode
 
@@ -159,8 +159,8 @@ def demo_mix(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRender
         demos += play_format_demos(config, spec, renderer, n_format, seed=format_seed)
     if n_trials:
         # the notes say "attempt 2 of K" for the largest K the run plays
-        k = max(2, spec.train_meta.num_attempts, spec.eval_meta.num_attempts)
-        policy = dataclasses.replace(spec.train_meta, num_attempts=k)
+        k = max(2, attempts_of(spec.meta, "train"), attempts_of(spec.meta, "eval"))
+        policy = dataclasses.replace(spec.meta, num_attempts=k)
         demos += asyncio.run(build_trial_demos(env_cls, renderer, n_trials, policy, seed=trial_seed))
     return demos
 

@@ -6,7 +6,6 @@ The built-ins are named here, not in ``base``, which they import to register (``
 from ctxrl.algo.estimators.base import (
                                         ESTIMATORS,
                                         Estimator,
-                                        EstimatorSettings,
                                         broadcast,
                                         estimator_names,
                                         get_estimator,
@@ -19,5 +18,5 @@ ESTIMATORS.add_builtins("ctxrl.algo.estimators.outcome", "ctxrl.algo.estimators.
                         "ctxrl.algo.estimators.gae", "ctxrl.algo.estimators.meta",
                         "ctxrl.algo.estimators.distill", "ctxrl.algo.estimators.rae")
 
-__all__ = ["Estimator", "EstimatorSettings", "broadcast", "estimator_names", "get_estimator", "register_estimator",
+__all__ = ["Estimator", "broadcast", "estimator_names", "get_estimator", "register_estimator",
            "token_advantages"]

@@ -25,47 +25,28 @@ token (0 where the loss mask is 0). The maths lives in pure functions of ``ctxrl
 (``grpo_advantages``, ``gae_advantages``, ...); an estimator only arranges episodes into their
 tensors and back. Adding one is one file: a subclass with a ``name`` and ``estimate``, decorated
 with ``@register_estimator`` or named by a ``ctxrl.estimators`` entry point (docs/algorithms.md
-shows a complete example); a built-in one is also named in the package's ``__init__``. Settings of
-its own are a dataclass in its ``Settings``: the configuration reads them from the table
-``[algo.NAME]`` and the estimator finds them in ``self.options``.
+shows a complete example); a built-in one is also named in the package's ``__init__``. An estimator gets the
+``[algo]`` section as ``self.settings`` (``gamma`` is shared); settings of its own are a dataclass in its
+``Settings``: the configuration reads them from the table ``[algo.NAME]`` (``[algo.gae]``, ``[algo.meta]``) and the
+estimator finds them in ``self.options``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from ctxrl.registry import Registry
+from ctxrl.sections import AlgoConfig
 from ctxrl.types import Episode, Segment, TrainSequence
 
 ESTIMATORS: Registry[type[Estimator]] = Registry("advantage estimator", entry_point_group="ctxrl.estimators")
 """The estimators by name; the built-ins, which import this module, are named by ``ctxrl.algo.estimators``."""
 
 E = TypeVar("E", bound="type[Estimator]")
+DEFAULT_ALGO = AlgoConfig()
+"""The ``[algo]`` section at its defaults: an estimator built without a config."""
 SegmentBonus = Callable[[Segment], float]
-
-
-@dataclass(frozen=True)
-class EstimatorSettings:
-    """The settings estimators read (each reads its own; see docs/configuration.md)."""
-
-    gamma: float = 1.0
-    """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
-    lam: float = 1.0
-    """GAE's lambda."""
-    gae_level: str = "token"
-    """GAE steps: every sampled ``token`` or every ``turn``."""
-    credit: str = "cross_episode"
-    """Meta-RL credit across attempts: ``cross_episode`` (LaMer) or ``relative`` (MR-Search)."""
-    gamma_trial: float = 1.0
-    """Discount across the attempts of a trial."""
-    normalize: str = "std"
-    """``cross_episode``: ``std`` or ``none``."""
-    baseline: str = "loo"
-    """``relative``: ``loo`` or ``mean``."""
-    num_attempts: int | None = None
-    """The trial budget K (None: the longest trial of the batch)."""
 
 
 class Estimator:
@@ -82,10 +63,14 @@ class Estimator:
     Settings: ClassVar[type | None] = None
     """The estimator's own settings, a dataclass read from its table ``[algo.NAME]`` (``ctxrl.settings``)."""
 
-    def __init__(self, settings: EstimatorSettings = EstimatorSettings(), options=None) -> None:
+    def __init__(self, settings: AlgoConfig = DEFAULT_ALGO, options=None, *, num_attempts: int | None = None) -> None:
         self.settings = settings
+        """The ``[algo]`` section: what estimators share (``gamma``)."""
         self.options = options if options is not None or self.Settings is None else self.Settings()
         """An instance of ``Settings`` (its defaults unless given), or None for an estimator that declares none."""
+        self.num_attempts = num_attempts
+        """The trial budget K (``meta.num_attempts``) for an estimator that ``credits_attempts``; None: the longest
+        trial of the batch."""
 
     @classmethod
     def check_config(cls, options, config) -> None:
@@ -176,7 +161,7 @@ def get_estimator(name: str) -> type[Estimator]:
     return ESTIMATORS.get(name)
 
 
-def token_advantages(name: str, episodes: list[Episode], settings: EstimatorSettings = EstimatorSettings(), *,
+def token_advantages(name: str, episodes: list[Episode], settings: AlgoConfig = DEFAULT_ALGO, *,
                      token_rewards: list[list[float]] | None = None) -> list[list[float]]:
     """Per-token advantages of unsegmented episodes (one list per episode, aligned with ``input_ids``)."""
     rows = get_estimator(name)(settings).estimate(episodes, token_rewards=token_rewards)

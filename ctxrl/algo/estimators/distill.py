@@ -23,7 +23,7 @@ the learner, whose loss adds ``top_k_coef`` times the forward KL from them to th
 (``ctxrl.algo.distill.topk_forward_kl``), aggregated as the policy loss is. The sampled-token term alone cannot move
 a student that is certain of a wrong token; this one can (``ctxrl.algo.distill``).
 
-What the trainer does for it (``needs_teacher``): it loads the teacher once (``ctxrl.train.teacher``: refused
+What the trainer does for it (``needs_teacher``): it loads the teacher once (``ctxrl.learner.teacher``: refused
 unless teacher and student tokenize alike), scores every trained sequence's sampled tokens after each rollout
 and passes ``teacher_logprobs``. Pure distillation needs no groups (``rollout.group_size = 1`` works); an outcome
 term from a group estimator needs ``rollout.group_size >= 2`` (``check_config``).

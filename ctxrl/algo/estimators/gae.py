@@ -1,8 +1,10 @@
 """``gae``: PPO's generalised advantage estimation with a learned critic, whitened over the batch.
 
-The trainer builds the critic (``ctxrl.train.critic``) and passes its per-token ``values``.
-``level="token"``: every sampled token is a step. ``level="turn"``: every assistant turn is a
-step; its value is the critic's value at the turn's first sampled token (the state the turn
+The trainer builds the critic (``ctxrl.learner.critic``) and passes its per-token ``values``.
+Its settings are its table, ``[algo.gae]`` (``GAESettings``): ``lam``, ``level``, and the critic's
+``vf_clip`` and ``critic_lr``, which the learner reads from this table for any estimator that ``needs_critic``;
+``gamma`` is the shared ``algo.gamma``. ``level="token"``: every sampled token is a step. ``level="turn"``: every
+assistant turn is a step; its value is the critic's value at the turn's first sampled token (the state the turn
 starts from), GAE runs over turns (``gamma`` and ``lam`` per turn), each turn's advantage goes to
 all its sampled tokens, and the critic is trained at the turn-start positions only (the returned
 value mask). Rewards: each turn's reward on its last sampled token, plus optional per-token rewards.
@@ -10,13 +12,37 @@ value mask). Rewards: each turn's reward on its last sampled token, plus optiona
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ctxrl.algo.estimators.base import Estimator, SegmentBonus, register_estimator, unsegmented
 from ctxrl.algo.estimators.tensors import padded, per_token, rows, token_turn_rewards
 from ctxrl.algo.returns import gae_advantages, masked_whiten
 from ctxrl.algo.turns import broadcast_turn_advantages
+from ctxrl.settings import NON_NEGATIVE
 from ctxrl.types import Episode, TrainSequence
+
+LEVELS = ("token", "turn")
+
+
+@dataclass(frozen=True)
+class GAESettings:
+    """``[algo.gae]``: GAE's own settings, and its critic's (read by the learner for any estimator with a critic)."""
+
+    lam: float = field(default=1.0, metadata=NON_NEGATIVE)
+    """GAE's lambda."""
+    level: str = "token"
+    """What a step is: ``token`` (every sampled token) or ``turn`` (every assistant turn; the critic's value is read
+    at each turn's first sampled token and trained there only)."""
+    vf_clip: float = field(default=0.2, metadata=NON_NEGATIVE)
+    """Clip range of the critic's value loss."""
+    critic_lr: float = field(default=1e-3, metadata=NON_NEGATIVE)
+    """AdamW learning rate of the critic (its value head starts at zero)."""
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {self.level!r}")
 
 
 @register_estimator
@@ -25,6 +51,7 @@ class GAE(Estimator):
     needs_groups = False
     needs_critic = True
     accepts_token_rewards = True
+    Settings = GAESettings
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None,
@@ -32,9 +59,9 @@ class GAE(Estimator):
         if values is None:
             raise ValueError("the gae estimator needs the critic's values per token (values=...)")
         unsegmented(self.name, episodes)
-        s = self.settings
-        advantages, returns, value_mask = gae_episode_advantages(episodes, values, gamma=s.gamma, lam=s.lam,
-                                                                 token_rewards=token_rewards, level=s.gae_level)
+        o = self.options
+        advantages, returns, value_mask = gae_episode_advantages(episodes, values, gamma=self.settings.gamma,
+                                                                 lam=o.lam, token_rewards=token_rewards, level=o.level)
         masks = value_mask if value_mask is not None else [None] * len(episodes)
         return [[TrainSequence.of(e, a, returns=r, old_values=v, value_mask=vm, group_id=e.group_id,
                                   policy_version=e.policy_version)]
@@ -52,7 +79,7 @@ def gae_episode_advantages(episodes: list[Episode], values: list[list[float]], *
     (``gamma`` and ``lam`` per turn), each turn's advantage goes to all its sampled tokens, and
     the critic is trained at the turn-start positions only (the returned value mask).
     """
-    if level not in ("token", "turn"):
+    if level not in LEVELS:
         raise ValueError(f"GAE level must be token or turn, not {level!r}")
     if not episodes:
         return [], [], None

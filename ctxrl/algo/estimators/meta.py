@@ -24,11 +24,42 @@ hidden state, no config object.
 
 from __future__ import annotations
 
-from ctxrl.algo.credit import cross_episode_advantages, reflection_advantages, relative_attempt_advantages
+from dataclasses import dataclass, field
+
+from ctxrl.algo.credit import (
+    BASELINES,
+    NORMALIZE_MODES,
+    cross_episode_advantages,
+    reflection_advantages,
+    relative_attempt_advantages,
+)
 from ctxrl.algo.estimators.base import Estimator, SegmentBonus, register_estimator
+from ctxrl.settings import in_range
 from ctxrl.types import Episode, TrainSequence
 
 CREDITS = ("cross_episode", "relative")
+
+
+@dataclass(frozen=True)
+class MetaCreditSettings:
+    """``[algo.meta]``: how the ``meta`` estimator credits the attempts of a trial (docs/meta.md)."""
+
+    credit: str = "cross_episode"
+    """``cross_episode`` (LaMer: discounted return over later attempts, normalised over the trials of a task)
+    or ``relative`` (MR-Search: each attempt's reward centred on the other trials' same attempt, then summed)."""
+    normalize: str = "std"
+    """``cross_episode`` only: ``std`` divides by the group std (GRPO-like), ``none`` only centres."""
+    baseline: str = "loo"
+    """``relative`` only: ``loo`` (mean of the other trials) or ``mean`` (of all trials that played the attempt)."""
+    gamma_trial: float = field(default=1.0, metadata=in_range(0.0, 1.0))
+    """Discount across the attempts of a trial: 1 credits solving within K attempts at all, below 1 also
+    prefers solving sooner, 0 makes attempts independent."""
+
+    def __post_init__(self) -> None:
+        for key, value, choices in (("credit", self.credit, CREDITS), ("normalize", self.normalize, NORMALIZE_MODES),
+                                    ("baseline", self.baseline, BASELINES)):
+            if value not in choices:
+                raise ValueError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def attempt_rewards(trial: Episode) -> list[float]:
@@ -100,10 +131,12 @@ def expand_trials(trials: list[Episode], advantages: list[list[float]]) -> list[
 
 @register_estimator
 class Meta(Estimator):
-    """Credit across attempts (``meta.credit``: ``ctxrl.algo.credit``), group statistics over the trials of a task."""
+    """Credit across attempts (``[algo.meta]``: ``ctxrl.algo.credit``), group statistics over the trials of a task;
+    the trial budget is ``num_attempts`` (``meta.num_attempts``)."""
 
     name = "meta"
     credits_attempts = True
+    Settings = MetaCreditSettings
 
     def estimate(self, episodes: list[Episode], *, token_rewards: list[list[float]] | None = None,
                  values: list[list[float]] | None = None,
@@ -111,7 +144,7 @@ class Meta(Estimator):
         if token_rewards is not None:
             raise ValueError("the meta estimator credits each attempt with its environment reward; per-token rewards "
                              "(algo.kl_placement=reward) are not supported with it")
-        s = self.settings
-        values = attempt_advantages(episodes, credit=s.credit, gamma_trial=s.gamma_trial, normalize=s.normalize,
-                                    baseline=s.baseline, num_attempts=s.num_attempts)
+        o = self.options
+        values = attempt_advantages(episodes, credit=o.credit, gamma_trial=o.gamma_trial, normalize=o.normalize,
+                                    baseline=o.baseline, num_attempts=self.num_attempts)
         return expand_trials(episodes, values)

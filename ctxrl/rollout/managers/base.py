@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ctxrl.engine.base import register_purpose
 from ctxrl.plain import PlainData
-from ctxrl.prompts import SUMMARY_INSTRUCTION
 from ctxrl.registry import Registry
 from ctxrl.settings import parse_settings
 from ctxrl.types import Message, Segment, Task
@@ -49,31 +48,28 @@ MANAGERS: Registry[type[ContextManager]] = Registry("context manager", entry_poi
 M = TypeVar("M", bound="type[ContextManager]")
 
 
+PHASES = ("train", "eval")
+
+
 @dataclass(frozen=True)
 class ContextPolicy(PlainData):
-    """The context manager of a rollout and its settings (each manager reads the ones it uses)."""
+    """The context manager of a rollout, its budget, its own settings and the phase it plays in."""
 
     manager: str = "full"
     max_context_tokens: int = 0
     """Working-context budget in tokens (managers with ``uses_budget``, or ``budget_optional`` ones); 0 = unlimited."""
-    max_summaries: int = 0
-    """Summaries an episode may write before it ends with truncation ``max_context`` (``summarize``)."""
-    summary_max_tokens: int = 64
-    """Tokens one summary may take (``summarize``)."""
-    instruction: str = SUMMARY_INSTRUCTION
-    """The user message that asks for a summary (``summarize``)."""
-    max_branches: int = 4
-    """Branches an episode may open (``fold``)."""
-    branch_reward: float = 0.0
-    """Process reward on the sampled tokens of a branch that returned a result (``fold``; 0 = off)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The manager's own table (``[context.NAME]``, as the configuration read it), which the manager reads into
-    its ``Settings`` (``ContextManager.options``); empty for a manager that declares none."""
+    its ``Settings`` (``ContextManager.options``); empty: its defaults (or nothing, for a manager without any)."""
+    phase: str = "train"
+    """``train`` or ``eval``: a setting may differ between them (``summarize``'s ``eval_max_summaries``)."""
 
     def __post_init__(self) -> None:
         cls = get_manager(self.manager)  # an unknown name is an error that lists the known ones
         if cls.uses_budget and self.max_context_tokens <= 0:
             raise ValueError(f"the {self.manager} context manager needs max_context_tokens > 0")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {self.phase!r}")
 
     def make(self) -> ContextManager:
         """A fresh manager for one episode."""
@@ -116,17 +112,20 @@ class ContextManager:
     turns branch and return), used in place of ``solve`` for warm-start demos; None if ``solve`` serves."""
     tool_schemas: ClassVar[list[dict[str, Any]]] = []
     """Tools the manager offers the policy besides the environment's (``fold``: branch and return)."""
-    process_reward: ClassVar[bool] = False
-    """Whether ``segment_bonus`` pays ``ContextPolicy.branch_reward`` (``context.branch_reward`` needs one)."""
-
     Settings: ClassVar[type | None] = None
     """The manager's own settings, a dataclass read from its table ``[context.NAME]`` (``ctxrl.settings``)."""
 
     def __init__(self, policy: ContextPolicy) -> None:
         self.policy = policy
-        self.options = None if self.Settings is None else _settings(self.Settings, f"context.{self.name}",
-                                                                    json.dumps(policy.options, sort_keys=True))
+        self.options = self.options_of(policy)
         """An instance of ``Settings`` (from ``policy.options``, else its defaults), or None."""
+
+    @classmethod
+    def options_of(cls, policy: ContextPolicy) -> Any:
+        """``policy.options`` read into the manager's ``Settings`` (parsed once per table), or None without any."""
+        if cls.Settings is None:
+            return None
+        return _settings(cls.Settings, f"context.{cls.name}", json.dumps(policy.options, sort_keys=True))
 
     def fits(self, context_tokens: int, next_turn_tokens: int) -> bool:
         """Whether a context of ``context_tokens`` leaves room for a turn of ``next_turn_tokens``."""

@@ -11,7 +11,8 @@ the same turn, no branches or turns left) is answered with an error observation.
 
 ``branch_reward`` (FoldGRPO-style process reward, ``segment_bonus``) is added to the advantage
 of every sampled token of a branch that returned a non-empty result. It rewards finishing a
-branch, not being right, so keep it small next to the outcome advantage.
+branch, not being right, so keep it small next to the outcome advantage. Both are its own table,
+``[context.fold]`` (``FoldSettings``).
 
 The budget is optional (``budget_optional``). With ``max_context_tokens`` > 0 the *live* sequence
 (the parent's, or the open branch's) keeps room for a turn within it, so ``fold`` compares with
@@ -27,10 +28,13 @@ loop under this manager, so the policy has branched before RL asks it to.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ctxrl.prompts import BRANCH_HEADER
 from ctxrl.rollout.managers.base import ContextManager, ContextPolicy, Play, register_manager
 from ctxrl.rollout.messages import task_with
 from ctxrl.rollout.recorder import Live
+from ctxrl.settings import NON_NEGATIVE
 from ctxrl.types import Message, Segment
 
 FOLD_TOOL_SCHEMAS = [
@@ -48,6 +52,17 @@ def branch_messages(opening: list[Message], goal: str) -> list[Message]:
     return task_with(opening, BRANCH_HEADER, goal)
 
 
+@dataclass(frozen=True)
+class FoldSettings:
+    """``[context.fold]``."""
+
+    max_branches: int = field(default=4, metadata=NON_NEGATIVE)
+    """Branches an episode may open."""
+    branch_reward: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """A process reward added to the advantage of every sampled token of a branch that returned a non-empty
+    result (FoldGRPO-style; it rewards finishing a branch, not being right, so keep it small; 0 = off)."""
+
+
 @register_manager
 class Fold(ContextManager):
     """At most one open branch, and the parent sequence it paused (see the module docstring)."""
@@ -57,7 +72,7 @@ class Fold(ContextManager):
     rewrites_context = True
     solution_hook = "folded"
     tool_schemas = FOLD_TOOL_SCHEMAS
-    process_reward = True
+    Settings = FoldSettings
 
     def __init__(self, policy: ContextPolicy) -> None:
         super().__init__(policy)
@@ -85,8 +100,8 @@ class Fold(ContextManager):
             error = "a branch cannot open another branch: finish this one with return(result)"
         elif mine[0].name == "return" and self.parent is None:
             error = "return is only for ending a branch; answer the main task directly"
-        elif mine[0].name == "branch" and e.info.get("branches", 0) >= self.policy.max_branches:
-            error = f"no branches left (at most {self.policy.max_branches} per episode)"
+        elif mine[0].name == "branch" and e.info.get("branches", 0) >= self.options.max_branches:
+            error = f"no branches left (at most {self.options.max_branches} per episode)"
         elif mine[0].name == "branch" and last:
             error = "no turns left for a branch"
         key = "goal" if mine[0].name == "branch" else "result"
@@ -111,7 +126,7 @@ class Fold(ContextManager):
 
     @classmethod
     def segment_bonus(cls, segment: Segment, policy: ContextPolicy) -> float:
-        return policy.branch_reward if segment.ended_by == "fold" else 0.0
+        return cls.options_of(policy).branch_reward if segment.ended_by == "fold" else 0.0
 
     def _return(self, play: Play, result: str, turn: int, last: bool) -> None:
         self._close(play, "fold" if result.strip() else "fold-empty")

@@ -14,9 +14,9 @@ no listed turn are ignored. Fallbacks, deterministic and counted in ``info["sele
 a reply without a ``<keep>`` list of numbers keeps the newest earlier turns that fit (``window``);
 kept turns that do not fit keep the newest of them that do. If the opening and the newest turn
 alone do not fit, the episode ends with truncation ``max_context`` without asking; so does an
-episode over budget after ``max_summaries`` selections (the limit ``summarize`` uses, shared:
-``context.max_summaries`` in training, ``context.eval_max_summaries`` at evaluation). A reply
-takes at most ``summary_max_tokens`` tokens. Every action turn is generated within the budget;
+episode over budget after ``max_summaries`` selections (``eval_max_summaries`` at evaluation: its table
+``[context.select]``, ``SelectSettings``, named as ``summarize``'s). A reply
+takes at most ``max_tokens`` tokens. Every action turn is generated within the budget;
 the selection step may pass it by one observation, the instruction and the reply.
 
 Credit: the reply's tokens get the episode's advantage (broadcast, like every segment's). ECHO
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ctxrl.prompts import SELECT_INSTRUCTION
 from ctxrl.rollout.generate import sample_aside
@@ -40,6 +41,7 @@ from ctxrl.rollout.managers.facts import note_survival
 from ctxrl.rollout.managers.window import group_turns, leaves_room, split_turns
 from ctxrl.rollout.messages import text_only
 from ctxrl.seeds import SELECT_SALT
+from ctxrl.settings import NON_NEGATIVE, POSITIVE, RESUMABLE
 from ctxrl.types import Message, Task
 
 PREVIEW_CHARS = 40
@@ -98,6 +100,22 @@ def scripted_selection(messages: list[Message], summary: str) -> str:
     return f"<keep>{' '.join(map(str, keep))}</keep>"
 
 
+@dataclass(frozen=True)
+class SelectSettings:
+    """``[context.select]``."""
+
+    max_summaries: int = field(default=2, metadata=NON_NEGATIVE)
+    """Selections an episode may make in training; past them an over-budget episode ends (``max_context``)."""
+    eval_max_summaries: int = field(default=2, metadata={**RESUMABLE, **NON_NEGATIVE})
+    """Selections allowed at evaluation (test-time scaling: may exceed max_summaries)."""
+    max_tokens: int = field(default=64, metadata=POSITIVE)
+    """Tokens one reply naming the turns to keep may take."""
+
+    def limit(self, phase: str) -> int:
+        """The selections an episode of ``phase`` (``train`` or ``eval``) may make."""
+        return self.max_summaries if phase == "train" else self.eval_max_summaries
+
+
 @register_manager
 class Select(ContextManager):
     """Ask the policy which earlier turns to keep and restart from them (see the module docstring)."""
@@ -106,6 +124,7 @@ class Select(ContextManager):
     uses_budget = True
     rewrites_context = True
     scripted_hook = "select"
+    Settings = SelectSettings
 
     def __init__(self, policy: ContextPolicy) -> None:
         super().__init__(policy)
@@ -131,7 +150,7 @@ class Select(ContextManager):
     async def make_room(self, play: Play, observations: list[Message], turn: int) -> bool:
         episode, policy, recorder = play.episode, self.policy, play.recorder
         done = episode.info.get("selections", 0)
-        if done >= policy.max_summaries:
+        if done >= self.options.limit(policy.phase):
             episode.truncation = "max_context"
             return False
         turns = self._turns(play, turn)  # (number, messages), oldest first; the newest has no observation yet
@@ -151,7 +170,7 @@ class Select(ContextManager):
             episode.truncation = "max_context"  # the opening and the newest turn alone leave no room for a turn
             return False
         ask = [*observations, Message(role="user", content=instruction(earlier, recorder.renderer.parse_assistant))]
-        aside = await sample_aside(recorder, ask, play.engine, play.limits, max_new_tokens=policy.summary_max_tokens,
+        aside = await sample_aside(recorder, ask, play.engine, play.limits, max_new_tokens=self.options.max_tokens,
                                    seed=play.seed, counter=SELECT_SALT + done, purpose="select", turn=turn,
                                    closed=recorder.closed)
         if aside is None or (aside.truncated and len(recorder) >= play.limits.max_total_tokens):

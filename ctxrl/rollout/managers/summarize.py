@@ -7,7 +7,8 @@ prompt is exactly the opening system message and the task, with the summary appe
 (``restart_messages``), rendered as a fresh prompt. Every action turn is generated within the
 budget; the summary step itself may pass it by that one observation, the instruction and the
 summary. After ``max_summaries`` summaries an episode that still does not fit ends with truncation
-``max_context``. Evaluation may allow more summaries than training (test-time scaling).
+``max_context``. Evaluation may allow more summaries than training (test-time scaling: ``eval_max_summaries``).
+Its settings are its own table, ``[context.summarize]`` (``SummarizeSettings``).
 
 In scripted demonstrations the environment's ``summary(task, messages)`` hook answers the
 request (``scripted_hook``), so the warm start can show summaries before RL asks for them.
@@ -15,13 +16,34 @@ request (``scripted_hook``), so the warm start can show summaries before RL asks
 
 from __future__ import annotations
 
-from ctxrl.prompts import SUMMARY_HEADER
+from dataclasses import dataclass, field
+
+from ctxrl.prompts import SUMMARY_HEADER, SUMMARY_INSTRUCTION
 from ctxrl.rollout.generate import sample_aside
 from ctxrl.rollout.managers.base import ContextManager, Play, register_manager
 from ctxrl.rollout.managers.facts import note_survival
 from ctxrl.rollout.messages import task_with
 from ctxrl.seeds import SUMMARY_SALT
+from ctxrl.settings import NON_NEGATIVE, POSITIVE, RESUMABLE
 from ctxrl.types import Message
+
+
+@dataclass(frozen=True)
+class SummarizeSettings:
+    """``[context.summarize]``."""
+
+    max_summaries: int = field(default=2, metadata=NON_NEGATIVE)
+    """Summaries an episode may write in training; past them an over-budget episode ends (``max_context``)."""
+    eval_max_summaries: int = field(default=2, metadata={**RESUMABLE, **NON_NEGATIVE})
+    """Summaries allowed at evaluation (test-time scaling: may exceed max_summaries)."""
+    max_tokens: int = field(default=64, metadata=POSITIVE)
+    """Tokens one summary may take."""
+    instruction: str = SUMMARY_INSTRUCTION
+    """The user message that asks for a summary."""
+
+    def limit(self, phase: str) -> int:
+        """The summaries (or selections) an episode of ``phase`` (``train`` or ``eval``) may make."""
+        return self.max_summaries if phase == "train" else self.eval_max_summaries
 
 
 def restart_messages(opening: list[Message], summary: str) -> list[Message]:
@@ -37,16 +59,17 @@ class Summarize(ContextManager):
     uses_budget = True
     rewrites_context = True
     scripted_hook = "summary"
+    Settings = SummarizeSettings
 
     async def make_room(self, play: Play, observations: list[Message], turn: int) -> bool:
-        episode, policy = play.episode, self.policy
+        episode, settings = play.episode, self.options
         done = episode.info.get("summaries", 0)
-        if done >= policy.max_summaries:
+        if done >= settings.limit(self.policy.phase):
             episode.truncation = "max_context"
             return False
-        ask = [*observations, Message(role="user", content=policy.instruction)]
+        ask = [*observations, Message(role="user", content=settings.instruction)]
         aside = await sample_aside(play.recorder, ask, play.engine, play.limits,
-                                   max_new_tokens=policy.summary_max_tokens, seed=play.seed,
+                                   max_new_tokens=settings.max_tokens, seed=play.seed,
                                    counter=SUMMARY_SALT + done, purpose="summary", turn=turn)
         if aside is None:
             episode.truncation = "max_total_tokens"

@@ -192,7 +192,7 @@ class LayerGraphs:
     def copy_grads(self) -> bool:
         """Each parameter takes its own copy of a replay's weight gradient (``_capture`` says why). False where
         something consumes every gradient before the next replay: the float32 masters' hooks
-        (``ctxrl.train.precision.MasterAdamW``) take it from the parameter and add it into the master's by the end of
+        (``ctxrl.learner.precision.MasterAdamW``) take it from the parameter and add it into the master's by the end of
         the backward pass. The learner sets it from its optimiser; without the copies a micro-batch saves a launch a
         parameter and a read and a write of the layers' gradients."""
         return self._copy_grads

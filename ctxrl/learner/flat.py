@@ -6,7 +6,7 @@ those kernels, not the matrix products, were most of a training step (docs/perfo
 ``FlatDecoder`` runs the same model differently:
 
 - **No padding.** The micro-batch's sequences are concatenated into one ``[N]`` row of tokens
-  with positions restarting at each sequence (``ctxrl.train.packing.flatten``); attention is
+  with positions restarting at each sequence (``ctxrl.learner.packing.flatten``); attention is
   causal within each sequence, from cumulative sequence lengths (flash attention's variable-
   length kernel on CUDA; one causal SDPA call per sequence elsewhere). Grouped K/V is read as it
   is where the kernel allows (``enable_gqa``), expanded otherwise.
@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ctxrl.learner.layer_graphs import Bucket, CaptureFailed, LayerGraphs, pad
 from ctxrl.models.fused import Fused, guarded_compile, rotated_qkv
 from ctxrl.models.fused import rms_norm as fused_rms_norm
 from ctxrl.models.fused import rotate as fused_rotate
 from ctxrl.models.gated_mlp import gated_mlp, supports
-from ctxrl.models.layer_graphs import Bucket, CaptureFailed, LayerGraphs, pad
 from ctxrl.models.layout import norm_args, rope_type, unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def per_sequence_attention(q, k, v, cu_seqlens, scale):
     bounds = cu_seqlens.tolist()
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:  # (an empty sequence: a bucket's tail, ``ctxrl.models.layer_graphs``)
+        if end == start:  # (an empty sequence: a bucket's tail, ``ctxrl.learner.layer_graphs``)
             continue
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         if group > 1:
@@ -239,7 +239,7 @@ def _varlen():
 
 MODES = ("auto", "on", "compiled", "graphed", "off")
 AUTO_GRAPHED_MAX_HIDDEN = 1024
-"""``auto`` on CUDA replays the layers as CUDA graphs in training (``ctxrl.models.layer_graphs``) for models at most
+"""``auto`` on CUDA replays the layers as CUDA graphs in training (``ctxrl.learner.layer_graphs``) for models at most
 this wide, whose micro-batches are otherwise bound by the host's kernel launches. Measured on an H200, the default
 ``ctxrl train`` step (docs/performance.md): graphed 8,192-token micro-batches against eager 32,768-token ones took
 SmolLM2-135M (width 576) from 26.7 to 15.7 GiB at the same speed and Qwen2.5-0.5B's shape (896) from 41.1 to 22.8
@@ -269,7 +269,7 @@ def training_decoder(model, mode: str) -> FlatDecoder | None:
     ``on``: wherever supported (an error names why not), eager; ``compiled``: ``on``, with each decoder layer
     compiled as one graph (``layer_math``: fewer kernel launches from the host, a slower first step);
     ``graphed``: ``on``, with the layers' forward and backward passes captured as CUDA graphs
-    (``ctxrl.models.layer_graphs``; CUDA, bf16 / fp16); ``off``: never.
+    (``ctxrl.learner.layer_graphs``; CUDA, bf16 / fp16); ``off``: never.
     Built once per model and mode.
     """
     if mode not in MODES:
