@@ -194,6 +194,18 @@ def test_a_real_tiny_run_writes_its_report(tmp_path: Path) -> None:
     assert len(heldout) >= 3
     assert page.tags("details", "episode") and page.tags("span", "mask1") and page.tags("span", "mask0")
     assert render([run_dir]) == (run_dir / "report.html").read_text()  # the end's page is of the whole run
+    # the page's evaluation table holds the figures the CLI printed (to its two decimals), split by split
+    import re
+
+    html = (run_dir / "report.html").read_text()
+    table = html[html.index('<table class="evaluation">'):]
+    table = table[:table.index("</table>")]
+    for split in ("train", "heldout", "ood"):
+        printed = next(line for line in proc.stdout.splitlines() if line.strip("│ ").startswith(split + " "))
+        cli = [float(c) for c in printed.split("│")[2:4]]
+        page_row = re.search(rf"<tr><td>{split}</td><td>([^<]+)</td><td>([^<]+)</td>", table)
+        assert page_row, (split, table)
+        assert [round(float(v), 2) for v in page_row.groups()] == cli, (split, printed, page_row.groups())
 
 
 def _png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
@@ -279,8 +291,8 @@ def meta_run(run_dir: Path, *, lr: float = 1e-4) -> Path:
                              "success_by_3": 0.1 * s, "pass_at_1": 0.1, "pass_at_2": 0.15})
     rows.sort(key=lambda r: (r["step"], r["phase"] != "rl"))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run_dir / "config.toml").write_text(f'[env]\nname = "hidden_word"\n[meta]\nnum_attempts = 3\n'
-                                         f'[rollout]\ntemperature = 0.7\n[train]\nlr = {lr}\n[eval]\ntemperature = 0.0\n')
+    (run_dir / "config.toml").write_text(f'[env]\nname = "hidden_word"\n[meta]\nnum_attempts = 3\n[rollout]\n'
+                                         f'temperature = 0.7\n[train]\nlr = {lr}\n[eval]\ntemperature = 0.0\n')
     return run_dir
 
 

@@ -332,7 +332,7 @@ def attempt_table(run: Run) -> str:
            + "".join(f"<th>success by attempt {k + 1}</th>" for k in range(width))
            + "".join(f"<th>pass@{k + 1}, independent</th>" for k in range(passes)) + "</tr>"]
     for split, step, by, ps in rows:
-        out.append(f"<tr><td>{escape(split)} (step {_cell(step)})</td>"
+        out.append(f"<tr><td>{escape(split)} (step {_step(step)})</td>"
                    + "".join(f"<td>{_cell(by[k] if k < len(by) else None)}</td>" for k in range(width))
                    + "".join(f"<td>{_cell(ps[k] if k < len(ps) else None)}</td>" for k in range(passes)) + "</tr>")
     out.append("</table>")
@@ -549,6 +549,11 @@ def _cell(value) -> str:
     return f"{value:.0f}" if value.is_integer() and abs(value) > 1 else f"{value:.3f}"
 
 
+def _step(value) -> str:
+    value = finite(value)
+    return "-" if value is None else f"{value:g}"
+
+
 def final_table(runs: list[Run]) -> str:
     finals = [run.final() for run in runs]
     keys = list(dict.fromkeys(k for f in finals for k in f))
@@ -576,7 +581,7 @@ def evaluation_table(run: Run) -> str:
     before_label = "after warm start" if run.phase("sft") else "before RL"
     out = [f'<table class="evaluation"><caption>success per split, {escape(run.eval_kind())} '
            f"(the table <code>ctxrl train</code> prints)</caption><tr><th>split</th>"
-           f"<th>{before_label} (step {_cell(first_step)})</th><th>last (step {_cell(last_step)})</th>"
+           f"<th>{before_label} (step {_step(first_step)})</th><th>last (step {_step(last_step)})</th>"
            "<th>change</th></tr>"]
     for split, b, a, change in rows:
         out.append(f"<tr><td>{escape(split)}</td><td>{_cell(b)}</td><td>{_cell(a)}</td>"
@@ -607,9 +612,10 @@ def rollout_table(run: Run, last: int = 5) -> str:
     out = [f'<table class="rollouts"><caption>{escape(run.rollout_kind())}: the episodes RL trained on, not an '
            "evaluation</caption><tr><th></th>" + "".join(f"<th>{escape(k.replace('_', ' '))}</th>" for k in keys)
            + "</tr>",
-           f"<tr><td>last step ({_cell(rl[-1].get('step'))})</td>"
+           f"<tr><td>last step ({_step(rl[-1].get('step'))})</td>"
            + "".join(f"<td>{_cell(rl[-1].get(k))}</td>" for k in keys) + "</tr>",
-           f"<tr><td>mean of the last {len(tail)} steps</td>" + "".join(f"<td>{_cell(mean(k))}</td>" for k in keys)
+           f"<tr><td>mean of the last {len(tail)} step{'s' if len(tail) > 1 else ''}</td>"
+           + "".join(f"<td>{_cell(mean(k))}</td>" for k in keys)
            + "</tr></table>"]
     return "".join(out)
 
