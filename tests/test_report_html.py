@@ -121,11 +121,11 @@ def test_one_run_page_structure(tmp_path: Path) -> None:
         assert title in titles, titles
     assert "kl" not in titles  # not logged: no empty chart for it
     # evaluations are points (one per evaluated step and split), training rollouts a curve
-    heldout = [a for t, a, _ in page.elements if t == "g" and a.get("data-series") == "heldout (evaluation)"]
+    heldout = [a for t, a, _ in page.elements if t == "g" and a.get("data-series") == "heldout: greedy evaluation"]
     assert heldout
     points = [a for t, a, parents in page.elements if t == "circle" and "eval-point" in a.get("class", "")]
     assert len(points) >= 3 * 3 * 2  # success and tool calls: 3 splits x 3 evaluations each
-    assert [a for a in page.tags("polyline") if a.get("data-series") == "train rollouts"]
+    assert [a for a in page.tags("polyline") if a.get("data-series") == "training rollouts (sampled)"]
     assert not [a for a in page.tags("polyline") if "evaluation" in a.get("data-series", "")]
     # the sample episodes: a conversation with both masks, tool calls and results, the summary's sequence
     assert len(page.tags("details", "episode")) == 2
@@ -194,6 +194,18 @@ def test_a_real_tiny_run_writes_its_report(tmp_path: Path) -> None:
     assert len(heldout) >= 3
     assert page.tags("details", "episode") and page.tags("span", "mask1") and page.tags("span", "mask0")
     assert render([run_dir]) == (run_dir / "report.html").read_text()  # the end's page is of the whole run
+    # the page's evaluation table holds the figures the CLI printed (to its two decimals), split by split
+    import re
+
+    html = (run_dir / "report.html").read_text()
+    table = html[html.index('<table class="evaluation">'):]
+    table = table[:table.index("</table>")]
+    for split in ("train", "heldout", "ood"):
+        printed = next(line for line in proc.stdout.splitlines() if line.strip("│ ").startswith(split + " "))
+        cli = [float(c) for c in printed.split("│")[2:4]]
+        page_row = re.search(rf"<tr><td>{split}</td><td>([^<]+)</td><td>([^<]+)</td>", table)
+        assert page_row, (split, table)
+        assert [round(float(v), 2) for v in page_row.groups()] == cli, (split, printed, page_row.groups())
 
 
 def _png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
@@ -257,3 +269,86 @@ def test_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     green = sum(1 for r in rows[1200:] for x in range(0, width * channels, channels)
                 if tuple(r[x:x + 3]) == (0xb7, 0xe4, 0xb0))
     assert green > 200, green  # mask-1 spans of the open episode (#b7e4b0)
+
+
+def meta_run(run_dir: Path, *, lr: float = 1e-4) -> Path:
+    """A meta-RL run as ``RunWriter`` leaves it: trials of 3 attempts, greedy evaluations at 0 and 4 whose success
+    (0.36 on train at the end) differs from the last step's sampled rollouts (0.078), a KL of float noise."""
+    run_dir.mkdir(parents=True)
+    rows = [{"phase": "sft", "step": 0, "sft_loss_last": 0.1}]
+    for step in (0, 4):
+        for split, success in (("train", 0.1 + 0.065 * step), ("heldout", 0.05 + 0.05 * step)):
+            rows.append({"phase": "eval", "step": step, "split": split, "success": success, "tool_calls": 1.0,
+                         "errored": 0.0 if step else 0.02, "success_by_1": success, "success_by_2": success + 0.1,
+                         "success_by_3": success + 0.15, "pass_at_1": success, "pass_at_2": success + 0.05,
+                         "pass_at_3": success + 0.08,
+                         "task_success_by_attempt": {"t1": [0.0, 1.0, 1.0], "t2": [0.0, 0.0, 1.0]}})
+        if step == 0:
+            for s in range(1, 5):
+                rows.append({"phase": "rl", "step": s, "success": 0.078 if s == 4 else 0.1, "reward": 0.2,
+                             "tool_calls": 1.0, "error_rate": 0.25 if s == 2 else 0.0, "entropy": 1.2,
+                             "approx_kl": 1e-13 * (s % 2), "success_by_1": 0.1, "success_by_2": 0.2,
+                             "success_by_3": 0.1 * s, "pass_at_1": 0.1, "pass_at_2": 0.15})
+    rows.sort(key=lambda r: (r["step"], r["phase"] != "rl"))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "config.toml").write_text(f'[env]\nname = "hidden_word"\n[meta]\nnum_attempts = 3\n[rollout]\n'
+                                         f'temperature = 0.7\n[train]\nlr = {lr}\n[eval]\ntemperature = 0.0\n')
+    return run_dir
+
+
+def test_report_names_greedy_evaluation_apart_from_training_rollouts(tmp_path: Path) -> None:
+    """The CLI's before/after figures (greedy) are on the page as the CLI prints them, beside, and named apart from,
+    the last step's sampled rollouts; meta-RL's success by attempt, pass@k and the error rate have their panels."""
+    page = Page(write_report(meta_run(tmp_path / "m")).read_text())
+    evaluation = page.text_in("evaluation")
+    assert "greedy evaluation" in evaluation and "ctxrl train" in evaluation
+    # train: 0.100 after the warm start, 0.360 at the end (what `ctxrl train` prints), change +0.260
+    assert "0.100" in evaluation and "0.360" in evaluation and "+0.260" in evaluation
+    rollouts = page.text_in("rollouts")
+    assert "sampled at T=0.7" in rollouts and "not an evaluation" in rollouts and "0.078" in rollouts
+    assert "0.360" not in rollouts and "0.078" not in evaluation
+    titles = [a["aria-label"] for a in page.tags("svg", "chart")]
+    for title in ("Errored episodes (fraction)", "Success by attempt k (a success among attempts 1..k)",
+                  "pass@k of independent first attempts"):
+        assert title in titles, titles
+    attempts = page.text_in("attempts")
+    assert "success by attempt 3" in attempts and "pass@3, independent" in attempts
+    assert "heldout (step 4)0.2500.3500.400" in attempts  # 0.25, then +0.1, +0.15 by attempts 2 and 3
+    # the training series carry an EMA behind the checkbox; evaluations stay points
+    assert page.tags("input") and page.tags("polyline", "smoothed") and page.tags("polyline", "raw")
+    assert not [a for a in page.tags("polyline", "smoothed") if "eval" in a.get("data-series", "")]
+    # a KL of float noise is drawn flat, not as a trend from 0 to 1e-13
+    kl = [(t, a, p) for t, a, p in page.elements if t == "svg" and a.get("aria-label") == "approx kl"]
+    assert kl
+    kl_svg = write_report(tmp_path / "m").read_text().split('aria-label="approx kl"')[1].split("</svg>")[0]
+    assert "flat: every value 0" in kl_svg
+    ys = {pt.split(",")[1] for pt in kl_svg.split('points="')[1].split('"')[0].split()}
+    assert len(ys) == 1, ys
+
+
+def test_compare_page_shows_the_settings_that_differ(tmp_path: Path) -> None:
+    a, b = meta_run(tmp_path / "a"), meta_run(tmp_path / "b", lr=3e-4)
+    page = Page(write_report([a, b], tmp_path / "c.html").read_text())
+    diff = page.text_in("config-diff")
+    assert "train.lr" in diff and "0.0001" in diff and "0.0003" in diff
+    assert "env.name" not in diff  # the same in both
+    assert len(page.tags("table", "evaluation")) == 2  # each compared run's CLI figures too
+
+
+def test_chart_hygiene() -> None:
+    """Tick labels and the y title do not overlap; long legend names are not clipped by the chart's edge."""
+    from ctxrl.report.svg import CHAR_PX, Series, line_chart
+
+    svg = line_chart([Series("a series with a very long name that cannot fit half of the chart's width at all",
+                             [(0, 1e-5), (1, 2.5e-5), (2, 1.2e-5)]),
+                      Series("b", [(0, 2e-5), (1, 1e-5), (2, 3e-5)])], title="t", y_label="value")
+    page = Page(svg)
+    ticks = [a for a in page.tags("text", "tick") if a.get("text-anchor") == "end"]
+    tick_right = float(ticks[0]["x"])
+    longest = max(len(d) for d, stack in page.texts if any("tick" in (a.get("class") or "") for _, a in stack))
+    assert tick_right - longest * CHAR_PX >= 12 + 6  # the rotated y title is centred at x=12, 11 px high
+    width = float(page.tags("svg")[0]["width"])
+    for d, stack in page.texts:
+        if any("legend" in (a.get("class") or "") for _, a in stack) and not any(t == "title" for t, _ in stack):
+            x = float(next(a for t, a in stack if t == "text")["x"])
+            assert x + len(d) * CHAR_PX <= width, (d, x)

@@ -26,7 +26,7 @@ def test_reward_and_success_are_separate_charts(tmp_path):
     success = success_figure(run).axes
     assert len(success) == 1
     labels = [line.get_label() for line in success[0].get_lines()]
-    assert labels == ["train rollouts", "train (evaluation)", "heldout (evaluation)"]
+    assert labels == ["training rollouts (sampled)", "train: greedy evaluation", "heldout: greedy evaluation"]
 
 
 def test_evaluations_are_points_not_a_line(tmp_path):

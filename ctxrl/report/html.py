@@ -4,11 +4,17 @@ Made only from a run directory's files (``metrics.jsonl``, ``samples.jsonl``, ``
 them), so it works on a finished run, a running one, or one copied from another machine. The page carries its CSS
 and its charts (inline SVG, ``ctxrl.report.svg``): nothing is fetched when it is viewed, and it has no script.
 
-What it shows: success by split over steps (training rollouts as a curve, evaluations as points), reward, tool
-calls, context length and summaries per episode, entropy / KL / clip fractions where logged; sample episodes as a
-conversation with the loss mask on the text (sampled, mask 1, vs given, mask 0), tool calls and results, and each
-earlier sequence of a rewritten context (summaries, windows, folds, attempts, reflections); with two or more runs,
-the curves overlaid and a table of final figures.
+What it shows: first the figures ``ctxrl train`` prints (each split's evaluation after the warm start and at the
+end, greedy unless ``eval.temperature`` says otherwise), apart from the training rollouts' figures (sampled at
+``rollout.temperature`` on a few tasks a step: a success unlike greedy evaluation's is expected, not a disagreement;
+in the CPU demo the last step's was 0.078 where the greedy train split's was 0.36); success by split
+over steps (training rollouts as a curve, evaluations as points), reward, tool calls, errored episodes, context
+length and summaries per episode, success by attempt and pass@k where trials were played (meta-RL), entropy / KL /
+clip fractions where logged; sample episodes as a conversation with the loss mask on the text (sampled, mask 1, vs
+given, mask 0), tool calls and results, and each earlier sequence of a rewritten context (summaries, windows, folds,
+attempts, reflections); with two or more runs, the curves overlaid, a table of final figures and the settings in
+which their ``config.toml`` files differ. A checkbox shows the training curves smoothed (an EMA,
+``ctxrl.report.svg.ema``) instead of raw, with CSS alone.
 
 A damaged run directory (a crash mid-write, a full disk, a bad copy, a hand edit) is read as far as it can be, and
 what was skipped is named on the page and on stderr, file by file: lines cut off, not UTF-8, not JSON, not an
@@ -24,13 +30,18 @@ from __future__ import annotations
 import json
 import re
 import sys
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 from collections.abc import Callable, Iterator
 from html import escape
 from pathlib import Path
 from typing import IO, Any
 
 from ctxrl.errors import CtxrlError
-from ctxrl.report.svg import PALETTE, Series, finite, line_chart
+from ctxrl.report.svg import EMA_WEIGHT, PALETTE, Series, finite, line_chart
 
 MAX_LINE_BYTES = 8 << 20
 """The longest log line read (a metrics row or a sample episode is far shorter); a longer one is skipped unread."""
@@ -65,6 +76,8 @@ class Run:
         self.rows = self._log("metrics.jsonl")
         self.samples = self._log("samples.jsonl", sample_problem) if (self.dir / "samples.jsonl").exists() else []
         self.config = self._config()
+        self.settings = _settings(self.config)
+        """``config.toml`` as a table ({} when it is missing or not TOML)."""
 
     def _log(self, name: str, problem: Callable[[dict], str | None] | None = None) -> list[dict]:
         try:
@@ -110,18 +123,45 @@ class Run:
         splits = {r.get("split", "") for r in self.phase("eval") if isinstance(r.get("split", ""), str)}
         return sorted(splits, key=lambda s: (order.get(s, 9), s))
 
+    def setting(self, section: str, key: str, default: Any = None) -> Any:
+        table = self.settings.get(section)
+        return table.get(key, default) if isinstance(table, dict) else default
+
+    def eval_kind(self) -> str:
+        """How the run's evaluations sampled: "greedy evaluation" (``eval.temperature`` 0, the default)."""
+        temperature = finite(self.setting("eval", "temperature", 0.0))
+        return "greedy evaluation" if not temperature else f"evaluation sampled at T={temperature:g}"
+
+    def rollout_kind(self) -> str:
+        """How the training rollouts sampled: "training rollouts (sampled at T=0.7)"."""
+        temperature = finite(self.setting("rollout", "temperature"))
+        return "training rollouts" + (f" (sampled at T={temperature:g})" if temperature is not None else " (sampled)")
+
+    def evaluations(self, split: str) -> list[dict]:
+        return [r for r in self.phase("eval") if r.get("split") == split and finite(r.get("step")) is not None]
+
     def final(self) -> dict[str, float | None]:
-        """The last figures: each split's last evaluated success, and the last training step's figures."""
+        """The last figures: each split's last evaluated success (what ``ctxrl train`` prints as "after RL"), and the
+        last training step's figures, named apart (the training rollouts sample; the evaluations are greedy)."""
         out: dict[str, float | None] = {}
         for split in self.splits():
             pts = self.curve("success", "eval", split)
-            out[f"{split} success"] = pts[-1][1] if pts else None
+            out[f"{split} success ({self.eval_kind().replace('evaluation', 'eval')}, last)"] = \
+                pts[-1][1] if pts else None
         rl = self.phase("rl")
         last = rl[-1] if rl else {}
         out["steps"] = finite(last.get("step"))
-        for key in ("reward", "success", "tool_calls", "entropy"):
-            out[f"train {key}"] = finite(last.get(key))
+        for key in ("success", "reward", "tool_calls", "error_rate", "entropy"):
+            out[f"training rollouts: {key.replace('_', ' ')} (last step)"] = finite(last.get(key))
         return out
+
+
+def _settings(text: str) -> dict:
+    try:
+        data = tomllib.loads(text) if text else {}
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def read_jsonl(path: Path, problem: Callable[[dict], str | None] | None = None) -> tuple[list[dict], str]:
@@ -202,20 +242,35 @@ def _objects(value: Any) -> bool:
 # -- charts ----------------------------------------------------------------------------------------------------
 
 
+ATTEMPT_KEY = re.compile(r"(success_by|pass_at)_(\d+)$")
+
+
+def attempt_keys(run: Run, prefix: str) -> list[str]:
+    """``success_by_1``, ``success_by_2``... (or ``pass_at_k``) as logged, in order of k."""
+    keys = {k for r in run.rows for k in r if (m := ATTEMPT_KEY.match(k)) and m.group(1) == prefix}
+    return sorted(keys, key=lambda k: int(k.rsplit("_", 1)[1]))
+
+
 def run_charts(run: Run) -> list[str]:
     """One run's charts (those with something logged)."""
     charts = []
-    success = [Series("train rollouts", run.curve("success"))]
-    success += [Series(f"{split} (evaluation)", run.curve("success", "eval", split), points=True)
+    rollouts, evaluation = run.rollout_kind(), run.eval_kind()
+    success = [Series(rollouts, run.curve("success"))]
+    success += [Series(f"{split}: {evaluation}", run.curve("success", "eval", split), points=True)
                 for split in run.splits()]
     charts.append(line_chart(success, title="Success by split", y_label="success", y_range=(0, 1)))
     charts.append(line_chart([Series("train reward", run.curve("reward"))], title="Reward (training rollouts)",
                              y_label="reward"))
     tools = [Series("tool calls / episode", run.curve("tool_calls")),
              Series("tool errors / episode", run.curve("tool_errors"), dashed=True)]
-    tools += [Series(f"{split} tool calls (evaluation)", run.curve("tool_calls", "eval", split), points=True)
+    tools += [Series(f"{split} tool calls ({evaluation})", run.curve("tool_calls", "eval", split), points=True)
               for split in run.splits()]
     charts.append(line_chart(tools, title="Tool calls per episode", y_label="calls"))
+    errors = [Series("errored episodes, training rollouts", run.curve("error_rate"))]
+    errors += [Series(f"{split} ({evaluation})", run.curve("errored", "eval", split), points=True)
+               for split in run.splits()]
+    if any(s.xy for s in errors):
+        charts.append(line_chart(errors, title="Errored episodes (fraction)", y_label="fraction", y_range=(0, 1)))
     context = [Series("context peak (mean)", run.curve("context_peak_tokens_mean")),
                Series("context peak (max)", run.curve("context_peak_tokens_max"), dashed=True),
                Series("tokens per sequence", _ratio(run, "tokens", "trained_sequences")),
@@ -227,6 +282,7 @@ def run_charts(run: Run) -> list[str]:
                                                                     "branches_per_episode") if run.curve(k)]
     if any(y for s in summaries for _, y in s.xy):
         charts.append(line_chart(summaries, title="Context rewrites per episode", y_label="per episode"))
+    charts += attempt_charts(run)
     for key in POLICY_KEYS:
         if run.curve(key):
             charts.append(line_chart([Series(key, run.curve(key))], title=key.replace("_", " "), y_label=key))
@@ -235,6 +291,53 @@ def run_charts(run: Run) -> list[str]:
         charts = [c for c in charts if "clip frac" not in c[:400]]
         charts.append(line_chart(clip, title="Clip fractions", y_label="fraction"))
     return charts
+
+
+def attempt_charts(run: Run) -> list[str]:
+    """Meta-RL's trials: success by attempt k (a success among attempts 1..k) over steps, and pass@k of independent
+    first attempts (its baseline), each in the training rollouts and the held-out evaluations, where logged."""
+    charts = []
+    split = "heldout" if "heldout" in run.splits() else (run.splits() or [""])[0]
+    for prefix, title in (("success_by", "Success by attempt k (a success among attempts 1..k)"),
+                          ("pass_at", "pass@k of independent first attempts")):
+        keys = attempt_keys(run, prefix)
+        series = [Series(f"@{k.rsplit('_', 1)[1]} training", run.curve(k), color=PALETTE[i % len(PALETTE)])
+                  for i, k in enumerate(keys)]
+        series += [Series(f"@{k.rsplit('_', 1)[1]} {split} eval", run.curve(k, "eval", split), points=True,
+                          color=PALETTE[i % len(PALETTE)]) for i, k in enumerate(keys)]
+        if any(s.xy for s in series):
+            charts.append(line_chart(series, title=title, y_label="success", y_range=(0, 1)))
+    return charts
+
+
+def attempt_table(run: Run) -> str:
+    """Success by attempt at each split's last evaluation (``success_by_k``, or the mean over tasks of
+    ``task_success_by_attempt``) beside pass@k of independent first attempts; "" when no trials were played."""
+    rows = []
+    for split in run.splits():
+        last = run.evaluations(split)[-1] if run.evaluations(split) else {}
+        by = [finite(last.get(k)) for k in attempt_keys(run, "success_by")]
+        tasks = last.get("task_success_by_attempt")
+        if not any(v is not None for v in by) and isinstance(tasks, dict) and tasks:
+            lists = [v for v in tasks.values() if isinstance(v, list) and v]
+            width = max((len(v) for v in lists), default=0)
+            by = [sum(finite(v[k]) or 0.0 for v in lists if len(v) > k) / len(lists) for k in range(width)]
+        passes = [finite(last.get(k)) for k in attempt_keys(run, "pass_at")]
+        if any(v is not None for v in by):
+            rows.append((split, finite(last.get("step")), by, passes))
+    if not rows:
+        return ""
+    width = max(len(by) for _, _, by, _ in rows)
+    passes = max(len(p) for _, _, _, p in rows)
+    out = ['<table class="attempts"><tr><th>split (last evaluation)</th>'
+           + "".join(f"<th>success by attempt {k + 1}</th>" for k in range(width))
+           + "".join(f"<th>pass@{k + 1}, independent</th>" for k in range(passes)) + "</tr>"]
+    for split, step, by, ps in rows:
+        out.append(f"<tr><td>{escape(split)} (step {_step(step)})</td>"
+                   + "".join(f"<td>{_cell(by[k] if k < len(by) else None)}</td>" for k in range(width))
+                   + "".join(f"<td>{_cell(ps[k] if k < len(ps) else None)}</td>" for k in range(passes)) + "</tr>")
+    out.append("</table>")
+    return "<h3>Success by attempt</h3>" + "".join(out)
 
 
 def _ratio(run: Run, numerator: str, denominator: str) -> list[tuple[float, float]]:
@@ -253,18 +356,50 @@ def comparison_charts(runs: list[Run]) -> list[str]:
     heldout = []
     for i, run in enumerate(runs):
         color = PALETTE[i % len(PALETTE)]
-        heldout.append(Series(f"{run.name} train rollouts", run.curve("success"), color=color))
+        heldout.append(Series(f"{run.name} training rollouts", run.curve("success"), color=color))
         split = "heldout" if "heldout" in run.splits() else (run.splits() or [""])[0]
-        heldout.append(Series(f"{run.name} {split} (evaluation)", run.curve("success", "eval", split), points=True,
-                              color=color))
+        heldout.append(Series(f"{run.name} {split} ({run.eval_kind()})", run.curve("success", "eval", split),
+                              points=True, color=color))
     charts.append(line_chart(heldout, title="Success: training rollouts and held-out evaluations", y_range=(0, 1),
                              y_label="success"))
     for key, title in (("reward", "Reward"), ("tool_calls", "Tool calls per episode"), ("entropy", "Entropy"),
+                       ("error_rate", "Errored episodes (fraction)"),
                        ("context_peak_tokens_mean", "Context length per episode")):
         series = [Series(run.name, run.curve(key), color=PALETTE[i % len(PALETTE)]) for i, run in enumerate(runs)]
         if any(s.xy for s in series):
             charts.append(line_chart(series, title=title, y_label=key))
     return charts
+
+
+def _flat_settings(table: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flat_settings(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_diff(runs: list[Run]) -> str:
+    """The settings in which the runs' ``config.toml`` files differ, one row each ("(not set)" where a run's file
+    lacks the key, as an older version of ctxrl writes): what makes the compared curves differ, besides the seed."""
+    flat = [_flat_settings(run.settings) for run in runs]
+    keys = sorted({k for f in flat for k in f})
+    missing = object()
+    differ = [k for k in keys if len({json.dumps(f.get(k, missing), default=str) for f in flat}) > 1]
+    unread = [run.name for run in runs if not run.settings]
+    note = (f"<p>no config.toml could be read for {escape(', '.join(unread))}</p>" if unread else "")
+    if not differ:
+        return "<h3>Settings that differ</h3>" + note + "<p>none: every config.toml holds the same settings</p>"
+    out = ['<table class="config-diff"><tr><th>setting</th>'
+           + "".join(f"<th>{escape(run.name)}</th>" for run in runs) + "</tr>"]
+    for key in differ:
+        cells = "".join(f"<td>{escape(json.dumps(f[key], default=str)) if key in f else '(not set)'}</td>"
+                        for f in flat)
+        out.append(f"<tr><td>{escape(key)}</td>{cells}</tr>")
+    out.append("</table>")
+    return "<h3>Settings that differ</h3>" + note + "".join(out)
 
 
 # -- episodes ---------------------------------------------------------------------------------------------------
@@ -394,7 +529,15 @@ pre.text{white-space:pre-wrap;word-break:break-word;margin:2px 0;font:12px/1.4 u
 .mask1{background:#b7e4b0}.mask0{background:#ececec;color:#555}
 .segment{border:1px dashed #aaa;padding:4px;margin:6px 0}.segment-head{font-size:12px;color:#444;margin:6px 0 2px}
 .error{color:#a11}details.config pre{background:#f6f6f6;padding:8px;font-size:12px}
+.flat-note{font-size:10px;fill:#888}.note{color:#555;font-size:12px}
+.series.smoothed{display:none}#smooth:checked~* .series.smoothed{display:inline}
+#smooth:checked~* .series.raw{opacity:.2}.toggle{font-size:13px}
 """
+
+SMOOTH_TOGGLE = ('<input type="checkbox" id="smooth"><label for="smooth" class="toggle"> smooth the training curves '
+                 f'(exponential moving average, weight {EMA_WEIGHT}; the raw curve stays, faint)</label>')
+"""A checkbox that shows each training curve's EMA instead of its raw values, by CSS alone (the page has no script):
+it must precede, as a sibling, every element that holds a chart."""
 
 MASK_LEGEND = ('<p class="legend-mask"><span class="mask1">loss mask 1: sampled by the policy (trained)</span>'
                '<span class="mask0">loss mask 0: given (prompt, template, tool results, environment text)</span></p>')
@@ -407,6 +550,11 @@ def _cell(value) -> str:
     return f"{value:.0f}" if value.is_integer() and abs(value) > 1 else f"{value:.3f}"
 
 
+def _step(value) -> str:
+    value = finite(value)
+    return "-" if value is None else f"{value:g}"
+
+
 def final_table(runs: list[Run]) -> str:
     finals = [run.final() for run in runs]
     keys = list(dict.fromkeys(k for f in finals for k in f))
@@ -417,9 +565,75 @@ def final_table(runs: list[Run]) -> str:
     return "".join(out)
 
 
-def run_section(run: Run) -> str:
+def evaluation_table(run: Run) -> str:
+    """Each split's first and last evaluation, and their change: the before/after table ``ctxrl train`` prints
+    (tool calls from ``heldout``, or ``train`` without one), with the steps they were taken at."""
+    rows, first_step, last_step = [], None, None
+    for split in run.splits():
+        evals = run.evaluations(split)
+        before, after = (evals[0], evals[-1]) if evals else ({}, {})
+        b, a = finite(before.get("success")), finite(after.get("success"))
+        first_step, last_step = finite(before.get("step")), finite(after.get("step"))
+        rows.append((split, b, a, None if a is None or b is None else a - b))
+    if not rows:
+        return "<p>no evaluation logged yet</p>"
+    source = "heldout" if "heldout" in run.splits() else "train"
+    evals = run.evaluations(source)
+    before_label = "after warm start" if run.phase("sft") else "before RL"
+    out = [f'<table class="evaluation"><caption>success per split, {escape(run.eval_kind())} '
+           f"(the table <code>ctxrl train</code> prints)</caption><tr><th>split</th>"
+           f"<th>{before_label} (step {_step(first_step)})</th><th>last (step {_step(last_step)})</th>"
+           "<th>change</th></tr>"]
+    for split, b, a, change in rows:
+        out.append(f"<tr><td>{escape(split)}</td><td>{_cell(b)}</td><td>{_cell(a)}</td>"
+                   f"<td>{'-' if change is None else f'{change:+.3f}'}</td></tr>")
+    if evals:
+        out.append(f"<tr><td>tool calls / episode ({source})</td><td>{_cell(evals[0].get('tool_calls'))}</td>"
+                   f"<td>{_cell(evals[-1].get('tool_calls'))}</td><td></td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+ROLLOUT_KEYS = ("success", "reward", "tool_calls", "error_rate", "entropy")
+
+
+def rollout_table(run: Run, last: int = 5) -> str:
+    """The training rollouts' figures: the last step's, and the mean of the last ``last`` steps (one step's sample
+    of a few tasks is noisy)."""
+    rl = [r for r in run.phase("rl") if finite(r.get("step")) is not None]
+    if not rl:
+        return ""
+    tail = rl[-last:]
+
+    def mean(key: str) -> float | None:
+        values = [v for v in (finite(r.get(key)) for r in tail) if v is not None]
+        return sum(values) / len(values) if values else None
+
+    keys = [k for k in ROLLOUT_KEYS if any(finite(r.get(k)) is not None for r in tail)]
+    out = [f'<table class="rollouts"><caption>{escape(run.rollout_kind())}: the episodes RL trained on, not an '
+           "evaluation</caption><tr><th></th>" + "".join(f"<th>{escape(k.replace('_', ' '))}</th>" for k in keys)
+           + "</tr>",
+           f"<tr><td>last step ({_step(rl[-1].get('step'))})</td>"
+           + "".join(f"<td>{_cell(rl[-1].get(k))}</td>" for k in keys) + "</tr>",
+           f"<tr><td>mean of the last {len(tail)} step{'s' if len(tail) > 1 else ''}</td>"
+           + "".join(f"<td>{_cell(mean(k))}</td>" for k in keys)
+           + "</tr></table>"]
+    return "".join(out)
+
+
+def run_summary(run: Run) -> str:
+    return ("<h3>Final figures</h3>" + evaluation_table(run) + rollout_table(run)
+            + '<p class="note">The evaluations decode greedily on fixed tasks of each split (unless eval.temperature '
+              "is set); the training rollouts sample at rollout.temperature on a step's few tasks, so their success "
+              "differs from the evaluations' and moves more from step to step: the evaluations are the run's "
+              "result. Both are in metrics.jsonl: rows of phase \"eval\" and \"rl\".</p>"
+            + attempt_table(run))
+
+
+def run_section(run: Run, *, summary: bool = False) -> str:
+    """A run's charts, sample episodes and config; ``summary``: its final figures first (a compared run's)."""
     out = [f'<section class="run" id="run-{escape(run.name)}"><h2>{escape(run.name)}</h2>',
-           f'<p class="run-dir">{escape(str(run.dir))}</p>',
+           f'<p class="run-dir">{escape(str(run.dir))}</p>', run_summary(run) if summary else "",
            '<div class="charts">' + "".join(run_charts(run)) + "</div>",
            "<h3>Sample episodes</h3>", MASK_LEGEND]
     samples = chosen_samples(run)
@@ -442,12 +656,14 @@ def render(run_dirs: list[str | Path], runs: list[Run] | None = None) -> str:
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            f"<title>{escape(title)}</title><style>{CSS}</style></head><body>", f"<h1>{escape(title)}</h1>"]
     if len(runs) > 1:
+        out.append(SMOOTH_TOGGLE)
         out.append('<section class="comparison"><h2>Comparison</h2><div class="charts">'
                    + "".join(comparison_charts(runs)) + "</div><h3>Final figures</h3>" + final_table(runs)
-                   + "</section>")
+                   + config_diff(runs) + "</section>")
     else:
-        out.append("<h3>Final figures</h3>" + final_table(runs))
-    out.extend(run_section(run) for run in runs)
+        out.append(f'<section class="summary">{run_summary(runs[0])}</section>')
+        out.append(SMOOTH_TOGGLE)
+    out.extend(run_section(run, summary=len(runs) > 1) for run in runs)
     out.append("</body></html>")
     return "\n".join(out)
 

@@ -34,6 +34,7 @@ def _figure(title: str, y_label: str):
     ax.set_title(title)
     ax.set_xlabel("RL step")
     ax.set_ylabel(y_label)
+    ax.ticklabel_format(axis="y", useOffset=False)  # no "+1e-13" offset turning float noise into a trend
     return figure, ax
 
 
@@ -64,11 +65,11 @@ def reward_figure(run: Run):
 
 
 def success_figure(run: Run):
-    """Success by split: the training rollouts as a curve, each split's evaluations as points."""
+    """Success by split: the training rollouts (sampled) as a curve, each split's evaluations (greedy) as points."""
     figure, ax = _figure("Success by split", "success")
-    _line(ax, run.curve("success"), "train rollouts", alpha=0.7)
+    _line(ax, run.curve("success"), run.rollout_kind(), alpha=0.7)
     for split in run.splits():
-        _points(ax, run.curve("success", "eval", split), f"{split} (evaluation)")
+        _points(ax, run.curve("success", "eval", split), f"{split}: {run.eval_kind()}")
     ax.set_ylim(-0.02, 1.02)
     _legend(ax)
     return figure
