@@ -215,6 +215,7 @@ def test_pinned_seats_are_never_dropped_as_stale_in_asynchronous_rounds():
     from types import SimpleNamespace
 
     from ctxrl.config import RewardConfig
+    from ctxrl.judge.spec import JudgeSettings
     from ctxrl.train.collect import Collector
     from ctxrl.types import Episode, Task
 
@@ -227,7 +228,8 @@ def test_pinned_seats_are_never_dropped_as_stale_in_asynchronous_rounds():
     played = [seat(5, True), seat(3, True), seat(0, False)]
     worker = SimpleNamespace(policy_version=5, submit=lambda request: request, collect=lambda submitted: played)
     config = SimpleNamespace(train=SimpleNamespace(steps=1), distributed=SimpleNamespace(max_staleness=1),
-                             reward=RewardConfig(), rollout=SimpleNamespace(max_total_tokens=64))
+                             reward=RewardConfig(), rollout=SimpleNamespace(max_total_tokens=64),
+                             settings_of=lambda section, name: JudgeSettings())  # ([reward.judge]: no judge)
     fake = SimpleNamespace(_prefetched=None, worker=worker, config=config, rollout_request=lambda step, r: None)
     collected = Collector.asynchronous_round(fake, 0)
     assert collected.episodes == [played[0], played[2]]  # the two-versions-old trained seat goes; the pinned stays
