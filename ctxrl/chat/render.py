@@ -90,6 +90,28 @@ def turn_end(tokenizer: Any, template: str, eos: str, end_ids: list[int]) -> tup
     return eos, tokenizer.convert_tokens_to_ids(eos)
 
 
+def format_notices(asked: str, chosen: ToolFormat | None, template: str, template_name: str) -> list[str]:
+    """What a user should hear of the tool-call format ``asked`` (``model.tool_format``) and ``chosen``, against what
+    the chat ``template`` shows: ``auto`` choosing a format without a marker (ChatML), and a forced format the
+    template does not write (a warning, not a refusal: a marker is evidence, not proof, as a template may show several
+    formats, Llama 3.2's both pythonic and JSON; and a warm start can teach the forced format on purpose)."""
+    shown = detect_format(template)
+    if chosen is None:
+        return []
+    if asked == "auto":
+        return [] if shown is not None else [
+            f"chat template {template_name!r} shows none of the tool-call markers ctxrl looks for, but it is ChatML "
+            f"({CHATML}): ctxrl uses the {chosen.name} tool-call format, which ChatML families write; set "
+            f"model.tool_format to choose another ({', '.join(format_names())})"]
+    if shown is None or shown.name == chosen.name:
+        return []
+    marker = next(m for m in shown.markers if m in template)
+    return [f"model.tool_format={asked}, but chat template {template_name!r} writes tool calls as {shown.name} (it "
+            f"shows {marker}): the policy is prompted in one format and parsed in the other, so its calls will not "
+            f"parse unless the warm start teaches {asked}; set model.tool_format=auto (or {shown.name}) to use the "
+            "template's"]
+
+
 class ChatRenderer:
     """Renders messages to ids through a HF tokenizer's chat template, incrementally.
 
@@ -106,22 +128,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template_name = template_name or getattr(tokenizer, "name_or_path", "") or "<chat template>"
         self._format: ToolFormat | None = choose_format(tool_format, self.template_text)
-        self._format_notices: list[str] = []
-        if tool_format == "auto" and self._format is not None and detect_format(self.template_text) is None:
-            self._format_notices.append(
-                f"chat template {self.template_name!r} shows none of the tool-call markers ctxrl looks for, but it "
-                f"is ChatML ({CHATML}): ctxrl uses the {self._format.name} tool-call format, which ChatML families "
-                f"write; set model.tool_format to choose another ({', '.join(format_names())})")
-        shown = detect_format(self.template_text) if tool_format != "auto" else None
-        if shown is not None and self._format is not None and shown.name != self._format.name:
-            # A warning, not a refusal: a marker is evidence, not proof (a template may show several formats,
-            # Llama 3.2's both pythonic and JSON), and a warm start can teach the forced format on purpose.
-            marker = next(m for m in shown.markers if m in self.template_text)
-            self._format_notices.append(
-                f"model.tool_format={tool_format}, but chat template {self.template_name!r} writes tool calls as "
-                f"{shown.name} (it shows {marker}): the policy is prompted in one format and parsed in the other, so "
-                f"its calls will not parse unless the warm start teaches {tool_format}; set model.tool_format=auto "
-                f"(or {shown.name}) to use the template's")
+        self._format_notices = format_notices(tool_format, self._format, self.template_text, self.template_name)
         self._ignores_tools: bool | None = None  # probed on first need (ignores_tools)
         self._system_turn_problem: str | None = None  # why the template cannot take a system turn, once probed
         eos = tokenizer.eos_token

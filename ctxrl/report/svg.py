@@ -105,16 +105,13 @@ def line_chart(series: list[Series], *, title: str, y_label: str = "", y_range: 
         s.color = s.color or PALETTE[i % len(PALETTE)]
     xs = [x for s in series for x, _ in s.xy]
     ys = [y for s in series for _, y in s.xy]
-    flat = False
+    flat = middle = None
     if xs:
         x0, x1 = min(xs), max(xs)
         if x1 == x0:
             x0, x1 = x0 - 1, x1 + 1
-        y0, y1 = y_range if y_range else (min(ys), max(ys))
-        if not y_range and is_flat(y0, y1):  # one value up to float noise: an axis around it, not a trend
-            flat, middle = True, (y0 + y1) / 2
-            middle = 0.0 if abs(middle) <= FLAT else middle
-            y0, y1 = middle - (abs(middle) * 0.1 or 1), middle + (abs(middle) * 0.1 or 1)
+        y0, y1, middle = _y_axis(ys, y_range)
+        flat = middle is not None
         y_ticks = _ticks(y0, y1)
         labels = [_label(t) for t in y_ticks]
     else:
@@ -154,16 +151,30 @@ def line_chart(series: list[Series], *, title: str, y_label: str = "", y_range: 
         out.append(f'<text transform="translate(12 {top + plot_h / 2}) rotate(-90)" text-anchor="middle" '
                    f'class="axis">{escape(y_label)}</text>')
     if flat:
-        out.append(f'<text x="{left + plot_w - 4}" y="{top + 12}" text-anchor="end" class="flat-note">flat: every '
-                   f'value {_label(middle)}</text>')
-        for s in series:  # float noise drawn as the one value it is
-            s.xy = [(x, middle) for x, _ in s.xy]
+        out.append(_flatten(series, middle, left + plot_w - 4, top + 12))
     out += [_series_svg(s, px, py) for s in series]
-    for s, (row, column, text) in zip(series, rows):
-        lx = left + column * plot_w / 2
-        out.append(_legend_entry(s, text, lx, top + plot_h + 42 + 16 * row))
+    out += [_legend_entry(s, text, left + column * plot_w / 2, top + plot_h + 42 + 16 * row)
+            for s, (row, column, text) in zip(series, rows)]
     out.append("</svg>")
     return "".join(out)
+
+
+def _flatten(series: list[Series], middle: float, x: float, y: float) -> str:
+    """Draw float noise as the one value it is: every series at ``middle``; the note that says so, at (x, y)."""
+    for s in series:
+        s.xy = [(px, middle) for px, _ in s.xy]
+    return f'<text x="{x}" y="{y}" text-anchor="end" class="flat-note">flat: every value {_label(middle)}</text>'
+
+
+def _y_axis(ys: list[float], y_range: tuple[float, float] | None) -> tuple[float, float, float | None]:
+    """(low, high, the one value or None): ``y_range`` as given, else the values' span; a span of one value up to
+    float noise gets an axis around that value (returned third), so that noise is not drawn as a trend."""
+    y0, y1 = y_range if y_range else (min(ys), max(ys))
+    if y_range or not is_flat(y0, y1):
+        return y0, y1, None
+    middle = (y0 + y1) / 2
+    middle = 0.0 if abs(middle) <= FLAT else middle
+    return middle - (abs(middle) * 0.1 or 1), middle + (abs(middle) * 0.1 or 1), middle
 
 
 def _legend_rows(series: list[Series], plot_w: float) -> list[tuple[int, int, str]]:
