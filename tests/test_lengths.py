@@ -79,7 +79,8 @@ def test_check_env_prints_lengths_with_a_tiny_models_tokenizer(tmp_path):
     assert set(lengths) == {"train", "heldout", "ood"}
     train = lengths["train"]
     assert 100 < train["opening"] < train["episode"][0] <= train["episode"][1] <= train["episode"][2]
-    built = [json.loads((p / "ctxrl_tiny.json").read_text()) for p in (tmp_path / "cache").iterdir()]
+    built = [json.loads((p / "ctxrl_tiny.json").read_text()) for p in (tmp_path / "cache").iterdir()
+             if p.is_dir()]  # (the build's lock file sits beside the models)
     assert [(b["hidden_size"], b["pretrain_steps"]) for b in built] == [(128, 0)]  # only the twin was built
     proc = subprocess.run([sys.executable, "-m", "ctxrl.cli", "check-env", "fact_hunt", "--tasks", "2", "--lengths",
                            str(tmp_path / "missing")], env=env, cwd=tmp_path, capture_output=True, text=True,
