@@ -22,9 +22,6 @@ import tomllib
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stats  # noqa: E402  (a sibling script, not a package)
 
-SeedOutcome, bootstrap_difference, bootstrap_mean = stats.SeedOutcome, stats.bootstrap_difference, stats.bootstrap_mean
-paired_t_test, seed_differences, sign_flip_p = stats.paired_t_test, stats.seed_differences, stats.sign_flip_p
-
 DATA = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "data" / "issue56" / "batch"
 SPLITS = ("train", "heldout", "ood")
 ARMS = {"rl": "RL", "sft": "SFT-only control"}
@@ -46,7 +43,7 @@ def read_run(run_dir: Path) -> dict:
     for r in evals:
         when = "before" if r["step"] == 0 else "after" if r["step"] == last else None
         if when and r["split"] in SPLITS:
-            out[when][r["split"]] = SeedOutcome(r["success"], r.get("task_success"), draw)
+            out[when][r["split"]] = stats.SeedOutcome(r["success"], r.get("task_success"), draw)
     missing = [f"{w} {s}" for w in ("before", "after") for s in SPLITS if s not in out[w]]
     if missing:
         raise ValueError(f"{run_dir}: no evaluation for {', '.join(missing)}: the run did not finish")
@@ -80,8 +77,8 @@ def arms_table(arms: dict[str, list[dict]]) -> str:
              "|---|---|---|---|---|---|"]
     for label, runs in arms.items():
         for split in SPLITS:
-            before = bootstrap_mean([r["before"][split] for r in runs])
-            after = bootstrap_mean([r["after"][split] for r in runs])
+            before = stats.bootstrap_mean([r["before"][split] for r in runs])
+            after = stats.bootstrap_mean([r["after"][split] for r in runs])
             lines.append(f"| {label} | {split} | {len(runs)} | {after.n_tasks} | {_cell(before)} | {_cell(after)} |")
     return "\n".join(lines)
 
@@ -94,11 +91,11 @@ def share_table(arms: dict[str, list[dict]]) -> str:
              "|---|---|---|---|---|---|"]
     for split in SPLITS:
         a, b = [r["after"][split] for r in rl], [r["after"][split] for r in control]
-        diff = bootstrap_difference(a, b)
-        per_seed = seed_differences(a, b)
-        _, _, p = paired_t_test(per_seed)
+        diff = stats.bootstrap_difference(a, b)
+        per_seed = stats.seed_differences(a, b)
+        _, _, p = stats.paired_t_test(per_seed)
         lines.append(f"| {split} | {_signed(diff)} | {', '.join(f'{d:+.3f}' for d in per_seed)} | "
-                     f"{'–' if math.isnan(p) else f'{p:.2f}'} | {sign_flip_p(per_seed):.2f} | "
+                     f"{'–' if math.isnan(p) else f'{p:.2f}'} | {stats.sign_flip_p(per_seed):.2f} | "
                      f"{len(per_seed)} seeds × {diff.n_tasks} tasks |")
     return "\n".join(lines)
 

@@ -850,17 +850,25 @@ def report(records: list[dict]) -> str:
 CONTEXT_RL_PAGE = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "context-rl.md"
 
 
+def _fill_page(page: Path, tables: dict[str, str], write: bool) -> int:
+    """Print ``tables`` as the page's blocks, or (``write``) put them into ``page``."""
+    import context_rl
+
+    if not write:
+        print("\n\n".join(f"<!-- {name} -->\n{table}" for name, table in tables.items()))
+        return 0
+    page.write_text(context_rl.fill_page(page.read_text(), tables))
+    print(f"wrote {page}'s generated blocks")
+    return 0
+
+
 def _context_rl(write: bool) -> int:
     """``context-rl``: the page's tables on stdout, or (``--write``) into the page, with its plot."""
     import context_rl
 
-    tables = context_rl.page_tables()
-    if not write:
-        print("\n\n".join(f"<!-- {name} -->\n{table}" for name, table in tables.items()))
-        return 0
-    CONTEXT_RL_PAGE.write_text(context_rl.fill_page(CONTEXT_RL_PAGE.read_text(), tables))
-    context_rl.plot(context_rl.DATA / "batch", CONTEXT_RL_PAGE.with_suffix(".png"))
-    print(f"wrote {CONTEXT_RL_PAGE} and its plot")
+    _fill_page(CONTEXT_RL_PAGE, context_rl.page_tables(), write)
+    if write:
+        context_rl.plot(context_rl.DATA / "batch", CONTEXT_RL_PAGE.with_suffix(".png"))
     return 0
 
 
@@ -869,16 +877,9 @@ ENVIRONMENTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "environments
 
 def _repo_tasks(write: bool) -> int:
     """``repo-tasks``: the measured blocks of docs/environments.md's repo_tasks section (issue 56)."""
-    import context_rl
     import repo_tasks_page
 
-    tables = repo_tasks_page.page_tables()
-    if not write:
-        print("\n\n".join(f"<!-- {name} -->\n{table}" for name, table in tables.items()))
-        return 0
-    ENVIRONMENTS_PAGE.write_text(context_rl.fill_page(ENVIRONMENTS_PAGE.read_text(), tables))
-    print(f"wrote {ENVIRONMENTS_PAGE}'s repo_tasks blocks")
-    return 0
+    return _fill_page(ENVIRONMENTS_PAGE, repo_tasks_page.page_tables(), write)
 
 
 def main(argv: list[str] | None = None) -> int:
