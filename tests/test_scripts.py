@@ -49,6 +49,8 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "benchmarks/reasoning_gym_families.py": "tests/test_scripts.py::test_reasoning_gym_families_checks_and_tabulates",
     "benchmarks/serve_soak.py": "tests/test_scripts.py::test_serve_soak_loses_no_episode_to_hostile_clients",
     "benchmarks/shared_gpu.py": "tests/test_scripts.py::test_shared_gpu_runs_two_trainings_side_by_side_on_the_cpu",
+    "benchmarks/shared_prefix.py":
+        "tests/test_shared_prefix.py::test_the_benchmark_smoke_runs_every_workload_and_reports_savings",
     "benchmarks/tiny_skills.py": "tests/test_scripts.py::test_tiny_skills_scores_each_format",
     "benchmarks/train_step.py": "tests/test_scripts.py::test_train_step_times_the_real_command_on_the_cpu",
     "experiments/batch.py": "tests/test_batch.py::test_runs_wait_for_builds_and_a_failed_build_skips_its_runs",

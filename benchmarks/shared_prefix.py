@@ -1,0 +1,272 @@
+"""Shared-prefix (tree) training on ctxrl's workloads: tokens and estimated FLOPs with and without sharing, and a
+CPU timing of the tiny model, padded against tree-packed.
+
+    .venv/bin/python benchmarks/shared_prefix.py            # the table and the CPU timing
+    .venv/bin/python benchmarks/shared_prefix.py --smoke    # a few rows, one repetition: does it run?
+
+Where the rows come from (no model samples anything: every row is a scripted episode played through the real
+agent loop, tokenized by the tiny model's tokenizer and ChatML-like template, so token counts are the tiny
+tokenizer's, not Qwen's; the structure, what is shared and where rows part, is the real one):
+
+- ``grpo/train_step``: ``benchmarks/train_step.py``'s workload, one group: a 128-token prompt and 8 completions
+  of 256 tokens (random ids; the completions part at their first token);
+- ``grpo/fact_hunt``: a group of 8 on fact_hunt: one task's rendered prompt, then the post-prompt tokens (tool
+  calls, pages read, the answer) of the scripted solutions of 8 tasks, as 8 sampled completions would be;
+- ``meta/minesweeper``: 8 trials (8 tasks) of 3 attempts with ``meta.carry = "attempts"``, scripted as a failed
+  attempt, a reflection, another failure and reflection, then the solution; attempt ``k``'s row is the opening
+  plus attempts ``1..k-1`` in full, then its own turns (``ctxrl.meta.rollout``);
+- ``summarize/fact_hunt``: 8 fact_hunt episodes (8 tasks of the 6-to-8-page ``ood`` split) under
+  ``context.manager = summarize`` with a 512-token budget and the environment's scripted summaries; every
+  segment of an episode is a row.
+
+The meta and summarize batches share only within a trial or an episode (8 different tasks), which understates
+a real group, whose 8 trials or episodes of one task also share their opening.
+
+FLOPs (``ctxrl.learner.shared_prefix.plan``) are forward + backward matrix products for the Qwen2.5 0.5B and 1.5B
+shapes (``ctxrl.models.shapes``: parameters from the configurations, no weights): ``unshared`` is each row alone
+with causal attention (the flat pass), ``dense`` the packed trees through SDPA with their 4D mask (what is built:
+all ``L^2`` scores of a packed tree), ``tree`` a kernel scoring only the pairs a token attends. Rows are cut into
+trees by ``group_rows`` (neighbours sharing 32 tokens, at most ``--max-tokens`` a tree) and every tree is
+counted shared, whatever the plan says; the plan's verdict is its own column.
+
+The CPU timing runs the tiny model (float32, one thread) over each workload's rows: the padded batch (one
+``token_logprobs`` call) against the trees (one ``tree_logprobs`` call a tree), forward and backward of the
+same masked loss, median of ``--repeats``, alternating the two so that neither gets a warmer machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import random
+import statistics
+import time
+
+import torch
+
+from ctxrl.learner.shared_prefix import ModelShape, pack_tree, plan_batch
+from ctxrl.learner.shared_prefix.layout import tree_logprobs
+from ctxrl.learner.shared_prefix.plan import KERNELS, unshared_cost
+
+TINY = "tiny:pretrain_steps=0"
+SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+MIN_SHARED = 32
+
+
+# -- rows of the workloads --------------------------------------------------------------------------
+
+
+def _prompt_end(mask: list[int]) -> int:
+    return next((i for i, m in enumerate(mask) if m), len(mask))
+
+
+def train_step_group(vocab: int, prompt: int = 128, completion: int = 256, n: int = 8, seed: int = 0):
+    rng = random.Random(seed)
+    head = [rng.randrange(3, vocab) for _ in range(prompt)]
+    rows = [head + [rng.randrange(3, vocab) for _ in range(completion)] for _ in range(n)]
+    return rows, [[0] * prompt + [1] * completion for _ in range(n)]
+
+
+def _limits(**context):
+    from ctxrl.rollout.managers import ContextPolicy
+    from ctxrl.rollout.spec import RolloutLimits
+
+    return RolloutLimits(max_turns=16, max_new_tokens=256, max_total_tokens=1 << 16,
+                         context=ContextPolicy(**context) if context else ContextPolicy())
+
+
+def fact_hunt_group(renderer, n: int = 8, seed: int = 0):
+    from ctxrl.demos.play import play_script
+    from ctxrl.envs.fact_hunt import FactHuntEnv
+
+    tasks = FactHuntEnv.sample_tasks("train", n, seed)
+
+    async def play():
+        return await asyncio.gather(*(play_script(FactHuntEnv, t, FactHuntEnv.solve(t), renderer, _limits())
+                                      for t in tasks))
+
+    episodes = asyncio.run(play())
+    start = _prompt_end(episodes[0].loss_mask)
+    prompt = episodes[0].input_ids[:start]
+    rows, masks = [], []
+    for e in episodes:
+        own = _prompt_end(e.loss_mask)
+        rows.append(prompt + e.input_ids[own:])
+        masks.append([0] * start + e.loss_mask[own:])
+    return rows, masks
+
+
+def minesweeper_trials(renderer, n: int = 8, attempts: int = 3, seed: int = 0):
+    from ctxrl.engine.scripted import ScriptedEngine
+    from ctxrl.envs.minesweeper import MinesweeperEnv
+    from ctxrl.envs.recorded import RecordedEnv
+    from ctxrl.meta.rollout import run_trial
+    from ctxrl.sections import MetaConfig
+
+    policy = MetaConfig(num_attempts=attempts, carry="attempts", reflect=True, reflection_max_tokens=256)
+
+    def play(task):
+        played: list[RecordedEnv] = []
+
+        def make_env():
+            played.append(RecordedEnv(MinesweeperEnv()))
+            return played[-1]
+
+        script = [*MinesweeperEnv.failure(task) * (attempts - 1), *MinesweeperEnv.solve(task)]
+        engine = ScriptedEngine(script, renderer,
+                                reflection=lambda: MinesweeperEnv.reflection(task, played[-1].messages))
+        return run_trial(make_env, task, engine, renderer, _limits(), policy, seed=seed)
+
+    async def play_all():
+        return await asyncio.gather(*(play(t) for t in MinesweeperEnv.sample_tasks("train", n, seed)))
+
+    attempts = [s for trial in asyncio.run(play_all()) for s in trial.sequences()]
+    return [s.input_ids for s in attempts], [s.loss_mask for s in attempts]
+
+
+def summarize_episodes(renderer, n: int = 8, budget: int = 512, seed: int = 0):
+    from ctxrl.demos.play import play_script
+    from ctxrl.envs.fact_hunt import FactHuntEnv
+    from ctxrl.rollout.managers import get_manager
+
+    limits = _limits(manager="summarize", max_context_tokens=budget, options={"max_summaries": 8, "max_tokens": 64})
+    limits = dataclasses.replace(limits, max_new_tokens=48)
+    solution = get_manager("summarize").demo_solution(FactHuntEnv) or FactHuntEnv.solve
+    tasks = FactHuntEnv.sample_tasks("ood", n, seed)  # the out-of-distribution trails: 6 to 8 pages
+
+    async def play():
+        return await asyncio.gather(*(play_script(FactHuntEnv, t, solution(t), renderer, limits) for t in tasks))
+
+    episodes = asyncio.run(play())
+    if any(e.truncation is not None for e in episodes):
+        raise RuntimeError(f"a scripted summarize episode ended early: {[e.truncation for e in episodes]}")
+    segments = [s for e in episodes for s in e.sequences()]
+    return [s.input_ids for s in segments], [s.loss_mask for s in segments]
+
+
+# -- figures ----------------------------------------------------------------------------------------
+
+
+def _planned(plans) -> tuple[int, float]:
+    """Tokens and FLOPs of a batch run as planned: each tree shared if its plan says so, else its rows alone."""
+    chosen = [plan.shared if plan.share else plan.unshared for _, plan in plans]
+    return sum(c.tokens for c in chosen), sum(c.flops for c in chosen)
+
+
+def flop_row(name: str, rows, shape: ModelShape, max_tokens: int) -> dict:
+    """One workload on one shape: unshared, and as the plan cuts and shares it under each attention kernel."""
+    unshared = unshared_cost(shape, [len(r) for r in rows])
+    out = {"workload": name, "shape": shape.name, "rows": len(rows), "tokens": unshared.tokens,
+           "flops": unshared.flops}
+    for kernel in KERNELS:
+        plans = plan_batch(rows, shape, min_shared_tokens=MIN_SHARED, max_tokens=max_tokens, kernel=kernel)
+        out[f"{kernel}_tokens"], out[f"{kernel}_flops"] = _planned(plans)
+        out[f"{kernel}_trees"] = f"{sum(p.share for _, p in plans)}/{len(plans)}"
+    return out
+
+
+def print_flops(table: list[dict]) -> None:
+    print(f"{'workload':<20} {'shape':<13} {'rows':>4} {'tokens':>7} | {'dense plan: tokens':>18} {'x':>5} "
+          f"{'TFLOP':>7} {'/ TFLOP':>7} {'x':>5} {'shared':>6} | {'tree kernel: tokens':>19} {'x':>5} {'TFLOP':>7} "
+          f"{'x':>5}")
+    for r in table:
+        print(f"{r['workload']:<20} {r['shape']:<13} {r['rows']:>4} {r['tokens']:>7} | {r['dense_tokens']:>18} "
+              f"{r['tokens'] / r['dense_tokens']:>5.2f} {r['dense_flops'] / 1e12:>7.2f} {r['flops'] / 1e12:>7.2f} "
+              f"{r['flops'] / r['dense_flops']:>5.2f} {r['dense_trees']:>6} | {r['tree_tokens']:>19} "
+              f"{r['tokens'] / r['tree_tokens']:>5.2f} {r['tree_flops'] / 1e12:>7.2f} "
+              f"{r['flops'] / r['tree_flops']:>5.2f}")
+
+
+def time_rows(model, rows, masks, plans: dict[str, list], repeats: int) -> dict[str, float]:
+    """Median seconds of forward + backward of the same masked log-prob sum: the padded batch (``padded``), and for
+    each of ``plans`` (name: ``plan_batch``'s trees) its shared trees packed (one ``tree_logprobs`` call each) and
+    its other rows padded (one ``token_logprobs`` call). The arms alternate, a warm-up round first."""
+    from ctxrl.learner.logprobs import token_logprobs
+
+    def padded_loss(index: list[int]):
+        width = max(len(rows[r]) for r in index)
+        ids = torch.zeros((len(index), width), dtype=torch.long)
+        mask = torch.zeros((len(index), width - 1))
+        attention = torch.zeros((len(index), width), dtype=torch.long)
+        for k, r in enumerate(index):
+            ids[k, : len(rows[r])] = torch.tensor(rows[r])
+            attention[k, : len(rows[r])] = 1
+            mask[k, : len(rows[r]) - 1] = torch.tensor(masks[r][1:], dtype=torch.float32)
+        return (token_logprobs(model, ids, attention, mask=mask) * mask).sum()
+
+    def arm(planned):
+        def run():
+            alone = [r for group, plan in planned if not plan.share for r in group]
+            if alone:
+                padded_loss(alone).backward()
+            for group, plan in planned:
+                if plan.share:
+                    packed = pack_tree([rows[r] for r in group], [masks[r] for r in group])
+                    tree_logprobs(model, packed).sum().backward()
+        return run
+
+    arms = {"padded": lambda: padded_loss(list(range(len(rows)))).backward(), **{k: arm(v) for k, v in plans.items()}}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(repeats + 1):
+        for key, fn in arms.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
+
+
+def workloads(renderer, vocab: int, smoke: bool) -> dict:
+    """Each workload's rows and loss masks; ``smoke``: 2 groups, trials or episodes, each row cut to 160 tokens."""
+    n = 2 if smoke else 8
+    data = {"grpo/train_step": train_step_group(vocab, *((40, 24, n) if smoke else ())),
+            "grpo/fact_hunt": fact_hunt_group(renderer, n),
+            "meta/minesweeper": minesweeper_trials(renderer, n),
+            "summarize/fact_hunt": summarize_episodes(renderer, n)}
+    if smoke:
+        data = {k: ([r[:160] for r in rows], [m[:160] for m in masks]) for k, (rows, masks) in data.items()}
+    return data
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="a few short rows, one repetition: does it run?")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions of each CPU arm (their median)")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="most tokens a packed tree holds")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from transformers import Qwen2Config
+
+    from ctxrl.chat.render import ChatRenderer
+    from ctxrl.models.loader import load_model, load_tokenizer
+    from ctxrl.models.shapes import SHAPES as CONFIGS
+    from ctxrl.train.tiny import ensure_model
+
+    path = ensure_model(TINY)
+    model = load_model(path, dtype="float32", device="cpu").train()
+    data = workloads(ChatRenderer(load_tokenizer(path), template_name="tiny"), model.config.vocab_size, args.smoke)
+    shapes = [ModelShape.from_config(Qwen2Config(**CONFIGS[s]), s) for s in SHAPES]
+    table = [flop_row(name, rows, shape, args.max_tokens) for shape in shapes for name, (rows, _) in data.items()]
+    print("Training FLOPs (forward + backward), unshared against as planned; x: unshared / shared")
+    print_flops(table)
+    repeats = 1 if args.smoke else args.repeats
+    tiny = ModelShape.from_config(model.config, "tiny")
+    print(f"\nCPU, the tiny model ({tiny.matmul_params:,} parameters, float32, 1 thread), forward + backward, median "
+          f"of {repeats}; tree: every tree the tree-kernel plan finds, packed; planned: the dense plan for the tiny "
+          "shape (its unshared rows padded)")
+    timing = {}
+    for name, (rows, masks) in data.items():
+        plans = {kernel: plan_batch(rows, tiny, min_shared_tokens=MIN_SHARED, max_tokens=args.max_tokens,
+                                    kernel=kernel) for kernel in KERNELS}
+        seconds = time_rows(model, rows, masks, {"tree": plans["tree"], "planned": plans["dense"]}, repeats)
+        timing[name] = seconds
+        print(f"  {name:<20} padded {seconds['padded'] * 1e3:8.1f} ms   tree {seconds['tree'] * 1e3:8.1f} ms "
+              f"({seconds['padded'] / seconds['tree']:4.2f}x)   planned {seconds['planned'] * 1e3:8.1f} ms "
+              f"({seconds['padded'] / seconds['planned']:4.2f}x, {sum(p.share for _, p in plans['dense'])} of "
+              f"{len(plans['dense'])} trees shared)")
+    return {"flops": table, "cpu": timing}
+
+
+if __name__ == "__main__":
+    main()
