@@ -181,11 +181,112 @@ def fmt34_table(batch: Path) -> str:
     return "\n".join(lines)
 
 
+OWN34 = {"summarize384-own34": "summarize 384, RL", "summarize384-own34-sftonly": "summarize 384, SFT-only",
+         "full34": "full context, RL", "full34-warm": "full context, warm start only"}
+"""issue49c.toml's arms (run name after ``fh135-b1-sN-``) -> label, in the page's order."""
+OWN34_STEPS = (0, 20, 40, 60, 80, 100)
+
+
+def _evals(run_dir: Path, split: str) -> dict[int, dict]:
+    """A run's evaluations on ``split``, by step."""
+    return {r["step"]: r for r in _metric_rows(run_dir) if r.get("phase") == "eval" and r.get("split") == split}
+
+
+def own34_runs(data: Path = DATA) -> dict[str, list[tuple[int, Path]]]:
+    """Label -> [(seed, run directory)] of issue49c's runs (``batch-own34/`` and ``batch-own34-full/``)."""
+    out: dict[str, list[tuple[int, Path]]] = defaultdict(list)
+    for batch in ("batch-own34", "batch-own34-full"):
+        for run_dir in sorted((data / batch / "runs").iterdir()):
+            seed, arm = run_dir.name.removeprefix("fh135-b1-s").split("-", 1)
+            out[OWN34[arm]].append((int(seed), run_dir))
+    return {label: sorted(out[label]) for label in OWN34.values() if label in out}
+
+
+def _outcomes(runs: list[tuple[int, Path]], split: str, step: int, field: str = "success") -> list[SeedOutcome]:
+    """Per seed: the evaluation's ``field`` at ``step``, with its per-task outcomes and the draw (eval.seed)."""
+    out = []
+    for seed, run_dir in runs:
+        row = _evals(run_dir, split).get(step)
+        if row is None or row.get(field) is None:  # (facts_at_answer: absent where no episode wrote an answer)
+            return []
+        out.append(SeedOutcome(row[field], row.get(f"task_{field}"), 1000 + seed))
+    return out
+
+
+def own34_curve_table(data: Path = DATA) -> str:
+    """Held-out success of each arm at each evaluation, mean [95% over seeds and tasks], and the runs it covers."""
+    lines = ["| arm | runs | " + " | ".join(f"step {s}" for s in OWN34_STEPS) + " |",
+             "|---|---|" + "---|" * len(OWN34_STEPS)]
+    for label, runs in own34_runs(data).items():
+        cells = [_cell(bootstrap_mean(o)) if (o := _outcomes(runs, "heldout", s)) else "–" for s in OWN34_STEPS]
+        lines.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def own34_contrast_table(data: Path = DATA) -> str:
+    """RL − SFT-only on held-out success at each evaluation, paired by seed and task: mean [95%], the paired t-test
+    and the exact sign-flip test over the 5 seed differences."""
+    from stats import bootstrap_difference, paired_t_test, seed_differences, sign_flip_p
+
+    runs = own34_runs(data)
+    rl, sft = runs["summarize 384, RL"], runs["summarize 384, SFT-only"]
+    lines = ["| step | RL − SFT-only [95%] | seeds × tasks | paired t (df), p | sign-flip p |", "|---|---|---|---|---|"]
+    for step in OWN34_STEPS:
+        a, b = _outcomes(rl, "heldout", step), _outcomes(sft, "heldout", step)
+        iv = bootstrap_difference(a, b)
+        differences = seed_differences(a, b)
+        t, df, p = paired_t_test(differences)
+        lines.append(f"| {step} | {iv.mean:+.2f} [{iv.low:+.2f}, {iv.high:+.2f}] | {iv.n_seeds} × {iv.n_tasks} | "
+                     f"{t:.2f} ({df}), {p:.3f} | {sign_flip_p(differences):.3f} |")
+    return "\n".join(lines)
+
+
+def own34_content_table(data: Path = DATA) -> str:
+    """Per arm, after the warm start → at step 100 (held-out): the answer's facts in context when the answer is
+    written, the facts a rewrite keeps, summaries per episode and their length; OOD success at step 100; seconds
+    per training step (median over the runs' steps)."""
+    lines = ["| arm | answer's facts in context at the answer | facts a rewrite keeps | summaries / episode | "
+             "summary tokens | OOD success, step 100 | s / step (median) |", "|---|---|---|---|---|---|---|"]
+    for label, runs in own34_runs(data).items():
+        if label.endswith("warm start only"):
+            continue
+
+        def span(field: str, runs=runs) -> str:
+            ends = [_outcomes(runs, "heldout", s, field) for s in (0, 100)]
+            return " → ".join(f"{bootstrap_mean(o).mean:.2f}" if o else "– (no answer)" for o in ends)
+
+        def mean(field: str, step: int, runs=runs) -> float:
+            return sum(_evals(d, "heldout")[step][field] for _, d in runs) / len(runs)
+        kept = span("fact_survival") if label.startswith("summarize") else "– (no rewrites)"
+        summaries = (f"{mean('summaries_per_episode', 0):.2f} → {mean('summaries_per_episode', 100):.2f}"
+                     if label.startswith("summarize") else "–")
+        tokens = (f"{mean('summary_tokens_mean', 0):.0f} → {mean('summary_tokens_mean', 100):.0f}"
+                  if label.startswith("summarize") else "–")
+        ood = bootstrap_mean(_outcomes(runs, "ood", 100))
+        steps = sorted(r["time_step"] for _, d in runs for r in _metric_rows(d)
+                       if r.get("phase") in ("rl", "sft_control") and "time_step" in r)
+        lines.append(f"| {label} | {span('facts_at_answer')} | {kept} | {summaries} | {tokens} | {_cell(ood)} | "
+                     f"{steps[len(steps) // 2]:.1f} |")
+    return "\n".join(lines)
+
+
+def own34_calibration_table(data: Path = DATA) -> str:
+    """issue49c-cal.toml: the warm start's size against its held-out, train and OOD success at step 0 (seed 0)."""
+    lines = ["| own summarize demos | held-out | train | OOD |", "|---|---|---|---|"]
+    runs = sorted((data / "calibration-own34" / "runs").iterdir(), key=lambda d: int(d.name.rsplit("-cal", 1)[1]))
+    for run_dir in runs:
+        cells = [f"{_evals(run_dir, split)[0]['success']:.2f}" for split in ("heldout", "train", "ood")]
+        lines.append(f"| {run_dir.name.rsplit('-cal', 1)[1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def page_tables(data: Path = DATA) -> dict[str, str]:
     """Every generated table of the page, by the name of the block that holds it."""
     records = json.loads((data / "runs.json").read_text())
     return {"arms": arms_table(records), "ceilings": ceilings_table(data / "ceilings-fact_hunt.json"),
-            "limits": eval_limits_table(data / "evals"), "fmt34": fmt34_table(data / "batch-fmt34")}
+            "limits": eval_limits_table(data / "evals"), "fmt34": fmt34_table(data / "batch-fmt34"),
+            "own34-calibration": own34_calibration_table(data), "own34-curve": own34_curve_table(data),
+            "own34-contrast": own34_contrast_table(data), "own34-content": own34_content_table(data)}
 
 
 def fill_page(text: str, tables: dict[str, str]) -> str:

@@ -2,10 +2,12 @@
 
     python3 experiments/device/choose_demos.py CALIBRATION_DIR experiments/plans/issue49c.toml
 
-Reads each calibration run's held-out success after its warm start (``fh135-cal-ownN``: N of the environment's own
-summarize demos), prints them, and writes into the plan's ``demos`` var the N whose success is nearest 0.30 among
-those in [0.05, 0.75] -- a warm start that reaches some 3-4 page trails and leaves room to improve. When none is in
-that range it takes the largest N if every one is below it (the most a warm start can give), else the smallest.
+Reads each calibration run's held-out success after its warm start (``fh135-b1-s0-summarize384-calN``: N of the
+environment's own summarize demos; they ran on 2026-11-29 as ``fh135-cal-ownN``), prints them, and writes into the
+plan's ``demos`` var the N whose success is nearest 0.30 among those in [0.05, 0.75]: a warm start that reaches some
+3-4 page trails and leaves room to improve. When none is in that range it takes the N nearest 0.30 all the same (on
+2026-11-29 the sizes gave 0.00, 0.00, 0.02 and 1.00: 128). An earlier rule took the smallest N there, which gave
+0.00 and was overruled by hand.
 Imports nothing from ctxrl (it runs beside a batch, with the card's plain python3).
 """
 
@@ -39,17 +41,17 @@ def choose(successes: dict[int, float]) -> int:
     inside = {n: s for n, s in successes.items() if LOW <= s <= HIGH}
     if inside:
         return min(inside, key=lambda n: (abs(inside[n] - TARGET), n))
-    return max(successes) if all(s < LOW for s in successes.values()) else min(successes)
+    return min(successes, key=lambda n: (abs(successes[n] - TARGET), n))
 
 
 def main(argv: list[str]) -> int:
     calibration, plan = Path(argv[0]), Path(argv[1])
     successes = {}
-    for run in sorted((calibration / "runs").glob("fh135-cal-own*")):
+    for run in sorted((calibration / "runs").glob("fh135-b1-s0-summarize384-cal*")):
         value = heldout_at_start(run)
         print(f"{run.name}: held-out success after the warm start {value}")
         if value is not None:
-            successes[int(run.name.removeprefix("fh135-cal-own"))] = value
+            successes[int(run.name.rsplit("-cal", 1)[1])] = value
     chosen = choose(successes)
     text, count = re.subn(r'^demos = "\d+"$', f'demos = "{chosen}"', plan.read_text(), flags=re.M)
     if count != 1:
