@@ -24,21 +24,41 @@ SHAPES: dict[str, dict] = {
                        num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True, **_QWEN25),
 }
 
+_QWEN3_MOE = dict(max_position_embeddings=40960, rope_theta=1_000_000.0, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], router_aux_loss_coef=0.001, tie_word_embeddings=False, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=None)
+
+MOE_SHAPES: dict[str, dict] = {
+    # Qwen3-30B-A3B: 128 experts, 8 of them per token (about 3B parameters active of 30B)
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, vocab_size=151936, **_QWEN3_MOE),
+    # a micro model of the same architecture, for CPU tests: 4 experts, 2 per token
+    "qwen3-moe-test": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                           num_experts_per_tok=2, vocab_size=4096, **_QWEN3_MOE),
+}
+"""Mixture-of-experts shapes (``Qwen3MoeForCausalLM``); ``random_model`` builds them as it does ``SHAPES``."""
+
 
 def random_model(shape: str, dtype, device: str = "cpu", *, seed: int = 0):
-    """A random-init ``Qwen2ForCausalLM`` of ``SHAPES[shape]``, built in ``dtype`` on ``device``."""
+    """A random-init ``Qwen2ForCausalLM`` of ``SHAPES[shape]`` (or ``Qwen3MoeForCausalLM`` of
+    ``MOE_SHAPES[shape]``), built in ``dtype`` on ``device``."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if shape not in SHAPES and shape not in MOE_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join([*SHAPES, *MOE_SHAPES])}")
     torch.manual_seed(seed)
-    config = Qwen2Config(**SHAPES[shape])
+    if shape in MOE_SHAPES:
+        config, model_class = Qwen3MoeConfig(**MOE_SHAPES[shape]), Qwen3MoeForCausalLM
+    else:
+        config, model_class = Qwen2Config(**SHAPES[shape]), Qwen2ForCausalLM
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialise in the target dtype: a 7B model never exists in float32
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
     return model
