@@ -28,6 +28,20 @@ def test_a_budget_the_demos_cannot_fit_stops_before_the_model_loads(tmp_path, mo
         trainer.Trainer(config("select", 320), tmp_path / "run")
 
 
+def test_a_budget_the_demos_cannot_fit_stops_before_a_tiny_model_is_built(tmp_path, monkeypatch):
+    """A tiny model not built yet takes minutes on a CPU: the demos are checked on its tokenizer alone first."""
+    from ctxrl.train import tiny, trainer
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the tiny model must not be built")
+
+    monkeypatch.setenv("CTXRL_CACHE", str(tmp_path / "cache"))  # (nothing built there)
+    monkeypatch.setattr(tiny, "build_tiny", no_build)
+    with pytest.raises(ConfigError, match=r"do not fit the context budget \(found before loading the model"):
+        trainer.train(config("select", 320), tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_demos_that_fit_or_need_no_manager_pass(tmp_path):
     from ctxrl.envs.registry import get_env_class
     from ctxrl.rollout.spec import RolloutSpec

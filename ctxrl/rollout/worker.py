@@ -142,17 +142,21 @@ def spec_env_class(spec: RolloutSpec) -> type:
     return cls
 
 
-def spec_renderer(spec: RolloutSpec) -> ChatRenderer:
+def spec_renderer(spec: RolloutSpec, *, tokenizer=None) -> ChatRenderer:
     """The spec's tokenizer and chat template as a renderer with the policy's tool-call format
     (``model.tool_format``; ``auto`` reads it from the template), checked prefix-preserving.
 
     What the renderer decided on its own (a format chosen without a marker, tools written into the
     system turn of a template that ignores them) is logged once, as a warning: the run trains on it.
+    ``tokenizer``: one made before its model exists (a tiny model's, for the checks that need no model); the
+    renderer then has no generation end ids (they are the model's), so it is for counting tokens, not for decoding.
     """
     from ctxrl.models.loader import generation_end_ids, load_tokenizer
 
-    tokenizer = load_tokenizer(spec.model.name, chat_template=spec.model.chat_template or None)
-    renderer = ChatRenderer(tokenizer, template_name=spec.model.name, end_ids=generation_end_ids(spec.model.name),
+    end_ids = [] if tokenizer is not None else generation_end_ids(spec.model.name)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec.model.name, chat_template=spec.model.chat_template or None)
+    renderer = ChatRenderer(tokenizer, template_name=spec.model.name, end_ids=end_ids,
                             tool_format=spec.model.tool_format)
     renderer.verify_prefix_preserving()
     for notice in renderer.notices:

@@ -40,6 +40,13 @@ def prepare_tiny(name: str, *, on_progress: Progress | None = None) -> None:
     ensure_tiny(parse_tiny(name), on_progress=on_progress)
 
 
+def tiny_tokenizer(spec: TinySpec):
+    """The tokenizer ``build_tiny`` makes for ``spec``, made alone (seconds, where the model takes minutes), for the
+    checks that need only a tokenizer before the model is built. Its training is deterministic, so it is the
+    built model's tokenizer."""
+    return make_tokenizer(spec, tokenizer_texts(spec))
+
+
 def ensure_tiny(spec: TinySpec | None = None, *, on_progress: Progress | None = None) -> Path:
     """The cached tiny checkpoint of ``spec``, built now if it is not cached yet. Runs started at once on one
     machine (a sweep's first runs) take turns on a file lock: one builds, the others wait and reuse its build

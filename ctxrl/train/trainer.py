@@ -70,7 +70,7 @@ from ctxrl.train.loop import TrainingAborted
 from ctxrl.train.role_adapters import OwnRoles, own_roles
 from ctxrl.train.sft_control import control_step
 from ctxrl.train.step_metrics import error_stats, step_row
-from ctxrl.train.tiny import prepare_tiny  # noqa: F401 - registers the tiny model preparer a run may need
+from ctxrl.train.tiny import prepare_tiny, tiny_tokenizer  # noqa: F401 - prepare_tiny: registers the tiny preparer
 from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
 
@@ -393,6 +393,7 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
                 raise CheckpointError(f"{run_dir} already holds a run ({metrics} is not empty); continue it with "
                                       "--resume, or choose another --run-dir: a new run would mix its logs with the "
                                       "old one's")
+            check_before_build(config)
             prepare_model(config.model.name, progress)
             if teacher_name(config):  # (a tiny teacher built, a GGUF one converted, before the student loads)
                 prepare_model(teacher_name(config), progress)
@@ -458,6 +459,22 @@ def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tup
     if judge and not is_endpoint(judge) and config.distributed.backend == "none":
         out.append((judge, config.model.dtype))
     return tuple(out)
+
+
+def check_before_build(config: Config) -> None:
+    """When the policy is a tiny model not built yet (minutes on a CPU), what ``check_before_load`` refuses, on its
+    tokenizer alone (seconds): demos that cannot fit the budget stop the run before the build, not after it. The
+    ``Trainer`` checks again with the built model's own tokenizer."""
+    from ctxrl.models.loader import parse_tiny
+    from ctxrl.models.tiny import is_built
+
+    tiny = parse_tiny(config.model.name)
+    if tiny is None or is_built(tiny):
+        return
+    spec = RolloutSpec.from_config(config)
+    env_cls = spec_env_class(spec)
+    renderer = spec_renderer(spec, tokenizer=tiny_tokenizer(tiny))
+    check_before_load(config, spec, env_cls, renderer, under_manager=context_demos(config, env_cls))
 
 
 def prepare_model(name: str, progress: Progress) -> None:
