@@ -208,6 +208,62 @@ def test_a_two_rank_checkpoint_loads_in_one_process_and_trains_on(two_ranks, uns
     _assert_weights(_flat(model.state_dict()), unsharded["end"], atol=1e-6, rtol=1e-6)
 
 
+def _one_sharded_rank(rank: int, init: str, checkpoint: str, out: str) -> None:
+    """Load the 2-rank checkpoint into a model sharded over a group of 1 (FSDP2 at world size 1), train on."""
+    import torch.distributed as dist
+
+    from ctxrl.distributed.sharded import full_state_layers, shard_model, sharded_optimizer, sharded_update
+    from ctxrl.distributed.sharded_checkpoint import load_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
+    try:
+        model = shard_model(_model(seed=2))
+        optimizer = sharded_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
+        load_sharded(checkpoint, model, optimizer)
+        loaded = {k: v for piece in full_state_layers(model) for k, v in piece.items()}
+        for step in range(CHECKPOINT_AFTER, len(SHARES)):
+            ids, attention, loss_mask, advantages = _batch(step)
+            sharded_update(model, optimizer, ids, attention, loss_mask, advantages=advantages,
+                           max_grad_norm=MAX_GRAD_NORM)
+        end = {k: v for piece in full_state_layers(model) for k, v in piece.items()}
+        torch.save({"loaded": loaded, "end": end}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_loads_on_one_sharded_rank(two_ranks, unsharded):
+    tmp, ranks = two_ranks
+    mp.start_processes(_one_sharded_rank, args=(f"file://{tmp / 'rendezvous-1'}", str(tmp / "out.checkpoint"),
+                                                str(tmp / "one-rank")), nprocs=1, join=True, start_method="spawn")
+    result = torch.load(tmp / "one-rank")
+    _assert_weights(result["loaded"], ranks[0]["after_3"])
+    _assert_weights(result["end"], unsharded["end"], atol=1e-6, rtol=1e-6)
+
+
+def test_gathered_weights_are_copies_even_on_one_rank(tmp_path):
+    """On a mesh of one rank ``full_tensor`` is the live shard itself; the gathered pieces must not change when the
+    optimiser steps (in this process: a group of 1, destroyed after)."""
+    import torch.distributed as dist
+
+    from ctxrl.distributed.sharded import full_state_layers, shard_model, sharded_optimizer, sharded_update
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = shard_model(_model())
+        optimizer = sharded_optimizer(model, lr=LR)
+        before = {k: v for piece in full_state_layers(model) for k, v in piece.items()}
+        kept = {k: v.clone() for k, v in before.items()}
+        ids, attention, loss_mask, advantages = _batch(0)
+        sharded_update(model, optimizer, ids, attention, loss_mask, advantages=advantages)
+        after = {k: v for piece in full_state_layers(model) for k, v in piece.items()}
+    finally:
+        dist.destroy_process_group()
+    _assert_weights(before, kept)
+    assert not torch.equal(after["model.norm.weight"], kept["model.norm.weight"])
+
+
 def test_a_new_checkpoint_replaces_the_old_one_whole(two_ranks):
     from ctxrl.distributed.sharded_checkpoint import checkpoint_info, load_sharded
 

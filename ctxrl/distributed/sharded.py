@@ -186,7 +186,7 @@ def full_state_layers(model: torch.nn.Module, *, to_cpu: bool = False,
     drops the pieces. Only the piece being yielded is full, so the peak is one piece above the shards (a layer;
     the embeddings' piece may be the largest) as long as the caller does not keep them (copy each into the
     engine, then let it go). ``to_cpu`` moves each piece to the CPU, ``dtype`` casts it (an engine in bfloat16).
-    Tied weights appear under each name.
+    Tied weights appear under each name. The pieces are copies: later steps do not change them.
     """
     layers_prefix = "model.layers."
     piece: dict[str, torch.Tensor] = {}
@@ -197,7 +197,7 @@ def full_state_layers(model: torch.nn.Module, *, to_cpu: bool = False,
             yield piece  # consecutive names of one layer (or of the root) make one piece
             piece = {}
         current = group
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        full = _full_copy(tensor)
         if to_cpu:
             full = full.cpu()
         if dtype is not None and full.is_floating_point():
@@ -205,6 +205,17 @@ def full_state_layers(model: torch.nn.Module, *, to_cpu: bool = False,
         piece[name] = full
     if piece:
         yield piece
+
+
+def _full_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor`` in memory of its own. On a mesh of one rank ``full_tensor`` returns the live shard
+    itself, which the next optimiser step would change under the caller (``tests/test_sharded.py`` caught it)."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().clone()
+    full = tensor.full_tensor()
+    if full.untyped_storage().data_ptr() == tensor.to_local().untyped_storage().data_ptr():
+        full = full.clone()
+    return full
 
 
 def sync_engine(model: torch.nn.Module, engine, *, version: int, decodes: bool) -> int:
