@@ -137,8 +137,8 @@ def sharded_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inp
     ``input_ids``, ``attention_mask``: ``[B, T]``; ``loss_mask``: ``[B, T-1]``, aligned with the next-token
     log-probs; ``advantages``: ``[B]`` or None. ``total_tokens``: the whole batch's ``loss_mask`` sum, summed
     over the ranks here when None (one small all-reduce). A rank with no rows (``B == 0``) still takes part in
-    the collectives: it runs one masked-out row of two pad tokens. Returns ``loss`` (this rank's share, summed
-    over ranks), ``grad_norm`` (before clipping) and ``tokens``.
+    the collectives: it runs one masked-out row of two pad tokens. Returns, equal on every rank, ``loss`` (the whole
+    batch's: the ranks' shares summed), ``grad_norm`` (the whole model's, before clipping) and ``tokens``.
     """
     if input_ids.shape != attention_mask.shape or loss_mask.shape != (input_ids.shape[0], input_ids.shape[1] - 1):
         raise ValueError(f"shapes disagree: input_ids {tuple(input_ids.shape)}, attention_mask "
