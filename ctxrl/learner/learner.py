@@ -7,7 +7,8 @@ Gradient accumulation is exact: each mini-batch's loss is normalised by the mini
 count (mask-1 tokens for ``token-mean``, live sequences for the ``seq-mean-*`` modes), not by each
 micro-batch's, so splitting a mini-batch into micro-batches of uneven lengths changes neither the
 loss nor the gradient. Micro-batches are ``micro_batch_size`` rows, or packed by a token budget
-(``max_tokens_per_microbatch``, ``ctxrl.learner.batch.pack``).
+(``LearnerSettings.micro_batch_tokens``, ``ctxrl.learner.batch.pack``). What each micro-batch's loss is lives in
+``ctxrl.learner.objective``; which forward pass computes its log-probs, in ``ctxrl.learner.forward``.
 
 Memory: log-probs and entropy come from ``ctxrl.learner.logprobs`` in chunks of positions, only at
 the sampled tokens, so full-vocabulary logits never exist for a whole micro-batch. The model
@@ -19,91 +20,25 @@ steps on (``trainable_grads``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from ctxrl.algo.distill import topk_forward_kl
-from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS, aggregate, gspo_loss, kl_penalty, policy_loss
+from ctxrl.algo.losses import kl_penalty
 from ctxrl.learner.batch import Batch, collate, micro_batches, per_token_rows
-from ctxrl.learner.flat import MODES as FLAT_MODES
-from ctxrl.learner.flat import training_decoder
-from ctxrl.learner.logprobs import flat_token_logprobs, token_logprobs
-from ctxrl.learner.packing import pack
+from ctxrl.learner.logprobs import token_logprobs
+from ctxrl.learner.objective import (
+    LAYOUT_KEYS,
+    critic_objective,
+    figure_keys,
+    micro_batch_objective,
+    mini_batch_metrics,
+)
 from ctxrl.learner.policy import Reference
 from ctxrl.learner.precision import MasterAdamW, Precision, trainable_grads
+from ctxrl.learner.settings import LearnerSettings
 from ctxrl.models.kernels import attention_kernels
-from ctxrl.sections import AlgoConfig, TrainConfig
 
-__all__ = ["Learner", "LearnerSettings", "micro_batches", "per_token_rows", "token_logprobs"]
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    """What a learner is told: the run's ``[algo]`` and ``[train]`` sections as they are (not copied field by field:
-    STYLE 15), and the few values derived from the rest of the run, computed once where the run is assembled
-    (``ctxrl.run.build.learner_settings``). The learner reads ``micro_batch_tokens``, never
-    ``train.max_tokens_per_microbatch``: the budget is the user's, or the one the memory plan chose."""
-
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    temperature: float = 1.0
-    """The sampler's temperature (1 for greedy sampling): log-probs are of ``logits / temperature``."""
-    norm_length: float | None = None
-    """The constant of ``seq-mean-token-sum-norm`` (Dr.GRPO): the most sampled tokens an episode can
-    have. None falls back to the longest response in each mini-batch (not a constant)."""
-    micro_batch_tokens: int = 0
-    """Token budget of a micro-batch (0: ``train.micro_batch_size`` rows at a time)."""
-    distill_top_k_coef: float = 0.0
-    """Weight of the forward KL from a distillation teacher's top-K to the policy (``algo.distill.top_k``), on
-    batches that carry the teacher's top-K (``Batch.teacher_ids``)."""
-    vf_clip: float = 0.2
-    """The critic's value clip (``[algo.gae].vf_clip``: a critic's settings are GAE's)."""
-
-    def __post_init__(self) -> None:
-        a = self.algo
-        if a.loss not in LOSSES:
-            raise ValueError(f"unknown policy loss {a.loss!r}; choose one of {', '.join(LOSSES)}")
-        if a.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, not {a.old_logprobs!r}")
-        if self.train.flat_forward not in FLAT_MODES:
-            raise ValueError(f"flat_forward must be one of {', '.join(FLAT_MODES)}, not {self.train.flat_forward!r}")
-        if a.tis_cap and a.old_logprobs != "recompute":
-            raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
-                             "set old_logprobs='recompute'")
-
-    @property
-    def kl_coef(self) -> float:
-        """The KL-to-reference coefficient of the loss (0 when ``algo.kl_placement`` puts the KL in the reward)."""
-        return self.algo.kl_coef if self.algo.kl_placement == "loss" else 0.0
-
-    def logprobs(self, model, micro: Batch, *, with_entropy: bool = False, extra_ids: torch.Tensor | None = None):
-        """The learner's log-probs (and entropy: with a gradient only when the loss has an entropy bonus) of
-        ``micro``'s sampled tokens under ``model``; with ``pack_sequences`` the forward pass runs on packed rows
-        and the results come back in ``micro``'s padded layout; with a flat decoder (``flat_forward``) they run laid
-        end to end. ``extra_ids`` [B, T-1, K]: also the log-probs of those tokens (last in the tuple), on the flat
-        or the padded pass (not packed rows)."""
-        t, entropy_grad = self.train, self.algo.entropy_coef > 0
-        decoder = training_decoder(model, t.flat_forward)
-        # (a micro-batch is cut to its longest row: its width; past a sliding window, HF's pass)
-        if decoder is not None and decoder.fits(micro.input_ids.shape[1]):
-            return flat_token_logprobs(decoder, micro.input_ids, micro.lengths, mask=micro.loss_mask,
-                                       temperature=self.temperature, chunk=t.logprob_chunk_tokens,
-                                       with_entropy=with_entropy, entropy_grad=entropy_grad, extra_ids=extra_ids)
-        if not t.pack_sequences or extra_ids is not None:
-            return token_logprobs(model, micro.input_ids, micro.attention_mask, temperature=self.temperature,
-                                  mask=micro.loss_mask, chunk=t.logprob_chunk_tokens, with_entropy=with_entropy,
-                                  entropy_grad=entropy_grad, extra_ids=extra_ids)
-        dtype = next(model.parameters()).dtype
-        packed = pack(micro.input_ids, micro.lengths, pad_id=0,
-                      dtype=dtype if dtype.is_floating_point else torch.float32)
-        out = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature=self.temperature,
-                             mask=packed.to_packed(micro.loss_mask), chunk=t.logprob_chunk_tokens,
-                             with_entropy=with_entropy, entropy_grad=entropy_grad,
-                             position_ids=packed.position_ids)
-        if with_entropy:
-            return packed.unpack(out[0]), packed.unpack(out[1])
-        return packed.unpack(out)
+__all__ = ["LAYOUT_KEYS", "Learner", "LearnerSettings", "micro_batches", "per_token_rows", "token_logprobs"]
 
 
 class Learner:
@@ -140,8 +75,8 @@ class Learner:
         self.parallel = parallel
         """A ``ctxrl.distributed.data_parallel.DataParallel``: this rank trains on its share of each mini-batch's
         rows, the loss normalised by the whole mini-batch's counts, gradients and figures summed across ranks."""
-        # decided now, on every rank alike (an error here)
-        decoder = training_decoder(model, settings.train.flat_forward)
+        self.forward = settings.forward(model)  # decided now, on every rank alike (an error here)
+        decoder = self.forward.layout.decoder
         if decoder is not None and decoder.graphs is not None:  # one capture for every micro-batch of the run
             decoder.graphs.min_tokens = settings.micro_batch_tokens
             # float32 masters whose hooks take every layer's gradient as it is accumulated: a replay's buffer needs no
@@ -194,7 +129,7 @@ class Learner:
         sums = {"abs": 0.0, "kl": 0.0, "tokens": 0.0}
 
         def learner_logprobs(micro: Batch) -> torch.Tensor:
-            lp = s.logprobs(self.model, micro)
+            lp = self.forward.logprobs(micro)
             m = micro.loss_mask
             sums["abs"] += float(((lp - micro.old_logprobs) * m).abs().sum())
             sums["kl"] += float((kl_penalty(micro.old_logprobs, lp, "k3") * m).sum())
@@ -235,7 +170,7 @@ class Learner:
                 size = self.rows_per_micro_batch(share)  # (which also says whether the rows run flat)
                 for _, micro in micro_batches(share, size, self.device, s.micro_batch_tokens,
                                               padded=not self.flat_rows):
-                    self._micro_batch(micro, s, sums, denominator=denominator, norm_length=norm_length,
+                    self._micro_batch(micro, sums, denominator=denominator, norm_length=norm_length,
                                       value_count=value_count)
                     self.micro_batches_run += 1
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
@@ -249,8 +184,7 @@ class Learner:
         """``micro_batch_size``, or every row where only the token budget should bound a micro-batch: the flat
         forward pass (no padding: its memory follows the tokens) with a budget, over rows it takes."""
         s = self.settings
-        decoder = training_decoder(self.model, s.train.flat_forward) if len(batch) else None
-        self.flat_rows = decoder is not None and decoder.fits(int(batch.lengths.max()))
+        self.flat_rows = bool(len(batch)) and self.forward.runs_flat(int(batch.lengths.max()))
         rows = s.train.micro_batch_size
         if s.micro_batch_tokens <= 0:
             return rows
@@ -263,80 +197,16 @@ class Learner:
         mine = self.parallel.shard(batch.lengths.tolist())
         return mine, batch.select(mine)
 
-    def _micro_batch(self, micro: Batch, s: LearnerSettings, sums: dict[str, float], *, denominator: float,
-                     norm_length: float, value_count: float) -> None:
+    def _micro_batch(self, micro: Batch, sums: dict, *, denominator: float, norm_length: float,
+                     value_count: float) -> None:
         """Forward and backward of one micro-batch; its figures are added to ``sums``."""
-        a = s.algo
-        weights = None
-        old = micro.old_logprobs
-        if a.old_logprobs == "recompute":
-            if a.tis_cap:
-                # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
-                raw = torch.exp(micro.recomputed - micro.old_logprobs) * micro.loss_mask
-                weights = raw.clamp(max=a.tis_cap)
-                sums["tis_weight"] = sums.get("tis_weight", 0.0) + weights.detach().sum()
-                sums["tis_truncated"] = sums.get("tis_truncated", 0.0) + (
-                    (raw > a.tis_cap).float() * micro.loss_mask).sum()
-            old = micro.recomputed
-        topk = s.distill_top_k_coef > 0 and micro.teacher_ids is not None
-        if topk:
-            logprobs, entropy, student_topk = s.logprobs(self.model, micro, with_entropy=True,
-                                                         extra_ids=micro.teacher_ids)
-        else:
-            logprobs, entropy = s.logprobs(self.model, micro, with_entropy=True)
-        if a.loss == "gspo":
-            loss, m = gspo_loss(logprobs, old, micro.advantages, micro.loss_mask,
-                                clip_low=a.clip_low, clip_high=a.clip_high, agg=a.agg,
-                                norm_length=norm_length, denominator=denominator, token_weights=weights,
-                                on_device=True)
-        else:
-            loss, m = policy_loss(logprobs, old, micro.advantages, micro.loss_mask,
-                                  clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
-                                  agg=a.agg, norm_length=norm_length, denominator=denominator,
-                                  token_weights=weights, on_device=True)
-        if a.entropy_coef > 0:
-            loss = loss - a.entropy_coef * aggregate(entropy, micro.loss_mask, a.agg,
-                                                     norm_length=norm_length, denominator=denominator)
-        if s.kl_coef > 0 and self.reference is not None:
-            ref = self.reference.logprobs(micro.input_ids, micro.attention_mask, temperature=s.temperature,
-                                          mask=micro.loss_mask, chunk=s.train.logprob_chunk_tokens)
-            kl = kl_penalty(logprobs, ref, a.kl_kind)
-            loss = loss + s.kl_coef * aggregate(kl, micro.loss_mask, a.agg, norm_length=norm_length,
-                                                denominator=denominator)
-            sums["kl"] = sums.get("kl", 0.0) + (kl.detach() * micro.loss_mask).sum()
-        if topk:
-            forward_kl = topk_forward_kl(micro.teacher_probs, student_topk, micro.loss_mask)
-            loss = loss + s.distill_top_k_coef * aggregate(forward_kl, micro.loss_mask, a.agg,
-                                                           norm_length=norm_length, denominator=denominator)
-            sums["distill_topk_kl"] = sums.get("distill_topk_kl", 0.0) + forward_kl.detach().sum()
+        loss = micro_batch_objective(self.forward, self.settings, micro, sums, reference=self.reference,
+                                     denominator=denominator, norm_length=norm_length)
         if loss.requires_grad:  # (a micro-batch without one sampled token has nothing to learn from)
             self.precision.backward(loss)
         if self.critic is not None:
-            self._critic_backward(micro, value_count, sums)
-        # Figures stay on the device (0-d tensors) until the mini-batch ends: one host sync, not eight per micro-batch.
-        with torch.no_grad():
-            n_tok = micro.loss_mask.sum()
-            sums["loss"] = sums.get("loss", 0.0) + loss.detach()
-            sums["entropy"] = sums.get("entropy", 0.0) + (entropy.detach() * micro.loss_mask).sum()
-            delta = (logprobs.detach() - old).abs() * micro.loss_mask
-            sums["logprob_mismatch"] = sums.get("logprob_mismatch", 0.0) + delta.sum()
-            for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
-                sums[key] = sums.get(key, 0.0) + m[key] * n_tok
-
-    def _critic_backward(self, micro: Batch, denominator: float, sums: dict) -> None:
-        """Clipped value loss of one micro-batch (token-mean over the mini-batch's value positions), backward."""
-        from ctxrl.algo.value import value_loss
-
-        mask = micro.loss_mask if micro.value_mask is None else micro.value_mask
-        values = self.critic(micro.input_ids, micro.attention_mask)
-        loss, m = value_loss(values, micro.old_values, micro.returns, mask, clip=self.settings.vf_clip,
-                             denominator=denominator)
-        self.precision.backward(loss)
-        n_tok = float(mask.sum())
-        sums["vf_loss"] = sums.get("vf_loss", 0.0) + float(loss.detach())
-        sums["vf_count"] = sums.get("vf_count", 0.0) + n_tok
-        for key in ("vf_clip_frac", "vf_explained_var"):
-            sums[key] = sums.get(key, 0.0) + m[key] * n_tok
+            self.precision.backward(critic_objective(self.critic, self.settings, micro, sums,
+                                                     denominator=value_count))
 
     def mini_batch_step(self, batch: Batch) -> dict[str, float]:
         """One optimiser step on the mini-batch ``batch`` (skipped when non-finite or without signal)."""
@@ -394,42 +264,3 @@ class Learner:
             precision.update()
             metrics["loss_scale"] = precision.loss_scale
         return metrics
-
-
-def figure_keys(s: LearnerSettings, *, kl: bool, critic: bool) -> list[str]:
-    """The sums a mini-batch accumulates under settings ``s`` (``Learner._micro_batch``, ``_critic_backward``);
-    ``kl``: the learner has a reference, ``critic``: a critic."""
-    keys = ["loss", "entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"]
-    if s.algo.old_logprobs == "recompute" and s.algo.tis_cap:
-        keys += ["tis_weight", "tis_truncated"]
-    if s.kl_coef > 0 and kl:
-        keys.append("kl")
-    if s.distill_top_k_coef > 0:
-        keys.append("distill_topk_kl")
-    if critic:
-        keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
-    return keys
-
-
-LAYOUT_KEYS = ("learner_micro_batches", "learner_flat_forward")
-"""Figures of an update that say how this process ran it (micro-batches an epoch, the flat pass or not), not what
-it computed: under data parallelism each rank reports its own share's."""
-
-
-def mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float]:
-    """A mini-batch's figures from its sums (one host transfer): per sampled token, the critic's per value position."""
-    on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
-    if on_device:  # one transfer for all of them
-        values = torch.stack([sums[k].detach().double().reshape(()) for k in on_device]).tolist()
-        sums = {**sums, **dict(zip(on_device, values))}
-    out = {"loss": sums["loss"]}
-    if "vf_loss" in sums:
-        out["vf_loss"] = sums["vf_loss"]
-    for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
-                "tis_weight", "tis_truncated", "distill_topk_kl"):
-        if key in sums:
-            out[key] = sums[key] / max(tokens, 1.0)
-    for key in ("vf_clip_frac", "vf_explained_var"):
-        if key in sums:
-            out[key] = sums[key] / max(sums["vf_count"], 1.0)
-    return out

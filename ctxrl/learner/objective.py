@@ -1,0 +1,140 @@
+"""What the learner minimises on one micro-batch, and the figures it reports of it.
+
+``micro_batch_objective`` assembles the loss: the policy loss over the micro-batch's sampled tokens (weighted by
+truncated importance sampling when the old log-probs are recomputed), minus the entropy bonus, plus the KL to the
+reference and the distillation teacher's top-K term, each aggregated with the whole mini-batch's denominator (exact
+gradient accumulation: ``ctxrl.learner.learner``). ``critic_objective`` is the critic's clipped value loss. Both add
+their figures to the mini-batch's sums, on the device; ``mini_batch_metrics`` turns the sums into the step's row, and
+``figure_keys`` names the sums a mini-batch has (data parallelism sums them across ranks, absent ones as 0).
+
+It runs no backward pass and owns no optimiser (``Learner`` does both).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ctxrl.algo.distill import topk_forward_kl
+from ctxrl.algo.losses import aggregate, gspo_loss, kl_penalty, policy_loss
+from ctxrl.learner.batch import Batch
+from ctxrl.learner.forward import Forward
+
+if TYPE_CHECKING:
+    from ctxrl.learner.settings import LearnerSettings
+
+LAYOUT_KEYS = ("learner_micro_batches", "learner_flat_forward")
+"""Figures of an update that say how this process ran it (micro-batches an epoch, the flat pass or not), not what
+it computed: under data parallelism each rank reports its own share's."""
+
+
+def add(sums: dict, key: str, value) -> None:
+    """``sums[key] += value`` (from 0)."""
+    sums[key] = sums.get(key, 0.0) + value
+
+
+def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, sums: dict, *, reference,
+                          denominator: float, norm_length: float) -> torch.Tensor:
+    """The loss of ``micro`` under the policy ``forward`` and settings ``s`` (the module docstring), ``reference`` the
+    KL reference (or None); its figures are added to ``sums``."""
+    a = s.algo
+    weights = None
+    old = micro.old_logprobs
+    if a.old_logprobs == "recompute":
+        if a.tis_cap:
+            # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
+            raw = torch.exp(micro.recomputed - micro.old_logprobs) * micro.loss_mask
+            weights = raw.clamp(max=a.tis_cap)
+            add(sums, "tis_weight", weights.detach().sum())
+            add(sums, "tis_truncated", ((raw > a.tis_cap).float() * micro.loss_mask).sum())
+        old = micro.recomputed
+    topk = s.distill_top_k_coef > 0 and micro.teacher_ids is not None
+    entropy_grad = a.entropy_coef > 0
+    if topk:
+        logprobs, entropy, student_topk = forward.logprobs(micro, with_entropy=True, entropy_grad=entropy_grad,
+                                                           extra_ids=micro.teacher_ids)
+    else:
+        logprobs, entropy = forward.logprobs(micro, with_entropy=True, entropy_grad=entropy_grad)
+    if a.loss == "gspo":
+        loss, m = gspo_loss(logprobs, old, micro.advantages, micro.loss_mask, clip_low=a.clip_low,
+                            clip_high=a.clip_high, agg=a.agg, norm_length=norm_length, denominator=denominator,
+                            token_weights=weights, on_device=True)
+    else:
+        loss, m = policy_loss(logprobs, old, micro.advantages, micro.loss_mask, clip_low=a.clip_low,
+                              clip_high=a.clip_high, dual_clip=a.dual_clip or None, agg=a.agg,
+                              norm_length=norm_length, denominator=denominator, token_weights=weights, on_device=True)
+    if a.entropy_coef > 0:
+        loss = loss - a.entropy_coef * aggregate(entropy, micro.loss_mask, a.agg, norm_length=norm_length,
+                                                 denominator=denominator)
+    if s.kl_coef > 0 and reference is not None:
+        ref = reference.logprobs(micro.input_ids, micro.attention_mask, temperature=s.temperature,
+                                 mask=micro.loss_mask, chunk=s.train.logprob_chunk_tokens)
+        kl = kl_penalty(logprobs, ref, a.kl_kind)
+        loss = loss + s.kl_coef * aggregate(kl, micro.loss_mask, a.agg, norm_length=norm_length,
+                                            denominator=denominator)
+        add(sums, "kl", (kl.detach() * micro.loss_mask).sum())
+    if topk:
+        forward_kl = topk_forward_kl(micro.teacher_probs, student_topk, micro.loss_mask)
+        loss = loss + s.distill_top_k_coef * aggregate(forward_kl, micro.loss_mask, a.agg, norm_length=norm_length,
+                                                       denominator=denominator)
+        add(sums, "distill_topk_kl", forward_kl.detach().sum())
+    # Figures stay on the device (0-d tensors) until the mini-batch ends: one host sync, not eight per micro-batch.
+    with torch.no_grad():
+        n_tok = micro.loss_mask.sum()
+        add(sums, "loss", loss.detach())
+        add(sums, "entropy", (entropy.detach() * micro.loss_mask).sum())
+        add(sums, "logprob_mismatch", ((logprobs.detach() - old).abs() * micro.loss_mask).sum())
+        for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
+            add(sums, key, m[key] * n_tok)
+    return loss
+
+
+def critic_objective(critic, s: LearnerSettings, micro: Batch, sums: dict, *, denominator: float) -> torch.Tensor:
+    """The critic's clipped value loss of ``micro`` (token-mean over the mini-batch's ``denominator`` value
+    positions); its figures are added to ``sums``."""
+    from ctxrl.algo.value import value_loss
+
+    mask = micro.loss_mask if micro.value_mask is None else micro.value_mask
+    values = critic(micro.input_ids, micro.attention_mask)
+    loss, m = value_loss(values, micro.old_values, micro.returns, mask, clip=s.vf_clip, denominator=denominator)
+    n_tok = float(mask.sum())
+    add(sums, "vf_loss", float(loss.detach()))
+    add(sums, "vf_count", n_tok)
+    for key in ("vf_clip_frac", "vf_explained_var"):
+        add(sums, key, m[key] * n_tok)
+    return loss
+
+
+def figure_keys(s: LearnerSettings, *, kl: bool, critic: bool) -> list[str]:
+    """The sums a mini-batch accumulates under settings ``s`` (``micro_batch_objective``, ``critic_objective``);
+    ``kl``: the learner has a reference, ``critic``: a critic."""
+    keys = ["loss", "entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"]
+    if s.algo.old_logprobs == "recompute" and s.algo.tis_cap:
+        keys += ["tis_weight", "tis_truncated"]
+    if s.kl_coef > 0 and kl:
+        keys.append("kl")
+    if s.distill_top_k_coef > 0:
+        keys.append("distill_topk_kl")
+    if critic:
+        keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
+    return keys
+
+
+def mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float]:
+    """A mini-batch's figures from its sums (one host transfer): per sampled token, the critic's per value position."""
+    on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    if on_device:  # one transfer for all of them
+        values = torch.stack([sums[k].detach().double().reshape(()) for k in on_device]).tolist()
+        sums = {**sums, **dict(zip(on_device, values))}
+    out = {"loss": sums["loss"]}
+    if "vf_loss" in sums:
+        out["vf_loss"] = sums["vf_loss"]
+    for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
+                "tis_weight", "tis_truncated", "distill_topk_kl"):
+        if key in sums:
+            out[key] = sums[key] / max(tokens, 1.0)
+    for key in ("vf_clip_frac", "vf_explained_var"):
+        if key in sums:
+            out[key] = sums[key] / max(sums["vf_count"], 1.0)
+    return out
