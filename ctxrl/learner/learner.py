@@ -178,7 +178,7 @@ class Learner:
                 self.settings, kl=self.reference is not None, critic=self.critic is not None)}, self.device)
             if self.precision.scaler is not None:  # (a rank that scaled no loss yet must still unscale with the rest)
                 self.precision.scaler.scale(torch.zeros((), device=self.device))
-        return mini_batch_metrics(sums, tokens)
+        return mini_batch_metrics(sums, tokens, self.settings.figures)
 
     def rows_per_micro_batch(self, batch: Batch) -> int:
         """``micro_batch_size``, or every row where only the token budget should bound a micro-batch: the flat

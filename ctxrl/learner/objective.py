@@ -1,6 +1,7 @@
 """What the learner minimises on one micro-batch, and the figures it reports of it.
 
-``micro_batch_objective`` assembles the loss: the policy loss over the micro-batch's sampled tokens (weighted by
+``micro_batch_objective`` assembles the loss: the policy loss ``algo.loss`` names (a registered function,
+``ctxrl.algo.policy_losses``, called with its own settings) over the micro-batch's sampled tokens (weighted by
 truncated importance sampling when the old log-probs are recomputed), minus the entropy bonus, plus the KL to the
 reference and the distillation teacher's top-K term, each aggregated with the whole mini-batch's denominator (exact
 gradient accumulation: ``ctxrl.learner.learner``). ``critic_objective`` is the critic's clipped value loss. Both add
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ctxrl.algo.distill import topk_forward_kl
-from ctxrl.algo.losses import aggregate, gspo_loss, kl_penalty, policy_loss
+from ctxrl.algo.losses import aggregate, kl_penalty
 from ctxrl.learner.batch import Batch
 from ctxrl.learner.forward import Forward
 
@@ -56,14 +57,8 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
                                                            extra_ids=micro.teacher_ids)
     else:
         logprobs, entropy = forward.logprobs(micro, with_entropy=True, entropy_grad=entropy_grad)
-    if a.loss == "gspo":
-        loss, m = gspo_loss(logprobs, old, micro.advantages, micro.loss_mask, clip_low=a.clip_low,
-                            clip_high=a.clip_high, agg=a.agg, norm_length=norm_length, denominator=denominator,
-                            token_weights=weights, on_device=True)
-    else:
-        loss, m = policy_loss(logprobs, old, micro.advantages, micro.loss_mask, clip_low=a.clip_low,
-                              clip_high=a.clip_high, dual_clip=a.dual_clip or None, agg=a.agg,
-                              norm_length=norm_length, denominator=denominator, token_weights=weights, on_device=True)
+    loss, m = s.policy_loss(logprobs, old, micro.advantages, micro.loss_mask, agg=a.agg, norm_length=norm_length,
+                            denominator=denominator, token_weights=weights, on_device=True, **s.loss_keywords)
     if a.entropy_coef > 0:
         loss = loss - a.entropy_coef * aggregate(entropy, micro.loss_mask, a.agg, norm_length=norm_length,
                                                  denominator=denominator)
@@ -85,7 +80,7 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
         add(sums, "loss", loss.detach())
         add(sums, "entropy", (entropy.detach() * micro.loss_mask).sum())
         add(sums, "logprob_mismatch", ((logprobs.detach() - old).abs() * micro.loss_mask).sum())
-        for key in ("clip_frac_low", "clip_frac_high", "approx_kl"):
+        for key in s.figures:
             add(sums, key, m[key] * n_tok)
     return loss
 
@@ -109,7 +104,7 @@ def critic_objective(critic, s: LearnerSettings, micro: Batch, sums: dict, *, de
 def figure_keys(s: LearnerSettings, *, kl: bool, critic: bool) -> list[str]:
     """The sums a mini-batch accumulates under settings ``s`` (``micro_batch_objective``, ``critic_objective``);
     ``kl``: the learner has a reference, ``critic``: a critic."""
-    keys = ["loss", "entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl"]
+    keys = ["loss", "entropy", "logprob_mismatch", *s.figures]
     if s.algo.old_logprobs == "recompute" and s.algo.tis_cap:
         keys += ["tis_weight", "tis_truncated"]
     if s.kl_coef > 0 and kl:
@@ -121,8 +116,9 @@ def figure_keys(s: LearnerSettings, *, kl: bool, critic: bool) -> list[str]:
     return keys
 
 
-def mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float]:
-    """A mini-batch's figures from its sums (one host transfer): per sampled token, the critic's per value position."""
+def mini_batch_metrics(sums: dict[str, float], tokens: float, figures: tuple[str, ...]) -> dict[str, float]:
+    """A mini-batch's figures from its sums (one host transfer): per sampled token (the policy loss's ``figures``
+    among them), the critic's per value position."""
     on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
     if on_device:  # one transfer for all of them
         values = torch.stack([sums[k].detach().double().reshape(()) for k in on_device]).tolist()
@@ -130,8 +126,8 @@ def mini_batch_metrics(sums: dict[str, float], tokens: float) -> dict[str, float
     out = {"loss": sums["loss"]}
     if "vf_loss" in sums:
         out["vf_loss"] = sums["vf_loss"]
-    for key in ("entropy", "logprob_mismatch", "clip_frac_low", "clip_frac_high", "approx_kl", "kl",
-                "tis_weight", "tis_truncated", "distill_topk_kl"):
+    for key in dict.fromkeys(("entropy", "logprob_mismatch", *figures, "kl", "tis_weight", "tis_truncated",
+                              "distill_topk_kl")):
         if key in sums:
             out[key] = sums[key] / max(tokens, 1.0)
     for key in ("vf_clip_frac", "vf_explained_var"):

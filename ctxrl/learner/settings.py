@@ -4,10 +4,12 @@ the rest of the run (``ctxrl.run.build.learner_settings`` computes them once).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ctxrl.algo.losses import LOSSES, OLD_LOGPROBS
+from ctxrl.algo.losses import OLD_LOGPROBS
+from ctxrl.algo.policy_losses import declared, get_policy_loss, loss_keywords
 from ctxrl.learner.batch import Batch
 from ctxrl.learner.flat import MODES as FLAT_MODES
 from ctxrl.learner.forward import Forward, choose
@@ -35,11 +37,12 @@ class LearnerSettings:
     batches that carry the teacher's top-K (``Batch.teacher_ids``)."""
     vf_clip: float = 0.2
     """The critic's value clip (``[algo.gae].vf_clip``: a critic's settings are GAE's)."""
+    loss_options: Any = None
+    """The policy loss's own settings (``[algo.NAME]`` for ``algo.loss = NAME``; None: their defaults)."""
 
     def __post_init__(self) -> None:
         a = self.algo
-        if a.loss not in LOSSES:
-            raise ValueError(f"unknown policy loss {a.loss!r}; choose one of {', '.join(LOSSES)}")
+        get_policy_loss(a.loss)  # (an unknown name is an error listing the registered ones)
         if a.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, not {a.old_logprobs!r}")
         if self.train.flat_forward not in FLAT_MODES:
@@ -47,6 +50,21 @@ class LearnerSettings:
         if a.tis_cap and a.old_logprobs != "recompute":
             raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
                              "set old_logprobs='recompute'")
+
+    @property
+    def policy_loss(self):
+        """The registered loss function ``algo.loss`` names (``ctxrl.algo.policy_losses``)."""
+        return get_policy_loss(self.algo.loss)
+
+    @property
+    def loss_keywords(self) -> dict[str, Any]:
+        """The policy loss's keywords from the config: PPO's clip range where it reads it, its own settings."""
+        return loss_keywords(self.policy_loss, self.algo, self.loss_options)
+
+    @property
+    def figures(self) -> tuple[str, ...]:
+        """The policy loss's figures, which the learner logs per sampled token."""
+        return declared(self.policy_loss).figures
 
     @property
     def kl_coef(self) -> float:

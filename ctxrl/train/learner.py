@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+from ctxrl.algo.policy_losses.ppo import PPOClipSettings
 from ctxrl.learner.learner import LAYOUT_KEYS, Learner, LearnerSettings, micro_batches, per_token_rows, token_logprobs
 from ctxrl.sections import AlgoConfig, TrainConfig
 
@@ -30,7 +31,8 @@ def PPOSettings(*, dual_clip: float | None = None, max_tokens_per_microbatch: in
     unknown = sorted(set(flat) - {*_ALGO, *_TRAIN, *_OWN})
     if unknown:
         raise TypeError(f"PPOSettings() got unexpected keyword arguments {', '.join(unknown)}")
-    algo = AlgoConfig(dual_clip=dual_clip or 0.0, **{k: v for k, v in flat.items() if k in _ALGO})
+    algo = AlgoConfig(**{k: v for k, v in flat.items() if k in _ALGO})
     train = TrainConfig(mini_batches=mini_batches, **{k: v for k, v in flat.items() if k in _TRAIN})
-    return LearnerSettings(algo, train, micro_batch_tokens=max_tokens_per_microbatch,
+    options = PPOClipSettings(dual_clip=dual_clip) if dual_clip else None  # ([algo.ppo_clip]: ppo_clip's alone)
+    return LearnerSettings(algo, train, micro_batch_tokens=max_tokens_per_microbatch, loss_options=options,
                            **{k: v for k, v in flat.items() if k in _OWN})
