@@ -257,6 +257,12 @@ class AlgoConfig:
     tis_cap: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Truncated importance sampling: weight each token by min(learner_old / behaviour, cap) (0 = off;
     needs ``old_logprobs = "recompute"``; e.g. 2.0 for bf16 rollouts)."""
+    offpolicy: str = ""
+    """An off-policy correction between the learner's recomputed old log-probs and the behaviour ones, a registered
+    name (``ctxrl.algo.offpolicy``): ``token_tis``, ``sequence_tis``, ``sequence_mis``, ``geometric_mis``,
+    ``icepop``, ``m2po``, its settings in ``[algo.NAME]``; empty: none. Applied once per update over the whole
+    batch (a rejected sequence leaves the loss and its denominators); needs ``old_logprobs = "recompute"`` and
+    replaces ``tis_cap``, the older token TIS (docs/algorithms.md)."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from ctxrl.learner.objective import (
     figure_keys,
     micro_batch_objective,
     mini_batch_metrics,
+    offpolicy_correction,
 )
 from ctxrl.learner.policy import Reference
 from ctxrl.learner.precision import MasterAdamW, Precision, trainable_grads
@@ -103,6 +104,9 @@ class Learner:
         before = {}
         if self.settings.algo.old_logprobs == "recompute":
             batch, before = self.recompute_old_logprobs(batch)
+            if self.settings.algo.offpolicy:  # (the correction's figures describe the whole batch, as these do)
+                batch, corrected = offpolicy_correction(batch, self.settings)
+                before = {**before, **corrected}
         self.micro_batches_run = 0
         for _ in range(t.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.generator).tolist()

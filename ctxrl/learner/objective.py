@@ -13,6 +13,7 @@ It runs no backward pass and owns no optimiser (``Learner`` does both).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +50,8 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
             weights = raw.clamp(max=a.tis_cap)
             add(sums, "tis_weight", weights.detach().sum())
             add(sums, "tis_truncated", ((raw > a.tis_cap).float() * micro.loss_mask).sum())
+        elif micro.offpolicy_weights is not None:  # (algo.offpolicy: once per update, ``offpolicy_correction``)
+            weights = micro.offpolicy_weights
         old = micro.recomputed
     topk = s.distill_top_k_coef > 0 and micro.teacher_ids is not None
     entropy_grad = a.entropy_coef > 0
@@ -83,6 +86,24 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
         for key in s.figures:
             add(sums, key, m[key] * n_tok)
     return loss
+
+
+def offpolicy_correction(batch: Batch, s: LearnerSettings) -> tuple[Batch, dict[str, float]]:
+    """``batch`` corrected by the off-policy correction ``algo.offpolicy`` names, and its figures (``offpolicy_*``).
+
+    It compares the learner's recomputed old log-probs with the behaviour ones, the sampler's (a bf16 engine, or an
+    older policy under bounded staleness: the same path either way), once per update over the whole batch, so a
+    sequence-level rejection sees whole sequences and M2PO's second moment the whole batch. The batch comes back with
+    the correction's loss mask (a rejected sequence leaves the loss and its denominators) and its weights, which
+    multiply each token's policy loss (``micro_batch_objective``)."""
+    from ctxrl.algo.offpolicy import get_offpolicy_correction
+
+    correct = get_offpolicy_correction(s.algo.offpolicy)
+    out = correct(batch.recomputed, batch.old_logprobs, batch.loss_mask, advantages=batch.advantages,
+                  **s.offpolicy_keywords)
+    corrected = dataclasses.replace(batch, loss_mask=out.loss_mask.to(batch.loss_mask.dtype),
+                                    offpolicy_weights=out.weights.to(batch.old_logprobs.dtype))
+    return corrected, {f"offpolicy_{k}": float(v) for k, v in out.metrics.items()}
 
 
 def critic_objective(critic, s: LearnerSettings, micro: Batch, sums: dict, *, denominator: float) -> torch.Tensor:

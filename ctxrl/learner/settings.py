@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ctxrl.algo.losses import OLD_LOGPROBS
+from ctxrl.algo.offpolicy import correction_keywords, get_offpolicy_correction
 from ctxrl.algo.policy_losses import declared, get_policy_loss, loss_keywords
 from ctxrl.learner.batch import Batch
 from ctxrl.learner.flat import MODES as FLAT_MODES
@@ -39,6 +40,8 @@ class LearnerSettings:
     """The critic's value clip (``[algo.gae].vf_clip``: a critic's settings are GAE's)."""
     loss_options: Any = None
     """The policy loss's own settings (``[algo.NAME]`` for ``algo.loss = NAME``; None: their defaults)."""
+    offpolicy_options: Any = None
+    """The off-policy correction's settings (``[algo.NAME]`` for ``algo.offpolicy = NAME``; None: their defaults)."""
 
     def __post_init__(self) -> None:
         a = self.algo
@@ -50,6 +53,11 @@ class LearnerSettings:
         if a.tis_cap and a.old_logprobs != "recompute":
             raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
                              "set old_logprobs='recompute'")
+        if a.offpolicy:
+            get_offpolicy_correction(a.offpolicy)  # (an unknown name is an error listing the registered ones)
+            if a.old_logprobs != "recompute" or a.tis_cap:
+                raise ValueError(f"the off-policy correction {a.offpolicy!r} corrects recomputed old log-probs "
+                                 "(old_logprobs='recompute'), in place of tis_cap")
 
     @property
     def policy_loss(self):
@@ -65,6 +73,11 @@ class LearnerSettings:
     def figures(self) -> tuple[str, ...]:
         """The policy loss's figures, which the learner logs per sampled token."""
         return declared(self.policy_loss).figures
+
+    @property
+    def offpolicy_keywords(self) -> dict[str, Any]:
+        """The off-policy correction's settings as its keywords (``algo.offpolicy`` must name one)."""
+        return correction_keywords(self.algo.offpolicy, self.offpolicy_options)
 
     @property
     def kl_coef(self) -> float:

@@ -19,7 +19,8 @@ def learner_settings(config: Config, micro_batch_tokens: int | None = None) -> L
     greedy), Dr.GRPO's constant length (the most sampled tokens an episode can have), the distillation top-K weight,
     the critic's value clip (``[algo.gae]``: a critic's settings are GAE's) and the token budget of a micro-batch
     (``micro_batch_tokens``: the memory plan's or the CPU bound's; None takes the user's
-    ``train.max_tokens_per_microbatch``), and the policy loss's own settings (``[algo.NAME]``). A KL placed in the
+    ``train.max_tokens_per_microbatch``), and the policy loss's and the off-policy correction's own settings
+    (``[algo.NAME]``). A KL placed in the
     reward is not the loss's (``LearnerSettings.kl_coef``)."""
     from ctxrl.learner.learner import LearnerSettings
 
@@ -30,7 +31,9 @@ def learner_settings(config: Config, micro_batch_tokens: int | None = None) -> L
                                                else micro_batch_tokens),
                            distill_top_k_coef=distill_top_k_coef(config),
                            vf_clip=config.settings_of("algo", "gae").vf_clip,
-                           loss_options=config.settings_of("algo", config.algo.loss))
+                           loss_options=config.settings_of("algo", config.algo.loss),
+                           offpolicy_options=(config.settings_of("algo", config.algo.offpolicy)
+                                              if config.algo.offpolicy else None))
 
 
 def distill_top_k_coef(config: Config) -> float:

@@ -58,27 +58,32 @@ def _declared(cls: type) -> type | None:
 
 
 def _algo_settings(name: str) -> type | None:
-    """``[algo.NAME]``: an estimator's settings, else a policy loss's (a name is one or the other: the registries
-    refuse none, and the test of both lists checks the built-ins apart); an unknown name lists both."""
+    """``[algo.NAME]``: an estimator's settings, else a policy loss's, else an off-policy correction's (a name is one of
+    them: the registries refuse none, and a test checks the built-ins apart); an unknown name lists them all."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
+    from ctxrl.algo.offpolicy import OFFPOLICY_CORRECTIONS, correction_settings, offpolicy_correction_names
     from ctxrl.algo.policy_losses import POLICY_LOSSES, declared, get_policy_loss, policy_loss_names
 
     if name in estimator_names():
         return _declared(get_estimator(name))
     if name in POLICY_LOSSES:
         return declared(get_policy_loss(name)).Settings
+    if name in OFFPOLICY_CORRECTIONS:
+        return correction_settings(name)
     try:
         get_estimator(name)
-    except ValueError as exc:  # the estimators' own message (with its nearest name), then the losses
-        raise LookupError(f"{exc}; nor a policy loss: {', '.join(policy_loss_names())}") from None
+    except ValueError as exc:  # the estimators' own message (with its nearest name), then the others
+        raise LookupError(f"{exc}; nor a policy loss: {', '.join(policy_loss_names())}; nor an off-policy "
+                          f"correction: {', '.join(offpolicy_correction_names())}") from None
     raise AssertionError(name)  # (not reached: the name is no estimator)
 
 
 def _builtin_algo() -> list[str]:
     from ctxrl.algo.estimators.base import ESTIMATORS
+    from ctxrl.algo.offpolicy import OFFPOLICY_CORRECTIONS
     from ctxrl.algo.policy_losses import POLICY_LOSSES
 
-    return [*ESTIMATORS.builtin_names(), *POLICY_LOSSES.builtin_names()]
+    return [*ESTIMATORS.builtin_names(), *POLICY_LOSSES.builtin_names(), *OFFPOLICY_CORRECTIONS.builtin_names()]
 
 
 def _manager_settings(name: str) -> type | None:

@@ -290,6 +290,28 @@ def _validate_loss(config: Config) -> None:
                                   f"set algo.loss={name}, or leave [{key}] out")
 
 
+def _validate_offpolicy(config: Config) -> None:
+    """``algo.offpolicy``: a registered correction, between recomputed old log-probs and the behaviour ones, not
+    with ``tis_cap`` (the older token TIS), and no other correction's table set (it would be ignored)."""
+    from ctxrl.algo.offpolicy import OFFPOLICY_CORRECTIONS, correction_settings, offpolicy_correction_names
+
+    a = config.algo
+    if a.offpolicy:
+        _registered("algo.offpolicy", a.offpolicy, offpolicy_correction_names())
+        if a.old_logprobs != "recompute":
+            raise ConfigError(f"algo.offpolicy={a.offpolicy} corrects recomputed old log-probs against the behaviour "
+                              "ones; set algo.old_logprobs=recompute")
+        if a.tis_cap:
+            raise ConfigError(f"algo.tis_cap is token TIS, a correction of its own; with algo.offpolicy={a.offpolicy} "
+                              "set algo.tis_cap=0 (token TIS by name: algo.offpolicy=token_tis, [algo.token_tis].cap)")
+    for key, table in config.components.items():
+        section, _, name = key.partition(".")
+        if section == "algo" and name != a.offpolicy and name in OFFPOLICY_CORRECTIONS:
+            if table != settings_table(correction_settings(name)()):
+                raise ConfigError(f"[{key}] sets the settings of off-policy correction {name!r}, but algo.offpolicy="
+                                  f"{a.offpolicy or '(none)'}: set algo.offpolicy={name}, or leave [{key}] out")
+
+
 def _validate_algo(config: Config, estimator: type) -> None:
     """The loss, the old policy, reward shaping and group sizes: what they combine with."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
@@ -302,6 +324,7 @@ def _validate_algo(config: Config, estimator: type) -> None:
                           "reward would be lost; use algo.kl_placement=loss")
     if a.tis_cap and a.old_logprobs != "recompute":
         raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
+    _validate_offpolicy(config)
     if config.reward.overlong_buffer > config.rollout.max_total_tokens:
         raise ConfigError(f"reward.overlong_buffer ({config.reward.overlong_buffer}) must not exceed "
                           f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")
