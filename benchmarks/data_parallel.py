@@ -59,9 +59,10 @@ def worker(args) -> None:
 
     from ctxrl.distributed.data_parallel import DataParallel
     from ctxrl.learner.batch import collate
-    from ctxrl.learner.learner import Learner, PPOSettings
+    from ctxrl.learner.learner import Learner, LearnerSettings
     from ctxrl.learner.precision import Precision
     from ctxrl.models.shapes import random_model
+    from ctxrl.sections import TrainConfig
     from ctxrl.types import Episode, Task
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -72,7 +73,8 @@ def worker(args) -> None:
     world = 1 if parallel is None else parallel.world
     precision = Precision(args.dtype, "float32", device)
     model = random_model(args.shape, precision.storage, device, seed=0)
-    settings = PPOSettings(mini_batches=1, micro_batch_size=args.seqs, max_tokens_per_microbatch=args.max_tokens)
+    settings = LearnerSettings(train=TrainConfig(mini_batches=1, micro_batch_size=args.seqs),
+                               micro_batch_tokens=args.max_tokens)
     learner = Learner(model, precision.optimizer(model.parameters(), lr=1e-6), settings, pad_token_id=0,
                       precision=precision, parallel=parallel)
     lo, hi = (int(x) for x in args.lengths.split(","))

@@ -420,17 +420,18 @@ def agentic_arm(args, arm: str) -> dict:
 def make_learner(args, model, precision, rows: int):
     import dataclasses
 
-    from ctxrl.learner.learner import Learner, PPOSettings
+    from ctxrl.learner.learner import Learner, LearnerSettings
     from ctxrl.learner.policy import Policy
+    from ctxrl.sections import TrainConfig
 
     policy = Policy(model, precision)
-    settings = PPOSettings(mini_batches=1, micro_batch_size=rows, max_tokens_per_microbatch=args.learner_max_tokens,
-                           logprob_chunk_tokens=args.chunk)
+    train = TrainConfig(mini_batches=1, micro_batch_size=rows, logprob_chunk_tokens=args.chunk)
     flat_mode = getattr(args, "flat_mode", None)  # the learner arms say; the GRPO arm keeps ctxrl's default
     if flat_mode is not None:
-        settings = dataclasses.replace(settings, flat_forward=flat_mode)
+        train = dataclasses.replace(train, flat_forward=flat_mode)
     if getattr(args, "packed_arm", False):
-        settings = dataclasses.replace(settings, pack_sequences=True)
+        train = dataclasses.replace(train, pack_sequences=True)
+    settings = LearnerSettings(train=train, micro_batch_tokens=args.learner_max_tokens)
     learner = Learner(model, precision.optimizer(policy.trainable_parameters(), lr=1e-6), settings, pad_token_id=PAD,
                       precision=precision)
     return policy, learner
@@ -606,10 +607,15 @@ def host_stacks(fn, interval: float = 0.0005, top: int = 12) -> dict:
                                                    for name, n in totals.most_common() if n >= 10}}
 
 
-def flat_agreement(learner, model, data, cuda: bool) -> dict:
-    """|flat - HF| log-probs of the first 4 sequences' sampled tokens (no gradient): the two forward passes agree."""
+def with_flat_forward(settings, mode: str):
+    """``settings`` (a ``LearnerSettings``) with ``train.flat_forward = mode``."""
     import dataclasses
 
+    return dataclasses.replace(settings, train=dataclasses.replace(settings.train, flat_forward=mode))
+
+
+def flat_agreement(learner, model, data, cuda: bool) -> dict:
+    """|flat - HF| log-probs of the first 4 sequences' sampled tokens (no gradient): the two forward passes agree."""
     import torch
 
     from ctxrl.learner.batch import micro_batches
@@ -617,7 +623,7 @@ def flat_agreement(learner, model, data, cuda: bool) -> dict:
     _, micro = next(micro_batches(data.select(list(range(min(4, len(data))))), 4, learner.device))
     with torch.no_grad():
         flat = learner.settings.logprobs(model, micro)
-        hf = dataclasses.replace(learner.settings, flat_forward="off").logprobs(model, micro)
+        hf = with_flat_forward(learner.settings, "off").logprobs(model, micro)
     delta = ((flat - hf).abs() * micro.loss_mask)[micro.loss_mask.bool()].float()
     return {"flat_vs_hf_logprob_mean": round(float(delta.mean()), 5),
             "flat_vs_hf_logprob_max": round(float(delta.max()), 5)}
@@ -626,14 +632,12 @@ def flat_agreement(learner, model, data, cuda: bool) -> dict:
 def graph_agreement(learner, model, data) -> dict:
     """One micro-batch's log-probs and every weight's gradient through the layers' CUDA graphs against the eager
     flat pass (``train.flat_forward`` graphed vs on), relative to the largest gradient; and the captures made."""
-    import dataclasses
-
     import torch
 
     from ctxrl.learner.batch import micro_batches
     from ctxrl.learner.flat import training_decoder
 
-    _, micro = next(micro_batches(data, len(data), learner.device, learner.settings.max_tokens_per_microbatch,
+    _, micro = next(micro_batches(data, len(data), learner.device, learner.settings.micro_batch_tokens,
                                   padded=False))
     # (with float32 masters the gradients land in the optimiser's masters, and the model's own are let go)
     params = [p for group in learner.optimizer.param_groups for p in group["params"]]
@@ -641,7 +645,7 @@ def graph_agreement(learner, model, data) -> dict:
     for mode in ("graphed", "on"):
         learner.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        lp = dataclasses.replace(learner.settings, flat_forward=mode).logprobs(model, micro)
+        lp = with_flat_forward(learner.settings, mode).logprobs(model, micro)
         (lp * micro.loss_mask).sum().backward()
         grads = [p.grad for p in (*model.parameters(), *params) if p.grad is not None]
         out.append((lp.detach().double(), torch.cat([g.double().flatten() for g in grads])))

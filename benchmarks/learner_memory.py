@@ -54,12 +54,12 @@ def batch(vocab: int, seqs: int, tokens: int, seed: int = 0):
 def child(args) -> dict:
     import torch
 
-    from ctxrl.learner.learner import Learner, PPOSettings
+    from ctxrl.learner.learner import Learner, LearnerSettings
     from ctxrl.learner.policy import Policy, enable_gradient_checkpointing
     from ctxrl.learner.precision import Precision
     from ctxrl.models.lora import wrap_lora
     from ctxrl.models.shapes import random_model
-    from ctxrl.sections import LoRAConfig
+    from ctxrl.sections import LoRAConfig, TrainConfig
 
     setting, device = args.one, args.device
     cuda = device.startswith("cuda")
@@ -75,10 +75,11 @@ def child(args) -> dict:
         enable_gradient_checkpointing(model)
     policy = Policy(model, precision, lora=LoRAConfig(rank=args.lora_rank) if lora else None)
     engine_copy = policy.engine_model()  # held as a one-GPU run holds it
-    settings = PPOSettings(mini_batches=1, micro_batch_size=args.legacy_rows if legacy else args.seqs,
-                           max_tokens_per_microbatch=0 if legacy else
-                           (args.ckpt_max_tokens if setting.endswith("+ckpt") else args.max_tokens),
-                           logprob_chunk_tokens=0 if legacy else args.chunk)
+    rows = args.legacy_rows if legacy else args.seqs
+    settings = LearnerSettings(train=TrainConfig(mini_batches=1, micro_batch_size=rows,
+                                                 logprob_chunk_tokens=0 if legacy else args.chunk),
+                               micro_batch_tokens=0 if legacy else
+                               (args.ckpt_max_tokens if setting.endswith("+ckpt") else args.max_tokens))
     learner = Learner(model, precision.optimizer(policy.trainable_parameters(), lr=1e-6), settings, pad_token_id=0,
                       precision=precision)
     data = batch(model.config.vocab_size, args.seqs, args.tokens)

@@ -85,6 +85,7 @@ RENAMED: tuple[Renamed, ...] = (
     Renamed("curriculum.horizon_stages", "curriculum.horizon.stages", 3),
     Renamed("curriculum.self_paced_pool", "curriculum.self_paced.pool", 4),
     Renamed("curriculum.self_paced_floor", "curriculum.self_paced.floor", 0.02),
+    Renamed("algo.dual_clip", "algo.ppo_clip.dual_clip", 0.0),
     Renamed("algo.lam", "algo.gae.lam", 1.0),
     Renamed("algo.gae_level", "algo.gae.level", "token"),
     Renamed("algo.vf_clip", "algo.gae.vf_clip", 0.2),
@@ -145,7 +146,7 @@ ALIASES = {
     "response_length": ("rollout.max_new_tokens", "verl"), "train_batch_size": ("rollout.tasks_per_step", "verl"),
     "kl_loss_coef": ("algo.kl_coef", "verl"), "kl_loss_type": ("algo.kl_kind", "verl"),
     "clip_ratio": ("algo.clip_low", "verl"), "clip_ratio_low": ("algo.clip_low", "verl"),
-    "clip_ratio_high": ("algo.clip_high", "verl"), "clip_ratio_c": ("algo.dual_clip", "verl"),
+    "clip_ratio_high": ("algo.clip_high", "verl"), "clip_ratio_c": ("algo.ppo_clip.dual_clip", "verl"),
     "entropy_coeff": ("algo.entropy_coef", "verl"), "loss_agg_mode": ("algo.agg", "verl"),
     "adv_estimator": ("algo.advantage", "verl"), "total_training_steps": ("train.steps", "verl"),
     "ppo_micro_batch_size_per_gpu": ("train.micro_batch_size", "verl"),
@@ -165,6 +166,15 @@ def unknown_key_hint(section: str, key: str, fields: list[str]) -> str:
         target, origin = ALIASES[key]
         return f"; did you mean {target} ({origin}'s {key})?"
     return nearest(f"{section}.{key}", fields)
+
+
+def component_hint(section: str, key: str) -> str:
+    """The end of an unknown-key error for a key that is a component's own setting: the tables it belongs in (this
+    imports the section's registries, on the error's path only)."""
+    from ctxrl.run.components import owners
+
+    tables = owners(section, key)
+    return f"; {key} is a setting of {' and '.join(f'[{t}]' for t in tables)}" if tables else ""
 
 
 @dataclass(frozen=True)
@@ -260,8 +270,8 @@ def from_dict(data: dict[str, Any]) -> Config:
                 components[f"{name}.{key}"] = value  # a component's own table: checked once plugins are imported
                 continue
             if key not in fields:
-                raise ConfigError(f"unknown config key {name}.{key}"
-                                  f"{unknown_key_hint(name, key, [f'{name}.{f}' for f in fields])}")
+                raise ConfigError(f"unknown config key {name}.{key}" + (
+                    component_hint(name, key) or unknown_key_hint(name, key, [f"{name}.{f}" for f in fields])))
             kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
         built[name] = cls(**kwargs)
     config = Config(**built, components=components)

@@ -226,11 +226,12 @@ class AlgoConfig:
     gamma: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Discount per sampled token (``reinforce_pp``, ``gae``) or per turn (``turn_grpo``)."""
     loss: str = "ppo_clip"
-    """Policy loss: ``ppo_clip`` (token ratios) or ``gspo`` (sequence ratios; use clip bounds near 3e-4 / 4e-4)."""
-    dual_clip: float = field(default=0.0, metadata=NON_NEGATIVE)
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c * A (0 = off; ppo_clip only)."""
+    """Policy loss, a registered name (``ctxrl.algo.policy_losses``): ``ppo_clip``, ``gspo``, ``cispo``, ``gmpo``,
+    ``sapo``, ``clip_cov``, ``kl_cov``, ``dppo_tv``, ``dppo_kl`` (docs/algorithms.md); its own settings in
+    ``[algo.NAME]``."""
     clip_low: float = field(default=0.2, metadata=NON_NEGATIVE)
-    """PPO lower clip: ratios below 1 - clip_low stop the gradient of negative advantages."""
+    """PPO lower clip: ratios below 1 - clip_low stop the gradient of negative advantages (the clip range of
+    ``ppo_clip``, ``gspo`` (use bounds near 3e-4 / 4e-4) and ``clip_cov``; other losses have their own)."""
     clip_high: float = field(default=0.2, metadata=NON_NEGATIVE)
     """PPO upper clip (DAPO's clip-higher raises it, e.g. 0.28)."""
     kl_coef: float = field(default=0.0, metadata=NON_NEGATIVE)
@@ -256,6 +257,12 @@ class AlgoConfig:
     tis_cap: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Truncated importance sampling: weight each token by min(learner_old / behaviour, cap) (0 = off;
     needs ``old_logprobs = "recompute"``; e.g. 2.0 for bf16 rollouts)."""
+    offpolicy: str = ""
+    """An off-policy correction between the learner's recomputed old log-probs and the behaviour ones, a registered
+    name (``ctxrl.algo.offpolicy``): ``token_tis``, ``sequence_tis``, ``sequence_mis``, ``geometric_mis``,
+    ``icepop``, ``m2po``, its settings in ``[algo.NAME]``; empty: none. Applied once per update over the whole
+    batch (a rejected sequence leaves the loss and its denominators); needs ``old_logprobs = "recompute"`` and
+    replaces ``tis_cap``, the older token TIS (docs/algorithms.md)."""
 
 
 @dataclass(frozen=True)

@@ -230,3 +230,82 @@ def test_a_key_renamed_into_a_component_table_loads_warns_once_and_resumes(plugi
     with pytest.raises(ConfigError, match="algo.cap was renamed algo.capped_grpo.limit; the config sets both, keep "
                                           "only algo.capped_grpo.limit"):
         load_config(None, [*base, "algo.cap=0.5", "algo.capped_grpo.limit=0.7"])
+
+
+# -- a policy loss of its own: docs/algorithms.md, "Writing a loss" ------------------------------------------------
+@pytest.fixture(scope="module")
+def loss_plugin(tmp_path_factory):
+    """The doc's capped_pg.py, importable as a plugin (run.plugins = "capped_pg")."""
+    folder = tmp_path_factory.mktemp("loss_plugin")
+    (folder / "capped_pg.py").write_text(doc_block("# capped_pg.py", "python"))
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+    from ctxrl.algo.policy_losses import POLICY_LOSSES
+
+    POLICY_LOSSES._entries.pop("capped_pg", None)  # (the registry lists the built-ins alone again: test_policy_losses)
+    sys.modules.pop("capped_pg", None)
+
+
+def test_the_docs_loss_trains_an_rl_step_of_the_real_trainer(loss_plugin, tmp_path, monkeypatch):
+    """The doc's file and table, as a user runs them: the registered name chosen by the config, its table read, its
+    figure in the step's row; a misspelt name lists it among the choices."""
+
+    from ctxrl.train import collect
+    from ctxrl.train.trainer import Trainer
+
+    path = tmp_path / "capped_pg.toml"
+    path.write_text(doc_block("# capped_pg.toml", "toml"))
+    real = collect.shape_rewards
+
+    def alternate(episodes, rc, **kw):  # (the untrained tiny model never succeeds: some signal to train on)
+        for i, e in enumerate(episodes):
+            e.reward = float(i % 2)
+            e.success = bool(e.reward)
+            if e.turns:
+                e.turns[-1].reward = e.reward
+        return real(episodes, rc, **kw)
+
+    monkeypatch.setattr(collect, "shape_rewards", alternate)
+    config = load_config(path, ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "rollout.tasks_per_step=2",
+                                "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
+                                "run.samples_per_step=0"])
+    assert config.settings_of("algo", "capped_pg").cap == 1.5
+    trainer = Trainer(config, tmp_path / "run")
+    learner = trainer.make_learner()
+    assert learner.settings.loss_keywords == {"cap": 1.5}
+    row = trainer.step(0)
+    assert row["capped_frac"] == 0.0 and row["approx_kl"] >= 0.0  # (the first epoch is on-policy: r = 1)
+    assert row["advantage_abs_mean"] > 0 and row["skipped"] == 0.0 and row["grad_norm"] > 0
+    assert "clip_frac_low" not in row  # (PPO's figures are ppo_clip's: this loss declares its own)
+    with pytest.raises(ConfigError, match="algo.loss must be one of .*capped_pg"):
+        load_config(None, ["run.plugins=capped_pg", "algo.loss=capped_gp"])
+    with pytest.raises(ConfigError, match=r"\[algo.capped_pg\]: cap must be > 0"):
+        load_config(None, ["run.plugins=capped_pg", "algo.loss=capped_pg", "algo.capped_pg.cap=0"])
+
+
+def test_the_docs_loss_gradient_is_its_formula(loss_plugin, model, scored_episodes):
+    """A learner update with the doc's loss: its gradient is -sum_t sg(min(r, cap)) A grad logp / tokens, here
+    on-policy (r = 1), so one SGD step of lr 1 moves the weights by exactly that gradient."""
+    import copy
+
+    from ctxrl.learner.batch import collate
+    from ctxrl.learner.learner import Learner
+    from ctxrl.learner.logprobs import token_logprobs
+    from ctxrl.run.build import learner_settings
+
+    config = load_config(None, ["run.plugins=capped_pg", "algo.loss=capped_pg", "train.mini_batches=1",
+                                "rollout.temperature=1.0", "train.max_grad_norm=1e9"])  # (no clipping)
+    batch = collate(scored_episodes(model.config.vocab_size, [9, 5, 7]), 0, advantages=[1.0, -0.5, 2.0])
+    m = copy.deepcopy(model).double()
+    lp = token_logprobs(m, batch.input_ids, batch.attention_mask, mask=batch.loss_mask, chunk=0)
+    batch = dataclasses.replace(batch, old_logprobs=(lp.detach() * batch.loss_mask))
+    (-(batch.advantages * lp * batch.loss_mask).sum() / batch.loss_mask.sum()).backward()
+    expected = [p.detach() - p.grad for p in m.parameters()]
+    trained = copy.deepcopy(model).double()
+    learner = Learner(trained, torch.optim.SGD(trained.parameters(), lr=1.0), learner_settings(config),
+                      pad_token_id=0)
+    metrics = learner.update(batch)
+    assert metrics["capped_frac"] == 0.0 and metrics["approx_kl"] == pytest.approx(0.0, abs=1e-20)
+    for got, want in zip(trained.parameters(), expected):
+        assert torch.allclose(got, want, atol=1e-12)

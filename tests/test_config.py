@@ -243,8 +243,8 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # issue 50 moved these into their components' tables: the curricula's 5; gae's lam, vf_clip, critic_lr and
     # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed); then summarize's and
     # select's max_summaries, eval_max_summaries, max_tokens and fold's max_branches, branch_reward; then the judge's
-    # max_tokens, retries, timeout_s, concurrency; then the annealed demos' max, steps, pool
-    assert len(bounds) == 66
+    # max_tokens, retries, timeout_s, concurrency; then the annealed demos' max, steps, pool; then ppo_clip's dual_clip
+    assert len(bounds) == 65
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),
@@ -342,8 +342,9 @@ def test_names_from_other_libraries_suggest_the_ctxrl_key(override, target, orig
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[override])
     assert str(info.value).endswith(f"; did you mean {target} ({origin})?"), str(info.value)
-    fields = {key for key, *_ in __import__("ctxrl.config", fromlist=["describe_fields"]).describe_fields()}
-    assert {t for t, _ in ALIASES.values()} <= fields  # every alias names a real key
+    config_module = __import__("ctxrl.config", fromlist=["describe_fields"])
+    fields = {key for key, *_ in config_module.describe_fields() + config_module.describe_components()}
+    assert {t for t, _ in ALIASES.values()} <= fields  # every alias names a real key (clip_ratio_c: a table's)
     assert not {a for a in ALIASES} & {key.partition(".")[2] for key in fields}  # and shadows none
 
 
@@ -362,7 +363,7 @@ MOVED_50 = {
         "algo.gae.lam": 0.95, "algo.gae.level": "turn", "algo.gae.vf_clip": 0.3, "algo.gae.critic_lr": 0.0005,
         "algo.meta.credit": "relative", "algo.meta.normalize": "none", "algo.meta.baseline": "mean",
         "algo.meta.gamma_trial": 0.9,
-        "algo.dual_clip": 3.0,
+        "algo.ppo_clip.dual_clip": 3.0,
         "context.summarize.max_summaries": 3, "context.summarize.eval_max_summaries": 5,
         "context.summarize.max_tokens": 48,
         "context.summarize.instruction": "Summarise what you found so far, briefly.",

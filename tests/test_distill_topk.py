@@ -15,6 +15,7 @@ from ctxrl.algo.distill import topk_forward_kl
 from ctxrl.algo.estimators import get_estimator
 from ctxrl.algo.estimators.distill import DistillSettings
 from ctxrl.config import ConfigError, load_config
+from ctxrl.run.build import learner_settings
 from ctxrl.train.batch import collate
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.logprobs import token_topk
@@ -68,8 +69,8 @@ def test_top_k_settings_are_checked():
         load_config(None, ["algo.advantage=distill", "algo.distill.teacher=tiny", "algo.distill.top_k=100000"])
     config = load_config(None, ["algo.advantage=distill", "algo.distill.teacher=tiny", "algo.distill.top_k=4",
                                 "algo.distill.top_k_coef=0.5"])
-    assert PPOSettings.from_config(config).distill_top_k_coef == 0.5
-    assert PPOSettings.from_config(load_config(None, [])).distill_top_k_coef == 0.0
+    assert learner_settings(config).distill_top_k_coef == 0.5
+    assert learner_settings(load_config(None, [])).distill_top_k_coef == 0.0
 
 
 def test_the_estimator_puts_the_teachers_topk_on_its_rows_and_refuses_without_it():

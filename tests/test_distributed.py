@@ -201,6 +201,17 @@ def test_asynchronous_training_keeps_staleness_within_its_bound(tmp_path):
     assert trainer.worker.policy_version == 4
 
 
+@pytest.mark.slow  # (Ray's start and two asynchronous steps)
+def test_an_offpolicy_correction_chosen_by_name_applies_on_the_asynchronous_path(tmp_path):
+    """``algo.offpolicy`` on stale rollouts: the correction compares the learner's recomputed old log-probs with the
+    behaviour ones of an older policy, as on the synchronous path, and the rows log what it masked."""
+    rows, _ = _rows(tmp_path, ["distributed.backend=ray", "distributed.max_staleness=1",
+                               "algo.old_logprobs=recompute", "algo.offpolicy=icepop", "algo.icepop.lower=0.9",
+                               "algo.icepop.upper=1.1"], steps=2)
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0]
+    assert all("offpolicy_masked_frac" in r and r["offpolicy_ratio_mean"] > 0 and r["grad_norm"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["distributed.max_staleness=1", "algo.old_logprobs=recompute"], "needs distributed.backend"),
     (["distributed.backend=ray", "distributed.max_staleness=1"], "algo.old_logprobs"),

@@ -14,6 +14,7 @@ import torch
 from ctxrl.errors import ConfigError
 from ctxrl.learner import flat as flat_module
 from ctxrl.learner.flat import FlatDecoder, training_decoder
+from ctxrl.run.build import learner_settings
 from ctxrl.train.batch import collate
 from ctxrl.train.learner import Learner, PPOSettings
 from ctxrl.train.packing import flatten
@@ -124,7 +125,7 @@ def test_a_learner_update_through_the_flat_forward_matches_the_hf_update(scored_
 def test_under_a_token_budget_the_flat_learner_packs_by_tokens_alone(scored_episodes, monkeypatch):
     """``train.micro_batch_size`` caps padded micro-batches' rows; through the flat pass the token budget alone
     bounds them, and the update is the same as one row at a time through HF's pass."""
-    from ctxrl.train import learner as learner_module
+    from ctxrl.learner import learner as learner_module
 
     model = _build("qwen2")
     lengths = [12, 5, 8, 3, 10, 7]
@@ -259,6 +260,6 @@ def test_the_config_field_reaches_the_learner_and_is_validated():
     config = Config()
     assert config.train.flat_forward == "auto"
     config = replace(config, train=replace(config.train, flat_forward="on"))  # (sections are frozen)
-    assert PPOSettings.from_config(config).flat_forward == "on"
+    assert learner_settings(config).train.flat_forward == "on"
     with pytest.raises(ConfigError, match="train.flat_forward must be one of auto, on, compiled, graphed, off"):
         validate(replace(config, train=replace(config.train, flat_forward="sometimes")))

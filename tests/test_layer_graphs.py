@@ -187,7 +187,7 @@ def test_the_learner_sets_the_bucket_floor_to_its_token_budget(monkeypatch):
     model = random_model("qwen2-test", torch.float64, "cpu", seed=0)
     decoder = FlatDecoder(model)
     decoder.graphs = LayerGraphs(decoder.layers, decoder._block)
-    monkeypatch.setattr("ctxrl.train.learner.training_decoder", lambda m, mode: decoder)
+    monkeypatch.setattr("ctxrl.learner.forward.training_decoder", lambda m, mode: decoder)
     Learner(model, torch.optim.SGD(model.parameters(), lr=0.1),
             PPOSettings(flat_forward="on", max_tokens_per_microbatch=4096), pad_token_id=0)
     assert decoder.graphs.min_tokens == 4096
@@ -216,7 +216,7 @@ def test_a_learner_update_on_the_graphed_path_equals_the_eager_update(scored_epi
         calls: list[int] = []
         if graphed:  # (replays whose weight gradients come back in buffers the next one overwrites)
             decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture(calls))
-        monkeypatch.setattr("ctxrl.train.learner.training_decoder", lambda model, mode, d=decoder: d)
+        monkeypatch.setattr("ctxrl.learner.forward.training_decoder", lambda model, mode, d=decoder: d)
         # (one mini-batch of four micro-batches by their tokens: 12 | 10 | 8 + 5 | 3, whose gradients must add up)
         settings = PPOSettings(flat_forward="on", logprob_chunk_tokens=4, micro_batch_size=2, mini_batches=1,
                                max_tokens_per_microbatch=13)
@@ -246,7 +246,7 @@ def test_under_float32_masters_a_graphed_update_needs_no_gradient_copies_and_equ
         decoder = FlatDecoder(m)
         if graphed:
             decoder.graphs = LayerGraphs(decoder.layers, decoder._block, capture=_buffered_capture())
-        monkeypatch.setattr("ctxrl.train.learner.training_decoder", lambda model, mode, d=decoder: d)
+        monkeypatch.setattr("ctxrl.learner.forward.training_decoder", lambda model, mode, d=decoder: d)
         settings = PPOSettings(flat_forward="on", logprob_chunk_tokens=4, micro_batch_size=2, mini_batches=1,
                                max_tokens_per_microbatch=13)
         optimizer = precision.optimizer(m.parameters(), lr=1e-3)
@@ -332,7 +332,7 @@ def test_gradient_copies_stay_unless_live_masters_take_every_layer_parameter(mon
         model = random_model("qwen2-test", torch.bfloat16, "cpu", seed=0)
         decoder = FlatDecoder(model)
         decoder.graphs = LayerGraphs(decoder.layers, decoder._block)
-        monkeypatch.setattr("ctxrl.train.learner.training_decoder", lambda m, mode: decoder)
+        monkeypatch.setattr("ctxrl.learner.forward.training_decoder", lambda m, mode: decoder)
         Learner(model, make_optimizer(model), PPOSettings(flat_forward="on"), pad_token_id=0)
         return decoder.graphs.copy_grads
 

@@ -16,6 +16,7 @@ import torch
 
 from ctxrl.config import load_config
 from ctxrl.errors import ConfigError
+from ctxrl.run.build import learner_settings
 from ctxrl.train.memory import (
     CUDA_CONTEXT_BYTES,
     DEFAULT_LEARNER_TOKENS,
@@ -33,7 +34,6 @@ from ctxrl.train.memory import (
     plan_memory,
     smallest_fraction,
     weights_bytes,
-    with_learner_tokens,
 )
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -314,13 +314,13 @@ def test_run_sizes_from_a_config(smollm2):
 def test_the_learner_gets_the_planned_tokens_unless_the_user_set_some(smollm2):
     config = load_config(None, [])
     plan = plan_memory(default_run(smollm2))
-    sized = with_learner_tokens(config, plan)
-    # a quarter of the 80 GiB card for float32 activations of 1_850_112 bytes a token: 11_520 tokens
-    assert sized.train.max_tokens_per_microbatch == plan.learner_tokens == 20 * GIB // 1_850_112 // 256 * 256 == 11_520
-    assert config.train.max_tokens_per_microbatch == 0  # (the user's config is not changed)
-    explicit = load_config(None, ["train.max_tokens_per_microbatch=2000"])
+    # a quarter of the 80 GiB card for float32 activations of 1_850_112 bytes a token: 11_520 tokens (the learner's
+    # budget is the plan's value, Trainer.micro_batch_tokens; the user's config is not changed)
+    assert plan.learner_tokens == 20 * GIB // 1_850_112 // 256 * 256 == 11_520
+    assert config.train.max_tokens_per_microbatch == 0
+    assert learner_settings(config, plan.learner_tokens).micro_batch_tokens == 11_520
     kept = plan_memory(default_run(smollm2, max_tokens_per_microbatch=2000))
-    assert with_learner_tokens(explicit, kept) is explicit
+    assert kept.learner_tokens == 2000
 
 
 def test_no_plan_on_the_cpu():

@@ -26,6 +26,7 @@ SMALL = ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "rollout.tasks
 def test_presets_exist():
     names = {p.stem for p in PRESETS}
     assert {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "turn_grpo", "otc_grpo", "ppo"} <= names
+    assert {"cispo", "gmpo", "sapo"} <= names  # (issue 52's losses, each chosen by name)
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)

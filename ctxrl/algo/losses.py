@@ -11,7 +11,8 @@ import torch
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 LOSSES = ("ppo_clip", "gspo")
-"""Policy losses by name: token-ratio PPO-clip (``policy_loss``) and sequence-ratio GSPO (``gspo_loss``)."""
+"""The two policy losses defined here: token-ratio PPO-clip (``policy_loss``) and sequence-ratio GSPO
+(``gspo_loss``). Every loss ``algo.loss`` may name is in the registry, ``ctxrl.algo.policy_losses``."""
 OLD_LOGPROBS = ("behaviour", "recompute")
 """Where the PPO "old" policy's log-probs come from: the sampler's, or one learner pass before the update."""
 
@@ -83,7 +84,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
     ``ratio = exp(logprobs - old_logprobs)``; per token
     ``loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``; with ``dual_clip = c``
-    (> 1) the loss of negative-advantage tokens is further capped at ``-c * A``.
+    (> 1) the loss of negative-advantage tokens is further capped at ``-c * A`` (None or 0: no dual clip).
     ``token_weights`` (no gradient) multiply each token's loss before aggregation, e.g. truncated
     importance weights between the learner's and the sampler's old policy.
 
@@ -93,7 +94,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    if dual_clip is not None:
+    if dual_clip:
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         capped = torch.minimum(per_token, -advantages * dual_clip)

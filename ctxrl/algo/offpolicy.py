@@ -37,20 +37,24 @@ Conventions, shared by every function (the choices follow verl's rollout-correct
   changed: ``clipped_frac`` (truncated), ``masked_frac`` (fraction of the mask's tokens whose weight or mask
   became 0), ``seq_masked_frac`` (fraction of sequences rejected), and M2PO's second moments.
 
-``OFFPOLICY_CORRECTIONS`` names them, for a configuration to choose one; every function takes the same
-arguments (``advantages`` is read by ``m2po`` only). Not here: where the learner applies them, and the
-sampler/learner mismatch figures (``ctxrl.train``).
+``OFFPOLICY_CORRECTIONS`` names them, each with its settings dataclass (the keywords it takes beyond the common
+ones, read from ``[algo.NAME]``: ``correction_settings``); ``algo.offpolicy`` chooses one. Every function takes the
+same arguments (``advantages`` is read by ``m2po`` only). Not here: where the learner applies them (once per update,
+over the whole batch, between its recomputed old log-probs and the behaviour ones: ``ctxrl.learner.objective``), and
+the sampler/learner mismatch figures (``ctxrl.learner.learner``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ctxrl.registry import Registry
+from ctxrl.settings import NON_NEGATIVE, POSITIVE
 
 SAFETY_BOUND = 20.0
 """Log-ratios are clamped to +-this before ``exp`` (exp(20) is about 4.9e8), as verl's helper does."""
@@ -73,12 +77,74 @@ OFFPOLICY_CORRECTIONS: Registry[Correction] = Registry("off-policy correction",
                                                        entry_point_group="ctxrl.offpolicy_corrections")
 """The corrections by name; each takes ``(learner_logprobs, behaviour_logprobs, mask, *, advantages=None,
 on_device=False, **its own settings)``."""
+OFFPOLICY_CORRECTIONS.add_builtins(__name__)  # (this module's are ctxrl's own: the configuration reference lists them)
 
 
-def _register(name: str) -> Callable[[Correction], Correction]:
+def _register(name: str, settings: type) -> Callable[[Correction], Correction]:
     def add(fn: Correction) -> Correction:
+        fn.Settings = settings  # (its keywords beyond the common ones: the [algo.NAME] table)
         return OFFPOLICY_CORRECTIONS.register(name, fn)
     return add
+
+
+@dataclass(frozen=True)
+class CapSettings:
+    """``[algo.token_tis]`` / ``[algo.sequence_tis]``."""
+
+    cap: float = field(default=2.0, metadata=POSITIVE)
+    """The largest importance weight (C)."""
+
+
+@dataclass(frozen=True)
+class BandSettings:
+    """``[algo.sequence_mis]`` / ``[algo.icepop]``: the band of ratios kept (``lower = 0``: none below)."""
+
+    lower: float = 0.5
+    """Smallest ratio kept."""
+    upper: float = 2.0
+    """Largest ratio kept."""
+
+    def __post_init__(self) -> None:
+        _bounds(self.lower, self.upper)
+
+
+@dataclass(frozen=True)
+class IcePopSettings(BandSettings):
+    """``[algo.icepop]``: the band of token ratios kept."""
+
+    upper: float = 5.0
+    """Largest ratio kept."""
+
+
+@dataclass(frozen=True)
+class GeometricMISSettings(BandSettings):
+    """``[algo.geometric_mis]``: the band of the sequences' geometric-mean ratio kept, and whether it also weights."""
+
+    lower: float = 0.999
+    """Smallest geometric-mean ratio kept."""
+    upper: float = 1.001
+    """Largest geometric-mean ratio kept."""
+    reweight: bool = False
+    """Also weight a kept sequence's tokens by its geometric-mean ratio."""
+
+
+@dataclass(frozen=True)
+class M2POSettings:
+    """``[algo.m2po]``."""
+
+    threshold: float = field(default=0.04, metadata=NON_NEGATIVE)
+    """The largest mean second moment ``(log rho)^2`` of the tokens kept (the paper's tau_M2)."""
+
+
+def correction_settings(name: str) -> type:
+    """The settings dataclass of the correction registered as ``name``."""
+    return get_offpolicy_correction(name).Settings
+
+
+def correction_keywords(name: str, options=None) -> dict:
+    """The keywords the correction ``name`` takes from its settings (``options``; None: their defaults)."""
+    options = options if options is not None else correction_settings(name)()
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
 def _log_ratio(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -132,7 +198,7 @@ def _reject_sequences(mask: torch.Tensor, m: torch.Tensor, live: torch.Tensor, *
     return OffPolicyCorrection(weights, loss_mask, _out(metrics, on_device))
 
 
-@_register("token_tis")
+@_register("token_tis", CapSettings)
 @torch.no_grad()
 def token_tis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
               cap: float = 2.0, advantages: torch.Tensor | None = None,
@@ -154,7 +220,7 @@ def token_tis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
     return OffPolicyCorrection(weights, mask, _out(metrics, on_device))
 
 
-@_register("sequence_tis")
+@_register("sequence_tis", CapSettings)
 @torch.no_grad()
 def sequence_tis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
                  cap: float = 2.0, advantages: torch.Tensor | None = None,
@@ -179,7 +245,7 @@ def sequence_tis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tenso
     return OffPolicyCorrection(weights, mask, _out(metrics, on_device))
 
 
-@_register("sequence_mis")
+@_register("sequence_mis", BandSettings)
 @torch.no_grad()
 def sequence_mis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
                  lower: float = 0.5, upper: float = 2.0, advantages: torch.Tensor | None = None,
@@ -205,7 +271,7 @@ def sequence_mis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tenso
                              on_device=on_device)
 
 
-@_register("geometric_mis")
+@_register("geometric_mis", GeometricMISSettings)
 @torch.no_grad()
 def geometric_mis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
                   lower: float = 0.999, upper: float = 1.001, reweight: bool = False,
@@ -230,7 +296,7 @@ def geometric_mis(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tens
                              weight=geo if reweight else torch.ones_like(geo), ratio=geo, on_device=on_device)
 
 
-@_register("icepop")
+@_register("icepop", IcePopSettings)
 @torch.no_grad()
 def icepop(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
            lower: float = 0.5, upper: float = 5.0, advantages: torch.Tensor | None = None,
@@ -254,7 +320,7 @@ def icepop(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mas
     return OffPolicyCorrection(weights, mask, _out(metrics, on_device))
 
 
-@_register("m2po")
+@_register("m2po", M2POSettings)
 @torch.no_grad()
 def m2po(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
          threshold: float = 0.04, advantages: torch.Tensor | None = None,

@@ -43,6 +43,8 @@ class Batch:
     """[B, T-1, K]: a distillation teacher's ``K`` likeliest next tokens at each position (``algo.distill.top_k``)."""
     teacher_probs: torch.Tensor | None = None
     """[B, T-1, K]: their probabilities under the teacher (0 where the loss mask is 0)."""
+    offpolicy_weights: torch.Tensor | None = None
+    """An off-policy correction's weight of each token's loss (``algo.offpolicy``; 0 where the loss mask is 0)."""
 
     @property
     def targets(self) -> torch.Tensor:

@@ -73,7 +73,6 @@ head (``algo.entropy_coef > 0``), Ray rollout actors on the same card.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -549,10 +548,3 @@ def check_free(plan: MemoryPlan, free_bytes: int) -> None:
                       f"(other processes hold the rest): {plan.summary()}. To fit: {SETTINGS_TO_CHANGE}, or free "
                       "the card")
 
-
-def with_learner_tokens(config, plan: MemoryPlan):
-    """``config`` with the plan's ``train.max_tokens_per_microbatch`` (the same config if the user set one)."""
-    if config.train.max_tokens_per_microbatch == plan.learner_tokens:
-        return config
-    return dataclasses.replace(config, train=dataclasses.replace(config.train,
-                                                                 max_tokens_per_microbatch=plan.learner_tokens))

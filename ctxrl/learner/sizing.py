@@ -42,29 +42,30 @@ def shape_of(name: str):
         return str(exc)
 
 
-def bounded_micro_batches(config: Config, device: str, progress: Progress, *, critic: bool) -> Config:
-    """Off CUDA (no memory plan): ``config`` with a token budget per learner micro-batch when
+def micro_batch_tokens(config: Config, device: str, progress: Progress, *, critic: bool) -> int:
+    """Off CUDA (no memory plan): the token budget of a learner micro-batch. The user's
+    ``train.max_tokens_per_microbatch`` where set (or on CUDA, whose memory plan chooses); else a bound when
     ``train.micro_batch_size`` rows of ``rollout.max_total_tokens`` would hold more activations than
-    ``DEFAULT_ACTIVATION_BYTES`` (4 GiB), said once; otherwise, or with the user's own budget, unchanged.
+    ``DEFAULT_ACTIVATION_BYTES`` (4 GiB), said once; else 0 (``train.micro_batch_size`` rows at a time).
 
     A real model on a CPU needs it: SmolLM2-135M keeps about 1.9 MB of float32 activations per token, so 32
     rows of 500 tokens (a summarize warm start's segments) took 24 GB and the kernel killed the run. The tiny
     models never come near the bound, so their micro-batches stay as configured."""
     if torch.device(device).type == "cuda" or config.train.max_tokens_per_microbatch > 0:
-        return config
+        return config.train.max_tokens_per_microbatch
     found = model_shape(config)
     if isinstance(found, str):  # nothing to size it by: the micro-batches stay as configured
-        return config
+        return config.train.max_tokens_per_microbatch
     from ctxrl.learner.memory import RunSizes, activation_bytes_per_token, fitting_tokens
 
     run = RunSizes.from_config(config, found[1], device_bytes=0, engine=False, critic=critic, kv_tokens_per_slot=0)
     per_token = activation_bytes_per_token(run)
     tokens = max(fitting_tokens(run), config.rollout.max_total_tokens)
     if tokens >= config.train.micro_batch_size * config.rollout.max_total_tokens:
-        return config
+        return config.train.max_tokens_per_microbatch
     progress.message(f"learner micro-batches of at most {tokens} tokens ({per_token / 2**20:.2f} MiB of activations "
                      f"per token); train.max_tokens_per_microbatch sets another budget")
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_tokens_per_microbatch=tokens))
+    return tokens
 
 
 def memory_plan(config: Config, device: str, *, engine: bool, critic: bool,

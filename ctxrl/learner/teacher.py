@@ -29,7 +29,7 @@ from ctxrl.algo.estimators.base import trained_sequences
 from ctxrl.algo.estimators.distill import TeacherTopK
 from ctxrl.errors import ConfigError
 from ctxrl.learner.batch import collate, micro_batches, per_token_rows
-from ctxrl.learner.logprobs import token_logprobs, token_topk
+from ctxrl.learner.forward import Forward, choose
 from ctxrl.types import Episode
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,12 @@ class Teacher:
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
 
+    @property
+    def forward(self) -> Forward:
+        """The teacher's forward pass (``ctxrl.learner.forward.choose``: padded, as the policy's reference's)."""
+        return Forward(self.module, choose(self.module, None, "teacher"), temperature=self.temperature,
+                       chunk=self.chunk)
+
     @torch.no_grad()
     def logprobs(self, episodes: list[Episode], pad_token_id: int) -> list[list[list[float]]]:
         """Per episode, per trained sequence (``trained_sequences``), the teacher's log-prob of each token aligned
@@ -132,10 +138,10 @@ class Teacher:
         if not sequences:
             return [[] for _ in episodes]
 
+        forward = self.forward
+
         def score(batch) -> torch.Tensor:
-            out = token_logprobs(self.module, batch.input_ids, batch.attention_mask, temperature=self.temperature,
-                                 mask=batch.loss_mask, chunk=self.chunk)
-            return out * batch.loss_mask
+            return forward.logprobs(batch) * batch.loss_mask
 
         rows = iter(per_token_rows(collate(sequences, pad_token_id), self.device, self.micro_batch_size, score,
                                    self.max_tokens))
@@ -152,10 +158,9 @@ class Teacher:
             return [[] for _ in episodes], [[] for _ in episodes], kl_metrics(episodes, [[] for _ in episodes])
         batch = collate(sequences, pad_token_id)
         rows: list[tuple[list[float], list[list[int]], list[list[float]]] | None] = [None] * len(sequences)
-        k = max(self.top_k, 1)
+        k, forward = max(self.top_k, 1), self.forward
         for index, micro in micro_batches(batch, self.micro_batch_size, self.device, self.max_tokens):
-            logprobs, ids, probs = token_topk(self.module, micro.input_ids, micro.attention_mask, mask=micro.loss_mask,
-                                              k=k, temperature=self.temperature, chunk=self.chunk, vocab=self.vocab)
+            logprobs, ids, probs = forward.topk(micro, k, vocab=self.vocab)
             logprobs, ids, probs = logprobs.float().cpu(), ids.cpu(), probs.cpu()
             for j, (row, n) in enumerate(zip(index, micro.lengths.tolist())):
                 rows[row] = ([0.0] + logprobs[j, : int(n) - 1].tolist(), [[0] * k] + ids[j, : int(n) - 1].tolist(),

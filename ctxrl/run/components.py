@@ -57,16 +57,33 @@ def _declared(cls: type) -> type | None:
     return settings if isinstance(settings, type) else None
 
 
-def _estimator_settings(name: str) -> type | None:
-    from ctxrl.algo.estimators import get_estimator
+def _algo_settings(name: str) -> type | None:
+    """``[algo.NAME]``: an estimator's settings, else a policy loss's, else an off-policy correction's (a name is one of
+    them: the registries refuse none, and a test checks the built-ins apart); an unknown name lists them all."""
+    from ctxrl.algo.estimators import estimator_names, get_estimator
+    from ctxrl.algo.offpolicy import OFFPOLICY_CORRECTIONS, correction_settings, offpolicy_correction_names
+    from ctxrl.algo.policy_losses import POLICY_LOSSES, declared, get_policy_loss, policy_loss_names
 
-    return _declared(get_estimator(name))
+    if name in estimator_names():
+        return _declared(get_estimator(name))
+    if name in POLICY_LOSSES:
+        return declared(get_policy_loss(name)).Settings
+    if name in OFFPOLICY_CORRECTIONS:
+        return correction_settings(name)
+    try:
+        get_estimator(name)
+    except ValueError as exc:  # the estimators' own message (with its nearest name), then the others
+        raise LookupError(f"{exc}; nor a policy loss: {', '.join(policy_loss_names())}; nor an off-policy "
+                          f"correction: {', '.join(offpolicy_correction_names())}") from None
+    raise AssertionError(name)  # (not reached: the name is no estimator)
 
 
-def _builtin_estimators() -> list[str]:
+def _builtin_algo() -> list[str]:
     from ctxrl.algo.estimators.base import ESTIMATORS
+    from ctxrl.algo.offpolicy import OFFPOLICY_CORRECTIONS
+    from ctxrl.algo.policy_losses import POLICY_LOSSES
 
-    return ESTIMATORS.builtin_names()
+    return [*ESTIMATORS.builtin_names(), *POLICY_LOSSES.builtin_names(), *OFFPOLICY_CORRECTIONS.builtin_names()]
 
 
 def _manager_settings(name: str) -> type | None:
@@ -106,7 +123,7 @@ def _builtin_envs() -> list[str]:
 
 
 COMPONENT_REGISTRIES: dict[str, Registered | Fixed] = {
-    "algo": Registered(_estimator_settings, _builtin_estimators),
+    "algo": Registered(_algo_settings, _builtin_algo),
     "context": Registered(_manager_settings, _builtin_managers),
     "env": Registered(_env_settings, _builtin_envs),
     "curriculum": Registered(_curriculum_settings, _builtin_curricula),
@@ -137,10 +154,30 @@ def component_table(key: str, table: Any) -> dict[str, Any]:
         settings = settings_class(section, name)
     except (ValueError, LookupError, CtxrlError) as exc:  # (an unknown environment is an EnvError)
         raise ConfigError(f"[{key}]: {exc}") from None
+    fields = set() if settings is None else {f.name for f in dataclasses.fields(settings)}
+    for field_name in table:
+        tables = [t for t in owners(section, field_name) if t != key] if field_name not in fields else []
+        if tables:
+            raise ConfigError(f"{key}.{field_name} is not a setting of [{key}]; {field_name} is a setting of "
+                              f"{' and '.join(f'[{t}]' for t in tables)}")
     if settings is None:
         raise ConfigError(f"[{key}]: {section} component {name!r} has no settings of its own (its class declares no "
                           "Settings); set the section's own fields instead")
     return settings_table(parse_settings(settings, table, key))
+
+
+def owners(section: str, field_name: str) -> list[str]:
+    """The tables (``algo.NAME``) of ``section``'s built-in components whose settings have a field ``field_name``:
+    where a key set in the wrong table belongs."""
+    where = COMPONENT_REGISTRIES.get(section)
+    if where is None:
+        return []
+    found = []
+    for name in where.builtins():
+        settings = where.lookup(name)
+        if settings is not None and field_name in {f.name for f in dataclasses.fields(settings)}:
+            found.append(f"{section}.{name}")
+    return found
 
 
 def settings_of(config: Config, section: str, name: str) -> Any:

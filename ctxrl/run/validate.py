@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from ctxrl.errors import ConfigError
 from ctxrl.plugins import import_plugins
 from ctxrl.run.components import component_table, env_class
-from ctxrl.sections import SECTIONS
+from ctxrl.sections import SECTIONS, AlgoConfig
+from ctxrl.settings import settings_table
 
 if TYPE_CHECKING:
     from ctxrl.config import Config
@@ -40,7 +41,7 @@ run finds each by name (``ctxrl.rollout.runners``, ``ctxrl.models.prepare``)."""
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of every choice field, read from where each set is defined (never copied here)."""
-    from ctxrl.algo.losses import AGG_MODES, KL_KINDS, LOSSES, OLD_LOGPROBS
+    from ctxrl.algo.losses import AGG_MODES, KL_KINDS, OLD_LOGPROBS
     from ctxrl.algo.roles import REWARD_MODES
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
@@ -48,7 +49,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.meta.rollout import CARRIES
     from ctxrl.models.loader import DTYPES
 
-    return {"algo.loss": LOSSES, "algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
+    return {"algo.old_logprobs": OLD_LOGPROBS, "algo.kl_kind": KL_KINDS,
             "algo.kl_placement": ("loss", "reward"), "algo.agg": AGG_MODES,
             "model.dtype": DTYPES, "sft.context_demos": ("auto", "on", "off"),
             "train.objective": ("rl", "sft"),
@@ -76,6 +77,7 @@ def import_stages() -> None:
 def validate(config: Config) -> None:
     """Every check of a whole configuration; the first problem is a ``ConfigError`` naming the key."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
+    from ctxrl.algo.policy_losses import policy_loss_names
     from ctxrl.report.sinks import sink_names
     from ctxrl.rollout.managers import get_manager, manager_names
     from ctxrl.tasks.curriculum import curriculum_names
@@ -87,6 +89,7 @@ def validate(config: Config) -> None:
         config.components[key] = component_table(key, table)
     sink_names(config.report.sinks)
     _registered("algo.advantage", config.algo.advantage, estimator_names())
+    _registered("algo.loss", config.algo.loss, policy_loss_names())
     _registered("context.manager", config.context.manager, manager_names())
     _registered("curriculum.kind", config.curriculum.kind, curriculum_names())
     estimator, manager = get_estimator(config.algo.advantage), get_manager(config.context.manager)
@@ -259,21 +262,69 @@ def _validate_judge(config: Config) -> None:
                           "set reward.judge.target=\"\" (docs/judges.md)")
 
 
+def _validate_loss(config: Config) -> None:
+    """The policy loss's declarations against the config: the aggregations it is defined for, PPO's clip range only
+    where the loss reads it, and no other loss's table set (it would be ignored)."""
+    from ctxrl.algo.policy_losses import POLICY_LOSSES, declared, get_policy_loss
+
+    a = config.algo
+    loss = declared(get_policy_loss(a.loss))
+    if loss.aggregations is not None and a.agg not in loss.aggregations:
+        raise ConfigError(f"algo.loss={a.loss} is defined for algo.agg={' or '.join(loss.aggregations)}; "
+                          f"set algo.agg={loss.aggregations[0]} (got {a.agg!r})")
+    defaults = AlgoConfig()
+    if not loss.shared_clips:
+        for key in ("clip_low", "clip_high"):
+            if getattr(a, key) != getattr(defaults, key):
+                own = loss.Settings is not None and key in {f.name for f in dataclasses.fields(loss.Settings)}
+                where = f"set [algo.{a.loss}].{key} instead" if own else f"algo.loss={a.loss} has no clip range"
+                readers = [n for n in POLICY_LOSSES.names() if declared(get_policy_loss(n)).shared_clips]
+                raise ConfigError(f"algo.{key} is PPO's clip range (read by {', '.join(readers)}), which "
+                                  f"algo.loss={a.loss} does not read: {where}")
+    for key, table in config.components.items():
+        section, _, name = key.partition(".")
+        if section == "algo" and name != a.loss and name in POLICY_LOSSES:
+            settings = declared(get_policy_loss(name)).Settings
+            if settings is not None and table != settings_table(settings()):
+                raise ConfigError(f"[{key}] sets the settings of policy loss {name!r}, but algo.loss={a.loss}: "
+                                  f"set algo.loss={name}, or leave [{key}] out")
+
+
+def _validate_offpolicy(config: Config) -> None:
+    """``algo.offpolicy``: a registered correction, between recomputed old log-probs and the behaviour ones, not
+    with ``tis_cap`` (the older token TIS), and no other correction's table set (it would be ignored)."""
+    from ctxrl.algo.offpolicy import OFFPOLICY_CORRECTIONS, correction_settings, offpolicy_correction_names
+
+    a = config.algo
+    if a.offpolicy:
+        _registered("algo.offpolicy", a.offpolicy, offpolicy_correction_names())
+        if a.old_logprobs != "recompute":
+            raise ConfigError(f"algo.offpolicy={a.offpolicy} corrects recomputed old log-probs against the behaviour "
+                              "ones; set algo.old_logprobs=recompute")
+        if a.tis_cap:
+            raise ConfigError(f"algo.tis_cap is token TIS, a correction of its own; with algo.offpolicy={a.offpolicy} "
+                              "set algo.tis_cap=0 (token TIS by name: algo.offpolicy=token_tis, [algo.token_tis].cap)")
+    for key, table in config.components.items():
+        section, _, name = key.partition(".")
+        if section == "algo" and name != a.offpolicy and name in OFFPOLICY_CORRECTIONS:
+            if table != settings_table(correction_settings(name)()):
+                raise ConfigError(f"[{key}] sets the settings of off-policy correction {name!r}, but algo.offpolicy="
+                                  f"{a.offpolicy or '(none)'}: set algo.offpolicy={name}, or leave [{key}] out")
+
+
 def _validate_algo(config: Config, estimator: type) -> None:
     """The loss, the old policy, reward shaping and group sizes: what they combine with."""
     from ctxrl.algo.estimators import estimator_names, get_estimator
 
     a = config.algo
     estimator.check_config(config.settings_of("algo", a.advantage), config)
-    if 0.0 < a.dual_clip <= 1.0:
-        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip!r}")
-    if a.dual_clip and a.loss != "ppo_clip":
-        raise ConfigError("algo.dual_clip applies to algo.loss=ppo_clip only; set algo.dual_clip=0 for gspo")
+    _validate_loss(config)
     if a.kl_coef > 0 and a.kl_placement == "reward" and not estimator.accepts_token_rewards:
         raise ConfigError(f"algo.advantage={a.advantage} takes no per-token rewards, so a KL penalty placed in the "
                           "reward would be lost; use algo.kl_placement=loss")
     if a.tis_cap and a.old_logprobs != "recompute":
         raise ConfigError("algo.tis_cap > 0 corrects recomputed old log-probs; set algo.old_logprobs=recompute")
+    _validate_offpolicy(config)
     if config.reward.overlong_buffer > config.rollout.max_total_tokens:
         raise ConfigError(f"reward.overlong_buffer ({config.reward.overlong_buffer}) must not exceed "
                           f"rollout.max_total_tokens ({config.rollout.max_total_tokens})")

@@ -73,7 +73,7 @@ class OwnRoles:
         """A ``Learner`` per role over the trainer's module, its optimiser holding the role's adapter alone, its
         mini-batch order its own stream (``derive_seed(learner seed, i)`` for the ``i``-th role), ``reference`` the
         shared KL reference (the base: every adapter off)."""
-        from ctxrl.learner.learner import Learner, PPOSettings
+        from ctxrl.learner.learner import Learner
         from ctxrl.seeds import derive_seed
 
         if not self.roles:
@@ -84,7 +84,7 @@ class OwnRoles:
                 model.set_adapter(role)  # (its parameters require grad while the optimiser hooks them)
                 optimizer = precision.optimizer(list(adapter_parameters(model, role).values()), lr=t.lr,
                                                 weight_decay=t.weight_decay)
-                self.learners[role] = Learner(model, optimizer, PPOSettings.from_config(trainer.config),
+                self.learners[role] = Learner(model, optimizer, trainer.learner.settings,
                                               pad_token_id=trainer.tokenizer.pad_token_id, reference=reference,
                                               precision=precision, seed=derive_seed(trainer.seeds.learner, i))
         finally:

@@ -14,7 +14,7 @@ import torch
 
 from ctxrl.algo.estimators.base import broadcast
 from ctxrl.learner.batch import collate, micro_batches
-from ctxrl.learner.logprobs import token_logprobs
+from ctxrl.learner.forward import Forward, choose
 from ctxrl.learner.precision import Precision, trainable_grads
 from ctxrl.models.kernels import attention_kernels
 from ctxrl.types import Episode, TrainSequence
@@ -72,9 +72,10 @@ def sft_step(model, rows: list[TrainSequence], optimizer, *, pad_token_id: int, 
     tokens = batch.loss_mask.sum().clamp(min=1.0)
     optimizer.zero_grad(set_to_none=True)
     batch_loss = 0.0
+    forward = Forward(model, choose(model, None, "sft"), chunk=chunk)
     with attention_kernels(device):  # (the backward pass too: checkpointing recomputes attention there)
         for _, micro in micro_batches(batch, micro_rows or len(rows), device, max_tokens):
-            logprobs = token_logprobs(model, micro.input_ids, micro.attention_mask, mask=micro.loss_mask, chunk=chunk)
+            logprobs = forward.logprobs(micro)
             loss = -(logprobs * micro.loss_mask).sum() / tokens
             if loss.requires_grad:
                 precision.backward(loss)

@@ -69,7 +69,7 @@ def control_step(trainer, step: int) -> dict[str, Any]:
     device = next(model.parameters()).device
     losses = [sft_step(model, batch, learner.optimizer, pad_token_id=trainer.tokenizer.pad_token_id, device=device,
                        precision=learner.precision, chunk=config.train.logprob_chunk_tokens,
-                       max_tokens=config.train.max_tokens_per_microbatch, micro_rows=config.train.micro_batch_size,
+                       max_tokens=trainer.micro_batch_tokens, micro_rows=config.train.micro_batch_size,
                        max_grad_norm=config.train.max_grad_norm)
               for batch in split_rows(rows, updates_per_step(config))]
     trainer.sync_engine(step + 1)

@@ -40,10 +40,10 @@ from ctxrl.config import Config, to_toml
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
-from ctxrl.learner.learner import Learner, PPOSettings
-from ctxrl.learner.memory import MemoryPlan, with_learner_tokens
+from ctxrl.learner.learner import Learner, LearnerSettings
+from ctxrl.learner.memory import MemoryPlan
 from ctxrl.learner.policy import Policy, Reference, export_merged
-from ctxrl.learner.sizing import bounded_micro_batches, memory_plan
+from ctxrl.learner.sizing import memory_plan, micro_batch_tokens
 from ctxrl.learner.teacher import Teacher, teacher_name
 from ctxrl.models.prepare import prepare
 from ctxrl.report.progress import Progress
@@ -53,6 +53,7 @@ from ctxrl.rollout.managers import get_manager
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutSpec, spec_engine
 from ctxrl.rollout.worker import RolloutWorker, spec_env_class, spec_renderer
+from ctxrl.run.build import learner_settings
 from ctxrl.run.preflight import (
     check_before_load,
     check_template_segments,  # noqa: F401 - its old path (tests import it from here)
@@ -120,9 +121,10 @@ class Trainer:
                                   beside=frozen_beside(config, self.estimator, self.device, parallel))
         if self.memory is not None:
             self.progress.message(self.memory.summary())
-            self.config = with_learner_tokens(config, self.memory)  # (config.toml keeps the user's value)
-        else:
-            self.config = bounded_micro_batches(config, self.device, self.progress, critic=critic)
+        self.micro_batch_tokens = self.memory.learner_tokens if self.memory is not None else micro_batch_tokens(
+            config, self.device, self.progress, critic=critic)
+        """Tokens per learner micro-batch: the user's ``train.max_tokens_per_microbatch``, or what the memory plan
+        (CUDA) or the CPU bound chose; the learner, the critic's values, the KL reference and the warm start read it."""
         self.policy = Policy.load(config, self.device, roles=own_roles(config))
         self.model = self.policy.model
         self.own = OwnRoles(own_roles(config), self.policy)  # roles with trainable policies of their own
@@ -188,7 +190,7 @@ class Trainer:
         """
         row, demos = warm_start(self.config, self.spec, self.env_cls, self.renderer, self.model,
                                 under_manager=self.context_demos, on_step=on_step or self.progress.sft,
-                                precision=self.policy.precision)
+                                precision=self.policy.precision, micro_batch_tokens=self.micro_batch_tokens)
         self.own.after_warm_start()
         self.sync_engine(0)
         self.writer.log_metrics(row)
@@ -223,7 +225,7 @@ class Trainer:
             critic_lr = self.config.settings_of("algo", "gae").critic_lr  # (the critic's settings are [algo.gae]'s)
             critic_optimizer = precision.optimizer(critic.parameters(), lr=critic_lr, weight_decay=t.weight_decay)
         optimizer = precision.optimizer(self.policy.trainable_parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.learner = Learner(self.model, optimizer, PPOSettings.from_config(self.config),
+        self.learner = Learner(self.model, optimizer, learner_settings(self.config, self.micro_batch_tokens),
                                pad_token_id=self.tokenizer.pad_token_id, reference=reference,
                                precision=precision, seed=self.seeds.learner, critic=critic,
                                critic_optimizer=critic_optimizer, parallel=self.parallel)
@@ -299,7 +301,7 @@ class Trainer:
 
             values = episode_values(self.learner.critic, valid, self.tokenizer.pad_token_id,
                                     micro_batch_size=c.train.micro_batch_size,
-                                    max_tokens=c.train.max_tokens_per_microbatch)
+                                    max_tokens=self.micro_batch_tokens)
         extra = teacher_scores(self.teacher, valid, self.tokenizer.pad_token_id, metrics)
         policy = self.spec.train.context
         per_episode = self.estimator.estimate(valid, token_rewards=penalties, values=values,
@@ -495,7 +497,7 @@ def prepare_model(name: str, progress: Progress) -> None:
 
 @torch.no_grad()
 def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token_id: int, *, coef: float, kind: str,
-                        settings: PPOSettings) -> tuple[list[list[float]], float]:
+                        settings: LearnerSettings) -> tuple[list[list[float]], float]:
     """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
     mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
     from ctxrl.algo.losses import kl_penalty
@@ -505,15 +507,15 @@ def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token
 
     def penalty(batch) -> torch.Tensor:
         ref = reference.logprobs(batch.input_ids, batch.attention_mask, temperature=settings.temperature,
-                                 mask=batch.loss_mask, chunk=settings.logprob_chunk_tokens)
+                                 mask=batch.loss_mask, chunk=settings.train.logprob_chunk_tokens)
         kl = kl_penalty(batch.old_logprobs, ref, kind) * batch.loss_mask
         sums["kl"] += float(kl.sum())
         sums["tokens"] += float(batch.loss_mask.sum())
         return -coef * kl
 
     device = next(reference.module.parameters()).device
-    rows = per_token_rows(collate(episodes, pad_token_id), device, settings.micro_batch_size, penalty,
-                          settings.max_tokens_per_microbatch)
+    rows = per_token_rows(collate(episodes, pad_token_id), device, settings.train.micro_batch_size, penalty,
+                          settings.micro_batch_tokens)
     return rows, sums["kl"] / max(sums["tokens"], 1.0)
 
 

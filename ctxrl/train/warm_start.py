@@ -167,8 +167,9 @@ def demo_mix(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRender
 
 def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRenderer, model, *,
                under_manager: bool, on_step: Callable[[int, int, float], None] | None = None,
-               precision: Precision | None = None) -> tuple[dict[str, Any], list[Episode]]:
-    """Build the demos and train ``model`` on them (under ``precision``); returns the metrics row and the demos."""
+               precision: Precision | None = None, micro_batch_tokens: int = 0) -> tuple[dict[str, Any], list[Episode]]:
+    """Build the demos and train ``model`` on them (under ``precision``, micro-batches of at most
+    ``micro_batch_tokens``: the run's budget, 0 for ``sft.batch_size`` rows); returns the metrics row and the demos."""
     c, seeds = config.sft, Seeds(config.run.seed)
     t0 = time.perf_counter()
     manager = get_manager(config.context.manager)
@@ -182,7 +183,7 @@ def warm_start(config: Any, spec: RolloutSpec, env_cls: type, renderer: ChatRend
     n_trials = round(c.demos * c.trial_demos)
     losses = sft_train(model, demos, pad_token_id=renderer.tokenizer.pad_token_id, epochs=c.epochs,
                        batch_size=c.batch_size, lr=c.lr, seed=seeds.sft_order, on_step=on_step, precision=precision,
-                       chunk=config.train.logprob_chunk_tokens, max_tokens=config.train.max_tokens_per_microbatch)
+                       chunk=config.train.logprob_chunk_tokens, max_tokens=micro_batch_tokens)
     row = {"phase": "sft", "step": 0, "demos": len(demos), "sft_steps": len(losses),
            "sft_loss_first": losses[0], "sft_loss_last": losses[-1], "seconds": time.perf_counter() - t0,
            "context_demos": under_manager, "trial_demos": n_trials,

@@ -8,13 +8,19 @@ mini-batch under gradient accumulation), ``token_weights`` (no gradient) multipl
 aggregation (e.g. an off-policy correction's weights), and ``metrics`` floats unless ``on_device``.
 
 ``POLICY_LOSSES`` names them (``register_policy_loss``); the built-ins are named by the package's ``__init__``.
-Nothing chooses among them yet: the learner still picks ``ppo_clip`` or ``gspo`` itself (its loss choice is being
-redesigned to read this registry).
+``algo.loss`` chooses one by name and the learner calls it (``ctxrl.learner.objective``); nothing else dispatches
+on a loss's name. Registering declares, as attributes of the function, what the configuration and the learner read
+(``declared``): its ``Settings`` (the ``[algo.NAME]`` table, whose fields are the function's own keywords), the
+``figures`` it returns that the learner logs, whether ``algo.clip_low`` / ``algo.clip_high`` are its clip range
+(``shared_clips``) and which ``algo.agg`` modes it is defined for (``aggregations``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,11 +31,55 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", entry_point_group=
 """The policy losses by name; the built-ins, which import this module, are named by ``ctxrl.algo.policy_losses``."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: register a loss function as ``name``."""
+FIGURES = ("clip_frac_low", "clip_frac_high", "approx_kl")
+"""What a PPO-style loss logs: the fractions of sampled tokens clipped below and above, the approximate KL."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a registered loss declares (``register_policy_loss``'s keywords)."""
+
+    Settings: type | None = None
+    figures: tuple[str, ...] = FIGURES
+    shared_clips: bool = False
+    aggregations: tuple[str, ...] | None = None
+
+
+def register_policy_loss(name: str, *, settings: type | None = None, figures: tuple[str, ...] = FIGURES,
+                         shared_clips: bool = False, aggregations: tuple[str, ...] | None = None
+                         ) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register a loss function as ``name``, declaring
+
+    - ``settings``: its settings dataclass, read from ``[algo.NAME]``; each field is passed as the function's keyword
+      of that name (None: no settings of its own);
+    - ``figures``: the metrics it returns that the learner logs per step, each a mean over sampled tokens (the
+      learner weights each micro-batch's by its tokens); every key must be in the metrics it returns;
+    - ``shared_clips``: ``algo.clip_low`` / ``algo.clip_high`` are passed as its ``clip_low`` / ``clip_high``
+      (PPO's clip range); a loss with a clip range of its own declares it in ``settings`` instead;
+    - ``aggregations``: the ``algo.agg`` modes it is defined for (None: every one); the config refuses others.
+    """
     def add(fn: PolicyLoss) -> PolicyLoss:
+        fn.declared = Declared(settings, tuple(figures), shared_clips, aggregations)
         return POLICY_LOSSES.register(name, fn)
     return add
+
+
+def declared(fn: PolicyLoss) -> Declared:
+    """What ``fn`` declared when it was registered (a function registered straight into ``POLICY_LOSSES``: the
+    defaults, no settings)."""
+    return getattr(fn, "declared", None) or Declared()
+
+
+def loss_keywords(fn: PolicyLoss, algo: Any, options: Any = None) -> dict[str, Any]:
+    """The keywords ``fn`` takes from a run's config beside the common arguments: ``algo.clip_low`` /
+    ``algo.clip_high`` where it shares PPO's clip range, and its own settings (``options``, an instance of its
+    ``Settings``; None: their defaults)."""
+    d = declared(fn)
+    shared = {"clip_low": algo.clip_low, "clip_high": algo.clip_high} if d.shared_clips else {}
+    if d.Settings is None:
+        return shared
+    own = options if options is not None else d.Settings()
+    return {**shared, **{f.name: getattr(own, f.name) for f in dataclasses.fields(own)}}
 
 
 def policy_loss_names() -> list[str]:

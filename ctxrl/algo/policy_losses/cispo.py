@@ -16,13 +16,26 @@ the fractions of sampled tokens whose weight was clipped below / above (their su
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ctxrl.algo.losses import aggregate
 from ctxrl.algo.policy_losses.base import finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.settings import NON_NEGATIVE
 
 
-@register_policy_loss("cispo")
+@dataclass(frozen=True)
+class CISPOSettings:
+    """``[algo.cispo]``: the range the importance weight is clipped to, ``[1 - clip_low, 1 + clip_high]``."""
+
+    clip_low: float = field(default=10.0, metadata=NON_NEGATIVE)
+    """Lower clip of the weight (10: none, as the paper)."""
+    clip_high: float = field(default=0.2, metadata=NON_NEGATIVE)
+    """Upper clip of the weight."""
+
+
+@register_policy_loss("cispo", settings=CISPOSettings)
 def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                clip_low: float = 10.0, clip_high: float = 0.2, agg: str = "token-mean",
                norm_length: float | None = None, denominator: float | None = None,

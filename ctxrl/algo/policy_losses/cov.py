@@ -24,10 +24,13 @@ sees: under gradient accumulation it is made per micro-batch, as in verl. Figure
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ctxrl.algo.losses import aggregate
-from ctxrl.algo.policy_losses.base import finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.algo.policy_losses.base import FIGURES, finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.settings import NON_NEGATIVE, POSITIVE
 
 
 @torch.no_grad()
@@ -36,7 +39,29 @@ def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: tor
     return (advantages - masked_mean(advantages, mask)) * (logprobs.detach() - masked_mean(logprobs.detach(), mask))
 
 
-@register_policy_loss("clip_cov")
+@dataclass(frozen=True)
+class ClipCovSettings:
+    """``[algo.clip_cov]`` (PPO's clip range is ``algo.clip_low`` / ``algo.clip_high``)."""
+
+    clip_cov_ratio: float = field(default=2e-4, metadata=POSITIVE)
+    """Fraction of the micro-batch's sampled tokens whose gradient is stopped."""
+    clip_cov_lb: float = 1.0
+    """Lower bound of the covariance window the stopped tokens are drawn from."""
+    clip_cov_ub: float = 5.0
+    """Upper bound of that window."""
+
+
+@dataclass(frozen=True)
+class KLCovSettings:
+    """``[algo.kl_cov]``."""
+
+    kl_cov_ratio: float = field(default=2e-4, metadata=POSITIVE)
+    """Fraction of the micro-batch's sampled tokens, those of largest covariance, that get the KL penalty."""
+    ppo_kl_coef: float = field(default=1.0, metadata=NON_NEGATIVE)
+    """Weight of that penalty, ``abs(log r)`` per token."""
+
+
+@register_policy_loss("clip_cov", settings=ClipCovSettings, figures=(*FIGURES, "cov_clip_frac"), shared_clips=True)
 def clip_cov_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   *, clip_low: float = 0.2, clip_high: float = 0.2, clip_cov_ratio: float = 2e-4,
                   clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, generator: torch.Generator | None = None,
@@ -71,7 +96,7 @@ def clip_cov_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     return loss, finish(metrics, on_device)
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", settings=KLCovSettings, figures=("approx_kl", "kl_cov_frac", "abs_kl"))
 def kl_cov_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 kl_cov_ratio: float = 2e-4, ppo_kl_coef: float = 1.0, agg: str = "token-mean",
                 norm_length: float | None = None, denominator: float | None = None,

@@ -25,10 +25,13 @@ the fractions of sampled tokens masked with ``A > 0`` / ``A <= 0`` (their sum is
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ctxrl.algo.losses import aggregate
-from ctxrl.algo.policy_losses.base import finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.algo.policy_losses.base import FIGURES, finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.settings import NON_NEGATIVE, POSITIVE
 
 
 def _divergence_loss(logprobs, old_logprobs, advantages, mask, valid, *, truncation, agg, norm_length, denominator,
@@ -50,7 +53,34 @@ def _divergence_loss(logprobs, old_logprobs, advantages, mask, valid, *, truncat
     return loss, finish(metrics, on_device)
 
 
-@register_policy_loss("dppo_tv")
+@dataclass(frozen=True)
+class DPPOTVSettings:
+    """``[algo.dppo_tv]``: the bounds of ``p - p_old`` and the importance weight's cap."""
+
+    clip_low: float = field(default=0.15, metadata=NON_NEGATIVE)
+    """How far ``p`` may fall below ``p_old`` on a token with ``A <= 0``."""
+    clip_high: float = field(default=0.15, metadata=NON_NEGATIVE)
+    """How far ``p`` may rise above ``p_old`` on a token with ``A > 0``."""
+    truncation: float = field(default=20.0, metadata=POSITIVE)
+    """Cap of the importance weight ``r``."""
+
+
+@dataclass(frozen=True)
+class DPPOKLSettings:
+    """``[algo.dppo_kl]``: the bounds of the binary KL and the importance weight's cap."""
+
+    clip_low: float = field(default=0.05, metadata=NON_NEGATIVE)
+    """Bound of the binary KL on a token with ``A <= 0``."""
+    clip_high: float = field(default=0.05, metadata=NON_NEGATIVE)
+    """Bound of the binary KL on a token with ``A > 0``."""
+    truncation: float = field(default=20.0, metadata=POSITIVE)
+    """Cap of the importance weight ``r``."""
+
+
+DPPO_FIGURES = (*FIGURES, "truncated_frac")
+
+
+@register_policy_loss("dppo_tv", settings=DPPOTVSettings, figures=DPPO_FIGURES)
 def dppo_tv_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                  *, clip_low: float = 0.15, clip_high: float = 0.15, truncation: float = 20.0,
                  agg: str = "token-mean", norm_length: float | None = None, denominator: float | None = None,
@@ -67,7 +97,7 @@ def dppo_tv_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages:
                             on_device=on_device)
 
 
-@register_policy_loss("dppo_kl")
+@register_policy_loss("dppo_kl", settings=DPPOKLSettings, figures=DPPO_FIGURES)
 def dppo_kl_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                  *, clip_low: float = 0.05, clip_high: float = 0.05, truncation: float = 20.0,
                  agg: str = "token-mean", norm_length: float | None = None, denominator: float | None = None,

@@ -24,12 +24,26 @@ fractions of sampled tokens with ``A > 0`` / ``A < 0`` whose log-ratio is outsid
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ctxrl.algo.policy_losses.base import finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.algo.policy_losses.base import FIGURES, finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.settings import NON_NEGATIVE
 
 
-@register_policy_loss("gmpo")
+@dataclass(frozen=True)
+class GMPOSettings:
+    """``[algo.gmpo]``: the clip range of each token's log-ratio, ``[-clip_low, clip_high]``."""
+
+    clip_low: float = field(default=0.4, metadata=NON_NEGATIVE)
+    """Lower clip of the log-ratio."""
+    clip_high: float = field(default=0.4, metadata=NON_NEGATIVE)
+    """Upper clip of the log-ratio."""
+
+
+@register_policy_loss("gmpo", settings=GMPOSettings, figures=(*FIGURES, "seq_ratio_mean"),
+                      aggregations=("seq-mean-token-mean",))
 def gmpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
               clip_low: float = 0.4, clip_high: float = 0.4, agg: str = "seq-mean-token-mean",
               norm_length: float | None = None, denominator: float | None = None,

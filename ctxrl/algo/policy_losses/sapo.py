@@ -16,13 +16,26 @@ is ``seq-mean-token-mean`` (verl forces it; here it is a default). Figure: ``sof
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ctxrl.algo.losses import aggregate
 from ctxrl.algo.policy_losses.base import finish, masked_mean, ratio_figures, register_policy_loss
+from ctxrl.settings import POSITIVE
 
 
-@register_policy_loss("sapo")
+@dataclass(frozen=True)
+class SAPOSettings:
+    """``[algo.sapo]``: the gate's temperatures."""
+
+    tau_pos: float = field(default=1.0, metadata=POSITIVE)
+    """Temperature of positive-advantage tokens."""
+    tau_neg: float = field(default=1.05, metadata=POSITIVE)
+    """Temperature of negative-advantage tokens (and A = 0); larger damps them faster."""
+
+
+@register_policy_loss("sapo", settings=SAPOSettings, figures=("approx_kl", "soft_clip_weight"))
 def sapo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
               tau_pos: float = 1.0, tau_neg: float = 1.05, agg: str = "seq-mean-token-mean",
               norm_length: float | None = None, denominator: float | None = None,
