@@ -32,6 +32,10 @@ counted shared, whatever the plan says; the plan's verdict is its own column.
 The CPU timing runs the tiny model (float32, one thread) over each workload's rows: the padded batch (one
 ``token_logprobs`` call) against the trees (one ``tree_logprobs`` call a tree), forward and backward of the
 same masked loss, median of ``--repeats``, alternating the two so that neither gets a warmer machine.
+
+Last, the learner itself: ``Learner.update`` on each GRPO group (one mini-batch, so the group stays whole; old
+log-probs recomputed, so the update's two passes both share) with ``train.shared_prefix`` ``off`` and ``auto``,
+alternating, median of ``--repeats``: what a run gains, plan, packing and optimiser step included.
 """
 
 from __future__ import annotations
@@ -217,6 +221,36 @@ def time_rows(model, rows, masks, plans: dict[str, list], repeats: int) -> dict[
     return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
+def time_updates(model, rows, masks, repeats: int) -> dict[str, float]:
+    """Median seconds of one ``Learner.update`` of ``rows`` (a GRPO group: random advantages of mean 0, behaviour
+    log-probs 0) with ``train.shared_prefix`` off and auto, alternating after a warm-up round, and the rows the
+    shared update ran in trees. Plain SGD at learning rate 0: every repetition sees the same weights."""
+    from ctxrl.learner.batch import collate
+    from ctxrl.learner.learner import Learner
+    from ctxrl.learner.settings import LearnerSettings
+    from ctxrl.sections import AlgoConfig, TrainConfig
+    from ctxrl.types import TrainSequence
+
+    g = torch.Generator().manual_seed(0)
+    advantages = torch.randn(len(rows), generator=g)
+    advantages = (advantages - advantages.mean()).tolist()
+    batch = collate([TrainSequence(input_ids=r, loss_mask=m, behavior_logprobs=[0.0] * len(r),
+                                   advantages=[a * x for x in m]) for r, m, a in zip(rows, masks, advantages)], 0)
+    learners = {mode: Learner(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                              LearnerSettings(algo=AlgoConfig(old_logprobs="recompute"),
+                                              train=TrainConfig(mini_batches=1, shared_prefix=mode)), pad_token_id=0)
+                for mode in ("off", "auto")}
+    times: dict[str, list[float]] = {k: [] for k in learners}
+    shared = 0.0
+    for _ in range(repeats + 1):
+        for mode, learner in learners.items():
+            start = time.perf_counter()
+            metrics = learner.update(batch)
+            times[mode].append(time.perf_counter() - start)
+            shared = metrics["learner_shared_prefix_rows"] if mode == "auto" else shared
+    return {**{k: statistics.median(v[1:]) for k, v in times.items()}, "shared_rows": shared}
+
+
 def workloads(renderer, vocab: int, smoke: bool) -> dict:
     """Each workload's rows and loss masks; ``smoke``: 2 groups, trials or episodes, each row cut to 160 tokens."""
     n = 2 if smoke else 8
@@ -265,7 +299,15 @@ def main(argv: list[str] | None = None) -> dict:
               f"({seconds['padded'] / seconds['tree']:4.2f}x)   planned {seconds['planned'] * 1e3:8.1f} ms "
               f"({seconds['padded'] / seconds['planned']:4.2f}x, {sum(p.share for _, p in plans['dense'])} of "
               f"{len(plans['dense'])} trees shared)")
-    return {"flops": table, "cpu": timing}
+    print(f"\nCPU, Learner.update of one GRPO group (the tiny model, one mini-batch, old log-probs recomputed), "
+          f"train.shared_prefix off against auto, median of {repeats}")
+    updates = {}
+    for name in ("grpo/train_step", "grpo/fact_hunt"):
+        rows, masks = data[name]
+        seconds = updates[name] = time_updates(model, rows, masks, repeats)
+        print(f"  {name:<20} off {seconds['off'] * 1e3:8.1f} ms   auto {seconds['auto'] * 1e3:8.1f} ms "
+              f"({seconds['off'] / seconds['auto']:4.2f}x, {seconds['shared_rows']:.0f} of {len(rows)} rows shared)")
+    return {"flops": table, "cpu": timing, "learner": updates}
 
 
 if __name__ == "__main__":

@@ -356,6 +356,13 @@ class TrainConfig:
     gradient_checkpointing: bool = field(default=False, metadata=RESUMABLE)
     """Recompute each layer's activations in the backward pass instead of keeping them: less memory, ~30% more
     compute."""
+    shared_prefix: str = field(default="off", metadata=RESUMABLE)
+    """Train rows that share a prefix (a GRPO group's prompt, a meta-RL trial's earlier attempts, a segmented
+    episode's kept context) as one packed token trie, the prefix's forward and backward computed once: ``auto``
+    shares each tree the FLOP plan says pays (ctxrl/learner/shared_prefix), each whole in one micro-batch, and runs
+    the other rows as before; ``off`` never shares. Same loss and gradients up to kernel rounding. Runs HF's forward
+    pass with an ancestor mask (sdpa or eager attention), so it takes the policy off the flat pass (flat_forward
+    must be auto or off); learner_shared_prefix_rows says how many rows shared (docs/performance.md)."""
 
 
 @dataclass(frozen=True)

@@ -125,21 +125,21 @@ def test_a_learner_update_through_the_flat_forward_matches_the_hf_update(scored_
 def test_under_a_token_budget_the_flat_learner_packs_by_tokens_alone(scored_episodes, monkeypatch):
     """``train.micro_batch_size`` caps padded micro-batches' rows; through the flat pass the token budget alone
     bounds them, and the update is the same as one row at a time through HF's pass."""
-    from ctxrl.learner import learner as learner_module
+    from ctxrl.learner import forward as forward_module  # (where the learner's micro-batches are cut)
 
     model = _build("qwen2")
     lengths = [12, 5, 8, 3, 10, 7]
     batch = collate(scored_episodes(model.config.vocab_size, lengths, seed=4), 0,
                     advantages=[1.0, -1.0, 0.5, -0.5, 0.25, 2.0])
     seen: dict[str, list[int]] = {}
-    real = learner_module.micro_batches
+    real = forward_module.micro_batches
 
     def counting(b, size, device, max_tokens=0, padded=True):
         for rows, micro in real(b, size, device, max_tokens, padded=padded):
             seen.setdefault(mode, []).append(len(rows))
             yield rows, micro
 
-    monkeypatch.setattr(learner_module, "micro_batches", counting)
+    monkeypatch.setattr(forward_module, "micro_batches", counting)
     out = []
     for mode, rows in (("off", 1), ("on", 1)):
         m = copy.deepcopy(model)

@@ -345,4 +345,6 @@ def test_the_benchmark_smoke_runs_every_workload_and_reports_savings(capsys):
         assert r["tree_tokens"] < r["tokens"] and r["tree_flops"] < r["flops"], r  # every workload shares something
         assert r["dense_flops"] <= r["flops"], r  # the plan never costs more than the rows alone
     assert all(set(seconds) == {"padded", "tree", "planned"} for seconds in report["cpu"].values())
+    assert set(report["learner"]) == {"grpo/train_step", "grpo/fact_hunt"}  # Learner.update, sharing off and auto
+    assert all(seconds["off"] > 0 and seconds["auto"] > 0 for seconds in report["learner"].values())
     assert "qwen2.5-1.5b" in capsys.readouterr().out

@@ -202,11 +202,12 @@ def micro_batches(batch: Batch, size: int, device: torch.device | str, max_token
 
 
 def per_token_rows(batch: Batch, device, micro_batch_size: int, fn, max_tokens: int = 0, *,
-                   padded: bool = True) -> list[list[float]]:
+                   padded: bool = True, split=micro_batches) -> list[list[float]]:
     """``fn(micro_batch) -> [b, T-1]`` over micro-batches, as one list per row of ``batch`` (in its order), aligned
-    with the row's ``input_ids`` (index 0, the first prompt token, gets 0)."""
+    with the row's ``input_ids`` (index 0, the first prompt token, gets 0). ``split``: what cuts the micro-batches,
+    ``micro_batches``' signature (a ``Forward``'s, whose shared trees stay whole)."""
     out: list[list[float] | None] = [None] * len(batch)
-    for rows, micro in micro_batches(batch, micro_batch_size, device, max_tokens, padded=padded):
+    for rows, micro in split(batch, micro_batch_size, device, max_tokens, padded=padded):
         values = fn(micro).detach().float().cpu()
         for k, (row, n) in enumerate(zip(rows, micro.lengths.tolist())):
             out[row] = [0.0] + values[k, : int(n) - 1].tolist()

@@ -37,6 +37,7 @@ from ctxrl.learner.objective import (
 from ctxrl.learner.policy import Reference
 from ctxrl.learner.precision import MasterAdamW, Precision, trainable_grads
 from ctxrl.learner.settings import LearnerSettings
+from ctxrl.learner.shared_prefix.micro_batches import sharing
 from ctxrl.models.kernels import attention_kernels
 
 __all__ = ["LAYOUT_KEYS", "Learner", "LearnerSettings", "micro_batches", "per_token_rows", "token_logprobs"]
@@ -72,6 +73,9 @@ class Learner:
         """Micro-batches the last ``update`` ran (every epoch's)."""
         self.flat_rows = False
         """Whether the last micro-batches ran through the flat forward pass (``ctxrl.learner.flat``)."""
+        self.shared = [0, 0]
+        """Rows the last ``update`` ran inside shared-prefix trees, and the tokens those trees did not recompute
+        (every epoch's; ``train.shared_prefix``)."""
         self.skipped_updates = 0
         self.parallel = parallel
         """A ``ctxrl.distributed.data_parallel.DataParallel``: this rank trains on its share of each mini-batch's
@@ -108,6 +112,7 @@ class Learner:
                 batch, corrected = offpolicy_correction(batch, self.settings)
                 before = {**before, **corrected}
         self.micro_batches_run = 0
+        self.shared = [0, 0]
         for _ in range(t.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.generator).tolist()
             chunk = math.ceil(len(order) / t.mini_batches)
@@ -116,9 +121,12 @@ class Learner:
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
-        # which pass trained and in how many micro-batches an epoch: the sizes a user tunes, seen in the step's row
-        # (this rank's own under data parallelism: LAYOUT_KEYS describe how it ran, not what it computed)
-        layout = dict(zip(LAYOUT_KEYS, (self.micro_batches_run / max(t.ppo_epochs, 1), float(self.flat_rows))))
+        # which pass trained and in how many micro-batches an epoch, how many rows an epoch ran in shared trees and
+        # the tokens that saved: the sizes a user tunes, seen in the step's row (this rank's own under data
+        # parallelism: LAYOUT_KEYS describe how it ran, not what it computed)
+        epochs = max(t.ppo_epochs, 1)
+        layout = dict(zip(LAYOUT_KEYS, (self.micro_batches_run / epochs, float(self.flat_rows),
+                                        self.shared[0] / epochs, self.shared[1] / epochs)))
         return {**before, **{k: v / max(count, 1) for k, v in totals.items()}, **layout}
 
     @torch.no_grad()
@@ -143,7 +151,7 @@ class Learner:
         mine, share = self._share(batch)
         size = self.rows_per_micro_batch(share)  # (which also says whether the rows run flat: no padding to count)
         rows = per_token_rows(share, self.device, size, learner_logprobs, s.micro_batch_tokens,
-                              padded=not self.flat_rows) if mine else []
+                              padded=not self.flat_rows, split=self.forward.micro_batches) if mine else []
         recomputed = torch.zeros_like(batch.old_logprobs)
         for row, values in zip(mine, rows):
             recomputed[row, : len(values) - 1] = torch.tensor(values[1:])
@@ -172,11 +180,12 @@ class Learner:
         with attention_kernels(self.device):
             if mine:
                 size = self.rows_per_micro_batch(share)  # (which also says whether the rows run flat)
-                for _, micro in micro_batches(share, size, self.device, s.micro_batch_tokens,
-                                              padded=not self.flat_rows):
+                for _, micro in self.forward.micro_batches(share, size, self.device, s.micro_batch_tokens,
+                                                           padded=not self.flat_rows):
                     self._micro_batch(micro, sums, denominator=denominator, norm_length=norm_length,
                                       value_count=value_count)
                     self.micro_batches_run += 1
+                    self.shared = [a + b for a, b in zip(self.shared, sharing(micro))]
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
             sums = self.parallel.sum_figures({k: sums.get(k, 0.0) for k in figure_keys(
                 self.settings, kl=self.reference is not None, critic=self.critic is not None)}, self.device)

@@ -130,6 +130,39 @@ def flat_token_logprobs(decoder, input_ids: torch.Tensor, lengths: torch.Tensor,
                        entropy_grad=entropy_grad, extra_ids=None if extra_ids is None else extra_ids[wanted])
 
 
+def tree_token_logprobs(model, packed, *, temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False,
+                        entropy_grad: bool = False):
+    """``token_logprobs`` of a packed tree (``ctxrl.learner.shared_prefix.layout.TreePack``), one value per node
+    ``[L]``: node ``q``'s token scored at its parent's hidden state, at the nodes some row's loss mask wants (0
+    elsewhere); with ``with_entropy``, each wanted node's entropy too. One forward pass with the tree's ancestor mask
+    and positions, then the chunked head at the wanted nodes' parents, as the padded pass does at its rows'
+    positions (``TreePack.unpack`` gives the rows' ``[B, T-1]`` layout)."""
+    if temperature <= 0:
+        temperature = 1.0
+    at = packed.wanted.nonzero(as_tuple=True)[0]
+    targets = packed.input_ids[0, at]
+    split = _split(model) if chunk > 0 else None
+    inputs = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
+              "position_ids": packed.position_ids, "use_cache": False}
+    if split is not None:
+        backbone, head = split
+        with attention_kernels(packed.input_ids.device):
+            hidden = backbone(**inputs).last_hidden_state[0]
+        return _head_stats(hidden[packed.parent[at]], targets, head, packed.wanted, temperature=temperature,
+                           chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    with attention_kernels(packed.input_ids.device):
+        logits = _at_least_fp32(model(**inputs).logits[0][packed.parent[at]])
+    if temperature != 1.0:
+        logits = logits / temperature
+    values = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logprobs = values.new_zeros(packed.wanted.shape).index_put((at,), values)
+    if not with_entropy:
+        return logprobs
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = values.new_zeros(packed.wanted.shape).index_put((at,), entropy_from_logits(logits))
+    return logprobs, entropy
+
+
 def _head_stats(states, targets, head, wanted, *, temperature, chunk, with_entropy, entropy_grad, extra_ids=None):
     """Log-probs (and entropy) of ``targets`` at hidden ``states`` [n, H], ``chunk`` at a time, scattered into
     ``wanted``'s shape; with ``extra_ids`` [n, K], the log-probs of those tokens too (through autograd's own

@@ -26,9 +26,11 @@ from ctxrl.learner.forward import Forward
 if TYPE_CHECKING:
     from ctxrl.learner.settings import LearnerSettings
 
-LAYOUT_KEYS = ("learner_micro_batches", "learner_flat_forward")
-"""Figures of an update that say how this process ran it (micro-batches an epoch, the flat pass or not), not what
-it computed: under data parallelism each rank reports its own share's."""
+LAYOUT_KEYS = ("learner_micro_batches", "learner_flat_forward", "learner_shared_prefix_rows",
+               "learner_shared_prefix_saved_tokens")
+"""Figures of an update that say how this process ran it (micro-batches an epoch, the flat pass or not, rows an
+epoch run inside shared-prefix trees and the tokens those trees did not recompute: ``train.shared_prefix``), not
+what it computed: under data parallelism each rank reports its own share's."""
 
 
 def add(sums: dict, key: str, value) -> None:

@@ -13,7 +13,7 @@ from ctxrl.algo.offpolicy import correction_keywords, get_offpolicy_correction
 from ctxrl.algo.policy_losses import declared, get_policy_loss, loss_keywords
 from ctxrl.learner.batch import Batch
 from ctxrl.learner.flat import MODES as FLAT_MODES
-from ctxrl.learner.forward import Forward, choose
+from ctxrl.learner.forward import SHARING_MODES, Forward, choose
 from ctxrl.sections import AlgoConfig, TrainConfig
 
 
@@ -50,6 +50,9 @@ class LearnerSettings:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, not {a.old_logprobs!r}")
         if self.train.flat_forward not in FLAT_MODES:
             raise ValueError(f"flat_forward must be one of {', '.join(FLAT_MODES)}, not {self.train.flat_forward!r}")
+        if self.train.shared_prefix not in SHARING_MODES:
+            raise ValueError(f"shared_prefix must be one of {', '.join(SHARING_MODES)}, not "
+                             f"{self.train.shared_prefix!r}")
         if a.tis_cap and a.old_logprobs != "recompute":
             raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
                              "set old_logprobs='recompute'")

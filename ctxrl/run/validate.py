@@ -46,6 +46,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
     from ctxrl.learner.flat import MODES as FLAT_MODES
+    from ctxrl.learner.shared_prefix.micro_batches import MODES as SHARING_MODES
     from ctxrl.meta.rollout import CARRIES
     from ctxrl.models.loader import DTYPES
 
@@ -57,6 +58,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
             "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
+            "train.shared_prefix": SHARING_MODES,
             "roles.rewards": REWARD_MODES}
 
 
@@ -355,6 +357,10 @@ def _validate_training(config: Config, estimator: type) -> None:
                           "(grpo, rloo, reinforce_pp, ...) or full fine-tuning (lora.rank=0)")
     if lora.rank and not lora.target_modules.strip():
         raise ConfigError("lora.target_modules is empty; use all-linear or module names such as q_proj,v_proj")
+    if t.shared_prefix != "off" and t.flat_forward not in ("auto", "off"):
+        raise ConfigError(f"train.shared_prefix={t.shared_prefix} runs shared trees through HF's forward pass with an "
+                          f"ancestor mask, and train.flat_forward={t.flat_forward} forces ctxrl's flat pass, which "
+                          "cannot take one: set train.flat_forward=auto (or off), or train.shared_prefix=off")
     if any(i < 0 for i in config.rollout.stop_ids):
         raise ConfigError(f"rollout.stop_ids must be token ids (>= 0), got {config.rollout.stop_ids}")
     if any(not s for s in config.rollout.stop_strings):

@@ -7,10 +7,13 @@ a ``summarize`` episode's segments share their kept context. Here, one idea a fi
 - ``layout``: a tree as one packed sequence with an ancestor mask (``pack_tree``), its per-node log-probs
   (``tree_logprobs``) and their map back to the rows' shifted ``[B, T-1]`` layout (``TreePack.unpack``);
 - ``plan``: tokens and estimated FLOPs with and without sharing, whether a tree is worth packing
-  (``plan_sharing``), and a batch cut into the trees worth packing (``plan_batch``).
+  (``plan_sharing``), and a batch cut into the trees worth packing (``plan_batch``);
+- ``micro_batches``: a mini-batch's rows as micro-batches, each shared tree whole in one (``TreeBatch``), which the
+  learner's forward pass runs as its tree (``ctxrl.learner.forward``, ``train.shared_prefix``).
 
 Checked in float64 against the padded forward pass (``tests/test_shared_prefix.py``); figures from
-``benchmarks/shared_prefix.py`` (``docs/performance.md``). Not yet used by the ``Learner``.
+``benchmarks/shared_prefix.py`` (``docs/performance.md``); ``Learner.update`` with and without sharing in
+``tests/test_learner_shared_prefix.py``.
 """
 
 from ctxrl.learner.shared_prefix.layout import TreePack, pack_tree, tree_logprobs

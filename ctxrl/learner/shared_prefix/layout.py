@@ -23,9 +23,9 @@ Its cost is the mask: SDPA and eager attention compute all ``L x L`` scores of a
 flat pass's variable-length kernel computes only the causal half of each row (``plan`` weighs that, and
 says when the two-pass scheme, whose suffix attention is a plain cached causal one, would win).
 
-What this does not do (yet): the chunked output head of ``ctxrl.learner.logprobs`` (here the model's full
-logits, fine for tests and small trees), the flat decoder's variable-length kernels, and a place in the
-learner's micro-batches.
+``tree_logprobs`` here runs the model's full logits (for tests and the benchmark); the learner's pass runs the
+chunked output head of ``ctxrl.learner.logprobs`` (``tree_token_logprobs``) over micro-batches cut by
+``ctxrl.learner.shared_prefix.micro_batches``. What this does not do: the flat decoder's variable-length kernels.
 """
 
 from __future__ import annotations
