@@ -243,6 +243,11 @@ class AlgoConfig:
     (``-kl_coef * KL`` on every sampled token's reward, before the advantages; REINFORCE++ / PPO style)."""
     entropy_coef: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Entropy bonus weight (0 = off)."""
+    world_model_coef: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """Weight of ECHO's world-model loss (0 = off; the paper's 0.05): the policy also learns to predict the
+    environment's replies, the mean cross-entropy of the tokens the environment wrote (tool output with its template
+    tokens; never the prompt nor a sampled token), over the mini-batch's environment tokens
+    (ctxrl/algo/world_model.py). Logged as world_model_nll. Not with train.shared_prefix=auto yet."""
     agg: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     dynamic_sampling: bool = False

@@ -148,6 +148,14 @@ class Segment(PlainData):
     ended_by: str = "summary"
 
 
+def environment_mask(sequence: Episode | Segment) -> list[int]:
+    """1 on each token the environment wrote into ``sequence``, 0 elsewhere: what the ``Recorder`` appended after a
+    turn without sampling it (``observe``: tool output and the environment's replies, rendered with their template
+    tokens, and a scripted player's moves), read from the arrays it wrote: mask 0 with the index of the turn it
+    answers (>= 0). The prompt (turn -1, re-rendered prompts included) and every sampled token are 0."""
+    return [int(m == 0 and t >= 0) for m, t in zip(sequence.loss_mask, sequence.turn_index)]
+
+
 @dataclass
 class Episode(PlainData):
     """One token-faithful episode.
@@ -225,10 +233,14 @@ class TrainSequence(PlainData):
     policy_version: int = 0
     teacher_ids: list[list[int]] | None = None
     teacher_probs: list[list[float]] | None = None
+    env_mask: list[int] | None = None
+    """1 on the tokens the environment wrote (``environment_mask``), for the world-model loss
+    (``algo.world_model_coef``); None: unknown (no such token is trained)."""
 
     @classmethod
     def of(cls, sequence: Episode | Segment, advantages: list[float], **targets: Any) -> TrainSequence:
         """The row of one episode's (or segment's) token arrays with ``advantages`` and optional targets."""
         if len(advantages) != len(sequence.input_ids):
             raise ValueError(f"{len(sequence.input_ids)} tokens but {len(advantages)} advantages")
+        targets.setdefault("env_mask", environment_mask(sequence))
         return cls(sequence.input_ids, sequence.loss_mask, sequence.behavior_logprobs, advantages, **targets)

@@ -17,8 +17,8 @@ mask, which is 0 on environment tokens; ``policy_mask``, when given, is checked 
 ``env_mask``, so a token can never be trained both as an action and as an observation.
 
 ``env_mask`` must come from where the tokens are born (the rollout recorder knows which tokens an environment
-wrote), never rebuilt from text. Not here: producing that mask, and the learner computing log-probs at
-environment positions (today it computes them where the loss mask is 1).
+wrote), never rebuilt from text: ``ctxrl.types.environment_mask``, carried by ``TrainSequence.env_mask`` into
+``Batch.env_mask``; the learner adds this loss under ``algo.world_model_coef`` (``ctxrl.learner.objective``).
 """
 
 from __future__ import annotations

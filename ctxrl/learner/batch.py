@@ -45,6 +45,9 @@ class Batch:
     """[B, T-1, K]: their probabilities under the teacher (0 where the loss mask is 0)."""
     offpolicy_weights: torch.Tensor | None = None
     """An off-policy correction's weight of each token's loss (``algo.offpolicy``; 0 where the loss mask is 0)."""
+    env_mask: torch.Tensor | None = None
+    """1 where the token was written by the environment (``ctxrl.types.environment_mask``): the world-model loss's
+    tokens (``algo.world_model_coef``)."""
 
     @property
     def targets(self) -> torch.Tensor:
@@ -114,6 +117,10 @@ def collate(rows: Sequence[Any], pad_token_id: int, device: torch.device | str =
             targets[name] = _per_token(rows, values, n, width, name)[:, 1:].to(device)
         else:
             targets[name] = None
+    env = [getattr(r, "env_mask", None) for r in rows]
+    targets["env_mask"] = (_per_token(rows, [e if e is not None else [0] * len(r.input_ids) for e, r in zip(env, rows)],
+                                      n, width, "env_mask")[:, 1:].to(device)
+                           if any(e is not None for e in env) else None)
     targets.update(_teacher_topk(rows, width, device))
     return Batch(ids.to(device), attn.to(device), mask[:, 1:].to(device), old[:, 1:].to(device),
                  adv[:, 1:].to(device), lengths.to(device), **targets)

@@ -170,6 +170,7 @@ class Learner:
         denominator = tokens if s.algo.agg == "token-mean" else live
         norm_length = s.norm_length or (float(batch.loss_mask.sum(1).max()) if len(batch) else 1)
         value_count = tokens if batch.value_mask is None else float(batch.value_mask.sum())
+        env_tokens = 0.0 if batch.env_mask is None else float(batch.env_mask.sum())
         if s.algo.old_logprobs == "recompute" and batch.recomputed is None:
             raise RuntimeError("old_logprobs='recompute': call update(), or recompute_old_logprobs() on this batch "
                                "before mini_batch_loss()")
@@ -183,7 +184,7 @@ class Learner:
                 for _, micro in self.forward.micro_batches(share, size, self.device, s.micro_batch_tokens,
                                                            padded=not self.flat_rows):
                     self._micro_batch(micro, sums, denominator=denominator, norm_length=norm_length,
-                                      value_count=value_count)
+                                      value_count=value_count, env_tokens=env_tokens)
                     self.micro_batches_run += 1
                     self.shared = [a + b for a, b in zip(self.shared, sharing(micro))]
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
@@ -211,10 +212,10 @@ class Learner:
         return mine, batch.select(mine)
 
     def _micro_batch(self, micro: Batch, sums: dict, *, denominator: float, norm_length: float,
-                     value_count: float) -> None:
+                     value_count: float, env_tokens: float = 0.0) -> None:
         """Forward and backward of one micro-batch; its figures are added to ``sums``."""
         loss = micro_batch_objective(self.forward, self.settings, micro, sums, reference=self.reference,
-                                     denominator=denominator, norm_length=norm_length)
+                                     denominator=denominator, norm_length=norm_length, env_tokens=env_tokens)
         if loss.requires_grad:  # (a micro-batch without one sampled token has nothing to learn from)
             self.precision.backward(loss)
         if self.critic is not None:

@@ -4,7 +4,9 @@
 ``ctxrl.algo.policy_losses``, called with its own settings) over the micro-batch's sampled tokens (weighted by
 truncated importance sampling when the old log-probs are recomputed), minus the entropy bonus, plus the KL to the
 reference and the distillation teacher's top-K term, each aggregated with the whole mini-batch's denominator (exact
-gradient accumulation: ``ctxrl.learner.learner``). ``critic_objective`` is the critic's clipped value loss. Both add
+gradient accumulation: ``ctxrl.learner.learner``), plus ECHO's world-model cross-entropy on the environment's tokens
+(``algo.world_model_coef``, ``ctxrl.algo.world_model``) over the mini-batch's environment tokens.
+``critic_objective`` is the critic's clipped value loss. Both add
 their figures to the mini-batch's sums, on the device; ``mini_batch_metrics`` turns the sums into the step's row, and
 ``figure_keys`` names the sums a mini-batch has (data parallelism sums them across ranks, absent ones as 0).
 
@@ -39,10 +41,15 @@ def add(sums: dict, key: str, value) -> None:
 
 
 def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, sums: dict, *, reference,
-                          denominator: float, norm_length: float) -> torch.Tensor:
+                          denominator: float, norm_length: float, env_tokens: float = 0.0) -> torch.Tensor:
     """The loss of ``micro`` under the policy ``forward`` and settings ``s`` (the module docstring), ``reference`` the
-    KL reference (or None); its figures are added to ``sums``."""
+    KL reference (or None); its figures are added to ``sums``. ``env_tokens``: the mini-batch's environment tokens,
+    the world-model loss's denominator."""
     a = s.algo
+    world_model = a.world_model_coef > 0 and micro.env_mask is not None
+    scored = micro
+    if world_model:  # one pass scores the sampled and the environment's tokens; each term reads its own
+        scored = dataclasses.replace(micro, loss_mask=torch.maximum(micro.loss_mask, micro.env_mask))
     weights = None
     old = micro.old_logprobs
     if a.old_logprobs == "recompute":
@@ -58,10 +65,20 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
     topk = s.distill_top_k_coef > 0 and micro.teacher_ids is not None
     entropy_grad = a.entropy_coef > 0
     if topk:
-        logprobs, entropy, student_topk = forward.logprobs(micro, with_entropy=True, entropy_grad=entropy_grad,
+        logprobs, entropy, student_topk = forward.logprobs(scored, with_entropy=True, entropy_grad=entropy_grad,
                                                            extra_ids=micro.teacher_ids)
     else:
-        logprobs, entropy = forward.logprobs(micro, with_entropy=True, entropy_grad=entropy_grad)
+        logprobs, entropy = forward.logprobs(scored, with_entropy=True, entropy_grad=entropy_grad)
+    if world_model:
+        from ctxrl.algo.world_model import world_model_loss
+
+        env_loss, env_figures = world_model_loss(logprobs, micro.env_mask, coef=a.world_model_coef,
+                                                 denominator=max(env_tokens, 1.0), on_device=True)
+        add(sums, "world_model_nll", env_figures["env_nll"].detach() * env_figures["env_tokens"])
+        add(sums, "world_model_tokens", env_figures["env_tokens"])
+        sampled = micro.loss_mask.bool()
+        logprobs = torch.where(sampled, logprobs, logprobs.new_zeros(()))
+        entropy = torch.where(sampled, entropy, entropy.new_zeros(()))
     loss, m = s.policy_loss(logprobs, old, micro.advantages, micro.loss_mask, agg=a.agg, norm_length=norm_length,
                             denominator=denominator, token_weights=weights, on_device=True, **s.loss_keywords)
     if a.entropy_coef > 0:
@@ -79,6 +96,8 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
         loss = loss + s.distill_top_k_coef * aggregate(forward_kl, micro.loss_mask, a.agg, norm_length=norm_length,
                                                        denominator=denominator)
         add(sums, "distill_topk_kl", forward_kl.detach().sum())
+    if world_model:
+        loss = loss + env_loss
     # Figures stay on the device (0-d tensors) until the mini-batch ends: one host sync, not eight per micro-batch.
     with torch.no_grad():
         n_tok = micro.loss_mask.sum()
@@ -134,6 +153,8 @@ def figure_keys(s: LearnerSettings, *, kl: bool, critic: bool) -> list[str]:
         keys.append("kl")
     if s.distill_top_k_coef > 0:
         keys.append("distill_topk_kl")
+    if s.algo.world_model_coef > 0:
+        keys += ["world_model_nll", "world_model_tokens"]
     if critic:
         keys += ["vf_loss", "vf_count", "vf_clip_frac", "vf_explained_var"]
     return keys
@@ -156,4 +177,6 @@ def mini_batch_metrics(sums: dict[str, float], tokens: float, figures: tuple[str
     for key in ("vf_clip_frac", "vf_explained_var"):
         if key in sums:
             out[key] = sums[key] / max(sums["vf_count"], 1.0)
+    if "world_model_nll" in sums:  # per environment token
+        out["world_model_nll"] = sums["world_model_nll"] / max(sums["world_model_tokens"], 1.0)
     return out

@@ -16,6 +16,9 @@ from ctxrl.learner.flat import MODES as FLAT_MODES
 from ctxrl.learner.forward import SHARING_MODES, Forward, choose
 from ctxrl.sections import AlgoConfig, TrainConfig
 
+WORLD_MODEL_AND_SHARING = ("algo.world_model_coef > 0 scores the environment's tokens, which a shared-prefix tree "
+                           "does not compute yet: set train.shared_prefix=off (or algo.world_model_coef=0)")
+
 
 @dataclass(frozen=True)
 class LearnerSettings:
@@ -53,6 +56,8 @@ class LearnerSettings:
         if self.train.shared_prefix not in SHARING_MODES:
             raise ValueError(f"shared_prefix must be one of {', '.join(SHARING_MODES)}, not "
                              f"{self.train.shared_prefix!r}")
+        if a.world_model_coef > 0 and self.train.shared_prefix != "off":
+            raise ValueError(WORLD_MODEL_AND_SHARING)
         if a.tis_cap and a.old_logprobs != "recompute":
             raise ValueError("truncated importance sampling (tis_cap > 0) corrects recomputed old log-probs; "
                              "set old_logprobs='recompute'")

@@ -361,6 +361,10 @@ def _validate_training(config: Config, estimator: type) -> None:
         raise ConfigError(f"train.shared_prefix={t.shared_prefix} runs shared trees through HF's forward pass with an "
                           f"ancestor mask, and train.flat_forward={t.flat_forward} forces ctxrl's flat pass, which "
                           "cannot take one: set train.flat_forward=auto (or off), or train.shared_prefix=off")
+    if config.algo.world_model_coef > 0 and t.shared_prefix != "off":
+        from ctxrl.learner.settings import WORLD_MODEL_AND_SHARING
+
+        raise ConfigError(WORLD_MODEL_AND_SHARING)
     if any(i < 0 for i in config.rollout.stop_ids):
         raise ConfigError(f"rollout.stop_ids must be token ids (>= 0), got {config.rollout.stop_ids}")
     if any(not s for s in config.rollout.stop_strings):
