@@ -50,18 +50,7 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
     scored = micro
     if world_model:  # one pass scores the sampled and the environment's tokens; each term reads its own
         scored = dataclasses.replace(micro, loss_mask=torch.maximum(micro.loss_mask, micro.env_mask))
-    weights = None
-    old = micro.old_logprobs
-    if a.old_logprobs == "recompute":
-        if a.tis_cap:
-            # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
-            raw = torch.exp(micro.recomputed - micro.old_logprobs) * micro.loss_mask
-            weights = raw.clamp(max=a.tis_cap)
-            add(sums, "tis_weight", weights.detach().sum())
-            add(sums, "tis_truncated", ((raw > a.tis_cap).float() * micro.loss_mask).sum())
-        elif micro.offpolicy_weights is not None:  # (algo.offpolicy: once per update, ``offpolicy_correction``)
-            weights = micro.offpolicy_weights
-        old = micro.recomputed
+    old, weights = old_logprobs_and_weights(micro, a, sums)
     topk = s.distill_top_k_coef > 0 and micro.teacher_ids is not None
     entropy_grad = a.entropy_coef > 0
     if topk:
@@ -107,6 +96,23 @@ def micro_batch_objective(forward: Forward, s: LearnerSettings, micro: Batch, su
         for key in s.figures:
             add(sums, key, m[key] * n_tok)
     return loss
+
+
+def old_logprobs_and_weights(micro: Batch, a, sums: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The old log-probs the ratio is taken against (the rollout's, or the learner's recomputed ones) and each token's
+    off-policy weight (None: none), its figures added to ``sums``."""
+    if a.old_logprobs != "recompute":
+        return micro.old_logprobs, None
+    weights = None
+    if a.tis_cap:
+        # Yao et al. 2025: weight by the (truncated) learner/behaviour ratio of the old policy
+        raw = torch.exp(micro.recomputed - micro.old_logprobs) * micro.loss_mask
+        weights = raw.clamp(max=a.tis_cap)
+        add(sums, "tis_weight", weights.detach().sum())
+        add(sums, "tis_truncated", ((raw > a.tis_cap).float() * micro.loss_mask).sum())
+    elif micro.offpolicy_weights is not None:  # (algo.offpolicy: once per update, ``offpolicy_correction``)
+        weights = micro.offpolicy_weights
+    return micro.recomputed, weights
 
 
 def offpolicy_correction(batch: Batch, s: LearnerSettings) -> tuple[Batch, dict[str, float]]:
