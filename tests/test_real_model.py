@@ -123,6 +123,8 @@ def test_a_calculator_episode_is_token_faithful_on_the_real_template(smol_render
     assert sum(episode.loss_mask) == sum(len(smol_renderer.assistant_ids(t)) for t in played)
 
 
+# (slow: a second conversion into a fresh cache plus transformers' own dequantising, 77-86 s on 2 cores)
+@pytest.mark.slow
 def test_a_gguf_path_converts_to_the_weights_transformers_dequantises(gguf_file, tmp_path, monkeypatch):
     """A fresh cache: a copy of the file under another name converts (once) to float32 tensors equal, bit for bit,
     to what transformers dequantises from the GGUF itself; a second resolve reads the cache."""
@@ -175,6 +177,7 @@ def test_a_missing_package_or_another_file_is_one_clear_error(tmp_path):
         check_named_file(missing, "1" * 64, tmp_path / "x.gguf")
 
 
+@pytest.mark.slow  # (a training step of the 135M model: 62-70 s on 2 cores)
 def test_one_grpo_step_trains_the_real_model(tmp_path):
     """2 tasks x 2 episodes, one update, on the CPU. Without a warm start the instruct model makes no tool calls and
     every reward is 0, so an entropy bonus gives the update a gradient: the weights must move, and the learner's

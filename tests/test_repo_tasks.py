@@ -37,24 +37,17 @@ def run_unittests(files: dict[str, str], where: Path) -> unittest.TestResult:
     for rel, text in files.items():
         (where / rel).parent.mkdir(parents=True, exist_ok=True)
         (where / rel).write_text(text)
-    forget_modules_under(where.parent)  # (an earlier call's pkg and test_ modules, which share these names)
+    tops = {Path(rel).parts[0].removesuffix(".py") for rel in files}  # ("pkg", "test_search", ...)
+    taken = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] in tops}
     sys.path.insert(0, str(where))
     try:
         suite = unittest.defaultTestLoader.discover(str(where), top_level_dir=str(where))
         return unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(suite)
     finally:
         sys.path.remove(str(where))
-        forget_modules_under(where)
-
-
-def forget_modules_under(directory: Path) -> None:
-    """Drop from ``sys.modules`` the modules loaded from files under ``directory``: only those. (Dropping every
-    ``test_*`` name, as this did, dropped the suite's own test modules, and a later test that pickles one of its
-    module's functions for a spawned process, ``tests/test_sharded.py``, then failed: not the same object.)"""
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if file and Path(file).resolve().is_relative_to(directory.resolve()):
+        for name in [name for name in sys.modules if name.split(".")[0] in tops]:
             del sys.modules[name]
+        sys.modules.update(taken)  # (the suite's own test_search, say: put back as it was)
 
 
 def test_every_bug_fails_a_test_that_the_correct_module_passes(tmp_path):
