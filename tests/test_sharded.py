@@ -155,6 +155,7 @@ def _assert_weights(got: dict, want: dict, **tolerance) -> None:
             assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow  # (two gloo processes importing torch and transformers: 13-54 s for the group)
 def test_full_weights_gather_equals_the_unsharded_state_dict_layer_by_layer(two_ranks, unsharded):
     _, ranks = two_ranks
     for result in ranks:
@@ -166,6 +167,7 @@ def test_full_weights_gather_equals_the_unsharded_state_dict_layer_by_layer(two_
         assert torch.equal(result["initial"]["lm_head.weight"], result["initial"]["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow  # (two gloo processes importing torch and transformers: 13-54 s for the group)
 def test_the_engine_sync_gives_the_decoding_rank_the_full_weights(two_ranks):
     _, ranks = two_ranks
     leader, follower = ranks
@@ -175,6 +177,7 @@ def test_the_engine_sync_gives_the_decoding_rank_the_full_weights(two_ranks):
     assert not torch.equal(follower["engine"]["model.norm.weight"], leader["after_3"]["model.norm.weight"])
 
 
+@pytest.mark.slow  # (two gloo processes importing torch and transformers: 13-54 s for the group)
 def test_sharded_update_equals_the_unsharded_one_after_3_steps(two_ranks, unsharded):
     _, ranks = two_ranks
     before = unsharded["initial"]["model.layers.0.mlp.up_proj.weight"]
@@ -187,6 +190,7 @@ def test_sharded_update_equals_the_unsharded_one_after_3_steps(two_ranks, unshar
     _assert_weights(ranks[0]["uninterrupted"], ranks[1]["uninterrupted"])
 
 
+@pytest.mark.slow  # (two gloo processes importing torch and transformers: 13-54 s for the group)
 def test_resume_from_a_sharded_checkpoint_is_exact(two_ranks):
     tmp, ranks = two_ranks
     for result in ranks:
@@ -196,6 +200,7 @@ def test_resume_from_a_sharded_checkpoint_is_exact(two_ranks):
     assert not (tmp / "out.checkpoint.tmp").exists()
 
 
+@pytest.mark.slow  # (two gloo processes importing torch and transformers: 13-54 s for the group)
 def test_a_two_rank_checkpoint_loads_in_one_process_and_trains_on(two_ranks, unsharded):
     from ctxrl.distributed.sharded_checkpoint import load_sharded
 
@@ -311,6 +316,7 @@ def test_gathered_weights_are_copies_even_on_one_rank(tmp_path):
     assert not torch.equal(after["model.norm.weight"], kept["model.norm.weight"])
 
 
+@pytest.mark.slow  # (two gloo processes importing torch and transformers: 13-54 s for the group)
 def test_a_new_checkpoint_replaces_the_old_one_whole(two_ranks):
     from ctxrl.distributed.sharded_checkpoint import checkpoint_info, load_sharded
 
