@@ -16,6 +16,7 @@ and held-out tasks.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections import defaultdict
@@ -146,14 +147,16 @@ def eval_limits_table(evals: Path) -> str:
     return "\n".join(lines)
 
 
-def _metric_rows(run_dir: Path) -> list[dict]:
+@functools.cache
+def _metric_rows(run_dir: Path) -> tuple[dict, ...]:
+    """A run's metrics rows, read once: the tables ask for each run's evaluations many times (read-only)."""
     import gzip
 
     found = sorted(run_dir.glob("*/metrics.jsonl.gz"))
     if not found:
-        return []
+        return ()
     with gzip.open(found[0], "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return tuple(json.loads(line) for line in f if line.strip())
 
 
 def fmt34_table(batch: Path) -> str:

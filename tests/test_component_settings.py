@@ -27,14 +27,19 @@ def doc_block(first_line: str, language: str) -> str:
     raise AssertionError(f"docs/algorithms.md has no {language} block starting {first_line!r}")
 
 
-@pytest.fixture(scope="module")
-def plugin(tmp_path_factory):
-    """The doc's capped_grpo.py, importable as a plugin (run.plugins = "capped_grpo")."""
-    folder = tmp_path_factory.mktemp("plugin")
-    (folder / "capped_grpo.py").write_text(doc_block("# capped_grpo.py", "python"))
+def importable_doc_block(tmp_path_factory, module: str):
+    """The doc's ``# MODULE.py`` block written to a folder on ``sys.path`` (yields the folder, then takes it off)."""
+    folder = tmp_path_factory.mktemp(module)
+    (folder / f"{module}.py").write_text(doc_block(f"# {module}.py", "python"))
     sys.path.insert(0, str(folder))
     yield folder
     sys.path.remove(str(folder))
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    """The doc's capped_grpo.py, importable as a plugin (run.plugins = "capped_grpo")."""
+    yield from importable_doc_block(tmp_path_factory, "capped_grpo")
 
 
 def test_the_docs_example_reads_its_table_and_caps_the_advantages(plugin, tmp_path):
@@ -236,11 +241,7 @@ def test_a_key_renamed_into_a_component_table_loads_warns_once_and_resumes(plugi
 @pytest.fixture(scope="module")
 def loss_plugin(tmp_path_factory):
     """The doc's capped_pg.py, importable as a plugin (run.plugins = "capped_pg")."""
-    folder = tmp_path_factory.mktemp("loss_plugin")
-    (folder / "capped_pg.py").write_text(doc_block("# capped_pg.py", "python"))
-    sys.path.insert(0, str(folder))
-    yield folder
-    sys.path.remove(str(folder))
+    yield from importable_doc_block(tmp_path_factory, "capped_pg")
     from ctxrl.algo.policy_losses import POLICY_LOSSES
 
     POLICY_LOSSES._entries.pop("capped_pg", None)  # (the registry lists the built-ins alone again: test_policy_losses)

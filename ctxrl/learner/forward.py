@@ -120,9 +120,8 @@ class Forward:
         layout the shared trees first, each whole in one ``TreeBatch`` (``tree_micro_batches``)."""
         if self.layout.tree is None:
             return micro_batches(batch, size, device, max_tokens, padded=padded)
-        dtype = next(self.module.parameters()).dtype
         return tree_micro_batches(batch, size, device, max_tokens, self.layout.tree, padded=padded,
-                                  dtype=dtype if dtype.is_floating_point else torch.float32)
+                                  dtype=self._mask_dtype())
 
     def logprobs(self, micro: Batch, *, with_entropy: bool = False, entropy_grad: bool = False,
                  extra_ids: torch.Tensor | None = None):
@@ -142,15 +141,18 @@ class Forward:
             return token_logprobs(self.module, micro.input_ids, micro.attention_mask, temperature=self.temperature,
                                   mask=micro.loss_mask, chunk=self.chunk, with_entropy=with_entropy,
                                   entropy_grad=entropy_grad, extra_ids=extra_ids)
-        dtype = next(self.module.parameters()).dtype
-        packed = pack(micro.input_ids, micro.lengths, pad_id=0,
-                      dtype=dtype if dtype.is_floating_point else torch.float32)
+        packed = pack(micro.input_ids, micro.lengths, pad_id=0, dtype=self._mask_dtype())
         out = token_logprobs(self.module, packed.input_ids, packed.attention_mask, temperature=self.temperature,
                              mask=packed.to_packed(micro.loss_mask), chunk=self.chunk, with_entropy=with_entropy,
                              entropy_grad=entropy_grad, position_ids=packed.position_ids)
         if with_entropy:
             return packed.unpack(out[0]), packed.unpack(out[1])
         return packed.unpack(out)
+
+    def _mask_dtype(self) -> torch.dtype:
+        """An additive mask's dtype: the module's compute dtype (float32 for a quantised one)."""
+        dtype = next(self.module.parameters()).dtype
+        return dtype if dtype.is_floating_point else torch.float32
 
     def _tree(self, micro: TreeBatch, *, with_entropy: bool, entropy_grad: bool):
         """``micro``'s tree in one forward pass; a prefix token's value is read by every row through it, and kept

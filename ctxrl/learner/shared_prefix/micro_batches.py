@@ -26,7 +26,6 @@ import torch
 from ctxrl.learner.batch import Batch, micro_batches
 from ctxrl.learner.shared_prefix.layout import TreePack, pack_tree
 from ctxrl.learner.shared_prefix.plan import ModelShape, plan_batch
-from ctxrl.learner.shared_prefix.tree import build_tree
 
 MODES = ("off", "auto")
 """``train.shared_prefix``: ``off`` never shares; ``auto`` shares the trees the plan says pay."""
@@ -60,9 +59,8 @@ def tree_micro_batches(batch: Batch, size: int, device: torch.device | str, max_
             continue
         micro = batch.select(group)
         masks = [[0.0] + micro.loss_mask[k, : lengths[r] - 1].tolist() for k, r in enumerate(group)]
-        tree = build_tree([rows[r] for r in group])
-        packed = pack_tree([rows[r] for r in group], masks, dtype=dtype, device=device, tree=tree)
-        yield group, TreeBatch(**micro.to(device).__dict__, tree=packed, saved_tokens=tree.saved_tokens)
+        packed = pack_tree([rows[r] for r in group], masks, dtype=dtype, device=device, tree=plan.tree)
+        yield group, TreeBatch(**micro.to(device).__dict__, tree=packed, saved_tokens=plan.tree.saved_tokens)
     if rest:
         rest.sort()
         remaining = batch.select(rest)

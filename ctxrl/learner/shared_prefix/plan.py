@@ -23,7 +23,7 @@ least ``min_rows`` rows and its estimated FLOPs under the chosen kernel are belo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ctxrl.learner.shared_prefix.tree import PrefixTree, as_ids, build_tree, sorted_rows
@@ -99,6 +99,8 @@ class SharingPlan:
     rows: int
     unshared: Cost
     shared: Cost
+    tree: PrefixTree | None = field(default=None, compare=False, repr=False)
+    """The tree the plan weighed, for the caller that packs it (``pack_tree(..., tree=plan.tree)``)."""
 
     @property
     def saved_tokens(self) -> int:
@@ -128,7 +130,7 @@ def plan_sharing(tree: PrefixTree, shape: ModelShape, *, min_shared_tokens: int 
                                 f"{saved} shared tokens save")
     else:
         share, reason = True, f"saves {saved} of {unshared.tokens} tokens, {unshared.flops / shared.flops:.2f}x FLOPs"
-    return SharingPlan(share, reason, rows, unshared, shared)
+    return SharingPlan(share, reason, rows, unshared, shared, tree)
 
 
 def _check(min_shared_tokens: int, min_rows: int, kernel: str) -> None:
