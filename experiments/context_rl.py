@@ -291,6 +291,31 @@ def own34_content_table(data: Path = DATA) -> str:
     return "\n".join(lines)
 
 
+def own34_stopping_table(data: Path = DATA) -> str:
+    """How the held-out episodes ended, after the warm start → at step 100 (means over each arm's runs): tool calls
+    per episode and the shares cut at the turn limit and at the context limit; and on OOD trails at step 100, of the
+    answer's facts those in context at the answer."""
+    lines = ["| arm | tool calls / episode | cut at the turn limit | cut at the context limit | OOD: answer's facts in "
+             "context at the answer, step 100 |", "|---|---|---|---|---|"]
+    for label, runs in own34_runs(data).items():
+        if label.endswith("warm start only"):
+            continue
+
+        def mean(field: str, step: int, split: str = "heldout", runs=runs) -> float | None:
+            """(a row leaves out a truncation no episode met, and facts_at_answer where no episode answered)"""
+            default = 0.0 if field.startswith("truncated_") else None
+            values = [_evals(d, split)[step].get(field, default) for _, d in runs]
+            return None if any(v is None for v in values) else sum(values) / len(values)
+
+        def span(field: str) -> str:
+            return " → ".join(f"{mean(field, s):.2f}" for s in (0, 100))
+
+        ood = mean("facts_at_answer", 100, "ood")
+        lines.append(f"| {label} | {span('tool_calls')} | {span('truncated_max_turns')} | "
+                     f"{span('truncated_max_context')} | {'– (no answer)' if ood is None else f'{ood:.2f}'} |")
+    return "\n".join(lines)
+
+
 def own34_calibration_table(data: Path = DATA) -> str:
     """issue49c-cal.toml: the warm start's size against its held-out, train and OOD success at step 0 (seed 0)."""
     lines = ["| own summarize demos | held-out | train | OOD |", "|---|---|---|---|"]
@@ -307,7 +332,8 @@ def page_tables(data: Path = DATA) -> dict[str, str]:
     return {"arms": arms_table(records), "ceilings": ceilings_table(data / "ceilings-fact_hunt.json"),
             "limits": eval_limits_table(data / "evals"), "fmt34": fmt34_table(data / "batch-fmt34"),
             "own34-calibration": own34_calibration_table(data), "own34-curve": own34_curve_table(data),
-            "own34-contrast": own34_contrast_table(data), "own34-content": own34_content_table(data)}
+            "own34-contrast": own34_contrast_table(data), "own34-content": own34_content_table(data),
+            "own34-stopping": own34_stopping_table(data)}
 
 
 def fill_page(text: str, tables: dict[str, str]) -> str:
