@@ -46,7 +46,6 @@ the sampler/learner mismatch figures (``ctxrl.learner.learner``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ctxrl.registry import Registry
-from ctxrl.settings import NON_NEGATIVE, POSITIVE
+from ctxrl.settings import NON_NEGATIVE, POSITIVE, settings_table
 
 SAFETY_BOUND = 20.0
 """Log-ratios are clamped to +-this before ``exp`` (exp(20) is about 4.9e8), as verl's helper does."""
@@ -144,7 +143,7 @@ def correction_settings(name: str) -> type:
 def correction_keywords(name: str, options=None) -> dict:
     """The keywords the correction ``name`` takes from its settings (``options``; None: their defaults)."""
     options = options if options is not None else correction_settings(name)()
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    return settings_table(options)
 
 
 def _log_ratio(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,

@@ -17,7 +17,6 @@ on a loss's name. Registering declares, as attributes of the function, what the 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from ctxrl.registry import Registry
+from ctxrl.settings import settings_table
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", entry_point_group="ctxrl.policy_losses")
@@ -79,7 +79,7 @@ def loss_keywords(fn: PolicyLoss, algo: Any, options: Any = None) -> dict[str, A
     if d.Settings is None:
         return shared
     own = options if options is not None else d.Settings()
-    return {**shared, **{f.name: getattr(own, f.name) for f in dataclasses.fields(own)}}
+    return {**shared, **settings_table(own)}
 
 
 def policy_loss_names() -> list[str]:
