@@ -462,9 +462,10 @@ class DistributedConfig:
     """Ray cluster to join (``ray start --head`` prints it; ``auto`` finds a local one); empty: a local Ray."""
     max_staleness: int = field(default=0, metadata=NON_NEGATIVE)
     """How many policy versions older than the learner's an episode may be (eta). 0: synchronous on-policy
-    training. 1: the next step's rollouts are generated while this step trains (needs
-    ``algo.old_logprobs = "recompute"``: the decoupled PPO objective); episodes older than eta are dropped and
-    counted."""
+    training. On Ray, 1 or more: the next step's rollouts are generated while this step trains; episodes older
+    than eta are dropped and counted. In one process: the engine plays weights exactly eta versions behind the
+    learner's (the off-policy gap reproduced, no time saved; docs/scaling.md). Either needs
+    ``algo.old_logprobs = "recompute"`` (the decoupled PPO objective)."""
     timeout_s: float = field(default=600.0, metadata={**RESUMABLE, **POSITIVE})
     """Longest wait for a rollout worker (a request, a weight load, a restart) before the run stops."""
 

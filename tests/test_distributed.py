@@ -213,7 +213,6 @@ def test_an_offpolicy_correction_chosen_by_name_applies_on_the_asynchronous_path
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["distributed.max_staleness=1", "algo.old_logprobs=recompute"], "needs distributed.backend"),
     (["distributed.backend=ray", "distributed.max_staleness=1"], "algo.old_logprobs"),
     (["distributed.backend=ray", "distributed.rollout_workers=0"], "rollout_workers"),
 ])

@@ -228,9 +228,11 @@ def _validate_warm_start(config: Config, manager: type) -> None:
 def _validate_distributed(config: Config) -> None:
     d = config.distributed
     if d.max_staleness > 0:
-        if d.backend != "ray":
-            raise ConfigError("distributed.max_staleness > 0 (asynchronous rollouts) needs distributed.backend = "
-                              "\"ray\": in one process the rollout and the update cannot overlap")
+        if d.backend != "ray" and config.roles.policies and any(p.partition("=")[2].strip() == "own"
+                                                                 for p in config.roles.policies):
+            raise ConfigError("distributed.max_staleness > 0 in one process holds back the shared policy's weights "
+                              "only, and roles.policies gives a role a policy of its own, which would play on-policy; "
+                              "set distributed.max_staleness = 0 or distributed.backend = \"ray\"")
         if config.algo.old_logprobs != "recompute":
             raise ConfigError("distributed.max_staleness > 0 trains on episodes of older policies: set "
                               "algo.old_logprobs = \"recompute\" (the decoupled PPO objective: clip against the "

@@ -65,7 +65,7 @@ class Checkpointed(Protocol):
     writer: Any
     consecutive_skips: int
 
-    def sync_engine(self, version: int) -> None: ...
+    def sync_engine(self, version: int, *, restored: bool = False) -> None: ...
 
 
 def config_differences(saved: Config, current: Config) -> list[str]:
@@ -217,7 +217,7 @@ def resume(trainer: Checkpointed) -> int:
         _load_module(reference, path / "reference.safetensors")
     set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
     trainer.own.resume(path, state, load_state, read_tensors, set_rng_state)  # (roles' own adapters, if any)
-    trainer.sync_engine(int(state["policy_version"]))
+    trainer.sync_engine(int(state["policy_version"]), restored=True)
     learner.skipped_updates = int(state["skipped_updates"])
     trainer.consecutive_skips = int(state["consecutive_skips"])
     trainer.curriculum.load_state_dict(state["curriculum"])

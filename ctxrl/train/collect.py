@@ -2,8 +2,9 @@
 
 Each step draws ``rollout.tasks_per_step`` tasks from the curriculum and plays ``rollout.group_size``
 episodes of each with the rollout worker, rewards shaped. DAPO's dynamic sampling plays more rounds until
-enough groups are informative; with ``distributed.max_staleness > 0`` the next step's episodes are started
-while this step trains (``asynchronous_round``). Round 0 of step ``s`` always draws the same tasks and seeds.
+enough groups are informative; with ``distributed.max_staleness > 0`` on Ray the next step's episodes are
+started while this step trains (``asynchronous_round``), and in one process they are played with weights held
+that many versions back (``lagged_round``). Round 0 of step ``s`` always draws the same tasks and seeds.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ class Collector:
                                       "staleness_max": float(max(ages, default=0)),
                                       "stale_dropped": float(len(episodes) - len(kept))})
 
+    def lagged_round(self, step: int) -> Collected:
+        """Step ``step``'s episodes in one process with the engine's weights held ``distributed.max_staleness``
+        versions behind the learner's (``ctxrl.distributed.staleness``): the learner is at version ``step``."""
+        episodes = self.rollout_round(step, 0)
+        ages = [step - e.policy_version for e in episodes if e.info.get("trains", True)]
+        return Collected(episodes, episodes, {"staleness_mean": sum(ages) / max(len(ages), 1),
+                                              "staleness_max": float(max(ages, default=0)), "stale_dropped": 0.0})
+
     def context_budget(self, step: int) -> int:
         """The working-context budget of RL step ``step`` (the budget curriculum, if any)."""
         c = self.config.context
@@ -100,7 +109,7 @@ class Collector:
         """Phase 1: play the step's episodes; with dynamic sampling, rounds until enough groups are informative."""
         c = self.config
         if c.distributed.max_staleness > 0:
-            return self.asynchronous_round(step)
+            return self.asynchronous_round(step) if c.distributed.backend == "ray" else self.lagged_round(step)
         if not c.algo.dynamic_sampling:
             episodes = self.rollout_round(step, 0)
             return Collected(episodes, episodes)

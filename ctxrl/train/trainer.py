@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch
 from ctxrl.algo.estimators import get_estimator
 from ctxrl.algo.filters import void_turn_free
 from ctxrl.config import Config, to_toml
+from ctxrl.distributed.staleness import LaggedWeights
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
@@ -145,6 +147,14 @@ class Trainer:
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum, config.settings_of("curriculum", config.curriculum.kind))
         self.collector = Collector(self.config, self.worker, self.env_cls, self.curriculum, self.seeds)
+        d = config.distributed
+        lag = d.max_staleness if self.leader and d.backend == "none" else 0
+        self.lagged = LaggedWeights(lag) if lag else None
+        """In one process with ``distributed.max_staleness``: the engine states it plays, held back that many
+        versions (``ctxrl.distributed.staleness``); the initial weights are version 0 until a warm start's replace
+        them."""
+        if self.lagged is not None:
+            self.lagged.push(0, *self.policy.engine_state())
         self.manager = get_manager(config.context.manager)
         self.learner: Learner | None = None
         self.consecutive_skips = 0
@@ -157,14 +167,42 @@ class Trainer:
             close()
         close_hubs()
 
-    def sync_engine(self, version: int) -> None:
-        """Hand the policy's current weights (LoRA: its adapters) to the worker's engine, as policy ``version``."""
+    def sync_engine(self, version: int, *, restored: bool = False) -> None:
+        """Hand the policy's current weights (LoRA: its adapters) to the worker's engine, as policy ``version``;
+        in one process with ``distributed.max_staleness``, the weights of that many versions before instead.
+
+        ``restored``: the weights a checkpoint gave back; the lag starts again from them (the older ones are
+        not in the checkpoint).
+        """
         state, partial = self.policy.engine_state()
-        if self.config.distributed.max_staleness > 0:  # the actors take it after what they are playing now
+        if self.lagged is not None:
+            if restored:
+                self.lagged = LaggedWeights(self.lagged.lag)
+            played = self.lagged.playing()
+            held = self.lagged.push(version, state, partial)
+            if held is not played:  # (a new state: another version, or version 0's replaced by the warm start's)
+                version, state, partial = held
+                self.worker.load_weights(state, version=version, partial=partial)
+        elif self.config.distributed.max_staleness > 0:  # the actors take it after what they are playing now
             self.worker.load_weights(state, version=version, partial=partial, wait=False)
         else:
             self.worker.load_weights(state, version=version, partial=partial)
         self.own.sync(self.worker, version)
+
+    @contextmanager
+    def current_weights(self):
+        """The engine plays the learner's current weights inside (an evaluation), the lagged ones again after."""
+        held = self.lagged.current() if self.lagged is not None else None
+        if held is None or held is self.lagged.playing():
+            yield
+            return
+        state, partial = self.policy.engine_state()
+        self.worker.load_weights(state, version=held[0], partial=partial)
+        try:
+            yield
+        finally:
+            version, state, partial = self.lagged.playing()
+            self.worker.load_weights(state, version=version, partial=partial)
 
     # -- the outer loop --------------------------------------------------------------------------------
     def fit(self, *, resume: bool = False) -> dict[str, Any]:
@@ -208,8 +246,9 @@ class Trainer:
             self.progress.message(f"note: environment {self.config.env.name!r} has no {' or '.join(missing)} tasks: "
                                   "evaluation skips " + ("that split" if len(missing) == 1 else "those splits"))
             self.writer.log_metrics({"phase": "note", "step": step, "skipped_splits": missing})
-        return evaluate_splits(self.worker, self.config, self.writer, step,
-                               tuple(s for s in splits if s in self.splits), self.progress)
+        with self.current_weights():
+            return evaluate_splits(self.worker, self.config, self.writer, step,
+                                   tuple(s for s in splits if s in self.splits), self.progress)
 
     def make_learner(self) -> Learner:
         """The learner over ``policy``: AdamW on what trains, a KL reference (``algo.kl_coef``: a frozen copy, or the
