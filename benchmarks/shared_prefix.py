@@ -3,6 +3,7 @@ CPU timing of the tiny model, padded against tree-packed.
 
     .venv/bin/python benchmarks/shared_prefix.py            # the table and the CPU timing
     .venv/bin/python benchmarks/shared_prefix.py --smoke    # a few rows, one repetition: does it run?
+    python benchmarks/shared_prefix.py --device cuda        # Learner.update on a card, sharing off against auto
 
 Where the rows come from (no model samples anything: every row is a scripted episode played through the real
 agent loop, tokenized by the tiny model's tokenizer and ChatML-like template, so token counts are the tiny
@@ -221,10 +222,12 @@ def time_rows(model, rows, masks, plans: dict[str, list], repeats: int) -> dict[
     return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
-def time_updates(model, rows, masks, repeats: int) -> dict[str, float]:
+def time_updates(model, rows, masks, repeats: int, micro_batch_tokens: int = 0) -> dict[str, float]:
     """Median seconds of one ``Learner.update`` of ``rows`` (a GRPO group: random advantages of mean 0, behaviour
     log-probs 0) with ``train.shared_prefix`` off and auto, alternating after a warm-up round, and the rows the
-    shared update ran in trees. Plain SGD at learning rate 0: every repetition sees the same weights."""
+    shared update ran in trees. Plain SGD at learning rate 0: every repetition sees the same weights. On CUDA the
+    clock waits for the card, and each arm's peak memory (GiB) is recorded; ``micro_batch_tokens`` is the
+    micro-batch budget (0: rows at a time)."""
     from ctxrl.learner.batch import collate
     from ctxrl.learner.learner import Learner
     from ctxrl.learner.settings import LearnerSettings
@@ -236,19 +239,52 @@ def time_updates(model, rows, masks, repeats: int) -> dict[str, float]:
     advantages = (advantages - advantages.mean()).tolist()
     batch = collate([TrainSequence(input_ids=r, loss_mask=m, behavior_logprobs=[0.0] * len(r),
                                    advantages=[a * x for x in m]) for r, m, a in zip(rows, masks, advantages)], 0)
+    cuda = next(model.parameters()).is_cuda
     learners = {mode: Learner(model, torch.optim.SGD(model.parameters(), lr=0.0),
                               LearnerSettings(algo=AlgoConfig(old_logprobs="recompute"),
-                                              train=TrainConfig(mini_batches=1, shared_prefix=mode)), pad_token_id=0)
+                                              train=TrainConfig(mini_batches=1, shared_prefix=mode),
+                                              micro_batch_tokens=micro_batch_tokens), pad_token_id=0)
                 for mode in ("off", "auto")}
     times: dict[str, list[float]] = {k: [] for k in learners}
+    peaks: dict[str, float] = {}
     shared = 0.0
     for _ in range(repeats + 1):
         for mode, learner in learners.items():
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             metrics = learner.update(batch)
+            if cuda:
+                torch.cuda.synchronize()
+                peaks[f"{mode}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             times[mode].append(time.perf_counter() - start)
             shared = metrics["learner_shared_prefix_rows"] if mode == "auto" else shared
-    return {**{k: statistics.median(v[1:]) for k, v in times.items()}, "shared_rows": shared}
+    return {**{k: statistics.median(v[1:]) for k, v in times.items()}, "shared_rows": shared, **peaks}
+
+
+def device_updates(data: dict, shape: str, device: str, repeats: int, micro_batch_tokens: int) -> dict:
+    """``time_updates`` for every workload on a random-init model of ``shape`` (bf16, SDPA) on ``device``: what a
+    run on a card gains from ``train.shared_prefix = "auto"`` (off: the flat pass where it runs; auto: HF's pass,
+    the shared trees with their ancestor mask)."""
+    from ctxrl.models.shapes import random_model
+
+    model = random_model(shape, torch.bfloat16, device).train()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    model.config._attn_implementation = "sdpa"
+    print(f"\n{device}: Learner.update of each workload, a random-init {shape} (bf16), one mini-batch, old log-probs "
+          f"recomputed, micro-batches of {micro_batch_tokens or 'rows'} tokens, train.shared_prefix off against auto, "
+          f"median of {repeats}")
+    out = {}
+    for name, (rows, masks) in data.items():
+        seconds = out[name] = time_updates(model, rows, masks, repeats, micro_batch_tokens)
+        peak = (f"   peak {seconds['off_peak_gib']:.1f} / {seconds['auto_peak_gib']:.1f} GiB"
+                if "off_peak_gib" in seconds else "")
+        print(f"  {name:<20} {sum(map(len, rows)):>6} tokens   off {seconds['off'] * 1e3:8.1f} ms   auto "
+              f"{seconds['auto'] * 1e3:8.1f} ms ({seconds['off'] / seconds['auto']:4.2f}x, "
+              f"{seconds['shared_rows']:.0f} of {len(rows)} rows shared){peak}")
+    return out
 
 
 def workloads(renderer, vocab: int, smoke: bool) -> dict:
@@ -268,6 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="a few short rows, one repetition: does it run?")
     ap.add_argument("--repeats", type=int, default=5, help="timed repetitions of each CPU arm (their median)")
     ap.add_argument("--max-tokens", type=int, default=8192, help="most tokens a packed tree holds")
+    ap.add_argument("--device", default="", help="also time Learner.update of every workload on this device "
+                    "(cuda) with a random-init --shape model; the CPU timings are left out then")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help="the random-init models --device times (comma-separated)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="--device's micro-batch budget")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from transformers import Qwen2Config
@@ -285,6 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
     print("Training FLOPs (forward + backward), unshared against as planned; x: unshared / shared")
     print_flops(table)
     repeats = 1 if args.smoke else args.repeats
+    if args.device:
+        return {"flops": table, "device": {shape: device_updates(data, shape, args.device, repeats,
+                                                                 args.micro_batch_tokens)
+                                           for shape in args.shape.split(",")}}
     tiny = ModelShape.from_config(model.config, "tiny")
     print(f"\nCPU, the tiny model ({tiny.matmul_params:,} parameters, float32, 1 thread), forward + backward, median "
           f"of {repeats}; tree: every tree the tree-kernel plan finds, packed; planned: the dense plan for the tiny "
