@@ -136,7 +136,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ctxrl.report.writer import RunWriter
     from ctxrl.rollout.spec import RolloutSpec
     from ctxrl.rollout.worker import RolloutWorker
-    from ctxrl.train.evaluation import evaluate_splits
+    from ctxrl.run.evaluation import evaluate_splits
 
     # (a LoRA checkpoint loads as its base with the adapters merged in: nothing to wrap again)
     overrides = [*args.overrides, f"model.name={json.dumps(str(args.checkpoint))}", "sft.enabled=false", "lora.rank=0"]
@@ -839,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ctxrl: {exc.kind}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from ctxrl.train.loop import RunStopped, TrainingAborted
+        from ctxrl.run.health import TrainingAborted
+        from ctxrl.run.loop import RunStopped
 
         if isinstance(exc, TrainingAborted):
             print(f"ctxrl: run aborted: {exc}", file=sys.stderr)

@@ -31,6 +31,6 @@ class CheckpointError(CtxrlError, RuntimeError):
 
 class StorageError(CtxrlError, OSError):
     """A file of the run cannot be written (a read-only or full file system, no permission); the message names the
-    path and how the run goes on once it can (``ctxrl.train.loop.storage_error``). Still an ``OSError``."""
+    path and how the run goes on once it can (``ctxrl.run.loop.storage_error``). Still an ``OSError``."""
 
     kind = "storage error"

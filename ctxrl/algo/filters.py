@@ -45,3 +45,16 @@ def void_turns(episode: Episode) -> list[int]:
 def void_turn_free(episodes: list[Episode]) -> list[bool]:
     """Per episode: True if it has no void turn (keep it), False to leave it out of the update."""
     return [not void_turns(e) for e in episodes]
+
+
+def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
+    """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
+
+    Used after errored episodes are removed: a group left with one valid episode has no baseline. A group is a
+    task group's episodes of one role (``Episode.baseline_group``): the seats of a match are compared by role.
+    """
+    counts: dict[tuple[int, str], int] = {}
+    for e in episodes:
+        counts[e.baseline_group] = counts.get(e.baseline_group, 0) + 1
+    kept = [e for e in episodes if counts[e.baseline_group] >= 2]
+    return kept, len(episodes) - len(kept)

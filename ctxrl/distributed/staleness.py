@@ -1,7 +1,7 @@
 """Bounded staleness in one process: the engine's weights held a fixed number of versions behind the learner's.
 
 With ``distributed.backend = "ray"`` and ``distributed.max_staleness > 0`` the next step's episodes are played
-while this step trains (``ctxrl.train.collect.Collector.asynchronous_round``): that saves time, and its
+while this step trains (``ctxrl.run.collect.Collector.asynchronous_round``): that saves time, and its
 episodes are one version old. In one process the rollout and the update cannot overlap, so
 ``max_staleness = eta`` there *reproduces* the off-policy gap instead: the engine plays RL step ``s`` with
 the weights of version ``max(s - eta, 0)``, so every training episode is exactly ``min(s, eta)`` versions

@@ -14,7 +14,7 @@ failure is asked again, up to ``reward.judge.retries`` more times (after a malfo
 judge would only repeat it). When every try fails the episode is **errored** (``error_kind = "judge"``, the reason
 in ``info["error"]``): it is counted in the step's ``errors_judge`` and left out of the loss, never given a silent 0.
 A graded episode carries ``info["judge"]``: its score in [0, 1], each criterion's, the reply, whether it came from
-the cache, the tries and seconds it took. ``ctxrl.train.rewards`` adds ``reward.judge.weight`` times the score.
+the cache, the tries and seconds it took. ``ctxrl.run.rewards`` adds ``reward.judge.weight`` times the score.
 """
 
 from __future__ import annotations

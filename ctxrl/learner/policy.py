@@ -86,7 +86,7 @@ class Policy:
     @classmethod
     def load(cls, config, device: str, roles: tuple[str, ...] = ()) -> Policy:
         """Load ``model.name`` as the run's trainable policy on ``device``; ``roles``: an adapter each beside the
-        shared one (LoRA; the roles with policies of their own, ``ctxrl.train.role_adapters``)."""
+        shared one (LoRA; the roles with policies of their own, ``ctxrl.run.roles``)."""
         from ctxrl.models.loader import load_model
 
         precision = Precision(config.model.dtype, config.train.master_weights, device)
@@ -109,7 +109,7 @@ class Policy:
     # -- the engine ------------------------------------------------------------------------------------
     def engine_model(self, adapter: str = "default"):
         """The engine's own copy in the storage dtype (LoRA: sharing the frozen base tensors; ``adapter`` active,
-        a role's own policy: ``ctxrl.train.role_adapters``)."""
+        a role's own policy: ``ctxrl.run.roles``)."""
         copy = module_copy(self.model, self.precision.storage, share_frozen=self.is_lora)
         if adapter != "default":
             copy.set_adapter(adapter)
@@ -161,7 +161,7 @@ class Policy:
         result = set_peft_model_state_dict(self.model, state)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k and ".default." in k]
-        # (the adapters of roles with policies of their own are loaded apart: ctxrl.train.role_adapters)
+        # (the adapters of roles with policies of their own are loaded apart: ctxrl.run.roles)
         if unexpected or missing:
             raise CheckpointError(f"{source} does not fit the model's adapters: unexpected {unexpected[:3]}, missing "
                                   f"{missing[:3]}; were lora.* or model.name changed since it was written?")

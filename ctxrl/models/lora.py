@@ -43,7 +43,7 @@ def wrap_lora(base, lora: LoRAConfig, *, adapter_dtype: torch.dtype = torch.floa
 
 def add_adapters(model, names: tuple[str, ...], lora: LoRAConfig, dtype: torch.dtype) -> None:
     """More LoRA adapters on the PEFT ``model`` (in ``dtype``), one per name, the default one left active: the
-    roles with policies of their own (``ctxrl.train.role_adapters``)."""
+    roles with policies of their own (``ctxrl.run.roles``)."""
     clash = [n for n in names if n == DEFAULT_ADAPTER or any(f".{n}." in p for p, _ in model.named_parameters())]
     if clash:
         raise ValueError(f"{clash[0]!r} cannot name an adapter: it is PEFT's default or a module of the model")

@@ -27,7 +27,7 @@ PHASES = ("train", "eval")
 OWN = "own"
 POLICY_KINDS = (SHARED, OWN, "scripted", "frozen")
 """Who plays a role of a multi-role environment (``roles.policies``): the run's policy (``shared``), a trainable
-policy of the role's own (``own``: a LoRA adapter per role, ``ctxrl.train.role_adapters``), the environment's
+policy of the role's own (``own``: a LoRA adapter per role, ``ctxrl.run.roles``), the environment's
 scripted player ``scripted:NAME``, or a checkpoint that never trains ``frozen:PATH``."""
 
 

@@ -44,7 +44,7 @@ class RolloutWorker:
 
     ``runner``: one built already (``make_runner``; the trainer builds it early, so that a missing
     demonstration file stops the run before the model loads); None: the spec's, built now. ``role_engines``: an
-    engine per role with a trainable policy of its own (``ctxrl.train.role_adapters``), the trainer's to update.
+    engine per role with a trainable policy of its own (``ctxrl.run.roles``), the trainer's to update.
     """
 
     def __init__(self, spec: RolloutSpec, engine: Engine, renderer: ChatRenderer, env_cls: type | None = None, *,

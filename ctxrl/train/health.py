@@ -1,57 +1,8 @@
-"""Checks that stop a run whose numbers stopped meaning anything (issue 33): too many errored episodes, weights
-holding NaN or infinity after an update, and episodes sampled with NaN log-probabilities (a checkpoint of such
-weights is refused where it is saved: ``checkpoint.refuse_non_finite``). Each error names the step, the setting to
-change and the checkpoint to resume from; nothing non-finite is saved or handed to the engine.
-"""
+"""Moved to ``ctxrl.run.health`` (issue 50); kept so that old imports and monkeypatch paths still work: this
+module is that one (``sys.modules``), not a copy of its names."""
 
-from __future__ import annotations
+import sys
 
-import math
+from ctxrl.run import health as _moved
 
-from ctxrl.train.checkpoint import non_finite_weights, resume_hint
-from ctxrl.train.loop import TrainingAborted
-from ctxrl.types import Episode
-
-
-def hint(trainer) -> str:
-    """How to go on from the trainer's last good checkpoint."""
-    return resume_hint(trainer.writer.dir, trainer.config.train.checkpoint_every)
-
-
-def check_errors(trainer, episodes: list[Episode], step: int) -> float:
-    """The share of ``episodes`` that errored; ``TrainingAborted`` when it passes ``rollout.max_error_rate``."""
-    max_error_rate, samples = trainer.config.rollout.max_error_rate, trainer.writer.dir / "samples.jsonl"
-    errored = [e for e in episodes if e.truncation == "error"]
-    rate = len(errored) / max(len(episodes), 1)
-    if rate > max_error_rate:
-        raise TrainingAborted(
-            f"step {step + 1}: {len(errored)} of {len(episodes)} episodes errored (rate {rate:.2f} > "
-            f"rollout.max_error_rate={max_error_rate}); first error: {errored[0].info.get('error')}. "
-            f"The episodes are in {samples} (phase rl-errored)." + hint(trainer))
-    return rate
-
-
-def check_sampled(trainer, episodes: list[Episode], step: int) -> None:
-    """``TrainingAborted`` when the engine sampled episodes with NaN log-probabilities: its weights are finite
-    (``check_update`` saw to that) but too large to give numbers."""
-    lr = trainer.config.train.lr
-    broken = [e for e in episodes if e.truncation != "error" and any(
-        math.isnan(x) for seq in e.sequences() for x in seq.behavior_logprobs)]
-    if broken:
-        raise TrainingAborted(
-            f"step {step + 1}: the policy (version {broken[0].policy_version}) sampled {len(broken)} of "
-            f"{len(episodes)} episodes with NaN log-probabilities: its weights are finite but too large to give "
-            f"numbers, so nothing can be learnt from them (an update too large for the model; train.lr={lr:g})."
-            + hint(trainer))
-
-
-def check_update(trainer, step: int) -> None:
-    """``TrainingAborted`` when the update left NaN or infinite values in a trained tensor: they are never trained
-    on, saved or handed to the engine."""
-    bad, lr = non_finite_weights(trainer.learner) + trainer.own.non_finite(), trainer.config.train.lr
-    if bad:
-        raise TrainingAborted(
-            f"step {step + 1}: the update left NaN or infinite values in {len(bad)} trained tensors "
-            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) although its loss and gradient norm were "
-            f"finite: a step too large for the weights (train.lr={lr:g}). They were neither saved nor "
-            "given to the engine." + hint(trainer))
+sys.modules[__name__] = _moved

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ctxrl.algo.estimators import get_estimator
-from ctxrl.algo.filters import void_turn_free
+from ctxrl.algo.filters import drop_small_groups, void_turn_free
 from ctxrl.config import Config, to_toml
 from ctxrl.distributed.staleness import LaggedWeights
 from ctxrl.envs.hooks import available_splits
@@ -55,24 +55,24 @@ from ctxrl.rollout.managers import get_manager
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutSpec, spec_engine
 from ctxrl.rollout.worker import RolloutWorker, spec_env_class, spec_renderer
+from ctxrl.run import checkpoint, health, loop
 from ctxrl.run.build import learner_settings
+from ctxrl.run.collect import Collected, Collector, trainable
+from ctxrl.run.evaluation import evaluate_splits
+from ctxrl.run.followers import Followers
+from ctxrl.run.health import TrainingAborted
+from ctxrl.run.metrics import error_stats, step_row
 from ctxrl.run.preflight import (
     check_before_load,
     check_template_segments,  # noqa: F401 - its old path (tests import it from here)
     check_train_split,
     preflight,
 )
+from ctxrl.run.roles import OwnRoles, own_roles
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
 from ctxrl.tools.mcp import close_hubs
-from ctxrl.train import checkpoint, health, loop
-from ctxrl.train.collect import Collected, Collector, trainable
-from ctxrl.train.evaluation import evaluate_splits
-from ctxrl.train.followers import Followers
-from ctxrl.train.loop import TrainingAborted
-from ctxrl.train.role_adapters import OwnRoles, own_roles
 from ctxrl.train.sft_control import control_step
-from ctxrl.train.step_metrics import error_stats, step_row
 from ctxrl.train.tiny import prepare_tiny, tiny_tokenizer  # noqa: F401 - prepare_tiny: registers the tiny preparer
 from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
@@ -300,7 +300,7 @@ class Trainer:
         return self.log(step, collected, valid, rows, trained_episodes, update, times, t0)
 
     def collect(self, step: int) -> Collected:
-        """Phase 1: play the step's episodes (``ctxrl.train.collect``)."""
+        """Phase 1: play the step's episodes (``ctxrl.run.collect``)."""
         return self.collector.collect(step)
 
     def filter(self, step: int, collected: Collected) -> list[Episode]:
@@ -556,16 +556,3 @@ def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token
     rows = per_token_rows(collate(episodes, pad_token_id), device, settings.train.micro_batch_size, penalty,
                           settings.micro_batch_tokens)
     return rows, sums["kl"] / max(sums["tokens"], 1.0)
-
-
-def drop_small_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
-    """The episodes of groups with at least 2 of them (group statistics need two), and how many episodes went.
-
-    Used after errored episodes are removed: a group left with one valid episode has no baseline. A group is a
-    task group's episodes of one role (``Episode.baseline_group``): the seats of a match are compared by role.
-    """
-    counts: dict[tuple[int, str], int] = {}
-    for e in episodes:
-        counts[e.baseline_group] = counts.get(e.baseline_group, 0) + 1
-    kept = [e for e in episodes if counts[e.baseline_group] >= 2]
-    return kept, len(episodes) - len(kept)
