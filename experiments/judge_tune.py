@@ -495,7 +495,7 @@ def train(judge, rows: list[tuple[list[int], list[int]]], args: argparse.Namespa
 def save_judge(judge, save: Path) -> None:
     """The judge's model, tokenizer and chat template as a checkpoint directory, written beside ``save`` and then
     moved into place (replacing a judge this script saved there before)."""
-    from ctxrl.train.checkpoint import save_pretrained
+    from ctxrl.run.checkpoint import save_pretrained
 
     partial = save.with_name(save.name + ".partial")
     if partial.exists():
