@@ -30,6 +30,7 @@ from ctxrl.rollout.managers import ContextManager, ContextPolicy, register_manag
 from ctxrl.rollout.messages import text_only
 from ctxrl.rollout.spec import RolloutLimits, RolloutRequest, RolloutSpec
 from ctxrl.rollout.worker import RolloutWorker
+from ctxrl.run import step as step_module
 from ctxrl.sections import MetaConfig, RolloutConfig
 from ctxrl.tools.base import Tool
 from ctxrl.types import Episode, Message, Task
@@ -244,7 +245,7 @@ class ChainOracle:
         return Completion(ids, [-0.5] * len(ids), "stop" if ids[-1] == self.renderer.eos_id else "length")
 
 
-def test_a_manager_and_an_estimator_defined_in_a_test_file_train_end_to_end(tmp_path, renderer):
+def test_a_manager_and_an_estimator_defined_in_a_test_file_train_end_to_end(tmp_path, renderer, monkeypatch):
     from ctxrl.train.trainer import Trainer
 
     config = load_config(None, [f"model.name={TINY}", "env.name=kv_chain", "sft.enabled=false",
@@ -256,13 +257,13 @@ def test_a_manager_and_an_estimator_defined_in_a_test_file_train_end_to_end(tmp_
     trainer.make_learner()
     trainer.worker.engine = ChainOracle(renderer)
     seen = {}
-    update = trainer.update
+    update = step_module.update
 
-    def capture(rows, step):
+    def capture(run, rows, step):
         seen["rows"] = rows
-        return update(rows, step)
+        return update(run, rows, step)
 
-    trainer.update = capture
+    monkeypatch.setattr(step_module, "update", capture)  # (the step looks its phases up in ctxrl.run.step)
     row = trainer.step(0)
     assert row["success"] == 1.0 and row["trained_sequences"] > row["trained_episodes"] == 3  # segments trained
     assert row["context_peak_tokens_max"] <= 330 + 64 + 40  # the manager kept the context near its budget

@@ -20,6 +20,7 @@ from ctxrl.rollout.managers.stats import context_stats
 from ctxrl.rollout.managers.summarize import restart_messages
 from ctxrl.rollout.recorder import Recorder
 from ctxrl.rollout.spec import RolloutLimits
+from ctxrl.run import step as step_module
 from ctxrl.types import Episode, Task
 
 
@@ -439,7 +440,7 @@ def test_branch_reward_goes_to_the_tokens_of_branches_that_returned_a_result(ren
     assert stats["branches_per_episode"] == 2 and stats["branches_returned_per_episode"] == 1
 
 
-def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer):
+def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer, monkeypatch):
     from ctxrl.train.trainer import Trainer
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=fold",
@@ -449,13 +450,13 @@ def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer):
     trainer = Trainer(cfg, tmp_path)
     trainer.make_learner()
     seen = {}
-    update = trainer.update
+    update = step_module.update
 
-    def capture(rows, step):
+    def capture(run, rows, step):
         seen["rows"] = list(rows)
-        return update(rows, step)
+        return update(run, rows, step)
 
-    trainer.update = capture
+    monkeypatch.setattr(step_module, "update", capture)  # (the step looks its phases up in ctxrl.run.step)
     trainer.worker.engine = FoldOracle(renderer)
     row = trainer.step(0)
     assert row["success"] == 1.0 and row["branches_returned_per_episode"] == 1.0

@@ -11,6 +11,7 @@ from ctxrl.algo.estimators.meta import MetaCreditSettings, attempt_advantages
 from ctxrl.algo.estimators.meta import expand_trials as expand_rows
 from ctxrl.config import ConfigError, load_config
 from ctxrl.rollout.recorder import Recorder
+from ctxrl.run import step as step_module
 from ctxrl.types import Episode, Task, TrainSequence
 
 R = 1 / math.sqrt(2)
@@ -118,7 +119,7 @@ def test_records_must_match_the_sequences():
         expand_trials([trial], [[0.0]])
 
 
-def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp_path):
+def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp_path, monkeypatch):
     from ctxrl.train.trainer import Trainer
 
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=minesweeper", "sft.enabled=false",
@@ -129,11 +130,11 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
     run.make_learner()
     seen = {}
 
-    def update(rows, step):
+    def update(_run, rows, step):
         seen["sequences"], seen["advantages"] = rows, [r.advantages for r in rows]
         return {}
 
-    run.update = update
+    monkeypatch.setattr(step_module, "update", update)  # (the step looks its phases up in ctxrl.run.step)
     rollouts = {}
     original = run.collector.rollout_round
 

@@ -335,7 +335,7 @@ def test_non_finite_weights_are_never_saved_and_nan_log_probs_stop_the_step(tmp_
     assert not (tmp_path / "checkpoints" / "step-000001").exists() and not (tmp_path / "checkpoints" / "final").exists()
     with torch.no_grad():
         weight[0, 0] = saved
-    real = run.collect
+    real = run.collector.collect
 
     def collect(step):  # the engine's policy gives NaN log-probs (finite weights too large to give numbers)
         got = real(step)
@@ -343,7 +343,7 @@ def test_non_finite_weights_are_never_saved_and_nan_log_probs_stop_the_step(tmp_
             e.behavior_logprobs = [float("nan") if m else 0.0 for m in e.loss_mask]
         return got
 
-    run.collect = collect
+    run.collector.collect = collect  # (the step's collect phase asks the run's Collector)
     with pytest.raises(TrainingAborted, match=r"step 1: the policy \(version 0\) sampled 4 of 4 episodes with NaN "
                                               r"log-probabilities.*last good checkpoint is .*step-000000"):
         run.step(0)

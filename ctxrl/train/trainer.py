@@ -1,25 +1,15 @@
-"""The trainer: a warm start, then RL steps of collect -> filter -> estimate -> update -> log, with evaluations.
+"""The trainer: what a run holds, assembled from its config; a warm start, then RL steps, with evaluations.
 
-One RL step, as named phases (each a short method below):
+``Trainer`` builds the run's parts (the policy and its engine's copy, the rollout worker, the estimator, the
+curriculum, the writer, the memory plan) and holds them. One RL step is ``ctxrl.run.step.rl_step`` over it:
+collect -> filter -> estimate -> update -> sync the engine -> log, each phase a function of the run there; the
+``step``, ``collect``, ``filter``, ``estimate``, ``update`` and ``sync_engine`` methods hand over to them.
 
-1. **collect**: sample ``rollout.tasks_per_step`` training tasks (the curriculum's) and play
-   ``rollout.group_size`` episodes of each (trials of attempts with ``meta.num_attempts > 1``) with
-   the rollout worker; DAPO dynamic sampling plays more rounds until enough groups are informative;
-2. **filter**: errored episodes are logged and left out (too many abort the run); groups left with
-   fewer than two valid episodes are dropped when the estimator needs groups;
-3. **estimate**: the configured estimator (``algo.advantage``, a registered object) turns episodes
-   into training rows with per-token advantages (a KL penalty in the reward and the critic's
-   values first, when configured); SimpleTIR's void-turn filter drops episodes after the group
-   statistics;
-4. **update**: ``ppo_epochs`` x ``mini_batches`` PPO updates on the collated rows, then the new
-   weights go to the worker's engine (its own copy) with the next policy version;
-5. **log**: one metrics row, sample episodes, and the abort on too many skipped updates.
-
-``fit`` is the outer loop: warm start, evaluation, the steps with evaluations and checkpoints at
-their cadence, a graceful stop on SIGINT/SIGTERM, the final evaluation and checkpoint. What the
-default "GRPO" is: group-normalised outcome advantages (Bessel std), a PPO-clip surrogate with the
-behaviour log-probs as the old policy, token-mean aggregation, optional k1/k2/k3 KL to the
-warm-start policy (off by default), no value function (docs/algorithms.md).
+``fit`` is the outer loop (``ctxrl.run.loop``): warm start, evaluation, the steps with evaluations and checkpoints
+at their cadence, a graceful stop on SIGINT/SIGTERM, the final evaluation and checkpoint. What the default "GRPO"
+is: group-normalised outcome advantages (Bessel std), a PPO-clip surrogate with the behaviour log-probs as the old
+policy, token-mean aggregation, optional k1/k2/k3 KL to the warm-start policy (off by default), no value function
+(docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -27,8 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +24,15 @@ import numpy as np
 import torch
 
 from ctxrl.algo.estimators import get_estimator
-from ctxrl.algo.filters import drop_small_groups, void_turn_free
+from ctxrl.algo.filters import drop_small_groups  # noqa: F401 - its old path (tests import it from here)
 from ctxrl.config import Config, to_toml
 from ctxrl.distributed.staleness import LaggedWeights
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
-from ctxrl.learner.learner import Learner, LearnerSettings
+from ctxrl.learner.learner import Learner
 from ctxrl.learner.memory import MemoryPlan
-from ctxrl.learner.policy import Policy, Reference, export_merged
+from ctxrl.learner.policy import Policy, export_merged
 from ctxrl.learner.sizing import memory_plan, micro_batch_tokens
 from ctxrl.learner.teacher import Teacher, teacher_name
 from ctxrl.models.prepare import prepare
@@ -55,13 +43,13 @@ from ctxrl.rollout.managers import get_manager
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutSpec, spec_engine
 from ctxrl.rollout.worker import RolloutWorker, spec_env_class, spec_renderer
-from ctxrl.run import checkpoint, health, loop
+from ctxrl.run import checkpoint, loop
+from ctxrl.run import step as step_module
 from ctxrl.run.build import learner_settings
-from ctxrl.run.collect import Collected, Collector, trainable
+from ctxrl.run.collect import Collected, Collector
 from ctxrl.run.evaluation import evaluate_splits
 from ctxrl.run.followers import Followers
 from ctxrl.run.health import TrainingAborted
-from ctxrl.run.metrics import error_stats, step_row
 from ctxrl.run.preflight import (
     check_before_load,
     check_template_segments,  # noqa: F401 - its old path (tests import it from here)
@@ -72,7 +60,6 @@ from ctxrl.run.roles import OwnRoles, own_roles
 from ctxrl.seeds import Seeds
 from ctxrl.tasks.curriculum import make_curriculum
 from ctxrl.tools.mcp import close_hubs
-from ctxrl.train.sft_control import control_step
 from ctxrl.train.tiny import prepare_tiny, tiny_tokenizer  # noqa: F401 - prepare_tiny: registers the tiny preparer
 from ctxrl.train.warm_start import check_demos, context_demos, warm_start
 from ctxrl.types import SPLITS, Episode, TrainSequence
@@ -168,41 +155,12 @@ class Trainer:
         close_hubs()
 
     def sync_engine(self, version: int, *, restored: bool = False) -> None:
-        """Hand the policy's current weights (LoRA: its adapters) to the worker's engine, as policy ``version``;
-        in one process with ``distributed.max_staleness``, the weights of that many versions before instead.
+        """The engine gets the policy's weights as ``version`` (``ctxrl.run.step.sync_engine``)."""
+        step_module.sync_engine(self, version, restored=restored)
 
-        ``restored``: the weights a checkpoint gave back; the lag starts again from them (the older ones are
-        not in the checkpoint).
-        """
-        state, partial = self.policy.engine_state()
-        if self.lagged is not None:
-            if restored:
-                self.lagged = LaggedWeights(self.lagged.lag)
-            played = self.lagged.playing()
-            held = self.lagged.push(version, state, partial)
-            if held is not played:  # (a new state: another version, or version 0's replaced by the warm start's)
-                version, state, partial = held
-                self.worker.load_weights(state, version=version, partial=partial)
-        elif self.config.distributed.max_staleness > 0:  # the actors take it after what they are playing now
-            self.worker.load_weights(state, version=version, partial=partial, wait=False)
-        else:
-            self.worker.load_weights(state, version=version, partial=partial)
-        self.own.sync(self.worker, version)
-
-    @contextmanager
     def current_weights(self):
-        """The engine plays the learner's current weights inside (an evaluation), the lagged ones again after."""
-        held = self.lagged.current() if self.lagged is not None else None
-        if held is None or held is self.lagged.playing():
-            yield
-            return
-        state, partial = self.policy.engine_state()
-        self.worker.load_weights(state, version=held[0], partial=partial)
-        try:
-            yield
-        finally:
-            version, state, partial = self.lagged.playing()
-            self.worker.load_weights(state, version=version, partial=partial)
+        """Context: the engine plays the learner's current weights inside (``ctxrl.run.step.current_weights``)."""
+        return step_module.current_weights(self)
 
     # -- the outer loop --------------------------------------------------------------------------------
     def fit(self, *, resume: bool = False) -> dict[str, Any]:
@@ -282,109 +240,25 @@ class Trainer:
             export_merged(path, path.with_name(f"{name}-merged"), dtype=self.config.model.dtype)
         return path
 
-    # -- one RL step ---------------------------------------------------------------------------------
+    # -- one RL step (``ctxrl.run.step``: its phases as functions of the run) --------------------------
     def step(self, step: int) -> dict[str, Any]:
-        """One RL step (collect -> filter -> estimate -> update -> log); returns its metrics row."""
-        if self.learner is None:
-            raise RuntimeError("call make_learner() before the first RL step")
-        if self.config.train.objective == "sft":  # the SFT-only control: demos instead of rollouts
-            return control_step(self, step)
-        t0 = time.perf_counter()
-        collected = self.collect(step)
-        t_rollout = time.perf_counter() - t0
-        valid = self.filter(step, collected)
-        rows, trained_episodes = self.estimate(valid, collected.metrics)
-        t1 = time.perf_counter()
-        update = self.update(rows, step)
-        times = {"time_rollout": t_rollout, "time_update": time.perf_counter() - t1}
-        return self.log(step, collected, valid, rows, trained_episodes, update, times, t0)
+        """One RL step (collect -> filter -> estimate -> update -> sync -> log); returns its metrics row."""
+        return step_module.rl_step(self, step)
 
     def collect(self, step: int) -> Collected:
-        """Phase 1: play the step's episodes (``ctxrl.run.collect``)."""
-        return self.collector.collect(step)
+        return step_module.collect(self, step)
 
     def filter(self, step: int, collected: Collected) -> list[Episode]:
-        """Phase 2: the curriculum sees the step; errored episodes are logged and left out (too many abort);
-        groups too small for group statistics are dropped. Returns the episodes to estimate on."""
-        c, metrics = self.config, collected.metrics
-        episodes = collected.episodes
-        metrics.update(self.curriculum.update([e for e in episodes if e.truncation != "error"]))
-        metrics["max_turns"] = self.curriculum.max_turns(step, c.env.max_turns)
-        if self.manager.keeps_budget(c.context.max_context_tokens):
-            metrics["context_budget"] = self.collector.context_budget(step)
-        errored = [e for e in episodes if e.truncation == "error"]
-        if errored:  # every errored episode is kept, with its reason, whatever samples_per_step says
-            self.writer.log_samples(step + 1, errored, self.renderer.decode, phase="rl-errored")
-            self.progress.errored(f"step {step + 1}", len(errored), len(episodes), errored[0].info.get("error"))
-        error_rate = health.check_errors(self, episodes, step)
-        health.check_sampled(self, episodes, step)
-        valid = [e for e in collected.train if trainable(e)]
-        dropped = 0
-        if self.estimator.needs_groups:  # group statistics need two valid episodes
-            valid, dropped = drop_small_groups(valid)
-        metrics.update({"errored_episodes": len(errored), "error_rate": error_rate,
-                        "episodes_dropped_small_groups": dropped, **error_stats(episodes)})
-        return valid
+        return step_module.keep_trainable(self, step, collected)
 
     def estimate(self, valid: list[Episode], metrics: dict[str, Any]) -> tuple[list[TrainSequence], int]:
-        """Phase 3: per-token advantages (after a KL penalty in the reward and the critic's values, if any),
-        then the void-turn filter. Returns the training rows and how many episodes they come from."""
-        a, c = self.config.algo, self.config
-        penalties = values = None
-        if a.kl_coef > 0 and a.kl_placement == "reward" and valid:
-            penalties, metrics["kl_reward"] = kl_reward_penalties(
-                self.learner.reference, valid, self.tokenizer.pad_token_id, coef=a.kl_coef, kind=a.kl_kind,
-                settings=self.learner.settings)
-        if self.estimator.needs_critic and valid:
-            from ctxrl.learner.critic import episode_values
-
-            values = episode_values(self.learner.critic, valid, self.tokenizer.pad_token_id,
-                                    micro_batch_size=c.train.micro_batch_size,
-                                    max_tokens=self.micro_batch_tokens)
-        extra = teacher_scores(self.teacher, valid, self.tokenizer.pad_token_id, metrics)
-        policy = self.spec.train.context
-        per_episode = self.estimator.estimate(valid, token_rewards=penalties, values=values,
-                                              segment_bonus=lambda s: self.manager.segment_bonus(s, policy), **extra
-                                              ) if valid else []
-        free = void_turn_free(valid)
-        metrics["void_turn_rate"] = (1.0 - sum(free) / len(free)) if free else 0.0
-        if a.void_turn_filter:
-            metrics["void_turn_filtered"] = len(free) - sum(free)
-        kept = [(e, rows) for e, rows, keep in zip(valid, per_episode, free) if keep or not a.void_turn_filter]
-        shared = self.own.take([e for e, _ in kept], [rows for _, rows in kept])  # (roles with policies of their own)
-        return [row for rows in shared for row in rows], len(kept)
+        return step_module.estimate(self, valid, metrics)
 
     def update(self, rows: list[TrainSequence], step: int) -> dict[str, float]:
-        """Phase 4: PPO updates on the collated rows; the engine gets the new weights as version ``step + 1``."""
-        learner = self.learner
-        self.followers.update(rows)  # (data-parallel: the follower ranks train on their shares of the same rows)
-        update = {**(learner.update(learner.collate(rows)) if rows else {}), **self.own.update()}
-        if rows:
-            health.check_update(self, step)
-        # every mini-batch update of the step was skipped, the shared policy's or a role's own
-        if update and (update.get("skipped", 0.0) >= 1.0 or self.own.skipped_all(update)):
-            self.consecutive_skips += 1
-        elif update:
-            self.consecutive_skips = 0
-        update["skipped_updates_total"] = float(learner.skipped_updates)
+        """The learner's update (``ctxrl.run.step.update``), then the engine's weights as ``step + 1``."""
+        figures = step_module.update(self, rows, step)
         self.sync_engine(step + 1)
-        return update
-
-    def log(self, step: int, collected: Collected, valid: list[Episode], rows: list[TrainSequence],
-            trained_episodes: int, update: dict[str, float], times: dict[str, float], t0: float) -> dict[str, Any]:
-        """Phase 5: the step's metrics row and samples; abort after too many skipped updates in a row."""
-        c, episodes = self.config, collected.episodes
-        row = step_row(step, collected, valid, rows, trained_episodes, update, times, t0, manager=self.manager,
-                       spec=self.spec, device=self.device)
-        self.writer.log_metrics(row)
-        if c.run.samples_per_step:
-            self.writer.log_samples(step + 1, episodes[: c.run.samples_per_step], self.renderer.decode, phase="rl")
-        if self.consecutive_skips >= c.train.max_consecutive_skips:
-            raise TrainingAborted(
-                f"{self.consecutive_skips} RL steps in a row had every update skipped (non-finite loss or gradient "
-                f"norm; train.max_consecutive_skips={c.train.max_consecutive_skips}). The weights were not touched "
-                "by those steps." + checkpoint.resume_hint(self.writer.dir, c.train.checkpoint_every))
-        return row
+        return figures
 
 
 def rollout_worker(config: Config, spec: RolloutSpec, policy: Policy, renderer, env_cls: type,
@@ -471,22 +345,6 @@ def data_parallel(config: Config, resume: bool = False):
     return DataParallel.from_environment(resolve_device(config.model.device))
 
 
-def teacher_scores(teacher: Teacher | None, valid: list[Episode], pad_token_id: int,
-                   metrics: dict[str, Any]) -> dict[str, Any]:
-    """On-policy distillation: the teacher's log-probs of the sampled tokens, as the estimator's ``teacher_logprobs``
-    (its KL figures go into ``metrics``), and with ``top_k`` its likeliest tokens (``teacher_topk``); nothing
-    without a teacher."""
-    if teacher is None or not valid:
-        return {}
-    if teacher.top_k <= 0:
-        logprobs, figures = teacher.score(valid, pad_token_id)
-        metrics.update(figures)
-        return {"teacher_logprobs": logprobs}
-    logprobs, topk, figures = teacher.score_topk(valid, pad_token_id)  # (one forward pass for both)
-    metrics.update(figures)
-    return {"teacher_logprobs": logprobs, "teacher_topk": topk}
-
-
 def frozen_beside(config: Config, estimator, device: str, parallel) -> tuple[tuple[str, str], ...]:
     """``(name, dtype)`` of the frozen models that will share ``device`` with the policy in this process: a
     distillation teacher without a device of its own, a local judge of an in-process rollout worker (their weights
@@ -532,27 +390,3 @@ def prepare_model(name: str, progress: Progress) -> None:
     if spec is not None and not is_built(spec):
         progress.message(f"building the tiny model {base!r} once (a few minutes on a CPU; cached in {cache_root()})")
     prepare(name, on_progress=progress.stage)
-
-
-@torch.no_grad()
-def kl_reward_penalties(reference: Reference, episodes: list[Episode], pad_token_id: int, *, coef: float, kind: str,
-                        settings: LearnerSettings) -> tuple[list[list[float]], float]:
-    """``-coef * KL(behaviour || reference)`` per sampled token (aligned with ``input_ids``), and its
-    mean KL per sampled token. The behaviour log-probs are the sampler's, as the rollout saw them."""
-    from ctxrl.algo.losses import kl_penalty
-    from ctxrl.learner.batch import collate, per_token_rows
-
-    sums = {"kl": 0.0, "tokens": 0.0}
-
-    def penalty(batch) -> torch.Tensor:
-        ref = reference.logprobs(batch.input_ids, batch.attention_mask, temperature=settings.temperature,
-                                 mask=batch.loss_mask, chunk=settings.train.logprob_chunk_tokens)
-        kl = kl_penalty(batch.old_logprobs, ref, kind) * batch.loss_mask
-        sums["kl"] += float(kl.sum())
-        sums["tokens"] += float(batch.loss_mask.sum())
-        return -coef * kl
-
-    device = next(reference.module.parameters()).device
-    rows = per_token_rows(collate(episodes, pad_token_id), device, settings.train.micro_batch_size, penalty,
-                          settings.micro_batch_tokens)
-    return rows, sums["kl"] / max(sums["tokens"], 1.0)
