@@ -263,6 +263,67 @@ def time_updates(model, rows, masks, repeats: int, micro_batch_tokens: int = 0) 
     return {**{k: statistics.median(v[1:]) for k, v in times.items()}, "shared_rows": shared, **peaks}
 
 
+def _padded_batch(rows, masks, advantages, device):
+    """Right-padded ids, attention and the loss's weights (advantage x shifted loss mask) of ``rows``."""
+    width = max(map(len, rows))
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    weights = torch.zeros((len(rows), width - 1))
+    for r, (row, mask) in enumerate(zip(rows, masks)):
+        ids[r, : len(row)] = torch.tensor(row)
+        attention[r, : len(row)] = 1
+        weights[r, : len(row) - 1] = torch.tensor(mask[1:], dtype=torch.float32) * advantages[r]
+    return ids.to(device), attention.to(device), weights.to(device)
+
+
+def _logprobs_and_grads(model, kernel: str, rows, masks, padded, device):
+    """The loss's log-probs and every parameter's gradient, the rows padded (``kernel = "padded"``) or as one tree."""
+    from ctxrl.learner.logprobs import token_logprobs, tree_token_logprobs
+
+    ids, attention, weights = padded
+    model.zero_grad(set_to_none=True)
+    if kernel == "padded":
+        logprobs = token_logprobs(model, ids, attention, mask=(weights != 0).float(), chunk=1024)
+    else:
+        packed = pack_tree(rows, masks, device=device, kernel=kernel)
+        logprobs = packed.unpack(tree_token_logprobs(model, packed, chunk=1024))
+    (logprobs * weights).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logprobs.detach() * (weights != 0), grads
+
+
+def check_exact(data: dict, shape: str, device: str) -> dict:
+    """The tree passes against the padded rows on ``device``, a random-init ``shape`` model in float32 (TF32 off):
+    per workload, the largest log-prob difference and each parameter's gradient difference relative to its norm
+    (the largest over parameters) for the dense mask and for FlexAttention. What the CPU tests cannot show: on a
+    CPU FlexAttention has no backward pass."""
+    from ctxrl.models.shapes import random_model
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = random_model(shape, torch.float32, device).train()
+    model.config._attn_implementation = "sdpa"
+    print(f"\n{device}: exactness, a random-init {shape} in float32, padded rows against each tree kernel "
+          "(largest |delta log p|; largest relative gradient difference over parameters)")
+    out = {}
+    for name, (rows, masks) in data.items():
+        advantages = torch.randn(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+        padded = _padded_batch(rows, masks, advantages, device)
+        if not bool(padded[2].any()):  # (no token to train on: a smoke run's cut rows)
+            continue
+        base_lp, base_grads = _logprobs_and_grads(model, "padded", rows, masks, padded, device)
+        row = {}
+        for kernel in ("dense", "flex"):
+            lp, grads = _logprobs_and_grads(model, kernel, rows, masks, padded, device)
+            rel = max(float((grads[n] - base_grads[n]).norm() / base_grads[n].norm().clamp(min=1e-30))
+                      for n in base_grads)
+            row[kernel] = {"logprob": float((lp - base_lp).abs().max()), "grad_rel": rel}
+        out[name] = row
+        print(f"  {name:<20} dense: {row['dense']['logprob']:.2e} / {row['dense']['grad_rel']:.2e}   "
+              f"flex: {row['flex']['logprob']:.2e} / {row['flex']['grad_rel']:.2e}")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return out
+
+
 def device_updates(data: dict, shape: str, device: str, repeats: int, micro_batch_tokens: int) -> dict:
     """``time_updates`` for every workload on a random-init model of ``shape`` (bf16, SDPA) on ``device``: what a
     run on a card gains from ``train.shared_prefix = "auto"`` (off: the flat pass where it runs; auto: HF's pass,
@@ -308,6 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "(cuda) with a random-init --shape model; the CPU timings are left out then")
     ap.add_argument("--shape", default="qwen2.5-0.5b", help="the random-init models --device times (comma-separated)")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="--device's micro-batch budget")
+    ap.add_argument("--check", action="store_true", help="with --device: first the tree kernels' log-probs and "
+                    "gradients against the padded rows (float32)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from transformers import Qwen2Config
@@ -326,7 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_flops(table)
     repeats = 1 if args.smoke else args.repeats
     if args.device:
-        return {"flops": table, "device": {shape: device_updates(data, shape, args.device, repeats,
+        checked = check_exact(data, args.shape.split(",")[0], args.device) if args.check else None
+        return {"flops": table, "check": checked, "device": {shape: device_updates(data, shape, args.device, repeats,
                                                                  args.micro_batch_tokens)
                                            for shape in args.shape.split(",")}}
     tiny = ModelShape.from_config(model.config, "tiny")

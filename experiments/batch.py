@@ -370,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         print(pack(args.directory, args.target))
         return 0
     if args.command == "progress":
-        print(progress(args.directory))
+        try:
+            print(progress(args.directory), flush=True)
+        except BrokenPipeError:  # a reader that took the lines it wanted (`| head -1`): not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         settings = dict(_setting(text) for text in args.set)

@@ -872,6 +872,16 @@ def _context_rl(write: bool) -> int:
     return 0
 
 
+OFFPOLICY_PAGE = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "offpolicy.md"
+
+
+def _offpolicy(write: bool) -> int:
+    """``offpolicy``: the blocks of docs/experiments/offpolicy.md (issue 52)."""
+    import offpolicy
+
+    return _fill_page(OFFPOLICY_PAGE, offpolicy.page_tables(), write)
+
+
 ENVIRONMENTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "environments.md"
 
 
@@ -894,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plots", type=Path, default=None, help="write PNGs here")
     cr = sub.add_parser("context-rl", help="the tables and plot of docs/experiments/context-rl.md (issue 49)")
     cr.add_argument("--write", action="store_true", help="fill the page's blocks and draw its plot")
+    op = sub.add_parser("offpolicy", help="the tables of docs/experiments/offpolicy.md (issue 52)")
+    op.add_argument("--write", action="store_true", help="fill the page's blocks")
     rt = sub.add_parser("repo-tasks", help="the measured tables of docs/environments.md's repo_tasks (issue 56)")
     rt.add_argument("--write", action="store_true", help="fill the page's blocks")
     k = sub.add_parser("claims", help="the claims table (markdown page) from a claims file and committed records")
@@ -904,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
         return _context_rl(args.write)
     if args.command == "repo-tasks":
         return _repo_tasks(args.write)
+    if args.command == "offpolicy":
+        return _offpolicy(args.write)
     if args.command == "claims":
         from claims import claims_page
 

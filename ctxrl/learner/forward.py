@@ -8,15 +8,16 @@ Four passes give the same log-probs (the tests check them against each other):
 - **packed**: several sequences per row, each with its own positions and a block-diagonal mask
   (``ctxrl.learner.packing``, ``train.pack_sequences``);
 - **padded**: HF's forward pass over right-padded rows (``ctxrl.learner.logprobs.token_logprobs``);
-- **tree**: rows that share a prefix as one packed token trie with an ancestor-only 4D mask through HF's forward
-  pass, the prefix computed once (``ctxrl.learner.shared_prefix``, ``train.shared_prefix``): such a micro-batch is
-  a ``TreeBatch``, cut by ``Forward.micro_batches``, and the rows the plan does not share run padded or packed.
+- **tree**: rows that share a prefix as one packed token trie through HF's forward pass with an ancestor-only
+  mask, the prefix computed once (``ctxrl.learner.shared_prefix``, ``train.shared_prefix``): on CUDA through
+  FlexAttention's block-sparse kernel (``shared_prefix.flex``), elsewhere an additive 4D mask through SDPA. Such a
+  micro-batch is a ``TreeBatch``, cut by ``Forward.micro_batches``.
 
 Who runs what (``choose``) is what ran before the choice was made here: the policy runs flat where it can, else
-packed if asked, else padded; with ``train.shared_prefix = auto`` its shared trees run as trees and the rest padded
-or packed, never flat (the flat decoder's variable-length kernel cannot express an ancestor mask, so sharing takes
-the policy off it: ``flat_forward = auto`` then means HF's pass, and a forced flat pass is refused here and by the
-config's validation); the KL reference, the distillation teacher, the critic and the warm start's SFT run
+packed if asked, else padded; with ``train.shared_prefix = auto`` its shared trees run as trees and the rows no tree
+takes run as they would without sharing (the flat decoder's variable-length kernel cannot express an ancestor mask,
+so a tree never runs flat, and a forced flat pass, ``flat_forward = on | compiled | graphed``, is refused here and by
+the config's validation); the KL reference, the distillation teacher, the critic and the warm start's SFT run
 padded. Letting the reference and the teacher follow the policy's layout would change their log-probs on CUDA by
 kernel rounding (KL and distillation figures), so it is a measured change of its own, not done here; the critic
 cannot run flat until the flat decoder gives hidden states to a value head. This module does not decide micro-batch
@@ -34,6 +35,7 @@ from ctxrl.learner.batch import Batch, micro_batches
 from ctxrl.learner.flat import FlatDecoder, training_decoder
 from ctxrl.learner.logprobs import flat_token_logprobs, token_logprobs, token_topk, tree_token_logprobs
 from ctxrl.learner.packing import pack
+from ctxrl.learner.shared_prefix.flex import available as flex_available
 from ctxrl.learner.shared_prefix.micro_batches import MODES as SHARING_MODES
 from ctxrl.learner.shared_prefix.micro_batches import TreeBatch, tree_micro_batches
 from ctxrl.learner.shared_prefix.plan import ModelShape
@@ -52,6 +54,8 @@ class Layout:
     decoder: FlatDecoder | None = None
     packed: bool = False
     tree: ModelShape | None = None
+    tree_kernel: str = "dense"
+    """How a tree's attention runs: ``dense`` (an additive mask, HF's SDPA) or ``flex`` (FlexAttention, CUDA)."""
 
     def kind(self, width: int) -> str:
         """``flat``, ``packed`` or ``padded``: what a micro-batch ``width`` tokens wide (its longest row) runs as."""
@@ -76,7 +80,11 @@ def choose(module, train: Any, role: str) -> Layout:
         raise ValueError(f"train.shared_prefix must be one of {', '.join(SHARING_MODES)}, not {sharing!r}")
     if sharing == "off":
         return Layout(training_decoder(module, train.flat_forward), packed=train.pack_sequences)
-    return Layout(None, packed=train.pack_sequences, tree=tree_shape(module, train.flat_forward))
+    shape = tree_shape(module, train.flat_forward)  # (refuses a forced flat pass before one is built)
+    device = next(module.parameters()).device
+    # the rows no tree takes run as they would without sharing: flat where the flat pass runs
+    return Layout(training_decoder(module, train.flat_forward), packed=train.pack_sequences, tree=shape,
+                  tree_kernel="flex" if flex_available(device) else "dense")
 
 
 def tree_shape(module, flat_forward: str) -> ModelShape:
@@ -121,7 +129,7 @@ class Forward:
         if self.layout.tree is None:
             return micro_batches(batch, size, device, max_tokens, padded=padded)
         return tree_micro_batches(batch, size, device, max_tokens, self.layout.tree, padded=padded,
-                                  dtype=self._mask_dtype())
+                                  dtype=self._mask_dtype(), kernel=self.layout.tree_kernel)
 
     def logprobs(self, micro: Batch, *, with_entropy: bool = False, entropy_grad: bool = False,
                  extra_ids: torch.Tensor | None = None):

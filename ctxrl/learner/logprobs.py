@@ -139,18 +139,19 @@ def tree_token_logprobs(model, packed, *, temperature: float = 1.0, chunk: int =
     positions (``TreePack.unpack`` gives the rows' ``[B, T-1]`` layout)."""
     if temperature <= 0:
         temperature = 1.0
+    from ctxrl.learner.shared_prefix.layout import tree_inputs
+
     at = packed.wanted.nonzero(as_tuple=True)[0]
     targets = packed.input_ids[0, at]
     split = _split(model) if chunk > 0 else None
-    inputs = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
-              "position_ids": packed.position_ids, "use_cache": False}
+    inputs, kernel = tree_inputs(model, packed)
     if split is not None:
         backbone, head = split
-        with attention_kernels(packed.input_ids.device):
+        with kernel:
             hidden = backbone(**inputs).last_hidden_state[0]
         return _head_stats(hidden[packed.parent[at]], targets, head, packed.wanted, temperature=temperature,
                            chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
-    with attention_kernels(packed.input_ids.device):
+    with kernel:
         logits = _at_least_fp32(model(**inputs).logits[0][packed.parent[at]])
     if temperature != 1.0:
         logits = logits / temperature

@@ -38,6 +38,10 @@ import torch
 from ctxrl.learner.shared_prefix.tree import PrefixTree, build_tree
 from ctxrl.models.kernels import attention_kernels
 
+KERNELS = ("dense", "flex")
+"""How a packed tree's attention runs: an additive ``[L, L]`` mask through the model's own attention (``dense``),
+or FlexAttention's block-sparse kernel (``flex``, CUDA: ``ctxrl.learner.shared_prefix.flex``)."""
+
 
 @dataclass
 class TreePack:
@@ -47,14 +51,23 @@ class TreePack:
     """[1, L] the nodes' ids in pre-order."""
     position_ids: torch.Tensor
     """[1, L] each node's position in its rows."""
-    attention_mask: torch.Tensor
-    """[1, 1, L, L] additive: 0 where a token may attend (its ancestors and itself), the dtype's minimum elsewhere."""
+    attention_mask: torch.Tensor | None
+    """[1, 1, L, L] additive: 0 where a token may attend (its ancestors and itself), the dtype's minimum elsewhere;
+    None for a tree packed for FlexAttention, whose mask is ``size`` (``ctxrl.learner.shared_prefix.flex``)."""
     parent: torch.Tensor
     """[L] long: the node whose hidden state predicts each node's token (-1: a row's first token, never scored)."""
     wanted: torch.Tensor
     """[L] bool: nodes whose log-prob some row's loss mask needs (all scored nodes when no masks were given)."""
     row_nodes: torch.Tensor
     """[B, T] long: the node of each row's tokens, -1 past a row's end."""
+    size: torch.Tensor | None = None
+    """[L] long: each node's subtree in nodes (itself included); query ``q`` sees key ``k`` iff
+    ``k <= q < k + size[k]``."""
+
+    @property
+    def kernel(self) -> str:
+        """``dense`` (an additive mask through the model's own attention) or ``flex`` (FlexAttention)."""
+        return "dense" if self.attention_mask is not None else "flex"
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -73,13 +86,16 @@ class TreePack:
 
 
 def pack_tree(rows: Sequence, loss_masks: Sequence | None = None, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu", tree: PrefixTree | None = None) -> TreePack:
+              device: torch.device | str = "cpu", tree: PrefixTree | None = None, kernel: str = "dense") -> TreePack:
     """Pack ``rows`` (lists or 1D tensors of ids) as one tree (module docstring).
 
     ``loss_masks``: per row, one 0/1 value per token aligned with its ids (a ``TrainSequence``'s ``loss_mask``);
     they set ``wanted`` and nothing else. ``dtype``: the additive mask's, the model's compute dtype.
-    ``tree``: ``build_tree(rows)`` when the caller already has it.
+    ``tree``: ``build_tree(rows)`` when the caller already has it. ``kernel``: ``dense`` builds the additive
+    ``[L, L]`` mask; ``flex`` leaves it out (FlexAttention builds its block mask from ``size``).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"pack_tree: kernel must be one of {', '.join(KERNELS)}, not {kernel!r}")
     tree = tree if tree is not None else build_tree(rows)
     if len(tree.row_nodes) != len(rows):
         raise ValueError(f"pack_tree: the tree holds {len(tree.row_nodes)} rows, {len(rows)} were given")
@@ -104,14 +120,27 @@ def pack_tree(rows: Sequence, loss_masks: Sequence | None = None, *, dtype: torc
                 raise ValueError(f"pack_tree: row {r}'s loss mask holds values other than 0 and 1")
             wanted[torch.tensor(nodes, device=device)[mask.bool()]] = True
         wanted &= parent >= 0  # a row's first token has no log-prob (the shifted layout has no place for it)
-    index = torch.arange(n, device=device)
     size = torch.tensor(tree.size, dtype=torch.long, device=device)
-    # query q sees key k iff k is an ancestor of q or q itself: in pre-order, k <= q < k + size[k]
-    allowed = (index.unsqueeze(0) <= index.unsqueeze(1)) & (index.unsqueeze(1) < (index + size).unsqueeze(0))
-    mask = torch.zeros((n, n), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = None
+    if kernel == "dense":  # q sees k iff k is an ancestor of q or q itself: in pre-order, k <= q < k + size[k]
+        index = torch.arange(n, device=device)
+        allowed = (index.unsqueeze(0) <= index.unsqueeze(1)) & (index.unsqueeze(1) < (index + size).unsqueeze(0))
+        mask = torch.zeros((n, n), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = mask.view(1, 1, n, n)
     return TreePack(torch.tensor(tree.ids, dtype=torch.long, device=device).unsqueeze(0),
                     torch.tensor(tree.depth, dtype=torch.long, device=device).unsqueeze(0),
-                    mask.view(1, 1, n, n), parent, wanted, row_nodes)
+                    mask, parent, wanted, row_nodes, size)
+
+
+def tree_inputs(model, packed: TreePack):
+    """``(model inputs, context)`` for one forward pass of ``packed``: its ids, positions and mask (the additive one,
+    or the ``BlockMask`` made from ``size`` inside ``flex_tree``) and the context that picks the attention kernel."""
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    if packed.kernel == "dense":
+        return {**inputs, "attention_mask": packed.attention_mask}, attention_kernels(packed.input_ids.device)
+    from ctxrl.learner.shared_prefix.flex import flex_tree, tree_block_mask
+
+    return {**inputs, "attention_mask": tree_block_mask(packed.size)}, flex_tree(model)
 
 
 def tree_logprobs(model, packed: TreePack, *, temperature: float = 1.0, only_wanted: bool = True) -> torch.Tensor:
@@ -120,9 +149,9 @@ def tree_logprobs(model, packed: TreePack, *, temperature: float = 1.0, only_wan
     full logits, in at least float32 (float64 for a float64 model)."""
     if temperature <= 0:
         temperature = 1.0
-    with attention_kernels(packed.input_ids.device):
-        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-                       position_ids=packed.position_ids, use_cache=False).logits[0]
+    inputs, kernel = tree_inputs(model, packed)
+    with kernel:
+        logits = model(**inputs).logits[0]
     scored = packed.wanted if only_wanted else packed.parent >= 0
     at = scored.nonzero(as_tuple=True)[0]
     states = logits[packed.parent[at]]

@@ -46,20 +46,23 @@ def sharing(micro: Batch) -> tuple[int, int]:
 
 
 def tree_micro_batches(batch: Batch, size: int, device: torch.device | str, max_tokens: int, shape: ModelShape, *,
-                       padded: bool = True, dtype: torch.dtype = torch.float32) -> Iterator[tuple[list[int], Batch]]:
+                       padded: bool = True, dtype: torch.dtype = torch.float32,
+                       kernel: str = "dense") -> Iterator[tuple[list[int], Batch]]:
     """``(rows, micro_batch)`` pairs covering ``batch`` (module docstring): first a ``TreeBatch`` per tree that
     ``plan_batch`` shares under ``shape`` and that fits (``max_tokens``, else ``size`` rows), then the other rows as
-    ``micro_batches`` cuts them. ``dtype``: the additive mask's, the model's compute dtype."""
+    ``micro_batches`` cuts them. ``dtype``: the additive mask's, the model's compute dtype. ``kernel``: how the
+    trees' attention runs (``layout.KERNELS``); the plan weighs FlexAttention's trees by the pairs they score."""
     lengths = batch.lengths.tolist()
     rows = [batch.input_ids[r, :n].tolist() for r, n in enumerate(lengths)]
     rest: list[int] = []
-    for group, plan in plan_batch(rows, shape, max_tokens=max_tokens) if rows else []:
+    planned = plan_batch(rows, shape, max_tokens=max_tokens, kernel="tree" if kernel == "flex" else "dense")
+    for group, plan in planned if rows else []:
         if not plan.share or (max_tokens <= 0 and len(group) > size):
             rest += group
             continue
         micro = batch.select(group)
         masks = [[0.0] + micro.loss_mask[k, : lengths[r] - 1].tolist() for k, r in enumerate(group)]
-        packed = pack_tree([rows[r] for r in group], masks, dtype=dtype, device=device, tree=plan.tree)
+        packed = pack_tree([rows[r] for r in group], masks, dtype=dtype, device=device, tree=plan.tree, kernel=kernel)
         yield group, TreeBatch(**micro.to(device).__dict__, tree=packed, saved_tokens=plan.tree.saved_tokens)
     if rest:
         rest.sort()
