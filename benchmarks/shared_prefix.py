@@ -28,7 +28,8 @@ shapes (``ctxrl.models.shapes``: parameters from the configurations, no weights)
 with causal attention (the flat pass), ``dense`` the packed trees through SDPA with their 4D mask (what is built:
 all ``L^2`` scores of a packed tree), ``tree`` a kernel scoring only the pairs a token attends. Rows are cut into
 trees by ``group_rows`` (neighbours sharing 32 tokens, at most ``--max-tokens`` a tree) and every tree is
-counted shared, whatever the plan says; the plan's verdict is its own column.
+counted shared, whatever the plan says; the plan's verdict is its own column, and ``card`` is what
+``train.shared_prefix = auto`` shares on a card, where a tree must save ``TREE_COST_ON_FLAT`` times its FLOPs.
 
 The CPU timing runs the tiny model (float32, one thread) over each workload's rows: the padded batch (one
 ``token_logprobs`` call) against the trees (one ``tree_logprobs`` call a tree), forward and backward of the
@@ -52,7 +53,7 @@ import torch
 
 from ctxrl.learner.shared_prefix import ModelShape, pack_tree, plan_batch
 from ctxrl.learner.shared_prefix.layout import tree_logprobs
-from ctxrl.learner.shared_prefix.plan import KERNELS, unshared_cost
+from ctxrl.learner.shared_prefix.plan import KERNELS, TREE_COST_ON_FLAT, unshared_cost
 
 TINY = "tiny:pretrain_steps=0"
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
@@ -168,19 +169,22 @@ def flop_row(name: str, rows, shape: ModelShape, max_tokens: int) -> dict:
         plans = plan_batch(rows, shape, min_shared_tokens=MIN_SHARED, max_tokens=max_tokens, kernel=kernel)
         out[f"{kernel}_tokens"], out[f"{kernel}_flops"] = _planned(plans)
         out[f"{kernel}_trees"] = f"{sum(p.share for _, p in plans)}/{len(plans)}"
+    card = plan_batch(rows, shape, min_shared_tokens=MIN_SHARED, max_tokens=max_tokens, kernel="tree",
+                      cost_factor=TREE_COST_ON_FLAT)  # what train.shared_prefix=auto shares on a card
+    out["card_trees"] = f"{sum(p.share for _, p in card)}/{len(card)}"
     return out
 
 
 def print_flops(table: list[dict]) -> None:
     print(f"{'workload':<20} {'shape':<13} {'rows':>4} {'tokens':>7} | {'dense plan: tokens':>18} {'x':>5} "
           f"{'TFLOP':>7} {'/ TFLOP':>7} {'x':>5} {'shared':>6} | {'tree kernel: tokens':>19} {'x':>5} {'TFLOP':>7} "
-          f"{'x':>5}")
+          f"{'x':>5} | {'card':>5}")
     for r in table:
         print(f"{r['workload']:<20} {r['shape']:<13} {r['rows']:>4} {r['tokens']:>7} | {r['dense_tokens']:>18} "
               f"{r['tokens'] / r['dense_tokens']:>5.2f} {r['dense_flops'] / 1e12:>7.2f} {r['flops'] / 1e12:>7.2f} "
               f"{r['flops'] / r['dense_flops']:>5.2f} {r['dense_trees']:>6} | {r['tree_tokens']:>19} "
               f"{r['tokens'] / r['tree_tokens']:>5.2f} {r['tree_flops'] / 1e12:>7.2f} "
-              f"{r['flops'] / r['tree_flops']:>5.2f}")
+              f"{r['flops'] / r['tree_flops']:>5.2f} | {r['card_trees']:>5}")
 
 
 def time_rows(model, rows, masks, plans: dict[str, list], repeats: int) -> dict[str, float]:

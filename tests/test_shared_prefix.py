@@ -141,6 +141,46 @@ def test_flops_and_plan_by_hand():
     assert "1 row(s)" in plan_sharing(build_tree([[1, 2, 3]]), shape, min_shared_tokens=1).reason
 
 
+def test_a_tree_whose_pass_costs_more_per_flop_must_save_that_much_more():
+    """``cost_factor``: the tree of ``test_flops_and_plan_by_hand`` saves 2952 / 2004 = 1.47x FLOPs under the tree
+    kernel; weighed 1.4 times its rows' own it still pays, weighed 1.5 times it does not, and the plan says why."""
+    shape = ModelShape("toy", matmul_params=10, layers=2, attention_width=3)
+    rows = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6, 7]]
+    tree = build_tree(rows)
+    assert plan_sharing(tree, shape, min_shared_tokens=5, kernel="tree", cost_factor=1.4).share
+    plan = plan_sharing(tree, shape, min_shared_tokens=5, kernel="tree", cost_factor=1.5)
+    assert not plan.share and plan.reason == "saves 1.47x FLOPs, less than the tree's pass costs per FLOP (1.5x)"
+    # (plan_batch's min_shared_tokens bounds the weakest link, 2 here; the whole tree beats its halves at 1.4)
+    assert [p.share for _, p in plan_batch(rows, shape, min_shared_tokens=2, kernel="tree", cost_factor=1.4)] == [True]
+    assert not any(p.share for _, p in plan_batch(rows, shape, min_shared_tokens=2, kernel="tree", cost_factor=1.5))
+    with pytest.raises(ValueError, match="cost_factor must be >= 1"):
+        plan_batch(rows, shape, cost_factor=0.5)
+
+
+def test_trees_are_weighed_against_the_flat_pass_only_where_the_rows_would_run_flat(model, monkeypatch):
+    """On the CPU the rows run padded through the same HF pass as a tree: factor 1. With a flat decoder for the
+    rest (CUDA), the plan is asked for ``TREE_COST_ON_FLAT``."""
+    import ctxrl.learner.forward as forward
+    from ctxrl.learner.batch import collate
+    from ctxrl.learner.shared_prefix.plan import TREE_COST_ON_FLAT
+    from ctxrl.sections import TrainConfig
+    from ctxrl.types import TrainSequence
+
+    seen = []
+
+    def spy(*args, cost_factor, **kwargs):
+        seen.append(cost_factor)
+        return iter(())
+
+    monkeypatch.setattr(forward, "tree_micro_batches", spy)
+    batch = collate([TrainSequence(input_ids=[5, 6, 7], loss_mask=[0, 1, 1], behavior_logprobs=[0.0] * 3,
+                                   advantages=[0.0] * 3)], 0)
+    layout = forward.choose(model, TrainConfig(shared_prefix="auto"), "policy")
+    list(forward.Forward(model, layout).micro_batches(batch, 4, "cpu"))
+    list(forward.Forward(model, forward.Layout(object(), tree=layout.tree)).micro_batches(batch, 4, "cpu"))
+    assert seen == [1.0, TREE_COST_ON_FLAT] and TREE_COST_ON_FLAT > 1
+
+
 def test_a_group_of_long_shared_prompts_pays_even_with_the_dense_mask():
     shape = ModelShape("toy", matmul_params=1000, layers=1, attention_width=1)
     prompt = list(range(1, 201))

@@ -38,7 +38,7 @@ from ctxrl.learner.packing import pack
 from ctxrl.learner.shared_prefix.flex import available as flex_available
 from ctxrl.learner.shared_prefix.micro_batches import MODES as SHARING_MODES
 from ctxrl.learner.shared_prefix.micro_batches import TreeBatch, tree_micro_batches
-from ctxrl.learner.shared_prefix.plan import ModelShape
+from ctxrl.learner.shared_prefix.plan import TREE_COST_ON_FLAT, ModelShape
 
 ROLES = ("policy", "reference", "teacher", "critic", "sft")
 """The modules whose forward pass ``choose`` decides: the trained policy, the KL reference, the distillation
@@ -128,8 +128,10 @@ class Forward:
         layout the shared trees first, each whole in one ``TreeBatch`` (``tree_micro_batches``)."""
         if self.layout.tree is None:
             return micro_batches(batch, size, device, max_tokens, padded=padded)
+        # a tree's pass (HF's) costs more per FLOP than the flat pass its rows would otherwise take
+        factor = TREE_COST_ON_FLAT if self.layout.decoder is not None else 1.0
         return tree_micro_batches(batch, size, device, max_tokens, self.layout.tree, padded=padded,
-                                  dtype=self._mask_dtype(), kernel=self.layout.tree_kernel)
+                                  dtype=self._mask_dtype(), kernel=self.layout.tree_kernel, cost_factor=factor)
 
     def logprobs(self, micro: Batch, *, with_entropy: bool = False, entropy_grad: bool = False,
                  extra_ids: torch.Tensor | None = None):

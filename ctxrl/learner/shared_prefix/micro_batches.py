@@ -47,15 +47,17 @@ def sharing(micro: Batch) -> tuple[int, int]:
 
 def tree_micro_batches(batch: Batch, size: int, device: torch.device | str, max_tokens: int, shape: ModelShape, *,
                        padded: bool = True, dtype: torch.dtype = torch.float32,
-                       kernel: str = "dense") -> Iterator[tuple[list[int], Batch]]:
+                       kernel: str = "dense", cost_factor: float = 1.0) -> Iterator[tuple[list[int], Batch]]:
     """``(rows, micro_batch)`` pairs covering ``batch`` (module docstring): first a ``TreeBatch`` per tree that
     ``plan_batch`` shares under ``shape`` and that fits (``max_tokens``, else ``size`` rows), then the other rows as
     ``micro_batches`` cuts them. ``dtype``: the additive mask's, the model's compute dtype. ``kernel``: how the
-    trees' attention runs (``layout.KERNELS``); the plan weighs FlexAttention's trees by the pairs they score."""
+    trees' attention runs (``layout.KERNELS``); the plan weighs FlexAttention's trees by the pairs they score, and
+    every tree's FLOPs ``cost_factor`` times its rows' own (``plan.TREE_COST_ON_FLAT`` where they would run flat)."""
     lengths = batch.lengths.tolist()
     rows = [batch.input_ids[r, :n].tolist() for r, n in enumerate(lengths)]
     rest: list[int] = []
-    planned = plan_batch(rows, shape, max_tokens=max_tokens, kernel="tree" if kernel == "flex" else "dense")
+    planned = plan_batch(rows, shape, max_tokens=max_tokens, kernel="tree" if kernel == "flex" else "dense",
+                         cost_factor=cost_factor)
     for group, plan in planned if rows else []:
         if not plan.share or (max_tokens <= 0 and len(group) > size):
             rest += group

@@ -29,6 +29,13 @@ from typing import Any
 from ctxrl.learner.shared_prefix.tree import PrefixTree, as_ids, build_tree, sorted_rows
 
 KERNELS = ("dense", "tree")
+
+TREE_COST_ON_FLAT = 2.5
+"""How many times the flat pass's cost per FLOP a tree's pass costs where the rows would otherwise run flat (CUDA):
+HF's forward with FlexAttention against ctxrl's flat decoder, measured on one H200 with ``benchmarks/shared_prefix.py
+--device cuda`` (docs/performance.md): 3.06x fewer FLOPs ran 0.99x as fast at 0.5B and 3.08x fewer 1.50x as fast
+at 1.5B, i.e. 2-3x. With it a tree is shared only where it saves more than that, so ``auto`` is not slower than
+``off`` on the measured workloads."""
 """How a packed tree's attention is computed (module docstring)."""
 
 
@@ -113,10 +120,11 @@ class SharingPlan:
 
 
 def plan_sharing(tree: PrefixTree, shape: ModelShape, *, min_shared_tokens: int = 32, min_rows: int = 2,
-                 kernel: str = "dense") -> SharingPlan:
+                 kernel: str = "dense", cost_factor: float = 1.0) -> SharingPlan:
     """Share ``tree``'s prefixes when it has at least ``min_rows`` rows, saves at least ``min_shared_tokens``
-    tokens, and costs fewer estimated FLOPs under ``kernel`` than its rows alone (module docstring)."""
-    _check(min_shared_tokens, min_rows, kernel)
+    tokens, and costs fewer estimated FLOPs under ``kernel`` than its rows alone (module docstring), its FLOPs
+    weighed ``cost_factor`` times theirs (a tree's pass slower per FLOP than the rows' own: ``TREE_COST_ON_FLAT``)."""
+    _check(min_shared_tokens, min_rows, kernel, cost_factor)
     rows = len(tree.row_nodes)
     unshared = unshared_cost(shape, [len(nodes) for nodes in tree.row_nodes])
     shared = shared_cost(shape, tree, kernel)
@@ -125,15 +133,19 @@ def plan_sharing(tree: PrefixTree, shape: ModelShape, *, min_shared_tokens: int 
         share, reason = False, f"{rows} row(s), fewer than {min_rows}"
     elif saved < min_shared_tokens:
         share, reason = False, f"saves {saved} tokens, fewer than {min_shared_tokens}"
-    elif shared.flops >= unshared.flops:
+    elif shared.flops * cost_factor >= unshared.flops:
         share, reason = False, (f"the {kernel} tree's attention ({shared.attention_pairs} pairs) costs more than the "
-                                f"{saved} shared tokens save")
+                                f"{saved} shared tokens save" if cost_factor == 1.0 else
+                                f"saves {unshared.flops / shared.flops:.2f}x FLOPs, less than the tree's pass costs "
+                                f"per FLOP ({cost_factor:g}x)")
     else:
         share, reason = True, f"saves {saved} of {unshared.tokens} tokens, {unshared.flops / shared.flops:.2f}x FLOPs"
     return SharingPlan(share, reason, rows, unshared, shared, tree)
 
 
-def _check(min_shared_tokens: int, min_rows: int, kernel: str) -> None:
+def _check(min_shared_tokens: int, min_rows: int, kernel: str, cost_factor: float = 1.0) -> None:
+    if not cost_factor >= 1.0:
+        raise ValueError(f"cost_factor must be >= 1 (a tree's FLOPs weighed against its rows'), got {cost_factor}")
     if min_rows < 2:
         raise ValueError(f"min_rows must be >= 2 (one row shares nothing), got {min_rows}")
     if min_shared_tokens < 1:
@@ -143,7 +155,8 @@ def _check(min_shared_tokens: int, min_rows: int, kernel: str) -> None:
 
 
 def plan_batch(rows: Sequence, shape: ModelShape, *, min_shared_tokens: int = 32, min_rows: int = 2,
-               max_tokens: int = 0, kernel: str = "dense") -> list[tuple[list[int], SharingPlan]]:
+               max_tokens: int = 0, kernel: str = "dense",
+               cost_factor: float = 1.0) -> list[tuple[list[int], SharingPlan]]:
     """A batch's rows cut into trees, and each tree's plan, in the order of the trees' first rows.
 
     In sorted order (``sorted_rows``) a run of rows stays one tree when sharing it whole pays (``plan_sharing``'s
@@ -152,9 +165,9 @@ def plan_batch(rows: Sequence, shape: ModelShape, *, min_shared_tokens: int = 32
     cost no fewer FLOPs, each run its own best way; otherwise it is those halves, cut the same way. So rows that
     share only a system prompt part there when a dense mask over both of their subtrees costs more than the prompt
     saves, and a group stays whole when its prompt pays for it. A run's costs come from the links alone: a row adds
-    its tokens past its link.
+    its tokens past its link. ``cost_factor``: a shared tree's FLOPs are weighed that many times its rows' own.
     """
-    _check(min_shared_tokens, min_rows, kernel)
+    _check(min_shared_tokens, min_rows, kernel, cost_factor)
     order, links = sorted_rows(rows)
     lengths = [len(as_ids(rows[r], f"row {r}")) for r in order]
 
@@ -164,7 +177,7 @@ def plan_batch(rows: Sequence, shape: ModelShape, *, min_shared_tokens: int = 32
         unshared, packed = unshared_cost(shape, n), sum(new)
         pairs = packed**2 if kernel == "dense" else sum(k * (k + 1) // 2 - (k - m) * (k - m + 1) // 2
                                                          for k, m in zip(n, new))
-        shared = training_flops(shape, packed, pairs)
+        shared = training_flops(shape, packed, pairs) * cost_factor
         pays = stop - start >= min_rows and unshared.tokens - packed >= min_shared_tokens and shared < unshared.flops
         return (shared, True) if pays else (unshared.flops, False)
 
@@ -190,5 +203,5 @@ def plan_batch(rows: Sequence, shape: ModelShape, *, min_shared_tokens: int = 32
         group = sorted(order[start:stop])
         tree = build_tree([rows[r] for r in group])
         out.append((group, plan_sharing(tree, shape, min_shared_tokens=min_shared_tokens, min_rows=min_rows,
-                                        kernel=kernel)))
+                                        kernel=kernel, cost_factor=cost_factor)))
     return sorted(out, key=lambda pair: pair[0][0])
