@@ -42,6 +42,8 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/ceilings.py": "tests/test_plan_check.py::test_ceilings_sweeps_managers_and_budgets",
     "experiments/context_rl.py": "tests/test_context_rl.py::test_the_page_holds_the_tables_its_records_give",
     "experiments/repo_tasks_page.py": "tests/test_repo_tasks_page.py::test_the_page_holds_what_the_records_give",
+    "experiments/offpolicy.py":
+        "tests/test_offpolicy_page.py::test_every_run_finished_and_the_cheap_blocks_are_the_records",
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
     "benchmarks/grpo_step.py": "tests/test_scripts.py::test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu",
     "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
