@@ -175,6 +175,8 @@ def _rows(tmp_path, extra: list[str], steps: int = 2, during_update=None) -> tup
         trainer.close()
 
 
+@pytest.mark.slow  # (104 s on 2 cores: Ray's start, two runs and a restarted worker; the sharding and restart
+# tests below keep the default suite's coverage of both)
 def test_synchronous_training_on_ray_gives_the_in_process_results(tmp_path):
     """... with a worker killed while idle, during the first update: the weight sync replaces it, within the bound."""
     def kill_while_idle(trainer, step):
