@@ -365,9 +365,11 @@ class TrainConfig:
     """Train rows that share a prefix (a GRPO group's prompt, a meta-RL trial's earlier attempts, a segmented
     episode's kept context) as one packed token trie, the prefix's forward and backward computed once: ``auto``
     shares each tree the FLOP plan says pays (ctxrl/learner/shared_prefix), each whole in one micro-batch, and runs
-    the other rows as before; ``off`` never shares. Same loss and gradients up to kernel rounding. Runs HF's forward
-    pass with an ancestor mask (sdpa or eager attention), so it takes the policy off the flat pass (flat_forward
-    must be auto or off); learner_shared_prefix_rows says how many rows shared (docs/performance.md)."""
+    the other rows as before; ``off`` never shares. Same loss and gradients up to kernel rounding. A tree runs HF's
+    forward pass with an ancestor mask (FlexAttention on CUDA, else sdpa or eager attention), never the flat pass
+    (flat_forward must be auto or off); where the other rows run flat, a tree must save 2.5x its FLOPs to be shared
+    (on one H200 that was meta-RL trials only); learner_shared_prefix_rows says how many rows shared
+    (docs/performance.md)."""
 
 
 @dataclass(frozen=True)
