@@ -60,7 +60,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling scripts 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 NAME = re.compile(r"^(?P<task>[a-z]+)(?P<size>\d+)-b(?P<build>\d+)-s(?P<seed>\d+)"
-                  r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z][A-Za-z0-9.+]*(?:-[A-Za-z0-9.+]+)*))?$")
+                  r"(?:-(?P<arm>[a-z]+?)(?P<budget>\d+)?)?(?:-(?P<variant>[A-Za-z][A-Za-z0-9.+_]*(?:-[A-Za-z0-9.+_]+)*))?$")
 TASKS = {"fh": "fact_hunt", "sj": "search_join", "cb": "codebreak", "pm": "python_math", "sq": "search_qa",
          "hw": "hidden_word", "ca": "calculator", "cs": "reasoning_gym:chain_sum", "csnt": "reasoning_gym:chain_sum",
          "pr": "reasoning_gym:products", "lc": "reasoning_gym:leg_counting", "kuhn": "kuhn_poker",

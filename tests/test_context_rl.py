@@ -19,6 +19,21 @@ def _module():
     return module
 
 
+def test_the_pages_tables_without_resampling_are_its_records():
+    """The blocks that need no bootstrap (the default run's check; the whole page is the slow test below)."""
+    context_rl = _module()
+    data = context_rl.DATA
+    text = (ROOT / "docs" / "experiments" / "context-rl.md").read_text()
+    cheap = {"ceilings": context_rl.ceilings_table(data / "ceilings-fact_hunt.json"),
+             "limits": context_rl.eval_limits_table(data / "evals"),
+             "fmt34": context_rl.fmt34_table(data / "batch-fmt34"),
+             "own34-calibration": context_rl.own34_calibration_table(data),
+             "own34-content": context_rl.own34_content_table(data),
+             "own34-stopping": context_rl.own34_stopping_table(data)}
+    assert context_rl.fill_page(text, cheap) == text, "regenerate it: python experiments/tables.py context-rl --write"
+
+
+@pytest.mark.slow  # (27-42 s of bootstrap resamples on 2 cores)
 def test_the_page_holds_the_tables_its_records_give(tmp_path):
     context_rl = _module()
     page = ROOT / "docs" / "experiments" / "context-rl.md"

@@ -163,6 +163,8 @@ def test_a_copy_of_the_batch_is_what_every_rank_needs():
     assert copy.deepcopy(batch).lengths.tolist() == LENGTHS
 
 
+@pytest.mark.slow  # (31-44 s: torchrun's two processes each build a run; the in-process two-rank tests above keep
+# the update's equality with one process in the default run)
 def test_ctxrl_train_under_torchrun_matches_one_process(tmp_path):
     """``torchrun -m ctxrl train`` with 2 gloo ranks: rank 0 warm-starts, collects and reports; both ranks update on
     their shares. Its first RL update equals the one-process run's (same episodes, same loss and gradient norm),

@@ -609,6 +609,7 @@ def test_a_failure_in_ctxrl_or_the_engine_stops_the_run_and_names_the_newest_che
 
 
 # -- review follow-ups ------------------------------------------------------------------------------
+@pytest.mark.slow  # (16 s: three runs; the resume tests above keep resume in the default run)
 def test_resume_twice_after_changing_what_is_logged(tmp_path):
     """Log offsets are measured from the files, so a checkpoint taken after a rewind is right."""
     train(config("train.steps=2"), tmp_path)
