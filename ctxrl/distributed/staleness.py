@@ -56,3 +56,13 @@ class LaggedWeights:
     def playing(self) -> tuple[int, dict[str, torch.Tensor], bool] | None:
         """What ``push`` last returned (the state the engine plays), or None before the first ``push``."""
         return self._held[0] if self._held else None
+
+
+def lagged_weights(distributed, policy) -> LaggedWeights | None:
+    """The held states of a run in one process with ``distributed.max_staleness`` (a ``DistributedConfig``), the
+    policy's initial weights held as version 0 until a warm start's replace them; None on Ray or without a lag."""
+    if distributed.backend != "none" or distributed.max_staleness <= 0:
+        return None
+    lagged = LaggedWeights(distributed.max_staleness)
+    lagged.push(0, *policy.engine_state())
+    return lagged

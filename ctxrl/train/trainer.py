@@ -26,7 +26,7 @@ import torch
 from ctxrl.algo.estimators import get_estimator
 from ctxrl.algo.filters import drop_small_groups  # noqa: F401 - its old path (tests import it from here)
 from ctxrl.config import Config, to_toml
-from ctxrl.distributed.staleness import LaggedWeights
+from ctxrl.distributed.staleness import lagged_weights
 from ctxrl.envs.hooks import available_splits
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
@@ -134,14 +134,9 @@ class Trainer:
         self._skipped_reported = False
         self.curriculum = make_curriculum(config.curriculum, config.settings_of("curriculum", config.curriculum.kind))
         self.collector = Collector(self.config, self.worker, self.env_cls, self.curriculum, self.seeds)
-        d = config.distributed
-        lag = d.max_staleness if self.leader and d.backend == "none" else 0
-        self.lagged = LaggedWeights(lag) if lag else None
+        self.lagged = lagged_weights(config.distributed, self.policy) if self.leader else None
         """In one process with ``distributed.max_staleness``: the engine states it plays, held back that many
-        versions (``ctxrl.distributed.staleness``); the initial weights are version 0 until a warm start's replace
-        them."""
-        if self.lagged is not None:
-            self.lagged.push(0, *self.policy.engine_state())
+        versions (``ctxrl.distributed.staleness``)."""
         self.manager = get_manager(config.context.manager)
         self.learner: Learner | None = None
         self.consecutive_skips = 0
