@@ -79,3 +79,14 @@ def test_trees_run_dense_off_cuda_and_flex_on_it(model):
     assert not available("cpu")
     assert choose(model, TrainConfig(shared_prefix="auto"), "policy").tree_kernel == "dense"
     assert available("cuda") and available(torch.device("cuda", 1))  # (by the device's type: trees on a card)
+
+
+def test_a_model_that_trains_with_attention_dropout_keeps_the_dense_mask(model, monkeypatch):
+    """FlexAttention's path applies no dropout, so such a model's trees keep SDPA's dense mask even on a card."""
+    import ctxrl.learner.forward as forward
+
+    monkeypatch.setattr(forward, "flex_available", lambda device: True)  # (as on a card)
+    m = copy.deepcopy(model)
+    assert forward.tree_kernel(m) == "flex"
+    m.config.attention_dropout = 0.1
+    assert forward.tree_kernel(m) == "dense"

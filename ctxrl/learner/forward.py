@@ -81,10 +81,16 @@ def choose(module, train: Any, role: str) -> Layout:
     if sharing == "off":
         return Layout(training_decoder(module, train.flat_forward), packed=train.pack_sequences)
     shape = tree_shape(module, train.flat_forward)  # (refuses a forced flat pass before one is built)
-    device = next(module.parameters()).device
     # the rows no tree takes run as they would without sharing: flat where the flat pass runs
     return Layout(training_decoder(module, train.flat_forward), packed=train.pack_sequences, tree=shape,
-                  tree_kernel="flex" if flex_available(device) else "dense")
+                  tree_kernel=tree_kernel(module))
+
+
+def tree_kernel(module) -> str:
+    """``flex`` on CUDA (FlexAttention's block-sparse kernel), unless the model trains with attention dropout,
+    which only the dense mask's SDPA applies; ``dense`` elsewhere."""
+    dropout = float(getattr(getattr(module, "config", None), "attention_dropout", 0.0) or 0.0)
+    return "flex" if flex_available(next(module.parameters()).device) and dropout == 0.0 else "dense"
 
 
 def tree_shape(module, flat_forward: str) -> ModelShape:
