@@ -370,6 +370,12 @@ class TrainConfig:
     (flat_forward must be auto or off); where the other rows run flat, a tree must save 2.5x its FLOPs to be shared
     (on one H200 that was meta-RL trials only); learner_shared_prefix_rows says how many rows shared
     (docs/performance.md)."""
+    mini_batch_order: str = field(default="shuffled", metadata=RESUMABLE)
+    """How an update's rows are cut into ``mini_batches``: ``shuffled`` (a fresh random order every epoch), or
+    ``prefix`` (rows sorted by their tokens, so rows that share a prefix, a group's prompt or a trial's earlier
+    attempts, are neighbours; cut into consecutive mini-batches, taken in a random order every epoch). With
+    ``shared_prefix = auto`` and more than one mini-batch, ``prefix`` keeps a group in one mini-batch where the cuts
+    allow, so it is shared whole. Not the same numbers as ``shuffled``: other rows meet in a mini-batch."""
 
 
 @dataclass(frozen=True)

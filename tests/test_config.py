@@ -210,12 +210,12 @@ def test_the_resumable_settings_are_marked_where_they_are_declared():
            "meta.eval_attempts", "meta.eval_trials", "report.", "run.plugins", "rollout.sandbox_workers",
            "train.micro_batch_size", "train.max_tokens_per_microbatch", "train.logprob_chunk_tokens",
            "train.gradient_checkpointing", "train.pack_sequences", "train.flat_forward", "model.gpu_memory_fraction",
-           "train.shared_prefix",
+           "train.shared_prefix", "train.mini_batch_order",
            "lora.export_merged", "distributed.backend", "distributed.rollout_workers", "distributed.address",
            "distributed.timeout_s")
     fields = describe_fields() + describe_components()  # (summarize's and select's eval limits: their tables)
     expected = {k for k, *_ in fields if any(k == r or (r.endswith(".") and k.startswith(r)) for r in old)}
-    assert resumable_keys() == expected and len(expected) == 48  # + sft.format_demos_env, _demos, _budget
+    assert resumable_keys() == expected and len(expected) == 49  # + sft.format_demos_env, _demos, _budget
     for key, _, _, doc in fields:  # the configuration reference says which
         assert doc.endswith("May change on `--resume`.") == (key in expected), key
     assert {"model.dtype", "train.lr", "algo.advantage", "lora.rank"}.isdisjoint(resumable_keys())

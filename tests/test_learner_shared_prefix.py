@@ -178,3 +178,43 @@ def test_config_validation_of_shared_prefix():
         load_config(overrides=["train.shared_prefix=auto", "train.flat_forward=graphed"])
     with pytest.raises(ValueError, match="shared_prefix must be one of off, auto"):
         LearnerSettings(train=TrainConfig(shared_prefix="yes"))
+
+
+def _two_groups(vocab: int) -> list[TrainSequence]:
+    """Two GRPO groups of 4 (their own prompts), rows interleaved as a step's might be after a shuffle."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    prompts = [torch.randint(3, vocab, (PROMPT,), generator=g).tolist() for _ in range(2)]
+    for k in range(8):
+        ids = prompts[k % 2] + torch.randint(3, vocab, (6,), generator=g).tolist()
+        mask = [0] * PROMPT + [1] * 6
+        rows.append(TrainSequence(input_ids=ids, loss_mask=mask, behavior_logprobs=[-0.5 * m for m in mask],
+                                  advantages=[(1.0 if k % 4 < 2 else -1.0) * m for m in mask]))
+    return rows
+
+
+def test_prefix_order_keeps_each_group_in_one_mini_batch_so_it_is_shared_whole(model):
+    """``train.mini_batch_order = "prefix"``: two groups of 4 over two mini-batches, each mini-batch one whole group
+    (every row once an epoch), all 8 rows shared; the shuffled order splits the groups and shares fewer."""
+    rows = _two_groups(model.config.vocab_size)
+    shared = {}
+    for order in ("shuffled", "prefix"):
+        policy = copy.deepcopy(model)
+        settings = LearnerSettings(algo=AlgoConfig(old_logprobs="recompute"),
+                                   train=TrainConfig(mini_batches=2, micro_batch_size=8, shared_prefix="auto",
+                                                     mini_batch_order=order))
+        learner = Learner(policy, torch.optim.SGD(policy.parameters(), lr=0.0), settings, pad_token_id=0)
+        batch = collate(rows, 0)
+        parts = learner.mini_batch_rows(batch)
+        assert sorted(r for part in parts for r in part) == list(range(8))
+        if order == "prefix":
+            assert sorted(sorted(part) for part in parts) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        shared[order] = learner.update(batch)["learner_shared_prefix_rows"]
+    assert shared["prefix"] == 8 and shared["shuffled"] < 8
+
+
+def test_an_unknown_mini_batch_order_is_an_error_naming_the_choices():
+    from ctxrl.config import load_config
+
+    with pytest.raises(ConfigError, match="train.mini_batch_order must be one of shuffled, prefix"):
+        load_config(None, ["train.mini_batch_order=sorted"])

@@ -43,6 +43,10 @@ from ctxrl.models.kernels import attention_kernels
 __all__ = ["LAYOUT_KEYS", "Learner", "LearnerSettings", "micro_batches", "per_token_rows", "token_logprobs"]
 
 
+MINI_BATCH_ORDERS = ("shuffled", "prefix")
+"""``train.mini_batch_order``: how ``Learner.update`` cuts an update's rows into mini-batches."""
+
+
 class Learner:
     """Owns the policy's optimiser (and an optional KL reference) and runs PPO updates.
 
@@ -114,10 +118,8 @@ class Learner:
         self.micro_batches_run = 0
         self.shared = [0, 0]
         for _ in range(t.ppo_epochs):
-            order = torch.randperm(len(batch), generator=self.generator).tolist()
-            chunk = math.ceil(len(order) / t.mini_batches)
-            for start in range(0, len(order), chunk):
-                metrics = self.mini_batch_step(batch.select(order[start:start + chunk]))
+            for rows in self.mini_batch_rows(batch):
+                metrics = self.mini_batch_step(batch.select(rows))
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
@@ -128,6 +130,25 @@ class Learner:
         layout = dict(zip(LAYOUT_KEYS, (self.micro_batches_run / epochs, float(self.flat_rows),
                                         self.shared[0] / epochs, self.shared[1] / epochs)))
         return {**before, **{k: v / max(count, 1) for k, v in totals.items()}, **layout}
+
+    def mini_batch_rows(self, batch: Batch) -> list[list[int]]:
+        """One epoch's mini-batches of ``batch`` as row indices (``train.mini_batch_order``): a random order cut into
+        ``mini_batches`` parts, or the rows in token order (rows that share a prefix side by side) cut into
+        consecutive parts, taken in a random order."""
+        t = self.settings.train
+        if t.mini_batch_order not in MINI_BATCH_ORDERS:
+            raise ValueError(f"mini_batch_order must be one of {', '.join(MINI_BATCH_ORDERS)}, not "
+                             f"{t.mini_batch_order!r}")
+        if t.mini_batch_order == "shuffled":
+            order = torch.randperm(len(batch), generator=self.generator).tolist()
+        else:
+            lengths = batch.lengths.tolist()
+            order = sorted(range(len(batch)), key=lambda r: batch.input_ids[r, : lengths[r]].tolist())
+        chunk = max(math.ceil(len(order) / t.mini_batches), 1)
+        parts = [order[start:start + chunk] for start in range(0, len(order), chunk)]
+        if t.mini_batch_order == "prefix":
+            parts = [parts[i] for i in torch.randperm(len(parts), generator=self.generator).tolist()]
+        return parts
 
     @torch.no_grad()
     def recompute_old_logprobs(self, batch: Batch) -> tuple[Batch, dict[str, float]]:

@@ -46,6 +46,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from ctxrl.chat.formats import format_names
     from ctxrl.engine.factory import KINDS as ENGINE_KINDS
     from ctxrl.learner.flat import MODES as FLAT_MODES
+    from ctxrl.learner.learner import MINI_BATCH_ORDERS
     from ctxrl.learner.shared_prefix.micro_batches import MODES as SHARING_MODES
     from ctxrl.meta.rollout import CARRIES
     from ctxrl.models.loader import DTYPES
@@ -58,7 +59,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "report.wandb_mode": ("offline", "online", "disabled"), "model.tool_format": ("auto", *format_names()),
             "train.master_weights": ("float32", "model"), "rollout.engine": ENGINE_KINDS,
             "distributed.backend": ("none", "ray"), "train.flat_forward": FLAT_MODES,
-            "train.shared_prefix": SHARING_MODES,
+            "train.shared_prefix": SHARING_MODES, "train.mini_batch_order": MINI_BATCH_ORDERS,
             "roles.rewards": REWARD_MODES}
 
 
