@@ -176,6 +176,8 @@ def test_ctxrl_merge_writes_a_servable_checkpoint_and_refuses_a_directory_withou
     assert "holds no LoRA adapters" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # (12 s: a spawned process; test_boundary's spawned worker keeps the process boundary in the
+# default run, and the in-process adapter hand-over tests here keep LoRA's)
 def test_a_worker_in_another_process_takes_the_adapters_alone_and_plays_what_the_trainers_engine_does(tiny_path):
     """The spec carries the LoRA settings: a worker that loads its own model wraps it like the learner, so the
     adapters (sent alone, partial) fit it, and it plays exactly what the trainer's shared-base engine plays."""

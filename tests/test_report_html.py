@@ -176,6 +176,8 @@ def test_report_of_a_missing_run_is_one_line(tmp_path: Path, capsys) -> None:
     assert "not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # (17 s: a whole ctxrl train run; every default-suite run writes its report at each evaluation,
+# and the page's parts are checked on synthetic runs above)
 def test_a_real_tiny_run_writes_its_report(tmp_path: Path) -> None:
     """``ctxrl train`` on the random-init tiny model leaves a report.html with its evaluations and episodes."""
     run_dir = tmp_path / "run"
