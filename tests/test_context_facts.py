@@ -115,3 +115,17 @@ def test_the_scripted_ceiling_says_when_a_baseline_cannot_win_by_construction(re
     assert window["peak_context_max"] <= 340 < full["peak_context_max"]
     wide = ceiling("window", full["peak_context_max"] + 32)
     assert wide["ceiling"] == 1.0  # a window as wide as the longest episode is the full context
+
+
+def test_a_task_without_answer_facts_is_reachable_when_its_scripted_play_succeeds(renderer):
+    """hidden_word's answer is guessed, not read: no facts to keep, so its ceiling is the script's success (it was
+    0.00, and the plan checker refused every meta-RL comparison on it)."""
+    from ctxrl.demos.ceiling import scripted_ceiling
+    from ctxrl.envs.hidden_word import HiddenWordEnv
+    from ctxrl.rollout.managers import ContextPolicy
+    from ctxrl.rollout.spec import RolloutLimits
+
+    limits = RolloutLimits(max_turns=5, max_new_tokens=32, max_total_tokens=1536,
+                           context=ContextPolicy(manager="full", max_context_tokens=0, options={}))
+    result = scripted_ceiling(HiddenWordEnv, renderer, limits, 8, seed=1)
+    assert result["ceiling"] == 1.0 and result["cut_short"] == 0.0

@@ -6,7 +6,8 @@ A comparison of context managers means something only if the baseline *could* ha
 manager's ``solution_hook``) is played through the real agent loop under the manager, its side requests answered by
 the environment's scripted hooks (perfect summaries, the right turns kept), and the task counts as *reachable* when
 the context the answer is written from still holds every fact of the answer (``ctxrl.rollout.managers.facts``) and
-the episode was not cut short. A ceiling of 0.00 is a baseline that fails by construction; the plan checker
+the episode was not cut short (a task whose answer holds no facts counts when its scripted play succeeds).
+A ceiling of 0.00 is a baseline that fails by construction; the plan checker
 (``experiments/plan_check.py``) refuses to compare against one. The same play gives the peak working context, the
 figure a peak-matched ``window`` takes as its budget.
 
@@ -30,8 +31,13 @@ from ctxrl.types import Episode
 
 
 def reachable(episode: Episode) -> bool:
-    """Whether ``episode`` finished and the context its last turn was written from holds every fact of the answer."""
-    return episode.truncation is None and facts_at_answer(episode) == 1.0
+    """Whether ``episode`` finished and the context its last turn was written from holds every fact of the answer;
+    for a task whose answer holds no facts of the episode (``hidden_word``'s guesses, a trial of attempts), whether
+    the scripted play succeeded."""
+    if episode.truncation is not None:
+        return False
+    facts = facts_at_answer(episode)
+    return bool(episode.success) if facts is None else facts == 1.0
 
 
 def scripted_ceiling(env_cls, renderer: ChatRenderer, limits: RolloutLimits, n_tasks: int, *, split: str = "heldout",
