@@ -127,9 +127,7 @@ def mismatch_table(data: Path = DATA) -> str:
     lines = ["| arm | staleness | mean abs Δ log p | KL (behaviour ‖ learner) | ratio mean | weight mean | "
              "masked or clipped | grad norm (median) |", "|---|---|---|---|---|---|---|---|"]
     for label, arm in runs(data).items():
-        per_run = [[r for r in _metric_rows(d) if r.get("phase") == "rl" and r.get("step", 0) > LAGGED_FROM]
-                   for _, d in arm]
-        per_run = [rows for rows in per_run if rows]
+        per_run = [rows for _, d in arm if (rows := _late_rows([(0, d)]))]
         if not per_run:
             continue
 
@@ -196,6 +194,11 @@ def fisher_exact(a: int, n: int, b: int, m: int) -> float:
     return min(1.0, sum(p(k) for k in range(max(0, hits - m), min(n, hits) + 1) if p(k) <= seen * (1 + 1e-9)))
 
 
+def collapse_counts(arms: dict[str, list[tuple[int, Path]]]) -> dict[str, int]:
+    """Per arm, how many of its runs collapsed (``collapsed``)."""
+    return {label: sum(collapsed(_metric_rows(d)) is not None for _, d in arm) for label, arm in arms.items()}
+
+
 def stability_table(data: Path = DATA) -> str:
     """Per arm: the runs whose training success collapsed (fell below 0.5 after reaching 0.9) and at which step,
     with the Fisher exact p of that count against the uncorrected arm's; the lowest training success after step 5
@@ -203,7 +206,7 @@ def stability_table(data: Path = DATA) -> str:
     lines = ["| arm | runs that collapsed (step) | against no correction, Fisher exact p | lowest training success "
              "after step 5, mean over runs | held-out at step 10, per seed |", "|---|---|---|---|---|"]
     arms = runs(data)
-    counts = {label: sum(collapsed(_metric_rows(d)) is not None for _, d in arm) for label, arm in arms.items()}
+    counts = collapse_counts(arms)
     base = ARMS["stale2"]
     for label, arm in arms.items():
         where, lows, held = [], [], []
@@ -228,15 +231,14 @@ def findings(data: Path = DATA) -> str:
     """The page's reading of its tables, each figure computed here from the records (nothing typed by hand)."""
     arms = runs(data)
     none, on = ARMS["stale2"], ARMS["onpolicy"]
-    count = {label: sum(collapsed(_metric_rows(d)) is not None for _, d in arm) for label, arm in arms.items()}
+    count = collapse_counts(arms)
     n = {label: len(arm) for label, arm in arms.items()}
     a, b = outcomes(arms[none], 10), outcomes(arms[on], 10)
     drop = bootstrap_difference(b, a)
     t, df, p = paired_t_test(seed_differences(a, b))
 
     def late(label: str, key: str) -> float | None:
-        means = [_mean_of([r for r in _metric_rows(d) if r.get("phase") == "rl" and r["step"] > LAGGED_FROM], key)
-                 for _, d in arms[label]]
+        means = [_mean_of(_late_rows([(0, d)]), key) for _, d in arms[label]]
         means = [m for m in means if m is not None]
         return sum(means) / len(means) if means else None
 
@@ -275,7 +277,7 @@ def findings(data: Path = DATA) -> str:
 
 def _late_rows(arm: list[tuple[int, Path]]) -> list[dict]:
     """Every run's RL rows after ``LAGGED_FROM``, together."""
-    return [r for _, d in arm for r in _metric_rows(d) if r.get("phase") == "rl" and r["step"] > LAGGED_FROM]
+    return [r for _, d in arm for r in _metric_rows(d) if r.get("phase") == "rl" and r.get("step", 0) > LAGGED_FROM]
 
 
 def page_tables(data: Path = DATA) -> dict[str, str]:

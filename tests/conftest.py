@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 TINY = "tiny:pretrain_steps=0"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def experiment_module(name: str):
+    """``experiments/NAME.py`` loaded as a module (a script, not a package: its siblings are put on the path, as
+    running it does). Page tests compare a page's generated blocks with what the module makes of the records."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def page_block(text: str, name: str) -> str:
+    """What a page holds between ``<!-- NAME -->`` and ``<!-- /NAME -->`` (``experiments/tables.py`` fills it)."""
+    return text.split(f"<!-- {name} -->\n", 1)[1].split(f"\n<!-- /{name} -->", 1)[0]
 
 
 # The tiny model's matrices are far too small for intra-op parallelism: with several OpenMP

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import experiment_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location("context_rl", ROOT / "experiments" / "context_rl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_module("context_rl")
 
 
 def test_the_pages_tables_without_resampling_are_its_records():

@@ -3,26 +3,17 @@ page's own measures (a collapse, the Fisher exact test) by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import experiment_module, page_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "experiments" / "offpolicy.md"
 
 
 def _module():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location("offpolicy", ROOT / "experiments" / "offpolicy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _block(text: str, name: str) -> str:
-    return text.split(f"<!-- {name} -->\n", 1)[1].split(f"\n<!-- /{name} -->", 1)[0]
+    return experiment_module("offpolicy")
 
 
 def test_fisher_exact_by_hand():
@@ -56,7 +47,8 @@ def test_every_run_finished_and_the_cheap_blocks_are_the_records():
     text = PAGE.read_text()
     for name, make in (("offpolicy-status", op.status), ("offpolicy-stability", op.stability_table),
                        ("offpolicy-mismatch", op.mismatch_table)):
-        assert _block(text, name) == make(), f"regenerate it: python experiments/tables.py offpolicy --write ({name})"
+        assert page_block(text, name) == make(), \
+            f"regenerate it: python experiments/tables.py offpolicy --write ({name})"
     assert "every arm finished, 5 seeds each" in op.status()
 
 

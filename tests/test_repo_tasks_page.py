@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import experiment_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location("repo_tasks_page", ROOT / "experiments" / "repo_tasks_page.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_module("repo_tasks_page")
 
 
 def test_the_page_holds_what_the_records_give():

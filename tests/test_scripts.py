@@ -44,6 +44,8 @@ SMOKE_RUNS = {  # script -> the test that runs it
     "experiments/repo_tasks_page.py": "tests/test_repo_tasks_page.py::test_the_page_holds_what_the_records_give",
     "experiments/offpolicy.py":
         "tests/test_offpolicy_page.py::test_every_run_finished_and_the_cheap_blocks_are_the_records",
+    "experiments/meta_rl.py":
+        "tests/test_meta_rl_page.py::test_the_cheap_blocks_are_the_records_and_the_arms_meet_at_step_40",
     "benchmarks/gpu_memory.py": "tests/test_scripts.py::test_gpu_memory_runs_both_modes_without_a_gpu",
     "benchmarks/grpo_step.py": "tests/test_scripts.py::test_grpo_step_smoke_runs_engines_and_learner_on_the_cpu",
     "benchmarks/learner_memory.py": "tests/test_scripts.py::test_learner_memory_runs_every_setting_on_the_cpu",
@@ -73,7 +75,8 @@ def test_every_script_is_smoke_run_somewhere():
     for path, test in SMOKE_RUNS.items():
         file, name = test.split("::")
         source = (ROOT / file).read_text()
-        assert f"def {name}(" in source and f'{Path(path).name}"' in source, test
+        loads = f'{Path(path).name}"' in source or f'experiment_module("{Path(path).stem}")' in source
+        assert f"def {name}(" in source and loads, test
 
 
 def test_engine_host_times_a_turns_admission_and_parking(tmp_path):
