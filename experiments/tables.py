@@ -882,6 +882,16 @@ def _offpolicy(write: bool) -> int:
     return _fill_page(OFFPOLICY_PAGE, offpolicy.page_tables(), write)
 
 
+META_RL_PAGE = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "meta-rl.md"
+
+
+def _meta_rl(write: bool) -> int:
+    """``meta-rl``: the blocks of docs/experiments/meta-rl.md (issue 49's learning across episodes)."""
+    import meta_rl
+
+    return _fill_page(META_RL_PAGE, meta_rl.page_tables(), write)
+
+
 ENVIRONMENTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "environments.md"
 
 
@@ -906,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     cr.add_argument("--write", action="store_true", help="fill the page's blocks and draw its plot")
     op = sub.add_parser("offpolicy", help="the tables of docs/experiments/offpolicy.md (issue 52)")
     op.add_argument("--write", action="store_true", help="fill the page's blocks")
+    mr = sub.add_parser("meta-rl", help="the tables of docs/experiments/meta-rl.md (issue 49, meta-RL)")
+    mr.add_argument("--write", action="store_true", help="fill the page's blocks")
     rt = sub.add_parser("repo-tasks", help="the measured tables of docs/environments.md's repo_tasks (issue 56)")
     rt.add_argument("--write", action="store_true", help="fill the page's blocks")
     k = sub.add_parser("claims", help="the claims table (markdown page) from a claims file and committed records")
@@ -918,6 +930,8 @@ def main(argv: list[str] | None = None) -> int:
         return _repo_tasks(args.write)
     if args.command == "offpolicy":
         return _offpolicy(args.write)
+    if args.command == "meta-rl":
+        return _meta_rl(args.write)
     if args.command == "claims":
         from claims import claims_page
 
