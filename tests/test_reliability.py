@@ -577,7 +577,8 @@ def test_a_raising_constructor_is_an_errored_episode_too(renderer):
     assert all(e.info["error_kind"] == "constructor" and "no such dataset" in e.info["error"] for e in episodes)
 
 
-def test_a_failure_in_ctxrl_or_the_engine_stops_the_run_and_names_the_newest_checkpoint(tmp_path, renderer):
+def test_a_failure_in_ctxrl_or_the_engine_stops_the_run_and_names_the_newest_checkpoint(tmp_path, renderer,
+                                                                                        monkeypatch):
     """Not an errored episode: an exception outside the environment propagates, with where to resume from."""
     from ctxrl.engine.scripted import ScriptedEngine
     from ctxrl.rollout.agent import run_episodes
@@ -591,15 +592,17 @@ def test_a_failure_in_ctxrl_or_the_engine_stops_the_run_and_names_the_newest_che
     with pytest.raises(RuntimeError, match="illegal memory access"):
         asyncio.run(run_episodes(CalculatorEnv, tasks, BrokenEngine([], renderer), renderer, RolloutLimits(),
                                  group_size=2))
+    import ctxrl.run.step as step_module
+
     trainer = Trainer(config("train.steps=3"), tmp_path)
-    real = trainer.step
+    real = step_module.rl_step
 
-    def step(i):
+    def step(run, i):
         if i == 1:
-            trainer.worker.engine = BrokenEngine([], renderer)
-        return real(i)
+            run.worker.engine = BrokenEngine([], renderer)
+        return real(run, i)
 
-    trainer.step = step
+    monkeypatch.setattr(step_module, "rl_step", step)  # (the loop looks the step up there when it runs)
     with pytest.raises(RuntimeError, match="illegal memory access") as info:
         trainer.fit()
     note = "".join(getattr(info.value, "__notes__", []))

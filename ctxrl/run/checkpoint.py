@@ -42,15 +42,16 @@ from ctxrl.run.checkpoint_io import (
     step_name,
     verify_checksums,
 )
+from ctxrl.run.engine_sync import sync_engine
 from ctxrl.settings import resumable
 
 FORMAT = 1
 
 
 class Checkpointed(Protocol):
-    """What a checkpoint saves and restores of a run (``ctxrl.train.trainer.Trainer`` is one): the policy and its
-    learner (optimiser, critic, reference, RNG), the rollout worker's policy version, the curriculum, the logs'
-    offsets, and the counters; ``sync_engine`` hands restored weights to the engine."""
+    """What a checkpoint saves and restores of a run (``ctxrl.run.parts.Run`` is one): the policy and its learner
+    (optimiser, critic, reference, RNG), the rollout worker's policy version, the curriculum, the logs' offsets, and
+    the counters; ``ctxrl.run.engine_sync.sync_engine`` hands restored weights to the engine."""
 
     config: Config
     device: str
@@ -64,8 +65,6 @@ class Checkpointed(Protocol):
     own: Any
     writer: Any
     consecutive_skips: int
-
-    def sync_engine(self, version: int, *, restored: bool = False) -> None: ...
 
 
 def config_differences(saved: Config, current: Config) -> list[str]:
@@ -217,7 +216,7 @@ def resume(trainer: Checkpointed) -> int:
         _load_module(reference, path / "reference.safetensors")
     set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
     trainer.own.resume(path, state, load_state, read_tensors, set_rng_state)  # (roles' own adapters, if any)
-    trainer.sync_engine(int(state["policy_version"]), restored=True)
+    sync_engine(trainer, int(state["policy_version"]), restored=True)
     learner.skipped_updates = int(state["skipped_updates"])
     trainer.consecutive_skips = int(state["consecutive_skips"])
     trainer.curriculum.load_state_dict(state["curriculum"])

@@ -24,18 +24,17 @@ the run's parts) and returns what the next phase takes:
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from ctxrl.algo.filters import drop_small_groups, void_turn_free
-from ctxrl.distributed.staleness import LaggedWeights
 from ctxrl.learner.policy import Reference
 from ctxrl.learner.settings import LearnerSettings
 from ctxrl.learner.teacher import Teacher
 from ctxrl.run import checkpoint, health
 from ctxrl.run.collect import Collected, trainable
+from ctxrl.run.engine_sync import current_weights, sync_engine  # noqa: F401 - phase 5, patched here by tests
 from ctxrl.run.health import TrainingAborted
 from ctxrl.run.metrics import error_stats, step_row
 from ctxrl.types import Episode, TrainSequence
@@ -44,7 +43,7 @@ from ctxrl.types import Episode, TrainSequence
 def rl_step(run, step: int) -> dict[str, Any]:
     """One RL step (the module docstring); returns its metrics row."""
     if run.learner is None:
-        raise RuntimeError("call make_learner() before the first RL step")
+        raise RuntimeError("start the learner (ctxrl.run.build.start_learning) before the first RL step")
     if run.config.train.objective == "sft":  # the SFT-only control: demos instead of rollouts
         from ctxrl.train.sft_control import control_step
 
@@ -136,45 +135,6 @@ def update(run, rows: list[TrainSequence], step: int) -> dict[str, float]:
         run.consecutive_skips = 0
     figures["skipped_updates_total"] = float(learner.skipped_updates)
     return figures
-
-
-def sync_engine(run, version: int, *, restored: bool = False) -> None:
-    """Phase 5: hand the policy's current weights (LoRA: its adapters) to the worker's engine, as policy
-    ``version``; in one process with ``distributed.max_staleness``, the weights of that many versions before.
-
-    ``restored``: the weights a checkpoint gave back; the lag starts again from them (the older ones are not in
-    the checkpoint).
-    """
-    state, partial = run.policy.engine_state()
-    if run.lagged is not None:
-        if restored:
-            run.lagged = LaggedWeights(run.lagged.lag)
-        played = run.lagged.playing()
-        held = run.lagged.push(version, state, partial)
-        if held is not played:  # (a new state: another version, or version 0's replaced by the warm start's)
-            version, state, partial = held
-            run.worker.load_weights(state, version=version, partial=partial)
-    elif run.config.distributed.max_staleness > 0:  # the actors take it after what they are playing now
-        run.worker.load_weights(state, version=version, partial=partial, wait=False)
-    else:
-        run.worker.load_weights(state, version=version, partial=partial)
-    run.own.sync(run.worker, version)
-
-
-@contextmanager
-def current_weights(run):
-    """The engine plays the learner's current weights inside (an evaluation), the lagged ones again after."""
-    held = run.lagged.current() if run.lagged is not None else None
-    if held is None or held is run.lagged.playing():
-        yield
-        return
-    state, partial = run.policy.engine_state()
-    run.worker.load_weights(state, version=held[0], partial=partial)
-    try:
-        yield
-    finally:
-        version, state, partial = run.lagged.playing()
-        run.worker.load_weights(state, version=version, partial=partial)
 
 
 def log_step(run, step: int, collected: Collected, valid: list[Episode], rows: list[TrainSequence],

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from ctxrl.algo.estimators.base import broadcast
+from ctxrl.run.engine_sync import sync_engine
 from ctxrl.seeds import Seeds
 from ctxrl.train.sft import sft_step
 from ctxrl.train.warm_start import demo_mix
@@ -72,7 +73,7 @@ def control_step(trainer, step: int) -> dict[str, Any]:
                        max_tokens=trainer.micro_batch_tokens, micro_rows=config.train.micro_batch_size,
                        max_grad_norm=config.train.max_grad_norm)
               for batch in split_rows(rows, updates_per_step(config))]
-    trainer.sync_engine(step + 1)
+    sync_engine(trainer, step + 1)
     row = {"phase": "sft_control", "step": step + 1, "sft_loss": sum(losses) / len(losses),
            "optimizer_steps": len(losses), "demos": len(demos), "trained_sequences": len(rows),
            "time_step": time.perf_counter() - t0}
