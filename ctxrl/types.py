@@ -128,6 +128,10 @@ class Turn(PlainData):
     answered: bool | None = None
     """Whether the environment took this turn as a final answer (its ``info["answered"]``); None if it did not say."""
     reward: float = 0.0
+    policy_version: int = 0
+    """The version of the weights that sampled this turn (``Completion.policy_version``). The turns of one episode
+    differ only in a partial rollout, where an episode cut at a weight update goes on with the new weights
+    (``ctxrl.rollout.partial``); ``turn_versions`` gives each sampled token its turn's."""
 
 
 @dataclass
@@ -154,6 +158,22 @@ def environment_mask(sequence: Episode | Segment) -> list[int]:
     tokens, and a scripted player's moves), read from the arrays it wrote: mask 0 with the index of the turn it
     answers (>= 0). The prompt (turn -1, re-rendered prompts included) and every sampled token are 0."""
     return [int(m == 0 and t >= 0) for m, t in zip(sequence.loss_mask, sequence.turn_index)]
+
+
+def turn_versions(episode: Episode) -> list[int]:
+    """The policy version of every sampled token of ``episode`` (mask 1), sequence by sequence (``sequences()``), in
+    order: the version of the turn it belongs to (``turn_index``). A side generation (a summary) samples between its
+    turn and the next, on its turn's weights: a partial rollout never cuts an episode there."""
+    versions = {turn.index: turn.policy_version for turn in episode.turns}
+    out = []
+    for sequence in episode.sequences():
+        for mask, turn in zip(sequence.loss_mask, sequence.turn_index):
+            if mask:
+                if turn not in versions:
+                    raise ValueError(f"a sampled token of turn {turn} has no Turn record in the episode of task "
+                                     f"{episode.task.id}: its policy version is unknown")
+                out.append(versions[turn])
+    return out
 
 
 @dataclass

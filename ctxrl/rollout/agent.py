@@ -186,7 +186,7 @@ async def _turns(env, play: Play, manager) -> None:
         message = renderer.parse_assistant(text)
         recorder.assistant(completion, message, turn)
         record = Turn(index=turn, prompt_tokens=prompt_tokens, sampled_tokens=len(completion.token_ids),
-                      finish_reason=completion.finish_reason, text=text)
+                      finish_reason=completion.finish_reason, text=text, policy_version=completion.policy_version)
         episode.turns.append(record)
         if completion.truncated:
             hit_total = len(recorder) >= limits.max_total_tokens

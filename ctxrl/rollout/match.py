@@ -277,7 +277,7 @@ async def _sample(env: Any, seat: Seat, limits: RolloutLimits, max_new_tokens: i
     message = renderer.parse_assistant(text)
     (recorder.scripted if seat.policy.script is not None else recorder.assistant)(completion, message, turn)
     record = Turn(index=turn, prompt_tokens=prompt_tokens, sampled_tokens=len(completion.token_ids),
-                  finish_reason=completion.finish_reason, text=text)
+                  finish_reason=completion.finish_reason, text=text, policy_version=completion.policy_version)
     seat.episode.turns.append(record)
     return message, record, completion
 
