@@ -119,6 +119,12 @@ class RolloutConfig:
     episode is marked errored (``deadline``) and left out of the loss. 0 = no deadline."""
     max_error_rate: float = field(default=0.5, metadata={**RESUMABLE, **in_range(0.0, 1.0)})
     """Abort the run when more than this fraction of a step's episodes errored (crash or deadline)."""
+    partial_step_tokens: int = field(default=0, metadata=NON_NEGATIVE)
+    """Partial rollouts (0 = off: a step waits for every episode it started): the tokens one episode may sample in
+    one RL step. An episode past them takes its next turn in the next step, on the new weights, its earlier tokens
+    keeping the log-probs and policy version they were sampled with; a group trains when all its members have
+    finished, and a step starts new groups only up to tasks_per_step in flight. Needs algo.old_logprobs =
+    "recompute" and episode_timeout_s = 0; a checkpoint keeps no episode in flight (docs/scaling.md)."""
 
 
 @dataclass(frozen=True)

@@ -245,8 +245,8 @@ def test_the_numeric_bounds_are_declared_on_the_fields_and_nan_is_never_in_range
     # meta's gamma_trial; then run.seed and eval.seed (numpy takes no negative seed); then summarize's and
     # select's max_summaries, eval_max_summaries, max_tokens and fold's max_branches, branch_reward; then the judge's
     # max_tokens, retries, timeout_s, concurrency; then the annealed demos' max, steps, pool; then ppo_clip's dual_clip;
-    # then algo.world_model_coef
-    assert len(bounds) == 66
+    # then algo.world_model_coef; then rollout.partial_step_tokens
+    assert len(bounds) == 67
     assert bounds["sft.demos"] == (0, None, True) and bounds["train.lr"] == (0, None, False)
     assert bounds["rollout.top_p"] == (0.0, 1.0, True) and bounds["model.gpu_memory_fraction"] == (0.0, 1.0, False)
     for override, message in [("train.lr=nan", r"train.lr must be >= 0 and finite, got nan"),

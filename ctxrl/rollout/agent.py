@@ -276,7 +276,7 @@ async def run_episodes(make_env: Callable[[], Any], tasks: list[Task], engine: E
     runs = []
     for (task, group_id, k, seed_of_episode), (env, reset, spent) in zip(jobs, prepared):
         if env is None:
-            runs.append(_errored(task, group_id, engine, reset, limits, spent))
+            runs.append(errored_episode(task, group_id, engine, reset, limits, spent))
         else:
             messages = opening(group_id, k, reset) if opening is not None else reset
             runs.append(run_episode(env, task, engine, renderer, limits, seed=seed_of_episode, group_id=group_id,
@@ -324,8 +324,9 @@ async def notify(run, on_done: Callable[[Episode], None] | None) -> Episode:
     return episode
 
 
-async def _errored(task: Task, group_id: int, engine: Engine, exc: BaseException, limits: RolloutLimits,
-                   spent: float) -> Episode:
+async def errored_episode(task: Task, group_id: int, engine: Engine, exc: BaseException, limits: RolloutLimits,
+                          spent: float) -> Episode:
+    """The errored episode of an environment whose constructor or reset failed (``prepare_env``'s ``exc``)."""
     episode = Episode(task=task, group_id=group_id, policy_version=engine.policy_version)
     record_error(episode, exc, limits, spent)
     episode.info["seconds"] = spent

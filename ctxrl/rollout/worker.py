@@ -4,6 +4,8 @@ A worker is built from a ``RolloutSpec`` (``from_spec``: it resolves the environ
 tokenizer and checks the chat template, loads the policy into its own engine) or handed an
 engine. ``run(request)`` owns the event loop: it plays the request's episodes all at once and
 returns them. ``load_weights(state, version=...)`` replaces the engine's weights between requests.
+``play_partial(request, step_tokens)`` plays a step of partial rollouts instead: episodes that outlive the step
+wait in the worker's pool (``ctxrl.rollout.partial``) and go on in the next one, on the weights loaded meanwhile.
 
 What plays a request is the worker's episode runner (``ctxrl.rollout.runners``), chosen once from
 the spec and the environment: the agent loop (``plain``), trials of attempts and annealed
@@ -30,6 +32,7 @@ from ctxrl.envs.hooks import hook
 from ctxrl.envs.mcp import start_tools, with_mcp_tools
 from ctxrl.envs.registry import configured_env_class
 from ctxrl.judge.judge import Judge
+from ctxrl.rollout.partial import PartialRollouts, PartialStep
 from ctxrl.rollout.runners import EpisodeRunner, make_runner
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec, spec_engine
 from ctxrl.tools.mcp import close_hub
@@ -65,6 +68,8 @@ class RolloutWorker:
         self.judge: Judge | None = None
         """Grades training episodes as they finish (``reward.judge``; ``ctxrl.judge``): built at the first training
         request, so an evaluation never loads a local judge it does not use."""
+        self.partial: PartialRollouts | None = None
+        """The episodes of partial rollouts that outlive a step (``play_partial``): built at the first such step."""
 
     @classmethod
     def from_spec(cls, spec: RolloutSpec, *, model: Any | None = None) -> RolloutWorker:
@@ -95,7 +100,10 @@ class RolloutWorker:
         self.engine.load_weights(state, version=version, **({"partial": True} if partial else {}))
 
     def close(self) -> None:
-        """Shut down what the worker's tools run on (its MCP servers); safe to call more than once."""
+        """Drop the episodes of partial rollouts still in flight (logged), shut down what the worker's tools run on
+        (its MCP servers); safe to call more than once."""
+        if self.partial is not None:
+            self.partial.close()
         if self.spec.env.mcp_servers:
             close_hub(self.spec.env)
 
@@ -106,6 +114,14 @@ class RolloutWorker:
         ``on_episode(done, total)`` after each episode (or trial) finishes, for a progress display.
         """
         return asyncio.run(self.play(request, on_episode=on_episode))
+
+    def play_partial(self, request: RolloutRequest, step_tokens: int) -> PartialStep:
+        """One step of partial rollouts (``ctxrl.rollout.partial``): ``request``'s episodes started beside the ones
+        carried over, played until a group has finished and every episode has finished or spent ``step_tokens``
+        sampled tokens this step; returns the groups that finished."""
+        if self.partial is None:
+            self.partial = PartialRollouts(self)
+        return self.partial.play(request, step_tokens)
 
     async def play(self, request: RolloutRequest, *,
                    on_episode: Callable[[int, int], None] | None = None) -> list[Episode]:

@@ -4,7 +4,8 @@ Each step draws ``rollout.tasks_per_step`` tasks from the curriculum and plays `
 episodes of each with the rollout worker, rewards shaped. DAPO's dynamic sampling plays more rounds until
 enough groups are informative; with ``distributed.max_staleness > 0`` on Ray the next step's episodes are
 started while this step trains (``asynchronous_round``), and in one process they are played with weights held
-that many versions back (``lagged_round``). Round 0 of step ``s`` always draws the same tasks and seeds.
+that many versions back (``lagged_round``); with ``rollout.partial_step_tokens`` episodes that outlive the step are
+carried over to the next (``ctxrl.run.partial``). Round 0 of step ``s`` always draws the same tasks and seeds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ctxrl.algo.filters import informative_groups
 from ctxrl.config import Config
 from ctxrl.rollout.managers.stats import scheduled_budget
 from ctxrl.rollout.spec import RolloutRequest
+from ctxrl.run.partial import partial_round
 from ctxrl.run.rewards import shape_rewards
 from ctxrl.seeds import Seeds
 from ctxrl.types import Episode
@@ -108,6 +110,9 @@ class Collector:
     def collect(self, step: int) -> Collected:
         """Phase 1: play the step's episodes; with dynamic sampling, rounds until enough groups are informative."""
         c = self.config
+        if c.rollout.partial_step_tokens > 0:  # episodes that outlive the step (ctxrl.run.partial)
+            episodes, metrics = partial_round(self, step)
+            return Collected(episodes, episodes, metrics)
         if c.distributed.max_staleness > 0:
             return self.asynchronous_round(step) if c.distributed.backend == "ray" else self.lagged_round(step)
         if not c.algo.dynamic_sampling:

@@ -240,6 +240,46 @@ def _validate_distributed(config: Config) -> None:
                               "learner's recomputed log-probs, weight by the behaviour ratio with algo.tis_cap)")
         if config.algo.dynamic_sampling:
             raise ConfigError("distributed.max_staleness > 0 does not combine with algo.dynamic_sampling yet")
+    if config.rollout.partial_step_tokens > 0:
+        _validate_partial(config)
+
+
+def _validate_partial(config: Config) -> None:
+    """Partial rollouts (``rollout.partial_step_tokens``): episodes kept in this process's event loop across steps,
+    trained with the decoupled objective; the agent loop's episodes only (``ctxrl.rollout.partial``)."""
+    key = "rollout.partial_step_tokens"
+    if config.distributed.backend != "none":
+        raise ConfigError(f"{key} keeps the episodes it carries over in this process; with distributed.backend="
+                          f"{config.distributed.backend} they would live on the workers, which is not built: set "
+                          f"distributed.backend=none or {key}=0")
+    if config.distributed.max_staleness > 0:
+        raise ConfigError(f"{key} continues episodes on the learner's current weights; distributed.max_staleness > 0 "
+                          f"holds the engine's weights back as well: set one of them to 0")
+    if config.algo.old_logprobs != "recompute":
+        raise ConfigError(f"{key} trains episodes whose early turns older weights sampled: set algo.old_logprobs="
+                          "\"recompute\" (the decoupled PPO objective; algo.offpolicy corrects the old tokens)")
+    if config.algo.dynamic_sampling:
+        raise ConfigError(f"{key} does not combine with algo.dynamic_sampling yet: set one of them off")
+    if config.rollout.episode_timeout_s > 0:
+        raise ConfigError(f"{key}: an episode carried over waits out the update, which the episode deadline "
+                          f"(rollout.episode_timeout_s={config.rollout.episode_timeout_s:g}) would count: set "
+                          "rollout.episode_timeout_s=0 (tool calls keep their own timeouts)")
+    if config.meta.num_attempts > 1 or config.settings_of("meta", "demos").max > 0:
+        raise ConfigError(f"{key} plays single episodes of the agent loop, not trials (meta.num_attempts > 1) nor "
+                          f"annealed demonstrations (meta.demos.max > 0): set {key}=0 or leave [meta] at one attempt")
+    if config.settings_of("reward", "judge").enabled:
+        raise ConfigError(f"{key} does not combine with reward.judge yet: set {key}=0 or reward.judge.target=\"\"")
+    from ctxrl.envs.base import EnvError
+    from ctxrl.envs.roles import is_multi_role
+
+    try:
+        env_cls = env_class(config.env.name)
+    except EnvError:
+        return  # (an unknown environment is the rollout's error, with the known names)
+    if is_multi_role(env_cls) or getattr(env_cls, "runner", None):
+        what = f"its own runner ({env_cls.runner})" if getattr(env_cls, "runner", None) else "several roles"
+        raise ConfigError(f"{key}: environment {config.env.name!r} plays {what}; partial rollouts play the agent "
+                          f"loop's episodes only: set {key}=0")
 
 
 def _validate_judge(config: Config) -> None:
