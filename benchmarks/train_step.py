@@ -25,6 +25,17 @@ sizes the run chose (its ``memory`` row: KV slots, learner tokens per micro-batc
     python benchmarks/train_step.py --model qwen2.5-1.5b --arms default,tuned
     python benchmarks/train_step.py --model smollm2-135m-instruct --arms default   # the real model
     python benchmarks/train_step.py --smoke                 # a few-MB shape on the CPU, 2 steps
+
+``--partial TOKENS``: partial rollouts against waiting (docs/scaling.md). The workload becomes the multi-turn
+environment of ``benchmarks/envs/long_tail.py`` (turns per episode drawn from ``--turns``, most short, a few long;
+a random policy's turns end at every ``--stop-every``-th id of the vocabulary, named as ``rollout.stop_ids``, so they
+run about that many tokens; a real model's end on their own), and the arms ``waiting`` (``rollout.partial_step_tokens
+= 0``) and ``partial`` (``= TOKENS``), both with the decoupled objective (``algo.old_logprobs = "recompute"``) and no
+episode deadline. A partial step trains the groups that finished, so the table adds the episodes trained per step,
+trained episodes per second over the timed steps, and the tokens' mean staleness::
+
+    python benchmarks/train_step.py --partial 256 --steps 8        # qwen2.5-0.5b on the GPU
+    python benchmarks/train_step.py --smoke --partial 16
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ ARMS = {
 }
 """Tokens the chat template adds around a prompt of words (system turn, markers, roles)."""
 SMOKE = {"model": "qwen2-test", "prompts": 4, "generations": 2, "completion_tokens": 16, "prompt_words": 16,
-         "steps": 2, "device": "cpu", "dtype": "float32", "before_tokens": 256}
+         "steps": 2, "device": "cpu", "dtype": "float32", "before_tokens": 256, "stop_every": 4, "obs_words": 4}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,6 +84,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="JSON path")
     ap.add_argument("--arm-timeout", type=int, default=900)
     ap.add_argument("--smoke", action="store_true", help="a few-MB shape on the CPU")
+    ap.add_argument("--partial", type=int, default=0, metavar="TOKENS", help="partial rollouts of TOKENS per episode "
+                    "and step against waiting, on the long-tailed multi-turn workload (replaces --arms)")
+    ap.add_argument("--turns", default="1,1,1,1,2,2,3,4,6,8", help="--partial: the turn counts an episode draws from")
+    ap.add_argument("--stop-every", type=int, default=64, help="--partial: a random policy's turn ends at every "
+                    "this-many-th id of the vocabulary (its turns' mean length)")
+    ap.add_argument("--obs-words", type=int, default=16, help="--partial: words of the environment's reply per turn")
     ap.add_argument("extra", nargs="*", help="overrides for every arm, section.key=value")
     return ap
 
@@ -115,11 +132,29 @@ def base_overrides(args, checkpoint: Path) -> list[str]:
             "eval.tasks=1", "train.eval_every=0", "run.progress=false", "run.samples_per_step=0"]
 
 
+PARTIAL_ARMS = ("waiting", "partial")
+"""The arms of ``--partial``: ``rollout.partial_step_tokens`` 0 and the flag's."""
+
+
+def partial_overrides(args, checkpoint: Path | str, real: bool) -> list[str]:
+    """What ``--partial``'s workload changes in ``base_overrides``: the long-tailed multi-turn environment, room for
+    its longest episode, the decoupled objective and no deadline (both arms), and for a random policy stop ids."""
+    turns = max(int(n) for n in args.turns.split(","))
+    room = prompt_tokens(checkpoint, args.prompt_words) + turns * (args.completion_tokens + args.obs_words + 16)
+    overrides = ["env.name=long_tail:LongTailEnv", f"env.max_turns={turns}", f"rollout.max_total_tokens={room}",
+                 "algo.old_logprobs=recompute", "rollout.episode_timeout_s=0"]
+    if not real:
+        vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+        overrides.append(f"rollout.stop_ids={list(range(args.stop_every, vocab, args.stop_every))}")
+    return overrides
+
+
 def run_arm(name: str, overrides: list[str], args, checkpoint: Path, work: Path) -> dict:
     run_dir = work / name
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENVS), str(ROOT), env.get("PYTHONPATH")) if p)
     env["CTXRL_BENCH_PROMPT_WORDS"] = str(args.prompt_words)
+    env["CTXRL_BENCH_TURNS"], env["CTXRL_BENCH_OBS_WORDS"] = args.turns, str(args.obs_words)
     config = work / "empty.toml"  # (every setting is an override)
     config.write_text("")
     command = [sys.executable, "-m", "ctxrl", "train", str(config), "--run-dir", str(run_dir),
@@ -152,25 +187,31 @@ def summarise(metrics: Path) -> dict:
         values = [r[key] for r in timed if key in r]
         return round(statistics.median(values), 3) if values else None
 
+    seconds = sum(r["time_step"] for r in timed)
     return {"steps_timed": len(timed), "step_s": median("time_step"), "rollout_s": median("time_rollout"),
             "update_s": median("time_update"), "peak_gib": median("peak_gpu_gib"),
             "tokens": median("tokens"), "kv_slots": memory.get("kv_slots"),
             "learner_tokens": memory.get("learner_tokens"), "planned_gib": memory.get("planned_gib"),
-            "micro_batches": median("learner_micro_batches"), "flat_forward": median("learner_flat_forward")}
+            "micro_batches": median("learner_micro_batches"), "flat_forward": median("learner_flat_forward"),
+            "trained_episodes": median("trained_episodes"),
+            "episodes_per_s": round(sum(r["trained_episodes"] for r in timed) / seconds, 2) if seconds else None,
+            "token_staleness": median("token_staleness_mean")}
 
 
 def print_table(report: dict) -> None:
     print(f"\n{report['card']} | {report['model']} {report['dtype']} | {report['workload']}")
-    print(f"{'arm':<10} {'step s':>7} {'rollout':>8} {'update':>7} {'peak GiB':>9} {'KV slots':>9} {'tokens/mb':>10} "
-          f"{'micro':>6} {'flat':>5}")
+    columns = [("step s", "step_s", 7), ("rollout", "rollout_s", 8), ("update", "update_s", 7),
+               ("peak GiB", "peak_gib", 9), ("KV slots", "kv_slots", 9), ("tokens/mb", "learner_tokens", 10),
+               ("micro", "micro_batches", 6), ("flat", "flat_forward", 5)]
+    if report.get("partial"):
+        columns[3:] = [("episodes", "trained_episodes", 9), ("ep/s", "episodes_per_s", 7),
+                       ("staleness", "token_staleness", 10), ("peak GiB", "peak_gib", 9)]
+    print(f"{'arm':<10} " + " ".join(f"{title:>{w}}" for title, _, w in columns))
     for r in report["arms"]:
         if "error" in r:
             print(f"{r['arm']:<10} error: {r['error']}")
             continue
-        cells = [r.get(k) for k in ("step_s", "rollout_s", "update_s", "peak_gib", "kv_slots", "learner_tokens",
-                                    "micro_batches", "flat_forward")]
-        widths = (7, 8, 7, 9, 9, 10, 6, 5)
-        print(f"{r['arm']:<10} " + " ".join(f"{'-' if v is None else v:>{w}}" for v, w in zip(cells, widths)))
+        print(f"{r['arm']:<10} " + " ".join(f"{'-' if r.get(k) is None else r.get(k):>{w}}" for _, k, w in columns))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -181,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     from ctxrl.models.named import named_model
     from ctxrl.models.shapes import save_random_checkpoint
 
-    if named_model(args.model) is not None:  # a real model: its own weights, and replies that may stop early
+    real = named_model(args.model) is not None
+    if real:  # a real model: its own weights, and replies that may stop early
         checkpoint = args.model
     else:
         checkpoint = save_random_checkpoint(args.model, args.cache / f"{args.model}-{args.dtype}", dtype=args.dtype)
@@ -193,10 +235,17 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"card": card, "model": args.model, "dtype": args.dtype,
               "workload": f"{args.prompts} prompts x {args.generations} completions of {args.completion_tokens} "
                           f"tokens after {args.prompt_words} prompt words, {args.steps} steps",
-              "versions": versions(), "arms": []}
+              "versions": versions(), "arms": [], "partial": args.partial}
+    arms = [arm_overrides(spec, args) for spec in args.arms.split(",")]
+    if args.partial:
+        workload = partial_overrides(args, checkpoint, real)
+        arms = [(name, [*workload, f"rollout.partial_step_tokens={tokens}"])
+                for name, tokens in zip(PARTIAL_ARMS, (0, args.partial))]
+        report["workload"] = (f"{args.prompts} prompts x {args.generations} episodes of {args.turns} turns (turns of "
+                              f"at most {args.completion_tokens} tokens"
+                              f"{'' if real else f', a stop id every {args.stop_every}'}), {args.steps} steps")
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.arms.split(","):
-            name, overrides = arm_overrides(spec, args)
+        for name, overrides in arms:
             report["arms"].append(run_arm(name, overrides, args, checkpoint, Path(tmp)))
     print_table(report)
     if args.out:

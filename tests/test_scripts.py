@@ -333,6 +333,17 @@ def test_train_step_times_the_real_command_on_the_cpu(tmp_path):
         bench.arm_overrides("fast", args)
 
 
+@pytest.mark.slow  # (two more ctxrl train processes, 30 s on 2 cores; the pool's tests run by default)
+def test_train_step_times_partial_rollouts_against_waiting(tmp_path):
+    """``--partial``: partial rollouts against waiting on the long-tailed multi-turn environment (docs/scaling.md).
+    The pool's bookkeeping is tests/test_partial_rollouts.py's, in the default run."""
+    report = script("benchmarks/train_step.py").main(["--smoke", "--partial", "8", "--cache", str(tmp_path / "cache")])
+    waiting, partial = report["arms"]
+    assert (waiting["arm"], partial["arm"]) == ("waiting", "partial") and "error" not in partial, partial
+    assert waiting["trained_episodes"] == 4 * 2 and waiting["token_staleness"] is None  # (a waiting step trains all)
+    assert 0 < partial["trained_episodes"] and partial["episodes_per_s"] > 0 and partial["token_staleness"] >= 0
+
+
 def test_reasoning_gym_families_checks_and_tabulates(tmp_path, capsys):
     pytest.importorskip("reasoning_gym")
     rows = script("benchmarks/reasoning_gym_families.py").main(["--smoke", "--out", str(tmp_path / "families.md")])
