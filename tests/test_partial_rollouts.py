@@ -222,6 +222,30 @@ def test_closing_drops_the_episodes_in_flight_and_logs_how_many(renderer, caplog
     assert "2 episodes in flight were dropped" in caplog.text
 
 
+RANDOM_TURNS = ("rollout.temperature=1.0", "rollout.max_new_tokens=24",
+                'rollout.stop_strings=[" ", "a", "e", "o"]')  # (so that the random tiny model's turns end early)
+
+
+def test_uncut_the_pool_plays_a_waiting_steps_episodes_on_the_hf_engine(model, tokenizer, renderer):
+    """The tiny model sampling: with a budget it never reaches, the pool's episodes are ``worker.run``'s, bit for bit
+    (the same seeds, the same batches)."""
+    from ctxrl.engine.hf import HFEngine
+
+    request = _request(0, _task("long", 3), _task("long2", 2), _task("short", 1))
+    engines = [HFEngine(model, pad_token_id=tokenizer.pad_token_id, decode=renderer.decode) for _ in range(2)]
+    worker = _worker(renderer, engines[1], *RANDOM_TURNS)
+    try:
+        waiting = _worker(renderer, engines[0], *RANDOM_TURNS).run(request)
+        uncut = worker.play_partial(request, 10**9).episodes
+    finally:
+        worker.close()
+        for engine in engines:
+            engine.close()
+    assert [len(e.turns) for e in uncut] == [3, 3, 2, 2, 1, 1]
+    assert [(e.input_ids, e.loss_mask, e.behavior_logprobs) for e in uncut] == [
+        (e.input_ids, e.loss_mask, e.behavior_logprobs) for e in waiting]
+
+
 def test_the_learner_sees_the_gap_exactly_on_the_tokens_older_weights_sampled(model, tokenizer, renderer):
     """The tiny model in the HF engine, an episode cut after its first turn and continued on perturbed weights (an
     evaluation played between the steps): under the new weights (the learner's after the update), the tokens sampled
@@ -233,8 +257,7 @@ def test_the_learner_sees_the_gap_exactly_on_the_tokens_older_weights_sampled(mo
 
     module = copy.deepcopy(model)
     engine = HFEngine(module, pad_token_id=tokenizer.pad_token_id, decode=renderer.decode)
-    worker = _worker(renderer, engine, "rollout.temperature=1.0", "rollout.max_new_tokens=24",
-                     'rollout.stop_strings=[" ", "a", "e", "o"]')  # (turns of the random model end early)
+    worker = _worker(renderer, engine, *RANDOM_TURNS)
     try:
         first = worker.play_partial(_request(0, _task("long", 2), _task("short", 1), group_size=1), 1)
         assert [e.task.id for e in first.episodes] == ["short"]
