@@ -133,7 +133,9 @@ def test_a_cut_episode_is_the_episode_played_without_a_cut_but_for_its_versions(
     whole.close()
     engine = Versioned(renderer, by_version=False)
     worker = _worker(renderer, engine)
-    cut = worker.play_partial(request, 1).episodes  # (long2 finishes in two rounds of this step: nothing else does)
+    first = worker.play_partial(request, 1)  # (no group finishes in the first round: long2 in the second)
+    assert first.rounds == 2 and first.in_flight == 2
+    cut = first.episodes
     engine.load_weights({}, version=1)
     cut += worker.play_partial(_request(1), 1).episodes
     worker.close()
