@@ -17,7 +17,7 @@ token counts per rank (``tests/test_data_parallel.py`` checks it on 2 processes 
 every rank takes the same optimiser step. Recomputed old log-probs are computed on the shares and
 summed into the whole batch on every rank. A model that fits one device is replicated (DDP's
 arrangement, without its module wrapper, which ctxrl's own forward pass would bypass); sharding
-the weights (FSDP) is not implemented.
+the weights is ``ctxrl.distributed.sharded.ShardedRanks`` (FSDP2), which the learner takes in this one's place.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ CLOSE_TIMEOUT_S = 300
 
 class DataParallel:
     """This process's rank among ``world`` learner ranks, and the collectives the learner needs."""
+
+    sharded = False
+    """Whether the model's parameters are sharded over the ranks (``ctxrl.distributed.sharded.ShardedRanks``)."""
 
     def __init__(self, group=None, *, owns_group: bool = False) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -122,6 +125,18 @@ class DataParallel:
             if rank == self.rank:
                 mine.append(i)
         return sorted(mine)
+
+    def reduce_gradients(self, params: list[torch.Tensor]) -> None:
+        """Make every rank's ``.grad`` of ``params`` the whole mini-batch's: summed across ranks here."""
+        self.sum_gradients(params)
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the (already summed, equal) gradients of ``params`` to ``max_norm``; returns their norm before."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def most(self, count: int) -> int:
+        """``count``: a replicated model's forward passes need not match across ranks (no collective)."""
+        return count
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` across ranks, in place; returns it."""

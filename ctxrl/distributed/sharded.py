@@ -15,13 +15,18 @@ What is here:
 - ``sharded_update``: one optimiser step on this rank's rows: forward and backward of a masked token loss through
   ``ctxrl.learner.logprobs.token_logprobs``, the gradient norm of the **whole** model (each rank's shard norms
   combined), clipping by it, the step.
+- ``ShardedRanks``: the ``Learner``'s view of sharded ranks (``Learner(..., parallel=ShardedRanks())``): rows shared
+  as under data parallelism, gradients reduced inside backward (no all-reduce after), the gradient norm of the
+  whole model, and as many micro-batches on every rank as on the busiest (``most``), since every forward and
+  backward of a sharded model is collective.
 - ``full_state_layers``: the full weights, one decoder layer at a time (peak memory one layer above the shards),
   for a rollout engine's weight sync (``sync_engine``).
 
 Checkpoints are in ``sharded_checkpoint`` and the per-rank memory plan in ``sharded_memory``.
 
-What it deliberately does not do (yet): it is not wired into ``ctxrl train`` or the ``Learner`` (the learner is
-being redesigned; docs/scaling.md says where it plugs in); the chunked output head of ``token_logprobs``
+What it deliberately does not do (yet): it is not wired into ``ctxrl train`` (the ``Learner`` takes it; the run's
+build, its follower protocol for the engine's sync and the sharded checkpoints are the next step; docs/scaling.md);
+a critic is refused; the chunked output head of ``token_logprobs``
 (``chunk > 0``) calls the backbone and the head separately, which bypasses the root unit's all-gather, so the
 update uses the full-logits path (``chunk=0``); no activation checkpointing, LoRA or CUDA-graphed layers here;
 no GPU figures exist yet.
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ctxrl.distributed.data_parallel import DataParallel
 from ctxrl.learner.logprobs import token_logprobs
 
 
@@ -89,6 +95,37 @@ def shard_model(model: torch.nn.Module, *, mixed_precision: MixedPrecisionPolicy
             module.set_gradient_divide_factor(1.0)  # sum: each rank's loss is normalised by the whole batch
             module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG or PREMUL_SUM)
     return model
+
+
+class ShardedRanks(DataParallel):
+    """The learner's ranks over a model ``shard_model`` has wrapped (the module docstring). The row shares, the
+    figures' sums and the control channel are ``DataParallel``'s; what differs is that the gradients are
+    reduce-scattered inside backward (``reduce_gradients`` does nothing), the norm to clip by is the whole
+    model's (``clip_gradients``), and every forward is a collective (``most``)."""
+
+    sharded = True
+
+    def reduce_gradients(self, params: list[torch.Tensor]) -> None:
+        """Nothing: each backward already summed the shards' gradients across ranks (``shard_model``)."""
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip ``params``' gradients by the norm of the whole model's gradient (a collective) and return that norm,
+        equal on every rank."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm,
+                                             foreach=False)
+        return norm
+
+    def most(self, count: int) -> int:
+        """The largest ``count`` over the ranks: each of this rank's ``count`` micro-batches is one forward (and
+        backward) of the sharded model, which every rank must run as often as the busiest one does."""
+        most = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.control)
+        return int(most)
 
 
 def sharded_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,

@@ -44,6 +44,8 @@ __all__ = ["LAYOUT_KEYS", "Learner", "LearnerSettings", "micro_batches", "per_to
 
 
 MINI_BATCH_ORDERS = ("shuffled", "prefix")
+IDLE_ZEROED = ("loss_mask", "advantages", "value_mask", "env_mask", "teacher_probs")
+"""What an idle pass zeroes of the row it runs: every weight a loss term or a figure takes."""
 """``train.mini_batch_order``: how ``Learner.update`` cuts an update's rows into mini-batches."""
 
 
@@ -64,6 +66,10 @@ class Learner:
                  critic_optimizer=None, parallel=None) -> None:
         if (critic is None) != (critic_optimizer is None):
             raise ValueError("a critic needs its critic_optimizer (and the other way round)")
+        sharded = parallel is not None and parallel.sharded
+        if sharded and critic is not None:
+            raise ValueError("a critic over sharded learner ranks (FSDP2) is not supported yet: train GAE on one "
+                             "process or data-parallel ranks, or choose an estimator without a critic")
         self.critic = critic
         self.critic_optimizer = critic_optimizer
         self.model = model
@@ -82,9 +88,8 @@ class Learner:
         (every epoch's; ``train.shared_prefix``)."""
         self.skipped_updates = 0
         self.parallel = parallel
-        """A ``ctxrl.distributed.data_parallel.DataParallel``: this rank trains on its share of each mini-batch's
-        rows, the loss normalised by the whole mini-batch's counts, gradients and figures summed across ranks."""
-        self.forward = settings.forward(model)  # decided now, on every rank alike (an error here)
+        """``DataParallel`` or ``ShardedRanks`` (``ctxrl.distributed``): this rank trains on its share of the rows."""
+        self.forward = settings.forward(model, sharded=sharded)  # decided now, on every rank alike (an error here)
         decoder = self.forward.layout.decoder
         if decoder is not None and decoder.graphs is not None:  # one capture for every micro-batch of the run
             decoder.graphs.min_tokens = settings.micro_batch_tokens
@@ -132,23 +137,8 @@ class Learner:
         return {**before, **{k: v / max(count, 1) for k, v in totals.items()}, **layout}
 
     def mini_batch_rows(self, batch: Batch) -> list[list[int]]:
-        """One epoch's mini-batches of ``batch`` as row indices (``train.mini_batch_order``): a random order cut into
-        ``mini_batches`` parts, or the rows in token order (rows that share a prefix side by side) cut into
-        consecutive parts, taken in a random order."""
-        t = self.settings.train
-        if t.mini_batch_order not in MINI_BATCH_ORDERS:
-            raise ValueError(f"mini_batch_order must be one of {', '.join(MINI_BATCH_ORDERS)}, not "
-                             f"{t.mini_batch_order!r}")
-        if t.mini_batch_order == "shuffled":
-            order = torch.randperm(len(batch), generator=self.generator).tolist()
-        else:
-            lengths = batch.lengths.tolist()
-            order = sorted(range(len(batch)), key=lambda r: batch.input_ids[r, : lengths[r]].tolist())
-        chunk = max(math.ceil(len(order) / t.mini_batches), 1)
-        parts = [order[start:start + chunk] for start in range(0, len(order), chunk)]
-        if t.mini_batch_order == "prefix":
-            parts = [parts[i] for i in torch.randperm(len(parts), generator=self.generator).tolist()]
-        return parts
+        """One epoch's mini-batches of ``batch`` as row indices (``mini_batch_rows``, this learner's generator)."""
+        return mini_batch_rows(batch, self.settings.train, self.generator)
 
     @torch.no_grad()
     def recompute_old_logprobs(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -171,8 +161,12 @@ class Learner:
 
         mine, share = self._share(batch)
         size = self.rows_per_micro_batch(share)  # (which also says whether the rows run flat: no padding to count)
-        rows = per_token_rows(share, self.device, size, learner_logprobs, s.micro_batch_tokens,
-                              padded=not self.flat_rows, split=self.forward.micro_batches) if mine else []
+        real, idle = passes(self.forward, self.parallel, share if mine else None, batch, size, self.device,
+                            s.micro_batch_tokens, padded=not self.flat_rows)
+        rows = per_token_rows(share, self.device, size, learner_logprobs, padded=not self.flat_rows,
+                              split=lambda *_, **__: real) if mine else []
+        for micro in idle:  # (sharded ranks: every rank runs as many passes as the busiest)
+            self.forward.logprobs(micro)
         recomputed = torch.zeros_like(batch.old_logprobs)
         for row, values in zip(mine, rows):
             recomputed[row, : len(values) - 1] = torch.tensor(values[1:])
@@ -200,14 +194,17 @@ class Learner:
         # backward too: activation checkpointing recomputes attention there, and a different kernel would
         # not reproduce what the forward pass saved
         with attention_kernels(self.device):
-            if mine:
-                size = self.rows_per_micro_batch(share)  # (which also says whether the rows run flat)
-                for _, micro in self.forward.micro_batches(share, size, self.device, s.micro_batch_tokens,
-                                                           padded=not self.flat_rows):
-                    self._micro_batch(micro, sums, denominator=denominator, norm_length=norm_length,
-                                      value_count=value_count, env_tokens=env_tokens)
-                    self.micro_batches_run += 1
-                    self.shared = [a + b for a, b in zip(self.shared, sharing(micro))]
+            size = self.rows_per_micro_batch(share) if mine else 1  # (which also says whether the rows run flat)
+            real, idle = passes(self.forward, self.parallel, share if mine else None, batch, size, self.device,
+                                s.micro_batch_tokens, padded=not self.flat_rows)
+            for _, micro in real:
+                self._micro_batch(micro, sums, denominator=denominator, norm_length=norm_length,
+                                  value_count=value_count, env_tokens=env_tokens)
+                self.micro_batches_run += 1
+                self.shared = [a + b for a, b in zip(self.shared, sharing(micro))]
+            for micro in idle:  # (sharded ranks: every rank runs as many passes as the busiest, these train nothing)
+                self._micro_batch(micro, {}, denominator=denominator, norm_length=norm_length,
+                                  value_count=value_count, env_tokens=env_tokens)
         if self.parallel is not None:  # the same figures on every rank, even one whose share was empty
             sums = self.parallel.sum_figures({k: sums.get(k, 0.0) for k in figure_keys(
                 self.settings, kl=self.reference is not None, critic=self.critic is not None)}, self.device)
@@ -250,12 +247,13 @@ class Learner:
             self.critic_optimizer.zero_grad(set_to_none=True)
         metrics = self.mini_batch_loss(batch)
         if self.parallel is not None:  # each rank's gradient is its share of the whole mini-batch's: sum them
-            self.parallel.sum_gradients(trainable_grads(self.optimizer))
+            self.parallel.reduce_gradients(trainable_grads(self.optimizer))  # (sharded: backward did)
             if self.critic_optimizer is not None:
                 self.parallel.sum_gradients(trainable_grads(self.critic_optimizer))
         precision = self.precision
         precision.unscale(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_grads(self.optimizer), self.settings.train.max_grad_norm)
+        clip = torch.nn.utils.clip_grad_norm_ if self.parallel is None else self.parallel.clip_gradients
+        grad_norm = clip(trainable_grads(self.optimizer), self.settings.train.max_grad_norm)
         # A mini-batch whose every advantage is 0 (and no KL, entropy, distillation top-K or critic term) has no
         # learning signal: its gradient is 0, and an optimiser step would only replay Adam's momentum, a full
         # learning-rate-sized move per parameter for several steps after one informative batch.
@@ -299,3 +297,41 @@ class Learner:
             precision.update()
             metrics["loss_scale"] = precision.loss_scale
         return metrics
+
+
+def mini_batch_rows(batch: Batch, t, generator: torch.Generator) -> list[list[int]]:
+    """One epoch's mini-batches of ``batch`` as row indices (``t.mini_batch_order``, ``t`` a ``TrainConfig``): a
+    random order cut into ``mini_batches`` parts, or the rows in token order (rows that share a prefix side by side)
+    cut into consecutive parts, taken in a random order."""
+    if t.mini_batch_order not in MINI_BATCH_ORDERS:
+        raise ValueError(f"mini_batch_order must be one of {', '.join(MINI_BATCH_ORDERS)}, not "
+                         f"{t.mini_batch_order!r}")
+    if t.mini_batch_order == "shuffled":
+        order = torch.randperm(len(batch), generator=generator).tolist()
+    else:
+        lengths = batch.lengths.tolist()
+        order = sorted(range(len(batch)), key=lambda r: batch.input_ids[r, : lengths[r]].tolist())
+    chunk = max(math.ceil(len(order) / t.mini_batches), 1)
+    parts = [order[start:start + chunk] for start in range(0, len(order), chunk)]
+    if t.mini_batch_order == "prefix":
+        parts = [parts[i] for i in torch.randperm(len(parts), generator=generator).tolist()]
+    return parts
+
+
+def passes(forward, parallel, share: Batch | None, batch: Batch, size: int, device, max_tokens: int, *,
+           padded: bool):
+    """(this rank's micro-batches of ``share`` as ``forward`` cuts them, idle ones). Over sharded ranks every forward
+    and backward is a collective, so the count is agreed before any runs (``parallel.most``) and a rank with fewer
+    gets idle micro-batches: one row of ``batch`` with every weight in ``IDLE_ZEROED`` 0, training nothing.
+    Otherwise the micro-batches stay a lazy iterator (one on the device at a time) and there are no idle ones."""
+    real = iter(()) if share is None else forward.micro_batches(share, size, device, max_tokens, padded=padded)
+    if parallel is None or not parallel.sharded:
+        return real, []
+    real = list(real)
+    missing = parallel.most(len(real)) - len(real)
+    if missing <= 0:
+        return real, []
+    row = batch.select([0])
+    zeroed = {k: torch.zeros_like(v) for k, v in row.__dict__.items() if k in IDLE_ZEROED and v is not None}
+    idle = next(iter(forward.micro_batches(Batch(**{**row.__dict__, **zeroed}), 1, device, 0, padded=True)))[1]
+    return real, [idle] * missing

@@ -13,7 +13,7 @@ from ctxrl.algo.offpolicy import correction_keywords, get_offpolicy_correction
 from ctxrl.algo.policy_losses import declared, get_policy_loss, loss_keywords
 from ctxrl.learner.batch import Batch
 from ctxrl.learner.flat import MODES as FLAT_MODES
-from ctxrl.learner.forward import SHARING_MODES, Forward, choose
+from ctxrl.learner.forward import PADDED, SHARING_MODES, Forward, choose
 from ctxrl.sections import AlgoConfig, TrainConfig
 
 WORLD_MODEL_AND_SHARING = ("algo.world_model_coef > 0 scores the environment's tokens, which a shared-prefix tree "
@@ -92,8 +92,12 @@ class LearnerSettings:
         """The KL-to-reference coefficient of the loss (0 when ``algo.kl_placement`` puts the KL in the reward)."""
         return self.algo.kl_coef if self.algo.kl_placement == "loss" else 0.0
 
-    def forward(self, model) -> Forward:
-        """The policy's forward pass over ``model`` under these settings (``ctxrl.learner.forward.choose``)."""
+    def forward(self, model, *, sharded: bool = False) -> Forward:
+        """The policy's forward pass over ``model`` under these settings (``ctxrl.learner.forward.choose``).
+        ``sharded`` (FSDP2): HF's padded pass with the full logits, the one path that enters the model through its
+        root unit (the chunked head calls the backbone and the head apart)."""
+        if sharded:
+            return Forward(model, PADDED, temperature=self.temperature, chunk=0)
         return Forward(model, choose(model, self.train, "policy"), temperature=self.temperature,
                        chunk=self.train.logprob_chunk_tokens)
 
