@@ -147,6 +147,20 @@ def eval_limits_table(evals: Path) -> str:
     return "\n".join(lines)
 
 
+def arm_runs(root: Path, prefix: str, arms: dict[str, str]) -> dict[str, list[tuple[int, Path]]]:
+    """A batch's runs by arm: ``root`` holds run directories named ``PREFIX<seed>-<arm>``; ``arms`` maps an arm's
+    name to its label. Label -> [(seed, run directory)], seeds in order, in ``arms``' order; arms with no runs are
+    left out, and so are runs of other arms."""
+    out: dict[str, list[tuple[int, Path]]] = {}
+    for run_dir in sorted(root.iterdir()) if root.is_dir() else ():
+        if not run_dir.name.startswith(prefix):
+            continue
+        seed, arm = run_dir.name.removeprefix(prefix).split("-", 1)
+        if arm in arms:
+            out.setdefault(arms[arm], []).append((int(seed), run_dir))
+    return {label: sorted(out[label]) for label in arms.values() if label in out}
+
+
 @functools.cache
 def _metric_rows(run_dir: Path) -> tuple[dict, ...]:
     """A run's metrics rows, read once: the tables ask for each run's evaluations many times (read-only)."""

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from context_rl import _metric_rows  # noqa: E402  (sibling scripts, not a package)
+from context_rl import _metric_rows, arm_runs  # noqa: E402  (sibling scripts, not a package)
 from stats import SeedOutcome, bootstrap_difference, bootstrap_mean, paired_t_test, seed_differences  # noqa: E402
 
 from ctxrl.meta.stats import pass_at_k  # noqa: E402
@@ -47,16 +47,8 @@ FIGURES = ("attempt 1", "by attempt 3", "pass@3")
 
 
 def runs(data: Path = DATA) -> dict[str, list[tuple[int, Path]]]:
-    """Label -> [(seed, run directory)], seeds in order; arms with no runs are left out."""
-    out: dict[str, list[tuple[int, Path]]] = {}
-    root = data / "runs"
-    for run_dir in sorted(root.iterdir()) if root.is_dir() else ():
-        if not run_dir.name.startswith(PREFIX):
-            continue
-        seed, arm = run_dir.name.removeprefix(PREFIX).split("-", 1)
-        if arm in ARMS:
-            out.setdefault(ARMS[arm], []).append((int(seed), run_dir))
-    return {label: sorted(out[label]) for label in ARMS.values() if label in out}
+    """Label -> [(seed, run directory)], seeds in order; arms with no runs are left out (``arm_runs``)."""
+    return arm_runs(data / "runs", PREFIX, ARMS)
 
 
 def task_figures(row: dict) -> dict[str, dict[str, float]]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from context_rl import _metric_rows  # noqa: E402  (sibling scripts, not a package)
+from context_rl import _metric_rows, arm_runs  # noqa: E402  (sibling scripts, not a package)
 from stats import SeedOutcome, bootstrap_difference, bootstrap_mean, paired_t_test, seed_differences  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "data" / "issue52"
@@ -37,16 +37,8 @@ steps play version 0 at ages 0 and 1."""
 
 
 def runs(data: Path = DATA) -> dict[str, list[tuple[int, Path]]]:
-    """Label -> [(seed, run directory)], seeds in order; arms with no runs are left out."""
-    out: dict[str, list[tuple[int, Path]]] = {}
-    root = data / "batch" / "runs"
-    for run_dir in sorted(root.iterdir()) if root.is_dir() else ():
-        if not run_dir.name.startswith(PREFIX):
-            continue
-        seed, arm = run_dir.name.removeprefix(PREFIX).split("-", 1)
-        if arm in ARMS:
-            out.setdefault(ARMS[arm], []).append((int(seed), run_dir))
-    return {label: sorted(out[label]) for label in ARMS.values() if label in out}
+    """Label -> [(seed, run directory)], seeds in order; arms with no runs are left out (``arm_runs``)."""
+    return arm_runs(data / "batch" / "runs", PREFIX, ARMS)
 
 
 def outcomes(arm: list[tuple[int, Path]], step: int) -> list[SeedOutcome]:
