@@ -42,7 +42,9 @@ def manager_overrides(manager: str, budget: int, max_summaries: int) -> list[str
 
 def main() -> None:
     from ctxrl.config import load_config
-    from ctxrl.train.trainer import Trainer, train
+    from ctxrl.run import loop
+    from ctxrl.run.build import build, close
+    from ctxrl.train.trainer import train
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=MODEL)
@@ -79,12 +81,12 @@ def main() -> None:
                                          *manager_overrides(manager, args.budget, args.max_summaries),
                                          f"context.{manager}.eval_max_summaries={k}", "train.steps=0",
                                          *args.overrides])
-                trainer = Trainer(cfg, out / f"{manager}-eval-{k}")
-                evaluated = trainer.evaluate(args.steps, splits=("heldout", "ood"))
+                run = build(cfg, out / f"{manager}-eval-{k}")
+                evaluated = loop.evaluate(run, args.steps, splits=("heldout", "ood"))
                 scaling[k] = {split: r["success"] for split, r in evaluated.items()}
-                trainer.writer.close()
-                trainer.close()
-                del trainer  # before the next one is built: two engines' caches need not fit at once
+                run.writer.close()
+                close(run)
+                del run  # before the next one is built: two engines' caches need not fit at once
             results[manager]["heldout_by_eval_summaries"] = {k: v["heldout"] for k, v in scaling.items()}
             results[manager]["ood_by_eval_summaries"] = {k: v["ood"] for k, v in scaling.items()}
     out.mkdir(parents=True, exist_ok=True)

@@ -71,37 +71,40 @@ def _config(overrides: list[str]):
 
 def train_and_evaluate(overrides: list[str], out: Path, *, eval_every: int = 0) -> dict:
     """Optional warm start, ``train.steps`` RL steps, held-out evaluation (also every ``eval_every`` steps)."""
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run import loop
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
 
     config = _config(overrides)
-    trainer = Trainer(config, out)
+    run = build(config, out)
     if config.sft.enabled:
-        trainer.warm_start()
+        loop.warm_start(run)
     curve = {}
     steps = config.train.steps
     if eval_every:
-        curve[0] = trainer.evaluate(0, splits=("heldout",))["heldout"]["success"]
+        curve[0] = loop.evaluate(run, 0, splits=("heldout",))["heldout"]["success"]
     if steps:
-        trainer.make_learner()
+        start_learning(run)
         for step in range(steps):
-            trainer.step(step)
+            rl_step(run, step)
             if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-                curve[step + 1] = trainer.evaluate(step + 1, splits=("heldout",))["heldout"]["success"]
-    result = trainer.evaluate(steps, splits=("heldout",))["heldout"]
+                curve[step + 1] = loop.evaluate(run, step + 1, splits=("heldout",))["heldout"]["success"]
+    result = loop.evaluate(run, steps, splits=("heldout",))["heldout"]
     curve[steps] = result["success"]
-    checkpoint = trainer.save_final("final")
-    trainer.writer.close()
+    checkpoint = loop.save_final(run, "final")
+    run.writer.close()
     return {"heldout": result, "curve": curve, "checkpoint": str(checkpoint)}
 
 
 def evaluate(checkpoint: str, overrides: list[str], out: Path) -> dict:
     """Held-out evaluation of a saved model under ``overrides`` (no training)."""
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run import loop
+    from ctxrl.run.build import build
 
-    trainer = Trainer(_config([*overrides, f"model.name={json.dumps(checkpoint)}", "sft.enabled=false",
-                               "train.steps=0"]), out)
-    result = trainer.evaluate(0, splits=("heldout",))["heldout"]
-    trainer.writer.close()
+    run = build(_config([*overrides, f"model.name={json.dumps(checkpoint)}", "sft.enabled=false", "train.steps=0"]),
+                out)
+    result = loop.evaluate(run, 0, splits=("heldout",))["heldout"]
+    run.writer.close()
     return result
 
 

@@ -165,32 +165,32 @@ def test_after_an_update_the_engine_logprobs_equal_the_learners(tmp_path, engine
     from ctxrl.engine.base import SamplingParams
     from ctxrl.engine.fast import FastEngine
     from ctxrl.engine.hf import HFEngine
+    from ctxrl.run.build import build, start_learning
     from ctxrl.train.learner import token_logprobs
-    from ctxrl.train.trainer import Trainer
 
-    trainer = Trainer(load_config(None, [f"model.name={TINY}", "sft.enabled=false", "rollout.tasks_per_step=2",
-                                         "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
-                                         "algo.advantage=test_sign", "train.lr=1e-2", f"rollout.engine={engine}"]),
-                      tmp_path)
-    assert isinstance(trainer.worker.engine, {"hf": HFEngine, "fast": FastEngine}[engine])
-    trainer.make_learner()
-    prompt = trainer.renderer.prompt_ids(CalculatorEnv().reset(CalculatorEnv.sample_tasks("train", 1, 3)[0]), None)
+    run = build(load_config(None, [f"model.name={TINY}", "sft.enabled=false", "rollout.tasks_per_step=2",
+                                   "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
+                                   "algo.advantage=test_sign", "train.lr=1e-2", f"rollout.engine={engine}"]),
+                tmp_path)
+    assert isinstance(run.worker.engine, {"hf": HFEngine, "fast": FastEngine}[engine])
+    start_learning(run)
+    prompt = run.renderer.prompt_ids(CalculatorEnv().reset(CalculatorEnv.sample_tasks("train", 1, 3)[0]), None)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
 
     def engine_and_learner() -> tuple[list[float], list[float]]:
-        completion = asyncio.run(trainer.worker.engine.generate(prompt, params))
+        completion = asyncio.run(run.worker.engine.generate(prompt, params))
         ids = torch.tensor([prompt + completion.token_ids])
         with torch.no_grad():
-            learner = token_logprobs(trainer.model, ids, torch.ones_like(ids))[0, len(prompt) - 1:].tolist()
+            learner = token_logprobs(run.model, ids, torch.ones_like(ids))[0, len(prompt) - 1:].tolist()
         return completion.logprobs, learner
 
     before, _ = engine_and_learner()
-    row = trainer.step(0)
-    assert row["grad_norm"] > 0 and row["skipped"] == 0.0 and trainer.worker.policy_version == 1
+    row = step_module.rl_step(run, 0)
+    assert row["grad_norm"] > 0 and row["skipped"] == 0.0 and run.worker.policy_version == 1
     sampled, learner = engine_and_learner()
     assert sampled != before  # the update moved the engine's weights
     assert sampled == pytest.approx(learner, abs=1e-5)
-    assert trainer.worker.engine.model is not trainer.model  # its own copy, updated by load_weights
+    assert run.worker.engine.model is not run.model  # its own copy, updated by load_weights
 
 
 # -- extension points defined here alone ----------------------------------------------------------
@@ -246,16 +246,16 @@ class ChainOracle:
 
 
 def test_a_manager_and_an_estimator_defined_in_a_test_file_train_end_to_end(tmp_path, renderer, monkeypatch):
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
 
     config = load_config(None, [f"model.name={TINY}", "env.name=kv_chain", "sft.enabled=false",
                                 "context.manager=test_newest_turn", "context.max_context_tokens=330",
                                 "algo.advantage=test_sign", "rollout.group_size=1", "rollout.tasks_per_step=3",
                                 "env.max_turns=10", "rollout.max_new_tokens=64", "rollout.max_total_tokens=1024",
                                 "run.progress=false", "eval.tasks=2", "train.steps=1"])
-    trainer = Trainer(config, tmp_path)
-    trainer.make_learner()
-    trainer.worker.engine = ChainOracle(renderer)
+    run = build(config, tmp_path)
+    start_learning(run)
+    run.worker.engine = ChainOracle(renderer)
     seen = {}
     update = step_module.update
 
@@ -264,7 +264,7 @@ def test_a_manager_and_an_estimator_defined_in_a_test_file_train_end_to_end(tmp_
         return update(run, rows, step)
 
     monkeypatch.setattr(step_module, "update", capture)  # (the step looks its phases up in ctxrl.run.step)
-    row = trainer.step(0)
+    row = step_module.rl_step(run, 0)
     assert row["success"] == 1.0 and row["trained_sequences"] > row["trained_episodes"] == 3  # segments trained
     assert row["context_peak_tokens_max"] <= 330 + 64 + 40  # the manager kept the context near its budget
     assert all(r.advantages == [1.0 * m for m in r.loss_mask] for r in seen["rows"])  # the estimator's +1

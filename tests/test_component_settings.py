@@ -252,8 +252,9 @@ def test_the_docs_loss_trains_an_rl_step_of_the_real_trainer(loss_plugin, tmp_pa
     """The doc's file and table, as a user runs them: the registered name chosen by the config, its table read, its
     figure in the step's row; a misspelt name lists it among the choices."""
 
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
     from ctxrl.train import collect
-    from ctxrl.train.trainer import Trainer
 
     path = tmp_path / "capped_pg.toml"
     path.write_text(doc_block("# capped_pg.toml", "toml"))
@@ -272,10 +273,10 @@ def test_the_docs_loss_trains_an_rl_step_of_the_real_trainer(loss_plugin, tmp_pa
                                 "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
                                 "run.samples_per_step=0"])
     assert config.settings_of("algo", "capped_pg").cap == 1.5
-    trainer = Trainer(config, tmp_path / "run")
-    learner = trainer.make_learner()
+    run = build(config, tmp_path / "run")
+    learner = start_learning(run)
     assert learner.settings.loss_keywords == {"cap": 1.5}
-    row = trainer.step(0)
+    row = rl_step(run, 0)
     assert row["capped_frac"] == 0.0 and row["approx_kl"] >= 0.0  # (the first epoch is on-policy: r = 1)
     assert row["advantage_abs_mean"] > 0 and row["skipped"] == 0.0 and row["grad_norm"] > 0
     assert "clip_frac_low" not in row  # (PPO's figures are ppo_clip's: this loss declares its own)

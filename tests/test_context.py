@@ -210,19 +210,19 @@ def test_eval_summary_limit_overrides_training_and_config_checks():
 
 def test_rl_step_trains_on_segments(tmp_path, renderer):
     """One RL step with summaries: sequences = segments, metrics reported, the update runs."""
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=summarize",
                              "context.max_context_tokens=300", "context.summarize.max_summaries=6", "env.max_turns=8",
                              "context.budget_start_tokens=330", "context.budget_steps=10",
                              "rollout.max_total_tokens=1024", "rollout.max_new_tokens=64", "rollout.tasks_per_step=2",
                              "rollout.group_size=2", "run.progress=false", "sft.enabled=false"])
-    trainer = Trainer(cfg, tmp_path)
-    trainer.make_learner()
+    run = build(cfg, tmp_path)
+    start_learning(run)
 
     summarize = cfg.settings_of("context", "summarize")
-    trainer.worker.engine = OracleEngine(renderer, summarize.instruction)
-    row = trainer.step(0)
+    run.worker.engine = OracleEngine(renderer, summarize.instruction)
+    row = step_module.rl_step(run, 0)
     assert row["context_budget"] == 330  # step 0 of the shrinking-budget curriculum (330 -> 300 over 10 steps)
     assert row["summaries_per_episode"] > 0 and row["trained_sequences"] > row["trained_episodes"]
     # generations fit the budget; the summary step may pass it by one observation + instruction + summary
@@ -441,14 +441,14 @@ def test_branch_reward_goes_to_the_tokens_of_branches_that_returned_a_result(ren
 
 
 def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer, monkeypatch):
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=kv_chain", "context.manager=fold",
                              "context.fold.branch_reward=0.25", "env.max_turns=10", "rollout.max_total_tokens=1024",
                              "rollout.max_new_tokens=64", "rollout.tasks_per_step=2", "rollout.group_size=2",
                              "run.progress=false", "sft.enabled=false"])
-    trainer = Trainer(cfg, tmp_path)
-    trainer.make_learner()
+    run = build(cfg, tmp_path)
+    start_learning(run)
     seen = {}
     update = step_module.update
 
@@ -457,8 +457,8 @@ def test_rl_step_credits_the_branch_reward_to_branch_tokens(tmp_path, renderer, 
         return update(run, rows, step)
 
     monkeypatch.setattr(step_module, "update", capture)  # (the step looks its phases up in ctxrl.run.step)
-    trainer.worker.engine = FoldOracle(renderer)
-    row = trainer.step(0)
+    run.worker.engine = FoldOracle(renderer)
+    row = step_module.rl_step(run, 0)
     assert row["success"] == 1.0 and row["branches_returned_per_episode"] == 1.0
     # every episode succeeded: the outcome advantage is 0, so what is left is the branch reward, on branches only
     branch_rows = [r for r in seen["rows"] if BRANCH_HEADER.strip() in renderer.decode(r.input_ids)]

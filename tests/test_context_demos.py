@@ -200,28 +200,29 @@ def test_run_plays_its_warm_start_demos_under_summarize_when_the_env_can(tmp_pat
     import warnings
 
     from ctxrl.config import ConfigError
-    from ctxrl.train.trainer import Trainer as Run
+    from ctxrl.run import loop
+    from ctxrl.run.build import build
     from ctxrl.train.warm_start import demo_limits
 
-    run = Run(_config("sft.demos=8", "sft.epochs=1", "sft.batch_size=4"), tmp_path / "kv")
+    run = build(_config("sft.demos=8", "sft.epochs=1", "sft.batch_size=4"), tmp_path / "kv")
     limits = demo_limits(run.spec, run.context_demos)
     assert run.context_demos and limits.context == run.spec.train.context  # the run's policy at its final budget
     assert limits.max_new_tokens == 48 and limits.max_total_tokens == 1024
     steps = []
-    row = run.warm_start(on_step=lambda step, total, loss: steps.append(total))
+    row = loop.warm_start(run, on_step=lambda step, total, loss: steps.append(total))
     assert row["context_demos"] and row["demo_summaries_per_episode"] > 0
     # every segment trains as its own sequence: more sequences than demos, batch_size sequences per step
     sequences = 8 + round(row["demo_summaries_per_episode"] * 8)
     assert row["sft_steps"] == steps[-1] == -(-sequences // 4)
     # off: full-context demos
-    off = Run(_config("sft.context_demos=off"), tmp_path / "off")
+    off = build(_config("sft.context_demos=off"), tmp_path / "off")
     assert not off.context_demos and demo_limits(off.spec, off.context_demos) is None
     # an env without the hook: auto says so once and plays full-context demos; on is a config error
-    calc = Run(_config("env.name=calculator", "sft.demos=4", "sft.epochs=1"), tmp_path / "calc")
+    calc = build(_config("env.name=calculator", "sft.demos=4", "sft.epochs=1"), tmp_path / "calc")
     assert not calc.context_demos and demo_limits(calc.spec, calc.context_demos) is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        calc.warm_start()
+        loop.warm_start(calc)
     assert any("no summary(task, messages) hook" in str(w.message) for w in caught)
     with pytest.raises(ConfigError, match="sft.context_demos=on, but environment 'calculator' has no summary"):
-        Run(_config("env.name=calculator", "sft.context_demos=on"), tmp_path / "on")
+        build(_config("env.name=calculator", "sft.context_demos=on"), tmp_path / "on")

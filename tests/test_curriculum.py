@@ -56,7 +56,8 @@ def test_self_paced_prefers_intermediate_success():
 
 def test_make_curriculum_and_the_loop_hook(tmp_path):
     from ctxrl.config import CurriculumConfig, load_config
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
 
     assert isinstance(make_curriculum(CurriculumConfig(kind="horizon")), HorizonCurriculum)
     with pytest.raises(ValueError, match="unknown curriculum"):
@@ -65,9 +66,9 @@ def test_make_curriculum_and_the_loop_hook(tmp_path):
                                 "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false",
                                 "curriculum.kind=horizon", "curriculum.horizon.start_turns=1",
                                 "curriculum.horizon.warmup_steps=4", "env.max_turns=3"])
-    run = Trainer(config, tmp_path / "run")
-    run.make_learner()
-    rows = [run.step(step) for step in (0, 4)]
+    run = build(config, tmp_path / "run")
+    start_learning(run)
+    rows = [rl_step(run, step) for step in (0, 4)]
     assert [r["max_turns"] for r in rows] == [1, 3]
     assert all(r["turns"] <= 1 for r in rows[:1])
 

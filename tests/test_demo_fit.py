@@ -17,15 +17,16 @@ def config(manager: str, budget: int, *extra: str):
 
 
 def test_a_budget_the_demos_cannot_fit_stops_before_the_model_loads(tmp_path, monkeypatch):
-    from ctxrl.train import trainer
+    from ctxrl.learner.policy import Policy
+    from ctxrl.run.build import build
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(trainer.Policy, "load", no_load)
+    monkeypatch.setattr(Policy, "load", no_load)
     with pytest.raises(ConfigError, match=r"do not fit the context budget \(found before loading the model, on 64 of "
                                           r"them\): demonstration for task fact_hunt-\w+ ended early \(max_context\)"):
-        trainer.Trainer(config("select", 320), tmp_path / "run")
+        build(config("select", 320), tmp_path / "run")
 
 
 def test_a_budget_the_demos_cannot_fit_stops_before_a_tiny_model_is_built(tmp_path, monkeypatch):

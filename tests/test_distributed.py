@@ -151,42 +151,43 @@ def test_a_worker_dead_at_weight_sync_is_replaced_holding_the_new_weights_within
 
 
 def _rows(tmp_path, extra: list[str], steps: int = 2, during_update=None) -> tuple[list[dict], object]:
-    """``steps`` RL steps of a run; ``during_update(trainer, step)`` is called inside each step's update (the rollout
+    """``steps`` RL steps of a run; ``during_update(run, step)`` is called inside each step's update (the rollout
     workers idle)."""
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, close, start_learning
+    from ctxrl.run.step import rl_step, sync_engine
 
     config = load_config(None, BASE + ["algo.advantage=test_alternating", "train.lr=1e-2", f"train.steps={steps}",
                                        *extra])
-    trainer = Trainer(config, tmp_path)
+    run = build(config, tmp_path)
     try:
-        learner = trainer.make_learner()
+        learner = start_learning(run)
         if during_update is not None:
             update, done = learner.update, []
 
             def hooked(batch):
-                during_update(trainer, len(done))
+                during_update(run, len(done))
                 done.append(1)
                 return update(batch)
 
             learner.update = hooked
-        trainer.sync_engine(0)
-        return [trainer.step(s) for s in range(steps)], trainer
+        sync_engine(run, 0)
+        return [rl_step(run, s) for s in range(steps)], run
     finally:
-        trainer.close()
+        close(run)
 
 
 @pytest.mark.slow  # (104 s on 2 cores: Ray's start, two runs and a restarted worker; the sharding and restart
 # tests below keep the default suite's coverage of both)
 def test_synchronous_training_on_ray_gives_the_in_process_results(tmp_path):
     """... with a worker killed while idle, during the first update: the weight sync replaces it, within the bound."""
-    def kill_while_idle(trainer, step):
+    def kill_while_idle(run, step):
         if step == 0:
-            ray.kill(trainer.worker.actors[0])
+            ray.kill(run.worker.actors[0])
 
     local, _ = _rows(tmp_path / "local", [])
-    on_ray, trainer = _rows(tmp_path / "ray", ["distributed.backend=ray"], during_update=kill_while_idle)
-    assert type(trainer.worker).__name__ == "RayRolloutPool"
-    assert trainer.worker.stats["restarts"] == 1 and trainer.worker.policy_version == 2
+    on_ray, run = _rows(tmp_path / "ray", ["distributed.backend=ray"], during_update=kill_while_idle)
+    assert type(run.worker).__name__ == "RayRolloutPool"
+    assert run.worker.stats["restarts"] == 1 and run.worker.policy_version == 2
     for a, b in zip(local, on_ray):
         assert a["grad_norm"] > 0
         for key in ("reward", "sampled_tokens", "turns"):
@@ -196,11 +197,11 @@ def test_synchronous_training_on_ray_gives_the_in_process_results(tmp_path):
 
 
 def test_asynchronous_training_keeps_staleness_within_its_bound(tmp_path):
-    rows, trainer = _rows(tmp_path, ["distributed.backend=ray", "distributed.max_staleness=1",
-                                     "algo.old_logprobs=recompute", "algo.tis_cap=2.0"], steps=4)
+    rows, run = _rows(tmp_path, ["distributed.backend=ray", "distributed.max_staleness=1",
+                                 "algo.old_logprobs=recompute", "algo.tis_cap=2.0"], steps=4)
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # the first step starts from version 0
     assert all(r["stale_dropped"] == 0.0 and r["grad_norm"] > 0 for r in rows)
-    assert trainer.worker.policy_version == 4
+    assert run.worker.policy_version == 4
 
 
 @pytest.mark.slow  # (Ray's start and two asynchronous steps)

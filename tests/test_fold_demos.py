@@ -186,39 +186,41 @@ def test_fold_budget_config_checks():
 def test_fold_context_demos_on_without_the_hook_is_a_config_error_and_auto_falls_back(tmp_path):
     import warnings
 
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run import loop
+    from ctxrl.run.build import build
     from ctxrl.train.warm_start import context_demos, demo_limits
 
-    run = Trainer(_config("context.max_context_tokens=900", "sft.demos=4", "sft.epochs=1", "sft.batch_size=4",
-                          "env.max_turns=8"), tmp_path / "fold")
+    run = build(_config("context.max_context_tokens=900", "sft.demos=4", "sft.epochs=1", "sft.batch_size=4",
+                        "env.max_turns=8"), tmp_path / "fold")
     assert run.context_demos
     limits = demo_limits(run.spec, run.context_demos)
     assert limits.context.manager == "fold" and limits.context.max_context_tokens == 900
-    row = run.warm_start()
+    row = loop.warm_start(run)
     assert row["context_demos"] and row["demo_branches_per_episode"] == 1.0
     with pytest.raises(ConfigError, match="sft.context_demos=on, but environment 'calculator' has no folded\\(task\\)"):
-        Trainer(_config("env.name=calculator", "sft.context_demos=on"), tmp_path / "on")
+        build(_config("env.name=calculator", "sft.context_demos=on"), tmp_path / "on")
     from ctxrl.envs.calculator import CalculatorEnv
 
     assert not context_demos(_config("env.name=calculator"), CalculatorEnv)  # auto: no hook, no fold demos
-    calc = Trainer(_config("env.name=calculator", "sft.demos=4", "sft.epochs=1"), tmp_path / "calc")
+    calc = build(_config("env.name=calculator", "sft.demos=4", "sft.epochs=1"), tmp_path / "calc")
     assert not calc.context_demos and demo_limits(calc.spec, calc.context_demos) is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        calc.warm_start()
+        loop.warm_start(calc)
     assert any("no folded(task) hook" in str(w.message) and "no fold solutions" in str(w.message) for w in caught)
 
 
 def test_trainer_logs_the_context_budget_of_a_budgeted_fold(tmp_path):
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build
+    from ctxrl.run.step import keep_trainable
 
     for budget, logged in ((0, False), (600, True)):
-        trainer = Trainer(_config(f"context.max_context_tokens={budget}", "sft.enabled=false", "env.max_turns=8",
-                                  "rollout.tasks_per_step=1", "rollout.group_size=2"), tmp_path / str(budget))
+        run = build(_config(f"context.max_context_tokens={budget}", "sft.enabled=false", "env.max_turns=8",
+                            "rollout.tasks_per_step=1", "rollout.group_size=2"), tmp_path / str(budget))
         metrics = {}
         from ctxrl.train.collect import Collected
 
-        trainer.filter(0, Collected([], [], metrics))
+        keep_trainable(run, 0, Collected([], [], metrics))
         assert ("context_budget" in metrics) == logged
         if logged:
             assert metrics["context_budget"] == 600

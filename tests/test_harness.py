@@ -105,15 +105,16 @@ def test_a_misconfigured_harness_is_a_config_error(overrides, message):
 def test_a_harness_trains_like_a_built_in_environment(tmp_path):
     from conftest import TINY
 
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
 
     config = load_config("examples/harness/calculator.toml", [f"model.name={TINY}", "sft.enabled=false",
                                                               "rollout.tasks_per_step=2", "rollout.group_size=2",
                                                               "rollout.max_new_tokens=8", "run.progress=false"])
-    trainer = Trainer(config, tmp_path)
-    trainer.make_learner()
-    row = trainer.step(0)
-    assert row["skipped"] == 0.0 and trainer.worker.policy_version == 1
+    run = build(config, tmp_path)
+    start_learning(run)
+    row = rl_step(run, 0)
+    assert row["skipped"] == 0.0 and run.worker.policy_version == 1
     assert row["errored"] == 0.0 and row["turns"] >= 1.0 and row["sampled_tokens"] > 0
 
 
@@ -150,16 +151,17 @@ def test_a_harness_with_roles_records_one_sequence_a_role_each_with_its_reward(r
 def test_a_harness_with_roles_trains_each_role_against_its_own_group(tmp_path):
     from conftest import TINY
 
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
 
     config = load_config(None, ["env.name=harness", f'env.harness.agent="{FIXTURES}:ask_and_answer"',
                                 'env.data="env:calculator"', f"model.name={TINY}", "sft.enabled=false",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "run.progress=false", "eval.tasks=2"])
-    trainer = Trainer(config, tmp_path)
-    trainer.make_learner()
-    row = trainer.step(0)
-    assert row["errored"] == 0.0 and trainer.worker.policy_version == 1
+    run = build(config, tmp_path)
+    start_learning(run)
+    row = rl_step(run, 0)
+    assert row["errored"] == 0.0 and run.worker.policy_version == 1
     assert row["success_asker"] == 1.0 and row["reward_asker"] == 0.5 and "success_answerer" in row
 
 
@@ -178,8 +180,9 @@ def train_one_step_beside(harness, stop, port: int, tmp_path):
 
     from conftest import TINY
 
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
     from ctxrl.serve.harness import Remote
-    from ctxrl.train.trainer import Trainer
 
     config = load_config(None, [f"model.name={TINY}", "env.name=harness", f'env.harness.agent="remote:{port}"',
                                 'env.data="env:calculator"', "sft.enabled=false", "rollout.tasks_per_step=2",
@@ -188,14 +191,14 @@ def train_one_step_beside(harness, stop, port: int, tmp_path):
     thread = threading.Thread(target=harness, daemon=True)
     thread.start()
     try:
-        trainer = Trainer(config, tmp_path)
-        trainer.make_learner()
-        row = trainer.step(0)
+        run = build(config, tmp_path)
+        start_learning(run)
+        row = rl_step(run, 0)
     finally:
         stop.set()
         thread.join(timeout=10)
         Remote._servers[port].close()
-    return trainer, row
+    return run, row
 
 
 def test_harnesses_in_another_process_train_through_the_http_server(tmp_path, monkeypatch):
@@ -231,10 +234,10 @@ def test_harnesses_in_another_process_train_through_the_http_server(tmp_path, mo
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 errors.append(exc)
 
-    trainer, row = train_one_step_beside(harness, stop, port, tmp_path)
+    run, row = train_one_step_beside(harness, stop, port, tmp_path)
     assert not errors, errors
     assert len(played) == 4 and all(code == 200 for _, _, code in played)
-    assert row["skipped"] == 0.0 and trainer.worker.policy_version == 1
+    assert row["skipped"] == 0.0 and run.worker.policy_version == 1
     rewards = sorted(r for _, r, _ in played)
     assert row["reward"] == pytest.approx(sum(rewards) / 4) and row["turns"] == 1.0 and row["errored"] == 0.0
     with pytest.raises(httpx.ConnectError):
@@ -296,11 +299,11 @@ def test_a_harness_bad_request_or_reward_never_ends_the_run_and_every_route_asks
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 errors.append(exc)
 
-    trainer, row = train_one_step_beside(harness, stop, port, tmp_path)
+    run, row = train_one_step_beside(harness, stop, port, tmp_path)
     assert not errors, errors
     assert [s for kind, s in statuses if kind == "no key"] == [[401] * 5] * 4
     assert sorted({(kind, s) for kind, s in statuses if kind != "no key"}) == [
         ("bad request", 400), ("bad reward", 400), ("stranger", 404)]
     assert len(played) == 4 and all(code == 200 for _, _, code in played)
-    assert row["skipped"] == 0.0 and row["errored"] == 0.0 and trainer.worker.policy_version == 1
+    assert row["skipped"] == 0.0 and row["errored"] == 0.0 and run.worker.policy_version == 1
     assert row["reward"] == pytest.approx(sum(r for _, r, _ in played) / 4)

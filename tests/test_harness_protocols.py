@@ -61,11 +61,12 @@ def test_an_sdk_agent_records_the_built_in_episode_id_for_id(agent, renderer, mo
 def test_the_example_configs_train_a_step(config, tmp_path):
     from conftest import TINY
 
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
 
     cfg = load_config(config, [f"model.name={TINY}", "sft.enabled=false", "rollout.tasks_per_step=2",
                                "rollout.group_size=2", "rollout.max_new_tokens=16", "run.progress=false"])
-    trainer = Trainer(cfg, tmp_path)
-    trainer.make_learner()
-    row = trainer.step(0)
+    run = build(cfg, tmp_path)
+    start_learning(run)
+    row = rl_step(run, 0)
     assert row["skipped"] == 0.0 and row["errored"] == 0.0 and row["sampled_tokens"] > 0

@@ -81,18 +81,20 @@ def test_clear_errors(tmp_path, task_file):
 
 def test_trains_through_the_loop(tmp_path, task_file):
     from ctxrl.config import load_config
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run import loop
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
 
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "env.name=jsonl_tools",
                                 f'env.data="{task_file}"', "env.jsonl_tools.tools=calculator",
                                 "env.jsonl_tools.verifier=numeric",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "run.progress=false", "eval.tasks=3"])
-    run = Trainer(config, tmp_path / "run")
-    run.make_learner()
-    row = run.step(0)
+    run = build(config, tmp_path / "run")
+    start_learning(run)
+    row = rl_step(run, 0)
     assert row["trained_episodes"] == 4
-    assert set(run.evaluate(0)) == {"train", "heldout", "ood"}
+    assert set(loop.evaluate(run, 0)) == {"train", "heldout", "ood"}
 
 
 def test_a_file_of_bare_prompt_answer_lines_checks_trains_and_evaluates_on_the_splits_it_has(tmp_path):

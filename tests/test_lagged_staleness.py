@@ -64,12 +64,12 @@ def test_a_lag_below_one_and_a_version_going_back_are_errors():
     assert LaggedWeights(1).current() is None and LaggedWeights(1).playing() is None
 
 
-def _engine_weights(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.worker.engine.model.state_dict().items()}
+def _engine_weights(run) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in run.worker.engine.model.state_dict().items()}
 
 
-def _policy_weights(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.policy.engine_state()[0].items()}
+def _policy_weights(run) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in run.policy.engine_state()[0].items()}
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -80,82 +80,87 @@ def test_a_run_in_one_process_trains_on_episodes_exactly_lag_versions_old(tmp_pa
     """Staleness 2, four steps: each step's episodes are min(step, 2) versions old, the engine holds the learner's
     weights of two updates before, an evaluation plays the current weights and puts the lagged ones back, and
     icepop logs the gap it corrects."""
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run import loop
+    from ctxrl.run.build import build, close, start_learning
+    from ctxrl.run.step import rl_step, sync_engine
 
     config = load_config(None, BASE + ["distributed.max_staleness=2", "train.steps=4", "algo.offpolicy=icepop"])
-    trainer = Trainer(config, tmp_path)
+    run = build(config, tmp_path)
     try:
-        trainer.make_learner()
-        trainer.sync_engine(0)
-        after: list[dict[str, torch.Tensor]] = [_policy_weights(trainer)]  # the learner's weights by version
+        start_learning(run)
+        sync_engine(run, 0)
+        after: list[dict[str, torch.Tensor]] = [_policy_weights(run)]  # the learner's weights by version
         rows = []
         for step in range(4):
-            assert _same(_engine_weights(trainer), after[max(step - 2, 0)])
-            collected = trainer.collector.collect(step)
+            assert _same(_engine_weights(run), after[max(step - 2, 0)])
+            collected = run.collector.collect(step)
             assert {e.policy_version for e in collected.episodes} == {max(step - 2, 0)}
-            rows.append(trainer.step(step))
-            after.append(_policy_weights(trainer))
+            rows.append(rl_step(run, step))
+            after.append(_policy_weights(run))
         assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
         assert [r["staleness_mean"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
         assert all(r["stale_dropped"] == 0.0 and r["grad_norm"] > 0 and "offpolicy_masked_frac" in r for r in rows)
         assert not _same(after[2], after[4])  # the learner moved: the lag is visible in the weights
-        assert trainer.worker.policy_version == 2 and _same(_engine_weights(trainer), after[2])
+        assert run.worker.policy_version == 2 and _same(_engine_weights(run), after[2])
 
         seen = []
-        original = trainer.worker.run
+        original = run.worker.run
 
         def spy(request, **kwargs):
-            seen.append((trainer.worker.policy_version, _same(_engine_weights(trainer), after[4])))
+            seen.append((run.worker.policy_version, _same(_engine_weights(run), after[4])))
             return original(request, **kwargs)
 
-        trainer.worker.run = spy
-        trainer.evaluate(4, splits=("heldout",))
+        run.worker.run = spy
+        loop.evaluate(run, 4, splits=("heldout",))
         assert seen and all(s == (4, True) for s in seen)  # evaluated on the learner's current weights
-        assert trainer.worker.policy_version == 2 and _same(_engine_weights(trainer), after[2])  # the lag is back
+        assert run.worker.policy_version == 2 and _same(_engine_weights(run), after[2])  # the lag is back
 
-        trainer.sync_engine(4, restored=True)  # a resume: the checkpoint holds no older weights
-        assert trainer.worker.policy_version == 4 and _same(_engine_weights(trainer), after[4])
+        sync_engine(run, 4, restored=True)  # a resume: the checkpoint holds no older weights
+        assert run.worker.policy_version == 4 and _same(_engine_weights(run), after[4])
     finally:
-        trainer.close()
+        close(run)
 
 
 def test_the_warm_start_weights_replace_version_0_on_the_engine(tmp_path):
     """The initial weights are held as version 0 from the start; a warm start changes them and syncs version 0
     again: the engine must play the warm-started weights, evaluated and trained on (a bug once kept the initial
     ones, since the version had not changed)."""
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run import loop
+    from ctxrl.run.build import build, close
+    from ctxrl.run.step import sync_engine
 
-    trainer = Trainer(load_config(None, BASE + ["distributed.max_staleness=2", "train.steps=1"]), tmp_path)
+    run = build(load_config(None, BASE + ["distributed.max_staleness=2", "train.steps=1"]), tmp_path)
     try:
-        initial = _engine_weights(trainer)
+        initial = _engine_weights(run)
         with torch.no_grad():
-            for p in trainer.model.parameters():
+            for p in run.model.parameters():
                 p.add_(0.01)  # what a warm start does to the learner's weights
-        trainer.sync_engine(0)
-        assert trainer.worker.policy_version == 0 and _same(_engine_weights(trainer), _policy_weights(trainer))
-        assert not _same(_engine_weights(trainer), initial)
-        trainer.evaluate(0, splits=("heldout",))  # nothing to swap: the current weights are the played ones
-        assert _same(_engine_weights(trainer), _policy_weights(trainer))
+        sync_engine(run, 0)
+        assert run.worker.policy_version == 0 and _same(_engine_weights(run), _policy_weights(run))
+        assert not _same(_engine_weights(run), initial)
+        loop.evaluate(run, 0, splits=("heldout",))  # nothing to swap: the current weights are the played ones
+        assert _same(_engine_weights(run), _policy_weights(run))
     finally:
-        trainer.close()
+        close(run)
 
 
 def test_off_policy_gap_grows_with_the_lag(tmp_path):
     """The same seeds at staleness 0 and 2: the behaviour and recomputed log-probs agree on-policy, not when the
     engine is two updates behind."""
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, close, start_learning
+    from ctxrl.run.step import rl_step, sync_engine
 
     gaps = {}
     for lag in (0, 2):
         config = load_config(None, BASE + [f"distributed.max_staleness={lag}", "train.steps=3",
                                            "algo.offpolicy=token_tis"])
-        trainer = Trainer(config, tmp_path / str(lag))
+        run = build(config, tmp_path / str(lag))
         try:
-            trainer.make_learner()
-            trainer.sync_engine(0)
-            rows = [trainer.step(s) for s in range(3)]
+            start_learning(run)
+            sync_engine(run, 0)
+            rows = [rl_step(run, s) for s in range(3)]
         finally:
-            trainer.close()
+            close(run)
         gaps[lag] = rows[-1]["mismatch_abs_before_update"]
     assert gaps[0] < 1e-4  # (the same weights, the same float32 arithmetic up to batching)
     assert gaps[2] > 100 * max(gaps[0], 1e-6)

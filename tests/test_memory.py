@@ -315,7 +315,7 @@ def test_the_learner_gets_the_planned_tokens_unless_the_user_set_some(smollm2):
     config = load_config(None, [])
     plan = plan_memory(default_run(smollm2))
     # a quarter of the 80 GiB card for float32 activations of 1_850_112 bytes a token: 11_520 tokens (the learner's
-    # budget is the plan's value, Trainer.micro_batch_tokens; the user's config is not changed)
+    # budget is the plan's value, Run.micro_batch_tokens; the user's config is not changed)
     assert plan.learner_tokens == 20 * GIB // 1_850_112 // 256 * 256 == 11_520
     assert config.train.max_tokens_per_microbatch == 0
     assert learner_settings(config, plan.learner_tokens).micro_batch_tokens == 11_520

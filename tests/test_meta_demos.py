@@ -108,10 +108,11 @@ SMALL = ["model.name=tiny:pretrain_steps=0", "env.name=calculator", "rollout.tas
 
 def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeypatch):
     from ctxrl.rollout.spec import RolloutRequest
+    from ctxrl.run import loop
+    from ctxrl.run.build import build
     from ctxrl.train import evaluation
-    from ctxrl.train.trainer import Trainer as Run
 
-    run = Run(load_config(None, SMALL), tmp_path)
+    run = build(load_config(None, SMALL), tmp_path)
     tasks = CalculatorEnv.sample_tasks("train", 2, seed=0)
 
     def chooser(step: int, phase: str = "train"):
@@ -135,7 +136,7 @@ def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeyp
     assert not any(DEMOS_HEADER in run.renderer.decode(e.input_ids) for e in late)
     engine = run.worker.engine
     engine.prompts.clear()
-    summary = run.evaluate(0, splits=("heldout",))["heldout"]
+    summary = loop.evaluate(run, 0, splits=("heldout",))["heldout"]
     assert engine.prompts and not any(DEMOS_HEADER in run.renderer.decode(p) for p in engine.prompts)
     assert "success" in summary
 
@@ -145,7 +146,7 @@ def test_schedule_reaches_zero_and_evaluation_never_sees_demos(tmp_path, monkeyp
 
     monkeypatch.setattr(evaluation, "evaluate_split", leaky)
     with pytest.raises(RuntimeError, match="must be zero-shot"):
-        run.evaluate(0, splits=("heldout",))
+        loop.evaluate(run, 0, splits=("heldout",))
     run.writer.close()
 
 
@@ -158,8 +159,8 @@ def test_demo_config_errors(tmp_path):
         load_config(None, ["meta.demos.source=demos.txt"])
     with pytest.raises(ConfigError, match=r"\[meta.demos\]: kind must be one of linear, cosine, step"):
         load_config(None, ["meta.demos.kind=exp"])
-    from ctxrl.train.trainer import Trainer as Run
+    from ctxrl.run.build import build
 
     missing = load_config(None, [*SMALL, f"meta.demos.source={tmp_path / 'none.jsonl'}"])
     with pytest.raises(ConfigError, match="does not exist"):
-        Run(missing, tmp_path / "run")
+        build(missing, tmp_path / "run")

@@ -120,14 +120,14 @@ def test_records_must_match_the_sequences():
 
 
 def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp_path, monkeypatch):
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, start_learning
 
     config = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=minesweeper", "sft.enabled=false",
                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "rollout.max_total_tokens=1024", "meta.num_attempts=2", "algo.advantage=meta",
                                 "meta.reflection_max_tokens=4", "algo.meta.gamma_trial=0.5", "run.progress=false"])
-    run = Trainer(config, tmp_path)
-    run.make_learner()
+    run = build(config, tmp_path)
+    start_learning(run)
     seen = {}
 
     def update(_run, rows, step):
@@ -149,7 +149,7 @@ def test_the_rl_step_trains_attempts_and_reflections_with_credit_over_trials(tmp
         return rollouts["trials"]
 
     run.collector.rollout_round = rollout_round
-    row = run.step(0)
+    row = step_module.rl_step(run, 0)
     trials = rollouts["trials"]
     assert [t.group_id for t in trials] == [0, 0, 1, 1]
     # attempt 0 of group 0: returns [0.5, 1] -> -+1/sqrt(2); attempt 1 has one trial -> 0; group 1 all 0

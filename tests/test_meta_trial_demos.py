@@ -103,22 +103,23 @@ def test_missing_hooks_and_short_budgets_are_clear_errors(renderer, tmp_path):
     with pytest.raises(RuntimeError, match="longer than meta.reflection_max_tokens=4"):
         asyncio.run(build_trial_demos(MinesweeperEnv, renderer, 2, MetaConfig(num_attempts=2,
                                                                                 reflection_max_tokens=4)))
-    from ctxrl.train.trainer import Trainer as Run
+    from ctxrl.run.build import build
 
     with pytest.raises(ConfigError, match="environment 'calculator' has no failure"):
-        Run(load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.trial_demos=0.5", "run.progress=false"]),
-            tmp_path / "calc")
+        build(load_config(None, ["model.name=tiny:pretrain_steps=0", "sft.trial_demos=0.5", "run.progress=false"]),
+              tmp_path / "calc")
     with pytest.raises(ConfigError, match="sft.trial_demos must be in"):
         load_config(None, ["sft.trial_demos=2"])
 
 
 def test_the_warm_start_mixes_trial_demos_in(tmp_path):
-    from ctxrl.train.trainer import Trainer as Run
+    from ctxrl.run import loop
+    from ctxrl.run.build import build
 
-    run = Run(load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=minesweeper", "sft.demos=8",
-                                 "sft.trial_demos=0.25", "sft.epochs=1", "sft.batch_size=8", "meta.eval_attempts=3",
-                                 "run.progress=false"]), tmp_path)
-    row = run.warm_start()
+    run = build(load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=minesweeper", "sft.demos=8",
+                                   "sft.trial_demos=0.25", "sft.epochs=1", "sft.batch_size=8", "meta.eval_attempts=3",
+                                   "run.progress=false"]), tmp_path)
+    row = loop.warm_start(run)
     assert row["demos"] == 8 and row["trial_demos"] == 2
     sft = [s for s in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sft  # the first demos are logged as samples

@@ -101,18 +101,18 @@ def test_an_unbuilt_tiny_model_is_refused_with_the_stage_that_builds_it(tmp_path
     assert resolve(name) == built == ensure_model(name)  # (the second call builds nothing)
 
 
-def test_a_trainer_assembled_directly_builds_its_tiny_model(tmp_path, monkeypatch):
-    """Scripts that build a ``Trainer`` themselves (experiments/meta.py) get the stage too, not the loader's
-    refusal."""
+def test_a_run_built_directly_builds_its_tiny_model(tmp_path, monkeypatch):
+    """Scripts that build a run themselves (``ctxrl.run.build.build``: experiments/meta.py) get the stage too, not
+    the loader's refusal."""
     from ctxrl.config import load_config
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build
 
     monkeypatch.setenv("CTXRL_CACHE", str(tmp_path / "cache"))
     name = "tiny:pretrain_steps=0,hidden_size=32,num_layers=1,intermediate_size=64"
     config = load_config(Path(__file__).parents[1] / "examples" / "calculator_tiny.toml",
                          [f"model.name={name!r}".replace("'", '"'), "model.device=cpu", "sft.enabled=false"])
-    trainer = Trainer(config, tmp_path / "run")
-    assert resolve(name) == str(Path(trainer.tokenizer.name_or_path))
+    run = build(config, tmp_path / "run")
+    assert resolve(name) == str(Path(run.tokenizer.name_or_path))
 
 
 def test_missing_path():

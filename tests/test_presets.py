@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import ctxrl.train.collect as collect
-import ctxrl.train.trainer as loop
 from ctxrl.config import load_config
+from ctxrl.run.build import build, start_learning
+from ctxrl.run.step import rl_step, sync_engine
 
 PRESETS = sorted((Path(__file__).parents[1] / "examples" / "presets").glob("*.toml"))
 SMALL = ["model.name=tiny:pretrain_steps=0", "sft.enabled=false", "rollout.tasks_per_step=3", "rollout.group_size=3",
@@ -44,9 +45,9 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
 
     monkeypatch.setattr(collect, "shape_rewards", coin_flips)
     config = load_config(preset, SMALL)
-    trainer = loop.Trainer(config, tmp_path / "run")
-    trainer.make_learner()
-    rows = [trainer.step(step) for step in range(2)]
+    run = build(config, tmp_path / "run")
+    start_learning(run)
+    rows = [rl_step(run, step) for step in range(2)]
     for row in rows:
         assert "void_turn_rate" in row and "advantage_abs_mean" in row
         if config.algo.void_turn_filter:
@@ -54,9 +55,9 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
             assert row["void_turn_rate"] == 1.0 and row["trained_episodes"] == 0
             assert row["void_turn_filtered"] == 9 and "loss" not in row
             # the rest of the preset (its estimator and loss) still trains without the filter
-            unfiltered = loop.Trainer(load_config(preset, [*SMALL, "algo.void_turn_filter=false"]), tmp_path / "nf")
-            unfiltered.make_learner()
-            row = unfiltered.step(0)
+            unfiltered = build(load_config(preset, [*SMALL, "algo.void_turn_filter=false"]), tmp_path / "nf")
+            start_learning(unfiltered)
+            row = rl_step(unfiltered, 0)
             assert row["trained_episodes"] == 9 and math.isfinite(row["loss"]) and row["advantage_abs_mean"] > 0
             continue
         assert row["trained_episodes"] > 0
@@ -74,14 +75,14 @@ def test_preset_runs_rl_steps(preset, tmp_path, monkeypatch):
 def test_kl_as_a_reward_penalty(tmp_path, monkeypatch):
     config = load_config(PRESETS[0].parent / "reinforce_pp.toml",
                          [*SMALL, "algo.kl_coef=0.5", "algo.kl_placement=reward"])
-    trainer = loop.Trainer(config, tmp_path / "run")
-    learner = trainer.make_learner()
+    run = build(config, tmp_path / "run")
+    learner = start_learning(run)
     assert learner.settings.kl_coef == 0.0 and learner.reference is not None  # not in the loss
     with torch.no_grad():  # move the policy off the reference so the KL is not zero
-        for p in trainer.model.parameters():
+        for p in run.model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    trainer.sync_engine(0)  # the engine samples with the moved policy too
-    row = trainer.step(0)
+    sync_engine(run, 0)  # the engine samples with the moved policy too
+    row = rl_step(run, 0)
     assert row["kl_reward"] > 0 and "kl" not in row
     assert math.isfinite(row["loss"])
 
@@ -99,9 +100,9 @@ def test_turn_level_gae(tmp_path, monkeypatch):
 
     monkeypatch.setattr(collect, "shape_rewards", coin_flips)
     config = load_config(PRESETS[0].parent / "ppo.toml", [*SMALL, "algo.gae.level=turn"])
-    trainer = loop.Trainer(config, tmp_path / "run")
-    trainer.make_learner()
-    row = trainer.step(0)
+    run = build(config, tmp_path / "run")
+    start_learning(run)
+    row = rl_step(run, 0)
     assert math.isfinite(row["loss"]) and math.isfinite(row["vf_loss"]) and row["vf_loss"] > 0
     assert 0.0 <= row["vf_clip_frac"] <= 1.0
 

@@ -28,9 +28,12 @@ from ctxrl.config import ConfigError, load_config
 from ctxrl.envs.calculator import CalculatorEnv
 from ctxrl.envs.registry import register
 from ctxrl.errors import CheckpointError
+from ctxrl.run import loop
+from ctxrl.run.build import build, start_learning
+from ctxrl.run.step import rl_step
 from ctxrl.train import checkpoint
 from ctxrl.train import checkpoint_io as ckpt
-from ctxrl.train.trainer import Trainer, TrainingAborted, train
+from ctxrl.train.trainer import TrainingAborted, train
 from ctxrl.types import TrainSequence
 
 ROOT = Path(__file__).parents[1]
@@ -223,11 +226,11 @@ def test_a_full_or_read_only_run_directory_is_one_line_naming_the_path_and_how_t
 
 # -- (c) crash mid-save ---------------------------------------------------------------------------
 def test_crash_mid_save_leaves_latest_at_the_previous_checkpoint(tmp_path, monkeypatch):
-    run = Trainer(config("train.steps=2"), tmp_path)
-    run.make_learner()
-    run.step(0)
+    run = build(config("train.steps=2"), tmp_path)
+    start_learning(run)
+    rl_step(run, 0)
     checkpoint.save(run, 1)
-    run.step(1)
+    rl_step(run, 1)
     real = ckpt.save_state
 
     def crash(state, directory, name):
@@ -257,9 +260,9 @@ def test_killed_save_leaves_only_a_hidden_temporary_that_resume_removes(tmp_path
 
 # -- (d) NaN guards -------------------------------------------------------------------------------
 def test_nan_skips_the_update_with_weights_and_optimizer_untouched(tmp_path):
-    run = Trainer(config("train.steps=2"), tmp_path)
-    learner = run.make_learner()
-    run.step(0)  # the optimiser now has state
+    run = build(config("train.steps=2"), tmp_path)
+    learner = start_learning(run)
+    rl_step(run, 0)  # the optimiser now has state
     params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
     opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
     episodes = run.collector.rollout_round(1, 0)
@@ -320,8 +323,8 @@ def test_an_update_that_leaves_non_finite_weights_stops_the_run_before_they_are_
 
 
 def test_non_finite_weights_are_never_saved_and_nan_log_probs_stop_the_step(tmp_path):
-    run = Trainer(config("train.steps=2", "sft.enabled=false"), tmp_path)
-    run.make_learner()
+    run = build(config("train.steps=2", "sft.enabled=false"), tmp_path)
+    start_learning(run)
     checkpoint.save(run, 0)
     with torch.no_grad():
         weight = run.model.get_input_embeddings().weight
@@ -331,7 +334,7 @@ def test_non_finite_weights_are_never_saved_and_nan_log_probs_stop_the_step(tmp_
                                               r"checkpoint is .*step-000000"):
         checkpoint.save(run, 1)
     with pytest.raises(CheckpointError, match="refusing to save checkpoints/final"):
-        run.save_final("final")
+        loop.save_final(run, "final")
     assert not (tmp_path / "checkpoints" / "step-000001").exists() and not (tmp_path / "checkpoints" / "final").exists()
     with torch.no_grad():
         weight[0, 0] = saved
@@ -346,7 +349,7 @@ def test_non_finite_weights_are_never_saved_and_nan_log_probs_stop_the_step(tmp_
     run.collector.collect = collect  # (the step's collect phase asks the run's Collector)
     with pytest.raises(TrainingAborted, match=r"step 1: the policy \(version 0\) sampled 4 of 4 episodes with NaN "
                                               r"log-probabilities.*last good checkpoint is .*step-000000"):
-        run.step(0)
+        rl_step(run, 0)
 
 
 # -- (e) hanging and crashing environments -------------------------------------------------------
@@ -385,10 +388,10 @@ def test_crashing_env_and_hanging_episode_are_errored_excluded_and_counted(tmp_p
     from ctxrl.report.progress import LineProgress
 
     console = io.StringIO()
-    run = Trainer(cfg, tmp_path, progress=LineProgress(console))
-    run.make_learner()
+    run = build(cfg, tmp_path, progress=LineProgress(console))
+    start_learning(run)
     started = time.monotonic()
-    row = run.step(0)
+    row = rl_step(run, 0)
     # said on the console as it happens, not only counted in the metrics
     assert re.search(r"^step 1: 4 of 8 episodes errored: (environment reset|deadline)", console.getvalue(), re.M)
     assert time.monotonic() - started < 15  # the hang was cut at its deadline, and nothing waited for it
@@ -410,10 +413,10 @@ def test_crashing_env_and_hanging_episode_are_errored_excluded_and_counted(tmp_p
 def test_error_rate_threshold_aborts(tmp_path):
     cfg = config("env.name=flaky_calculator", "rollout.tasks_per_step=4", "rollout.episode_timeout_s=2",
                  "rollout.max_error_rate=0.25", "sft.enabled=false")
-    run = Trainer(cfg, tmp_path)
-    run.make_learner()
+    run = build(cfg, tmp_path)
+    start_learning(run)
     with pytest.raises(TrainingAborted, match="4 of 8 episodes errored"):
-        run.step(0)
+        rl_step(run, 0)
 
 
 def test_a_group_left_with_one_valid_episode_is_dropped():
@@ -594,7 +597,7 @@ def test_a_failure_in_ctxrl_or_the_engine_stops_the_run_and_names_the_newest_che
                                  group_size=2))
     import ctxrl.run.step as step_module
 
-    trainer = Trainer(config("train.steps=3"), tmp_path)
+    run = build(config("train.steps=3"), tmp_path)
     real = step_module.rl_step
 
     def step(run, i):
@@ -604,7 +607,7 @@ def test_a_failure_in_ctxrl_or_the_engine_stops_the_run_and_names_the_newest_che
 
     monkeypatch.setattr(step_module, "rl_step", step)  # (the loop looks the step up there when it runs)
     with pytest.raises(RuntimeError, match="illegal memory access") as info:
-        trainer.fit()
+        loop.fit(run)
     note = "".join(getattr(info.value, "__notes__", []))
     assert "RL step 2 failed; the newest checkpoint is" in note and "step-000001" in note and "--resume" in note
     rows = rl_rows(tmp_path)
@@ -655,9 +658,9 @@ def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):
 
 def test_a_batch_without_learning_signal_leaves_weights_and_optimizer_untouched(tmp_path):
     """All advantages 0: no optimiser step, so Adam's momentum from earlier steps does not move the weights."""
-    run = Trainer(config("train.steps=2"), tmp_path)
-    learner = run.make_learner()
-    run.step(0)
+    run = build(config("train.steps=2"), tmp_path)
+    learner = start_learning(run)
+    rl_step(run, 0)
     params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
     opt = {k: {n: t.clone() for n, t in s.items()} for k, s in learner.optimizer.state_dict()["state"].items()}
     episodes = run.collector.rollout_round(1, 0)

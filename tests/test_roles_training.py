@@ -24,8 +24,9 @@ from ctxrl.eval.arena import elo_ratings, wilson_interval
 from ctxrl.eval.evaluate import evaluate_split
 from ctxrl.rollout.spec import RolloutSpec
 from ctxrl.rollout.worker import RolloutWorker
+from ctxrl.run.build import build, start_learning
+from ctxrl.run.step import rl_step
 from ctxrl.train import checkpoint
-from ctxrl.train.trainer import Trainer
 
 SMALL = [f"model.name={TINY}", "sft.enabled=false", "rollout.tasks_per_step=2", "rollout.group_size=2",
          "rollout.max_new_tokens=6", "rollout.max_total_tokens=160", "env.max_turns=1", "eval.tasks=2",
@@ -38,24 +39,24 @@ def test_a_frozen_role_is_played_but_never_updated_and_rae_resumes_exactly(tmp_p
     tokenizer.save_pretrained(frozen_dir)
     config = load_config(None, [*SMALL, "env.name=say_game_for_test", "algo.advantage=rae", "algo.rae.alpha=0.5",
                                 f'roles.policies=["player_1=frozen:{frozen_dir}"]', "train.steps=2", "train.lr=0.05"])
-    trainer = Trainer(config, tmp_path / "run")
-    trainer.make_learner()
-    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    rows = [trainer.step(0), trainer.step(1)]
-    frozen = trainer.worker.runner.frozen[str(frozen_dir)]
-    assert frozen is not trainer.worker.engine and frozen.policy_version == 0 and trainer.worker.policy_version == 2
+    run = build(config, tmp_path / "run")
+    start_learning(run)
+    start = {k: v.clone() for k, v in run.model.state_dict().items()}
+    rows = [rl_step(run, 0), rl_step(run, 1)]
+    frozen = run.worker.runner.frozen[str(frozen_dir)]
+    assert frozen is not run.worker.engine and frozen.policy_version == 0 and run.worker.policy_version == 2
     on_disk = type(model).from_pretrained(frozen_dir).state_dict()
     assert all(torch.equal(v, on_disk[k]) for k, v in frozen.model.state_dict().items())  # never sent weights
-    assert any(not torch.equal(v, start[k]) for k, v in trainer.model.state_dict().items())  # the learner moved
+    assert any(not torch.equal(v, start[k]) for k, v in run.model.state_dict().items())  # the learner moved
     assert [r["trained_episodes"] for r in rows] == [4, 4]  # player_0's four seats; player_1's never
-    played = trainer.collector.rollout_round(1, 0)
+    played = run.collector.rollout_round(1, 0)
     assert {(e.role, e.info["policy"], bool(any(e.loss_mask))) for e in played} == {
         ("player_0", "shared", True), ("player_1", f"frozen:{frozen_dir}", True)}
-    baselines = dict(trainer.estimator.baselines)
+    baselines = dict(run.estimator.baselines)
     assert set(baselines) == {"player_0"} and baselines["player_0"] != 0.0
-    checkpoint.save(trainer, 2)
-    resumed = Trainer(config, tmp_path / "run")
-    resumed.make_learner()
+    checkpoint.save(run, 2)
+    resumed = build(config, tmp_path / "run")
+    start_learning(resumed)
     assert resumed.estimator.baselines == {} and checkpoint.resume(resumed) == 2
     assert resumed.estimator.baselines == baselines
 
@@ -170,10 +171,10 @@ def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_pat
 
     config = load_config(None, [*SMALL, "env.name=say_game_for_test", "lora.rank=4", "train.steps=2",
                                 'roles.policies=["player_1=own"]', "train.lr=0.05", "lora.export_merged=false"])
-    straight = Trainer(config, tmp_path / "straight")
-    straight.make_learner()
+    straight = build(config, tmp_path / "straight")
+    start_learning(straight)
     start = {n: p.detach().clone() for n, p in straight.model.named_parameters() if "lora_B" in n}
-    rows = [straight.step(0), straight.step(1)]
+    rows = [rl_step(straight, 0), rl_step(straight, 1)]
     assert all("loss_player_1" in row and "loss" in row for row in rows)  # each policy's own update
     shared, own = (adapter_parameters(straight.model, a) for a in ("default", "player_1"))
     assert any(not torch.equal(p, start[n]) for n, p in shared.items() if n in start)
@@ -185,17 +186,17 @@ def test_roles_with_adapters_of_their_own_train_apart_and_resume_exactly(tmp_pat
     assert engine is not straight.worker.engine and engine.policy_version == 2
     assert all(torch.equal(dict(engine.model.named_parameters())[n], p) for n, p in own.items())
 
-    stopped = Trainer(config, tmp_path / "stopped")
-    stopped.make_learner()
-    stopped.step(0)
+    stopped = build(config, tmp_path / "stopped")
+    start_learning(stopped)
+    rl_step(stopped, 0)
     stopped.own.learners["player_1"].skipped_updates = 2  # (a role's own count, resumed with it)
     path = checkpoint.save(stopped, 1)
     assert (path / "player_1" / "adapter_model.safetensors").exists()
-    resumed = Trainer(config, tmp_path / "stopped")
-    resumed.make_learner()
+    resumed = build(config, tmp_path / "stopped")
+    start_learning(resumed)
     assert checkpoint.resume(resumed) == 1
     assert resumed.own.learners["player_1"].skipped_updates == 2 and resumed.learner.skipped_updates == 0
-    resumed.step(1)
+    rl_step(resumed, 1)
     for adapter in ("default", "player_1"):
         mine = adapter_parameters(resumed.model, adapter)
         assert all(torch.equal(p, mine[n]) for n, p in adapter_parameters(straight.model, adapter).items()), adapter

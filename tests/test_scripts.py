@@ -209,7 +209,9 @@ def test_code_shape_counts_what_it_says(tmp_path, capsys):
     # lr and steps in from_config (other=c.steps is not a copy); n through a config name; lr=x.lr elsewhere is not
     assert shape.copied_fields(pkg) == ["pkg/a.py:83 lr", "pkg/a.py:83 steps", "pkg/a.py:87 n"]
     figures = shape.main(["--json"])  # the repository itself
-    assert figures["config_fields"] > 100 and figures["trainer_constructions_in_tests"] >= 1
+    assert figures["config_fields"] > 100
+    # (issue 50 C24: the tests build their runs through build(config, run_dir); no Trainer is left to build)
+    assert figures["trainer_constructions_in_tests"] == figures["trainer_constructions_any_form"] == 0
     assert json.loads(capsys.readouterr().out)["classes_over_limit"] == figures["classes_over_limit"]
 
 

@@ -257,17 +257,18 @@ def test_context_demos_and_config_checks_for_select():
 
 
 def test_rl_step_trains_on_select_segments(tmp_path, renderer):
-    """One RL step of the real Trainer under select on fact_hunt: segments train, the stats are logged."""
-    from ctxrl.train.trainer import Trainer
+    """One RL step of a real run (``build``) under select on fact_hunt: segments train, the stats are logged."""
+    from ctxrl.run.build import build, start_learning
+    from ctxrl.run.step import rl_step
 
     cfg = load_config(None, ["model.name=tiny:pretrain_steps=0", "env.name=fact_hunt", "context.manager=select",
                              "context.max_context_tokens=500", "context.select.max_summaries=4", "env.max_turns=6",
                              "rollout.max_total_tokens=2048", "rollout.max_new_tokens=32", "rollout.tasks_per_step=2",
                              "rollout.group_size=2", "run.progress=false", "sft.enabled=false"])
-    trainer = Trainer(cfg, tmp_path)
-    trainer.make_learner()
-    trainer.worker.engine = FactOracle(renderer)
-    row = trainer.step(0)
+    run = build(cfg, tmp_path)
+    start_learning(run)
+    run.worker.engine = FactOracle(renderer)
+    row = rl_step(run, 0)
     assert row["selections_per_episode"] > 0 and row["trained_sequences"] > row["trained_episodes"]
     assert row["turns_kept_per_selection"] == 1.0 and row["select_fallbacks_per_episode"] == 0
     assert row["success"] == 1.0 and "loss" in row
