@@ -517,7 +517,7 @@ Multi-turn RL for LLM agents that call tools, token-faithful from the sampler to
 
 A run: an optional supervised warm start on the environment's scripted solutions, an evaluation
 on held-out and out-of-distribution tasks, RL steps (collect -> filter -> estimate -> update ->
-log; ctxrl/train/trainer.py), and the evaluation again. Rollouts are played by a RolloutWorker
+log; ctxrl/run/step.py), and the evaluation again. Rollouts are played by a RolloutWorker
 from plain data (a RolloutSpec built from the config, a RolloutRequest per batch); context
 managers, advantage estimators and environments are registered extension points."""
 

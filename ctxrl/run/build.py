@@ -4,7 +4,7 @@
 tokenizer), makes the memory plan on a card before the policy loads, then the policy, the engine's copy inside the
 rollout worker, the estimator, the curriculum, the collector and the writer, and returns them as a ``Run``
 (``ctxrl.run.parts``). The order is the random streams' order: the seeds are set first and the policy (and any
-LoRA adapters) initialised where the old ``Trainer`` did, so a run is the same run it was.
+LoRA adapters) initialised where the ``Trainer`` did before issue 50, so a run is the same run it was.
 
 ``start_learning(run)`` makes the learner when RL starts (AdamW on what trains, the KL reference, the critic);
 ``close(run)`` stops what the run started. ``learner_settings`` computes the few values the learner is told beside
@@ -41,7 +41,7 @@ def seed_everything(seed: int) -> None:
 
 def build(config: Config, run_dir: str | Path, *, progress: Progress | None = None, parallel=None) -> Run:
     """The run's parts (the module docstring). ``parallel``: the data-parallel ranks of a ``torchrun`` job
-    (``ctxrl.run.train.data_parallel``); a follower rank gets no worker, writer or teacher."""
+    (``ctxrl.train.trainer.data_parallel``); a follower rank gets no worker, writer or teacher."""
     from ctxrl.envs.hooks import available_splits
     from ctxrl.models.prepare import prepare
     from ctxrl.report.progress import Progress

@@ -1,13 +1,13 @@
 """Resumable training checkpoints: what one holds, writing it, and continuing a run from it exactly.
 
-``save(trainer, step)`` writes ``checkpoints/step-NNNNNN`` atomically (``ctxrl.run.checkpoint_io``):
+``save(run, step)`` writes ``checkpoints/step-NNNNNN`` atomically (``ctxrl.run.checkpoint_io``):
 the policy's weights (``model.safetensors`` in ``model.dtype`` with its config and tokenizer, so the
 directory loads like any HF checkpoint; a LoRA run's adapters in PEFT's format instead), the
 optimiser (with the float32 master weights, under mixed precision), the loss scaler, the critic
 and its optimiser, the reference model (a LoRA run's reference is its base: nothing to save),
 every random generator, the learner's counters, the curriculum, the estimator's state (``rae``'s baselines),
 the engine's policy version and the byte lengths of the logs.
-``resume(trainer)`` restores all of it from ``checkpoints/latest``: every piece is required, and a
+``resume(run)`` restores all of it from ``checkpoints/latest``: every piece is required, and a
 configuration change that would alter a step is an error naming it. The logs are rewound to the
 checkpoint (lines written after it move to ``*.orphaned.jsonl``), so after the resumed run every
 step appears exactly once.
@@ -117,19 +117,19 @@ def save_pretrained(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def save(trainer: Checkpointed, step: int) -> Path:
+def save(run: Checkpointed, step: int) -> Path:
     """A resumable checkpoint after RL step ``step`` (atomic; ``latest`` updated; old ones pruned)."""
     from safetensors.torch import save_model
 
-    refuse_non_finite(trainer, step_name(step))
-    learner, policy = trainer.learner, trainer.policy
+    refuse_non_finite(run, step_name(step))
+    learner, policy = run.learner, run.policy
     reference = learner.reference.frozen_copy if learner.reference is not None else None
 
     def write(tmp: Path) -> None:
         if policy.is_lora:
-            policy.save(tmp, trainer.tokenizer)  # adapter_model.safetensors + adapter_config.json, as PEFT writes
+            policy.save(tmp, run.tokenizer)  # adapter_model.safetensors + adapter_config.json, as PEFT writes
         else:
-            save_pretrained(trainer.model, trainer.tokenizer, tmp)
+            save_pretrained(run.model, run.tokenizer, tmp)
         save_state(learner.optimizer.state_dict(), tmp, "optimizer")
         if learner.critic is not None:
             save_model(learner.critic, str(tmp / "critic.safetensors"))
@@ -137,32 +137,32 @@ def save(trainer: Checkpointed, step: int) -> Path:
         if reference is not None:
             save_model(reference, str(tmp / "reference.safetensors"))
         save_state(rng_state({"learner": learner.generator}), tmp, "rng")
-        own = trainer.own.save(tmp, save_state, rng_state)  # (roles' own optimisers; their adapters: policy.save)
-        state = {**own, "format": FORMAT, "step": step, "policy_version": trainer.worker.policy_version,
-                 "skipped_updates": learner.skipped_updates, "consecutive_skips": trainer.consecutive_skips,
-                 "curriculum": trainer.curriculum.state_dict(), "logs": trainer.writer.offsets(),
+        own = run.own.save(tmp, save_state, rng_state)  # (roles' own optimisers; their adapters: policy.save)
+        state = {**own, "format": FORMAT, "step": step, "policy_version": run.worker.policy_version,
+                 "skipped_updates": learner.skipped_updates, "consecutive_skips": run.consecutive_skips,
+                 "curriculum": run.curriculum.state_dict(), "logs": run.writer.offsets(),
                  "critic": learner.critic is not None, "reference": reference is not None,
                  "lora": policy.is_lora, "loss_scaler": policy.precision.state_dict(),
-                 "estimator": trainer.estimator.state_dict(),
-                 "device": trainer.device, "dtype": trainer.config.model.dtype}
+                 "estimator": run.estimator.state_dict(),
+                 "device": run.device, "dtype": run.config.model.dtype}
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
-        (tmp / "config.toml").write_text(to_toml(trainer.config))
+        (tmp / "config.toml").write_text(to_toml(run.config))
 
-    return commit_checkpoint(trainer.writer.dir / "checkpoints", step_name(step), write,
-                             keep=trainer.config.train.keep_checkpoints)
+    return commit_checkpoint(run.writer.dir / "checkpoints", step_name(step), write,
+                             keep=run.config.train.keep_checkpoints)
 
 
-def refuse_non_finite(trainer: Checkpointed, name: str) -> None:
+def refuse_non_finite(run: Checkpointed, name: str) -> None:
     """A ``CheckpointError`` naming the last good checkpoint when the weights to be saved as ``checkpoints/NAME``
     hold a NaN or an infinity: a checkpoint is never written that would resume into them."""
-    if trainer.learner is not None:
-        bad = non_finite_weights(trainer.learner) + trainer.own.non_finite()
+    if run.learner is not None:
+        bad = non_finite_weights(run.learner) + run.own.non_finite()
     else:
-        bad = non_finite((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+        bad = non_finite((n, p) for n, p in run.model.named_parameters() if p.requires_grad)
     if bad:
         raise CheckpointError(f"refusing to save checkpoints/{name}: {len(bad)} trained tensors hold NaN or infinite "
                               f"values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})."
-                              + resume_hint(trainer.writer.dir, trainer.config.train.checkpoint_every))
+                              + resume_hint(run.writer.dir, run.config.train.checkpoint_every))
 
 
 @torch.no_grad()
@@ -188,22 +188,22 @@ def non_finite_weights(learner) -> list[str]:
     return non_finite(named)
 
 
-def resume(trainer: Checkpointed) -> int:
-    """Restore ``checkpoints/latest`` into ``trainer`` (its learner built); returns the step it ends after. Its
+def resume(run: Checkpointed) -> int:
+    """Restore ``checkpoints/latest`` into ``run`` (its learner built); returns the step it ends after. Its
     checksums are verified first (a checkpoint written before them loads unverified, with a warning)."""
-    learner, policy = trainer.learner, trainer.policy
+    learner, policy = run.learner, run.policy
     reference = learner.reference.frozen_copy if learner.reference is not None else None
-    root = trainer.writer.dir / "checkpoints"
+    root = run.writer.dir / "checkpoints"
     clean_partial(root)  # temporaries of a save that was killed
     path = latest_checkpoint(root)
     if not verify_checksums(path):  # (before anything is read: a damaged file is named, never loaded)
         warnings.warn(f"checkpoint {path} has no checksums.json (written by an older ctxrl): its files are loaded "
                       "unverified", stacklevel=2)
-    state = _checked_state(trainer, path, reference)
+    state = _checked_state(run, path, reference)
     if policy.is_lora:
         policy.load_adapter_state(read_tensors(path / "adapter_model.safetensors"), str(path))
     else:
-        load_weights(trainer.model, path / "model.safetensors")
+        load_weights(run.model, path / "model.safetensors")
     try:
         learner.optimizer.load_state_dict(load_state(path, "optimizer"))
     except ValueError as exc:  # e.g. no float32 masters in it: written before, or with other precision settings
@@ -215,23 +215,23 @@ def resume(trainer: Checkpointed) -> int:
     if reference is not None:
         _load_module(reference, path / "reference.safetensors")
     set_rng_state(load_state(path, "rng"), {"learner": learner.generator})
-    trainer.own.resume(path, state, load_state, read_tensors, set_rng_state)  # (roles' own adapters, if any)
-    sync_engine(trainer, int(state["policy_version"]), restored=True)
+    run.own.resume(path, state, load_state, read_tensors, set_rng_state)  # (roles' own adapters, if any)
+    sync_engine(run, int(state["policy_version"]), restored=True)
     learner.skipped_updates = int(state["skipped_updates"])
-    trainer.consecutive_skips = int(state["consecutive_skips"])
-    trainer.curriculum.load_state_dict(state["curriculum"])
-    trainer.estimator.load_state_dict(state.get("estimator") or {})  # (rae's baselines; older checkpoints: none)
+    run.consecutive_skips = int(state["consecutive_skips"])
+    run.curriculum.load_state_dict(state["curriculum"])
+    run.estimator.load_state_dict(state.get("estimator") or {})  # (rae's baselines; older checkpoints: none)
     try:
-        trainer.writer.rewind(state["logs"], step=int(state["step"]))
+        run.writer.rewind(state["logs"], step=int(state["step"]))
     except LogRewindError as exc:
         raise CheckpointError(str(exc)) from None
     return int(state["step"])
 
 
-def _checked_state(trainer: Checkpointed, path: Path, reference) -> dict[str, Any]:
-    """``state.json`` of the checkpoint at ``path``, once its config, format and parts are known to fit ``trainer``."""
-    learner, policy = trainer.learner, trainer.policy
-    differences = config_differences(load_config(path / "config.toml"), trainer.config)
+def _checked_state(run: Checkpointed, path: Path, reference) -> dict[str, Any]:
+    """``state.json`` of the checkpoint at ``path``, once its config, format and parts are known to fit ``run``."""
+    learner, policy = run.learner, run.policy
+    differences = config_differences(load_config(path / "config.toml"), run.config)
     if differences:
         raise CheckpointError(f"cannot resume from {path}: the config changed in ways that matter: "
                               + "; ".join(differences) + ". Undo these changes, or start a new run directory.")
@@ -257,8 +257,8 @@ def _checked_state(trainer: Checkpointed, path: Path, reference) -> dict[str, An
         missing = [f for f in files if have and not (path / f).exists()]
         if missing:
             raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
-    if state.get("device", trainer.device).split(":")[0] != trainer.device.split(":")[0]:
-        warnings.warn(f"resuming on {trainer.device} a run checkpointed on {state['device']}: it continues "
+    if state.get("device", run.device).split(":")[0] != run.device.split(":")[0]:
+        warnings.warn(f"resuming on {run.device} a run checkpointed on {state['device']}: it continues "
                       "correctly, but not with the numbers an uninterrupted run would have given", stacklevel=2)
     return state
 

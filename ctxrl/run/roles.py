@@ -69,8 +69,8 @@ class OwnRoles:
                 for name, p in adapter_parameters(self.policy.model, role).items():
                     p.copy_(shared[name.replace(f".{role}.", ".")])
 
-    def make_learners(self, trainer, reference) -> None:
-        """A ``Learner`` per role over the trainer's module, its optimiser holding the role's adapter alone, its
+    def make_learners(self, run, reference) -> None:
+        """A ``Learner`` per role over the run's module, its optimiser holding the role's adapter alone, its
         mini-batch order its own stream (``derive_seed(learner seed, i)`` for the ``i``-th role), ``reference`` the
         shared KL reference (the base: every adapter off)."""
         from ctxrl.learner.learner import Learner
@@ -78,15 +78,15 @@ class OwnRoles:
 
         if not self.roles:
             return
-        t, precision, model = trainer.config.train, self.policy.precision, self.policy.model
+        t, precision, model = run.config.train, self.policy.precision, self.policy.model
         try:
             for i, role in enumerate(self.roles, start=1):
                 model.set_adapter(role)  # (its parameters require grad while the optimiser hooks them)
                 optimizer = precision.optimizer(list(adapter_parameters(model, role).values()), lr=t.lr,
                                                 weight_decay=t.weight_decay)
-                self.learners[role] = Learner(model, optimizer, trainer.learner.settings,
-                                              pad_token_id=trainer.tokenizer.pad_token_id, reference=reference,
-                                              precision=precision, seed=derive_seed(trainer.seeds.learner, i))
+                self.learners[role] = Learner(model, optimizer, run.learner.settings,
+                                              pad_token_id=run.tokenizer.pad_token_id, reference=reference,
+                                              precision=precision, seed=derive_seed(run.seeds.learner, i))
         finally:
             model.set_adapter(DEFAULT)
 

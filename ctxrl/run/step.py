@@ -1,7 +1,7 @@
 """One RL step, top to bottom: collect -> filter -> estimate -> update -> sync the engine -> log.
 
-``rl_step(run, step)`` reads as the step does; each phase is a function of the run (the ``Trainer`` that holds
-the run's parts) and returns what the next phase takes:
+``rl_step(run, step)`` reads as the step does; each phase is a function of the run (``ctxrl.run.parts.Run``, the
+parts ``ctxrl.run.build.build`` assembled) and returns what the next phase takes:
 
 1. ``collect``: the step's episodes (``ctxrl.run.collect.Collector``: the curriculum's tasks, ``group_size``
    episodes each, dynamic sampling, asynchronous or lagged rounds);

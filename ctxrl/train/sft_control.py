@@ -46,36 +46,36 @@ def split_rows(rows: list[TrainSequence], parts: int) -> list[list[TrainSequence
     return out
 
 
-def control_demos(trainer, step: int) -> list[Episode]:
+def control_demos(run, step: int) -> list[Episode]:
     """Fresh demos of the warm start's mix for step ``step`` (``ctxrl.train.warm_start.demo_mix``): as many demos as
     the step's sequences, ``updates_per_step`` batches of ``sft.batch_size``."""
-    config = trainer.config
+    config = run.config
     seed = Seeds(config.run.seed).control_demos(step)
-    return demo_mix(config, trainer.spec, trainer.env_cls, trainer.renderer,
-                    updates_per_step(config) * config.sft.batch_size, under_manager=trainer.context_demos,
+    return demo_mix(config, run.spec, run.env_cls, run.renderer,
+                    updates_per_step(config) * config.sft.batch_size, under_manager=run.context_demos,
                     seeds=(seed, seed + 1, seed + 2))
 
 
-def control_step(trainer, step: int) -> dict[str, Any]:
+def control_step(run, step: int) -> dict[str, Any]:
     """One step of the SFT-only control (the module docstring); the engine gets the weights as ``step + 1``."""
-    config, learner = trainer.config, trainer.learner
+    config, learner = run.config, run.learner
     t0 = time.perf_counter()
-    demos = control_demos(trainer, step)
+    demos = control_demos(run, step)
     size = updates_per_step(config) * config.sft.batch_size
     rows = [row for e in demos for row in broadcast(e, 1.0)]  # (a summarising demo gives several)
     random.Random(Seeds(config.run.seed).control_demos(step)).shuffle(rows)  # the mix's share of sequences, kept
     rows = rows[:size]
-    model = trainer.model
+    model = run.model
     model.train()
     device = next(model.parameters()).device
-    losses = [sft_step(model, batch, learner.optimizer, pad_token_id=trainer.tokenizer.pad_token_id, device=device,
+    losses = [sft_step(model, batch, learner.optimizer, pad_token_id=run.tokenizer.pad_token_id, device=device,
                        precision=learner.precision, chunk=config.train.logprob_chunk_tokens,
-                       max_tokens=trainer.micro_batch_tokens, micro_rows=config.train.micro_batch_size,
+                       max_tokens=run.micro_batch_tokens, micro_rows=config.train.micro_batch_size,
                        max_grad_norm=config.train.max_grad_norm)
               for batch in split_rows(rows, updates_per_step(config))]
-    sync_engine(trainer, step + 1)
+    sync_engine(run, step + 1)
     row = {"phase": "sft_control", "step": step + 1, "sft_loss": sum(losses) / len(losses),
            "optimizer_steps": len(losses), "demos": len(demos), "trained_sequences": len(rows),
            "time_step": time.perf_counter() - t0}
-    trainer.writer.log_metrics(row)
+    run.writer.log_metrics(row)
     return row

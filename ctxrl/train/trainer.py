@@ -1,5 +1,4 @@
-"""``train(config, run_dir)``: what ``ctxrl train`` runs (check the run directory, build, fit), and ``Trainer``, the
-old handle on a run, kept for one step of the redesign.
+"""``train(config, run_dir)``: what ``ctxrl train`` runs: check the run directory, build the run, fit it.
 
 A run is built by ``ctxrl.run.build.build(config, run_dir) -> Run`` (``ctxrl.run.parts``: the assembled parts, no
 logic) and run by functions of it: ``ctxrl.run.loop.fit`` (warm start, evaluations, the RL steps, checkpoints, the
@@ -8,8 +7,9 @@ the default "GRPO" is: group-normalised outcome advantages (Bessel std), a PPO-c
 log-probs as the old policy, token-mean aggregation, optional k1/k2/k3 KL to the warm-start policy (off by
 default), no value function (docs/algorithms.md).
 
-``Trainer(config, run_dir)`` is a ``Run`` built by ``build`` whose methods hand over to those functions; it goes
-when the tests build through ``build`` (issue 50's next step).
+Before anything is built, ``train`` checks what needs no model (``preflight``), refuses a run directory that holds
+another run (or none, on ``--resume``), and builds or converts the models once with their progress shown
+(``prepare_model``); under ``torchrun`` it joins the learner's data-parallel ranks (``data_parallel``).
 """
 
 from __future__ import annotations
@@ -22,20 +22,17 @@ from ctxrl.algo.filters import drop_small_groups  # noqa: F401 - its old path (t
 from ctxrl.config import Config
 from ctxrl.errors import CheckpointError, ConfigError
 from ctxrl.judge.backends import is_endpoint
-from ctxrl.learner.learner import Learner
-from ctxrl.learner.policy import Policy  # noqa: F401 - its old path (tests patch Policy.load through it)
 from ctxrl.learner.teacher import teacher_name
 from ctxrl.models.prepare import prepare
 from ctxrl.report.progress import Progress
 from ctxrl.rollout.spec import RolloutSpec
 from ctxrl.rollout.worker import spec_env_class, spec_renderer
-from ctxrl.run import build as build_module
 from ctxrl.run import loop
-from ctxrl.run import step as step_module
-from ctxrl.run.build import frozen_beside, rollout_worker, seed_everything  # noqa: F401 - their old paths
-from ctxrl.run.collect import Collected
+from ctxrl.run.build import (
+    build,
+    frozen_beside,  # noqa: F401 - its old path (tests import it from here)
+)
 from ctxrl.run.health import TrainingAborted
-from ctxrl.run.parts import Run
 from ctxrl.run.preflight import (
     check_before_load,
     check_template_segments,  # noqa: F401 - its old path (tests import it from here)
@@ -44,60 +41,11 @@ from ctxrl.run.preflight import (
 from ctxrl.run.roles import own_roles
 from ctxrl.train.tiny import prepare_tiny, tiny_tokenizer  # noqa: F401 - prepare_tiny: registers the tiny preparer
 from ctxrl.train.warm_start import context_demos
-from ctxrl.types import SPLITS, Episode, TrainSequence
-
-
-class Trainer(Run):
-    """A ``Run`` built by ``build`` (the module docstring), with the functions of ``ctxrl.run`` as methods."""
-
-    def __init__(self, config: Config, run_dir: str | Path, *, progress: Progress | None = None,
-                 parallel=None) -> None:
-        self.__dict__.update(build_module.build(config, run_dir, progress=progress, parallel=parallel).__dict__)
-
-    def close(self) -> None:
-        build_module.close(self)
-
-    def sync_engine(self, version: int, *, restored: bool = False) -> None:
-        step_module.sync_engine(self, version, restored=restored)
-
-    def current_weights(self):
-        return step_module.current_weights(self)
-
-    def fit(self, *, resume: bool = False) -> dict[str, Any]:
-        return loop.fit(self, resume=resume)
-
-    def warm_start(self, on_step=None) -> dict[str, Any]:
-        return loop.warm_start(self, on_step)
-
-    def evaluate(self, step: int, splits: tuple[str, ...] = SPLITS) -> dict[str, dict[str, float]]:
-        return loop.evaluate(self, step, splits)
-
-    def make_learner(self) -> Learner:
-        return build_module.start_learning(self)
-
-    def save_final(self, name: str) -> Path:
-        return loop.save_final(self, name)
-
-    def step(self, step: int) -> dict[str, Any]:
-        return step_module.rl_step(self, step)
-
-    def collect(self, step: int) -> Collected:
-        return step_module.collect(self, step)
-
-    def filter(self, step: int, collected: Collected) -> list[Episode]:
-        return step_module.keep_trainable(self, step, collected)
-
-    def estimate(self, valid: list[Episode], metrics: dict[str, Any]) -> tuple[list[TrainSequence], int]:
-        return step_module.estimate(self, valid, metrics)
-
-    def update(self, rows: list[TrainSequence], step: int) -> dict[str, float]:
-        """The learner's update alone (``ctxrl.run.step.update``): syncing the engine is its own phase."""
-        return step_module.update(self, rows, step)
 
 
 def train(config: Config, run_dir: str | Path, *, progress: Progress | None = None,
           resume: bool = False) -> dict[str, Any]:
-    """Check ``run_dir``, build a ``Trainer`` and ``fit`` it: what ``ctxrl train`` runs."""
+    """Check ``run_dir``, ``build`` the run and ``fit`` it: what ``ctxrl train`` runs."""
     run_dir = Path(run_dir)
     progress = progress or Progress()
     parallel = data_parallel(config, resume)
@@ -140,7 +88,7 @@ def _train(config: Config, run_dir: Path, progress: Progress, resume: bool, para
             raise TrainingAborted(f"rank 0 stopped before training: {message}")
     if problem is not None:
         raise problem
-    return loop.fit(build_module.build(config, run_dir, progress=progress, parallel=parallel), resume=resume)
+    return loop.fit(build(config, run_dir, progress=progress, parallel=parallel), resume=resume)
 
 
 def data_parallel(config: Config, resume: bool = False):
@@ -166,8 +114,8 @@ def data_parallel(config: Config, resume: bool = False):
 
 def check_before_build(config: Config) -> None:
     """When the policy is a tiny model not built yet (minutes on a CPU), what ``check_before_load`` refuses, on its
-    tokenizer alone (seconds): demos that cannot fit the budget stop the run before the build, not after it. The
-    ``Trainer`` checks again with the built model's own tokenizer."""
+    tokenizer alone (seconds): demos that cannot fit the budget stop the run before the build, not after it.
+    ``build`` checks again with the built model's own tokenizer."""
     from ctxrl.models.loader import parse_tiny
     from ctxrl.models.tiny import is_built
 
