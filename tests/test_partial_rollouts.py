@@ -293,33 +293,34 @@ def _trainer_config(*extra: str):
 
 
 def test_training_steps_log_the_pool_and_a_resume_starts_fresh_groups(tmp_path, renderer, caplog):
-    """Three RL steps of a Trainer: the rows log the pool and the staleness; a checkpoint after step 2 keeps no
+    """Three RL steps of a built run: the rows log the pool and the staleness; a checkpoint after step 2 keeps no
     episode in flight, so the resumed run's step 3 starts tasks_per_step fresh groups and says why."""
     from ctxrl.run import checkpoint
-    from ctxrl.train.trainer import Trainer
+    from ctxrl.run.build import build, close, start_learning
+    from ctxrl.run.step import rl_step, sync_engine
 
-    trainer = Trainer(_trainer_config(), tmp_path)
+    run = build(_trainer_config(), tmp_path)
     try:
-        trainer.worker.engine = Versioned(renderer)
-        trainer.make_learner()
-        trainer.sync_engine(0)
-        rows = [trainer.step(s) for s in range(2)]
-        checkpoint.save(trainer, 1)
-        going_on = trainer.step(2)
+        run.worker.engine = Versioned(renderer)
+        start_learning(run)
+        sync_engine(run, 0)
+        rows = [rl_step(run, s) for s in range(2)]
+        checkpoint.save(run, 1)
+        going_on = rl_step(run, 2)
     finally:
-        trainer.close()
+        close(run)
     assert all(r["trained_episodes"] > 0 and r["grad_norm"] > 0 for r in rows)
     assert rows[1]["partial_in_flight"] > 0 and {"staleness_mean", "token_staleness_max"} <= rows[1].keys()
     assert going_on["partial_carried_in"] == rows[1]["partial_in_flight"]
-    resumed = Trainer(_trainer_config(), tmp_path)
+    resumed = build(_trainer_config(), tmp_path)
     try:
         resumed.worker.engine = Versioned(renderer)
-        resumed.make_learner()
+        start_learning(resumed)
         assert checkpoint.resume(resumed) == 1 and resumed.worker.policy_version == 2
         with caplog.at_level(logging.WARNING, logger="ctxrl.run.partial"):
-            row = resumed.step(2)
+            row = rl_step(resumed, 2)
     finally:
-        resumed.close()
+        close(resumed)
     assert "step 3 starts with no episode in flight" in caplog.text
     assert row["partial_carried_in"] == 0 and row["partial_started"] == 2 * 2
 

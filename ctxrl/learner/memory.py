@@ -3,8 +3,8 @@
 ``plan_memory(run)`` takes plain numbers (``RunSizes``: the model's shape from its HF config, the
 dtype, what trains, the rollout and learner settings, the card's size and ``model.gpu_memory_fraction``)
 and returns a ``MemoryPlan``: bytes for each part of the run, the fast engine's KV pool (slots x
-positions) and prefill chunk, and the learner's tokens per micro-batch. The trainer computes it once
-on CUDA (``ctxrl.train.trainer``); on the CPU there is no plan.
+positions) and prefill chunk, and the learner's tokens per micro-batch. A run's build computes it once
+on CUDA (``ctxrl.run.build.plan_memory``); on the CPU there is no plan.
 
 What is counted (bytes; ``b`` is ``model.dtype``'s size, ``N`` the parameters):
 
@@ -123,7 +123,7 @@ CAPPED_HEADROOM = 0.20
 """The same share under ``model.gpu_memory_fraction``, where the cap is a limit and fragmentation counts against it.
 Measured (issue 31's first batch, H100s, SmolLM2-135M in bf16, six capped runs a card): runs that planned 10% OOMed
 with 9.57 GiB allocated and 1.29 GiB reserved but unallocated under a 10.88 GiB cap: fragmentation alone took 12%.
-Capped runs also turn on the allocator's expandable segments (``ctxrl.train.trainer.memory_plan``)."""
+Capped runs also turn on the allocator's expandable segments (``ctxrl.learner.sizing.memory_plan``)."""
 DECODE_LOGIT_COPIES = 4
 """Float32 ``[slots, vocab]`` tensors of one decode step (logits, probabilities, the sampler's temporaries)."""
 LOGIT_FLOAT32_COPIES = 2

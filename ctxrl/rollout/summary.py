@@ -1,6 +1,6 @@
 """What a batch of episodes is measured by: success, reward, tool use, turns, tokens, truncation rates.
 
-The same figures for a training step (``ctxrl.train.trainer``) and an evaluation
+The same figures for a training step (``ctxrl.run.step``) and an evaluation
 (``ctxrl.eval.evaluate``); trials add their own (``ctxrl.meta.metrics``).
 """
 
