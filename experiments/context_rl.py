@@ -354,11 +354,11 @@ def fill_page(text: str, tables: dict[str, str]) -> str:
     """``text`` with each block ``<!-- NAME -->`` ... ``<!-- /NAME -->`` holding ``tables[NAME]``; a block the page
     lacks is an error, so that no table is silently left out."""
     for name, table in tables.items():
-        begin, end = f"<!-- {name} -->\n", f"\n<!-- /{name} -->"
-        if begin not in text or end not in text:
-            raise ValueError(f"the page has no block {begin.strip()} ... {end.strip()}")
+        begin, end = f"<!-- {name} -->\n", f"<!-- /{name} -->"
+        if begin not in text or end not in text.split(begin, 1)[-1]:
+            raise ValueError(f"the page has no block {begin.strip()} ... {end}")
         head, rest = text.split(begin, 1)
-        text = head + begin + table + end + rest.split(end, 1)[1]
+        text = head + begin + table + "\n" + end + rest.split(end, 1)[1]  # (an empty block is filled too)
     return text
 
 

@@ -57,3 +57,8 @@ def test_a_page_without_a_block_is_refused():
     context_rl = _module()
     with pytest.raises(ValueError, match="no block <!-- arms -->"):
         context_rl.fill_page("no blocks here", {"arms": "| table |"})
+    # a new page's empty block is filled as an old one is refilled
+    empty = "# page\n<!-- arms -->\n<!-- /arms -->\ntail\n"
+    assert context_rl.fill_page(empty, {"arms": "| t |"}) == "# page\n<!-- arms -->\n| t |\n<!-- /arms -->\ntail\n"
+    assert context_rl.fill_page(context_rl.fill_page(empty, {"arms": "| t |"}), {"arms": "| u |"}) == \
+        "# page\n<!-- arms -->\n| u |\n<!-- /arms -->\ntail\n"
