@@ -23,6 +23,30 @@ def experiment_module(name: str):
     return module
 
 
+ALTERNATING = "test_alternating"
+_registered: list[str] = []
+
+
+def alternating_sign() -> str:
+    """Register (once) an estimator giving +1 / -1 by episode parity, so that a random-init policy still moves every
+    step (trainer side only); returns its ``algo.advantage`` name. Called by the test modules that train with it, not
+    here, so that a run of other tests sees only the registered estimators it names."""
+    if not _registered:
+        from ctxrl.algo.estimators import Estimator, broadcast, register_estimator
+
+        @register_estimator
+        class AlternatingSign(Estimator):
+            name = ALTERNATING
+            needs_groups = False
+            one_per_episode = True
+
+            def estimate(self, episodes, *, token_rewards=None, values=None, segment_bonus=None):
+                return [broadcast(e, 1.0 if i % 2 else -1.0, segment_bonus) for i, e in enumerate(episodes)]
+
+        _registered.append(ALTERNATING)
+    return ALTERNATING
+
+
 def page_block(text: str, name: str) -> str:
     """What a page holds between ``<!-- NAME -->`` and ``<!-- /NAME -->`` (``experiments/tables.py`` fills it)."""
     return text.split(f"<!-- {name} -->\n", 1)[1].split(f"\n<!-- /{name} -->", 1)[0]

@@ -11,9 +11,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from conftest import TINY  # noqa: E402
+from conftest import TINY, alternating_sign  # noqa: E402
 
-from ctxrl.algo.estimators import Estimator, broadcast, register_estimator  # noqa: E402
 from ctxrl.config import load_config  # noqa: E402
 from ctxrl.distributed.pool import RayRolloutPool, WorkerFailure, shards  # noqa: E402
 from ctxrl.envs.calculator import CalculatorEnv  # noqa: E402
@@ -21,20 +20,9 @@ from ctxrl.errors import ConfigError  # noqa: E402
 from ctxrl.rollout.spec import RolloutRequest, RolloutSpec  # noqa: E402
 from ctxrl.rollout.worker import RolloutWorker  # noqa: E402
 
+ADVANTAGE = alternating_sign()  # (+1 / -1 by episode parity: conftest)
 BASE = [f"model.name={TINY}", "model.device=cpu", "sft.enabled=false", "rollout.tasks_per_step=3",
         "rollout.group_size=2", "rollout.max_new_tokens=8", "run.progress=false", "rollout.temperature=1.0"]
-
-
-@register_estimator
-class AlternatingSign(Estimator):
-    """+1 / -1 by episode parity, so that a random-init policy still gets a non-zero update (trainer side only)."""
-
-    name = "test_alternating"
-    needs_groups = False
-    one_per_episode = True
-
-    def estimate(self, episodes, *, token_rewards=None, values=None, segment_bonus=None):
-        return [broadcast(e, 1.0 if i % 2 else -1.0, segment_bonus) for i, e in enumerate(episodes)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,7 +144,7 @@ def _rows(tmp_path, extra: list[str], steps: int = 2, during_update=None) -> tup
     from ctxrl.run.build import build, close, start_learning
     from ctxrl.run.step import rl_step, sync_engine
 
-    config = load_config(None, BASE + ["algo.advantage=test_alternating", "train.lr=1e-2", f"train.steps={steps}",
+    config = load_config(None, BASE + [f"algo.advantage={ADVANTAGE}", "train.lr=1e-2", f"train.steps={steps}",
                                        *extra])
     run = build(config, tmp_path)
     try:

@@ -6,28 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, alternating_sign
 
-from ctxrl.algo.estimators import Estimator, broadcast, register_estimator
 from ctxrl.config import load_config
 from ctxrl.distributed.staleness import LaggedWeights
 from ctxrl.errors import ConfigError
 
+ADVANTAGE = alternating_sign()  # (+1 / -1 by episode parity: conftest)
 BASE = [f"model.name={TINY}", "model.device=cpu", "sft.enabled=false", "rollout.tasks_per_step=2",
         "rollout.group_size=2", "rollout.max_new_tokens=6", "run.progress=false", "rollout.temperature=1.0",
-        "eval.tasks=2", "algo.advantage=test_lag_alternating", "train.lr=1e-2", "algo.old_logprobs=recompute"]
-
-
-@register_estimator
-class AlternatingSign(Estimator):
-    """+1 / -1 by episode parity, so that a random-init policy still moves every step (trainer side only)."""
-
-    name = "test_lag_alternating"
-    needs_groups = False
-    one_per_episode = True
-
-    def estimate(self, episodes, *, token_rewards=None, values=None, segment_bonus=None):
-        return [broadcast(e, 1.0 if i % 2 else -1.0, segment_bonus) for i, e in enumerate(episodes)]
+        "eval.tasks=2", f"algo.advantage={ADVANTAGE}", "train.lr=1e-2", "algo.old_logprobs=recompute"]
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
