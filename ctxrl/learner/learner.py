@@ -44,9 +44,9 @@ __all__ = ["LAYOUT_KEYS", "Learner", "LearnerSettings", "micro_batches", "per_to
 
 
 MINI_BATCH_ORDERS = ("shuffled", "prefix")
+"""``train.mini_batch_order``: how ``Learner.update`` cuts an update's rows into mini-batches."""
 IDLE_ZEROED = ("loss_mask", "advantages", "value_mask", "env_mask", "teacher_probs")
 """What an idle pass zeroes of the row it runs: every weight a loss term or a figure takes."""
-"""``train.mini_batch_order``: how ``Learner.update`` cuts an update's rows into mini-batches."""
 
 
 class Learner:
